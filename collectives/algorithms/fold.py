@@ -1,0 +1,47 @@
+"""Folding a non-power-of-two rank count onto a power of two, as MPICH does.
+
+With P = P' + R (P' the largest power of two <= P), the first 2R ranks pair up: each even rank
+hands its data to the odd rank after it and sits out; the P' remaining ranks run the power-of-two
+algorithm under "new ranks" 0..P'-1; at the end each odd rank hands the result back.
+Cost of folding: 2 alpha + 2 N beta + N gamma on the 2R paired ranks, nothing elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fold:
+    size: int  # P
+    pof2: int  # P'
+    rem: int  # R = P - P'
+    newrank: int  # this rank's place among the P' active ranks, or -1 if it sits out
+
+    @classmethod
+    def of(cls, rank: int, size: int) -> "Fold":
+        pof2 = 1 << (size.bit_length() - 1)
+        rem = size - pof2
+        if rank < 2 * rem:
+            newrank = -1 if rank % 2 == 0 else rank // 2
+        else:
+            newrank = rank - rem
+        return cls(size, pof2, rem, newrank)
+
+    def real_rank(self, newrank: int) -> int:
+        """The rank that plays `newrank` in the power-of-two algorithm."""
+        return newrank * 2 + 1 if newrank < self.rem else newrank + self.rem
+
+    def partner_of(self, rank: int) -> int | None:
+        """For the first 2R ranks: the rank it folds with; None for ranks that do not fold."""
+        if rank >= 2 * self.rem:
+            return None
+        return rank + 1 if rank % 2 == 0 else rank - 1
+
+    def new_offsets(self, real_offsets: list[int]) -> list[int]:
+        """Block boundaries per new rank when blocks belong to real ranks (reduce-scatter, allgather).
+
+        New rank i < R stands for real ranks 2i and 2i+1, whose blocks are adjacent, so every new
+        rank's share stays one contiguous range.
+        """
+        return [real_offsets[self.real_rank(i) - 1 if i < self.rem else self.real_rank(i)]
+                for i in range(self.pof2)] + [real_offsets[-1]]

@@ -1,0 +1,112 @@
+"""Recursive halving-doubling (Rabenseifner): reduce-scatter by recursive halving, then
+all-gather by recursive doubling.
+
+Reduce-scatter: with P' a power of two, in round k (distance P'/2^(k+1)) each rank swaps half of
+its current range of blocks with its partner, keeps the half its rank bit selects and combines the
+received half into it. After log2 P' rounds rank r holds block r fully reduced. All-gather retraces
+the rounds in reverse, doubling the range each time. Non-powers of two fold first (`fold.py`).
+
+Cost (P a power of two, N bytes):
+  reduce-scatter  log2 P alpha + (P-1)/P N beta + (P-1)/P N gamma
+  all-gather      log2 P alpha + (P-1)/P N beta
+  allreduce       2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma
+Ring's bandwidth with log P latency; non-powers of two pay 2 alpha + 2 N beta more for the fold.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..partition import partition_offsets
+from ..transport import Link
+from .fold import Fold
+
+
+def _halving_reduce_scatter(link: Link, buf: Any, fold: Fold, new: list[int]) -> None:
+    """Active ranks only: afterwards buf[new[i]:new[i+1]] on new rank i is fully reduced."""
+    me = fold.newrank
+    lo, hi = 0, fold.pof2
+    mask = fold.pof2 >> 1
+    while mask:
+        peer = fold.real_rank(me ^ mask)
+        mid = (lo + hi) // 2
+        if me & mask:
+            keep, give = (mid, hi), (lo, mid)
+        else:
+            keep, give = (lo, mid), (mid, hi)
+        kept = buf[new[keep[0]]:new[keep[1]]]
+        tmp = link.scratch(kept.shape[0], buf.dtype)
+        link.sendrecv(buf[new[give[0]]:new[give[1]]], peer, tmp, peer)
+        link.combine(kept, tmp)
+        lo, hi = keep
+        mask >>= 1
+
+
+def _doubling_allgather(link: Link, buf: Any, fold: Fold, new: list[int]) -> None:
+    """Active ranks only: new rank i's range buf[new[i]:new[i+1]] spreads to all active ranks."""
+    me = fold.newrank
+    lo, hi = me, me + 1
+    mask = 1
+    while mask < fold.pof2:
+        peer = fold.real_rank(me ^ mask)
+        peer_lo, peer_hi = (lo - mask, lo) if me & mask else (hi, hi + mask)
+        link.sendrecv(buf[new[lo]:new[hi]], peer, buf[new[peer_lo]:new[peer_hi]], peer)
+        lo, hi = min(lo, peer_lo), max(hi, peer_hi)
+        mask <<= 1
+
+
+def _fold_in(link: Link, buf: Any, fold: Fold, region: slice) -> None:
+    """First 2R ranks: the even one hands `region` of its buffer to its odd partner, who combines."""
+    partner = fold.partner_of(link.rank)
+    if partner is None:
+        return
+    part = buf[region]
+    if fold.newrank < 0:
+        link.send(part, partner)
+    else:
+        tmp = link.scratch(part.shape[0], buf.dtype)
+        link.recv(tmp, partner)
+        link.combine(part, tmp)
+
+
+def _fold_out(link: Link, buf: Any, fold: Fold, region: slice) -> None:
+    """First 2R ranks: the odd one hands `region` of the result back to its even partner."""
+    partner = fold.partner_of(link.rank)
+    if partner is None:
+        return
+    if fold.newrank < 0:
+        link.recv(buf[region], partner)
+    else:
+        link.send(buf[region], partner)
+
+
+def halving_doubling_allreduce(link: Link, buf: Any) -> None:
+    """In-place allreduce of the flat array `buf` (Rabenseifner)."""
+    if link.size == 1:
+        return
+    fold = Fold.of(link.rank, link.size)
+    whole = slice(None)
+    _fold_in(link, buf, fold, whole)
+    if fold.newrank >= 0:
+        new = partition_offsets(buf.shape[0], fold.pof2)
+        _halving_reduce_scatter(link, buf, fold, new)
+        _doubling_allgather(link, buf, fold, new)
+    _fold_out(link, buf, fold, whole)
+
+
+def halving_reduce_scatter(link: Link, buf: Any, offsets: list[int]) -> None:
+    """In place: afterwards buf[offsets[r]:offsets[r+1]] on rank r is the reduction of that block.
+
+    A folded pair's two blocks are adjacent, so the odd rank reduces both and returns the even
+    rank's block at the end.
+    """
+    if link.size == 1:
+        return
+    fold = Fold.of(link.rank, link.size)
+    _fold_in(link, buf, fold, slice(None))
+    if fold.newrank >= 0:
+        _halving_reduce_scatter(link, buf, fold, fold.new_offsets(offsets))
+    partner = fold.partner_of(link.rank)
+    if partner is not None:
+        even = link.rank if fold.newrank < 0 else partner
+        _fold_out(link, buf, fold, slice(offsets[even], offsets[even + 1]))
+

@@ -1,0 +1,340 @@
+"""Public collectives: blocking functions and their non-blocking `i*` twins.
+
+Blocking calls run on the caller's thread; `i*` calls queue to the communication thread
+(`engine.py`) and return a `Handle`. Each runs on a private duplicate of `comm`, so its messages
+never match the caller's own. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go
+through the communication thread too, so only one thread ever calls MPI.
+
+Every call checks its arguments on every rank together (`validation.py`) before moving data.
+Results are written in place when `out` is the input (or for `broadcast`), else into `out`, else
+into a new array on the input's device.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from .algorithms import ALGORITHM_CODES, ALGORITHMS
+from .buffers import Buffer, UnusableArray, as_buffer, cuda_aware, device_runtime
+from .engine import ENGINE, Handle
+from .ops import DTYPE_CODES, OPS, dtype_name
+from .partition import partition_offsets
+from .select import choose
+from .transport import Link, ScratchPool
+from .validation import LocalArgumentError, agree, check_choice
+
+COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "reduce": 5}
+_MAX_OP = OPS["max"]
+
+
+@dataclass
+class _Call:
+    collective: str
+    x: Any
+    comm: MPI.Comm | None
+    op: str
+    algorithm: str
+    out: Any
+    root: int = 0
+
+
+@dataclass
+class _Plan:
+    """A call whose local arguments passed: what to run on which working array."""
+
+    algorithm: str
+    signature: list[int]
+    source: Buffer
+    work: Any  # flat working array the algorithm runs in place on
+    result: Any  # what the caller gets back
+    finish: Callable[[Link], None]  # after the algorithm: avg, copy a block out, ...
+    prepare: Callable[[Link], None]  # before it: fill `work` from the input
+    args: tuple[Any, ...]
+
+
+# -- communicators and per-thread state -----------------------------------------------------------
+
+_dups: dict[tuple[str, int], MPI.Comm] = {}
+_dups_lock = threading.Lock()
+_thread_state = threading.local()
+
+
+def _private_comm(comm: MPI.Comm, role: str) -> MPI.Comm:
+    """The duplicate of `comm` used for calls of `role` ("blocking" or "engine").
+
+    Both duplicates are made together, at the first use of `comm`, by the thread whose turn it
+    is to call collectives on it, so every rank makes them in the same order.
+    """
+    key = comm.py2f()
+    dup = _dups.get((role, key))
+    if dup is None:
+        with _dups_lock:
+            if (role, key) not in _dups:
+                _dups[("blocking", key)] = comm.Dup()
+                _dups[("engine", key)] = comm.Dup()
+            dup = _dups[(role, key)]
+    return dup
+
+
+def _scratch() -> ScratchPool:
+    pool = getattr(_thread_state, "scratch", None)
+    if pool is None:
+        pool = _thread_state.scratch = ScratchPool()
+    return pool
+
+
+def _next_tag(dup: MPI.Comm) -> int:
+    # A tag per call separates consecutive collectives' messages even if an algorithm's pattern
+    # would let one overtake another. Tags stay below the MPI minimum upper bound (32767).
+    counters = getattr(_thread_state, "tags", None)
+    if counters is None:
+        counters = _thread_state.tags = {}
+    seq = counters.get(dup.py2f(), 0) + 1
+    counters[dup.py2f()] = seq
+    return seq % 32767
+
+
+def _thread_multiple() -> bool:
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+# -- planning: local checks and working buffers --------------------------------------------------
+
+def _check_out(out: Buffer, src: Buffer, count: int, what: str) -> None:
+    if out.dtype != src.dtype:
+        raise LocalArgumentError(f"out has dtype {out.dtype}, but {what} needs {src.dtype}")
+    if out.count != count:
+        raise LocalArgumentError(f"out has {out.count} elements, but {what} needs {count}")
+    if out.on_device != src.on_device:
+        raise LocalArgumentError("out and the input must both be on the host or both on the device")
+
+
+def _address(flat: Any) -> int:
+    iface = getattr(flat, "__cuda_array_interface__", None) or flat.__array_interface__
+    return int(iface["data"][0])
+
+
+def _same_memory(a: Buffer, b: Buffer) -> bool:
+    return a.on_device == b.on_device and _address(a.flat) == _address(b.flat)
+
+
+def _new_array(src: Buffer, shape: tuple[int, ...]) -> Any:
+    return src.xp.empty(shape, dtype=src.dtype)
+
+
+def _flat_of(arr: Any) -> Any:
+    return arr.reshape(-1)
+
+
+def _plan(call: _Call, rank: int, size: int) -> _Plan:
+    """Check this rank's arguments and decide the working buffers; raise LocalArgumentError."""
+    check_choice("op", call.op, OPS)
+    check_choice("algorithm", call.algorithm, ["auto", *ALGORITHMS[call.collective]])
+    try:
+        src = as_buffer(call.x)
+        out = as_buffer(call.out) if call.out is not None else None
+    except (UnusableArray, TypeError) as exc:
+        raise LocalArgumentError(str(exc)) from exc
+    dtype = dtype_name(src.dtype)
+    if dtype is None:
+        raise LocalArgumentError(
+            f"dtype {src.dtype} is not supported; use one of {', '.join(sorted(DTYPE_CODES))}")
+    if not isinstance(call.root, int) or not 0 <= call.root < size:
+        raise LocalArgumentError(f"root {call.root!r} is out of range for {size} ranks (0..{size - 1})")
+    n = src.count
+    nbytes = n * src.dtype.itemsize
+    algorithm = call.algorithm
+    if algorithm == "auto":
+        algorithm = choose(call.collective, nbytes, size)
+    if algorithm == "mpi" and dtype == "bfloat16":
+        raise LocalArgumentError("the MPI library cannot reduce bfloat16; pick a hand-written algorithm")
+    signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES[algorithm], OPS[call.op].code,
+                 DTYPE_CODES[dtype], n, call.root]
+    op = OPS[call.op]
+    nothing = lambda link: None  # noqa: E731
+
+    if call.collective == "allreduce" or call.collective == "reduce":
+        rooted = call.collective == "reduce"
+        produces = not rooted or rank == call.root
+        if out is not None:
+            _check_out(out, src, n, call.collective)
+            if out.shape != src.shape:
+                raise LocalArgumentError(f"out has shape {out.shape}, but the input has {src.shape}")
+        if out is not None and _same_memory(out, src):
+            work, result, prepare = src.flat, call.out, nothing
+        else:
+            if produces:
+                result = call.out if out is not None else _new_array(src, src.shape)
+                work = out.flat if out is not None else _flat_of(result)
+            else:  # a non-root rank of reduce combines into scratch, leaving x intact
+                result = None
+                work = _scratch().get(src.xp.empty, ("input", src.on_device), n, src.dtype)
+            prepare = lambda link: link.copy(work, src.flat)  # noqa: E731
+        if not produces:
+            result = None
+
+        def finish(link: Link) -> None:
+            if produces:
+                op.finalize(link.xp, work, size)
+
+        args: tuple[Any, ...] = (call.root,) if rooted else ()
+        return _Plan(algorithm, signature, src, work, result, finish, prepare, args)
+
+    if call.collective == "broadcast":
+        if out is not None:
+            raise LocalArgumentError("broadcast works in place on x; it takes no out")
+        return _Plan(algorithm, signature, src, src.flat, call.x, nothing, nothing, (call.root,))
+
+    offsets = partition_offsets(n, size) if call.collective == "reduce_scatter" else \
+        [i * n for i in range(size + 1)]
+    if call.collective == "reduce_scatter":
+        mine = offsets[rank + 1] - offsets[rank]
+        if out is not None:
+            _check_out(out, src, mine, "reduce_scatter on this rank")
+        result = call.out if out is not None else _new_array(src, (mine,))
+        target = out.flat if out is not None else result
+        work = _scratch().get(src.xp.empty, ("input", src.on_device), n, src.dtype)
+
+        def finish(link: Link) -> None:
+            block = work[offsets[rank]:offsets[rank + 1]]
+            op.finalize(link.xp, block, size)
+            link.copy(target, block)
+
+        return _Plan(algorithm, signature, src, work, result, finish,
+                     lambda link: link.copy(work, src.flat), (offsets,))
+
+    # allgather: rank r's input becomes block r of a (size, *x.shape) result
+    if out is not None:
+        _check_out(out, src, size * n, "allgather")
+    result = call.out if out is not None else _new_array(src, (size, *src.shape))
+    work = out.flat if out is not None else _flat_of(result)
+    return _Plan(algorithm, signature, src, work, result, nothing,
+                 lambda link: link.copy(work[offsets[rank]:offsets[rank + 1]], src.flat), (offsets,))
+
+
+# -- execution -----------------------------------------------------------------------------------
+
+def _run(call: _Call, role: str) -> Any:
+    """Plan, cross-check and run `call` on the current thread, on `comm`'s `role` duplicate."""
+    dup = _private_comm(call.comm if call.comm is not None else MPI.COMM_WORLD, role)
+    rank, size = dup.Get_rank(), dup.Get_size()
+    pool = _scratch()
+    tag = _next_tag(dup)
+    plan: _Plan | None = None
+    error = None
+    try:
+        plan = _plan(call, rank, size)
+    except LocalArgumentError as exc:
+        error = f"{call.collective}: {exc}"
+    control = Link(dup, _MAX_OP, np, on_device=False, cuda_aware=False,
+                   runtime=None, scratch=pool, tag=tag)
+    agree(control, call.collective, plan.signature if plan else [COLLECTIVE_CODES[call.collective],
+          0, 0, 0, 0, 0], error)
+    assert plan is not None
+    on_device = plan.source.on_device
+    link = Link(dup, OPS[call.op], plan.source.xp, on_device=on_device,
+                cuda_aware=on_device and cuda_aware(),
+                runtime=device_runtime() if on_device else None, scratch=pool, tag=tag)
+    plan.prepare(link)
+    ALGORITHMS[call.collective][plan.algorithm](link, plan.work, *plan.args)
+    plan.finish(link)
+    return plan.result
+
+
+def _blocking(call: _Call) -> Any:
+    if _thread_multiple() or ENGINE.is_comm_thread():
+        return _run(call, "blocking")
+    return _submit(call).wait()
+
+
+def _submit(call: _Call) -> Handle:
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise RuntimeError(
+            "non-blocking collectives need MPI initialized with at least MPI_THREAD_SERIALIZED; "
+            "call hpcdl.init() (or let mpi4py initialize MPI) before anything else initializes it")
+    return ENGINE.submit(call.collective, lambda: _run(call, "engine"))
+
+
+# -- public API ----------------------------------------------------------------------------------
+
+def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorithm: str = "auto",
+              out: Any = None) -> Any:
+    """Reduce `x` elementwise over all ranks; every rank gets the result.
+
+    `out=x` reduces in place. Algorithms: ring, butterfly, tree, halving_doubling, mpi, auto.
+    Cost (N bytes, P ranks): ring 2(P-1) alpha + 2(P-1)/P N beta + (P-1)/P N gamma;
+    butterfly log2 P (alpha + N beta + N gamma); tree 2 log2 P alpha + 2 log2 P N beta;
+    halving_doubling 2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma (docs/algorithms.md).
+    """
+    return _blocking(_Call("allreduce", x, comm, op, algorithm, out))
+
+
+def reduce_scatter(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum",
+                   algorithm: str = "auto", out: Any = None) -> Any:
+    """Reduce `x` over all ranks and give rank r block r of the result (flat).
+
+    Blocks follow `partition_counts(x.size, P)`: the first x.size % P ranks get one extra element.
+    Algorithms: ring ((P-1) alpha + (P-1)/P N (beta + gamma)), halving_doubling
+    (log2 P alpha + (P-1)/P N (beta + gamma)), mpi, auto.
+    """
+    return _blocking(_Call("reduce_scatter", x, comm, op, algorithm, out))
+
+
+def allgather(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto", out: Any = None) -> Any:
+    """Gather every rank's `x` (same size and dtype everywhere) into shape (P, *x.shape) on all ranks.
+
+    `out` may have any shape with P * x.size elements. Algorithms: ring ((P-1) alpha +
+    (P-1)/P N beta, N the gathered bytes), butterfly (log2 P alpha + (P-1)/P N beta), mpi, auto.
+    """
+    return _blocking(_Call("allgather", x, comm, "sum", algorithm, out))
+
+
+def broadcast(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, algorithm: str = "auto") -> Any:
+    """Overwrite `x` on every rank with the root's `x`, in place; returns `x`.
+
+    Algorithms: tree (log2 P (alpha + N beta)), scatter_allgather
+    ((log2 P + P - 1) alpha + 2(P-1)/P N beta), mpi, auto.
+    """
+    return _blocking(_Call("broadcast", x, comm, "sum", algorithm, None, root))
+
+
+def reduce(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, op: str = "sum",
+           algorithm: str = "auto", out: Any = None) -> Any:
+    """Reduce `x` over all ranks onto `root`; returns the result on the root, None elsewhere.
+
+    `x` is left intact on every rank unless `out=x` on the root. Algorithms: tree
+    (log2 P (alpha + N beta + N gamma)), reduce_scatter_gather
+    (2(P-1) alpha + 2(P-1)/P N beta + (P-1)/P N gamma), mpi, auto.
+    """
+    return _blocking(_Call("reduce", x, comm, op, algorithm, out, root))
+
+
+def iallreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorithm: str = "auto",
+               out: Any = None) -> Handle:
+    """Non-blocking `allreduce`: queued to the communication thread; `wait()` returns the result.
+
+    Do not touch `x` or `out` until the handle is done.
+    """
+    return _submit(_Call("allreduce", x, comm, op, algorithm, out))
+
+
+def ireduce_scatter(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum",
+                    algorithm: str = "auto", out: Any = None) -> Handle:
+    """Non-blocking `reduce_scatter`; `wait()` returns this rank's block."""
+    return _submit(_Call("reduce_scatter", x, comm, op, algorithm, out))
+
+
+def iallgather(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto",
+               out: Any = None) -> Handle:
+    """Non-blocking `allgather`; `wait()` returns the gathered array."""
+    return _submit(_Call("allgather", x, comm, "sum", algorithm, out))
+
+
+def ibroadcast(x: Any, root: int = 0, comm: MPI.Comm | None = None, *,
+               algorithm: str = "auto") -> Handle:
+    """Non-blocking `broadcast`; `wait()` returns `x`, overwritten with the root's data."""
+    return _submit(_Call("broadcast", x, comm, "sum", algorithm, None, root))

@@ -1,0 +1,226 @@
+"""One buffer abstraction: turn whatever the caller passed into a flat array on its own device.
+
+Host arrays (NumPy, anything with the buffer protocol or `__array_interface__`, DLPack on CPU) become
+zero-copy NumPy views. Device arrays (CuPy, anything exposing `__cuda_array_interface__` or DLPack on
+CUDA) become zero-copy arrays of the current *device runtime* (CuPy by default), whose array module
+also does the reduction arithmetic, so sums run where the data lives.
+
+Whether MPI may read device memory directly ("CUDA-aware") decides how bytes move; see
+`collectives.transport`. Tests swap in a device runtime over host memory
+(`set_device_runtime`), so every device code path runs on machines without a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+# DLPack device type codes (dlpack.h): where a DLPack capsule's memory lives.
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_HOST = 3
+
+
+class DeviceRuntime(Protocol):
+    """What the collectives need from a GPU array library. `CupyRuntime` is the real one."""
+
+    xp: Any  # array module that runs elementwise arithmetic on the device
+
+    def from_cuda_array_interface(self, obj: Any) -> Any: ...
+    def from_dlpack(self, obj: Any) -> Any: ...
+    def wait_for_producer(self, obj: Any) -> None: ...
+    def synchronize(self) -> None: ...
+    def mpi_buffer(self, arr: Any) -> Any: ...
+    def pinned_empty(self, count: int, dtype: np.dtype) -> np.ndarray: ...
+    def copy_to_host(self, src: Any, dst: np.ndarray) -> None: ...
+    def copy_to_device(self, src: np.ndarray, dst: Any) -> None: ...
+
+
+class CupyRuntime:
+    """CuPy: arithmetic runs as CuPy kernels on the current stream, staging uses pinned memory."""
+
+    def __init__(self) -> None:
+        import cupy
+        import cupyx
+
+        self.xp = cupy
+        self._cupyx = cupyx
+
+    def from_cuda_array_interface(self, obj: Any) -> Any:
+        return self.xp.asarray(obj)  # zero-copy for __cuda_array_interface__
+
+    def from_dlpack(self, obj: Any) -> Any:
+        return self.xp.from_dlpack(obj)
+
+    def wait_for_producer(self, obj: Any) -> None:
+        # CUDA Array Interface v3: a consumer must order itself after the producer's stream.
+        stream = getattr(obj, "__cuda_array_interface__", {}).get("stream")
+        if stream and stream not in (1, 2):
+            self.xp.cuda.ExternalStream(stream).synchronize()
+        else:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def synchronize(self) -> None:
+        # MPI reads device memory behind CUDA's back: kernels that wrote it must be finished.
+        self.xp.cuda.get_current_stream().synchronize()
+
+    def mpi_buffer(self, arr: Any) -> Any:
+        return arr
+
+    def pinned_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return self._cupyx.empty_pinned((count,), dtype=dtype)
+
+    def copy_to_host(self, src: Any, dst: np.ndarray) -> None:
+        src.get(out=dst)
+
+    def copy_to_device(self, src: np.ndarray, dst: Any) -> None:
+        dst.set(src)
+
+
+_runtime: DeviceRuntime | None = None
+
+
+def set_device_runtime(runtime: DeviceRuntime | None) -> None:
+    """Use `runtime` for device arrays from now on (None: back to CuPy, loaded on first use).
+
+    For other GPU array libraries, and for tests that run device code paths over host memory.
+    """
+    global _runtime
+    _runtime = runtime
+
+
+def device_runtime() -> DeviceRuntime:
+    global _runtime
+    if _runtime is None:
+        try:
+            _runtime = CupyRuntime()
+        except ImportError as exc:
+            raise TypeError(
+                "a GPU array was passed but CuPy is not installed; install it with "
+                "`pip install hpcdl[gpu]` (or cupy-cudaXXx matching your CUDA)"
+            ) from exc
+    return _runtime
+
+
+@functools.lru_cache(maxsize=1)
+def _detected_cuda_aware() -> bool:
+    """Ask the MPI library whether it reads device memory itself.
+
+    Open MPI exports MPIX_Query_cuda_support(); MPI 4.1 libraries list "cuda" in the
+    mpi_memory_alloc_kinds info key. Anything else is treated as host-only, which is always safe.
+    """
+    from mpi4py import MPI
+
+    kinds = MPI.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
+    if "cuda" in kinds:
+        return True
+    for lib in _mpi_library_paths():
+        try:
+            query = getattr(ctypes.CDLL(lib), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        return bool(query())
+    return False
+
+
+def _mpi_library_paths() -> list[str]:
+    from mpi4py import MPI
+
+    try:
+        out = subprocess.run(["ldd", MPI.__file__], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split("=>")[1].split()[0] for line in out.splitlines()
+            if "libmpi" in line and "=>" in line and len(line.split("=>")[1].split()) > 1]
+
+
+def cuda_aware() -> bool:
+    """Whether MPI may be handed device pointers. `HPCDL_CUDA_AWARE=0|1` overrides detection."""
+    forced = os.environ.get("HPCDL_CUDA_AWARE")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "true", "yes", "on")
+    return _detected_cuda_aware()
+
+
+@dataclass
+class Buffer:
+    """A caller's array as the collectives see it: a flat, contiguous, zero-copy 1-D view."""
+
+    flat: Any  # numpy.ndarray, or an array of the device runtime's xp
+    xp: Any
+    on_device: bool
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.flat.dtype
+
+    @property
+    def count(self) -> int:
+        return int(self.flat.shape[0])
+
+
+class UnusableArray(TypeError):
+    """Raised by `as_buffer` for objects the collectives cannot use; the message says why."""
+
+
+def as_buffer(obj: Any) -> Buffer:
+    """Wrap `obj` without copying. Raises `UnusableArray` with the reason when it can't be used."""
+    if isinstance(obj, np.ndarray):
+        return _host_buffer(obj)
+    if hasattr(obj, "__cuda_array_interface__"):
+        runtime = device_runtime()
+        runtime.wait_for_producer(obj)
+        return _device_buffer(runtime.from_cuda_array_interface(obj), runtime)
+    if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
+        device_type = int(obj.__dlpack_device__()[0])
+        if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+            return _host_buffer(np.from_dlpack(obj))
+        if device_type == _DLPACK_CUDA:
+            runtime = device_runtime()
+            return _device_buffer(runtime.from_dlpack(obj), runtime)
+        raise UnusableArray(f"DLPack device type {device_type} is not supported (CPU or CUDA only)")
+    try:
+        arr = np.asarray(obj, copy=False) if _exposes_memory(obj) else None
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None:
+        raise UnusableArray(
+            f"{type(obj).__name__} is not an array: pass a NumPy or CuPy array, or an object with "
+            "the buffer protocol, __cuda_array_interface__ or DLPack"
+        )
+    return _host_buffer(arr)
+
+
+def _exposes_memory(obj: Any) -> bool:
+    if hasattr(obj, "__array_interface__"):
+        return True
+    try:
+        memoryview(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def _contiguous_flat(arr: Any) -> Any:
+    if arr.flags.c_contiguous:
+        return arr.reshape(-1)
+    if arr.flags.f_contiguous:
+        return arr.reshape(-1, order="F")  # memory order; a view, never a copy
+    raise UnusableArray(
+        f"array of shape {arr.shape} with strides {arr.strides} is not contiguous; "
+        "pass a contiguous copy (numpy.ascontiguousarray / cupy.ascontiguousarray)"
+    )
+
+
+def _host_buffer(arr: np.ndarray) -> Buffer:
+    return Buffer(_contiguous_flat(arr), np, False, tuple(arr.shape))
+
+
+def _device_buffer(arr: Any, runtime: DeviceRuntime) -> Buffer:
+    return Buffer(_contiguous_flat(arr), runtime.xp, True, tuple(arr.shape))

@@ -1,0 +1,89 @@
+"""The one table of element types and reduction operators the collectives accept.
+
+Every layer looks dtypes and ops up here, so "is this supported?" has exactly one answer.
+Integer `avg` is floor division of the sum (what `sum // size` gives on every rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+#: Supported element types, by canonical name. Values are NumPy dtypes; CuPy uses the same ones.
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+}
+try:  # bfloat16 exists for NumPy only through ml_dtypes; supported when it is installed.
+    import ml_dtypes
+
+    DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
+
+#: Small stable integer codes, exchanged between ranks when arguments are cross-checked.
+DTYPE_CODES: dict[str, int] = {name: i + 1 for i, name in enumerate(sorted(DTYPES))}
+
+
+@dataclass(frozen=True)
+class ReduceOp:
+    """An elementwise reduction: how to combine two buffers, and its MPI twin for the baseline."""
+
+    name: str
+    code: int
+    #: name of the array-module ufunc that combines two operands (xp.add, xp.maximum, ...)
+    ufunc: str
+    mpi_op: MPI.Op
+    #: divide the combined result by the number of ranks at the end
+    divide_by_size: bool = False
+
+    def combine(self, xp: Any, dst: Any, src: Any) -> None:
+        """dst <- dst (op) src, elementwise, in place, on the arrays' own device."""
+        getattr(xp, self.ufunc)(dst, src, out=dst)
+
+    def finalize(self, xp: Any, buf: Any, size: int) -> None:
+        """Apply the post-processing that `avg` needs once the sum is complete."""
+        if not self.divide_by_size or size == 1:
+            return
+        if buf.dtype.kind in "iu":
+            xp.floor_divide(buf, size, out=buf)
+        else:
+            xp.divide(buf, buf.dtype.type(size), out=buf)
+
+
+OPS: dict[str, ReduceOp] = {
+    op.name: op
+    for op in (
+        ReduceOp("sum", 1, "add", MPI.SUM),
+        ReduceOp("avg", 2, "add", MPI.SUM, divide_by_size=True),
+        ReduceOp("max", 3, "maximum", MPI.MAX),
+        ReduceOp("min", 4, "minimum", MPI.MIN),
+        ReduceOp("prod", 5, "multiply", MPI.PROD),
+    )
+}
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """Canonical name of a supported dtype, or None when the dtype is not supported."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        return None
+    for name, known in DTYPES.items():
+        if dt == known:
+            return name
+    return None
+
+
+def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
+    """The MPI datatype of a supported dtype, for the MPI-library baseline only."""
+    if dtype.name == "bfloat16":
+        raise TypeError("the MPI library has no bfloat16 reductions; use a hand-written algorithm")
+    # The predefined type: predefined ops (MPI_SUM, ...) reject duplicated or derived types.
+    return MPI.Datatype.fromcode(dtype.char)
+

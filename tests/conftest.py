@@ -1,0 +1,36 @@
+"""Shared test setup. Every test runs on every rank of `mpirun -n N` (see tests/run.py).
+
+Rules that keep a distributed suite from hanging:
+- every rank must make the same collective calls in the same order, so test data is a function of
+  the rank and the test's parameters only, never of timing;
+- assertions that only some ranks could fail are made collective with `all_ranks_agree`, so all
+  ranks fail together and move on to the next test together;
+- every test runs under pytest-timeout (set by tests/run.py); a stuck rank exits and mpirun
+  tears the job down.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from mpi4py import MPI
+
+# Hypothesis must draw the same examples on every rank: derandomized, no database, no
+# timing-dependent health checks or deadlines (which could differ between ranks).
+settings.register_profile(
+    "mpi", derandomize=True, database=None, deadline=None, print_blob=False,
+    suppress_health_check=list(HealthCheck),
+)
+settings.load_profile("mpi")
+
+
+@pytest.fixture
+def comm() -> MPI.Comm:
+    return MPI.COMM_WORLD
+
+
+def all_ranks_agree(ok: bool, comm: MPI.Comm = MPI.COMM_WORLD) -> bool:
+    """True on every rank iff `ok` is true on every rank (a logical-and over ranks)."""
+    flag = np.array([1 if ok else 0], dtype=np.int32)
+    comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
+    return bool(flag[0])
