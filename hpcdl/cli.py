@@ -1,0 +1,41 @@
+"""`hpcdl` command: a thin dispatcher; each subcommand lives in its own module with its own parser.
+
+    hpcdl info               MPI library, thread level, CUDA-awareness, GPUs, ranks per host
+    hpcdl train [options]    data-parallel training (the README's main job)
+
+Each subcommand module exposes `main(argv: list[str]) -> int`, imported only when chosen, so
+`hpcdl info` never pays for importing torch.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "info": ("hpcdl.info", "print the MPI/GPU environment as every rank sees it"),
+    "train": ("hpcdl.train", "train a model with synchronous data-parallel SGD"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: hpcdl <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`hpcdl <command> --help` describes each command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in SUBCOMMANDS:
+        print(f"hpcdl: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
