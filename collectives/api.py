@@ -25,10 +25,10 @@ from .ops import DTYPE_CODES, OPS, dtype_name
 from .partition import partition_offsets
 from .select import choose
 from .transport import Link, ScratchPool
-from .validation import LocalArgumentError, agree, check_choice
+from .validation import PAYLOAD_BYTES, Agreement, LocalArgumentError, check_choice
 
 COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "reduce": 5}
-_MAX_OP = OPS["max"]
+_ALGORITHM_CHOICES = {name: {"auto", *table} for name, table in ALGORITHMS.items()}
 
 
 @dataclass
@@ -133,7 +133,7 @@ def _flat_of(arr: Any) -> Any:
 def _plan(call: _Call, rank: int, size: int) -> _Plan:
     """Check this rank's arguments and decide the working buffers; raise LocalArgumentError."""
     check_choice("op", call.op, OPS)
-    check_choice("algorithm", call.algorithm, ["auto", *ALGORITHMS[call.collective]])
+    check_choice("algorithm", call.algorithm, _ALGORITHM_CHOICES[call.collective])
     try:
         src = as_buffer(call.x)
         out = as_buffer(call.out) if call.out is not None else None
@@ -218,6 +218,17 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
 
 # -- execution -----------------------------------------------------------------------------------
 
+def _agreement(dup: MPI.Comm, pool: ScratchPool) -> Agreement:
+    agreements = getattr(_thread_state, "agreements", None)
+    if agreements is None:
+        agreements = _thread_state.agreements = {}
+    key = dup.py2f()
+    found = agreements.get(key)
+    if found is None:
+        found = agreements[key] = Agreement(dup, pool)
+    return found
+
+
 def _run(call: _Call, role: str) -> Any:
     """Plan, cross-check and run `call` on the current thread, on `comm`'s `role` duplicate."""
     dup = _private_comm(call.comm if call.comm is not None else MPI.COMM_WORLD, role)
@@ -230,17 +241,24 @@ def _run(call: _Call, role: str) -> Any:
         plan = _plan(call, rank, size)
     except LocalArgumentError as exc:
         error = f"{call.collective}: {exc}"
-    control = Link(dup, _MAX_OP, np, on_device=False, cuda_aware=False,
-                   runtime=None, scratch=pool, tag=tag)
-    agree(control, call.collective, plan.signature if plan else [COLLECTIVE_CODES[call.collective],
-          0, 0, 0, 0, 0], error)
-    assert plan is not None
+    op = OPS.get(call.op)
+    # A small host butterfly allreduce travels inside the argument check's own exchange.
+    fused = (plan is not None and plan.algorithm == "butterfly" and call.collective == "allreduce"
+             and not plan.source.on_device and plan.source.flat.nbytes <= PAYLOAD_BYTES)
+    reduced = _agreement(dup, pool).run(
+        tag, call.collective,
+        plan.signature if plan else [COLLECTIVE_CODES[call.collective], 0, 0, 0, 0, 0], error,
+        payload=plan.source.flat if fused else None, op=op)  # type: ignore[union-attr]
+    assert plan is not None and op is not None  # else run() raised on every rank
     on_device = plan.source.on_device
-    link = Link(dup, OPS[call.op], plan.source.xp, on_device=on_device,
+    link = Link(dup, op, plan.source.xp, on_device=on_device,
                 cuda_aware=on_device and cuda_aware(),
                 runtime=device_runtime() if on_device else None, scratch=pool, tag=tag)
-    plan.prepare(link)
-    ALGORITHMS[call.collective][plan.algorithm](link, plan.work, *plan.args)
+    if reduced is not None:
+        np.copyto(plan.work, reduced)
+    else:
+        plan.prepare(link)
+        ALGORITHMS[call.collective][plan.algorithm](link, plan.work, *plan.args)
     plan.finish(link)
     return plan.result
 

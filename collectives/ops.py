@@ -68,16 +68,15 @@ OPS: dict[str, ReduceOp] = {
 }
 
 
+_NAME_OF = {dt: name for name, dt in DTYPES.items()}
+
+
 def dtype_name(dtype: Any) -> str | None:
     """Canonical name of a supported dtype, or None when the dtype is not supported."""
     try:
-        dt = np.dtype(dtype)
+        return _NAME_OF.get(np.dtype(dtype))
     except TypeError:
         return None
-    for name, known in DTYPES.items():
-        if dt == known:
-            return name
-    return None
 
 
 def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:

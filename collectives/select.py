@@ -37,10 +37,6 @@ def load_table(path: str) -> dict[str, Any]:
     return table
 
 
-def _table() -> dict[str, Any]:
-    return load_table(os.environ.get("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE))
-
-
 def choose(collective: str, nbytes: int, size: int) -> str:
     """The algorithm `auto` runs for `collective` on `nbytes` bytes per rank over `size` ranks."""
     forced = os.environ.get(f"HPCDL_ALGORITHM_{collective.upper()}")
@@ -51,7 +47,12 @@ def choose(collective: str, nbytes: int, size: int) -> str:
                 f"choose one of {', '.join(sorted(ALGORITHMS[collective]))}"
             )
         return forced
-    rows = _table()["collectives"][collective]
+    return _lookup(os.environ.get("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes, size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
+    rows = load_table(path)["collectives"][collective]
     for row in rows:
         if row["min_ranks"] <= size <= row.get("max_ranks", size):
             for limit, name in row["by_bytes"]:

@@ -1,26 +1,38 @@
 """Argument checks that fail on every rank together, with messages that say what to change.
 
 A collective whose arguments are wrong on one rank must not leave the others waiting. So each call
-first checks its own arguments locally, then all ranks exchange a fixed-size signature (a few
-int64s: collective, algorithm, op, dtype, element count, root, local error) with a hand-written
-butterfly max-reduction. If any rank found an error, or the ranks disagree, every rank raises
-`CollectiveArgumentError` naming the rank and the problem. Cost per call: one butterfly over
-2 x 8 int64 (log2 P messages of 128 bytes), about a microsecond at P = 2 on shared memory.
+first checks its own arguments locally, then all ranks combine a fixed-size packet with a
+hand-written butterfly: a header of int64 fields (collective, algorithm, op, dtype, element count,
+root, local error) reduced with max over (v, -v), which yields every field's max and min at once.
+If any rank found an error, or the ranks disagree on a field, every rank raises
+`CollectiveArgumentError` naming the rank and the problem.
+
+Small host payloads ride along: the packet has room for PAYLOAD_BYTES of data, combined with the
+collective's own op in the same exchanges. A butterfly allreduce of up to PAYLOAD_BYTES is therefore
+*one* butterfly in total, checks included. The packet's size never depends on the arguments, so
+ranks that disagree still exchange matching messages and learn of it together.
+
+Cost per call: one butterfly over a 384-byte packet, log2 P messages (+2 where P is not a power of
+two), about a microsecond per message on shared memory.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from .algorithms.butterfly import butterfly_allreduce
 from .algorithms.tree import tree_broadcast
-from .ops import OPS
-from .transport import Link
+from .ops import OPS, ReduceOp
+from .transport import Link, ScratchPool
 
-#: The positions of the signature vector, in order; names are used in error messages.
+#: The header fields, in order; names are used in error messages.
 FIELDS = ("collective", "algorithm", "op", "dtype", "element count", "root", "error", "error rank")
 _ERROR, _ERROR_RANK = FIELDS.index("error"), FIELDS.index("error rank")
+_N = len(FIELDS)
+HEADER_BYTES = 2 * _N * 8
+PAYLOAD_BYTES = 256
 _MESSAGE_BYTES = 1024
 
 
@@ -32,33 +44,65 @@ class LocalArgumentError(Exception):
     """A problem with this rank's own arguments, before the ranks compare notes."""
 
 
-def agree(link: Link, collective: str, signature: list[int], error: str | None) -> None:
-    """Compare this rank's signature and local error with every other rank's; raise on all if bad.
+class Agreement:
+    """One thread's argument check on one communicator: its packet and how to combine packets."""
 
-    `link` must be a host link whose op is max; `signature` lists the first six FIELDS as ints.
-    """
-    n = len(FIELDS)
-    vec = np.empty(2 * n, dtype=np.int64)
-    vec[:6] = signature
-    vec[_ERROR] = 1 if error else 0
-    vec[_ERROR_RANK] = link.rank if error else -1
-    vec[n:] = -vec[:n]
-    # max over ranks of (v, -v) gives max and min of every field in one exchange.
-    butterfly_allreduce(link, vec)
-    highest, lowest = vec[:n], -vec[n:]
-    if highest[_ERROR]:
-        bad_rank = int(highest[_ERROR_RANK])
-        message = _share_message(link, error, bad_rank)
-        raise CollectiveArgumentError(
-            message if link.rank == bad_rank else f"{collective} failed on rank {bad_rank}: {message}"
-        )
-    for i, field in enumerate(FIELDS[:6]):
-        if highest[i] != lowest[i]:
-            what = _describe(field, int(lowest[i])), _describe(field, int(highest[i]))
+    def __init__(self, comm: MPI.Comm, scratch: ScratchPool) -> None:
+        self.packet = np.zeros(HEADER_BYTES + PAYLOAD_BYTES, dtype=np.uint8)
+        self._header = self.packet[:HEADER_BYTES].view(np.int64)
+        self._payload_op: ReduceOp | None = None
+        self._payload_dtype: np.dtype | None = None
+        self._payload_bytes = 0
+        # The link's "op" is this object: Link.combine calls self.combine on whole packets.
+        self.link = Link(comm, self, np, on_device=False, cuda_aware=False,  # type: ignore[arg-type]
+                         runtime=None, scratch=scratch)
+
+    def combine(self, xp: Any, dst: np.ndarray, src: np.ndarray) -> None:
+        """Header: elementwise max. Payload (if any): the collective's op in its dtype."""
+        np.maximum(dst[:HEADER_BYTES].view(np.int64), src[:HEADER_BYTES].view(np.int64),
+                   out=dst[:HEADER_BYTES].view(np.int64))
+        if self._payload_op is not None:
+            end = HEADER_BYTES + self._payload_bytes
+            self._payload_op.combine(np, dst[HEADER_BYTES:end].view(self._payload_dtype),
+                                     src[HEADER_BYTES:end].view(self._payload_dtype))
+
+    def run(self, tag: int, collective: str, signature: list[int], error: str | None,
+            payload: np.ndarray | None = None, op: ReduceOp | None = None) -> np.ndarray | None:
+        """Check arguments on all ranks; raise CollectiveArgumentError everywhere if any is bad.
+
+        With `payload` (a flat host array of at most PAYLOAD_BYTES), it is reduced with `op` in the
+        same exchanges; the returned view of the packet holds the reduced payload.
+        """
+        header = self._header
+        header[:6] = signature
+        header[_ERROR] = 1 if error else 0
+        header[_ERROR_RANK] = self.link.rank if error else -1
+        np.negative(header[:_N], out=header[_N:])
+        reduced = None
+        if payload is not None and op is not None and not error:
+            nbytes = payload.nbytes
+            reduced = self.packet[HEADER_BYTES:HEADER_BYTES + nbytes].view(payload.dtype)
+            reduced[...] = payload
+            self._payload_op, self._payload_dtype, self._payload_bytes = op, payload.dtype, nbytes
+        else:
+            self._payload_op = None
+        self.link.tag = tag
+        butterfly_allreduce(self.link, self.packet)
+        highest, lowest = header[:_N], -header[_N:]
+        if highest[_ERROR]:
+            bad_rank = int(highest[_ERROR_RANK])
+            message = _share_message(self.link, error, bad_rank)
             raise CollectiveArgumentError(
-                f"{collective}: ranks passed different {field}s ({what[0]} and {what[1]}); every "
-                f"rank must call the same collective with the same {field} in the same order"
-            )
+                message if self.link.rank == bad_rank
+                else f"{collective} failed on rank {bad_rank}: {message}")
+        if not np.array_equal(highest[:6], lowest[:6]):
+            i = int(np.flatnonzero(highest[:6] != lowest[:6])[0])
+            field, low, high = FIELDS[i], _describe(FIELDS[i], int(lowest[i])), \
+                _describe(FIELDS[i], int(highest[i]))
+            raise CollectiveArgumentError(
+                f"{collective}: ranks passed different {field}s ({low} and {high}); every "
+                f"rank must call the same collective with the same {field} in the same order")
+        return reduced
 
 
 def _share_message(link: Link, error: str | None, bad_rank: int) -> str:
@@ -90,7 +134,7 @@ def _describe(field: str, value: int) -> str:
     return str(value)
 
 
-def check_choice(kind: str, value: Any, allowed: dict[str, Any] | list[str]) -> None:
+def check_choice(kind: str, value: Any, allowed: dict[str, Any] | set[str]) -> None:
     """Raise LocalArgumentError unless `value` is one of `allowed`, listing the valid choices."""
     if not isinstance(value, str) or value not in allowed:
         raise LocalArgumentError(f"unknown {kind} {value!r}; choose one of {', '.join(sorted(allowed))}")

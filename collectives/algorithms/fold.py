@@ -7,6 +7,7 @@ Cost of folding: 2 alpha + 2 N beta + N gamma on the 2R paired ranks, nothing el
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -18,6 +19,7 @@ class Fold:
     newrank: int  # this rank's place among the P' active ranks, or -1 if it sits out
 
     @classmethod
+    @functools.lru_cache(maxsize=64)
     def of(cls, rank: int, size: int) -> "Fold":
         pof2 = 1 << (size.bit_length() - 1)
         rem = size - pof2
