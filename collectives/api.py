@@ -44,15 +44,15 @@ class _Call:
 
 @dataclass
 class _Plan:
-    """A call whose local arguments passed: what to run on which working array."""
+    """A call whose local arguments passed: what to run, on which working array."""
 
     algorithm: str
     signature: list[int]
     source: Buffer
-    work: Any  # flat working array the algorithm runs in place on
     result: Any  # what the caller gets back
-    finish: Callable[[Link], None]  # after the algorithm: avg, copy a block out, ...
-    prepare: Callable[[Link], None]  # before it: fill `work` from the input
+    work: Any | None  # flat array the algorithm runs in place on; None: scratch of the input's size
+    fill: Callable[[Link, Any], None] | None  # before the algorithm: put the input into `work`
+    finish: Callable[[Link, Any], None] | None  # after it: avg, copy a block out, ...
     args: tuple[Any, ...]
 
 
@@ -126,12 +126,12 @@ def _new_array(src: Buffer, shape: tuple[int, ...]) -> Any:
     return src.xp.empty(shape, dtype=src.dtype)
 
 
-def _flat_of(arr: Any) -> Any:
-    return arr.reshape(-1)
-
-
 def _plan(call: _Call, rank: int, size: int) -> _Plan:
-    """Check this rank's arguments and decide the working buffers; raise LocalArgumentError."""
+    """Check this rank's arguments and decide the working buffers; raise LocalArgumentError.
+
+    Runs on the caller's thread, with no communication, so device arrays are wrapped (and
+    their producing stream waited for) in the caller's stream context.
+    """
     check_choice("op", call.op, OPS)
     check_choice("algorithm", call.algorithm, _ALGORITHM_CHOICES[call.collective])
     try:
@@ -146,74 +146,71 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     if not isinstance(call.root, int) or not 0 <= call.root < size:
         raise LocalArgumentError(f"root {call.root!r} is out of range for {size} ranks (0..{size - 1})")
     n = src.count
-    nbytes = n * src.dtype.itemsize
     algorithm = call.algorithm
     if algorithm == "auto":
-        algorithm = choose(call.collective, nbytes, size)
+        algorithm = choose(call.collective, n * src.dtype.itemsize, size)
     if algorithm == "mpi" and dtype == "bfloat16":
         raise LocalArgumentError("the MPI library cannot reduce bfloat16; pick a hand-written algorithm")
     signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES[algorithm], OPS[call.op].code,
                  DTYPE_CODES[dtype], n, call.root]
     op = OPS[call.op]
-    nothing = lambda link: None  # noqa: E731
 
-    if call.collective == "allreduce" or call.collective == "reduce":
+    def copy_input(link: Link, work: Any) -> None:
+        link.copy(work, src.flat)
+
+    if call.collective in ("allreduce", "reduce"):
         rooted = call.collective == "reduce"
         produces = not rooted or rank == call.root
         if out is not None:
             _check_out(out, src, n, call.collective)
             if out.shape != src.shape:
                 raise LocalArgumentError(f"out has shape {out.shape}, but the input has {src.shape}")
-        if out is not None and _same_memory(out, src):
-            work, result, prepare = src.flat, call.out, nothing
-        else:
-            if produces:
-                result = call.out if out is not None else _new_array(src, src.shape)
-                work = out.flat if out is not None else _flat_of(result)
-            else:  # a non-root rank of reduce combines into scratch, leaving x intact
-                result = None
-                work = _scratch().get(src.xp.empty, ("input", src.on_device), n, src.dtype)
-            prepare = lambda link: link.copy(work, src.flat)  # noqa: E731
-        if not produces:
-            result = None
 
-        def finish(link: Link) -> None:
+        def average(link: Link, work: Any) -> None:
             if produces:
                 op.finalize(link.xp, work, size)
 
         args: tuple[Any, ...] = (call.root,) if rooted else ()
-        return _Plan(algorithm, signature, src, work, result, finish, prepare, args)
+        if out is not None and _same_memory(out, src):
+            return _Plan(algorithm, signature, src, call.out if produces else None, src.flat, None,
+                         average, args)
+        if not produces:  # a non-root rank of reduce combines in scratch, leaving x intact
+            return _Plan(algorithm, signature, src, None, None, copy_input, None, args)
+        result = call.out if out is not None else _new_array(src, src.shape)
+        work = out.flat if out is not None else result.reshape(-1)
+        return _Plan(algorithm, signature, src, result, work, copy_input, average, args)
 
     if call.collective == "broadcast":
         if out is not None:
             raise LocalArgumentError("broadcast works in place on x; it takes no out")
-        return _Plan(algorithm, signature, src, src.flat, call.x, nothing, nothing, (call.root,))
+        return _Plan(algorithm, signature, src, call.x, src.flat, None, None, (call.root,))
 
-    offsets = partition_offsets(n, size) if call.collective == "reduce_scatter" else \
-        [i * n for i in range(size + 1)]
     if call.collective == "reduce_scatter":
+        offsets = partition_offsets(n, size)
         mine = offsets[rank + 1] - offsets[rank]
         if out is not None:
             _check_out(out, src, mine, "reduce_scatter on this rank")
         result = call.out if out is not None else _new_array(src, (mine,))
         target = out.flat if out is not None else result
-        work = _scratch().get(src.xp.empty, ("input", src.on_device), n, src.dtype)
 
-        def finish(link: Link) -> None:
+        def take_block(link: Link, work: Any) -> None:
             block = work[offsets[rank]:offsets[rank + 1]]
             op.finalize(link.xp, block, size)
             link.copy(target, block)
 
-        return _Plan(algorithm, signature, src, work, result, finish,
-                     lambda link: link.copy(work, src.flat), (offsets,))
+        return _Plan(algorithm, signature, src, result, None, copy_input, take_block, (offsets,))
 
     # allgather: rank r's input becomes block r of a (size, *x.shape) result
+    offsets = [i * n for i in range(size + 1)]
     if out is not None:
         _check_out(out, src, size * n, "allgather")
     result = call.out if out is not None else _new_array(src, (size, *src.shape))
-    work = out.flat if out is not None else _flat_of(result)
-    return _Plan(algorithm, signature, src, work, result, nothing,
-                 lambda link: link.copy(work[offsets[rank]:offsets[rank + 1]], src.flat), (offsets,))
+
+    def place_input(link: Link, work: Any) -> None:
+        link.copy(work[offsets[rank]:offsets[rank + 1]], src.flat)
+
+    return _Plan(algorithm, signature, src, result, out.flat if out is not None else result.reshape(-1),
+                 place_input, None, (offsets,))
 
 
 # -- execution -----------------------------------------------------------------------------------
@@ -229,18 +226,22 @@ def _agreement(dup: MPI.Comm, pool: ScratchPool) -> Agreement:
     return found
 
 
-def _run(call: _Call, role: str) -> Any:
-    """Plan, cross-check and run `call` on the current thread, on `comm`'s `role` duplicate."""
-    dup = _private_comm(call.comm if call.comm is not None else MPI.COMM_WORLD, role)
-    rank, size = dup.Get_rank(), dup.Get_size()
+def _prepare(call: _Call, dup: MPI.Comm) -> tuple[_Plan | None, str | None]:
+    """The local half of a call: its plan, or the error to share with the other ranks."""
+    try:
+        return _plan(call, dup.Get_rank(), dup.Get_size()), None
+    except LocalArgumentError as exc:
+        return None, f"{call.collective}: {exc}"
+
+
+def _execute(call: _Call, dup: MPI.Comm, plan: _Plan | None, error: str | None) -> Any:
+    """The collective half: cross-check with every rank, then run the algorithm.
+
+    Runs on the thread that owns `dup` (the caller's for blocking calls, the engine's for `i*`);
+    scratch memory comes from that thread's pool.
+    """
     pool = _scratch()
     tag = _next_tag(dup)
-    plan: _Plan | None = None
-    error = None
-    try:
-        plan = _plan(call, rank, size)
-    except LocalArgumentError as exc:
-        error = f"{call.collective}: {exc}"
     op = OPS.get(call.op)
     # A small host butterfly allreduce travels inside the argument check's own exchange.
     fused = (plan is not None and plan.algorithm == "butterfly" and call.collective == "allreduce"
@@ -250,17 +251,27 @@ def _run(call: _Call, role: str) -> Any:
         plan.signature if plan else [COLLECTIVE_CODES[call.collective], 0, 0, 0, 0, 0], error,
         payload=plan.source.flat if fused else None, op=op)  # type: ignore[union-attr]
     assert plan is not None and op is not None  # else run() raised on every rank
-    on_device = plan.source.on_device
-    link = Link(dup, op, plan.source.xp, on_device=on_device,
-                cuda_aware=on_device and cuda_aware(),
-                runtime=device_runtime() if on_device else None, scratch=pool, tag=tag)
+    src = plan.source
+    link = Link(dup, op, src.xp, on_device=src.on_device,
+                cuda_aware=src.on_device and cuda_aware(),
+                runtime=device_runtime() if src.on_device else None, scratch=pool, tag=tag)
+    work = plan.work if plan.work is not None else \
+        pool.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
     if reduced is not None:
-        np.copyto(plan.work, reduced)
+        np.copyto(work, reduced)
     else:
-        plan.prepare(link)
-        ALGORITHMS[call.collective][plan.algorithm](link, plan.work, *plan.args)
-    plan.finish(link)
+        if plan.fill is not None:
+            plan.fill(link, work)
+        ALGORITHMS[call.collective][plan.algorithm](link, work, *plan.args)
+    if plan.finish is not None:
+        plan.finish(link, work)
     return plan.result
+
+
+def _run(call: _Call, role: str) -> Any:
+    """Plan, cross-check and run `call` on the current thread, on `comm`'s `role` duplicate."""
+    dup = _private_comm(call.comm if call.comm is not None else MPI.COMM_WORLD, role)
+    return _execute(call, dup, *_prepare(call, dup))
 
 
 def _blocking(call: _Call) -> Any:
@@ -270,11 +281,18 @@ def _blocking(call: _Call) -> Any:
 
 
 def _submit(call: _Call) -> Handle:
-    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED:
         raise RuntimeError(
             "non-blocking collectives need MPI initialized with at least MPI_THREAD_SERIALIZED; "
             "call hpcdl.init() (or let mpi4py initialize MPI) before anything else initializes it")
-    return ENGINE.submit(call.collective, lambda: _run(call, "engine"))
+    if level < MPI.THREAD_MULTIPLE:  # only the engine may call MPI: it does everything
+        return ENGINE.submit(call.collective, lambda: _run(call, "engine"))
+    # Communicator duplication and buffer wrapping happen here, in the caller's program order and
+    # stream context; only the communication is left to the engine.
+    dup = _private_comm(call.comm if call.comm is not None else MPI.COMM_WORLD, "engine")
+    plan, error = _prepare(call, dup)
+    return ENGINE.submit(call.collective, lambda: _execute(call, dup, plan, error))
 
 
 # -- public API ----------------------------------------------------------------------------------

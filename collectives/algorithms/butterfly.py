@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..transport import Link
+from ..transport import Link, pieces_of
 from .fold import Fold
 
 
@@ -22,20 +22,20 @@ def butterfly_allreduce(link: Link, buf: Any) -> None:
     if link.size == 1:
         return
     fold = Fold.of(link.rank, link.size)
-    tmp = link.scratch(buf.shape[0], buf.dtype)
     partner = fold.partner_of(link.rank)
     if partner is not None:
         if fold.newrank < 0:
             link.send(buf, partner)
         else:
+            tmp = link.scratch(buf.shape[0], buf.dtype)
             link.recv(tmp, partner)
             link.combine(buf, tmp)
     if fold.newrank >= 0:
+        segment, pieces = pieces_of(buf.shape[0], buf.dtype.itemsize)
         mask = 1
         while mask < fold.pof2:
             peer = fold.real_rank(fold.newrank ^ mask)
-            link.sendrecv(buf, peer, tmp, peer)
-            link.combine(buf, tmp)
+            link.sendrecv_combine(buf, peer, buf, peer, segment=segment, pieces=pieces)
             mask <<= 1
     if partner is not None:
         if fold.newrank < 0:

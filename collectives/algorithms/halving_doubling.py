@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..partition import partition_offsets
-from ..transport import Link
+from ..transport import Link, pieces_of
 from .fold import Fold
 
 
@@ -33,10 +33,10 @@ def _halving_reduce_scatter(link: Link, buf: Any, fold: Fold, new: list[int]) ->
             keep, give = (mid, hi), (lo, mid)
         else:
             keep, give = (lo, mid), (mid, hi)
-        kept = buf[new[keep[0]]:new[keep[1]]]
-        tmp = link.scratch(kept.shape[0], buf.dtype)
-        link.sendrecv(buf[new[give[0]]:new[give[1]]], peer, tmp, peer)
-        link.combine(kept, tmp)
+        kept, given = buf[new[keep[0]]:new[keep[1]]], buf[new[give[0]]:new[give[1]]]
+        # The partner's kept and given are my given and kept: both sides count the same pieces.
+        segment, pieces = pieces_of(max(kept.shape[0], given.shape[0]), buf.dtype.itemsize)
+        link.sendrecv_combine(given, peer, kept, peer, segment=segment, pieces=pieces)
         lo, hi = keep
         mask >>= 1
 

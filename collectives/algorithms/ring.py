@@ -5,8 +5,8 @@ block (r-s-1) mod P to its right neighbour and folds block (r-s-2) mod P from it
 its own copy; after P-1 steps rank r holds the complete reduction of block r. All-gather: in step s
 rank r forwards block (r-s) mod P; after P-1 steps every rank has every block.
 
-Each step is pipelined: a block is sent in segments and segment k+1 is already posted while
-segment k is being combined, so the wire and the adder work at the same time.
+A reduce step moves its block in cache-sized pieces (`transport.SEGMENT_BYTES`), each folded as
+soon as it arrives; an all-gather step is one message straight into place.
 
 Cost (alpha: per message, beta: per byte sent, gamma: per byte combined, N bytes):
   reduce-scatter  (P-1) alpha + (P-1)/P N beta + (P-1)/P N gamma
@@ -19,28 +19,23 @@ from __future__ import annotations
 from typing import Any
 
 from ..partition import partition_offsets
-from ..transport import Link
-
-#: Bytes per pipeline segment. Below two segments per block the pipeline degenerates to one
-#: sendrecv; measured on shared memory here, 1 MiB segments keep the per-segment Python cost
-#: under 2% while leaving a few segments in flight on every block large enough to benefit.
-SEGMENT_BYTES = 1 << 20
+from ..transport import SEGMENT_BYTES, Link, pieces_of  # noqa: F401 - SEGMENT_BYTES sizes tests
 
 
 def ring_reduce_scatter(link: Link, buf: Any, offsets: list[int]) -> None:
     """In place: afterwards buf[offsets[r]:offsets[r+1]] on rank r is the reduction of that block."""
     p, r = link.size, link.rank
     right, left = (r + 1) % p, (r - 1) % p
-    segments = _segments(offsets, buf.dtype.itemsize)
+    # From the largest block, never this rank's own: sender and receiver of any block must agree
+    # on how many pieces it takes.
+    largest = max(b - a for a, b in zip(offsets, offsets[1:]))
+    segment, pieces = pieces_of(largest, buf.dtype.itemsize)
     for step in range(p - 1):
         send_block = (r - step - 1) % p
         recv_block = (r - step - 2) % p
-        _pipelined_exchange(
-            link,
-            buf[offsets[send_block]:offsets[send_block + 1]], right,
-            buf[offsets[recv_block]:offsets[recv_block + 1]], left,
-            segments, combine=True,
-        )
+        link.sendrecv_combine(buf[offsets[send_block]:offsets[send_block + 1]], right,
+                              buf[offsets[recv_block]:offsets[recv_block + 1]], left,
+                              segment=segment, pieces=pieces)
 
 
 def ring_allgather(link: Link, buf: Any, offsets: list[int], first_block: int | None = None) -> None:
@@ -51,16 +46,11 @@ def ring_allgather(link: Link, buf: Any, offsets: list[int], first_block: int | 
     p, r = link.size, link.rank
     mine = r if first_block is None else first_block
     right, left = (r + 1) % p, (r - 1) % p
-    segments = _segments(offsets, buf.dtype.itemsize)
     for step in range(p - 1):
         send_block = (mine - step) % p
         recv_block = (mine - step - 1) % p
-        _pipelined_exchange(
-            link,
-            buf[offsets[send_block]:offsets[send_block + 1]], right,
-            buf[offsets[recv_block]:offsets[recv_block + 1]], left,
-            segments, combine=False,
-        )
+        link.sendrecv(buf[offsets[send_block]:offsets[send_block + 1]], right,
+                      buf[offsets[recv_block]:offsets[recv_block + 1]], left)
 
 
 def ring_allreduce(link: Link, buf: Any) -> None:
@@ -70,48 +60,3 @@ def ring_allreduce(link: Link, buf: Any) -> None:
     offsets = partition_offsets(buf.shape[0], link.size)
     ring_reduce_scatter(link, buf, offsets)
     ring_allgather(link, buf, offsets)
-
-
-def _segments(offsets: list[int], itemsize: int) -> tuple[int, int]:
-    """(elements per segment, segments per block), the same on every rank.
-
-    Derived from the largest block, never from a rank's own blocks, so sender and receiver of
-    any block always agree on how many messages it takes.
-    """
-    largest = max(b - a for a, b in zip(offsets, offsets[1:]))
-    seg = max(SEGMENT_BYTES // itemsize, 1)
-    return seg, max(-(-largest // seg), 1)
-
-
-def _pipelined_exchange(link: Link, send: Any, dest: int, recv: Any, source: int,
-                        segments: tuple[int, int], *, combine: bool) -> None:
-    """Send `send` to `dest` and receive into `recv` from `source`, segment by segment.
-
-    With `combine`, incoming segments land in scratch and are folded into `recv`; the next
-    segment's messages are posted before the fold so the transfer proceeds meanwhile.
-    """
-    seg, nseg = segments
-    n_recv = recv.shape[0]
-    if nseg == 1:
-        if combine:
-            tmp = link.scratch(n_recv, recv.dtype)
-            link.sendrecv(send, dest, tmp, source)
-            link.combine(recv, tmp)
-        else:
-            link.sendrecv(send, dest, recv, source)
-        return
-
-    def post(k: int) -> tuple[Any, Any, Any]:
-        lo, hi = k * seg, (k + 1) * seg
-        target = link.scratch(min(hi, n_recv) - min(lo, n_recv), recv.dtype, slot=k % 2) \
-            if combine else recv[lo:hi]
-        return link.irecv(target, source), link.isend(send[lo:hi], dest), target
-
-    in_flight = post(0)
-    for k in range(nseg):
-        following = post(k + 1) if k + 1 < nseg else None
-        recv_req, send_req, target = in_flight
-        link.wait(recv_req, send_req)
-        if combine:
-            link.combine(recv[k * seg:(k + 1) * seg], target)
-        in_flight = following  # type: ignore[assignment]
