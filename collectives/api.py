@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .algorithms import ALGORITHM_CODES, ALGORITHMS
-from .buffers import Buffer, UnusableArray, as_buffer, cuda_aware, device_runtime
+from .buffers import Buffer, UnusableArray, as_buffer, cuda_aware, device_runtime, flat_view
 from .engine import ENGINE, Handle
 from .ops import DTYPE_CODES, OPS, dtype_name
 from .partition import partition_offsets
@@ -28,6 +28,7 @@ from .transport import Link, ScratchPool
 from .validation import PAYLOAD_BYTES, Agreement, LocalArgumentError, check_choice
 
 COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "reduce": 5}
+_REDUCING = ("allreduce", "reduce_scatter", "reduce")
 _ALGORITHM_CHOICES = {name: {"auto", *table} for name, table in ALGORITHMS.items()}
 
 
@@ -58,9 +59,12 @@ class _Plan:
 
 # -- communicators and per-thread state -----------------------------------------------------------
 
-_dups: dict[tuple[str, int], MPI.Comm] = {}
 _dups_lock = threading.Lock()
 _thread_state = threading.local()
+# The private duplicates live on the user's communicator as an MPI attribute, so they go away
+# with it: a cache keyed by handle would hand a freed communicator's duplicates to whatever new
+# communicator MPI gives the same handle.
+_DUPS_KEYVAL = MPI.Comm.Create_keyval()
 
 
 def _private_comm(comm: MPI.Comm, role: str) -> MPI.Comm:
@@ -69,15 +73,14 @@ def _private_comm(comm: MPI.Comm, role: str) -> MPI.Comm:
     Both duplicates are made together, at the first use of `comm`, by the thread whose turn it
     is to call collectives on it, so every rank makes them in the same order.
     """
-    key = comm.py2f()
-    dup = _dups.get((role, key))
-    if dup is None:
+    dups = comm.Get_attr(_DUPS_KEYVAL)
+    if dups is None:
         with _dups_lock:
-            if (role, key) not in _dups:
-                _dups[("blocking", key)] = comm.Dup()
-                _dups[("engine", key)] = comm.Dup()
-            dup = _dups[(role, key)]
-    return dup
+            dups = comm.Get_attr(_DUPS_KEYVAL)
+            if dups is None:
+                dups = {"blocking": comm.Dup(), "engine": comm.Dup()}
+                comm.Set_attr(_DUPS_KEYVAL, dups)
+    return dups[role]
 
 
 def _scratch() -> ScratchPool:
@@ -149,7 +152,7 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     algorithm = call.algorithm
     if algorithm == "auto":
         algorithm = choose(call.collective, n * src.dtype.itemsize, size)
-    if algorithm == "mpi" and dtype == "bfloat16":
+    if algorithm == "mpi" and dtype == "bfloat16" and call.collective in _REDUCING:
         raise LocalArgumentError("the MPI library cannot reduce bfloat16; pick a hand-written algorithm")
     signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES[algorithm], OPS[call.op].code,
                  DTYPE_CODES[dtype], n, call.root]
@@ -171,14 +174,19 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
                 op.finalize(link.xp, work, size)
 
         args: tuple[Any, ...] = (call.root,) if rooted else ()
-        if out is not None and _same_memory(out, src):
-            return _Plan(algorithm, signature, src, call.out if produces else None, src.flat, None,
-                         average, args)
         if not produces:  # a non-root rank of reduce combines in scratch, leaving x intact
             return _Plan(algorithm, signature, src, None, None, copy_input, None, args)
-        result = call.out if out is not None else _new_array(src, src.shape)
-        work = out.flat if out is not None else result.reshape(-1)
-        return _Plan(algorithm, signature, src, result, work, copy_input, average, args)
+        if out is not None and _same_memory(out, src):
+            return _Plan(algorithm, signature, src, call.out, src.flat, None, average, args)
+        if out is None:  # same memory order as the input, so flat views pair up element by element
+            result = src.xp.empty_like(src.array)
+            work = flat_view(result)
+            return _Plan(algorithm, signature, src, result, work, copy_input, average, args)
+
+        def copy_logically(link: Link, work: Any) -> None:  # `out` may be laid out differently
+            link.copy(out.array, src.array)  # type: ignore[union-attr]
+
+        return _Plan(algorithm, signature, src, call.out, out.flat, copy_logically, average, args)
 
     if call.collective == "broadcast":
         if out is not None:
@@ -205,9 +213,10 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     if out is not None:
         _check_out(out, src, size * n, "allgather")
     result = call.out if out is not None else _new_array(src, (size, *src.shape))
+    logical = src.array.reshape(-1)  # row-major, whatever the input's layout (a copy only if F-order)
 
     def place_input(link: Link, work: Any) -> None:
-        link.copy(work[offsets[rank]:offsets[rank + 1]], src.flat)
+        link.copy(work[offsets[rank]:offsets[rank + 1]], logical)
 
     return _Plan(algorithm, signature, src, result, out.flat if out is not None else result.reshape(-1),
                  place_input, None, (offsets,))

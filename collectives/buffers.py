@@ -151,10 +151,14 @@ def cuda_aware() -> bool:
 class Buffer:
     """A caller's array as the collectives see it: a flat, contiguous, zero-copy 1-D view."""
 
-    flat: Any  # numpy.ndarray, or an array of the device runtime's xp
+    flat: Any  # numpy.ndarray, or an array of the device runtime's xp, in memory order
+    array: Any  # the same memory with the caller's shape
     xp: Any
     on_device: bool
-    shape: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
 
     @property
     def dtype(self) -> np.dtype:
@@ -207,7 +211,8 @@ def _exposes_memory(obj: Any) -> bool:
     return True
 
 
-def _contiguous_flat(arr: Any) -> Any:
+def flat_view(arr: Any) -> Any:
+    """A 1-D view of a contiguous array in memory order; raises UnusableArray if not contiguous."""
     if arr.flags.c_contiguous:
         return arr.reshape(-1)
     if arr.flags.f_contiguous:
@@ -219,8 +224,8 @@ def _contiguous_flat(arr: Any) -> Any:
 
 
 def _host_buffer(arr: np.ndarray) -> Buffer:
-    return Buffer(_contiguous_flat(arr), np, False, tuple(arr.shape))
+    return Buffer(flat_view(arr), arr, np, False)
 
 
 def _device_buffer(arr: Any, runtime: DeviceRuntime) -> Buffer:
-    return Buffer(_contiguous_flat(arr), runtime.xp, True, tuple(arr.shape))
+    return Buffer(flat_view(arr), arr, runtime.xp, True)

@@ -24,13 +24,14 @@ from .ops import ReduceOp
 
 
 #: Elements of a reduction step travel and are folded in pieces of this many bytes. Each piece is
-#: received into one reused scratch segment and added while it is still in L2 (1 MiB per core on
-#: the reference machine), instead of streaming a block-sized temporary through memory.
-#: Measured there (2 ranks, shared memory; benchmarks/README.md): one Sendrecv + fold per 512 KiB
-#: piece beat one Sendrecv per whole block by 10-30% at 16-64 MiB, and beat the former
-#: Isend/Irecv pipeline (next piece posted before folding this one) by 5-20%: without an
-#: asynchronous progress thread nothing moves while NumPy adds, so posting ahead only costs
-#: Python overhead. Smaller pieces (256 KiB) lose to the per-message cost.
+#: received into one reused scratch segment and added while it is still in cache, instead of
+#: streaming a block-sized temporary through memory. Measured on the reference machine (2 ranks,
+#: shared memory, ring allreduce, 2026-11-22, runs interleaved): one Sendrecv + fold per piece beat
+#: one Sendrecv per whole block by 8-28% at 16-64 MiB, and matched or beat (by up to 14%) the former
+#: Isend/Irecv pipeline that posted the next piece before folding this one: without an
+#: asynchronous progress thread nothing moves while NumPy adds, so posting ahead only adds Python
+#: work. 256 KiB pieces lost 5-30% to per-message cost; 512 KiB and 1 MiB were within noise, and
+#: 512 KiB keeps a piece plus its scratch inside the 1 MiB L2.
 SEGMENT_BYTES = 512 << 10
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms.butterfly import butterfly_allreduce
+from .algorithms.butterfly import butterfly_allgather, butterfly_allreduce
 from .algorithms.tree import tree_broadcast
 from .ops import OPS, ReduceOp
 from .transport import Link, ScratchPool
@@ -96,13 +96,29 @@ class Agreement:
                 message if self.link.rank == bad_rank
                 else f"{collective} failed on rank {bad_rank}: {message}")
         if not np.array_equal(highest[:6], lowest[:6]):
-            i = int(np.flatnonzero(highest[:6] != lowest[:6])[0])
-            field, low, high = FIELDS[i], _describe(FIELDS[i], int(lowest[i])), \
-                _describe(FIELDS[i], int(highest[i]))
-            raise CollectiveArgumentError(
-                f"{collective}: ranks passed different {field}s ({low} and {high}); every "
-                f"rank must call the same collective with the same {field} in the same order")
+            raise CollectiveArgumentError(self._mismatch(collective, signature))
         return reduced
+
+    def _mismatch(self, collective: str, signature: list[int]) -> str:
+        """Describe a disagreement: gather every rank's signature and name the odd ranks out.
+
+        Only on the error path, so its extra all-gather costs nothing in normal operation.
+        """
+        size = self.link.size
+        table = np.zeros(6 * size, dtype=np.int64)
+        table[6 * self.link.rank:6 * self.link.rank + 6] = signature
+        butterfly_allgather(self.link, table, [6 * r for r in range(size + 1)])
+        rows = table.reshape(size, 6)
+        i = int(np.flatnonzero(rows.min(axis=0) != rows.max(axis=0))[0])
+        values, counts = np.unique(rows[:, i], return_counts=True)
+        usual = int(values[np.argmax(counts)])  # the most common value; ties: the smallest
+        odd = [(r, int(v)) for r, v in enumerate(rows[:, i]) if v != usual]
+        field = FIELDS[i]
+        listed = ", ".join(f"rank {r} passed {_describe(field, v)}" for r, v in odd[:8])
+        more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
+        return (f"{collective}: ranks passed different {field}s: {listed}{more}, the other ranks "
+                f"{_describe(field, usual)}; every rank must make the same collective calls with "
+                "the same arguments in the same order")
 
 
 def _share_message(link: Link, error: str | None, bad_rank: int) -> str:

@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOGS = ROOT / "test-logs"
+LOGS = Path(os.environ.get("HPCDL_TEST_LOGS", ROOT / "test-logs"))
 
 
 def mpi_environment() -> dict[str, str]:

@@ -1,0 +1,414 @@
+"""Array backends the collectives tests run over, and a fake GPU over host memory.
+
+Modelled on mpi4py's `test/arrayimpl.py`: a registry of backends (`@add_backend`), each able to
+turn a NumPy array into its own kind of array and back. Test bodies loop over `BACKENDS`, so one
+body checks every backend.
+
+- `numpy`: host arrays.
+- `fake-device-aware` / `fake-device-staged`: `FakeDeviceArray`, an object exposing nothing but
+  `__cuda_array_interface__` over host memory, served by `FakeDeviceRuntime` (installed with
+  `collectives.set_device_runtime`), with MPI treated as CUDA-aware (`HPCDL_CUDA_AWARE=1`: MPI is
+  handed interface objects) or not (`HPCDL_CUDA_AWARE=0`: bytes are staged through host copies).
+  The runtime counts its calls, so tests can check that the device path really ran.
+- `cupy`: real CuPy arrays on a real GPU; unavailable (tests skip) without CuPy or a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+import collectives
+from collectives import buffers
+
+# -- the fake GPU -----------------------------------------------------------------------------
+
+#: typestr -> dtype for what the fake device supports. The CUDA array interface has no typestr
+#: for bfloat16 (NumPy spells ml_dtypes' bfloat16 as the 2-byte void "<V2"), so, like a device
+#: library that knows its own bfloat16, the fake reads a 2-byte void as bfloat16.
+_TYPESTRS = {np.dtype(dt).str: np.dtype(dt) for dt in
+             (np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_,
+              np.complex64)}
+if "bfloat16" in collectives.DTYPES:
+    _TYPESTRS[collectives.DTYPES["bfloat16"].str] = collectives.DTYPES["bfloat16"]
+
+
+class FakeDeviceArray:
+    """Host memory that presents itself only as device memory: `__cuda_array_interface__` (v3).
+
+    No buffer protocol, no `__array_interface__`: anything that reads it must go through the
+    interface's raw pointer, as it would for a GPU array. `host` keeps the memory alive and lets
+    the tests look at it.
+    """
+
+    __slots__ = ("host",)
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = host
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        contiguous = self.host.flags.c_contiguous
+        return {
+            "shape": tuple(self.host.shape),
+            "typestr": self.host.dtype.str,
+            "data": (int(self.host.ctypes.data), False),
+            "strides": None if contiguous else tuple(self.host.strides),
+            "version": 3,
+            "stream": None,  # the "producer" (the test) has no pending work
+        }
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.host.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.host.dtype
+
+    def __repr__(self) -> str:
+        return f"FakeDeviceArray(shape={self.shape}, dtype={self.dtype})"
+
+
+def view_of_interface(iface: dict[str, Any]) -> np.ndarray:
+    """A writable NumPy view of the memory a `__cuda_array_interface__` dict describes (ctypes)."""
+    dtype = _TYPESTRS[iface["typestr"]]
+    shape = tuple(iface["shape"])
+    strides = iface.get("strides")
+    if math.prod(shape) == 0:
+        return np.empty(shape, dtype)
+    if strides is None:
+        extent = math.prod(shape) * dtype.itemsize
+    else:  # only the non-negative strides the tests make
+        extent = sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize
+    raw = (ctypes.c_char * extent).from_address(int(iface["data"][0]))
+    return np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides)
+
+
+@dataclass
+class FakeDeviceRuntime:
+    """A `collectives.buffers.DeviceRuntime` whose "device" is host memory and whose xp is NumPy.
+
+    `calls` counts every method call by name, so tests can assert which device path ran.
+    Setting `fail_copies` makes both staging copies raise (to provoke a communication failure).
+    """
+
+    xp: Any = np
+    calls: Counter = field(default_factory=Counter)
+    fail_copies: bool = False
+
+    def from_cuda_array_interface(self, obj: Any) -> np.ndarray:
+        self.calls["from_cuda_array_interface"] += 1
+        return view_of_interface(obj.__cuda_array_interface__)
+
+    def from_dlpack(self, obj: Any) -> np.ndarray:
+        self.calls["from_dlpack"] += 1
+        return np.from_dlpack(obj)
+
+    def wait_for_producer(self, obj: Any) -> None:
+        self.calls["wait_for_producer"] += 1
+
+    def synchronize(self) -> None:
+        self.calls["synchronize"] += 1
+
+    def mpi_buffer(self, arr: np.ndarray) -> FakeDeviceArray:
+        # MPI must get a device-pointer object, as with real CUDA-aware MPI, not a host array.
+        self.calls["mpi_buffer"] += 1
+        return FakeDeviceArray(arr)
+
+    def pinned_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        self.calls["pinned_empty"] += 1
+        return np.empty(count, dtype=dtype)
+
+    def copy_to_host(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.calls["copy_to_host"] += 1
+        if self.fail_copies:
+            raise RuntimeError("fake device: copy_to_host failed")
+        np.copyto(dst, src)
+
+    def copy_to_device(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.calls["copy_to_device"] += 1
+        if self.fail_copies:
+            raise RuntimeError("fake device: copy_to_device failed")
+        np.copyto(dst, src)
+
+
+@contextlib.contextmanager
+def device_runtime_installed(runtime: buffers.DeviceRuntime | None, cuda_aware: bool | None
+                             ) -> Iterator[None]:
+    """Install `runtime` and force (or, with None, leave) HPCDL_CUDA_AWARE; restore both after.
+
+    The previous runtime is read from `collectives.buffers` (there is no public getter that does
+    not load CuPy), so a test never leaves its fake behind for the next one.
+    """
+    previous_runtime = buffers._runtime
+    previous_env = os.environ.get("HPCDL_CUDA_AWARE")
+    collectives.set_device_runtime(runtime)
+    if cuda_aware is not None:
+        os.environ["HPCDL_CUDA_AWARE"] = "1" if cuda_aware else "0"
+    try:
+        yield
+    finally:
+        collectives.set_device_runtime(previous_runtime)
+        if previous_env is None:
+            os.environ.pop("HPCDL_CUDA_AWARE", None)
+        else:
+            os.environ["HPCDL_CUDA_AWARE"] = previous_env
+
+
+# -- the backend registry ---------------------------------------------------------------------
+
+@dataclass
+class Backend:
+    """One kind of array: how to make it from NumPy data, read it back, and set up its runtime."""
+
+    name: str
+    device: bool
+    make: Callable[[np.ndarray], Any]  # a copy of the host data, as this backend's array
+    to_numpy: Callable[[Any], np.ndarray]  # a host copy of an array this backend (or xp) made
+    installed: Callable[[], contextlib.AbstractContextManager[Any]]  # runtime + env for a test
+    dtypes: tuple[str, ...] = tuple(collectives.DTYPES)
+    unavailable: str | None = None  # why tests on this backend skip, or None
+    runtime: Any = None  # the FakeDeviceRuntime of the current test, for call counts
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        return self.make(np.zeros(shape, dtype=dtype))
+
+    def strided(self, host: np.ndarray) -> Any:
+        """A non-contiguous array of this backend: every other element of a copy of `host`."""
+        if self.device and self.name.startswith("fake"):
+            return FakeDeviceArray(np.array(host, copy=True)[::2])
+        return self.make(host)[::2]
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def add_backend(factory: Callable[[], Backend]) -> Callable[[], Backend]:
+    backend = factory()
+    BACKENDS[backend.name] = backend
+    return factory
+
+
+def _host_copy(arr: Any) -> np.ndarray:
+    if isinstance(arr, FakeDeviceArray):
+        return arr.host.copy()
+    return np.array(arr, copy=True)
+
+
+@add_backend
+def _numpy() -> Backend:
+    return Backend("numpy", False, lambda a: np.array(a, copy=True), _host_copy,
+                   lambda: device_runtime_installed(buffers._runtime, None))
+
+
+def _fake_device(cuda_aware: bool) -> Backend:
+    backend = Backend(f"fake-device-{'aware' if cuda_aware else 'staged'}", True,
+                      lambda a: FakeDeviceArray(np.array(a, copy=True)), _host_copy,
+                      lambda: contextlib.nullcontext())
+
+    @contextlib.contextmanager
+    def installed() -> Iterator[FakeDeviceRuntime]:
+        backend.runtime = FakeDeviceRuntime()
+        with device_runtime_installed(backend.runtime, cuda_aware):
+            yield backend.runtime
+        backend.runtime = None
+
+    backend.installed = installed
+    return backend
+
+
+add_backend(lambda: _fake_device(cuda_aware=True))
+add_backend(lambda: _fake_device(cuda_aware=False))
+
+
+def _cupy_unavailable() -> str | None:
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no GPU"
+    except Exception as exc:  # noqa: BLE001 - any CUDA failure means "no usable GPU"
+        return f"no usable GPU ({exc})"
+    return None
+
+
+@add_backend
+def _cupy() -> Backend:
+    reason = _cupy_unavailable()
+
+    def make(a: np.ndarray) -> Any:
+        import cupy
+
+        return cupy.asarray(a)
+
+    def to_numpy(arr: Any) -> np.ndarray:
+        import cupy
+
+        return cupy.asnumpy(arr)
+
+    # The real CupyRuntime, and whatever the MPI library says about CUDA-awareness; staged when
+    # it says no, which is what the PyPI Open MPI wheel says.
+    return Backend("cupy", True, make, to_numpy,
+                   lambda: device_runtime_installed(None, None),
+                   dtypes=tuple(d for d in collectives.DTYPES if d != "bfloat16"),
+                   unavailable=reason)
+
+
+def backend_params() -> list[Any]:
+    """pytest params over every backend; unavailable ones are marked to skip with the reason."""
+    import pytest
+
+    return [pytest.param(name, marks=pytest.mark.skipif(b.unavailable is not None,
+                                                          reason=b.unavailable or ""), id=name)
+            for name, b in BACKENDS.items()]
+
+
+# -- exact-valued data and NumPy references ---------------------------------------------------
+
+def rank_data(rank: int, shape: tuple[int, ...] | int, dtype: str, op: str = "sum",
+              seed: int = 0) -> np.ndarray:
+    """Rank `rank`'s input: a function of its arguments only, so any rank can rebuild any other's.
+
+    Small integers (Horovod's trick), so sums over up to 5 ranks are exact even in bfloat16
+    (8 significant bits) and every summation order gives the same bits. For `prod`, mostly 1s
+    with sparse 2s and -1s, so products stay exact too.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    rng = np.random.default_rng([seed, rank, math.prod(shape), int(op == "prod")])
+    if op == "prod":
+        draw = rng.random(shape)
+        values = np.where(draw < 0.1, 2, np.where(draw < 0.15, -1, 1))
+    else:
+        values = rng.integers(-8, 9, size=shape)
+    return values.astype(np.float32).astype(collectives.DTYPES[dtype])
+
+
+def reduce_reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    """What an exact reduction of `inputs` gives in their dtype, including `avg`'s final division."""
+    stacked = np.stack([a.astype(np.int64) for a in inputs])  # exact: the values are small ints
+    dtype = inputs[0].dtype
+    if op in ("sum", "avg"):
+        combined = stacked.sum(axis=0)
+    elif op == "max":
+        combined = stacked.max(axis=0)
+    elif op == "min":
+        combined = stacked.min(axis=0)
+    else:
+        combined = stacked.prod(axis=0)
+    result = combined.astype(np.float64).astype(dtype)
+    if op == "avg" and len(inputs) > 1:
+        if dtype.kind in "iu":
+            result = np.floor_divide(result, dtype.type(len(inputs)))
+        else:
+            result = np.divide(result, dtype.type(len(inputs)))
+    return result.reshape(inputs[0].shape)
+
+
+def mpi_reference(comm: Any, local: np.ndarray, op: str) -> np.ndarray | None:
+    """The MPI library's Allreduce of `local` (avg: its sum, divided as `avg` divides); None for
+    dtypes MPI cannot reduce (bfloat16)."""
+    if local.dtype.name == "bfloat16":
+        return None
+    result = np.empty_like(local)
+    mpi_op = collectives.OPS[op].mpi_op
+    comm.Allreduce(local, result, op=mpi_op)
+    if op == "avg" and comm.Get_size() > 1:
+        if result.dtype.kind in "iu":
+            result = np.floor_divide(result, result.dtype.type(comm.Get_size()))
+        else:
+            result = np.divide(result, result.dtype.type(comm.Get_size()))
+    return result
+
+
+def bitwise_equal(got: Any, want: np.ndarray) -> str | None:
+    """None if `got` has `want`'s shape, dtype and exact bytes; else what differs."""
+    if got is None:
+        return "got None"
+    got = np.asarray(got)
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype}, expected {want.dtype}"
+    if got.shape != want.shape:
+        return f"shape {got.shape}, expected {want.shape}"
+    g, w = got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)
+    if not np.array_equal(g, w):
+        first = int(np.flatnonzero(g != w)[0]) // want.dtype.itemsize
+        return (f"differs at flat index {first}: got {got.reshape(-1)[first]!r}, "
+                f"expected {want.reshape(-1)[first]!r}")
+    return None
+
+
+# -- checking many cases across ranks at once -------------------------------------------------
+
+class Outcomes:
+    """Failures and result digests of many cases, made collective once at the end of a test.
+
+    Each case records its failures locally (nothing here communicates), so a case that fails on
+    one rank does not leave that rank out of step; `verify` then fails the test on every rank
+    alike, listing failing cases from every rank, and checks that the results every rank
+    recorded with `digest` are bitwise identical across ranks.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.failures: list[str] = []
+        self.cases = 0
+        self._digests: list[tuple[str, str]] = []
+
+    def fail(self, label: str, why: str) -> None:
+        self.failures.append(f"rank {self.comm.Get_rank()}: {label}: {why}")
+
+    def expect(self, label: str, ok: bool, why: str) -> None:
+        if not ok:
+            self.fail(label, why)
+
+    def expect_equal(self, label: str, got: Any, want: np.ndarray) -> None:
+        self.cases += 1
+        problem = bitwise_equal(got, want)
+        if problem:
+            self.fail(label, problem)
+
+    def digest(self, label: str, arr: np.ndarray) -> None:
+        import hashlib
+
+        self._digests.append((label, hashlib.blake2b(np.ascontiguousarray(arr).view(np.uint8)
+                                                      .tobytes(), digest_size=8).hexdigest()))
+
+    def verify(self) -> None:
+        """Fail on every rank if any rank failed a case or ranks' digests differ."""
+        import hashlib
+
+        total = hashlib.blake2b("".join(d for _, d in self._digests).encode()).hexdigest()
+        totals = self.comm.allgather(total)
+        if len(set(totals)) > 1:
+            everyone = self.comm.allgather(self._digests)
+            for i, (label, _) in enumerate(self._digests):
+                seen = {digests[i][1] for digests in everyone if i < len(digests)}
+                if len(seen) > 1:
+                    self.fail(label, "result differs between ranks")
+        ok = not self.failures
+        flags = self.comm.allgather(ok)
+        if not all(flags):
+            reports = self.comm.allgather((len(self.failures), self.failures[:3]))
+            lines = [f"rank {r}: {count} failing case(s)" for r, (count, _) in enumerate(reports)]
+            lines += [line[:400] for _, report in reports for line in report]
+            raise AssertionError(f"{sum(not f for f in flags)} rank(s) failed:\n"
+                                 + "\n".join(lines))
+
+
+def backend_fixture(request: Any) -> Iterator[Backend]:
+    """Body of the `backend` fixture: the backend named by the test's parameter, installed.
+
+    The device runtime and HPCDL_CUDA_AWARE are restored afterwards, whatever the test did.
+    """
+    chosen = BACKENDS[request.param]
+    with chosen.installed():
+        yield chosen
