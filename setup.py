@@ -22,7 +22,7 @@ setup(
         "test": ["pytest>=8", "pytest-mpi>=0.6", "pytest-timeout>=2.2", "hypothesis>=6.80",
                  "ml_dtypes>=0.3", "scikit-learn>=1.3", "tqdm>=4.60"],
         "bench": ["matplotlib>=3.7"],
-        "gpu": ["cupy>=13"],
+        "gpu": ["cupy-cuda12x>=13"],  # the CuPy wheel for CUDA 12; pick cupy-cuda11x etc. to match
     },
     entry_points={"console_scripts": ["hpcdl=hpcdl.cli:main"]},
 )

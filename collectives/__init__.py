@@ -7,7 +7,7 @@
 Never imports torch. See docs/algorithms.md for every algorithm's steps and bytes on the wire.
 """
 from .algorithms import ALGORITHMS
-from .api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast,
+from .api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce,
                   ireduce_scatter, reduce, reduce_scatter)
 from .buffers import cuda_aware, set_device_runtime
 from .engine import CommunicationError, Handle
@@ -18,5 +18,5 @@ from .validation import CollectiveArgumentError
 __all__ = [
     "ALGORITHMS", "DTYPES", "OPS", "CollectiveArgumentError", "CommunicationError", "Handle",
     "allgather", "allreduce", "broadcast", "cuda_aware", "iallgather", "iallreduce", "ibroadcast",
-    "ireduce_scatter", "partition_counts", "reduce", "reduce_scatter", "set_device_runtime",
+    "ireduce", "ireduce_scatter", "partition_counts", "reduce", "reduce_scatter", "set_device_runtime",
 ]

@@ -379,6 +379,12 @@ def iallgather(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto",
     return _submit(_Call("allgather", x, comm, "sum", algorithm, out))
 
 
+def ireduce(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, op: str = "sum",
+            algorithm: str = "auto", out: Any = None) -> Handle:
+    """Non-blocking `reduce`; `wait()` returns the result on the root and None elsewhere."""
+    return _submit(_Call("reduce", x, comm, op, algorithm, out, root))
+
+
 def ibroadcast(x: Any, root: int = 0, comm: MPI.Comm | None = None, *,
                algorithm: str = "auto") -> Handle:
     """Non-blocking `broadcast`; `wait()` returns `x`, overwritten with the root's data."""

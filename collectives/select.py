@@ -3,7 +3,8 @@
 The choice comes from a decision table measured on this project's reference machine and kept in
 the repo (`decision_table.json`). Users override it, in order of precedence:
   1. `HPCDL_ALGORITHM_<COLLECTIVE>=name` (e.g. HPCDL_ALGORITHM_ALLREDUCE=ring) for one collective;
-  2. `HPCDL_TUNING_FILE=path.json`, a table of the same format (written by `hpcdl tune`);
+  2. `HPCDL_TUNING_FILE=path.json`, a table of the same format measured on your machine
+     (`benchmarks/allreduce_sweep.py` prints the measurements it is derived from);
   3. the built-in table.
 Every rank must see the same overrides: the choice is cross-checked between ranks on every call.
 """

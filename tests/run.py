@@ -5,7 +5,8 @@
     python tests/run.py -n 2 -n 4 -- -k allreduce -x
 
 Each N is one MPI job in which every rank runs pytest over tests/. Rank 0 prints to the terminal;
-the other ranks write tests/../test-logs/N<size>-rank<r>.log, printed here when that rank failed.
+the other ranks write test-logs/N<size>/rank<r>.log (or under $HPCDL_TEST_LOGS), printed here when
+that rank failed.
 A test passes only if it passed on every rank. Exit status is non-zero if anything failed or a job
 died (a rank that hangs is killed by pytest-timeout, and mpirun then ends the job).
 """

@@ -1,0 +1,82 @@
+"""`hpcdl info`: rank 0 prints one table with a row per rank; the launcher smoke runs only at N=1."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+from mpi4py import MPI
+
+from conftest import all_ranks_agree
+from hpcdl import info
+from run import mpi_environment  # the settings tests/run.py gives its own jobs
+
+ROW = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$", re.MULTILINE)
+
+
+def test_rank_zero_prints_one_row_per_rank(comm: MPI.Comm, capsys: pytest.CaptureFixture[str]) -> None:
+    assert info.main([]) == 0
+    out = capsys.readouterr().out
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pids = comm.allgather(os.getpid())
+    if rank == 0:
+        rows = ROW.findall(out)
+        ok = ([int(r[0]) for r in rows] == list(range(size))
+              and [int(r[5]) for r in rows] == pids
+              and f"{size} rank{'s' if size > 1 else ''} on" in out
+              and "thread level    multiple" in out
+              and MPI.Get_library_version().splitlines()[0].replace("\0", "").strip() in out)
+    else:
+        ok = out == ""  # only rank 0 prints
+    assert all_ranks_agree(ok), f"rank {rank} printed:\n{out}"
+
+
+def test_rows_match_shared_memory_split(comm: MPI.Comm) -> None:
+    rows = info.gather_rows(comm)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    mine = (MPI.Get_processor_name(), comm.Get_rank(), node.Get_rank(), node.Get_size())
+    node.Free()
+    everyone = comm.gather(mine, root=0)
+    ok = rows is None if comm.Get_rank() else \
+        [(r.host, r.rank, r.local_rank, r.local_size) for r in rows] == everyone
+    assert all_ranks_agree(ok)
+
+
+def test_report_counts_ranks_per_host() -> None:
+    rows = [info.RankRow("a", 0, 0, 2, None, 10, "multiple", ()),
+            info.RankRow("a", 1, 1, 2, None, 11, "multiple", ()),
+            info.RankRow("b", 2, 0, 1, 0, 12, "serialized", ("Fake GPU",))]
+    text = info.format_report(rows)
+    assert "3 ranks on 2 hosts" in text
+    assert "ranks per host  a: 2, b: 1" in text
+    assert "GPUs            a: 0; b: 1 (Fake GPU)" in text
+    assert "thread level    multiple, serialized" in text
+    assert "different numbers of ranks" in text
+    assert [int(r[0]) for r in ROW.findall(text)] == [0, 1, 2]
+
+
+def test_cuda_aware_override_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [info.RankRow("a", 0, 0, 1, None, 10, "multiple", ())]
+    monkeypatch.setenv("HPCDL_CUDA_AWARE", "1")
+    assert "CUDA-aware MPI  yes (HPCDL_CUDA_AWARE=1)" in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_CUDA_AWARE", "0")
+    assert "CUDA-aware MPI  no (HPCDL_CUDA_AWARE=0)" in info.format_report(rows)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N=1 job only")
+def test_mpirun_two_ranks_smoke() -> None:
+    done = subprocess.run(["mpirun", "-n", "2", "hpcdl", "info"], env=mpi_environment(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "2 ranks on 1 host" in done.stdout
+    assert [int(r[0]) for r in ROW.findall(done.stdout)] == [0, 1]
+
+
+def test_one_rank_under_a_many_task_launch_is_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [info.RankRow("a", 0, 0, 1, None, 10, "multiple", ())]
+    for var in ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert "warning" not in info.format_report(rows)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    assert "the launcher started 4 tasks but MPI sees one rank" in info.format_report(rows)
