@@ -137,9 +137,10 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     """
     check_choice("op", call.op, OPS)
     check_choice("algorithm", call.algorithm, _ALGORITHM_CHOICES[call.collective])
+    in_place = call.out is call.x
     try:
         src = as_buffer(call.x)
-        out = as_buffer(call.out) if call.out is not None else None
+        out = src if in_place else as_buffer(call.out) if call.out is not None else None
     except (UnusableArray, TypeError) as exc:
         raise LocalArgumentError(str(exc)) from exc
     dtype = dtype_name(src.dtype)
@@ -176,7 +177,7 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
         args: tuple[Any, ...] = (call.root,) if rooted else ()
         if not produces:  # a non-root rank of reduce combines in scratch, leaving x intact
             return _Plan(algorithm, signature, src, None, None, copy_input, None, args)
-        if out is not None and _same_memory(out, src):
+        if in_place or out is not None and _same_memory(out, src):
             return _Plan(algorithm, signature, src, call.out, src.flat, None, average, args)
         if out is None:  # same memory order as the input, so flat views pair up element by element
             result = src.xp.empty_like(src.array)

@@ -179,21 +179,31 @@ class Link:
                          segment: int, pieces: int) -> None:
         """Send `send` to `dest` while folding what `source` sends into `recv` (recv op= incoming).
 
-        Both travel as `pieces` messages of `segment` elements (the last ones shorter or empty);
-        each incoming piece lands in one reused scratch segment and is folded at once, while it
-        is still in cache. Sender and receiver must agree on `pieces`: callers derive it from a
-        length both sides know (see `pieces_of`).
+        Both travel as `pieces` messages of `segment` elements (the last ones shorter or empty),
+        pipelined: piece k+1 is already posted (Irecv into the other of two scratch segments,
+        Isend) while piece k is folded, so a peer inside MPI can move it meanwhile, and each
+        piece is folded while it is still in cache. Sender and receiver must agree on `pieces`:
+        callers derive it from a length both sides know (see `pieces_of`). `send` and `recv` may
+        be the same buffer: piece k+1 of `send` is never a piece already folded.
         """
         if pieces == 1:
             tmp = self.scratch(recv.shape[0], recv.dtype)
             self.sendrecv(send, dest, tmp, source)
             self.combine(recv, tmp)
             return
-        for lo in range(0, pieces * segment, segment):
-            part = recv[lo:lo + segment]
-            tmp = self.scratch(part.shape[0], recv.dtype)
-            self.sendrecv(send[lo:lo + segment], dest, tmp, source)
-            self.combine(part, tmp)
+
+        def post(k: int) -> tuple[Pending, Pending, Any]:
+            lo = k * segment
+            tmp = self.scratch(recv[lo:lo + segment].shape[0], recv.dtype, slot=k % 2)
+            return self.irecv(tmp, source), self.isend(send[lo:lo + segment], dest), tmp
+
+        ahead = post(0)
+        for k in range(pieces):
+            incoming, outgoing, tmp = ahead
+            if k + 1 < pieces:
+                ahead = post(k + 1)
+            self.wait(incoming, outgoing)
+            self.combine(recv[k * segment:(k + 1) * segment], tmp)
 
     def send(self, view: Any, dest: int) -> None:
         self.comm.Send(self._outgoing(view), dest, self.tag)

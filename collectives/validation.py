@@ -59,8 +59,8 @@ class Agreement:
 
     def combine(self, xp: Any, dst: np.ndarray, src: np.ndarray) -> None:
         """Header: elementwise max. Payload (if any): the collective's op in its dtype."""
-        np.maximum(dst[:HEADER_BYTES].view(np.int64), src[:HEADER_BYTES].view(np.int64),
-                   out=dst[:HEADER_BYTES].view(np.int64))
+        header = dst[:HEADER_BYTES].view(np.int64)
+        np.maximum(header, src[:HEADER_BYTES].view(np.int64), out=header)
         if self._payload_op is not None:
             end = HEADER_BYTES + self._payload_bytes
             self._payload_op.combine(np, dst[HEADER_BYTES:end].view(self._payload_dtype),
@@ -73,29 +73,28 @@ class Agreement:
         With `payload` (a flat host array of at most PAYLOAD_BYTES), it is reduced with `op` in the
         same exchanges; the returned view of the packet holds the reduced payload.
         """
-        header = self._header
-        header[:6] = signature
-        header[_ERROR] = 1 if error else 0
-        header[_ERROR_RANK] = self.link.rank if error else -1
-        np.negative(header[:_N], out=header[_N:])
+        # This runs on every call, so it sticks to a few NumPy calls on preallocated memory and
+        # compares plain Python ints: at small sizes this, not the messages, is the cost.
+        fields = [*signature, 1 if error else 0, self.link.rank if error else -1]
+        self._header[:] = fields + [-v for v in fields]
         reduced = None
+        self._payload_op = None
         if payload is not None and op is not None and not error:
             nbytes = payload.nbytes
             reduced = self.packet[HEADER_BYTES:HEADER_BYTES + nbytes].view(payload.dtype)
-            reduced[...] = payload
+            np.copyto(reduced, payload)
             self._payload_op, self._payload_dtype, self._payload_bytes = op, payload.dtype, nbytes
-        else:
-            self._payload_op = None
         self.link.tag = tag
         butterfly_allreduce(self.link, self.packet)
-        highest, lowest = header[:_N], -header[_N:]
+        combined = self._header.tolist()
+        highest, lowest = combined[:_N], [-v for v in combined[_N:]]
         if highest[_ERROR]:
-            bad_rank = int(highest[_ERROR_RANK])
+            bad_rank = highest[_ERROR_RANK]
             message = _share_message(self.link, error, bad_rank)
             raise CollectiveArgumentError(
                 message if self.link.rank == bad_rank
                 else f"{collective} failed on rank {bad_rank}: {message}")
-        if not np.array_equal(highest[:6], lowest[:6]):
+        if highest[:6] != lowest[:6]:
             raise CollectiveArgumentError(self._mismatch(collective, signature))
         return reduced
 
