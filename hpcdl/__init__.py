@@ -1,6 +1,17 @@
 """hpcdl: synchronous data-parallel deep learning over MPI, on hand-written collectives."""
+from typing import Any
+
 from .runtime import Topology, abort, init, local_rank, local_size, rank, size, thread_level, topology
 
-__all__ = ["Topology", "abort", "init", "local_rank", "local_size", "rank", "size", "thread_level",
-           "topology"]
+__all__ = ["DistributedDataParallel", "Topology", "abort", "init", "local_rank", "local_size", "rank",
+           "size", "thread_level", "topology"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported only by what needs it, so `hpcdl info` and the runtime stay torch-free.
+    if name == "DistributedDataParallel":
+        from .ddp import DistributedDataParallel
+
+        return DistributedDataParallel
+    raise AttributeError(f"module 'hpcdl' has no attribute {name!r}")

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Training throughput: hpcdl DDP (overlap on and off) against torch's DDP over gloo and no communication.
+
+    mpirun -n 2 python benchmarks/train_throughput.py
+    mpirun -n 4 python benchmarks/train_throughput.py --models mlp --algorithm ring --json out.json
+    mpirun -n 2 python benchmarks/train_throughput.py --timeline trace.json   # Perfetto trace of hpcdl
+
+Every mode runs in this one invocation on the same ranks:
+  local        no gradient communication: the compute-only ceiling
+  hpcdl        hpcdl.DistributedDataParallel, buckets reduced during backward
+  hpcdl-nolap  the same with overlap=False (all buckets after backward)
+  torch-ddp    torch.nn.parallel.DistributedDataParallel, gloo backend (torch.distributed set up
+               from our MPI rank and size, MASTER_ADDR=127.0.0.1, a free port chosen by rank 0)
+Models: "cnn" (2 conv + 2 fc, 1.2 M params, 1x28x28 input) and "mlp" (784-4096-4096-1280-10,
+25.3 M params, communication-heavy). Batch 32 per rank, synthetic data, SGD with momentum;
+torch uses one thread per rank when P > 1. Each measurement: warm-up steps, a barrier, timed
+steps, a barrier; samples/s in total = P * batch * steps / (slowest rank's time). Modes take turns
+over --rounds rounds (drift does not favour one mode) and the median round is reported.
+On an oversubscribed machine set OMPI_MCA_mpi_yield_when_idle=1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch import nn
+
+import hpcdl
+
+MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp")
+
+
+def small_cnn() -> nn.Module:
+    """2 conv + 2 fc on 1x28x28 input: 1,199,882 parameters."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def heavy_mlp() -> nn.Module:
+    """784-4096-4096-1280-10: 25,263,370 parameters, little compute per byte of gradient."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+        nn.Linear(4096, 1280), nn.ReLU(), nn.Linear(1280, 10))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": small_cnn, "mlp": heavy_mlp}
+
+
+def init_torch_distributed(comm: MPI.Comm) -> None:
+    """gloo process group over TCP on this host, rank and size taken from MPI."""
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(comm.bcast(port, root=0))
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size(),
+                            timeout=timedelta(seconds=120))
+
+
+def wrap(mode: str, net: nn.Module, comm: MPI.Comm, args: argparse.Namespace,
+         timeline: str | None) -> nn.Module:
+    if mode == "local":
+        return net
+    if mode == "torch-ddp":
+        return nn.parallel.DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb)
+    return hpcdl.DistributedDataParallel(
+        net, comm, bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
+        algorithm=args.algorithm, overlap=(mode == "hpcdl"), timeline=timeline)
+
+
+def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace,
+            timeline: str | None = None) -> float:
+    """Samples/s in total for one (model, mode): warm-up, then timed steps, slowest rank counts."""
+    torch.manual_seed(0)
+    net = MODELS[model_name]()
+    model = wrap(mode, net, comm, args, timeline)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(comm.Get_rank())
+    x = torch.randn(args.batch, 1, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (args.batch,), generator=gen)
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    elapsed = time.perf_counter() - start
+    comm.Barrier()
+    if timeline is not None:
+        model.write_timeline()
+    slowest = comm.allreduce(elapsed, op=MPI.MAX)
+    return comm.Get_size() * args.batch * args.steps / slowest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="modes take turns this many times")
+    parser.add_argument("--algorithm", default="auto", help="hpcdl allreduce algorithm")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25)
+    parser.add_argument("--first-bucket-mb", type=float, default=1)
+    parser.add_argument("--timeline", help="write a Chrome trace of one hpcdl (overlap) run here")
+    parser.add_argument("--json", help="write the results here (rank 0)")
+    args = parser.parse_args(argv)
+
+    topo = hpcdl.init()
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    if size > 1:
+        torch.set_num_threads(1)  # ranks share the cores; more threads only contend
+    if "torch-ddp" in args.modes:
+        init_torch_distributed(comm)
+
+    results: dict[str, dict[str, float]] = {}
+    for model_name in args.models:
+        rounds: dict[str, list[float]] = {mode: [] for mode in args.modes}
+        for _ in range(args.rounds):
+            for mode in args.modes:
+                rounds[mode].append(measure(model_name, mode, comm, args))
+        if args.timeline and "hpcdl" in args.modes:
+            root, ext = os.path.splitext(args.timeline)
+            measure(model_name, "hpcdl", comm, args, timeline=f"{root}.{model_name}{ext or '.json'}")
+        results[model_name] = {mode: statistics.median(v) for mode, v in rounds.items()}
+        results[model_name].update({f"{mode}_rounds": v for mode, v in rounds.items()})
+
+    if topo.rank == 0:
+        print(f"\nP={size}, batch {args.batch}/rank, {args.steps} timed steps, median of "
+              f"{args.rounds} rounds, algorithm={args.algorithm}, bucket {args.bucket_cap_mb} MiB "
+              f"(first {args.first_bucket_mb}), torch threads {torch.get_num_threads()}")
+        print("| P | model | " + " | ".join(args.modes) + " | hpcdl/DDP | overlap/no-overlap |")
+        print("|---" * (len(args.modes) + 4) + "|")
+        for model_name, r in results.items():
+            ratio = lambda a, b: f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"  # noqa: E731
+            print(f"| {size} | {model_name} | " + " | ".join(f"{r[m]:.0f}" for m in args.modes)
+                  + f" | {ratio('hpcdl', 'torch-ddp')} | {ratio('hpcdl', 'hpcdl-nolap')} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"size": size, "args": vars(args), "samples_per_s": results}, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,425 @@
+"""Data-parallel training: gradients averaged over ranks in buckets, overlapped with backward.
+
+    model = hpcdl.DistributedDataParallel(net)
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()        # returns once every bucket is averaged
+        optimizer.step()
+
+How a step runs (DESIGN.md, "One training step"):
+- Gradients are grouped into fusion buckets in reverse registration order (about the order backward
+  produces them), `first_bucket_mb` for the first bucket and `bucket_cap_mb` for the others; a
+  bucket holds one dtype on one device and whole modules (a layer's weight and bias together,
+  since backward produces them at the same moment). Each bucket owns one flat tensor. After the
+  first synchronized backward the buckets are rebuilt once in the order gradients really became ready
+  (rank 0's order, broadcast), as torch's DDP does.
+- Gradients live in the bucket: after its gradient is accumulated, `param.grad` is made a view into
+  the bucket's flat tensor (like torch's `gradient_as_bucket_view=True`). If autograd handed a fresh
+  tensor (e.g. after `zero_grad(set_to_none=True)`) it is copied in once, then replaced by the view;
+  later accumulations (no_sync) add into the bucket directly. Nothing is written back after the
+  reduction: the averaged values are the gradients.
+- A post-accumulate-grad hook per parameter only marks the gradient ready. When a bucket is
+  complete, and every bucket before it has been launched, it is handed to the communication thread
+  as `collectives.iallreduce(flat, op="avg", out=flat)` (in slices of at most CHUNK_BYTES) while
+  backward goes on. Launching strictly in bucket order means every rank reduces the same buckets
+  in the same order.
+- At the end of backward (an autograd engine callback, as torch's DDP does) the remaining buckets
+  are launched and all are waited for, so `loss.backward(); optimizer.step()` is correct as is.
+
+Parameters without a gradient in a step: with `find_unused_parameters=True` they count as a zero
+contribution at the end of backward (their bucket slot keeps what was accumulated before, zero if
+nothing) and get the averaged slot as `.grad` on every rank, so ranks stay identical. Without it,
+the step still completes its communication the same way (so no rank is left waiting) and then
+raises RuntimeError naming the parameters.
+
+Buffers (batch-norm running statistics): independent per rank by default. `sync_buffers()`, and
+every training-mode forward when `broadcast_buffers=True`, AVERAGE floating-point buffers over
+ranks and BROADCAST the others (e.g. `num_batches_tracked`) from rank 0.
+
+CUDA tensors go to the collectives as CuPy arrays over the same memory (DLPack), after torch's
+current stream is synchronized; this path has not been run (no GPU where it was written).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import collectives
+from collectives import Handle
+
+from . import runtime
+from .tensors import as_array
+from .timeline import Timeline
+
+_MB = 1024 * 1024
+#: A bucket is reduced as consecutive allreduces of at most this many bytes (same slicing on every
+#: rank). On the shared-memory machines measured (BASELINES.md, P=2) the MPI library's allreduce
+#: reaches ~7 GB/s bus bandwidth at 8 MiB but ~2 GB/s at 32-64 MiB (cache), so slicing a 64 MiB
+#: gradient is faster than sending it whole.
+CHUNK_BYTES = 8 * _MB
+COMPRESSIONS = (None, "fp16")
+
+
+@dataclass
+class _Bucket:
+    """One fusion bucket: a flat gradient tensor, its parameters, and this step's state."""
+
+    index: int
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    views: list[torch.Tensor]  # views[i] is params[i].grad's home inside `flat`
+    flat: torch.Tensor
+    array: Any  # zero-copy NumPy/CuPy view of `flat`, what the collectives get
+    wire: torch.Tensor | None = None  # float16 copy sent instead of `flat` when compressing
+    wire_array: Any = None
+    pending: int = 0
+    handles: list[Handle] = field(default_factory=list)  # one per chunk, in order
+    ready_at: float | None = None
+    ready: list[bool] = field(default_factory=list)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks of `comm`.
+
+    Args:
+        module: the model; every rank must build the same architecture (parameters are broadcast
+            from rank 0 at construction, so initial values need not agree).
+        comm: MPI communicator (default MPI.COMM_WORLD).
+        bucket_cap_mb: capacity of each fusion bucket in MiB (a larger single gradient gets its own).
+        first_bucket_mb: capacity of the first bucket, small so communication starts early.
+        algorithm: allreduce algorithm for the buckets ("auto", "ring", "butterfly", "tree",
+            "halving_doubling", "mpi").
+        compression: None, or "fp16" to send float32/float64 buckets as float16 (averaged in
+            float16; values beyond ±65504 overflow).
+        overlap: reduce buckets as they complete during backward (True), or all after backward
+            (False, the baseline for measuring overlap).
+        find_unused_parameters: treat parameters without a gradient as zero contributions instead
+            of raising.
+        broadcast_buffers: synchronize buffers (see `sync_buffers`) before every training forward.
+        timeline: a `Timeline`, or a path to write a Chrome trace to (call `write_timeline()`).
+    """
+
+    def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *,
+                 bucket_cap_mb: float = 25, first_bucket_mb: float = 1, algorithm: str = "auto",
+                 compression: str | None = None, overlap: bool = True,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = False,
+                 timeline: Timeline | str | os.PathLike[str] | None = None) -> None:
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+        allowed = ["auto", *collectives.ALGORITHMS["allreduce"]]
+        if algorithm not in allowed:
+            raise ValueError(f"algorithm {algorithm!r} is not an allreduce algorithm; "
+                             f"use one of {', '.join(allowed)}")
+        if compression not in COMPRESSIONS:
+            raise NotImplementedError(
+                f"compression {compression!r} is not implemented; use None or 'fp16'")
+        runtime.init()
+        self.module = module
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.algorithm = algorithm
+        self.compression = compression
+        self.overlap = bool(overlap)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        if timeline is not None and not isinstance(timeline, (Timeline, str, os.PathLike)):
+            raise TypeError(f"timeline must be a path or a hpcdl.timeline.Timeline, got "
+                            f"{type(timeline).__name__}")
+        self.timeline = (timeline if timeline is None or isinstance(timeline, Timeline)
+                         else Timeline(timeline, self.comm))
+        #: the finished handles of the last synchronized step, in bucket then chunk order
+        self.last_handles: list[Handle] = []
+
+        self._broadcast_state()
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        self._caps = (bucket_cap_mb * _MB, first_bucket_mb * _MB)
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        self._set_buckets(list(reversed(range(len(self._named)))))
+        # The order gradients really became ready in the first synchronized backward; buckets
+        # are rebuilt from it once (rank 0's), as torch's DDP does.
+        self._ready_order: list[int] | None = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._mark_ready) for _, p in self._named]
+        self._require_sync = True  # flipped by no_sync()
+        self._sync_this_backward = True  # captured at forward, like torch's DDP
+        self._in_backward = False
+        self._next_launch = 0
+        self._backward_started_at: float | None = None
+        self._reset_step()
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def _broadcast_state(self) -> None:
+        """Give every rank rank 0's parameters and buffers (one broadcast per tensor)."""
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                collectives.broadcast(as_array(tensor.data), 0, self.comm)
+
+    def _set_buckets(self, order: list[int]) -> None:
+        """Bucket the parameters in `order` (indices into self._named); keep current gradients."""
+        self._buckets = self._make_buckets([self._named[i] for i in order], *self._caps)
+        self._slot = {}
+        with torch.no_grad():
+            for bucket in self._buckets:
+                for i, p in enumerate(bucket.params):
+                    self._slot[id(p)] = (bucket, i)
+                    if p.grad is not None:
+                        bucket.views[i].copy_(p.grad)
+                        p.grad = bucket.views[i]
+
+    def _rebuild_buckets(self) -> None:
+        """Re-bucket by the ready order rank 0 saw (all ranks use the same one)."""
+        assert self._ready_order is not None
+        seen = set(self._ready_order)
+        order = self._ready_order + [i for i in reversed(range(len(self._named))) if i not in seen]
+        self._ready_order = None
+        agreed = np.array(order, dtype=np.int64)
+        collectives.broadcast(agreed, 0, self.comm)
+        self._set_buckets([int(i) for i in agreed])
+        self._reset_step()
+
+    def _make_buckets(self, named: list[tuple[str, torch.nn.Parameter]], cap: float,
+                      first_cap: float) -> list[_Bucket]:
+        # A module's own parameters (a layer's weight and bias) get their gradients from the same
+        # backward node, at the same moment: keep them in one bucket, or a bias would hold the
+        # previous layer's finished bucket back until its own layer's backward is done.
+        units: dict[tuple[str, torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in named:
+            units.setdefault((name.rpartition(".")[0], p.dtype, p.device), []).append((name, p))
+        groups: list[list[tuple[str, torch.nn.Parameter]]] = []
+        size = 0.0
+        for unit in units.values():
+            nbytes = sum(p.numel() * p.element_size() for _, p in unit)
+            limit = first_cap if len(groups) <= 1 else cap
+            current = groups[-1] if groups else None
+            if (current is None or size + nbytes > limit
+                    or current[0][1].dtype != unit[0][1].dtype
+                    or current[0][1].device != unit[0][1].device):
+                groups.append([])
+                size = 0.0
+            groups[-1].extend(unit)
+            size += nbytes
+        buckets = []
+        for index, group in enumerate(groups):
+            params = [p for _, p in group]
+            for name, p in group:
+                if not p.is_contiguous():
+                    raise ValueError(f"parameter {name} is not contiguous; DistributedDataParallel "
+                                     "keeps gradients in flat buckets and needs contiguous ones")
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                               device=params[0].device)
+            views, offset = [], 0
+            for p in params:
+                views.append(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            bucket = _Bucket(index, [n for n, _ in group], params, views, flat, as_array(flat))
+            if self.compression == "fp16" and flat.is_floating_point() and flat.element_size() > 2:
+                bucket.wire = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
+                bucket.wire_array = as_array(bucket.wire)
+            buckets.append(bucket)
+        return buckets
+
+    def bucket_layout(self) -> list[list[str]]:
+        """Parameter names per bucket, in the order buckets are reduced."""
+        return [list(b.names) for b in self._buckets]
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; the next backward averages gradients unless inside no_sync()."""
+        if self.broadcast_buffers and self.training:
+            self.sync_buffers()
+        self._sync_this_backward = self._require_sync
+        started = time.perf_counter()
+        output = self.module(*inputs, **kwargs)
+        if self.timeline is not None:
+            self.timeline.span("forward", started, time.perf_counter())
+            first = _first_tensor_needing_grad(output) if self._sync_this_backward else None
+            if first is not None:
+                first.register_hook(self._stamp_backward_start)
+        return output
+
+    def _stamp_backward_start(self, grad: torch.Tensor) -> None:
+        if self._backward_started_at is None:
+            self._backward_started_at = time.perf_counter()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this context, forward+backward only accumulate local gradients (no communication).
+
+        The first backward after leaving it averages everything accumulated.
+        """
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # -- backward: hooks and buckets -------------------------------------------------------------
+
+    def _mark_ready(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook: put the gradient in its bucket; launch complete buckets."""
+        if not self._sync_this_backward:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            if self._backward_started_at is None:
+                self._backward_started_at = time.perf_counter()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket, i = self._slot[id(param)]
+        if self._ready_order is not None and not bucket.ready[i]:
+            self._ready_order.append(self._index[id(param)])
+        if bucket.ready[i]:
+            raise RuntimeError(
+                f"parameter {bucket.names[i]} received its gradient twice in one backward pass; "
+                "DistributedDataParallel supports one gradient per parameter per backward")
+        self._place_gradient(bucket, i)
+        if self.overlap and bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _place_gradient(self, bucket: _Bucket, i: int) -> None:
+        param, view = bucket.params[i], bucket.views[i]
+        grad = param.grad
+        if grad is None:  # unused this step and nothing accumulated: a zero contribution
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        param.grad = view
+        bucket.ready[i] = True
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bucket.ready_at = time.perf_counter()
+
+    def _launch_ready_buckets(self) -> None:
+        # Strictly in bucket order, so every rank queues the same collectives in the same order.
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.wire is not None:
+            bucket.wire.copy_(bucket.flat)
+            target = bucket.wire_array
+        else:
+            target = bucket.array
+        if bucket.flat.is_cuda:  # not run here: MPI and the engine's stream must see finished grads
+            torch.cuda.current_stream(bucket.flat.device).synchronize()
+        step = max(1, CHUNK_BYTES // target.dtype.itemsize)
+        bucket.handles = [collectives.iallreduce(target[i:i + step], self.comm, op="avg",
+                                                 algorithm=self.algorithm, out=target[i:i + step])
+                          for i in range(0, target.shape[0], step)]
+
+    def _end_of_backward(self) -> None:
+        """Autograd callback after the whole backward: finish every bucket, then check."""
+        missing = [b.names[i] for b in self._buckets for i, ok in enumerate(b.ready) if not ok]
+        # Missing gradients are zero contributions in both modes, so this rank launches exactly
+        # the buckets its peers launch; only then is the error (if any) raised.
+        for bucket in self._buckets:
+            for i, ok in enumerate(bucket.ready):
+                if not ok:
+                    self._place_gradient(bucket, i)
+        backward_end = time.perf_counter()
+        self._launch_ready_buckets()
+        self.synchronize()
+        if self.timeline is not None and self._backward_started_at is not None:
+            self.timeline.span("backward", self._backward_started_at, backward_end)
+        self._backward_started_at = None
+        if self._ready_order is not None:
+            self._rebuild_buckets()
+        if missing and not self.find_unused_parameters:
+            raise RuntimeError(
+                f"these parameters received no gradient in this backward pass: {', '.join(missing)}. "
+                "Make every parameter take part in the loss, set requires_grad=False on the "
+                "unused ones, or pass find_unused_parameters=True to DistributedDataParallel.")
+
+    def synchronize(self) -> None:
+        """Wait for every launched bucket; afterwards each `param.grad` holds the average.
+
+        Called automatically at the end of backward. Cost: the allreduce of all gradient bytes
+        (see `collectives.allreduce`), less what overlapped with backward.
+        """
+        handles: list[Handle] = []
+        error: BaseException | None = None
+        for bucket in self._buckets:
+            if not bucket.handles:
+                continue
+            try:
+                for handle in bucket.handles:
+                    handle.wait()
+            except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise the first
+                error = error or exc
+                continue
+            if bucket.wire is not None:
+                bucket.flat.copy_(bucket.wire)
+            if self.timeline is not None:
+                if bucket.ready_at is not None:
+                    self.timeline.instant(f"bucket {bucket.index} ready", bucket.ready_at)
+                for chunk, handle in enumerate(bucket.handles):
+                    self.timeline.handle(f"bucket {bucket.index} allreduce", handle, chunk=chunk,
+                                         bytes=_chunk_bytes(bucket, chunk))
+            handles.extend(bucket.handles)
+        self.last_handles = handles
+        self._reset_step()
+        if error is not None:
+            raise error
+
+    def _reset_step(self) -> None:
+        for bucket in self._buckets:
+            bucket.ready = [False] * len(bucket.params)
+            bucket.pending = len(bucket.params)
+            bucket.handles = []
+            bucket.ready_at = None
+        self._next_launch = 0
+        self._in_backward = False
+
+    # -- buffers and traces ----------------------------------------------------------------------
+
+    def sync_buffers(self) -> None:
+        """Average floating-point buffers over ranks; broadcast the others from rank 0.
+
+        Blocking, on the caller's thread; one collective per buffer.
+        """
+        with torch.no_grad():
+            for buffer in self.module.buffers():
+                array = as_array(buffer.data)
+                if buffer.is_floating_point():
+                    collectives.allreduce(array, self.comm, op="avg", out=array)
+                else:
+                    collectives.broadcast(array, 0, self.comm)
+
+    def write_timeline(self) -> str | None:
+        """Collective: write the merged trace (see `hpcdl.timeline`); the path on rank 0."""
+        if self.timeline is None:
+            raise RuntimeError("no timeline was requested; pass timeline=PATH to record one")
+        return self.timeline.write()
+
+
+def _chunk_bytes(bucket: _Bucket, chunk: int) -> int:
+    """Bytes on the wire of `bucket`'s chunk number `chunk` (see CHUNK_BYTES)."""
+    itemsize = 2 if bucket.wire is not None else bucket.flat.element_size()
+    total = bucket.flat.numel() * itemsize
+    return min(CHUNK_BYTES, total - chunk * CHUNK_BYTES)
+
+
+def _first_tensor_needing_grad(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        for item in output:
+            found = _first_tensor_needing_grad(item)
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,110 @@
+"""The models `hpcdl train` can build: a small CNN (digits), an MLP, and a residual CNN (synthetic).
+
+Every model takes images shaped (batch, channels, size, size) and returns class logits, so any of
+them runs on either data set. torchvision is not a dependency, so the residual network is written
+here: a ResNet-style stem, three stages of basic blocks, global average pooling and one linear layer.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions, one 2x2 max-pool, dropout and two linear layers (about 80 K params).
+
+    Sized for 8x8 digits; adaptive pooling lets it accept any image size.
+    """
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveMaxPool2d(4),
+        )
+        # Dropout makes the forward pass draw random numbers, which is what makes restoring the
+        # RNG state on resume matter (and tested).
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 4 * 4, 128), nn.ReLU(),
+            nn.Linear(128, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class MLP(nn.Module):
+    """Flatten, then two hidden ReLU layers of `hidden` units and a linear classifier."""
+
+    def __init__(self, in_features: int, num_classes: int = 10, hidden: int = 256) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 conv + batch norm, with a projected shortcut when shapes change."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A small ResNet: 7x7/2 stem + max-pool (skipped for images under 64 px), stages of
+    `blocks_per_stage` basic blocks at `width`, 2x, 4x channels, global average pool, linear."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 1000, width: int = 32,
+                 blocks_per_stage: int = 1, image_size: int = 224) -> None:
+        super().__init__()
+        if image_size >= 64:  # ImageNet-style stem: cut resolution by 4 before the stages
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                nn.MaxPool2d(3, 2, 1))
+        else:  # small images (digits, CIFAR-size) keep their resolution
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        stages = []
+        channels = width
+        for i, out_channels in enumerate((width, 2 * width, 4 * width)):
+            for j in range(blocks_per_stage):
+                stride = 2 if i > 0 and j == 0 else 1
+                stages.append(BasicBlock(channels, out_channels, stride))
+                channels = out_channels
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+MODELS = ("cnn", "mlp", "resnet")
+
+
+def build_model(name: str, *, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
+    """Build model `name` (one of MODELS) for square images of `in_channels` x `image_size`^2."""
+    if name == "cnn":
+        return DigitsCNN(in_channels, num_classes)
+    if name == "mlp":
+        return MLP(in_channels * image_size * image_size, num_classes)
+    if name == "resnet":
+        return ResNet(in_channels, num_classes, image_size=image_size)
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")

@@ -1,0 +1,64 @@
+"""torch tensors as arrays the collectives accept, without copying.
+
+CPU tensors become NumPy views (`Tensor.numpy()` shares memory); bfloat16, which NumPy lacks,
+is viewed through its int16 bits as `ml_dtypes.bfloat16`. CUDA tensors become CuPy arrays over
+the same memory through DLPack. `collectives` never imports torch; this module is the bridge.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - depends on the environment
+    ml_dtypes = None
+
+
+def as_array(tensor: torch.Tensor) -> Any:
+    """A zero-copy NumPy (CPU) or CuPy (CUDA) array over `tensor`'s memory, same shape.
+
+    The tensor must be contiguous, since the collectives work on flat memory. For a CUDA tensor
+    the work already queued on torch's current stream is finished before this returns, so MPI and
+    CuPy kernels see the values the producing kernels wrote.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"tensor of shape {tuple(tensor.shape)} is not contiguous; "
+                         "pass tensor.contiguous()")
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        return _cuda_array(tensor)
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensors on {tensor.device} are not supported (CPU or CUDA only)")
+    if tensor.dtype == torch.bfloat16:
+        if ml_dtypes is None:
+            raise TypeError("bfloat16 tensors need the ml_dtypes package (pip install ml_dtypes)")
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def _cuda_array(tensor: torch.Tensor) -> Any:
+    # Not run here (no GPU on the development machines). Synchronizing the producing stream is
+    # the simple way to be correct by construction: the collectives run on another thread and
+    # another stream, and MPI reads device memory behind CUDA's back.
+    import cupy
+
+    torch.cuda.current_stream(tensor.device).synchronize()
+    if tensor.dtype == torch.bfloat16:
+        if ml_dtypes is None:
+            raise TypeError("bfloat16 tensors need the ml_dtypes package (pip install ml_dtypes)")
+        return cupy.from_dlpack(tensor.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return cupy.from_dlpack(tensor)
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype `as_array` gives for tensors of torch `dtype`."""
+    if dtype == torch.bfloat16:
+        if ml_dtypes is None:
+            raise TypeError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
+        return np.dtype(ml_dtypes.bfloat16)
+    return torch.empty((), dtype=dtype).numpy().dtype

@@ -1,0 +1,425 @@
+"""`hpcdl train`: synchronous data-parallel SGD over MPI.
+
+    mpirun -n 4 hpcdl train                       # small CNN on scikit-learn's digits, >= 95 %
+    mpirun -n 4 hpcdl train --checkpoint-dir runs/a --checkpoint-every 20
+    mpirun -n 4 hpcdl train --checkpoint-dir runs/a --resume     # continue where it stopped
+    mpirun -n 4 hpcdl train --synthetic --image-size 64          # images/s, Horovod-style
+
+Each rank trains on its `DistributedSampler` shard; `hpcdl.DistributedDataParallel` averages the
+gradients. The learning rate follows the linear scaling rule with gradual warm-up (`schedule.py`).
+Every option is checked on every rank, and the ranks agree on the verdict before any training
+starts, so a bad option stops all ranks with the same message instead of leaving some waiting.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+
+from . import runtime
+
+ARGUMENT_ERROR = 2  # the exit status argparse uses for bad options
+METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `hpcdl train` option parser (syntax and choices only; values are checked afterwards)."""
+    parser = argparse.ArgumentParser(
+        prog="hpcdl train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model and data")
+    model.add_argument("--model", choices=("cnn", "mlp", "resnet"), default=None,
+                       help="network (default: cnn on digits, resnet with --synthetic)")
+    model.add_argument("--synthetic", action="store_true",
+                       help="benchmark on random ImageNet-shaped data instead of training on digits")
+    model.add_argument("--image-size", type=int, default=224,
+                       help="side of the square synthetic images (default 224)")
+    model.add_argument("--seed", type=int, default=0, help="seed for initialization, shuffling, dropout")
+    opt = parser.add_argument_group("optimization")
+    opt.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
+    opt.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
+    opt.add_argument("--lr", type=float, default=0.05,
+                     help="base learning rate for --reference-batch samples (default 0.05)")
+    opt.add_argument("--reference-batch", type=int, default=32,
+                     help="global batch the base rate is meant for; the rate used is "
+                          "lr * global batch / reference batch (default 32)")
+    opt.add_argument("--warmup-epochs", type=float, default=2.0,
+                     help="epochs of linear warm-up from the base to the scaled rate (default 2)")
+    comm = parser.add_argument_group("communication")
+    comm.add_argument("--algorithm", choices=("auto", *collectives.ALGORITHMS["allreduce"]),
+                      default="auto", help="allreduce algorithm for the gradient buckets")
+    comm.add_argument("--bucket-cap-mb", type=float, default=25.0, help="fusion bucket size in MiB")
+    comm.add_argument("--no-overlap", action="store_true",
+                      help="reduce gradients after backward instead of during it")
+    comm.add_argument("--timeline", metavar="PATH", help="write a Chrome trace of communication here")
+    state = parser.add_argument_group("checkpoints and output")
+    state.add_argument("--checkpoint-dir", metavar="DIR",
+                       help="write checkpoints here at the end of every epoch (rank 0 writes)")
+    state.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                       help="also checkpoint every STEPS steps (0: only at epoch ends)")
+    state.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint in --checkpoint-dir")
+    state.add_argument("--metrics", metavar="PATH",
+                       help="append per-epoch metrics to PATH (.csv, or .jsonl/.json for JSON lines)")
+    state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
+                       help="for testing resume: stop abruptly after STEPS steps in total, as if "
+                            "killed (no final checkpoint)")
+    bench = parser.add_argument_group("synthetic benchmark (with --synthetic)")
+    bench.add_argument("--num-warmup-batches", type=int, default=10, help="untimed batches first")
+    bench.add_argument("--num-batches-per-iter", type=int, default=10, help="batches per timed iteration")
+    bench.add_argument("--num-iters", type=int, default=10, help="timed iterations")
+    return parser
+
+
+# -- argument checks, agreed by all ranks --------------------------------------------------------
+
+def local_argument_errors(args: argparse.Namespace) -> list[str]:
+    """Every problem with `args` this rank can see (values, paths); empty if none."""
+    errors = []
+    positive = [("--epochs", args.epochs), ("--batch-size", args.batch_size),
+                ("--reference-batch", args.reference_batch)]
+    if args.synthetic:
+        positive += [("--num-batches-per-iter", args.num_batches_per_iter),
+                     ("--num-iters", args.num_iters)]
+    errors += [f"{flag} must be at least 1, got {value}" for flag, value in positive if value < 1]
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        errors.append(f"--lr must be a positive number, got {args.lr}")
+    if not (args.warmup_epochs >= 0 and math.isfinite(args.warmup_epochs)):
+        errors.append(f"--warmup-epochs must be zero or more, got {args.warmup_epochs}")
+    if not (args.bucket_cap_mb > 0 and math.isfinite(args.bucket_cap_mb)):
+        errors.append(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
+    if args.checkpoint_every < 0:
+        errors.append(f"--checkpoint-every must be 0 (epoch ends only) or more, got {args.checkpoint_every}")
+    if args.stop_after_steps is not None and args.stop_after_steps < 1:
+        errors.append(f"--stop-after-steps must be at least 1, got {args.stop_after_steps}")
+    if args.synthetic:
+        if args.image_size < 8:
+            errors.append(f"--image-size must be at least 8, got {args.image_size}")
+        if args.num_warmup_batches < 0:
+            errors.append(f"--num-warmup-batches must be 0 or more, got {args.num_warmup_batches}")
+        for flag, used in (("--checkpoint-dir", args.checkpoint_dir), ("--resume", args.resume),
+                           ("--metrics", args.metrics), ("--stop-after-steps", args.stop_after_steps)):
+            if used:
+                errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
+    if args.checkpoint_dir is None:
+        for flag, used in (("--resume", args.resume), ("--checkpoint-every", args.checkpoint_every)):
+            if used:
+                errors.append(f"{flag} needs --checkpoint-dir DIR")
+    elif not args.synthetic:
+        problem = _unwritable_directory(Path(args.checkpoint_dir), create=True)
+        if problem:
+            errors.append(f"--checkpoint-dir {args.checkpoint_dir}: {problem}")
+    if args.metrics is not None:
+        suffix = Path(args.metrics).suffix.lower()
+        if suffix not in METRICS_FORMATS:
+            errors.append(f"--metrics {args.metrics}: unknown format {suffix or '(no extension)'}; "
+                          "name the file .csv, .jsonl or .json")
+        problem = _unwritable_directory(Path(args.metrics).resolve().parent, create=False)
+        if problem:
+            errors.append(f"--metrics {args.metrics}: {problem}")
+    if args.timeline is not None:
+        problem = _unwritable_directory(Path(args.timeline).resolve().parent, create=False)
+        if problem:
+            errors.append(f"--timeline {args.timeline}: {problem}")
+    return errors
+
+
+def _unwritable_directory(directory: Path, *, create: bool) -> str | None:
+    """Why files cannot be written in `directory` (created first if `create`), or None."""
+    try:
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+        elif not directory.is_dir():
+            return f"directory {directory} does not exist"
+        # Permission bits do not tell the whole story (root, read-only mounts): try it.
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        return f"cannot write in {directory} ({exc.strerror or exc})"
+    return None
+
+
+def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
+    """Collective: every rank's errors, tagged with the rank where only some ranks saw them.
+
+    The same list comes back on every rank, so all ranks take the same decision.
+    """
+    per_rank = comm.allgather(errors)
+    everywhere = [e for e in per_rank[0] if all(e in other for other in per_rank)]
+    result = list(everywhere)
+    for r, mine in enumerate(per_rank):
+        result += [f"rank {r}: {e}" for e in mine if e not in everywhere]
+    return result
+
+
+def _fail(messages: list[str], rank: int) -> int:
+    if rank == 0:
+        for message in messages:
+            print(f"hpcdl train: error: {message}", file=sys.stderr)
+        sys.stderr.flush()
+    return ARGUMENT_ERROR
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    """Run `hpcdl train` with command-line arguments `argv`; returns the exit status."""
+    topology = runtime.init()
+    args = build_parser().parse_args(argv)  # bad syntax: argparse exits 2, on every rank alike
+    comm = MPI.COMM_WORLD
+    errors = agreed_errors(local_argument_errors(args), comm)
+    if errors:
+        return _fail(errors, topology.rank)
+
+    import torch
+
+    if topology.local_size > 1:
+        torch.set_num_threads(1)  # ranks sharing a host would otherwise oversubscribe its cores
+    if args.synthetic:
+        return run_synthetic_benchmark(args, topology, comm)
+    return run_training(args, topology, comm)
+
+
+# -- training on digits --------------------------------------------------------------------------
+
+_TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed")
+
+
+def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
+    """Train on digits with checkpoints as requested; print per-epoch metrics on rank 0."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    from .checkpoint import find_resume_checkpoint, load_checkpoint, restore_rank_state, save_checkpoint
+    from .data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
+    from .ddp import DistributedDataParallel
+    from .models import build_model
+    from .schedule import scaled_learning_rate, warmup_cosine_schedule, warmup_start_factor
+
+    rank, size = topology.rank, topology.size
+    args.model = args.model or "cnn"
+    job = {name: getattr(args, name) for name in _TRAJECTORY_OPTIONS} | {"ranks": size}
+
+    checkpoint = None
+    if args.resume:
+        path = find_resume_checkpoint(args.checkpoint_dir, comm)
+        if path is None:
+            return _fail([f"--resume: no complete checkpoint in {args.checkpoint_dir}; "
+                          "run once without --resume to create one"], rank)
+        checkpoint = load_checkpoint(path)  # every rank reads the same file: same verdicts below
+        differences = [f"{k} {checkpoint['job'].get(k)!r} (this run: {v!r})"
+                       for k, v in job.items() if checkpoint["job"].get(k) != v]
+        if differences:
+            return _fail([f"--resume: {path} was made with " + ", ".join(differences)
+                          + "; resume with the same settings or use a new --checkpoint-dir"], rank)
+
+    train_set, test_set = load_digits_split()
+    x_train, y_train = train_set.tensors
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
+    sampler = shard_sampler(train_set, seed=args.seed)
+    steps_per_epoch = batches_per_epoch(sampler, args.batch_size)
+    total_steps = steps_per_epoch * args.epochs
+    global_batch = args.batch_size * size
+    lr = scaled_learning_rate(args.lr, global_batch, args.reference_batch)
+    warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scheduler = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
+                                       start_factor=warmup_start_factor(global_batch, args.reference_batch))
+    epoch, done_in_epoch, step = 0, 0, 0
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        epoch, done_in_epoch, step = checkpoint["epoch"], checkpoint["batches_done"], checkpoint["step"]
+    ddp = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb,
+                                  algorithm=args.algorithm, overlap=not args.no_overlap,
+                                  timeline=args.timeline)
+    if checkpoint is not None:
+        # After DDP's construction-time broadcast: each rank's own buffers and random numbers.
+        mine = restore_rank_state(checkpoint, rank)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(mine["buffers"][name])
+    else:
+        torch.manual_seed(args.seed + 1 + rank)  # ranks draw different dropout masks
+
+    def checkpoint_now(epoch_: int, batches_done: int) -> None:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "epoch": epoch_, "batches_done": batches_done,
+                 "job": job}
+        save_checkpoint(args.checkpoint_dir, state, step=step, comm=comm,
+                        rank_state={"buffers": dict(model.named_buffers())})
+
+    metrics = MetricsLog(args.metrics, append=args.resume) if rank == 0 and args.metrics else None
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"training {args.model} on digits ({len(train_set)} train / {len(test_set)} held out) on "
+        f"{size} rank(s): batch {args.batch_size} per rank, global {global_batch}, lr {lr:g} "
+        f"(base {args.lr:g} x {global_batch}/{args.reference_batch}), warm-up {warmup_steps} steps, "
+        f"{steps_per_epoch} steps per epoch"
+        + (f"; resuming at epoch {epoch + 1}, step {step}" if checkpoint is not None else ""), flush=True)
+
+    while epoch < args.epochs:
+        ddp.train()
+        local_loss, local_samples = 0.0, 0
+        bar = tqdm(total=steps_per_epoch, initial=done_in_epoch, disable=rank != 0, leave=False,
+                   desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr)
+        started = time.perf_counter()
+        for batch_index, indices in enumerate(epoch_batches(sampler, args.batch_size, epoch,
+                                                            skip=done_in_epoch), start=done_in_epoch):
+            loss = F.cross_entropy(ddp(x_train[indices]), y_train[indices])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            local_loss += loss.item() * len(indices)
+            local_samples += len(indices)
+            bar.update(1)
+            if args.stop_after_steps is not None and step >= args.stop_after_steps:
+                bar.close()
+                say(f"stopping after step {step} (--stop-after-steps), without a final checkpoint")
+                return 0
+            if args.checkpoint_every and step % args.checkpoint_every == 0 \
+                    and batch_index + 1 < steps_per_epoch:  # the epoch-end checkpoint covers the last
+                checkpoint_now(epoch, batch_index + 1)
+        elapsed = time.perf_counter() - started
+        bar.close()
+        totals = collectives.allreduce(np.array([local_loss, local_samples, elapsed]), comm, op="sum")
+        train_loss = totals[0] / max(totals[1], 1)
+        throughput = totals[1] / (totals[2] / size)  # samples of all ranks / mean rank time
+        test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
+        epoch += 1
+        done_in_epoch = 0
+        say(f"epoch {epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
+            f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  lr {scheduler.get_last_lr()[0]:.4g}",
+            flush=True)
+        if metrics is not None:
+            metrics.write({"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
+                           "accuracy": accuracy, "samples_per_s": throughput, "seconds": totals[2] / size,
+                           "lr": scheduler.get_last_lr()[0], "ranks": size})
+        if args.checkpoint_dir:
+            checkpoint_now(epoch, 0)
+
+    test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
+    say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {step} steps", flush=True)
+    if metrics is not None:
+        metrics.close()
+    if args.timeline:
+        written = ddp.write_timeline()
+        say(f"timeline written to {written}")
+    return 0
+
+
+def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm) -> tuple[float, float]:
+    """Collective: (mean loss, accuracy) over all of `dataset`; rank r scores samples r, r+P, ...
+    and the sums meet in one allreduce of three float64s."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = dataset.tensors
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(x[rank::size])
+        loss = F.cross_entropy(logits, y[rank::size], reduction="sum").item()
+        correct = (logits.argmax(dim=1) == y[rank::size]).sum().item()
+    model.train(was_training)
+    sums = collectives.allreduce(np.array([loss, correct, len(y[rank::size])], dtype=np.float64),
+                                 comm, op="sum")
+    return float(sums[0] / sums[2]), float(sums[1] / sums[2])
+
+
+class MetricsLog:
+    """Per-epoch rows appended to a CSV or JSON-lines file (format from the extension); rank 0."""
+
+    def __init__(self, path: str, *, append: bool) -> None:
+        self.format = METRICS_FORMATS[Path(path).suffix.lower()]
+        fresh = not append or not os.path.exists(path) or os.path.getsize(path) == 0
+        self.file: TextIO = open(path, "w" if fresh else "a", newline="")
+        self.header_written = not fresh
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append one row (the keys of the first row are the CSV columns) and flush it."""
+        if self.format == "jsonl":
+            self.file.write(json.dumps(row) + "\n")
+        else:
+            writer = csv.DictWriter(self.file, fieldnames=list(row))
+            if not self.header_written:
+                writer.writeheader()
+                self.header_written = True
+            writer.writerow(row)
+        self.file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self.file.close()
+
+
+# -- synthetic benchmark -------------------------------------------------------------------------
+
+def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
+    """Horovod's pytorch_synthetic_benchmark.py: images/s per rank and in total on random data."""
+    import timeit
+
+    import torch
+    import torch.nn.functional as F
+
+    from .data import synthetic_batch
+    from .ddp import DistributedDataParallel
+    from .models import build_model
+    from .schedule import scaled_learning_rate
+
+    rank, size = topology.rank, topology.size
+    args.model = args.model or "resnet"
+    say = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, in_channels=3, image_size=args.image_size, num_classes=1000)
+    ddp = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb,
+                                  algorithm=args.algorithm, overlap=not args.no_overlap,
+                                  timeline=args.timeline)
+    lr = scaled_learning_rate(args.lr, args.batch_size * size, args.reference_batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    torch.manual_seed(args.seed + 1 + rank)
+    data, target = synthetic_batch(args.batch_size, args.image_size)
+
+    def benchmark_step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(ddp(data), target).backward()
+        optimizer.step()
+
+    say(f"Model: {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters), "
+        f"images 3x{args.image_size}x{args.image_size}")
+    say(f"Batch size: {args.batch_size}")
+    say(f"Number of ranks: {size}, allreduce algorithm: {args.algorithm}, "
+        f"overlap: {not args.no_overlap}")
+    say("Running warmup...", flush=True)
+    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    say("Running benchmark...", flush=True)
+    rates = []
+    for i in range(args.num_iters):
+        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        rates.append(args.batch_size * args.num_batches_per_iter / seconds)
+        say(f"Iter #{i}: {rates[-1]:.1f} img/sec per rank", flush=True)
+    # Every rank's rates, not only rank 0's: oversubscribed ranks can run at different speeds.
+    all_rates = collectives.allgather(np.array(rates), comm)
+    per_rank = all_rates.mean(axis=1)
+    mean, spread = float(all_rates.mean()), float(1.96 * all_rates.std())
+    say(f"Img/sec per rank: {mean:.1f} +-{spread:.1f}")
+    say(f"Total img/sec on {size} rank(s): {per_rank.sum():.1f} +-{size * spread:.1f}")
+    if args.timeline:
+        written = ddp.write_timeline()
+        say(f"timeline written to {written}")
+    return 0

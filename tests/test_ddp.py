@@ -1,0 +1,340 @@
+"""hpcdl.DistributedDataParallel: equivalence with one big-batch process, identical ranks,
+algorithms and overlap agree, unused parameters, no_sync, overlap really happens, timeline, buffers.
+
+The single-process reference is computed by every rank itself on the full batch, so no extra
+communication is needed to check against it.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import collectives
+import hpcdl
+from conftest import all_ranks_agree
+
+pytestmark = pytest.mark.mpi
+
+PER_RANK = 4
+STEPS = 4
+
+
+def _net(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batches(size: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1234)  # same full batches on every rank
+    return [(torch.randn(size * PER_RANK, 12, generator=gen),
+             torch.randn(size * PER_RANK, 3, generator=gen)) for _ in range(steps)]
+
+
+def _shard(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * PER_RANK:(rank + 1) * PER_RANK]
+
+
+def _params_hash(module: torch.nn.Module) -> int:
+    digest = hashlib.sha256()
+    for p in module.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little", signed=True)
+
+
+def _identical_on_all_ranks(module: torch.nn.Module, comm: MPI.Comm) -> bool:
+    return len(set(comm.allgather(_params_hash(module)))) == 1
+
+
+def _relative_error(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p - q).detach().abs().max() / q.detach().abs().max().clamp_min(1e-12))
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _reference(steps, make_opt, net: torch.nn.Module) -> torch.nn.Module:
+    opt = make_opt(net.parameters())
+    for x, y in steps:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    return net
+
+
+def _train(comm, steps, make_opt, **ddp_args) -> tuple[hpcdl.DistributedDataParallel, bool]:
+    """Train a DDP model; returns it and whether ranks were bitwise identical after every step."""
+    rank = comm.Get_rank()
+    net = _net()
+    with torch.no_grad():  # different starting points: the constructor's broadcast must fix them
+        for p in net.parameters():
+            p.add_(rank * 0.5)
+    model = hpcdl.DistributedDataParallel(net, comm, **ddp_args)
+    identical = _identical_on_all_ranks(model, comm)
+    opt = make_opt(model.parameters())
+    for x, y in steps:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+        opt.step()
+        identical = _identical_on_all_ranks(model, comm) and identical
+    return model, identical
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "momentum_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_matches_single_process_with_full_batch(comm, optimizer):
+    steps = _batches(comm.Get_size())
+    make_opt = OPTIMIZERS[optimizer]
+    # tiny buckets: several buckets, and the first one differs in size from the others
+    model, identical = _train(comm, steps, make_opt, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    assert len(model.bucket_layout()) >= 3
+    reference = _reference(steps, make_opt, _net())
+    error = _relative_error(model.module, reference)
+    assert all_ranks_agree(identical, comm), "ranks' parameters differ after a step"
+    assert all_ranks_agree(error <= 1e-5, comm), f"relative error {error} against the reference"
+
+
+def test_buckets_reduced_in_chunks(comm, monkeypatch):
+    monkeypatch.setattr(hpcdl.ddp, "CHUNK_BYTES", 256)  # 64 floats: most buckets split
+    steps = _batches(comm.Get_size())
+    make_opt = OPTIMIZERS["sgd"]
+    model, identical = _train(comm, steps, make_opt, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    assert len(model.last_handles) > len(model.bucket_layout())
+    error = _relative_error(model.module, _reference(steps, make_opt, _net()))
+    assert all_ranks_agree(identical and error <= 1e-5, comm), error
+
+
+def test_overlap_and_algorithms_agree(comm):
+    steps = _batches(comm.Get_size(), steps=3)
+    make_opt = OPTIMIZERS["momentum_wd"]
+    small = dict(first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    results = {}
+    for algorithm in ["auto", *collectives.ALGORITHMS["allreduce"]]:
+        for overlap in (True, False):
+            model, identical = _train(comm, steps, make_opt, algorithm=algorithm, overlap=overlap,
+                                      **small)
+            assert all_ranks_agree(identical, comm), f"{algorithm} overlap={overlap}: ranks differ"
+            results[algorithm, overlap] = [p.detach().clone() for p in model.parameters()]
+    # The same algorithm over the same buckets does the same arithmetic, overlapped or not.
+    same = all(torch.equal(a, b) for algorithm in ["auto", *collectives.ALGORITHMS["allreduce"]]
+               for a, b in zip(results[algorithm, True], results[algorithm, False]))
+    assert all_ranks_agree(same, comm), "overlap=True and overlap=False give different parameters"
+    # Algorithms sum in different orders: equal up to float32 rounding.
+    base = results["mpi", True]
+    close = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+                for key, ps in results.items() for a, b in zip(ps, base))
+    assert all_ranks_agree(close, comm), "algorithms disagree beyond rounding"
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _net()
+        self.extra = torch.nn.Linear(12, 3)  # never used in forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_unused_parameters_raise_naming_them(comm):
+    rank = comm.Get_rank()
+    x, y = _batches(comm.Get_size(), steps=1)[0]
+    model = hpcdl.DistributedDataParallel(_WithUnused(), comm, first_bucket_mb=0.0005,
+                                          bucket_cap_mb=0.002)
+    message = ""
+    try:
+        torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+    except RuntimeError as exc:
+        message = str(exc)
+    ok = "extra.weight" in message and "extra.bias" in message and "find_unused_parameters" in message
+    assert all_ranks_agree(ok, comm), f"expected an error naming extra.weight/bias, got {message!r}"
+    # The wrapper stays usable: the next step (with the parameter used) reduces normally.
+    loss = model(_shard(x, rank)).sum() + model.module.extra(_shard(x, rank)).sum()
+    loss.backward()
+    assert all_ranks_agree(all(p.grad is not None for p in model.parameters()), comm)
+
+
+def test_find_unused_parameters(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    steps = _batches(size)
+    torch.manual_seed(0)
+    model = hpcdl.DistributedDataParallel(_WithUnused(), comm, find_unused_parameters=True,
+                                          first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    reference = copy.deepcopy(model.module)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in steps:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+        opt.step()
+    _reference(steps, OPTIMIZERS["sgd"], reference)
+    ok = _relative_error(model.module, reference) <= 1e-5 and _identical_on_all_ranks(model, comm)
+    assert all_ranks_agree(ok, comm)
+    assert all_ranks_agree(bool((model.module.extra.weight.grad == 0).all()), comm)
+
+
+def test_no_sync_accumulation(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    micro = _batches(size, steps=3)
+    model = hpcdl.DistributedDataParallel(_net(), comm, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.zero_grad()
+    with model.no_sync():
+        for x, y in micro[:-1]:
+            torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+    local_only = [p.grad.clone() for p in model.parameters()]
+    x, y = micro[-1]
+    torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+    opt.step()
+
+    reference = _net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    for x, y in micro:
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    ok = _relative_error(model.module, reference) <= 1e-5 and _identical_on_all_ranks(model, comm)
+    assert all_ranks_agree(ok, comm)
+    if size > 1:  # under no_sync the gradients were this rank's own
+        hashes = comm.allgather(hash(tuple(float(g.sum()) for g in local_only)))
+        assert all_ranks_agree(len(set(hashes)) == size, comm)
+
+
+class _WaitForFirstBucket(torch.autograd.Function):
+    """Identity whose backward waits until bucket 0's allreduce has started, if it was launched.
+
+    Backward of everything before this point (the first layer) cannot finish earlier, so with
+    overlap the first bucket's reduction must start before the first layer's gradient exists.
+    """
+
+    model: hpcdl.DistributedDataParallel | None = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        handles = _WaitForFirstBucket.model._buckets[0].handles
+        handle = handles[0] if handles else None
+        deadline = time.perf_counter() + 30
+        while handle is not None and handle.started_at is None and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        return grad
+
+
+class _SlowStart(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(12, 32)
+        self.rest = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.rest(_WaitForFirstBucket.apply(self.first(x)))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_first_bucket_starts_before_backward_ends(comm, overlap):
+    rank = comm.Get_rank()
+    model = hpcdl.DistributedDataParallel(_SlowStart(), comm, overlap=overlap,
+                                          first_bucket_mb=0.0001, bucket_cap_mb=0.0001)
+    _WaitForFirstBucket.model = model
+    assert model.bucket_layout()[0] == ["rest.1.bias", "rest.1.weight"]
+    first_layer_done: list[float] = []
+    # registered after the wrapper's hook, so it runs once first.weight's gradient is final
+    model.module.first.weight.register_post_accumulate_grad_hook(
+        lambda p: first_layer_done.append(time.perf_counter()))
+    x, y = _batches(comm.Get_size(), steps=1)[0]
+    torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+    started = model.last_handles[0].started_at
+    ok = (started < first_layer_done[0]) if overlap else (started > first_layer_done[0])
+    assert all_ranks_agree(ok, comm), (overlap, started, first_layer_done)
+
+
+def test_buckets_keep_modules_whole_and_follow_ready_order(comm):
+    model = hpcdl.DistributedDataParallel(_net(), comm, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    # reverse registration order, a layer's weight and bias never split; 32x12 floats > 0.002 MiB
+    assert model.bucket_layout() == [["4.bias", "4.weight"], ["2.bias", "2.weight"],
+                                     ["0.bias", "0.weight"]]
+    x, y = _batches(comm.Get_size(), steps=1)[0]
+    torch.nn.functional.mse_loss(model(x[:PER_RANK]), y[:PER_RANK]).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    # rebuilt from the order hooks fired (the same here); gradients carried over
+    assert model.bucket_layout() == [["4.bias", "4.weight"], ["2.bias", "2.weight"],
+                                     ["0.bias", "0.weight"]]
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_timeline_records_backward_and_buckets(comm, tmp_path_factory):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    path = comm.bcast(str(tmp_path_factory.mktemp("trace") / "trace.json") if rank == 0 else None)
+    model = hpcdl.DistributedDataParallel(_net(), comm, timeline=path, first_bucket_mb=0.0005,
+                                          bucket_cap_mb=0.002)
+    for x, y in _batches(size, steps=2):
+        torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+    written = model.write_timeline()
+    ok = True
+    if rank == 0:
+        events = json.load(open(written))["traceEvents"]
+        buckets = len(model.bucket_layout())
+        for r in range(size):
+            names = [e["name"] for e in events if e.get("pid") == r and e["ph"] == "X"]
+            ok &= names.count("backward") == 2
+            ok &= all(names.count(f"bucket {b} allreduce") == 2 for b in range(buckets))
+            ok &= all(names.count(f"bucket {b} allreduce queued") == 2 for b in range(buckets))
+    assert all_ranks_agree(ok, comm)
+
+
+def test_fp16_compression(comm):
+    steps = _batches(comm.Get_size())
+    make_opt = OPTIMIZERS["sgd"]
+    model, identical = _train(comm, steps, make_opt, compression="fp16", first_bucket_mb=0.0005,
+                              bucket_cap_mb=0.002)
+    error = _relative_error(model.module, _reference(steps, make_opt, _net()))
+    assert all_ranks_agree(identical and error <= 1e-2, comm), error
+
+
+def test_sync_buffers_averages_running_stats(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    model = hpcdl.DistributedDataParallel(net, comm)
+    model(torch.randn(8, 4) + rank)  # different statistics on every rank
+    bn = model.module[1]
+    expected = np.mean(comm.allgather(bn.running_mean.numpy().copy()), axis=0)
+    model.sync_buffers()
+    ok = np.allclose(bn.running_mean.numpy(), expected, rtol=1e-6, atol=1e-7)
+    ok &= len(set(comm.allgather(bn.running_mean.numpy().tobytes()))) == 1
+    ok &= int(bn.num_batches_tracked) == 1
+    assert all_ranks_agree(bool(ok), comm)
+
+
+def test_bad_arguments(comm):
+    with pytest.raises(NotImplementedError, match="fp16"):
+        hpcdl.DistributedDataParallel(_net(), comm, compression="int8")
+    with pytest.raises(ValueError, match="ring"):
+        hpcdl.DistributedDataParallel(_net(), comm, algorithm="nope")
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        hpcdl.DistributedDataParallel(_net(), comm, bucket_cap_mb=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
+def test_as_array_shares_memory(dtype):
+    from hpcdl.tensors import as_array, numpy_dtype
+
+    tensor = torch.arange(6, dtype=dtype).reshape(2, 3)
+    array = as_array(tensor)
+    assert array.shape == (2, 3) and array.dtype == numpy_dtype(dtype)
+    array[1, 2] = 42
+    assert float(tensor[1, 2]) == 42.0
+    with pytest.raises(ValueError, match="contiguous"):
+        as_array(tensor.t())

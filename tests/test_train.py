@@ -1,0 +1,236 @@
+"""`hpcdl train` and its parts: LR schedule, data sharding, argument checks, kill-and-resume, digits.
+
+The in-process tests call `hpcdl.train.main` on every rank of the pytest job itself (so they run
+at every N); the end-to-end test launches its own `mpirun` and runs only in the N = 1 job.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from conftest import all_ranks_agree
+from hpcdl import train
+from hpcdl.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from hpcdl.data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
+from hpcdl.schedule import (expected_learning_rate, scaled_learning_rate, warmup_cosine_schedule,
+                            warmup_start_factor)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shared_directory(tmp_path: Path, comm: MPI.Comm) -> Path:
+    """A directory every rank sees: rank 0's tmp_path (one host, one file system)."""
+    return Path(comm.bcast(str(tmp_path), root=0))
+
+
+# -- learning-rate schedule ----------------------------------------------------------------------
+
+def test_linear_scaling_rule():
+    assert scaled_learning_rate(0.1, 8192, 256) == pytest.approx(3.2)  # Goyal et al.'s setting
+    assert scaled_learning_rate(0.025, 128, 32) == pytest.approx(0.1)
+    assert scaled_learning_rate(0.1, 16, 32) == pytest.approx(0.05)
+    assert warmup_start_factor(8192, 256) == pytest.approx(1 / 32)
+    assert warmup_start_factor(16, 32) == 1.0  # smaller than the reference: nothing to ramp
+    with pytest.raises(ValueError, match="base_lr > 0"):
+        scaled_learning_rate(0.0, 128, 32)
+
+
+@pytest.mark.parametrize("warmup_steps,total_steps,start_factor", [(5, 20, 0.25), (0, 10, 1.0),
+                                                                    (4, 4, 0.5), (3, 9, 1 / 32)])
+def test_warmup_schedule_values_per_step(warmup_steps, total_steps, start_factor):
+    scaled = 0.4
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=scaled)
+    scheduler = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
+                                       start_factor=start_factor)
+    seen = []
+    for _ in range(total_steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected = [expected_learning_rate(scaled, t, warmup_steps=warmup_steps, total_steps=total_steps,
+                                       start_factor=start_factor) for t in range(total_steps)]
+    assert seen == pytest.approx(expected, abs=1e-12)
+    # Spelled out: warm-up starts at the unscaled rate and climbs linearly to the scaled one.
+    assert seen[0] == pytest.approx(scaled * start_factor)
+    if warmup_steps:
+        step = scaled * (1 - start_factor) / warmup_steps
+        assert all(b - a == pytest.approx(step) for a, b in zip(seen[:warmup_steps], seen[1:warmup_steps]))
+    if warmup_steps < total_steps:
+        assert seen[warmup_steps] == pytest.approx(scaled)  # peak right after warm-up, then decay
+        assert all(b < a for a, b in zip(seen[warmup_steps:], seen[warmup_steps + 1:]))
+
+
+# -- data sharding -------------------------------------------------------------------------------
+
+def test_shards_cover_the_training_set_once_per_epoch(comm):
+    train_set, test_set = load_digits_split()
+    assert len(train_set) + len(test_set) == 1797 and len(test_set) == 360
+    size = comm.Get_size()
+    sampler = shard_sampler(train_set, seed=5)
+    ok = True
+    orders = []
+    for epoch in range(2):
+        mine = [i for batch in epoch_batches(sampler, 16, epoch) for i in batch]
+        shards = comm.allgather(mine)
+        every = [i for shard in shards for i in shard]
+        padded = math.ceil(len(train_set) / size) * size
+        counts = torch.bincount(torch.tensor(every), minlength=len(train_set))
+        # Every sample once; DistributedSampler pads with (padded - n) repeats so shards are equal.
+        ok &= all(len(s) == padded // size for s in shards)
+        ok &= bool((counts >= 1).all()) and int((counts == 2).sum()) == padded - len(train_set)
+        ok &= int(counts.max()) <= 2
+        orders.append(every)
+    ok &= orders[0] != orders[1]  # set_epoch reshuffles
+    assert all_ranks_agree(ok, comm)
+
+
+def test_skipping_batches_resumes_the_same_order():
+    train_set, _ = load_digits_split()
+    sampler = shard_sampler(train_set, seed=3, num_replicas=3, replica_rank=1)
+    full = list(epoch_batches(sampler, 10, epoch=4))
+    assert len(full) == batches_per_epoch(sampler, 10) == math.ceil(math.ceil(1437 / 3) / 10)
+    assert list(epoch_batches(sampler, 10, epoch=4, skip=7)) == full[7:]
+    assert list(epoch_batches(sampler, 10, epoch=5)) != full
+
+
+# -- bad arguments: same verdict on every rank, before training -----------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--resume"], "--resume needs --checkpoint-dir DIR"),
+    (["--metrics", "out.txt"], "unknown format .txt"),
+    (["--synthetic", "--checkpoint-dir", "x"], "--checkpoint-dir applies to training"),
+])
+def test_bad_arguments_fail_on_every_rank(argv, message, comm, capsys):
+    status = train.main(argv)
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or message in err)
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_unwritable_checkpoint_dir_on_one_rank_stops_all(tmp_path, comm, capsys):
+    # On the last rank the "directory" lies under a regular file: only that rank can see the
+    # problem, yet every rank must stop with it.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    last = comm.Get_size() - 1
+    target = blocker / "ckpt" if comm.Get_rank() == last else tmp_path / "ckpt"
+    status = train.main(["--checkpoint-dir", str(target)])
+    err = capsys.readouterr().err
+    expected = f"rank {last}: --checkpoint-dir" if comm.Get_size() > 1 else "--checkpoint-dir"
+    ok = status == 2 and (comm.Get_rank() != 0 or (expected in err and "cannot write" in err))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_resume_without_checkpoint_fails_on_every_rank(tmp_path, comm, capsys):
+    directory = shared_directory(tmp_path, comm)
+    status = train.main(["--checkpoint-dir", str(directory / "empty"), "--resume"])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or "no complete checkpoint" in err)
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_unknown_model_is_an_argparse_error(comm, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--model", "vgg"])
+    assert all_ranks_agree(exit_.value.code == 2 and "invalid choice: 'vgg'" in capsys.readouterr().err, comm)
+
+
+# -- kill and resume -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() not in (2, 3), reason="three training runs: N = 2, 3 only")
+def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, comm):
+    """Stop mid-epoch after the last checkpoint (work since then is lost, as in a crash), resume,
+    and compare everything the final checkpoint holds with an uninterrupted run's."""
+    directory = shared_directory(tmp_path, comm)
+    size = comm.Get_size()
+    batch, every = 32, 3
+    steps_per_epoch = math.ceil(math.ceil(1437 / size) / batch)
+    stop = steps_per_epoch + steps_per_epoch // 2
+    stop += 1 if stop % every == 0 else 0  # some steps done after the last checkpoint
+    common = ["--epochs", "2", "--batch-size", str(batch), "--checkpoint-every", str(every),
+              "--warmup-epochs", "0.5", "--seed", "7"]
+    assert train.main(common + ["--checkpoint-dir", str(directory / "whole")]) == 0
+    assert train.main(common + ["--checkpoint-dir", str(directory / "killed"),
+                                "--stop-after-steps", str(stop)]) == 0
+    last_written = max(s for s, _ in list_checkpoints(directory / "killed"))
+    ok = steps_per_epoch < last_written < stop
+    assert train.main(common + ["--checkpoint-dir", str(directory / "killed"), "--resume"]) == 0
+    comm.Barrier()
+    total = 2 * steps_per_epoch
+    whole = load_checkpoint(checkpoint_path(directory / "whole", total))
+    resumed = load_checkpoint(checkpoint_path(directory / "killed", total))
+    for name, value in whole["model"].items():
+        ok &= torch.equal(value, resumed["model"][name])  # bitwise
+    for key, state in whole["optimizer"]["state"].items():
+        ok &= torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"])
+    ok &= whole["scheduler"] == resumed["scheduler"]
+    ok &= all(torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+              for a, b in zip(whole["ranks"], resumed["ranks"]))
+    assert all_ranks_agree(ok, comm)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_resume_refuses_a_different_job_shape(tmp_path, comm, capsys):
+    directory = shared_directory(tmp_path, comm)
+    argv = ["--epochs", "1", "--batch-size", "64", "--checkpoint-dir", str(directory)]
+    assert train.main(argv) == 0
+    capsys.readouterr()
+    status = train.main(argv[:3] + ["32"] + argv[4:] + ["--resume"])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or "batch_size 64 (this run: 32)" in err)
+    assert all_ranks_agree(ok, comm), err
+
+
+def test_synthetic_benchmark_reports_images_per_second(comm, capsys):
+    argv = ["--synthetic", "--image-size", "16", "--batch-size", "2", "--num-warmup-batches", "1",
+            "--num-batches-per-iter", "2", "--num-iters", "2"]
+    status = train.main(argv)
+    out = capsys.readouterr().out
+    size = comm.Get_size()
+    ok = status == 0 and (comm.Get_rank() != 0 or (
+        "Iter #1:" in out and "Img/sec per rank:" in out and f"Total img/sec on {size} rank(s):" in out))
+    assert all_ranks_agree(ok, comm), out
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+def launcher_environment() -> dict[str, str]:
+    """This environment without the variables of the MPI job the tests run in, so a nested
+    `mpirun` starts a job of its own instead of joining (or confusing) ours."""
+    keep = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_mpi_yield_when_idle",
+            "PRTE_MCA_rmaps_default_mapping_policy")
+    env = {k: v for k, v in os.environ.items()
+           if k in keep or not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    if os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N = 1 job only")
+def test_hpcdl_train_on_four_ranks_reaches_95_percent(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    command = ["mpirun", "-n", "4", sys.executable, "-m", "hpcdl.cli", "train", "--epochs", "6",
+               "--metrics", str(metrics)]
+    done = subprocess.run(command, cwd=ROOT, env=launcher_environment(), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == list(range(1, 7)) and all(r["ranks"] == 4 for r in rows)
+    assert rows[-1]["accuracy"] >= 0.95, rows[-1]
+    assert "final held-out accuracy" in done.stdout and "samples/s" in done.stdout
+    assert done.stdout.count("epoch   6/6") == 1  # printed by rank 0 only
