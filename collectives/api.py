@@ -232,7 +232,7 @@ def _agreement(dup: MPI.Comm, pool: ScratchPool) -> Agreement:
     key = dup.py2f()
     found = agreements.get(key)
     if found is None:
-        found = agreements[key] = Agreement(dup, pool)
+        found = agreements[key] = Agreement(dup, pool, patient=ENGINE.is_comm_thread())
     return found
 
 
@@ -264,7 +264,8 @@ def _execute(call: _Call, dup: MPI.Comm, plan: _Plan | None, error: str | None) 
     src = plan.source
     link = Link(dup, op, src.xp, on_device=src.on_device,
                 cuda_aware=src.on_device and cuda_aware(),
-                runtime=device_runtime() if src.on_device else None, scratch=pool, tag=tag)
+                runtime=device_runtime() if src.on_device else None, scratch=pool, tag=tag,
+                patient=ENGINE.is_comm_thread())
     work = plan.work if plan.work is not None else \
         pool.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
     if reduced is not None:

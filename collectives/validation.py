@@ -47,7 +47,7 @@ class LocalArgumentError(Exception):
 class Agreement:
     """One thread's argument check on one communicator: its packet and how to combine packets."""
 
-    def __init__(self, comm: MPI.Comm, scratch: ScratchPool) -> None:
+    def __init__(self, comm: MPI.Comm, scratch: ScratchPool, *, patient: bool = False) -> None:
         self.packet = np.zeros(HEADER_BYTES + PAYLOAD_BYTES, dtype=np.uint8)
         self._header = self.packet[:HEADER_BYTES].view(np.int64)
         self._payload_op: ReduceOp | None = None
@@ -55,7 +55,7 @@ class Agreement:
         self._payload_bytes = 0
         # The link's "op" is this object: Link.combine calls self.combine on whole packets.
         self.link = Link(comm, self, np, on_device=False, cuda_aware=False,  # type: ignore[arg-type]
-                         runtime=None, scratch=scratch)
+                         runtime=None, scratch=scratch, patient=patient)
 
     def combine(self, xp: Any, dst: np.ndarray, src: np.ndarray) -> None:
         """Header: elementwise max. Payload (if any): the collective's op in its dtype."""

@@ -14,11 +14,12 @@ How a step runs (DESIGN.md, "One training step"):
   since backward produces them at the same moment). Each bucket owns one flat tensor. After the
   first synchronized backward the buckets are rebuilt once in the order gradients really became ready
   (rank 0's order, broadcast), as torch's DDP does.
-- Gradients live in the bucket: after its gradient is accumulated, `param.grad` is made a view into
-  the bucket's flat tensor (like torch's `gradient_as_bucket_view=True`). If autograd handed a fresh
-  tensor (e.g. after `zero_grad(set_to_none=True)`) it is copied in once, then replaced by the view;
-  later accumulations (no_sync) add into the bucket directly. Nothing is written back after the
-  reduction: the averaged values are the gradients.
+- Small gradients live in the bucket: after its gradient is accumulated, `param.grad` is made a
+  view into the bucket's flat tensor (like torch's `gradient_as_bucket_view=True`). If autograd
+  handed a fresh tensor (e.g. after `zero_grad(set_to_none=True)`) it is copied in once, then
+  replaced by the view; later accumulations (no_sync) add into the bucket directly. Gradients of
+  parameters of IN_PLACE_BYTES or more are averaged where autograd left them, never copied.
+  Nothing is written back after the reduction: the averaged values are the gradients.
 - A post-accumulate-grad hook per parameter only marks the gradient ready. When a bucket is
   complete, and every bucket before it has been launched, it is handed to the communication thread
   as `collectives.iallreduce(flat, op="avg", out=flat)` (in slices of at most CHUNK_BYTES) while
@@ -65,6 +66,12 @@ _MB = 1024 * 1024
 #: reaches ~7 GB/s bus bandwidth at 8 MiB but ~2 GB/s at 32-64 MiB (cache), so slicing a 64 MiB
 #: gradient is faster than sending it whole.
 CHUNK_BYTES = 8 * _MB
+#: A parameter at least this large is not copied into its bucket's flat tensor: its gradient is
+#: averaged in place, in whatever tensor autograd accumulated it in (Horovod does the same for
+#: tensors too large to fuse). Fusion pays for small tensors, whose per-call cost (tens of
+#: microseconds) it amortizes; a large gradient costs a memory pass to copy (~0.2 ms per MiB here)
+#: every step when the loop zeroes gradients with set_to_none=True, torch's default.
+IN_PLACE_BYTES = 1 * _MB
 COMPRESSIONS = (None, "fp16")
 
 
@@ -75,13 +82,16 @@ class _Bucket:
     index: int
     names: list[str]
     params: list[torch.nn.Parameter]
-    views: list[torch.Tensor]  # views[i] is params[i].grad's home inside `flat`
-    flat: torch.Tensor
+    views: list[torch.Tensor]  # params[i].grad's home: inside `flat`, or its own for in-place ones
+    flat: torch.Tensor  # the fused (small) parameters' gradients, back to back
     array: Any  # zero-copy NumPy/CuPy view of `flat`, what the collectives get
+    in_place: list[bool]  # averaged in its own gradient tensor instead of in `flat`
     wire: torch.Tensor | None = None  # float16 copy sent instead of `flat` when compressing
     wire_array: Any = None
     pending: int = 0
     handles: list[Handle] = field(default_factory=list)  # one per chunk, in order
+    chunk_bytes: list[int] = field(default_factory=list)  # bytes on the wire of each handle
+    targets: list[torch.Tensor | None] = field(default_factory=list)  # in-place gradients this step
     ready_at: float | None = None
     ready: list[bool] = field(default_factory=list)
 
@@ -217,13 +227,19 @@ class DistributedDataParallel(torch.nn.Module):
                 if not p.is_contiguous():
                     raise ValueError(f"parameter {name} is not contiguous; DistributedDataParallel "
                                      "keeps gradients in flat buckets and needs contiguous ones")
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                               device=params[0].device)
+            in_place = [self.compression is None and p.numel() * p.element_size() >= IN_PLACE_BYTES
+                        for p in params]
+            flat = torch.zeros(sum(p.numel() for p, solo in zip(params, in_place) if not solo),
+                               dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
-            for p in params:
+            for p, solo in zip(params, in_place):
+                if solo:
+                    views.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
+                    continue
                 views.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-            bucket = _Bucket(index, [n for n, _ in group], params, views, flat, as_array(flat))
+            bucket = _Bucket(index, [n for n, _ in group], params, views, flat, as_array(flat),
+                             in_place)
             if self.compression == "fp16" and flat.is_floating_point() and flat.element_size() > 2:
                 bucket.wire = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
                 bucket.wire_array = as_array(bucket.wire)
@@ -291,11 +307,16 @@ class DistributedDataParallel(torch.nn.Module):
     def _place_gradient(self, bucket: _Bucket, i: int) -> None:
         param, view = bucket.params[i], bucket.views[i]
         grad = param.grad
-        if grad is None:  # unused this step and nothing accumulated: a zero contribution
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-        param.grad = view
+        if (bucket.in_place[i] and grad is not None and grad.layout == torch.strided
+                and grad.is_contiguous() and grad.dtype == view.dtype):
+            bucket.targets[i] = grad  # averaged where it is: no copy
+        else:
+            if grad is None:  # unused this step and nothing accumulated: a zero contribution
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            param.grad = view
+            bucket.targets[i] = view
         bucket.ready[i] = True
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -310,15 +331,20 @@ class DistributedDataParallel(torch.nn.Module):
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.wire is not None:
             bucket.wire.copy_(bucket.flat)
-            target = bucket.wire_array
+            arrays = [bucket.wire_array]
         else:
-            target = bucket.array
+            arrays = [bucket.array] if bucket.flat.numel() else []
+            arrays += [as_array(t.view(-1)) for t, solo in zip(bucket.targets, bucket.in_place)
+                       if solo and t is not None]
         if bucket.flat.is_cuda:  # not run here: MPI and the engine's stream must see finished grads
             torch.cuda.current_stream(bucket.flat.device).synchronize()
-        step = max(1, CHUNK_BYTES // target.dtype.itemsize)
-        bucket.handles = [collectives.iallreduce(target[i:i + step], self.comm, op="avg",
-                                                 algorithm=self.algorithm, out=target[i:i + step])
-                          for i in range(0, target.shape[0], step)]
+        for array in arrays:
+            step = max(1, CHUNK_BYTES // array.dtype.itemsize)
+            for i in range(0, array.shape[0], step):
+                chunk = array[i:i + step]
+                bucket.handles.append(collectives.iallreduce(
+                    chunk, self.comm, op="avg", algorithm=self.algorithm, out=chunk))
+                bucket.chunk_bytes.append(chunk.nbytes)
 
     def _end_of_backward(self) -> None:
         """Autograd callback after the whole backward: finish every bucket, then check."""
@@ -367,7 +393,7 @@ class DistributedDataParallel(torch.nn.Module):
                     self.timeline.instant(f"bucket {bucket.index} ready", bucket.ready_at)
                 for chunk, handle in enumerate(bucket.handles):
                     self.timeline.handle(f"bucket {bucket.index} allreduce", handle, chunk=chunk,
-                                         bytes=_chunk_bytes(bucket, chunk))
+                                         bytes=bucket.chunk_bytes[chunk])
             handles.extend(bucket.handles)
         self.last_handles = handles
         self._reset_step()
@@ -379,6 +405,8 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.ready = [False] * len(bucket.params)
             bucket.pending = len(bucket.params)
             bucket.handles = []
+            bucket.chunk_bytes = []
+            bucket.targets = [None] * len(bucket.params)
             bucket.ready_at = None
         self._next_launch = 0
         self._in_backward = False
@@ -403,13 +431,6 @@ class DistributedDataParallel(torch.nn.Module):
         if self.timeline is None:
             raise RuntimeError("no timeline was requested; pass timeline=PATH to record one")
         return self.timeline.write()
-
-
-def _chunk_bytes(bucket: _Bucket, chunk: int) -> int:
-    """Bytes on the wire of `bucket`'s chunk number `chunk` (see CHUNK_BYTES)."""
-    itemsize = 2 if bucket.wire is not None else bucket.flat.element_size()
-    total = bucket.flat.numel() * itemsize
-    return min(CHUNK_BYTES, total - chunk * CHUNK_BYTES)
 
 
 def _first_tensor_needing_grad(output: Any) -> torch.Tensor | None:
