@@ -203,7 +203,7 @@ def suggest_thresholds(rows: list[Row], margin: float = 0.05) -> list[list[Any]]
         if r.valid and r.algorithm not in ("mpi", "auto", DIRECT):
             by_size.setdefault(r.bytes, {})[r.algorithm] = r.median_us
     thresholds: list[list[Any]] = []
-    current = None
+    current = previous = None
     for nbytes in sorted(by_size):
         times = by_size[nbytes]
         best = min(times, key=times.__getitem__)

@@ -304,7 +304,7 @@ def test_fp16_compression(comm):
 
 
 def test_sync_buffers_averages_running_stats(comm):
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
     model = hpcdl.DistributedDataParallel(net, comm)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..transport import Link, pieces_of
-from .fold import Fold
+from .fold import Fold, fold_in, fold_out
 
 
 def butterfly_allreduce(link: Link, buf: Any) -> None:
@@ -22,14 +22,7 @@ def butterfly_allreduce(link: Link, buf: Any) -> None:
     if link.size == 1:
         return
     fold = Fold.of(link.rank, link.size)
-    partner = fold.partner_of(link.rank)
-    if partner is not None:
-        if fold.newrank < 0:
-            link.send(buf, partner)
-        else:
-            tmp = link.scratch(buf.shape[0], buf.dtype)
-            link.recv(tmp, partner)
-            link.combine(buf, tmp)
+    fold_in(link, buf, fold, slice(None))
     if fold.newrank >= 0:
         segment, pieces = pieces_of(buf.shape[0], buf.dtype.itemsize)
         mask = 1
@@ -37,11 +30,7 @@ def butterfly_allreduce(link: Link, buf: Any) -> None:
             peer = fold.real_rank(fold.newrank ^ mask)
             link.sendrecv_combine(buf, peer, buf, peer, segment=segment, pieces=pieces)
             mask <<= 1
-    if partner is not None:
-        if fold.newrank < 0:
-            link.recv(buf, partner)
-        else:
-            link.send(buf, partner)
+    fold_out(link, buf, fold, slice(None))
 
 
 def butterfly_allgather(link: Link, buf: Any, offsets: list[int]) -> None:
@@ -70,8 +59,4 @@ def butterfly_allgather(link: Link, buf: Any, offsets: list[int]) -> None:
             link.sendrecv(buf[new[lo]:new[hi]], peer, buf[new[peer_lo]:new[peer_hi]], peer)
             lo, hi = min(lo, peer_lo), max(hi, peer_hi)
             mask <<= 1
-    if partner is not None:
-        if fold.newrank < 0:
-            link.recv(buf, partner)
-        else:
-            link.send(buf, partner)
+    fold_out(link, buf, fold, slice(None))

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..transport import Link
 
 
 @dataclass(frozen=True)
@@ -47,3 +51,28 @@ class Fold:
         """
         return [real_offsets[self.real_rank(i) - 1 if i < self.rem else self.real_rank(i)]
                 for i in range(self.pof2)] + [real_offsets[-1]]
+
+
+def fold_in(link: Link, buf: Any, fold: Fold, region: slice) -> None:
+    """First 2R ranks: the even one hands `region` of its buffer to its odd partner, who combines."""
+    partner = fold.partner_of(link.rank)
+    if partner is None:
+        return
+    part = buf[region]
+    if fold.newrank < 0:
+        link.send(part, partner)
+    else:
+        tmp = link.scratch(part.shape[0], buf.dtype)
+        link.recv(tmp, partner)
+        link.combine(part, tmp)
+
+
+def fold_out(link: Link, buf: Any, fold: Fold, region: slice) -> None:
+    """First 2R ranks: the odd one hands `region` of the result back to its even partner."""
+    partner = fold.partner_of(link.rank)
+    if partner is None:
+        return
+    if fold.newrank < 0:
+        link.recv(buf[region], partner)
+    else:
+        link.send(buf[region], partner)

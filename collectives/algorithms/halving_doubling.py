@@ -18,7 +18,7 @@ from typing import Any
 
 from ..partition import partition_offsets
 from ..transport import Link, pieces_of
-from .fold import Fold
+from .fold import Fold, fold_in, fold_out
 
 
 def _halving_reduce_scatter(link: Link, buf: Any, fold: Fold, new: list[int]) -> None:
@@ -54,43 +54,18 @@ def _doubling_allgather(link: Link, buf: Any, fold: Fold, new: list[int]) -> Non
         mask <<= 1
 
 
-def _fold_in(link: Link, buf: Any, fold: Fold, region: slice) -> None:
-    """First 2R ranks: the even one hands `region` of its buffer to its odd partner, who combines."""
-    partner = fold.partner_of(link.rank)
-    if partner is None:
-        return
-    part = buf[region]
-    if fold.newrank < 0:
-        link.send(part, partner)
-    else:
-        tmp = link.scratch(part.shape[0], buf.dtype)
-        link.recv(tmp, partner)
-        link.combine(part, tmp)
-
-
-def _fold_out(link: Link, buf: Any, fold: Fold, region: slice) -> None:
-    """First 2R ranks: the odd one hands `region` of the result back to its even partner."""
-    partner = fold.partner_of(link.rank)
-    if partner is None:
-        return
-    if fold.newrank < 0:
-        link.recv(buf[region], partner)
-    else:
-        link.send(buf[region], partner)
-
-
 def halving_doubling_allreduce(link: Link, buf: Any) -> None:
     """In-place allreduce of the flat array `buf` (Rabenseifner)."""
     if link.size == 1:
         return
     fold = Fold.of(link.rank, link.size)
     whole = slice(None)
-    _fold_in(link, buf, fold, whole)
+    fold_in(link, buf, fold, whole)
     if fold.newrank >= 0:
         new = partition_offsets(buf.shape[0], fold.pof2)
         _halving_reduce_scatter(link, buf, fold, new)
         _doubling_allgather(link, buf, fold, new)
-    _fold_out(link, buf, fold, whole)
+    fold_out(link, buf, fold, whole)
 
 
 def halving_reduce_scatter(link: Link, buf: Any, offsets: list[int]) -> None:
@@ -102,11 +77,11 @@ def halving_reduce_scatter(link: Link, buf: Any, offsets: list[int]) -> None:
     if link.size == 1:
         return
     fold = Fold.of(link.rank, link.size)
-    _fold_in(link, buf, fold, slice(None))
+    fold_in(link, buf, fold, slice(None))
     if fold.newrank >= 0:
         _halving_reduce_scatter(link, buf, fold, fold.new_offsets(offsets))
     partner = fold.partner_of(link.rank)
     if partner is not None:
         even = link.rank if fold.newrank < 0 else partner
-        _fold_out(link, buf, fold, slice(offsets[even], offsets[even + 1]))
+        fold_out(link, buf, fold, slice(offsets[even], offsets[even + 1]))
 
