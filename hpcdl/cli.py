@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS = {
     "info": ("hpcdl.info", "print the MPI/GPU environment as every rank sees it"),
     "train": ("hpcdl.train", "train a model with synchronous data-parallel SGD"),
+    "slurm": ("hpcdl.slurm", "render SLURM batch scripts from the slurm/ templates"),
 }
 
 

