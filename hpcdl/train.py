@@ -17,6 +17,7 @@ import csv
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -31,6 +32,9 @@ import collectives
 from . import runtime
 
 ARGUMENT_ERROR = 2  # the exit status argparse uses for bad options
+#: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
+#: time limit): the requeue batch template requeues the job when it sees it.
+CHECKPOINTED_ON_SIGNAL = 3
 METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 
 
@@ -264,6 +268,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                         rank_state={"buffers": dict(model.named_buffers())})
 
     metrics = MetricsLog(args.metrics, append=args.resume) if rank == 0 and args.metrics else None
+    stop_request = StopRequest() if args.checkpoint_dir else None
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"training {args.model} on digits ({len(train_set)} train / {len(test_set)} held out) on "
         f"{size} rank(s): batch {args.batch_size} per rank, global {global_batch}, lr {lr:g} "
@@ -292,6 +297,12 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                 bar.close()
                 say(f"stopping after step {step} (--stop-after-steps), without a final checkpoint")
                 return 0
+            if stop_request is not None and stop_request.agreed(comm):
+                bar.close()
+                checkpoint_now(epoch, batch_index + 1)
+                say(f"stopping at step {step} on {stop_request.name}: checkpoint written, exit status "
+                    f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
+                return CHECKPOINTED_ON_SIGNAL
             if args.checkpoint_every and step % args.checkpoint_every == 0 \
                     and batch_index + 1 < steps_per_epoch:  # the epoch-end checkpoint covers the last
                 checkpoint_now(epoch, batch_index + 1)
@@ -321,6 +332,39 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         written = ddp.write_timeline()
         say(f"timeline written to {written}")
     return 0
+
+
+class StopRequest:
+    """SIGUSR1 or SIGTERM (SLURM's `--signal`, preemption, a time limit): finish the step,
+    checkpoint, and stop.
+
+    The handler only records the signal. Ranks may receive it at different steps, so at every
+    step boundary they agree with one max-allreduce of a single int (microseconds), and all of them
+    stop after the same step.
+    """
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received = 0
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._record)
+        self._flag = np.zeros(1, dtype=np.int32)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self.received = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received else "a peer's signal"
+
+    def agreed(self, comm: MPI.Comm) -> bool:
+        """Collective: True on every rank once any rank has received a stop signal."""
+        self._flag[0] = self.received
+        collectives.allreduce(self._flag, comm, op="max", out=self._flag)
+        if self._flag[0] and not self.received:
+            self.received = int(self._flag[0])
+        return bool(self._flag[0])
 
 
 def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm) -> tuple[float, float]:

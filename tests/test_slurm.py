@@ -201,7 +201,7 @@ def test_requeue_job_resumes_from_checkpoint(cluster: Cluster, tmp_path: Path,
         while not list(checkpoints.glob("checkpoint-*.pt")) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert list(checkpoints.glob("checkpoint-*.pt")), "no checkpoint within 60 s"
-        subprocess.run(["scancel", "--signal=USR1", "--batch", str(job_id)], env=cluster.env, check=True)
+        subprocess.run(["scancel", "--signal=USR1", str(job_id)], env=cluster.env, check=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             shown = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True,
@@ -221,7 +221,8 @@ def test_requeue_job_resumes_from_checkpoint(cluster: Cluster, tmp_path: Path,
         raise
     state, status, log = _finish(cluster, job_id, script, capsys)
     assert status == 0, f"job {job_id} {state}:\n{log}"
-    assert "USR1 at" in log and f"job {job_id} (restart 1)" in log, log
+    assert "stopping at step" in log and "on SIGUSR1: checkpoint written" in log, log
+    assert "checkpointed on a stop signal" in log and f"job {job_id} (restart 1)" in log, log
     resumed = re.search(r"resuming at epoch (\d+), step (\d+)", log)
     assert resumed and int(resumed.group(2)) >= 5, log
     accuracy = re.search(r"final held-out accuracy (\d\.\d+)", log)
