@@ -46,8 +46,10 @@ def pieces_of(count: int, itemsize: int) -> tuple[int, int]:
 #: Blocking in MPI busy-polls a core. On the communication thread that core is the one backward
 #: is computing on, and the peer it waits for is usually still in its own backward, so spinning
 #: only slows the compute it is meant to hide behind. Sleeping between tests hands the core back;
-#: MPI still progresses at every test. Measured on the reference machine (2 ranks, 25 M-param
-#: MLP, benchmarks/train_throughput.py): see the SPIN_TESTS / POLL_SLEEP_S note in README.
+#: MPI still progresses at every test. Measured on the reference machine (2 ranks, 25 M-param MLP,
+#: benchmarks/train_throughput.py, 3 rounds each): overlap/no-overlap 0.95 when spinning, 0.99
+#: with 64 tests then 50 us sleeps, 1.00 with 8 tests then 200 us sleeps, absolute samples/s within
+#: noise of each other; blocking calls on the caller's thread keep spinning (lowest latency).
 SPIN_TESTS = 64
 POLL_SLEEP_S = 50e-6
 
