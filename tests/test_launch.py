@@ -191,7 +191,9 @@ def test_rendered_scripts(capsys: pytest.CaptureFixture[str], tmp_path: Path, te
         assert ("--gpu-bind=single:1" in script) == bool(gpus)
     if template == "requeue":
         assert "#SBATCH --requeue" in script and "--checkpoint-every 50" in script
-        assert script.index("trap requeue USR1") < script.index("hpcdl info")
+        # USR1 goes to the training step's ranks, which checkpoint and exit 3; then it requeues.
+        assert "#SBATCH --signal=USR1@" in script and "#SBATCH --signal=B:" not in script
+        assert script.index('[ "$status" = 3 ]') < script.index('scontrol requeue "$SLURM_JOB_ID"')
 
 
 def test_render_to_stdout_and_explicit_mpi_type(capsys: pytest.CaptureFixture[str]) -> None:
