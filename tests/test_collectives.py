@@ -19,7 +19,7 @@ import collectives
 from arrays import (BACKENDS, Backend, Outcomes, backend_fixture, backend_params, mpi_reference,
                     rank_data, reduce_reference)
 from collectives import ALGORITHMS, OPS, CollectiveArgumentError, partition_counts
-from collectives.algorithms.ring import SEGMENT_BYTES
+from collectives.transport import SEGMENT_BYTES
 from conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -284,7 +284,7 @@ LARGE_CASES = [  # (collective, algorithm, dtype, op): every large-message user 
 @pytest.mark.parametrize("backend", [p for p in backend_params() if p.id != "fake-device-aware"],
                          indirect=True)
 def test_large_messages_pipelined(backend: Backend, comm: MPI.Comm) -> None:
-    """Blocks of 1.25 ring segments (SEGMENT_BYTES, 1 MiB), so every ring step is pipelined
+    """Blocks of 1.25 ring segments (SEGMENT_BYTES, 512 KiB), so every ring step is pipelined
     over two segments, the second one ragged; the length does not divide by the rank count."""
     size, rank = comm.Get_size(), comm.Get_rank()
     outcomes = Outcomes(comm)
@@ -325,7 +325,6 @@ def test_large_messages_pipelined(backend: Backend, comm: MPI.Comm) -> None:
                 outcomes.digest(label, got)
         elif ran:
             outcomes.expect(label, result is None, "non-root got a result")
-        del x, inputs
     outcomes.verify()
     check_device_path(backend, comm)
 

@@ -5,8 +5,9 @@ block (r-s-1) mod P to its right neighbour and folds block (r-s-2) mod P from it
 its own copy; after P-1 steps rank r holds the complete reduction of block r. All-gather: in step s
 rank r forwards block (r-s) mod P; after P-1 steps every rank has every block.
 
-A reduce step moves its block in cache-sized pieces (`transport.SEGMENT_BYTES`), each folded as
-soon as it arrives; an all-gather step is one message straight into place.
+A reduce step moves its block in cache-sized pieces (`transport.SEGMENT_BYTES`), pipelined: the
+next piece is posted before the current one is folded in. An all-gather step is one message
+straight into place.
 
 Cost (alpha: per message, beta: per byte sent, gamma: per byte combined, N bytes):
   reduce-scatter  (P-1) alpha + (P-1)/P N beta + (P-1)/P N gamma
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..partition import partition_offsets
-from ..transport import SEGMENT_BYTES, Link, pieces_of  # noqa: F401 - SEGMENT_BYTES sizes tests
+from ..transport import Link, pieces_of
 
 
 def ring_reduce_scatter(link: Link, buf: Any, offsets: list[int]) -> None:
