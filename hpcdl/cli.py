@@ -2,6 +2,9 @@
 
     hpcdl info               MPI library, thread level, CUDA-awareness, GPUs, ranks per host
     hpcdl train [options]    data-parallel training (the README's main job)
+    hpcdl bench [options]    collective microbenchmarks (OSU / nccl-tests conventions)
+    hpcdl tune [options]     fit the alpha-beta-gamma cost model, write a tuning file; --predict
+    hpcdl slurm ...          render SLURM batch scripts
 
 Each subcommand module exposes `main(argv: list[str]) -> int`, imported only when chosen, so
 `hpcdl info` never pays for importing torch.
@@ -14,6 +17,8 @@ import sys
 SUBCOMMANDS = {
     "info": ("hpcdl.info", "print the MPI/GPU environment as every rank sees it"),
     "train": ("hpcdl.train", "train a model with synchronous data-parallel SGD"),
+    "bench": ("benchmarks.microbench", "time every collective algorithm over a size sweep"),
+    "tune": ("hpcdl.tune", "measure alpha/beta/gamma, write a tuning file for auto; or --predict"),
     "slurm": ("hpcdl.slurm", "render SLURM batch scripts from the slurm/ templates"),
 }
 

@@ -1,0 +1,1 @@
+"""Benchmarks: `microbench` (the `hpcdl bench` command) and `train_throughput`."""
