@@ -3,10 +3,15 @@
 The choice comes from a decision table measured on this project's reference machine and kept in
 the repo (`decision_table.json`). Users override it, in order of precedence:
   1. `HPCDL_ALGORITHM_<COLLECTIVE>=name` (e.g. HPCDL_ALGORITHM_ALLREDUCE=ring) for one collective;
-  2. `HPCDL_TUNING_FILE=path.json`, a table of the same format measured on your machine
-     (`benchmarks/allreduce_sweep.py` prints the measurements it is derived from);
+  2. `HPCDL_TUNING_FILE=path.json`, a table of the same format measured on your machine, usually
+     written by `hpcdl tune`. Such a file may also carry the fitted alpha-beta-gamma model
+     (`"model": {"alpha": ..., "beta": ..., "gamma": ..., "overhead": ...}`); where it has no row
+     covering the rank count, `auto` picks the algorithm the model predicts fastest
+     (`cost_model.best`);
   3. the built-in table.
 Every rank must see the same overrides: the choice is cross-checked between ranks on every call.
+Each (collective, bytes, ranks) is decided once per process and cached: `choose` is on every
+call's path.
 """
 from __future__ import annotations
 
@@ -17,25 +22,69 @@ from pathlib import Path
 from typing import Any
 
 from .algorithms import ALGORITHMS
+from .cost_model import ModelParams, best, model_bytes
 
 BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")
 
 
 @functools.lru_cache(maxsize=8)
 def load_table(path: str) -> dict[str, Any]:
-    """Read and check a decision table; errors name the file and the bad entry."""
+    """Read and check a decision table or tuning file; errors name the file and the bad entry."""
     try:
         table = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read decision table {path}: {exc}") from exc
-    for collective, rows in table.get("collectives", {}).items():
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: expected a JSON object with \"collectives\" (and optionally "
+                         "\"model\"), got " + type(table).__name__)
+    if "model" in table:
+        _check_model(path, table["model"])
+    elif "collectives" not in table:
+        raise ValueError(f"{path}: has neither \"collectives\" (decision rows) nor \"model\" "
+                         "(alpha-beta-gamma parameters); `hpcdl tune -o FILE` writes both")
+    collectives = table.get("collectives", {})
+    if not isinstance(collectives, dict):
+        raise ValueError(f"{path}: \"collectives\" must map collective names to lists of rows")
+    for collective, rows in collectives.items():
         if collective not in ALGORITHMS:
-            raise ValueError(f"{path}: unknown collective {collective!r}")
-        for row in rows:
-            for _, name in row["by_bytes"]:
-                if name not in ALGORITHMS[collective]:
-                    raise ValueError(f"{path}: {collective} has no algorithm {name!r}")
+            raise ValueError(f"{path}: unknown collective {collective!r}; "
+                             f"known: {', '.join(ALGORITHMS)}")
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: {collective} must be a list of rows")
+        for i, row in enumerate(rows):
+            _check_row(path, f"{collective} row {i}", collective, row)
     return table
+
+
+def _check_row(path: str, where: str, collective: str, row: Any) -> None:
+    if not isinstance(row, dict) or not isinstance(row.get("by_bytes"), list) or not row["by_bytes"]:
+        raise ValueError(f"{path}: {where} needs a non-empty \"by_bytes\" list of [limit, name]")
+    for key in ("min_ranks", "max_ranks"):
+        if key in row and (not isinstance(row[key], int) or isinstance(row[key], bool)):
+            raise ValueError(f"{path}: {where}: {key} must be an integer, got {row[key]!r}")
+    if "min_ranks" not in row:
+        raise ValueError(f"{path}: {where} lacks min_ranks")
+    for entry in row["by_bytes"]:
+        if not (isinstance(entry, list) and len(entry) == 2
+                and (entry[0] is None or isinstance(entry[0], int))):
+            raise ValueError(f"{path}: {where}: by_bytes entry {entry!r} is not [bytes or null, name]")
+        if entry[1] not in ALGORITHMS[collective]:
+            raise ValueError(f"{path}: {collective} has no algorithm {entry[1]!r}")
+
+
+def _check_model(path: str, model: Any) -> None:
+    if not isinstance(model, dict):
+        raise ValueError(f"{path}: \"model\" must be an object with alpha, beta, gamma, overhead")
+    try:
+        ModelParams.from_mapping(model)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: model: {exc}") from exc
+
+
+def model_params(path: str) -> ModelParams | None:
+    """The `ModelParams` of a tuning file, or None when it carries no model."""
+    model = load_table(path).get("model")
+    return ModelParams.from_mapping(model) if model is not None else None
 
 
 def choose(collective: str, nbytes: int, size: int) -> str:
@@ -53,10 +102,18 @@ def choose(collective: str, nbytes: int, size: int) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
-    rows = load_table(path)["collectives"][collective]
+    table = load_table(path)
+    rows = table.get("collectives", {}).get(collective, [])
     for row in rows:
         if row["min_ranks"] <= size <= row.get("max_ranks", size):
             for limit, name in row["by_bytes"]:
                 if limit is None or nbytes <= limit:
                     return name
+            return row["by_bytes"][-1][1]
+    params = model_params(path)
+    if params is not None:  # no row for this rank count: the model decides
+        return best(collective, model_bytes(collective, nbytes, size), size, params)
+    if not rows:
+        raise ValueError(f"{path} has no rows for {collective} and no model to choose by; add rows "
+                         "or run `hpcdl tune` to write a tuning file with a model")
     return rows[-1]["by_bytes"][-1][1]

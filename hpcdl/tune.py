@@ -1,0 +1,579 @@
+"""`hpcdl tune`: fit the alpha-beta-gamma model on this machine and write a tuning file for auto;
+or, with `--predict`, plan a cluster-scale job from the same model.
+
+    mpirun -n 4 hpcdl tune -o tuning.json          # measure, sweep every algorithm, write the file
+    mpirun -n 4 hpcdl tune --model-only -o t.json  # only alpha, beta, gamma, overhead (seconds)
+    export HPCDL_TUNING_FILE=$PWD/tuning.json      # then algorithm="auto" follows it
+    hpcdl tune --predict --nodes 256 --link 100gbit --latency 2us --model-params 25e6 --compute-ms 120
+
+Measuring (under mpirun, 2 ranks or more): point-to-point messages through the transport the
+algorithms use give alpha and beta, the reduction's local combine gives gamma, a tiny call gives
+the per-call overhead (`collectives.calibrate`). Then, unless `--model-only`, every hand-written
+algorithm of every chosen collective is timed at this rank count over a size sweep (`-b/-e/-f` as
+in nccl-tests; sizes as nccl-tests counts them). The file holds the model, the decision rows for
+this rank count from the measurements (the fastest correct algorithm per size, switching only on
+a >5% win so noise does not flip-flop the table; `mpi` never, as it cannot reduce bfloat16),
+rows for other rank counts from the model, and the raw measurements. Rank 0 writes it atomically.
+
+Predicting (one process, no MPI job needed): the model's gradients, in buckets of `--bucket-mb`,
+each one allreduce, per algorithm, and the resulting scaling efficiency of synchronous SGD.
+Formulas and assumptions: docs/cost_model.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+#: Collectives `hpcdl tune` covers, in the order it prints them.
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+#: A measured algorithm replaces the current choice only when faster by more than this fraction.
+HYSTERESIS = 0.05
+#: Per-size budget of the sweep: at most this many bytes moved per algorithm and size.
+SWEEP_BYTES = 128 << 20
+
+#: Defaults for --predict where no tuning file is given, measured on the project's reference
+#: machine (2 cores, shared memory, Open MPI 5.0.11 PyPI wheel, 2026-11-22, shared with other
+#: jobs) with `collectives.calibrate` (docs/cost_model.md): gamma is the slope of folding sums in
+#: 512 KiB pieces over 256 KiB-64 MiB buffers (float32 0.02 ns/B in cache to 0.1 streaming with
+#: two ranks at once; NumPy's float16 add and ml_dtypes' bfloat16 add are scalar loops); overhead
+#: is a 4-byte allreduce call (13 µs) minus its messages; the software latency is an 8-byte
+#: exchange through `transport.Link` on shared memory (Python plus MPI per message), to which a
+#: cluster's wire latency adds.
+DEFAULT_GAMMA = {"float32": 0.05e-9, "float16": 5.3e-9, "bfloat16": 2.0e-9}
+DEFAULT_OVERHEAD = 11e-6
+DEFAULT_SOFTWARE_LATENCY = 1.5e-6
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+# -- units ---------------------------------------------------------------------------------------
+
+_NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
+_SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BINARY = {"ki": 2.0 ** 10, "mi": 2.0 ** 20, "gi": 2.0 ** 30, "ti": 2.0 ** 40}
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second from e.g. "100gbit", "25Gbit/s", "10Gbps", "12.5GB/s", "800Mb/s".
+
+    A lower-case b or "bit" means bits, an upper-case B or "byte" bytes; prefixes k, M, G, T are
+    decimal, Ki, Mi, Gi, Ti binary. The unit is required.
+    """
+    body = re.sub(r"(/s|ps)$", "", text.strip())
+    match = re.fullmatch(_NUMBER + r"\s*([kKmMgGtT]i?)?(bits?|bytes?|b|B)", body)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a bandwidth; write a number and a unit, e.g. 100gbit, "
+            "25Gbit/s, 10Gbps, 12.5GB/s (b/bit: bits, B/byte: bytes)")
+    value, prefix, unit = float(match[1]), (match[2] or "").lower(), match[3]
+    scale = _BINARY[prefix] if prefix.endswith("i") else _SI[prefix]
+    bytes_per_s = value * scale / (8 if unit.startswith("bit") or unit == "b" else 1)
+    if bytes_per_s <= 0:
+        raise argparse.ArgumentTypeError(f"bandwidth {text!r} must be above zero")
+    return bytes_per_s
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from e.g. "2us", "2µs", "1.5ms", "0.05ns", "1s". The unit is required."""
+    units = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9}
+    match = re.fullmatch(_NUMBER + r"\s*(s|ms|us|µs|μs|ns)", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a time; write a number and a unit: s, ms, us, ns "
+            "(e.g. 2us, 1.5ms)")
+    return float(match[1]) * units[match[2]]
+
+
+def parse_count(text: str) -> int:
+    """A positive count from e.g. "25e6", "25M", "1.3B", "350k" (K, M, G or B, T: powers of 1000)."""
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
+    match = re.fullmatch(_NUMBER + r"\s*([kKmMgGbBtT]?)", text.strip())
+    if not match or float(match[1]) * scale[match[2].lower()] < 1:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a count of parameters; write e.g. 25e6, 25M, 1.3B, 350k")
+    return int(round(float(match[1]) * scale[match[2].lower()]))
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from e.g. "8", "64K", "32M", "1G" (binary prefixes, as nccl-tests reads them)."""
+    match = re.fullmatch(_NUMBER + r"\s*([kKmMgG]?)i?[bB]?", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; write e.g. 8, 64K, 32M, 1G")
+    return int(float(match[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match[2].lower()])
+
+
+def positive(kind: type) -> Any:
+    """An argparse type: a number of `kind` above zero."""
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be above zero")
+        return value
+
+    return convert
+
+
+def human_bytes(n: float) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            value = n / (1 << shift)
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def human_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="hpcdl tune", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Measure under mpirun: `mpirun -n P hpcdl tune -o tuning.json`. "
+               "Predict on one process: `hpcdl tune --predict --nodes N --link BW --latency T "
+               "--model-params N --compute-ms MS`.")
+    measure = parser.add_argument_group("measuring (under mpirun)")
+    measure.add_argument("-o", "--output", default="tuning.json", help="tuning file to write")
+    measure.add_argument("-b", "--minbytes", type=parse_bytes, default=8, help="smallest size (default 8)")
+    measure.add_argument("-e", "--maxbytes", type=parse_bytes, default=32 << 20,
+                         help="largest size (default 32M)")
+    measure.add_argument("-f", "--stepfactor", type=positive(int), default=4,
+                         help="size multiplier between sizes (default 4)")
+    measure.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES),
+                         metavar="NAME", help=f"collectives to sweep (default: all: {' '.join(COLLECTIVES)})")
+    measure.add_argument("--model-only", action="store_true",
+                         help="fit the model only; every decision row then comes from the model")
+    measure.add_argument("--iters", type=positive(int), default=50,
+                         help="timed operations per size, in the calibration and per algorithm in "
+                              "the sweep; fewer for large sizes (at most 128 MiB moved, at least 3 "
+                              "in the sweep); default 50")
+    measure.add_argument("--p2p", choices=("exchange", "pingpong"), default="exchange",
+                         help="point-to-point pattern for alpha and beta: all ranks exchange with "
+                              "their ring neighbours at once (default; what the algorithms' steps "
+                              "do) or ping-pong pair by pair")
+    predict = parser.add_argument_group("predicting (--predict, one process)")
+    predict.add_argument("--predict", action="store_true", help="plan from the model; no measurement")
+    predict.add_argument("--nodes", type=positive(int), help="ranks in the job, one per node")
+    predict.add_argument("--link", type=parse_bandwidth,
+                         help="per-rank link bandwidth, e.g. 100gbit, 25Gbit/s, 12.5GB/s")
+    predict.add_argument("--latency", type=parse_duration,
+                         help="network latency per message, e.g. 2us (this package's per-message "
+                              "software cost is added: --software-latency)")
+    predict.add_argument("--software-latency", type=parse_duration, default=None,
+                         help=f"Python and MPI cost per message on top of --latency (default "
+                              f"{DEFAULT_SOFTWARE_LATENCY * 1e6:g}us, measured on the reference machine)")
+    predict.add_argument("--model-params", type=parse_count, help="parameters of the model, e.g. 25e6, 25M")
+    predict.add_argument("--compute-ms", type=positive(float),
+                         help="compute time per step (forward + backward)")
+    predict.add_argument("--dtype", choices=sorted(ITEMSIZE), default="float32", help="gradient dtype")
+    predict.add_argument("--gamma", type=parse_duration,
+                         help="reduction time per byte, e.g. 0.05ns (default: --tuning-file's, "
+                              "else measured on the reference machine for --dtype)")
+    predict.add_argument("--tuning-file", help="take alpha, beta, gamma, overhead from this file "
+                                               "(--link, --latency, --gamma override)")
+    predict.add_argument("--bucket-mb", type=positive(float), default=25.0,
+                         help="gradient bucket size in MiB, one allreduce each (default 25)")
+    args = parser.parse_args(list(argv))
+    if args.predict:
+        missing = [f"--{name.replace('_', '-')}" for name in ("nodes", "model_params", "compute_ms")
+                   if getattr(args, name) is None]
+        if args.tuning_file is None:
+            missing += [flag for flag, value in (("--link", args.link), ("--latency", args.latency))
+                        if value is None]
+        if missing:
+            parser.error(f"--predict needs {', '.join(missing)} (--link and --latency may come "
+                         "from --tuning-file instead)")
+    elif not args.minbytes <= args.maxbytes:
+        parser.error(f"-b/--minbytes ({args.minbytes}) must not exceed -e/--maxbytes ({args.maxbytes})")
+    elif args.stepfactor < 2:
+        parser.error("-f/--stepfactor must be at least 2")
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    if args.predict:
+        return run_predict(args)
+    return run_tune(args)
+
+
+# -- predicting ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """Predicted communication of one training step for one algorithm."""
+
+    algorithm: str
+    bucket_seconds: list[float]  # one allreduce per bucket, in order
+    compute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.bucket_seconds)
+
+    @property
+    def efficiency_no_overlap(self) -> float:
+        return self.compute_s / (self.compute_s + self.total_s)
+
+    @property
+    def efficiency_overlap(self) -> float:
+        # Every bucket but the last runs while compute does (from the start of the step, at
+        # best); the last is ready only when compute ends.
+        earlier = sum(self.bucket_seconds[:-1])
+        return self.compute_s / (max(self.compute_s, earlier) + self.bucket_seconds[-1])
+
+
+def bucket_sizes(parameters: int, itemsize: int, bucket_mb: float) -> list[int]:
+    """Bytes of each gradient bucket: full buckets of `bucket_mb` MiB, then the remainder."""
+    total = parameters * itemsize
+    cap = max(int(bucket_mb * (1 << 20)) // itemsize * itemsize, itemsize)
+    full, rest = divmod(total, cap)
+    return [cap] * full + ([rest] if rest else [])
+
+
+def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
+    """The ModelParams for --predict, and where each came from."""
+    from collectives.cost_model import ModelParams
+    from collectives.select import load_table, model_params
+
+    source: dict[str, str] = {}
+    base = None
+    if args.tuning_file:
+        try:
+            load_table(args.tuning_file)
+            base = model_params(args.tuning_file)
+        except ValueError as exc:
+            raise SystemExit(f"hpcdl tune: {exc}") from None
+        if base is None:
+            raise SystemExit(f"hpcdl tune: {args.tuning_file} has no \"model\"; write one with "
+                             "`mpirun -n P hpcdl tune -o FILE`")
+    software = args.software_latency if args.software_latency is not None else DEFAULT_SOFTWARE_LATENCY
+    if args.latency is not None:
+        alpha = args.latency + software
+        source["alpha"] = (f"--latency {human_seconds(args.latency)} + software "
+                           f"{human_seconds(software)} per message")
+    else:
+        alpha, source["alpha"] = base.alpha, f"from {args.tuning_file}"
+    if args.link is not None:
+        beta, source["beta"] = 1.0 / args.link, f"--link {args.link * 8 / 1e9:g} Gbit/s"
+    else:
+        beta, source["beta"] = base.beta, f"from {args.tuning_file}"
+    if args.gamma is not None:
+        gamma, source["gamma"] = args.gamma, "--gamma"
+    elif base is not None:
+        gamma, source["gamma"] = base.gamma, f"from {args.tuning_file}"
+    else:
+        gamma = DEFAULT_GAMMA[args.dtype]
+        source["gamma"] = f"default for {args.dtype}, measured on the reference machine"
+    if base is not None:
+        overhead, source["overhead"] = base.overhead, f"from {args.tuning_file}"
+    else:
+        overhead, source["overhead"] = DEFAULT_OVERHEAD, "default, measured on the reference machine"
+    return ModelParams(alpha, beta, gamma, overhead), source
+
+
+def plan_step(params: Any, nodes: int, parameters: int, dtype: str, bucket_mb: float,
+              compute_s: float) -> tuple[list[int], list[Plan], list[str]]:
+    """Bucket sizes, a `Plan` per modelled allreduce algorithm plus auto's (last), and auto's
+    pick per bucket (the model's fastest)."""
+    from collectives.cost_model import best, modelled_algorithms, predict
+
+    itemsize = ITEMSIZE[dtype]
+    buckets = bucket_sizes(parameters, itemsize, bucket_mb)
+    plans = {a: Plan(a, [predict("allreduce", a, b, nodes, params, itemsize=itemsize) for b in buckets],
+                     compute_s) for a in modelled_algorithms("allreduce")}
+    picks = [best("allreduce", b, nodes, params, itemsize=itemsize) for b in buckets]
+    auto = Plan("auto", [plans[a].bucket_seconds[i] for i, a in enumerate(picks)], compute_s)
+    return buckets, [*plans.values(), auto], picks
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    params, source = predict_params(args)
+    compute_s = args.compute_ms * 1e-3
+    buckets, plans, picks = plan_step(params, args.nodes, args.model_params, args.dtype,
+                                      args.bucket_mb, compute_s)
+    lines = [
+        f"hpcdl tune --predict: {args.nodes} ranks, allreduce of {args.model_params:,} {args.dtype} "
+        f"gradients ({human_bytes(sum(buckets))}) per step in {len(buckets)} bucket"
+        f"{'s' if len(buckets) != 1 else ''} of at most {human_bytes(buckets[0])}, "
+        f"compute {args.compute_ms:g} ms per step",
+        f"  alpha    {params.alpha * 1e6:9.3f} µs per message      ({source['alpha']})",
+        f"  beta     {params.beta * 1e9:9.4f} ns per byte         ({source['beta']}; "
+        f"{1 / params.beta / 1e9 if params.beta else math.inf:.3g} GB/s)",
+        f"  gamma    {params.gamma * 1e9:9.4f} ns per byte reduced ({source['gamma']})",
+        f"  overhead {params.overhead * 1e6:9.3f} µs per call         ({source['overhead']})",
+        "",
+        f"{'algorithm':<18} {'per bucket':>11} {'per step':>11} {'efficiency':>11} {'overlapped':>11}",
+    ]
+    for plan in plans:
+        lines.append(f"{plan.algorithm:<18} {human_seconds(plan.bucket_seconds[0]):>11} "
+                     f"{human_seconds(plan.total_s):>11} {plan.efficiency_no_overlap:>10.1%} "
+                     f"{plan.efficiency_overlap:>10.1%}")
+    lines += [
+        "",
+        "per bucket: the first (largest) bucket's allreduce; per step: all buckets, one allreduce "
+        "each, one after another.",
+        "efficiency: compute / (compute + communication), no overlap.",
+        "overlapped: perfect overlap of every bucket but the last: the earlier buckets' allreduces "
+        "run during compute (as if their gradients were ready from the start of the step), the last "
+        "starts when compute ends: compute / (max(compute, earlier buckets) + last bucket). An "
+        "upper bound: backward is only part of the compute.",
+        "auto would pick: " + "; ".join(
+            f"{a} for {human_bytes(b)}" for b, a in dict(zip(buckets, picks)).items())
+        + " (the model's fastest; a tuning file's measured rows take precedence at their rank count)",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+# -- measuring -------------------------------------------------------------------------------------
+
+def time_algorithm(collective: str, algorithm: str, nbytes: int, comm: Any, *, iterations: int,
+                   warmup: int) -> tuple[float, bool, int]:
+    """Collective: (seconds per call, result correct, bytes as nccl-tests counts them).
+
+    Times by `hpcdl bench`'s `measure` (a barrier before each call, the first call checked);
+    seconds are the slowest rank's average (`max_s`): a collective ends when its slowest rank
+    does, and that is what the model predicts.
+    """
+    from benchmarks.microbench import measure
+
+    m = measure(collective, algorithm, nbytes, comm, iterations=iterations, warmup=warmup)
+    if m.max_s is None:
+        raise RuntimeError(f"hpcdl tune: {collective} {algorithm} could not run at {nbytes} bytes: "
+                           f"{m.unavailable}")
+    return m.max_s, m.wrong == 0, m.nbytes
+
+
+def sweep(collective: str, sizes: list[int], comm: Any, iterations: int) -> list[dict[str, Any]]:
+    """Collective: time every modelled algorithm of `collective` at each size.
+
+    Iterations shrink with size (at most SWEEP_BYTES per algorithm and size, at least 3); the
+    order of the algorithms rotates from size to size, so none always runs first on a drifting
+    machine. Sizes that round to the same element count are timed once.
+    """
+    from collectives.cost_model import modelled_algorithms
+
+    algorithms = modelled_algorithms(collective)
+    records: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for i, nbytes in enumerate(sizes):
+        count = max(3, min(iterations, SWEEP_BYTES // max(nbytes, 1)))
+        order = algorithms[i % len(algorithms):] + algorithms[:i % len(algorithms)]
+        timed = {a: time_algorithm(collective, a, nbytes, comm, iterations=count,
+                                   warmup=max(1, count // 10)) for a in order}
+        actual = timed[algorithms[0]][2]
+        if actual in seen:
+            continue
+        seen.add(actual)
+        records += [{"collective": collective, "bytes": actual, "algorithm": a, "seconds": timed[a][0],
+                     "valid": timed[a][1]} for a in algorithms]
+    return records
+
+
+def measured_row(records: list[dict[str, Any]], collective: str, size: int) -> dict[str, Any]:
+    """The decision row for this rank count from measured times (bytes as `choose` sees them)."""
+    from collectives.cost_model import thresholds
+
+    times: dict[int, dict[str, float]] = {}
+    for r in records:
+        if r["collective"] == collective and r["valid"]:
+            array_bytes = r["bytes"] // size if collective == "allgather" else r["bytes"]
+            times.setdefault(array_bytes, {})[r["algorithm"]] = r["seconds"]
+    return {"min_ranks": size, "max_ranks": size, "by_bytes": thresholds(times, HYSTERESIS)}
+
+
+def describe_job(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Where and how the model was measured, for the tuning file's `measured_on`."""
+    from mpi4py import MPI
+
+    hosts = comm.allgather(MPI.Get_processor_name())
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ranks": comm.Get_size(),
+        "hosts": sorted(set(hosts)),
+        "ranks_per_host": {h: hosts.count(h) for h in sorted(set(hosts))},
+        "mpi_library": MPI.Get_library_version().replace("\0", "").strip().splitlines()[0],
+        "point_to_point": args.p2p,
+        "command": "hpcdl tune " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["tune"] else []),
+    }
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file in the same directory, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]],
+                    collectives_: Sequence[str], size: int, job: dict[str, Any]) -> dict[str, Any]:
+    """The tuning file: model, decision rows (measured at this P, modelled elsewhere), raw data."""
+    from collectives.cost_model import decision_rows
+
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for collective in collectives_:
+        modelled = decision_rows(collective, params)
+        # The first row covering P wins in `select`, so the measured row goes first.
+        rows[collective] = ([measured_row(records, collective, size)] if records else []) + modelled
+    measured = (f"rows for P={size} from a measured sweep of every algorithm (fastest correct one "
+                f"per size, switching only on a >{HYSTERESIS:.0%} win)" if records
+                else "every row from the model (--model-only)")
+    return {
+        "about": (f"Written by `hpcdl tune` on {job['date']} over {size} ranks on "
+                  f"{len(job['hosts'])} host(s). model: alpha (s per message), beta (s per byte "
+                  "on the wire), gamma (s per byte reduced), overhead (s per call), fitted by "
+                  f"collectives.calibrate ({job['point_to_point']} pattern). Decision rows: "
+                  f"{measured}; other rank counts from the model. Sizes in rows are the bytes "
+                  "of the array each rank passes (allgather: one rank's contribution)."),
+        "model": {**params.as_dict(), "measured_on": job},
+        "collectives": rows,
+        "measurements": {
+            "point_to_point": calibration.point_to_point,
+            "reduction": calibration.reduction,
+            "call_seconds": calibration.call_seconds,
+            "sweep": records,
+        },
+    }
+
+
+def comparison(records: list[dict[str, Any]], params: Any, size: int,
+               table_rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Lines: measured vs predicted per collective, size and algorithm, and summary errors."""
+    from collectives.cost_model import predict
+
+    lines = [f"{'collective':<15}{'bytes':>9} {'algorithm':<22}{'measured':>11}{'predicted':>11}"
+             f"{'error':>8}  notes"]
+    errors_large, model_loss, table_loss = [], [], []
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["collective"], r["bytes"]), []).append(r)
+    for (collective, nbytes), group in groups.items():
+        valid = [r for r in group if r["valid"]]
+        predicted = {r["algorithm"]: predict(collective, r["algorithm"], nbytes, size, params)
+                     for r in group}
+        fastest = min(valid, key=lambda r: r["seconds"]) if valid else None
+        model_pick = min(predicted, key=predicted.__getitem__)
+        array_bytes = nbytes // size if collective == "allgather" else nbytes
+        table_pick = _row_choice(table_rows[collective], array_bytes, size)
+        for r in group:
+            error = predicted[r["algorithm"]] / r["seconds"] - 1
+            if nbytes >= 64 << 10:
+                errors_large.append((abs(error), f"{collective} {r['algorithm']} {human_bytes(nbytes)}"))
+            notes = [n for n, on in (("fastest", r is fastest),
+                                     ("model's pick", r["algorithm"] == model_pick),
+                                     ("table's pick", r["algorithm"] == table_pick),
+                                     ("WRONG RESULT", not r["valid"])) if on]
+            lines.append(f"{collective:<15}{human_bytes(nbytes):>9} {r['algorithm']:<22}"
+                         f"{human_seconds(r['seconds']):>11}{human_seconds(predicted[r['algorithm']]):>11}"
+                         f"{error:>+8.0%}  {', '.join(notes)}")
+        if fastest is not None:
+            by_name = {r["algorithm"]: r["seconds"] for r in valid}
+            for losses, pick in ((model_loss, model_pick), (table_loss, table_pick)):
+                if pick in by_name:
+                    losses.append((by_name[pick] / fastest["seconds"] - 1,
+                                   f"{collective} {human_bytes(nbytes)}: {pick} vs {fastest['algorithm']}"))
+    if errors_large:
+        errs = sorted(e for e, _ in errors_large)
+        worst = max(errors_large)
+        lines.append(f"model error at >= 64 KiB: median {np.median(errs):.0%}, worst {worst[0]:.0%} "
+                     f"({worst[1]}); within 25%: {sum(e <= 0.25 for e in errs)}/{len(errs)}")
+    for name, losses in (("model's pick", model_loss), ("table's pick", table_loss)):
+        if losses:
+            worst = max(losses)
+            lines.append(f"{name} vs the fastest measured: worst {worst[0]:+.0%} ({worst[1]}); "
+                         f"within 10% at {sum(loss <= 0.10 for loss, _ in losses)}/{len(losses)} sizes")
+    return lines
+
+
+def _row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None:
+    """What `select` would pick from these rows (the first row covering `size`)."""
+    for row in rows:
+        if row["min_ranks"] <= size <= row.get("max_ranks", size):
+            for limit, name in row["by_bytes"]:
+                if limit is None or nbytes <= limit:
+                    return name
+            return row["by_bytes"][-1][1]
+    return None
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from collectives.calibrate import calibrate
+
+    from .runtime import MPI, init
+
+    init()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size < 2:
+        print("hpcdl tune measures messages between ranks: run it under `mpirun -n 2` or more "
+              "(or plan without measuring: `hpcdl tune --predict ...`)", file=sys.stderr)
+        return 2
+
+    def say(text: str = "") -> None:
+        if rank == 0:
+            print(text, flush=True)
+
+    say(f"# hpcdl tune: {size} ranks; fitting alpha, beta ({args.p2p}), gamma, overhead")
+    calibration = calibrate(comm, pattern=args.p2p, iterations=args.iters)
+    params = calibration.params
+    say(f"alpha    {params.alpha * 1e6:10.2f} µs per message")
+    say(f"beta     {params.beta * 1e9:10.4f} ns per byte  "
+        f"({1 / params.beta / 1e9 if params.beta else math.inf:.3g} GB/s)")
+    say(f"gamma    {params.gamma * 1e9:10.4f} ns per byte reduced  "
+        f"({1 / params.gamma / 1e9 if params.gamma else math.inf:.3g} GB/s)")
+    say(f"overhead {params.overhead * 1e6:10.2f} µs per call  (a 4-byte allreduce took "
+        f"{calibration.call_seconds * 1e6:.1f} µs)")
+    records: list[dict[str, Any]] = []
+    if not args.model_only:
+        from benchmarks.microbench import size_sweep
+
+        sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
+        for collective in args.collectives:
+            say(f"# sweeping {collective}: {len(sizes)} sizes, {human_bytes(sizes[0])} to "
+                f"{human_bytes(sizes[-1])}")
+            records += sweep(collective, sizes, comm, args.iters)
+    job = describe_job(comm, args)
+    document = tuning_document(params, calibration, records, args.collectives, size, job)
+    output = Path(args.output).resolve()
+    error = None
+    if rank == 0:
+        try:
+            write_atomically(output, json.dumps(document, indent=1) + "\n")
+        except OSError as exc:
+            error = f"cannot write {output}: {exc}"
+    error = comm.bcast(error, root=0)
+    if error:
+        say(f"hpcdl tune: {error}; choose a writable path with -o")
+        return 1
+    if records:
+        say("\n".join(["", *comparison(records, params, size, document["collectives"])]))
+    say(f"\nwrote {output}\nuse it:  export HPCDL_TUNING_FILE={output}")
+    return 0 if all(r["valid"] for r in records) else 1

@@ -1,0 +1,285 @@
+"""The alpha-beta-gamma model (`collectives.cost_model`), its fitting (`collectives.calibrate`) and
+how `auto` uses a tuning file's model (`collectives.select`).
+
+Expected counts are worked out by hand from the algorithms' code (docs/cost_model.md), for
+powers of two and not, even and uneven blocks, one piece and several. The measuring functions
+run under MPI at N >= 2 and are checked for shape and sanity, not for speed.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+from collectives import select
+from collectives.calibrate import fit, measure_point_to_point, measure_reduction
+from collectives.cost_model import (DEFAULT_ROW_SIZES, Cost, ModelParams, best, check_cost, cost,
+                                    decision_rows, model_bytes, modelled_algorithms, predict,
+                                    thresholds)
+from conftest import all_ranks_agree
+
+KIB, MIB = 1 << 10, 1 << 20
+
+#: The argument check alone, per P: (messages, wire bytes, reduced bytes) of a butterfly over the
+#: 384-byte packet; non-powers of two fold in (combined) and out.
+CHECK = {
+    2: (1, 384, 384),
+    3: (3, 3 * 384, 2 * 384),
+    4: (2, 2 * 384, 2 * 384),
+    5: (4, 4 * 384, 3 * 384),
+    8: (3, 3 * 384, 3 * 384),
+}
+
+#: (collective, algorithm, nbytes, P) -> (messages, wire, reduced, copied) of the algorithm and
+#: the API's copies, without the check. float32 throughout.
+HAND_COMPUTED = {
+    # ring, 1024 elements over 4 ranks: blocks of 256 (1 KiB); 3 reduce steps, 3 gather steps
+    ("allreduce", "ring", 4096, 4): (6, 6 * 1024, 3 * 1024, 0),
+    # 1000 elements over 3: blocks 334, 333, 333; the largest (1336 B) sets each step
+    ("allreduce", "ring", 4000, 3): (4, 4 * 1336, 2 * 1336, 0),
+    # 8 MiB over 2: one reduce step of a 4 MiB block in 8 pieces of 512 KiB, one gather message
+    ("allreduce", "ring", 8 * MIB, 2): (9, 8 * MIB, 4 * MIB, 0),
+    # butterfly over 5: fold in (combined) and out around 2 rounds, each of the whole 4 KiB
+    ("allreduce", "butterfly", 4096, 5): (4, 4 * 4096, 3 * 4096, 0),
+    # 200 bytes ride inside the argument check: nothing more
+    ("allreduce", "butterfly", 200, 4): (0, 0, 0, 0),
+    # 2 MiB over 2: one round in 4 pieces
+    ("allreduce", "butterfly", 2 * MIB, 2): (4, 2 * MIB, 2 * MIB, 0),
+    # tree over 5: ceil(log2 5) = 3 rounds up (combining) and 3 down
+    ("allreduce", "tree", 4096, 5): (6, 6 * 4096, 3 * 4096, 0),
+    # halving-doubling over 8: halves of 2048, 1024, 512 B, then doubling 512, 1024, 2048 B
+    ("allreduce", "halving_doubling", 4096, 8): (6, 7168, 3584, 0),
+    # over 3: fold of the whole 4000 B in and out; P'=2 blocks of 500 elements (2000 B)
+    ("allreduce", "halving_doubling", 4000, 3): (4, 12000, 6000, 0),
+    # reduce-scatter: input into scratch (4096) and the 1 KiB block out are copies
+    ("reduce_scatter", "ring", 4096, 4): (3, 3 * 1024, 3 * 1024, 4096 + 1024),
+    # over 3: fold in 4000 B; new rank 0 holds blocks 0+1 (667 el), so the one halving round
+    # sends 2668 B; fold out returns rank 0's block (1336 B)
+    ("reduce_scatter", "halving_doubling", 4000, 3): (3, 4000 + 2668 + 1336, 4000 + 2668, 4000 + 1336),
+    # allgather: 4096 B gathered over 4: three 1 KiB steps; placing the input is a copy
+    ("allgather", "ring", 4096, 4): (3, 3 * 1024, 0, 1024),
+    # over 5, 4 KiB per rank: fold in 4 KiB; doubling over new blocks 8,4,4,4 KiB sends 8 then
+    # 12 KiB; fold out the whole 20 KiB
+    ("allgather", "butterfly", 20480, 5): (4, 4096 + 8192 + 12288 + 20480, 0, 4096),
+    ("broadcast", "tree", 4096, 5): (3, 3 * 4096, 0, 0),
+    # scatter: rank 1 waits for the root's 2 sends (all but block 0), then 3 ring steps
+    ("broadcast", "scatter_allgather", 4096, 4): (5, 3072 + 3 * 1024, 0, 0),
+    ("broadcast", "scatter_allgather", 4000, 3): (4, 2664 + 2 * 1336, 0, 0),
+    # reduce: non-roots reduce a copy of their input
+    ("reduce", "tree", 4096, 8): (3, 3 * 4096, 3 * 4096, 4096),
+    # ring reduce-scatter, then the root receives the 3 other blocks
+    ("reduce", "reduce_scatter_gather", 4096, 4): (6, 3 * 1024 + 3072, 3 * 1024, 4096),
+}
+
+#: A cluster of the kind the model is for: 20 µs per message, 10 GB/s, 20 GB/s reduction.
+CLUSTER = ModelParams(alpha=20e-6, beta=0.1e-9, gamma=0.05e-9, overhead=10e-6)
+
+
+@pytest.mark.parametrize("size", sorted(CHECK))
+def test_argument_check_cost(size: int) -> None:
+    assert check_cost(size) == Cost(*CHECK[size])
+    assert check_cost(1) == Cost()
+
+
+@pytest.mark.parametrize("case", sorted(HAND_COMPUTED), ids=lambda c: "-".join(map(str, c)))
+def test_counts_match_hand_computed(case: tuple[str, str, int, int]) -> None:
+    collective, algorithm, nbytes, size = case
+    expected = Cost(*HAND_COMPUTED[case]) + check_cost(size)
+    assert cost(collective, algorithm, nbytes, size) == expected
+
+
+def test_predict_prices_the_counts() -> None:
+    params = ModelParams(alpha=3.0, beta=5.0, gamma=7.0, overhead=11.0)
+    messages, wire, reduced, copied = HAND_COMPUTED[("reduce_scatter", "ring", 4096, 4)]
+    check = CHECK[4]
+    expected = (11.0 + 3.0 * (messages + check[0]) + 5.0 * (wire + check[1])
+                + 7.0 * (reduced + check[2] + copied))
+    assert predict("reduce_scatter", "ring", 4096, 4, params) == pytest.approx(expected)
+
+
+def test_one_rank_costs_only_overhead_and_copies() -> None:
+    assert predict("allreduce", "ring", 1 << 20, 1, CLUSTER) == pytest.approx(CLUSTER.overhead)
+    assert cost("reduce_scatter", "ring", 4096, 1) == Cost(copied_bytes=8192)
+
+
+def test_mpi_and_unknown_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="MPI library's own"):
+        predict("allreduce", "mpi", 1024, 4, CLUSTER)
+    with pytest.raises(ValueError, match="no algorithm 'ring'"):
+        cost("broadcast", "ring", 1024, 4)
+    with pytest.raises(ValueError, match="unknown collective"):
+        cost("alltoall", "ring", 1024, 4)
+    assert "mpi" not in modelled_algorithms("allreduce")
+
+
+@pytest.mark.parametrize("collective", sorted(select.ALGORITHMS))
+def test_bigger_messages_are_never_faster(collective: str) -> None:
+    sizes = sorted({1 << k for k in range(0, 28)} | {3 * (1 << k) + 1 for k in range(0, 26)})
+    for algorithm in modelled_algorithms(collective):
+        for size in (2, 3, 4, 5, 7, 8, 12, 64):
+            times = [predict(collective, algorithm, n, size, CLUSTER) for n in sizes]
+            assert all(a <= b for a, b in zip(times, times[1:])), (algorithm, size)
+
+
+@pytest.mark.parametrize("size", [4, 8, 16, 64, 256])
+def test_best_is_latency_bound_small_and_bandwidth_bound_large(size: int) -> None:
+    small, large = 8, 64 * MIB
+    assert best("allreduce", small, size, CLUSTER) in ("butterfly", "tree")
+    assert best("allreduce", large, size, CLUSTER) in ("ring", "halving_doubling")
+    assert best("broadcast", small, size, CLUSTER) == "tree"
+    assert best("broadcast", large, size, CLUSTER) == "scatter_allgather"
+    assert best("reduce", small, size, CLUSTER) == "tree"
+    assert best("reduce", large, size, CLUSTER) == "reduce_scatter_gather"
+    assert best("reduce_scatter", model_bytes("reduce_scatter", small, size), size, CLUSTER) \
+        == "halving_doubling"
+    assert best("allgather", model_bytes("allgather", small, size), size, CLUSTER) == "butterfly"
+
+
+def test_best_honours_a_candidate_list() -> None:
+    assert best("allreduce", 8, 16, CLUSTER, algorithms=["ring", "tree"]) == "tree"
+    with pytest.raises(ValueError, match="no candidate"):
+        best("allreduce", 8, 16, CLUSTER, algorithms=[])
+
+
+def test_thresholds_switch_only_on_a_clear_win() -> None:
+    times = {8: {"a": 1.0, "b": 2.0}, 64: {"a": 1.0, "b": 0.97}, 512: {"a": 2.0, "b": 1.0},
+             4096: {"a": 3.0, "b": 1.0}}
+    assert thresholds(times) == [[8, "a"], [None, "b"]]
+    assert thresholds(times, margin=0.05) == [[64, "a"], [None, "b"]]
+    assert thresholds({}) == []
+
+
+def test_model_params_are_checked() -> None:
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
+        ModelParams(-1.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="lacks beta"):
+        ModelParams.from_mapping({"alpha": 1e-6, "gamma": 1e-10})
+    params = ModelParams.from_mapping({"alpha": 1e-6, "beta": 1e-9, "gamma": 1e-10, "extra": 1})
+    assert params.overhead == 0.0 and ModelParams.from_mapping(params.as_dict()) == params
+
+
+# -- tuning files and auto ------------------------------------------------------------------------
+
+@pytest.fixture
+def tuning_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Write a tuning document, point HPCDL_TUNING_FILE at it, and start from empty caches."""
+    def write(document: dict[str, Any]) -> Path:
+        path = tmp_path / f"tuning{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps(document))
+        monkeypatch.setenv("HPCDL_TUNING_FILE", str(path))
+        for name in select.ALGORITHMS:
+            monkeypatch.delenv(f"HPCDL_ALGORITHM_{name.upper()}", raising=False)
+        select.load_table.cache_clear()
+        select._lookup.cache_clear()
+        return path
+
+    yield write
+    select.load_table.cache_clear()
+    select._lookup.cache_clear()
+
+
+@pytest.mark.parametrize("collective", sorted(select.ALGORITHMS))
+def test_decision_rows_round_trip_through_choose(collective: str, tuning_file: Any) -> None:
+    counts = [1, 2, 3, 4, 5, 8, 16, 64]
+    rows = decision_rows(collective, CLUSTER, rank_counts=counts)
+    tuning_file({"model": CLUSTER.as_dict(), "collectives": {collective: rows}})
+    for size in counts + [6, 100]:  # 6 and 100 fall in the rows of 5 and 64
+        row_size = max(c for c in counts if c <= size)
+        for nbytes in DEFAULT_ROW_SIZES[::3]:
+            n = model_bytes(collective, nbytes, row_size)
+            chosen = select.choose(collective, nbytes, size)
+            fastest = best(collective, n, row_size, CLUSTER)
+            # Where two algorithms tie exactly, either is right: compare predicted times.
+            assert predict(collective, chosen, n, row_size, CLUSTER) == pytest.approx(
+                predict(collective, fastest, n, row_size, CLUSTER), rel=1e-9), (size, nbytes, chosen)
+
+
+def test_model_decides_where_no_row_covers(tuning_file: Any) -> None:
+    measured = [{"min_ranks": 4, "max_ranks": 4, "by_bytes": [[None, "tree"]]}]
+    tuning_file({"model": CLUSTER.as_dict(), "collectives": {"allreduce": measured}})
+    assert select.choose("allreduce", 64 * MIB, 4) == "tree"  # the measured row wins at its P
+    assert select.choose("allreduce", 64 * MIB, 7) == best("allreduce", 64 * MIB, 7, CLUSTER)
+    assert select.choose("broadcast", 8, 32) == "tree"  # no rows at all: the model
+    assert select.choose("allgather", 64 * MIB, 32) == best("allgather", 32 * 64 * MIB, 32, CLUSTER)
+
+
+def test_choice_is_cached(tuning_file: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    tuning_file({"model": CLUSTER.as_dict()})
+    calls = []
+
+    def counting_best(*args: Any, **kwargs: Any) -> str:
+        calls.append(args)
+        return best(*args, **kwargs)
+
+    monkeypatch.setattr(select, "best", counting_best)
+    first = select.choose("allreduce", 12345, 9)
+    assert all(select.choose("allreduce", 12345, 9) == first for _ in range(100))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("document, message", [
+    ({"model": {"alpha": 1e-6, "gamma": 1e-10}}, r"model: model lacks beta"),
+    ({"model": {"alpha": -1, "beta": 1e-9, "gamma": 0}}, r"model: model parameter alpha"),
+    ({"model": [1, 2]}, r"\"model\" must be an object"),
+    ({"about": "nothing"}, r"neither \"collectives\""),
+    ({"collectives": {"allreduce": [{"min_ranks": 1, "by_bytes": [[None, "warp"]]}]}},
+     r"allreduce has no algorithm 'warp'"),
+    ({"collectives": {"allreduce": [{"min_ranks": "2", "by_bytes": [[None, "ring"]]}]}},
+     r"allreduce row 0: min_ranks must be an integer"),
+    ({"collectives": {"allreduce": [{"min_ranks": 1, "by_bytes": [["1K", "ring"]]}]}},
+     r"by_bytes entry \['1K', 'ring'\]"),
+    ({"collectives": {"gather": []}}, r"unknown collective 'gather'"),
+])
+def test_bad_tuning_files_name_the_file_and_entry(document: dict[str, Any], message: str,
+                                                  tuning_file: Any) -> None:
+    path = tuning_file(document)
+    with pytest.raises(ValueError, match=message) as info:
+        select.choose("allreduce", 1024, 2)
+    assert str(path) in str(info.value)
+
+
+# -- fitting and measuring ------------------------------------------------------------------------
+
+def test_fit_recovers_a_line_and_ignores_an_outlier() -> None:
+    alpha, beta = 20e-6, 8e-9
+    sizes = [8, 1024, 65536, 1 << 20, 16 << 20]
+    points = [(n, alpha + beta * n) for n in sizes for _ in range(3)]
+    points.append((1024, 1.0))  # one repeat hit by load: the median of the repeats ignores it
+    intercept, slope = fit(points)
+    assert intercept == pytest.approx(alpha, rel=1e-6) and slope == pytest.approx(beta, rel=1e-6)
+    with pytest.raises(ValueError, match="two or more sizes"):
+        fit([(8, 1e-6), (8, 2e-6)])
+
+
+def test_relative_fit_keeps_the_intercept_of_small_sizes() -> None:
+    # Large sizes slightly off a line would swamp alpha in a plain fit; relative errors keep it.
+    points = [(8, 20e-6), (1024, 21e-6), (64 << 20, 0.60), (256 << 20, 2.2)]
+    intercept, _ = fit(points)
+    assert 10e-6 < intercept < 30e-6
+    plain_intercept, _ = fit(points, relative=False)
+    assert abs(plain_intercept - 20e-6) > 1e-3
+
+
+def test_measure_reduction_covers_each_size() -> None:
+    points = measure_reduction([4096, 1 << 20], "float32", "sum", iterations=3, repeats=2)
+    assert [n for n, _ in points] == [4096, 1 << 20]
+    assert all(t > 0 for _, t in points)
+    with pytest.raises(ValueError, match="dtype"):
+        measure_reduction([4096], "complex64")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pattern", ["exchange", "pingpong"])
+def test_point_to_point_measures_every_size(comm: MPI.Comm, pattern: str) -> None:
+    if comm.Get_size() < 2:
+        with pytest.raises(ValueError, match="at least 2 ranks"):
+            measure_point_to_point(comm, [8], 2, pattern=pattern)
+        return
+    points = measure_point_to_point(comm, [64 << 10, 8], 4, pattern=pattern, repeats=2)
+    ok = ([n for n, _ in points] == [8, 64 << 10] and all(t > 0 for _, t in points)
+          and points == comm.bcast(points, root=0))  # every rank holds the same (slowest) times
+    assert all_ranks_agree(ok), points

@@ -1,0 +1,181 @@
+"""`hpcdl tune`: --predict's plan, units and errors on one process; measuring under mpirun -n 2."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from collectives import select
+from collectives.cost_model import ModelParams, best, predict
+from conftest import all_ranks_agree
+from hpcdl import tune
+
+PREDICT = ["--predict", "--nodes", "256", "--link", "100gbit", "--latency", "2us",
+           "--model-params", "25e6", "--compute-ms", "120"]
+
+
+@pytest.mark.parametrize("text, value", [
+    ("100gbit", 12.5e9), ("25Gbit/s", 3.125e9), ("10Gbps", 1.25e9), ("12.5GB/s", 12.5e9),
+    ("800Mb/s", 1e8), ("1GiB/s", 2.0 ** 30), ("1e9 B/s", 1e9), ("100 bits/s", 12.5),
+])
+def test_bandwidths(text: str, value: float) -> None:
+    assert tune.parse_bandwidth(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text, value", [
+    ("2us", 2e-6), ("2µs", 2e-6), ("1.5ms", 1.5e-3), ("0.05ns", 5e-11), ("1s", 1.0), ("3e-3 s", 3e-3),
+])
+def test_durations(text: str, value: float) -> None:
+    assert tune.parse_duration(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text, value", [
+    ("25e6", 25_000_000), ("25M", 25_000_000), ("1.3B", 1_300_000_000), ("350k", 350_000), ("7", 7),
+])
+def test_counts(text: str, value: int) -> None:
+    assert tune.parse_count(text) == value
+
+
+def test_sizes_read_like_nccl_tests() -> None:
+    sizes = [tune.parse_bytes(t) for t in ("8", "64K", "32M", "1G", "4KB")]
+    assert sizes == [8, 65536, 32 << 20, 1 << 30, 4096]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--link", "100", "cannot read '100' as a bandwidth; write a number and a unit"),
+    ("--link", "fast", "cannot read 'fast' as a bandwidth"),
+    ("--latency", "2", "cannot read '2' as a time; write a number and a unit: s, ms, us, ns"),
+    ("--latency", "2 parsecs", "cannot read '2 parsecs' as a time"),
+    ("--model-params", "lots", "cannot read 'lots' as a count of parameters"),
+    ("--nodes", "0", "'0' must be above zero"),
+    ("--compute-ms", "-5", "'-5' must be above zero"),
+])
+def test_bad_units_stop_with_a_clear_error(flag: str, value: str, message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    argv = list(PREDICT)
+    argv[argv.index(flag) + 1] = value
+    with pytest.raises(SystemExit) as exit_:
+        tune.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {message}" in err
+
+
+def test_predict_names_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        tune.main(["--predict", "--nodes", "8", "--compute-ms", "100"])
+    err = capsys.readouterr().err
+    assert "--predict needs --model-params, --link, --latency" in err
+
+
+def test_buckets_and_efficiency() -> None:
+    assert tune.bucket_sizes(25_000_000, 4, 25) == [25 << 20] * 3 + [100_000_000 - 3 * (25 << 20)]
+    assert tune.bucket_sizes(1000, 2, 25) == [2000]
+    plan = tune.Plan("x", [1.0, 1.0, 1.0], compute_s=2.0)
+    assert plan.efficiency_no_overlap == pytest.approx(2 / 5)
+    assert plan.efficiency_overlap == pytest.approx(2 / 3)  # max(2, 1 + 1) + 1
+    slow = tune.Plan("x", [2.0, 2.0, 1.0], compute_s=2.0)
+    assert slow.efficiency_overlap == pytest.approx(2 / 5)  # earlier buckets outlast compute
+
+
+def test_predict_prints_every_algorithm_and_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    assert tune.main(PREDICT) == 0
+    out = capsys.readouterr().out
+    params = ModelParams(2e-6 + tune.DEFAULT_SOFTWARE_LATENCY, 8 / 100e9, tune.DEFAULT_GAMMA["float32"],
+                         tune.DEFAULT_OVERHEAD)
+    buckets = tune.bucket_sizes(25_000_000, 4, 25)
+    assert "256 ranks" in out and "4 buckets" in out
+    for algorithm in ("ring", "butterfly", "tree", "halving_doubling"):
+        seconds = [predict("allreduce", algorithm, b, 256, params) for b in buckets]
+        line = re.search(rf"^{algorithm}\s+(\S+ \S+)\s+(\S+ \S+)\s+([\d.]+)%\s+([\d.]+)%$", out, re.M)
+        assert line, f"no line for {algorithm}:\n{out}"
+        assert line[2] == tune.human_seconds(sum(seconds))
+        no_overlap = 0.120 / (0.120 + sum(seconds))
+        overlap = 0.120 / (max(0.120, sum(seconds[:-1])) + seconds[-1])
+        assert float(line[3]) == pytest.approx(100 * no_overlap, abs=0.051)
+        assert float(line[4]) == pytest.approx(100 * overlap, abs=0.051)
+    pick = best("allreduce", buckets[0], 256, params)
+    assert f"auto would pick: {pick} for 25 MiB" in out
+    assert re.search(r"^auto\s", out, re.M)
+
+
+def test_predict_reads_a_tuning_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"model": {"alpha": 50e-6, "beta": 8e-9, "gamma": 1e-10,
+                                          "overhead": 20e-6}}))
+    assert tune.main(["--predict", "--nodes", "4", "--model-params", "1M", "--compute-ms", "10",
+                      "--tuning-file", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "50.000 µs per message      (from" in out and "8.0000 ns per byte" in out
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"collectives": {}}))
+    with pytest.raises(SystemExit, match="has no \"model\""):
+        tune.main(["--predict", "--nodes", "4", "--model-params", "1M", "--compute-ms", "10",
+                   "--tuning-file", str(empty)])
+
+
+def test_measured_rows_use_the_bytes_choose_sees() -> None:
+    records = [{"collective": "allgather", "bytes": b, "algorithm": a, "seconds": t, "valid": True}
+               for b, a, t in ((4096, "ring", 1.0), (4096, "butterfly", 2.0),
+                               (1 << 20, "ring", 3.0), (1 << 20, "butterfly", 1.0))]
+    records.append({"collective": "allgather", "bytes": 1 << 22, "algorithm": "ring",
+                    "seconds": 0.1, "valid": False})  # wrong results never win
+    row = tune.measured_row(records, "allgather", 4)
+    assert row == {"min_ranks": 4, "max_ranks": 4, "by_bytes": [[1024, "ring"], [None, "butterfly"]]}
+
+
+# -- measuring under MPI ----------------------------------------------------------------------------
+
+def _shared_path(comm: MPI.Comm, tmp_path: Path, name: str) -> Path:
+    return Path(comm.bcast(str(tmp_path / name), root=0))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 2, reason="one measured run is enough: N = 2")
+def test_model_only_writes_a_valid_tuning_file(comm: MPI.Comm, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = _shared_path(comm, tmp_path, "tuning.json")
+    rc = tune.main(["--model-only", "-o", str(path), "--iters", "5"])
+    out = capsys.readouterr().out
+    ok = rc == 0 and path.exists()
+    if ok:
+        document = json.loads(path.read_text())
+        params = ModelParams.from_mapping(document["model"])
+        ok = (params.alpha > 0 and params.beta > 0 and document["model"]["measured_on"]["ranks"] == 2
+              and set(document["collectives"]) == set(tune.COLLECTIVES)
+              and select.load_table(str(path)) is not None)
+        monkeypatch.setenv("HPCDL_TUNING_FILE", str(path))
+        ok = ok and select.choose("allreduce", 8, 2) in ("butterfly", "tree")
+        select._lookup.cache_clear()
+    if comm.Get_rank() == 0:
+        ok = ok and "alpha" in out and f"export HPCDL_TUNING_FILE={path}" in out
+    assert all_ranks_agree(ok), out
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 2, reason="one measured run is enough: N = 2")
+def test_sweep_writes_measured_rows_first(comm: MPI.Comm, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = _shared_path(comm, tmp_path, "swept.json")
+    rc = tune.main(["-o", str(path), "-b", "8", "-e", "64K", "-f", "64", "--iters", "3",
+                    "--collectives", "allreduce", "broadcast"])
+    out = capsys.readouterr().out
+    ok = rc == 0
+    if ok:
+        document = json.loads(path.read_text())
+        first = document["collectives"]["allreduce"][0]
+        sweep = document["measurements"]["sweep"]
+        ok = (first["min_ranks"] == first["max_ranks"] == 2
+              and {r["bytes"] for r in sweep} == {8, 512, 32768}
+              and {r["algorithm"] for r in sweep if r["collective"] == "broadcast"}
+              == {"tree", "scatter_allgather"}
+              and all(r["valid"] and r["seconds"] > 0 for r in sweep))
+    if comm.Get_rank() == 0:
+        ok = ok and re.search(r"^broadcast\s+32 KiB scatter_allgather\s", out, re.M) is not None
+    assert all_ranks_agree(ok), out
