@@ -10,7 +10,7 @@ Every mode runs in this one invocation on the same ranks:
   hpcdl        hpcdl.DistributedDataParallel, buckets reduced during backward
   hpcdl-nolap  the same with overlap=False (all buckets after backward)
   torch-ddp    torch.nn.parallel.DistributedDataParallel, gloo backend (torch.distributed set up
-               from our MPI rank and size, MASTER_ADDR=127.0.0.1, a free port chosen by rank 0)
+               from our MPI rank and size by benchmarks/torch_gloo.py)
 Models: "cnn" (2 conv + 2 fc, 1.2 M params, 1x28x28 input) and "mlp" (784-4096-4096-1280-10,
 25.3 M params, communication-heavy). Batch 32 per rank, synthetic data, SGD with momentum;
 torch uses one thread per rank when P > 1. Each measurement: warm-up steps, a barrier, timed
@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -35,6 +33,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hpcdl
+from benchmarks.torch_gloo import init_torch_distributed
 
 MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp")
 
@@ -54,19 +53,6 @@ def heavy_mlp() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": small_cnn, "mlp": heavy_mlp}
-
-
-def init_torch_distributed(comm: MPI.Comm) -> None:
-    """gloo process group over TCP on this host, rank and size taken from MPI."""
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(comm.bcast(port, root=0))
-    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size(),
-                            timeout=timedelta(seconds=120))
 
 
 def wrap(mode: str, net: nn.Module, comm: MPI.Comm, args: argparse.Namespace,

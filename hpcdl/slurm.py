@@ -7,7 +7,7 @@
         --account proj42 -o train.sbatch -- --model resnet --synthetic
     sbatch train.sbatch
 
-Arguments after `--` go to the program the template runs (`hpcdl train`, or the allreduce sweep).
+Arguments after `--` go to the program the template runs (`hpcdl train`, or `hpcdl bench`).
 The srun `--mpi` type defaults to the one that matches the MPI library mpi4py loads here (pmix for
 Open MPI, pmi2 for MPICH and its derivatives); render on the cluster's login node, in the same
 environment the job will use. Templates are Jinja2 files, `slurm/<name>.sbatch.j2`.
@@ -27,7 +27,6 @@ from .launch import SRUN_MPI_TYPE, mpi_family
 #: with `pip install -e`).
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "slurm"
 TEMPLATE_SUFFIX = ".sbatch.j2"
-SWEEP_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "allreduce_sweep.py"
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class TemplateSpec:
     """What a template is for and which resources make sense for it."""
 
     description: str
-    runs: str  # "train" or "sweep"
+    runs: str  # the hpcdl subcommand it runs: "train" or "bench"
     gpus: str  # "none", "required" or "optional"
     single_node: bool = False
 
@@ -46,8 +45,8 @@ TEMPLATES = {
                              single_node=True),
     "gpu-multinode": TemplateSpec("data-parallel training on several nodes, one rank per GPU", "train",
                                   "required"),
-    "allreduce-sweep": TemplateSpec("the collective microbenchmark sweep (benchmarks/allreduce_sweep.py)",
-                                    "sweep", "optional"),
+    "allreduce-sweep": TemplateSpec("the collective microbenchmark, `hpcdl bench` (allreduce unless "
+                                    "told otherwise)", "bench", "optional"),
     "requeue": TemplateSpec("training that checkpoints, requeues itself before the time limit or on "
                             "preemption, and resumes from the newest checkpoint", "train", "optional"),
 }
@@ -220,10 +219,7 @@ def template_values(args: argparse.Namespace, family: str | None) -> dict[str, o
     """The variables the templates use, from checked arguments."""
     program_args = args.program_args
     spec = TEMPLATES[args.template]
-    if spec.runs == "sweep":
-        command = shlex.join(["python", str(SWEEP_SCRIPT), *program_args])
-    else:
-        command = shlex.join(["hpcdl", "train", *program_args])
+    command = shlex.join(["hpcdl", spec.runs, *program_args])
     mpi = args.mpi if args.mpi != "auto" else SRUN_MPI_TYPE.get(family or "", "pmix")
     return {
         "template": args.template, "description": spec.description,

@@ -167,21 +167,21 @@ def test_cpu_training_job(cluster: Cluster, tmp_path: Path, capsys: pytest.Captu
 def test_allreduce_sweep_job(cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     table = tmp_path / "sweep.csv"
     script = render("allreduce-sweep", tmp_path, "--tasks-per-node", "2",
-                    program_args=("--min-bytes", "4", "--max-bytes", "64K", "--factor", "16",
-                                  "--rounds", "1", "--csv", str(table)))
+                    program_args=("-b", "4", "-e", "64K", "-f", "16", "--rounds", "1", "--csv", str(table)))
+    assert "hpcdl bench -b 4" in script.read_text()
     job_id, status, log = submit_and_wait(cluster, script, capsys)
     assert status == 0, f"job {job_id} failed:\n{log}"
-    assert "P=2" in log and "WRONG" not in log, log
+    assert "2 ranks on 1 host" in log and "all checked results exact" in log, log
     rows = list(csv.DictReader(table.open()))
-    sizes = sorted({int(r["bytes"]) for r in rows})
+    sizes = sorted({int(r["nbytes"]) for r in rows})
     assert sizes == [4, 64, 1024, 16384], sizes  # 4 B times 16 while <= 64 KiB
     algorithms = {r["algorithm"] for r in rows}
-    assert {"ring", "mpi", "direct"} <= algorithms, algorithms
+    assert {"ring", "mpi", "auto", "direct", "gloo"} <= algorithms, algorithms
     for r in rows:
-        assert r["ranks"] == "2" and r["valid"] == "True", r
-        assert float(r["median_us"]) > 0 and int(r["iterations"]) > 0, r
-    # The printed table has one line per CSV row.
-    row = re.compile(r"^\s*\d+[KM]?\s+\S+\s+\d+\s+[\d.]+\s+[\d.]+")
+        assert r["ranks"] == "2" and r["wrong"] == "0" and int(r["checked"]) > 0, r
+        assert float(r["avg_s"]) > 0 and int(r["iterations"]) > 0, r
+    # The printed table has one line per CSV row: size, count, type, op, root, place, algorithm, time.
+    row = re.compile(r"^\s*\d+\s+\d+\s+float32\s+sum\s+-\s+in\s+\S+\s+[\d.]+\s")
     printed = [line for line in log.splitlines() if row.match(line)]
     assert len(printed) == len(rows), log
 

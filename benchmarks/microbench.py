@@ -1,0 +1,520 @@
+"""`hpcdl bench`: time every collective algorithm over a sweep of sizes, next to its peers.
+
+    mpirun -n 2 hpcdl bench                                   # allreduce, 8 B .. 64 MiB, x2
+    mpirun -n 4 hpcdl bench -C all -b 1K -e 16M -f 4 --json p4.json --plot p4.png
+    mpirun -n 2 hpcdl bench -C reduce -A tree mpi -d bfloat16 -o max -c --out-of-place
+
+Options follow OSU Micro-Benchmarks and nccl-tests (-b/-e/-f sizes, -n/-w iterations,
+-d datatype, -o op, -c check every call). Each row is one (size, placement, algorithm), measured
+by `collective_timing.run_interleaved` (what the columns mean is documented there): the
+collective's hand-written algorithms, `mpi`, `auto` (its choice in brackets), `direct` and
+`gloo`, all on the same ranks, taking turns in --rounds rounds at each size so a slow drift of a
+shared machine favours none. The `predicted` column is the alpha-beta-gamma model's time
+(`collectives.cost_model`, parameters from --tuning-file or HPCDL_TUNING_FILE as `hpcdl tune`
+writes them) with its error relative to the measured average. Rank 0 prints the table (and writes
+--csv, --json, --plot); any wrong element makes the exit status 1, bad arguments 2.
+On an oversubscribed machine set OMPI_MCA_mpi_yield_when_idle=1.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.metadata
+import inspect
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+import hpcdl
+from collectives import ALGORITHMS, DTYPES, OPS
+
+from .collective_timing import (AUTO, COLLECTIVES, DIRECT, GLOO, PEERS, PLACEMENTS, Case,
+                                DeviceUnavailable, Measurement, agree, algorithms_of, element_count,
+                                import_cupy, measure, run_interleaved, static_unavailable)
+
+__all__ = ["main", "measure", "Measurement", "sweep"]  # measure: the API `hpcdl tune` uses
+
+# -- the sweep -----------------------------------------------------------------------------------
+
+def size_sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
+    """minbytes, minbytes * factor, ... while <= maxbytes (nccl-tests' -b/-e/-f)."""
+    sizes, n = [], minbytes
+    while n <= maxbytes:
+        sizes.append(n)
+        n *= factor
+    return sizes
+
+
+def default_iterations(nbytes: int) -> int:
+    """Timed iterations by size: 200 for small messages, fewer for large ones, at least 10."""
+    return max(10, min(200, (256 << 20) // max(nbytes, 1)))
+
+
+def default_warmup(iterations: int) -> int:
+    """Untimed calls after the checked one: a tenth of the timed ones, at least 1."""
+    return max(1, iterations // 10)
+
+
+class Predictor:
+    """The cost model's predicted time per row, when a model is available."""
+
+    def __init__(self, tuning_file: str | None) -> None:
+        self.params: Any = None
+        self.note = ("no model: give --tuning-file or set HPCDL_TUNING_FILE to a file written by "
+                     "`hpcdl tune`")
+        if not tuning_file:
+            return
+        try:
+            from collectives import cost_model
+        except ImportError:
+            self.note = "no model: collectives.cost_model is not available in this installation"
+            return
+        try:
+            data = json.loads(Path(tuning_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise BenchArgumentError(f"cannot read tuning file {tuning_file}: {exc}") from exc
+        model = data.get("model") if isinstance(data, dict) else None
+        if model is None:
+            self.note = f"no model: {tuning_file} has no \"model\" entry"
+            return
+        try:
+            self.params = cost_model.ModelParams(
+                alpha=float(model["alpha"]), beta=float(model["beta"]), gamma=float(model["gamma"]),
+                overhead=float(model.get("overhead", 0.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BenchArgumentError(f"{tuning_file}: bad \"model\" entry ({exc!r}); it needs "
+                                     "alpha, beta, gamma (and overhead) in seconds") from exc
+        self._predict = cost_model.predict
+        self._takes_itemsize = "itemsize" in inspect.signature(cost_model.predict).parameters
+        self.note = (f"model from {tuning_file}: alpha {self.params.alpha * 1e6:.2f} us, "
+                     f"beta {self.params.beta * 1e9:.3f} ns/B, gamma {self.params.gamma * 1e9:.3f} "
+                     f"ns/B, overhead {self.params.overhead * 1e6:.2f} us")
+
+    def seconds(self, m: Measurement) -> float | None:
+        """Predicted time of the row's algorithm (auto: of its choice); None where not modelled."""
+        algorithm = m.chose if m.algorithm == AUTO else m.algorithm
+        if self.params is None or algorithm in (None, "mpi", DIRECT, GLOO):
+            return None
+        extra = {"itemsize": DTYPES[m.dtype].itemsize} if self._takes_itemsize else {}
+        try:
+            return float(self._predict(m.collective, algorithm, m.nbytes, m.ranks, self.params, **extra))
+        except ValueError:  # an algorithm the model does not describe
+            return None
+
+
+def sweep(args: argparse.Namespace, comm: MPI.Comm, predictor: Predictor,
+          report: Callable[[list[Measurement]], None]) -> list[Measurement]:
+    """Collective: every collective x size x placement x algorithm of `args`; `report` gets each
+    case's rows as soon as they are measured."""
+    results: list[Measurement] = []
+    for collective in args.collective:
+        algorithms = args.algorithms or algorithms_of(collective)
+        placements = [p for p in args.placements if p or collective != "broadcast"] or [True]
+        itemsize = DTYPES[args.datatype].itemsize
+        counts = [element_count(collective, nbytes, itemsize, comm.Get_size())
+                  for nbytes in size_sweep(args.minbytes, args.maxbytes, args.stepfactor)]
+        for count in dict.fromkeys(counts):  # rounding to P blocks can repeat a size: time it once
+            for in_place in placements:
+                case = Case(collective, count * itemsize, comm, dtype=args.datatype, op=args.op,
+                            in_place=in_place, root=args.root, device=args.device)
+                iterations = args.iters or default_iterations(case.nbytes)
+                warmup = args.warmup_iters if args.warmup_iters is not None else default_warmup(iterations)
+                rows = run_interleaved(case, algorithms, iterations=iterations, warmup=warmup,
+                                       rounds=args.rounds, check_every=args.check)
+                for m in rows:
+                    m.predicted_s = predictor.seconds(m)
+                results.extend(rows)
+                report(rows)
+    return results
+
+
+# -- output --------------------------------------------------------------------------------------
+
+_COLUMNS = (("size", 11), ("count", 11), ("type", 8), ("redop", 5), ("root", 4), ("place", 5),
+            ("algorithm", 22), ("avg", 10), ("min", 10), ("max", 10), ("algbw", 8), ("busbw", 8),
+            ("#wrong", 7), ("predicted", 10), ("error", 7))
+_UNITS = {"size": "(B)", "count": "(elements)", "avg": "(us)", "min": "(us)", "max": "(us)",
+          "algbw": "(GB/s)", "busbw": "(GB/s)", "predicted": "(us)"}
+
+
+def _us(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    us = seconds * 1e6
+    return f"{us:.2f}" if us < 1e4 else f"{us:.0f}"
+
+
+def _gbs(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def table_header(collective: str) -> list[str]:
+    """The two header lines of a collective's table."""
+    names = [f"{name:>{w}}" if i != 6 else f"{name:<{w}}" for i, (name, w) in enumerate(_COLUMNS)]
+    units = [f"{_UNITS.get(name, ''):>{w}}" if i != 6 else " " * w
+             for i, (name, w) in enumerate(_COLUMNS)]
+    return [f"# {collective}", "#" + " ".join(names)[1:], "#" + " ".join(units)[1:]]
+
+
+def table_row(m: Measurement) -> str:
+    """One measurement as a table line (n/a for unavailable ones)."""
+    name = f"{m.algorithm}({m.chose})" if m.chose else m.algorithm
+    error = m.prediction_error
+    cells = [str(m.nbytes), str(m.count), m.dtype, m.op, "-" if m.root is None else str(m.root),
+             PLACEMENTS[m.in_place], name, _us(m.avg_s), _us(m.min_s), _us(m.max_s),
+             _gbs(m.algbw_gbs), _gbs(m.busbw_gbs), "-" if m.unavailable else str(m.wrong),
+             _us(m.predicted_s) if m.predicted_s is not None else "",
+             f"{error:+.0%}" if error is not None else ""]
+    return " ".join(f"{c:<{w}}" if i == 6 else f"{c:>{w}}"
+                    for i, (c, (_, w)) in enumerate(zip(cells, _COLUMNS))).rstrip()
+
+
+def table_footer(rows: list[Measurement]) -> list[str]:
+    """nccl-tests' closing lines, one per algorithm and placement, and why rows are n/a."""
+    lines = []
+    keys = list(dict.fromkeys((m.algorithm, m.in_place) for m in rows))
+    for algorithm, in_place in keys:
+        values = [m.busbw_gbs for m in rows if (m.algorithm, m.in_place) == (algorithm, in_place)
+                  and m.busbw_gbs is not None]
+        if values:
+            where = "" if in_place else ", out of place"
+            lines.append(f"# Avg bus bandwidth : {sum(values) / len(values):.4f} GB/s  "
+                         f"({algorithm}{where})")
+    for reason, names in _reasons(rows).items():
+        lines.append(f"# n/a: {', '.join(names)}: {reason}")
+    return lines
+
+
+def _reasons(rows: list[Measurement]) -> dict[str, list[str]]:
+    reasons: dict[str, list[str]] = {}
+    for m in rows:
+        if m.unavailable and m.algorithm not in reasons.setdefault(m.unavailable, []):
+            reasons[m.unavailable].append(m.algorithm)
+    return reasons
+
+
+def run_metadata(comm: MPI.Comm, argv: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Collective: what the JSON records about the run (hosts gathered from every rank)."""
+    hosts = comm.allgather(MPI.Get_processor_name())
+    try:  # the installed version, without importing torch
+        torch_version: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    library = MPI.Get_library_version().replace("\0", "").strip().splitlines()
+    return {
+        "ranks": comm.Get_size(),
+        "hosts": {h: hosts.count(h) for h in dict.fromkeys(hosts)},
+        "mpi_library": library[0].strip() if library else "unknown",
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__, "torch": torch_version,
+        "python": platform.python_version(), "hpcdl": hpcdl.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["hpcdl", "bench", *argv]),
+        "device": args.device, "check_every_call": args.check, "rounds": args.rounds,
+        "tuning_file": os.environ.get("HPCDL_TUNING_FILE"),
+    }
+
+
+def write_csv(path: str, results: list[Measurement]) -> None:
+    """One line per measurement, with a header of the field names."""
+    rows = [m.as_row() for m in results]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["collective"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_json(path: str, metadata: dict[str, Any], results: list[Measurement]) -> None:
+    """{"metadata": run metadata, "results": one object per measurement}."""
+    with open(path, "w") as f:
+        json.dump({"metadata": metadata, "results": [m.as_row() for m in results]}, f, indent=1)
+        f.write("\n")
+
+
+def import_pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or BenchArgumentError naming the extra."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise BenchArgumentError("--plot needs matplotlib: pip install -e '.[bench]' "
+                                 "(or pip install matplotlib)") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plot(path: str, results: list[Measurement], title: str) -> None:
+    """busbw and time against size, log-log, one line per algorithm; a row of panels per collective."""
+    plt = import_pyplot()
+    names = list(dict.fromkeys(m.collective for m in results))
+    fig, axes = plt.subplots(len(names), 2, figsize=(12, 4 * len(names)), squeeze=False)
+    both = len({m.in_place for m in results}) > 1
+    for row, collective in enumerate(names):
+        mine = [m for m in results if m.collective == collective and m.avg_s is not None]
+        bandwidth, latency = axes[row]
+        for algorithm, in_place in dict.fromkeys((m.algorithm, m.in_place) for m in mine):
+            line = sorted((m for m in mine if (m.algorithm, m.in_place) == (algorithm, in_place)),
+                          key=lambda m: m.nbytes)
+            label = algorithm + (" (out of place)" if both and not in_place else "")
+            style = "--" if algorithm in PEERS or algorithm == "mpi" else "-"
+            sizes = [m.nbytes for m in line]
+            if any(m.busbw_gbs for m in line):
+                bandwidth.plot(sizes, [m.busbw_gbs or math.nan for m in line], style, marker=".",
+                               label=label)
+            latency.plot(sizes, [m.avg_s * 1e6 for m in line], style, marker=".", label=label)
+        for ax, what in ((bandwidth, "bus bandwidth (GB/s)"), (latency, "time per call (us)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("size (bytes)")
+            ax.set_ylabel(what)
+            ax.set_title(f"{collective}: {what.split(' (')[0]}")
+            ax.grid(True, which="both", alpha=0.3)
+        # Bandwidth grows with size and time with it too: their empty corners hold the legend.
+        if bandwidth.get_lines():
+            bandwidth.legend(fontsize="small", loc="lower right")
+        else:
+            latency.legend(fontsize="small", loc="upper left")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- command line --------------------------------------------------------------------------------
+
+class BenchArgumentError(ValueError):
+    """A bad command line or environment; the message says what to change."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises instead of exiting, so every rank can agree before one of them prints the error."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise BenchArgumentError(message)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "8", "8K", "64M", "1G" (powers of 1024, a trailing B allowed)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = text.strip().upper().removesuffix("B")
+    try:
+        value = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 8, 8K, 64M") from None
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number of bytes >= 1")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hpcdl bench", description=__doc__.split("\n\n")[0],
+                     epilog="Sizes accept K, M, G (powers of 1024). Run under mpirun or srun.")
+    parser.add_argument("-C", "--collective", nargs="+", default=["allreduce"], metavar="NAME",
+                        help=f"collectives to time: {', '.join(COLLECTIVES)} or all (default allreduce)")
+    parser.add_argument("-A", "--algorithms", nargs="+", metavar="NAME",
+                        help="algorithms to time (default: every one of the collective, plus "
+                             f"{', '.join(PEERS)})")
+    parser.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
+    parser.add_argument("-e", "--maxbytes", type=parse_size, default=64 << 20,
+                        help="largest size (default 64M)")
+    parser.add_argument("-f", "--stepfactor", type=int, default=2,
+                        help="multiply the size by this between rows (default 2)")
+    parser.add_argument("-n", "--iters", type=int, default=0,
+                        help="timed iterations per size and algorithm (default: 200 down to 10 by size)")
+    parser.add_argument("-w", "--warmup_iters", "--warmup-iters", type=int, default=None,
+                        help="untimed calls after the checked first one (default: iterations/10)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="algorithms take turns this many times per size (default 3)")
+    parser.add_argument("-d", "--datatype", default="float32", metavar="TYPE",
+                        help=f"element type: {', '.join(DTYPES)} (default float32)")
+    parser.add_argument("-o", "--op", default="sum", metavar="OP",
+                        help=f"reduction: {', '.join(OPS)} (default sum)")
+    parser.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
+    parser.add_argument("--inplace", action="store_true",
+                        help="time in place (the default; with --out-of-place: both)")
+    parser.add_argument("--out-of-place", action="store_true", help="time out of place")
+    parser.add_argument("-c", "--check", action="store_true",
+                        help="check every timed call's output (default: each algorithm's first call)")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="buffers in host memory (NumPy) or on this rank's GPU (CuPy)")
+    parser.add_argument("--tuning-file", metavar="FILE",
+                        help="tuning file for `auto` and the predicted column (default: $HPCDL_TUNING_FILE)")
+    parser.add_argument("--csv", metavar="FILE", help="also write every row as CSV")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows and run metadata as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="also plot busbw and time against size")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print no table (with --csv/--json)")
+    return parser
+
+
+def check_args(args: argparse.Namespace, size: int) -> None:
+    """Everything wrong with the arguments that every rank sees alike; BenchArgumentError."""
+    chosen = COLLECTIVES if "all" in args.collective else tuple(dict.fromkeys(args.collective))
+    unknown = [c for c in chosen if c not in ALGORITHMS]
+    if unknown:
+        raise BenchArgumentError(f"unknown collective {unknown[0]!r}; choose from "
+                                 f"{', '.join(COLLECTIVES)} or all")
+    args.collective = list(chosen)
+    for name in args.algorithms or []:
+        lacking = [c for c in chosen if name not in algorithms_of(c)]
+        if lacking:
+            raise BenchArgumentError(
+                f"{lacking[0]} has no algorithm {name!r}; choose from "
+                f"{', '.join(algorithms_of(lacking[0]))}")
+    if args.datatype not in DTYPES:
+        hint = " (bfloat16 needs ml_dtypes: pip install ml_dtypes)" if args.datatype == "bfloat16" else ""
+        raise BenchArgumentError(f"unknown datatype {args.datatype!r}; choose from "
+                                 f"{', '.join(DTYPES)}{hint}")
+    if args.op not in OPS:
+        raise BenchArgumentError(f"unknown op {args.op!r}; choose from {', '.join(OPS)}")
+    if args.minbytes > args.maxbytes:
+        raise BenchArgumentError(f"-b/--minbytes {args.minbytes} is larger than -e/--maxbytes "
+                                 f"{args.maxbytes}")
+    if args.stepfactor < 2:
+        raise BenchArgumentError(f"-f/--stepfactor must be at least 2, got {args.stepfactor}")
+    if args.iters < 0 or (args.warmup_iters is not None and args.warmup_iters < 0) or args.rounds < 1:
+        raise BenchArgumentError("need -n/--iters >= 1 (0: by size), -w/--warmup_iters >= 0 and "
+                                 "--rounds >= 1")
+    if not 0 <= args.root < size:
+        raise BenchArgumentError(f"-r/--root {args.root} is out of range for {size} ranks "
+                                 f"(0..{size - 1})")
+    args.placements = [True] * (args.inplace or not args.out_of_place) + [False] * args.out_of_place
+    if args.placements == [False] and chosen == ("broadcast",):
+        raise BenchArgumentError("broadcast works in place only (collectives.broadcast has no out); "
+                                 "drop --out-of-place")
+    for name in args.algorithms or []:  # explicitly asked for: refuse what it cannot do
+        for c in chosen:
+            for in_place in args.placements:
+                if c == "broadcast" and not in_place:
+                    continue
+                reason = static_unavailable(c, name, args.datatype, args.op, in_place, args.device)
+                if reason:
+                    raise BenchArgumentError(
+                        f"-A {name} cannot run {c} {args.datatype} {args.op}"
+                        f"{'' if in_place else ' out of place'}: {reason}; drop it or change "
+                        "-d/-o/placement")
+    for flag in ("csv", "json", "plot"):
+        path = getattr(args, flag)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise BenchArgumentError(f"--{flag} {path}: directory {Path(path).parent} does not exist")
+
+
+def check_environment(args: argparse.Namespace, rank: int) -> None:
+    """What may differ between ranks (installed packages, GPUs, files): BenchArgumentError."""
+    if args.device == "gpu":
+        try:
+            import_cupy()
+        except DeviceUnavailable as exc:
+            raise BenchArgumentError(str(exc)) from exc
+    if args.plot and rank == 0:
+        import_pyplot()
+    if args.tuning_file:
+        if not Path(args.tuning_file).is_file():
+            raise BenchArgumentError(f"--tuning-file {args.tuning_file} does not exist")
+        os.environ["HPCDL_TUNING_FILE"] = args.tuning_file  # auto reads the same file
+    args.predictor = Predictor(os.environ.get("HPCDL_TUNING_FILE"))
+
+
+def parse_args(argv: Sequence[str], comm: MPI.Comm) -> argparse.Namespace:
+    """Collective: the checked arguments, or BenchArgumentError raised on every rank together."""
+    error = None
+    args = argparse.Namespace()
+    try:
+        args = build_parser().parse_args(list(argv))
+        check_args(args, comm.Get_size())
+        check_environment(args, comm.Get_rank())
+    except BenchArgumentError as exc:
+        error = str(exc)
+    agreed = agree(comm, error)
+    if agreed:
+        raise BenchArgumentError(agreed)
+    return args
+
+
+def _gloo_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`hpcdl bench`: 0 when every checked result was right, 1 otherwise, 2 for bad arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hpcdl.init()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        args = parse_args(argv, comm)
+    except BenchArgumentError as exc:
+        if rank == 0:
+            print(f"hpcdl bench: error: {exc}", file=sys.stderr)
+        return 2
+    gloo_before = _gloo_initialized()
+    metadata = run_metadata(comm, argv, args)
+    printing = rank == 0 and not args.quiet
+    if printing:
+        hosts = ", ".join(f"{h} ({n})" for h, n in metadata["hosts"].items())
+        print(f"# hpcdl bench: {size} ranks on {len(metadata['hosts'])} host(s): {hosts}")
+        library = metadata["mpi_library"].split(",")[0]
+        print(f"# {library}; device {args.device}; {args.datatype}, op {args.op}; "
+              f"iterations {args.iters or 'by size (200..10)'}, warm-up "
+              f"{args.warmup_iters if args.warmup_iters is not None else 'iterations/10'}, "
+              f"{args.rounds} rounds; checked: {'every call' if args.check else 'first call'}")
+        print(f"# time: per-rank average over iterations, then avg/min/max over ranks; "
+              f"predicted: {args.predictor.note}")
+        if not all(args.placements) and "broadcast" in args.collective:
+            print("# broadcast works in place only: timed in place")
+    state = {"collective": None}
+    by_collective: dict[str, list[Measurement]] = {}
+
+    def report(rows: list[Measurement]) -> None:
+        collective = rows[0].collective
+        if printing and state["collective"] != collective:
+            if state["collective"] is not None:
+                print("\n".join(table_footer(by_collective[state["collective"]])))
+            print("\n".join(table_header(collective)))
+            state["collective"] = collective
+        by_collective.setdefault(collective, []).extend(rows)
+        if printing:
+            print("\n".join(table_row(m) for m in rows), flush=True)
+
+    started = time.perf_counter()
+    results = sweep(args, comm, args.predictor, report)
+    if _gloo_initialized() and not gloo_before:  # the sweep started it: leave as we came
+        sys.modules["torch.distributed"].destroy_process_group()
+    wrong = [m for m in results if m.wrong]
+    if printing:
+        if state["collective"] is not None:
+            print("\n".join(table_footer(by_collective[state["collective"]])))
+        print(f"# {len(results)} rows in {time.perf_counter() - started:.1f} s; "
+              f"{'WRONG results in ' + str(len(wrong)) + ' rows' if wrong else 'all checked results exact'}",
+              flush=True)
+    if rank == 0:
+        if args.csv:
+            write_csv(args.csv, results)
+        if args.json:
+            write_json(args.json, metadata, results)
+        if args.plot:
+            write_plot(args.plot, results, f"hpcdl bench, P={size}, {args.datatype} {args.op}, "
+                                           f"{args.device}")
+        for m in wrong:
+            print(f"hpcdl bench: {m.collective} {m.algorithm} at {m.nbytes} B "
+                  f"({PLACEMENTS[m.in_place]} place): {m.wrong} wrong elements", file=sys.stderr)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""torch.distributed's gloo backend, set up from an MPI job: the peer the benchmarks compare against.
+
+    from benchmarks.torch_gloo import gloo_unavailable_reason, init_torch_distributed
+    init_torch_distributed(MPI.COMM_WORLD)      # collective over the communicator's ranks
+
+Rank and size come from MPI, so the same `mpirun` (or `srun`) that starts the job starts gloo's:
+rank 0 opens a TCPStore on a free port and broadcasts host:port through MPI, every rank joins it.
+The host it advertises is the IPv4 address of the interface named by GLOO_SOCKET_IFNAME when that
+is set (gloo itself binds to that interface; the emulated multi-host cluster sets it to the
+interface inside each network namespace), 127.0.0.1 when all ranks share one host, else the
+address rank 0's host name resolves to. torch is imported only here, and only when asked for.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+from datetime import timedelta
+from typing import Any
+
+from mpi4py import MPI
+
+#: ioctl request that returns an interface's IPv4 address (linux/sockios.h).
+_SIOCGIFADDR = 0x8915
+
+
+def gloo_unavailable_reason() -> str | None:
+    """Why torch.distributed's gloo backend cannot run in this process, or None when it can."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return "torch is not installed (pip install torch==2.13.0)"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "this torch build has no torch.distributed gloo backend"
+    return None
+
+
+def interface_ipv4(name: str) -> str:
+    """The IPv4 address of network interface `name` (Linux), e.g. "10.213.0.2" for "eth0".
+
+    Raises ValueError naming the interfaces that exist when `name` has no IPv4 address.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError as exc:
+            known = ", ".join(n for _, n in socket.if_nameindex())
+            raise ValueError(f"GLOO_SOCKET_IFNAME={name!r}: no IPv4 address on an interface of that "
+                             f"name here ({exc.strerror}); interfaces: {known}") from exc
+    return socket.inet_ntoa(packed[20:24])  # struct ifreq: name[16], then a sockaddr_in
+
+
+def advertised_host(comm: MPI.Comm) -> str:
+    """Collective: the address rank 0 tells the other ranks to reach its TCPStore at."""
+    hosts = comm.allgather(MPI.Get_processor_name())
+    if comm.Get_rank() != 0:
+        return ""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if interface:
+        return interface_ipv4(interface)
+    if len(set(hosts)) == 1:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 120.0) -> None:
+    """Collective: torch.distributed's default process group over gloo, rank and size from `comm`.
+
+    Idempotent: a second call with a communicator of the same size does nothing. Rank 0's
+    TCPStore picks its own free port, so concurrent jobs on one host never collide.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != comm.Get_size():
+            raise RuntimeError(f"torch.distributed is already initialized with {dist.get_world_size()} "
+                               f"ranks, not this communicator's {comm.Get_size()}")
+        return
+    rank, size = comm.Get_rank(), comm.Get_size()
+    timeout = timedelta(seconds=timeout_s)
+    host = advertised_host(comm)
+    store: Any = None
+    address: tuple[str, int] | str | None = None
+    if rank == 0:
+        try:
+            store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+            address = (host, store.port)
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, which all raise it
+            address = f"rank 0 could not open a TCPStore on {host}: {exc}"
+    address = comm.bcast(address, root=0)
+    if isinstance(address, str):
+        raise RuntimeError(address)
+    if rank != 0:
+        store = dist.TCPStore(address[0], address[1], size, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)

@@ -1,0 +1,303 @@
+"""`hpcdl bench` (benchmarks/microbench.py, collective_timing.py, torch_gloo.py): results checked
+exactly, broken algorithms caught, files written, bad arguments refused.
+
+Runs on every rank of `mpirun -n N` (tests/run.py); `main` and `measure` are collective. Sizes
+are tiny and iterations few: these tests check what is reported, not how fast anything is. Only
+rank 0 writes files and prints; what it found is broadcast so every rank asserts the same.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from benchmarks import microbench
+from benchmarks.collective_timing import (BUS_FACTOR, COLLECTIVES, EXACT_INTEGER, algorithms_of,
+                                          bus_factor, reduced_table, value_table)
+from benchmarks.microbench import Measurement, measure, parse_size
+from benchmarks.torch_gloo import advertised_host, interface_ipv4
+from collectives import ALGORITHMS, DTYPES, OPS
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
+
+#: Two sizes (one below the argument check's 256-byte payload, one above), two timed calls.
+TINY = ["-b", "8", "-e", "4K", "-f", "512", "-n", "2", "-w", "0", "--rounds", "2"]
+
+
+def from_rank0(comm: MPI.Comm, value: Any) -> Any:
+    """Rank 0's `value` on every rank, so all ranks assert the same thing."""
+    return comm.bcast(value if comm.Get_rank() == 0 else None, root=0)
+
+
+def run_json(comm: MPI.Comm, tmp_path: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    """`hpcdl bench ARGS --json FILE`: exit status and rank 0's JSON, on every rank."""
+    path = tmp_path / "bench.json"
+    status = microbench.main([*args, "-q", "--json", str(path)])
+    return status, from_rank0(comm, json.loads(path.read_text()) if comm.Get_rank() == 0 else None)
+
+
+COMBINATIONS = [("float32", "sum"), ("int32", "avg"), ("float16", "max"), ("float64", "prod")]
+if "bfloat16" in DTYPES:
+    COMBINATIONS.append(("bfloat16", "prod"))
+
+
+@pytest.mark.parametrize("dtype, op", COMBINATIONS)
+def test_every_collective_and_algorithm_checks_exact(comm: MPI.Comm, tmp_path: Path, dtype: str,
+                                                      op: str) -> None:
+    status, report = run_json(comm, tmp_path, *TINY, "-C", "all", "-d", dtype, "-o", op, "-c",
+                              "--inplace", "--out-of-place")
+    rows = report["results"]
+    assert status == 0, [r for r in rows if r["wrong"]]
+    p = comm.Get_size()
+    for collective in COLLECTIVES:
+        mine = [r for r in rows if r["collective"] == collective]
+        assert {r["algorithm"] for r in mine} == set(algorithms_of(collective))
+        assert {r["in_place"] for r in mine} == ({True} if collective == "broadcast" else {True, False})
+        for r in mine:
+            if r["unavailable"]:
+                assert r["avg_s"] is None and r["algorithm"] in ("mpi", "direct", "gloo"), r
+                continue
+            assert r["wrong"] == 0, r
+            # First call plus both timed calls, on every rank that gets a result.
+            assert r["checked"] == 3 * (1 if collective == "reduce" else p), r
+            assert 0 < r["min_s"] <= r["avg_s"] <= r["max_s"], r
+    hand_written = [r for r in rows if r["algorithm"] in ALGORITHMS[r["collective"]] and
+                    r["algorithm"] != "mpi"]
+    assert hand_written and all(not r["unavailable"] for r in hand_written)
+
+
+def _do_nothing(link: Any, buf: Any) -> None:
+    """A broken allreduce: every rank keeps its own input."""
+
+
+def _off_by_one(link: Any, buf: Any) -> None:
+    """A broken allreduce: right everywhere but the first element."""
+    ALGORITHMS["allreduce"]["butterfly"](link, buf)
+    buf[:1] += 1
+
+
+@pytest.mark.parametrize("breakage", [_off_by_one, _do_nothing], ids=["off_by_one", "do_nothing"])
+@pytest.mark.parametrize("every", [False, True], ids=["first_call", "every_call"])
+def test_broken_algorithm_is_reported_and_fails(comm: MPI.Comm, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], breakage: Any,
+                                                every: bool) -> None:
+    if breakage is _do_nothing and comm.Get_size() == 1:
+        pytest.skip("doing nothing is a correct allreduce on one rank")
+    monkeypatch.setitem(ALGORITHMS["allreduce"], "ring", breakage)
+    check = ["-c"] if every else []
+    status, report = run_json(comm, tmp_path, "-b", "1K", "-e", "1K", "-n", "3", "-w", "1",
+                              "-A", "ring", "tree", "mpi", *check)
+    assert status == 1
+    by_name = {r["algorithm"]: r for r in report["results"]}
+    calls = 4 if every else 1  # the first call, and the timed calls with -c
+    wrong = by_name["ring"]["wrong"]
+    if breakage is _off_by_one:
+        assert wrong == calls * comm.Get_size(), by_name["ring"]  # one element per rank and call
+    else:  # each call finds the same elements wrong (same inputs); a few may be right by chance
+        assert 0 < wrong <= calls * comm.Get_size() * 256 and wrong % calls == 0, by_name["ring"]
+    assert by_name["tree"]["wrong"] == 0 and by_name["mpi"]["wrong"] == 0
+    err = from_rank0(comm, capsys.readouterr().err)
+    assert "allreduce ring at 1024 B (in place): " in err
+    # measure() sees the same through the API other tools use.
+    m = measure("allreduce", "ring", 1024, comm, iterations=2, warmup=0, validate=True)
+    assert m.wrong > 0 and m.checked == 3 * comm.Get_size()
+
+
+def test_measure_api(comm: MPI.Comm) -> None:
+    p = comm.Get_size()
+    m = measure("reduce", "tree", 4096, comm, iterations=4, warmup=1, op="max", in_place=False,
+                validate=True, root=p - 1)
+    assert isinstance(m, Measurement) and m.unavailable is None
+    assert (m.collective, m.algorithm, m.nbytes, m.count, m.root, m.ranks) == ("reduce", "tree", 4096,
+                                                                              1024, p - 1, p)
+    assert m.wrong == 0 and m.checked == 5  # only the root has a result: first call + 4 timed
+    assert 0 < m.min_s <= m.avg_s <= m.max_s and m.median_s > 0
+    assert m.busbw_gbs == pytest.approx(m.algbw_gbs * bus_factor("reduce", p))
+    gathered = measure("allgather", "ring", 1000, comm, iterations=1, warmup=0)
+    assert gathered.count == max(1, 250 // p) * p  # whole output, P equal blocks
+    with pytest.raises(ValueError, match="broadcast has no algorithm 'ring'"):
+        measure("broadcast", "ring", 8, comm, iterations=1, warmup=0)
+
+
+def test_bus_factors() -> None:
+    for p in (1, 2, 3, 4, 8):
+        assert bus_factor("allreduce", p) == 2 * (p - 1) / p
+        assert bus_factor("reduce_scatter", p) == bus_factor("allgather", p) == (p - 1) / p
+        assert bus_factor("broadcast", p) == bus_factor("reduce", p) == 1.0
+    assert set(BUS_FACTOR) == set(COLLECTIVES)
+
+
+def test_rows_busbw_uses_the_factor(comm: MPI.Comm, tmp_path: Path) -> None:
+    status, report = run_json(comm, tmp_path, *TINY, "-C", "allreduce", "allgather", "-A", "mpi", "direct")
+    assert status == 0
+    for r in report["results"]:
+        assert r["algbw_gbs"] == pytest.approx(r["nbytes"] / r["avg_s"] / 1e9)
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * bus_factor(r["collective"], r["ranks"]))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8, 300])
+@pytest.mark.parametrize("op", list(OPS))
+def test_exact_data(size: int, op: str) -> None:
+    """Every rank's inputs and the expected result are integers the dtype holds exactly."""
+    for dtype in DTYPES:
+        values = value_table("allreduce", dtype, op, size)
+        m = len(values)
+        inputs = values[(np.arange(m)[:, None] + np.arange(size)[None, :]) % m].astype(np.float64)
+        reference = {"sum": np.sum, "avg": np.sum, "max": np.max, "min": np.min,
+                     "prod": np.prod}[op](inputs, axis=1) / (size if op == "avg" else 1)
+        exact = reference if op != "avg" else inputs.sum(1)  # avg: the sum must be exact first
+        assert np.all(exact <= EXACT_INTEGER[dtype]), (dtype, op, size)
+        got = reduced_table(values, DTYPES[dtype], op, size).astype(np.float64)
+        if op == "avg" and DTYPES[dtype].kind in "iu":
+            reference = np.floor(reference)
+        tolerance = 0 if op != "avg" else np.abs(reference) / 128  # bfloat16 has 8 significant bits
+        assert np.all(np.abs(got - reference) <= tolerance), (dtype, op, size, got, reference)
+        if size > 1 and op not in ("max", "min"):
+            assert len(set(got.tolist())) > 1, (dtype, op, size)  # results vary along the buffer
+
+
+def test_csv_and_json_hold_every_row(comm: MPI.Comm, tmp_path: Path) -> None:
+    csv_path, json_path = tmp_path / "rows.csv", tmp_path / "rows.json"
+    status = microbench.main([*TINY, "-C", "broadcast", "-A", "tree", "mpi", "direct", "-r",
+                              str(comm.Get_size() - 1), "--csv", str(csv_path), "--json", str(json_path)])
+    assert status == 0
+    found = from_rank0(comm, (list(csv.DictReader(csv_path.open())), json.loads(json_path.read_text()))
+                       if comm.Get_rank() == 0 else None)
+    rows, report = found
+    assert len(rows) == len(report["results"]) == 2 * 3  # two sizes x three algorithms
+    assert [(int(r["nbytes"]), r["algorithm"]) for r in rows] == [
+        (b, a) for b in (8, 4096) for a in ("tree", "mpi", "direct")]
+    assert all(r["root"] == str(comm.Get_size() - 1) and r["wrong"] == "0" for r in rows)
+    meta = report["metadata"]
+    assert meta["ranks"] == comm.Get_size() and sum(meta["hosts"].values()) == comm.Get_size()
+    assert meta["mpi_library"] and meta["date"] and meta["command"].startswith("hpcdl bench -b 8")
+    assert [r["avg_s"] for r in report["results"]] == [float(r["avg_s"]) for r in rows]
+
+
+def test_table_rows_and_closing_lines(comm: MPI.Comm, capsys: pytest.CaptureFixture[str]) -> None:
+    status = microbench.main([*TINY, "-C", "reduce_scatter", "-A", "ring", "halving_doubling"])
+    out = from_rank0(comm, capsys.readouterr().out)
+    assert status == 0
+    lines = out.splitlines()
+    rows = [line for line in lines if not line.startswith("#")]
+    assert len(rows) == 4 and all(" in ring" in r or " in halving_doubling" in r for r in rows)
+    assert "# Avg bus bandwidth : " in out and "(ring)" in out and "(halving_doubling)" in out
+    assert f"{comm.Get_size()} ranks on 1 host" in out and "all checked results exact" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
+def test_plot_writes_a_png(comm: MPI.Comm, tmp_path: Path) -> None:
+    path = tmp_path / "bench.png"
+    assert microbench.main([*TINY, "-C", "allreduce", "allgather", "-A", "ring", "mpi", "-q",
+                            "--plot", str(path)]) == 0
+    header = from_rank0(comm, path.read_bytes()[:8] if comm.Get_rank() == 0 else None)
+    assert header == b"\x89PNG\r\n\x1a\n"
+
+
+def test_predicted_column_from_a_tuning_file(comm: MPI.Comm, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if importlib.util.find_spec("collectives.cost_model") is None:
+        pytest.skip("collectives.cost_model is not installed yet")
+    from collectives.select import BUILTIN_TABLE
+
+    tuning = tmp_path / "tuning.json"
+    table = json.loads(BUILTIN_TABLE.read_text())
+    table["model"] = {"alpha": 10e-6, "beta": 0.2e-9, "gamma": 0.1e-9, "overhead": 5e-6}
+    tuning.write_text(json.dumps(table))
+    monkeypatch.setenv("HPCDL_TUNING_FILE", str(tuning))  # restored after; main sets it too
+    status, report = run_json(comm, tmp_path, *TINY, "-A", "ring", "auto", "mpi", "--tuning-file",
+                              str(tuning))
+    assert status == 0
+    for r in report["results"]:
+        if r["algorithm"] == "mpi":
+            assert r["predicted_s"] is None and r["prediction_error"] is None
+        else:
+            assert r["predicted_s"] > 0
+            assert r["prediction_error"] == pytest.approx((r["predicted_s"] - r["avg_s"]) / r["avg_s"])
+
+
+def test_gloo_reported_unavailable_without_torch(comm: MPI.Comm, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)  # `import torch.distributed` fails
+    status, report = run_json(comm, tmp_path, *TINY, "-C", "broadcast")  # every algorithm
+    assert status == 0
+    gloo = [r for r in report["results"] if r["algorithm"] == "gloo"]
+    assert gloo and all(r["unavailable"] == "torch is not installed (pip install torch==2.13.0)"
+                        and r["avg_s"] is None for r in gloo)
+    assert all(r["avg_s"] > 0 for r in report["results"] if r["algorithm"] != "gloo")
+    capsys.readouterr()
+    assert microbench.main([*TINY, "-C", "broadcast", "-A", "tree", "gloo"]) == 2  # asked for by name
+    err = from_rank0(comm, capsys.readouterr().err)
+    assert "-A gloo cannot run broadcast float32 sum: torch is not installed" in err, err
+
+
+BAD_ARGUMENTS = [
+    (["-C", "broadcast", "-A", "ring"], "broadcast has no algorithm 'ring'"),
+    (["-C", "scatter"], "unknown collective 'scatter'"),
+    (["-b", "64K", "-e", "8"], "-b/--minbytes 65536 is larger than -e/--maxbytes 8"),
+    (["-b", "8Q"], "'8Q' is not a size"),
+    (["-f", "1"], "-f/--stepfactor must be at least 2"),
+    (["-d", "complex64"], "unknown datatype 'complex64'"),
+    (["-o", "xor"], "unknown op 'xor'"),
+    (["-A", "direct", "-o", "avg"], "-A direct cannot run allreduce float32 avg: MPI has no avg"),
+    (["-A", "gloo", "-d", "int64", "-o", "avg"], "gloo's AVG works on floating-point types only"),
+    (["-A", "gloo", "--out-of-place"], "torch.distributed's allreduce works in place only"),
+    (["-C", "broadcast", "--out-of-place"], "broadcast works in place only"),
+    (["-C", "reduce", "-r", "99"], "-r/--root 99 is out of range"),
+    (["--csv", "/nonexistent-dir/x.csv"], "directory /nonexistent-dir does not exist"),
+    (["--tuning-file", "/nonexistent-tuning.json"], "--tuning-file /nonexistent-tuning.json does not exist"),
+]
+if "bfloat16" in DTYPES:
+    BAD_ARGUMENTS.append((["-C", "reduce", "-A", "mpi", "-d", "bfloat16"],
+                          "-A mpi cannot run reduce bfloat16 sum: the MPI library cannot reduce bfloat16"))
+if importlib.util.find_spec("cupy") is None:
+    BAD_ARGUMENTS.append((["--device", "gpu"], "--device gpu needs CuPy: install the wheel matching "
+                                               "your CUDA, e.g. `pip install cupy-cuda12x`"))
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_argument_errors(comm: MPI.Comm, capsys: pytest.CaptureFixture[str], argv: list[str],
+                         message: str) -> None:
+    assert microbench.main(argv) == 2  # on every rank, before any measurement
+    captured = capsys.readouterr()
+    err = from_rank0(comm, captured.err)
+    assert "hpcdl bench: error: " in err and message in err, err
+    assert captured.out == "" and (comm.Get_rank() == 0 or captured.err == "")  # printed once
+
+
+def test_parse_size() -> None:
+    assert [parse_size(s) for s in ("8", "8K", "64M", "1G", "1.5K", "4kb")] == [
+        8, 8192, 64 << 20, 1 << 30, 1536, 4096]
+    for bad in ("0", "-8", "1.5", "K", "eight"):
+        with pytest.raises(Exception, match="size|whole number"):
+            parse_size(bad)
+
+
+def test_gloo_address_of_an_interface(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert interface_ipv4("lo") == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"GLOO_SOCKET_IFNAME='no-such-if0'.*interfaces: .*lo"):
+        interface_ipv4("no-such-if0")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    host = advertised_host(comm)
+    assert host == ("127.0.0.1" if comm.Get_rank() == 0 else "")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert advertised_host(comm) in ("127.0.0.1", "")  # one host: loopback
+
+
+def test_unsupported_rows_say_why(comm: MPI.Comm, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    status = microbench.main([*TINY, "-C", "allreduce", "-o", "avg"])  # every algorithm
+    out = from_rank0(comm, capsys.readouterr().out)
+    assert status == 0
+    assert "# n/a: direct: MPI has no avg operation" in out
+    direct = [line for line in out.splitlines() if " in direct " in line]
+    assert len(direct) == 2 and all(line.split()[7:10] == ["n/a"] * 3 for line in direct), direct
