@@ -203,6 +203,31 @@ def _reasons(rows: list[Measurement]) -> dict[str, list[str]]:
     return reasons
 
 
+class TablePrinter:
+    """Prints each collective's table as its rows arrive, closing it when the next one starts."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.table: list[Measurement] = []  # the rows of the table being printed
+
+    def add(self, rows: list[Measurement]) -> None:
+        """Print `rows` (one case of one collective), after a header where a table starts."""
+        if not self.enabled or not rows:
+            return
+        if self.table and self.table[0].collective != rows[0].collective:
+            self.close()
+        if not self.table:
+            print("\n".join(table_header(rows[0].collective)))
+        self.table.extend(rows)
+        print("\n".join(table_row(m) for m in rows), flush=True)
+
+    def close(self) -> None:
+        """Print the closing lines of the current table, if any."""
+        if self.enabled and self.table:
+            print("\n".join(table_footer(self.table)), flush=True)
+        self.table = []
+
+
 def run_metadata(comm: MPI.Comm, argv: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
     """Collective: what the JSON records about the run (hosts gathered from every rank)."""
     hosts = comm.allgather(MPI.Get_processor_name())
@@ -477,28 +502,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"predicted: {args.predictor.note}")
         if not all(args.placements) and "broadcast" in args.collective:
             print("# broadcast works in place only: timed in place")
-    state = {"collective": None}
-    by_collective: dict[str, list[Measurement]] = {}
-
-    def report(rows: list[Measurement]) -> None:
-        collective = rows[0].collective
-        if printing and state["collective"] != collective:
-            if state["collective"] is not None:
-                print("\n".join(table_footer(by_collective[state["collective"]])))
-            print("\n".join(table_header(collective)))
-            state["collective"] = collective
-        by_collective.setdefault(collective, []).extend(rows)
-        if printing:
-            print("\n".join(table_row(m) for m in rows), flush=True)
-
+    printer = TablePrinter(printing)
     started = time.perf_counter()
-    results = sweep(args, comm, args.predictor, report)
+    results = sweep(args, comm, args.predictor, printer.add)
     if _gloo_initialized() and not gloo_before:  # the sweep started it: leave as we came
         sys.modules["torch.distributed"].destroy_process_group()
     wrong = [m for m in results if m.wrong]
+    printer.close()
     if printing:
-        if state["collective"] is not None:
-            print("\n".join(table_footer(by_collective[state["collective"]])))
         print(f"# {len(results)} rows in {time.perf_counter() - started:.1f} s; "
               f"{'WRONG results in ' + str(len(wrong)) + ' rows' if wrong else 'all checked results exact'}",
               flush=True)
