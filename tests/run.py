@@ -1,27 +1,46 @@
 #!/usr/bin/env python3
 """Run the whole test suite under `mpirun -n N` for several N and summarize across ranks.
 
-    python tests/run.py                 # N = 1, 2, 3, 4, 5
-    python tests/run.py -n 2 -n 4 -- -k allreduce -x
+    python tests/run.py                 # N = 1, 2, 3, 4, 5, then the collectives on 4 emulated hosts
+    python tests/run.py -n 2 -n 4 -- -k allreduce -x      # only these sizes, shared memory
+    python tests/run.py --hosts 4 -- tests                # only the whole suite on 4 emulated hosts
 
 Each N is one MPI job in which every rank runs pytest over tests/. Rank 0 prints to the terminal;
 the other ranks write test-logs/N<size>/rank<r>.log (or under $HPCDL_TEST_LOGS), printed here when
 that rank failed.
 A test passes only if it passed on every rank. Exit status is non-zero if anything failed or a job
 died (a rank that hangs is killed by pytest-timeout, and mpirun then ends the job).
+
+The emulated-hosts job (with no -n, or with --hosts K) brings up K network namespaces joined by a
+bridge (scripts/emulated_cluster.sh, links unshaped: the point is real TCP between hosts), runs one
+rank per host over TCP, and removes the cluster afterwards, also on failure or interruption. Its
+default tests are the collectives' correctness files (EMULATED_TESTS); pytest arguments after --
+replace them. Its logs go to test-logs/hosts<K>/. Where namespaces cannot be made (not root, no
+`ip`/`tc`), it prints "skipped: <reason>" and does not fail the run.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = Path(os.environ.get("HPCDL_TEST_LOGS", ROOT / "test-logs"))
+CLUSTER_SCRIPT = ROOT / "scripts" / "emulated_cluster.sh"
+CANNOT_RUN = 3  # scripts/emulated_cluster.sh's exit status for "no namespaces on this machine"
+# The correctness tests of the collectives: what must hold over real TCP between hosts.
+EMULATED_TESTS = ["tests/test_collectives.py", "tests/test_nonblocking.py",
+                  "tests/test_collectives_errors.py"]
+# This run's cluster prefix; the pid keeps concurrent runs (and a developer's cluster) apart.
+NETNS_PREFIX = f"hpcdlt{os.getpid()}"
 
 
 def mpi_environment() -> dict[str, str]:
@@ -38,30 +57,122 @@ def mpi_environment() -> dict[str, str]:
     return env
 
 
-def run_size(size: int, pytest_args: list[str], timeout: int, job_timeout: int) -> tuple[int, Path]:
-    out = LOGS / f"N{size}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    # One shell line per rank: rank 0 talks to the terminal, the others to their log files.
+def rank_command(out: Path, pytest_args: list[str], timeout: int) -> list[str]:
+    """The command every rank runs: pytest, to the terminal on rank 0, to a log file elsewhere."""
     pytest = (f"{sys.executable} -m pytest -p no:cacheprovider --with-mpi --timeout={timeout} "
               f"--junitxml={out}/rank$OMPI_COMM_WORLD_RANK.xml -o junit_family=xunit2 "
-              + " ".join(_quote(a) for a in pytest_args))
+              + " ".join(shlex.quote(a) for a in pytest_args))
     line = (f'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then exec {pytest}; '
             f'else exec {pytest} >{out}/rank$OMPI_COMM_WORLD_RANK.log 2>&1; fi')
-    cmd = ["mpirun", "-n", str(size), "sh", "-c", line]
+    return ["sh", "-c", line]
+
+
+def run_job(cmd: list[str], env: dict[str, str], timeout: float) -> int:
+    """Run one mpirun job to its end; its exit status.
+
+    On timeout (TimeoutExpired is re-raised) or interruption mpirun gets SIGTERM, on which it stops
+    every rank, and SIGKILL only if it is still there 15 s later.
+    """
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    try:
+        return proc.wait(timeout=timeout)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def fresh_log_dir(name: str) -> Path:
+    out = LOGS / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return out
+
+
+def run_size(size: int, pytest_args: list[str], timeout: int, job_timeout: int) -> tuple[int, Path]:
+    """One `mpirun -n size` job on this machine (shared memory); its exit status and log dir."""
+    out = fresh_log_dir(f"N{size}")
+    cmd = ["mpirun", "-n", str(size), *rank_command(out, pytest_args, timeout)]
     print(f"\n===== mpirun -n {size}: pytest {' '.join(pytest_args)}", flush=True)
     try:
-        rc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), timeout=job_timeout).returncode
+        rc = run_job(cmd, mpi_environment(), job_timeout)
     except subprocess.TimeoutExpired:
-        print(f"mpirun -n {size} exceeded {job_timeout} s and was killed", flush=True)
+        print(f"mpirun -n {size} exceeded {job_timeout} s and was stopped", flush=True)
         rc = 124
     return rc, out
 
 
-def _quote(arg: str) -> str:
-    import shlex
+def cluster_script(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """scripts/emulated_cluster.sh ARGS for this run's cluster, its output captured."""
+    env = dict(os.environ, HPCDL_NETNS_PREFIX=NETNS_PREFIX)
+    return subprocess.run(["bash", str(CLUSTER_SCRIPT), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
-    return shlex.quote(arg)
+
+def remove_stale_clusters() -> None:
+    """Remove clusters of earlier runs of this script that died before tearing theirs down.
+
+    Only prefixes `hpcdlt<pid>`, and `hpcdlt<pid><letters>` of tests/test_emulated_cluster.py, whose
+    process is gone: a concurrent run keeps its cluster.
+    """
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        return
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    stale = re.findall(r"^(hpcdlt(\d+)[a-z]*)-(?:sw|host\d+)\b", names, re.MULTILINE)
+    for prefix, pid in sorted(set(stale)):
+        try:
+            os.kill(int(pid), 0)
+            continue  # that run is still going
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        env = dict(os.environ, HPCDL_NETNS_PREFIX=prefix)
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "down"], cwd=ROOT, env=env, timeout=120,
+                       capture_output=True, check=False)
+        print(f"removed the emulated cluster {prefix}-* left by a process that no longer exists")
+
+
+def run_on_emulated_hosts(hosts: int, pytest_args: list[str], timeout: int,
+                          job_timeout: int) -> tuple[int | None, Path]:
+    """One job with a rank on each of `hosts` emulated hosts; exit status (None: skipped), log dir.
+
+    The cluster exists only for this job: it is brought up here and always removed before return.
+    """
+    out = fresh_log_dir(f"hosts{hosts}")
+    print(f"\n===== {hosts} emulated hosts, one rank each over TCP: pytest {' '.join(pytest_args)}",
+          flush=True)
+    remove_stale_clusters()
+    started = time.perf_counter()
+    try:
+        up = cluster_script("up", "--hosts", str(hosts), "--rate", "none", timeout=120)
+        if up.returncode == CANNOT_RUN:
+            reason = up.stderr.strip().removeprefix("emulated_cluster: cannot run here: ")
+            print(f"emulated hosts: skipped: {reason}", flush=True)
+            return None, out
+        if up.returncode != 0:
+            print(f"emulated hosts: `{CLUSTER_SCRIPT.name} up` failed:\n{up.stdout}{up.stderr}", flush=True)
+            return up.returncode, out
+        print(f"cluster {NETNS_PREFIX} up in {time.perf_counter() - started:.1f} s", flush=True)
+        cmd = ["bash", str(CLUSTER_SCRIPT), "run", "-n", str(hosts), "--timeout", str(job_timeout),
+               "--", *rank_command(out, pytest_args, timeout)]
+        env = dict(mpi_environment(), HPCDL_NETNS_PREFIX=NETNS_PREFIX)
+        try:
+            # The script stops mpirun at job_timeout; this is the backstop should that hang.
+            return run_job(cmd, env, job_timeout + 60), out
+        except subprocess.TimeoutExpired:
+            print(f"the emulated-hosts job exceeded {job_timeout} s and was stopped", flush=True)
+            return 124, out
+    finally:
+        down = cluster_script("down", timeout=120)
+        if down.returncode != 0:
+            print(f"emulated hosts: `{CLUSTER_SCRIPT.name} down` failed; remove the namespaces "
+                  f"{NETNS_PREFIX}-* with `HPCDL_NETNS_PREFIX={NETNS_PREFIX} {CLUSTER_SCRIPT} down`:"
+                  f"\n{down.stderr}", flush=True)
 
 
 def merge(out: Path, size: int) -> tuple[dict[str, str], list[int]]:
@@ -87,39 +198,74 @@ def merge(out: Path, size: int) -> tuple[dict[str, str], list[int]]:
     return outcome, missing
 
 
+def summarize(label: str, rc: int, out: Path, size: int, totals: dict[str, int]) -> bool:
+    """Print one job's merged outcome, and its other ranks' logs if it failed; True if it failed."""
+    outcome, missing = merge(out, size)
+    counts = {k: sum(1 for v in outcome.values() if v == k) for k in totals}
+    for k in totals:
+        totals[k] += counts[k]
+    broken = bool(rc != 0 or counts["failed"] or missing)
+    if broken and rc != 0:
+        for r in range(1, size):
+            if (out / f"rank{r}.log").exists():
+                print(f"----- {label} rank {r} log (tail) -----")
+                print("".join((out / f"rank{r}.log").read_text(errors="replace").splitlines(True)[-60:]))
+    print(f"{label}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+          + (f", mpirun exit {rc}" if rc else "") + (f", no report from ranks {missing}" if missing else ""),
+          flush=True)
+    return broken
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (a CI time limit, `kill`) into an exception, so `finally` removes the cluster."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--ranks", type=int, action="append",
-                        help="MPI job size; repeat for several (default 1 2 3 4 5)")
+                        help="MPI job size on this machine; repeat for several (default 1 2 3 4 5, "
+                             "unless only --hosts is given)")
+    parser.add_argument("--hosts", type=int, metavar="K",
+                        help="also run one job on K emulated hosts (default 4 when no -n is given)")
+    parser.add_argument("--no-emulated", action="store_true", help="skip the emulated-hosts job")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test (pytest-timeout)")
     parser.add_argument("--job-timeout", type=int, default=1200, help="seconds per mpirun job")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
-    sizes = args.ranks or [1, 2, 3, 4, 5]
+    if args.hosts is not None and (args.no_emulated or args.hosts < 1):
+        parser.error("--hosts K needs K >= 1 and cannot be combined with --no-emulated")
+    # -n alone: only those sizes; --hosts alone: only the emulated job; neither: everything.
+    sizes = args.ranks or ([] if args.hosts else [1, 2, 3, 4, 5])
+    hosts = args.hosts or (4 if not args.ranks and not args.no_emulated else None)
     pytest_args = args.pytest_args or ["tests"]
+    stop_on_sigterm()
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     broken = []
     for size in sizes:
         rc, out = run_size(size, pytest_args, args.timeout, args.job_timeout)
-        outcome, missing = merge(out, size)
-        counts = {k: sum(1 for v in outcome.values() if v == k) for k in totals}
-        for k in totals:
-            totals[k] += counts[k]
-        failed_ranks = [r for r in range(1, size) if (out / f"rank{r}.log").exists()
-                        and rc != 0]
-        if rc != 0 or counts["failed"] or missing:
-            broken.append(size)
-            for r in failed_ranks:
-                print(f"----- N={size} rank {r} log (tail) -----")
-                print("".join((out / f"rank{r}.log").read_text(errors="replace").splitlines(True)[-60:]))
-        print(f"N={size}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
-              + (f", mpirun exit {rc}" if rc else "") + (f", no report from ranks {missing}" if missing else ""),
-              flush=True)
+        if summarize(f"N={size}", rc, out, size, totals):
+            broken.append(f"N={size}")
+    jobs = [f"N={s}" for s in sizes]
+    if hosts:
+        label = f"N={hosts} on {hosts} emulated hosts"
+        rc, out = run_on_emulated_hosts(hosts, args.pytest_args or EMULATED_TESTS, args.timeout,
+                                        args.job_timeout)
+        if rc is not None and summarize(label, rc, out, hosts, totals):
+            broken.append(label)
+        jobs.append(label + (" (skipped)" if rc is None else ""))
     failed = totals["failed"] + (len(broken) if not totals["failed"] else 0)
-    print(f"\nsizes {sizes}" + (f"; broken at N={broken}" if broken else ""))
+    print(f"\njobs: {', '.join(jobs)}" + (f"; broken: {', '.join(broken)}" if broken else ""))
     print(f"tests: {totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
     return 1 if broken else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as stop:
+        print(f"\ninterrupted ({stop or 'Ctrl-C'}): running jobs were stopped", flush=True)
+        sys.exit(130)
