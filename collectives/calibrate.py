@@ -5,12 +5,11 @@ Every measurement goes through the code the algorithms run: messages through `tr
 pieces of `transport.SEGMENT_BYTES` as `Link.sendrecv_combine` folds them, the overhead through
 a real call of the public API. Collective over `comm` except `measure_reduction` (local).
 
-Methodology, as `hpcdl bench` times the collectives: each of `iterations` operations starts after
-a barrier and is timed alone on every rank; a point's time is the slowest rank's average (a
-collective ends when its slowest rank does); each size is measured `repeats` times and the median
-kept, so a burst of load on a shared machine moves the fit little. `fit` draws a least-squares
-line through those medians with weights 1/time, i.e. it minimises relative errors, so small sizes
-(alpha) and large ones (beta) count alike (gamma uses a plain fit: see `calibrate`).
+Methodology, as `hpcdl bench` times the collectives: each of `iterations` x `repeats` operations
+starts after a barrier and is timed alone on every rank; a point's time is the median over the
+operations of the slowest rank's time (a collective ends when its slowest rank does; the median,
+so a burst of load on a shared machine moves the fit little). `fit` takes the slope from the
+largest sizes and the intercept from the latency-bound ones.
 """
 from __future__ import annotations
 
@@ -32,9 +31,12 @@ DEFAULT_P2P_SIZES = (8, 1 << 10, 8 << 10, 64 << 10, 512 << 10, 4 << 20)
 DEFAULT_REDUCTION_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 #: At most this many bytes per rank per repeat, so large sizes take fewer iterations.
 _BYTES_PER_REPEAT = 32 << 20
+#: Point-to-point operations timed back to back after each barrier (fewer above _CHAIN_BYTES).
+_CHAIN = 8
+_CHAIN_BYTES = 1 << 20
 
 #: How `measure_point_to_point` pairs ranks.
-PATTERNS = ("exchange", "pingpong")
+PATTERNS = ("exchange", "pingpong", "pairwise")
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,9 @@ class Calibration:
     """A fitted model and the measurements it came from (seconds; sizes in bytes)."""
 
     params: ModelParams
-    pattern: str
+    pattern: str  # of `point_to_point`, which gave alpha and beta
     point_to_point: list[tuple[int, float]]
+    pairwise: list[tuple[int, float]]  # gave beta_pairwise
     reduction: list[tuple[int, float]]
     call_seconds: float  # one tiny allreduce through the API
 
@@ -52,27 +55,30 @@ def _iterations_for(nbytes: int, iterations: int) -> int:
     return max(2, min(iterations, _BYTES_PER_REPEAT // max(nbytes, 1)))
 
 
-def _slowest_rank_median(comm: MPI.Comm, run: Callable[[], float], repeats: int) -> float:
-    """Median over `repeats` of the slowest rank's result of `run()` (seconds per operation)."""
-    samples = np.array([run() for _ in range(repeats)])
-    slowest = np.empty_like(samples)
-    comm.Allreduce(samples, slowest, MPI.MAX)
-    return float(np.median(slowest))
-
-
-def _timed(comm: MPI.Comm, fn: Callable[[], Any], iterations: int) -> float:
-    """This rank's average seconds per call of `fn`, each call timed alone after a barrier.
+def _call_times(comm: MPI.Comm, fn: Callable[[], Any], calls: int) -> np.ndarray:
+    """This rank's seconds for each of `calls` calls of `fn`, each timed alone after a barrier.
 
     The same method as `hpcdl bench` (benchmarks/microbench.py), whose times the model is
     compared with: ranks start each call together, and the barrier itself is not timed.
     """
-    clock, total = time.perf_counter, 0.0
-    for _ in range(iterations):
+    clock, times = time.perf_counter, np.empty(calls)
+    for i in range(calls):
         comm.Barrier()
         start = clock()
         fn()
-        total += clock() - start
-    return total / iterations
+        times[i] = clock() - start
+    return times
+
+
+def _typical(comm: MPI.Comm, times: np.ndarray) -> float:
+    """Collective: the median over calls of the slowest rank's time of each call.
+
+    The median, not the mean: on a shared machine a burst of load slows some calls by 10-100x,
+    and one such burst must not set a parameter used for every prediction.
+    """
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, MPI.MAX)
+    return float(np.median(slowest))
 
 
 def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int = 50, *,
@@ -80,11 +86,12 @@ def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int
     """Collective: (nbytes, seconds for one message of nbytes) per size, through `Link`.
 
     pattern "exchange" (the default): every rank sends to rank+1 while receiving from rank-1, at
-    the same time, which is what a ring step, a butterfly round or a halving round does: every
-    link busy in both directions, the slowest rank's time. "pingpong": each ring neighbour pair
-    (r, r+1) in turn bounces the message while the other ranks wait; half the round trip of the
-    slowest pair. The exchange is what the model's steps are; ping-pong is the classic figure,
-    and on an idle pair it can be faster than a loaded link.
+    the same time, as in a ring step: every link busy in both directions. "pairwise": ranks 2i
+    and 2i+1 send each other a message at the same time, as in a butterfly or doubling round
+    (with an odd P the last rank exchanges with itself). "pingpong": each ring neighbour pair (r, r+1) in turn
+    bounces the message while the other ranks wait; half the round trip of the slowest pair.
+    The slowest rank's time counts. Each timed operation is a chain of up to 8 messages back to
+    back, as a collective's steps follow each other.
     """
     if pattern not in PATTERNS:
         raise ValueError(f"unknown point-to-point pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
@@ -96,19 +103,27 @@ def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int
         link = Link(dup, OPS["sum"], np, on_device=False, cuda_aware=False, runtime=None,
                     scratch=ScratchPool())
         right, left = (rank + 1) % size, (rank - 1) % size
+        if pattern == "pairwise":  # the last rank of an odd P has no partner: it talks to itself
+            right = left = rank ^ 1 if rank ^ 1 < size else rank
         points = []
         for nbytes in sorted(set(sizes)):
-            send, recv = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+            # ones, not zeros: untouched zeros are one shared page, cheaper to read than data
+            send, recv = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
             count = _iterations_for(nbytes, iterations)
-            if pattern == "exchange":
+            # A collective's steps follow each other without barriers: time a chain of them, so
+            # the skew of leaving a barrier (a per-call cost, in `overhead`) is not taken for
+            # a per-message one.
+            chain = max(1, min(_CHAIN, _CHAIN_BYTES // max(nbytes, 1)))
+            if pattern in ("exchange", "pairwise"):
                 def step() -> None:
-                    link.sendrecv(send, right, recv, left)
+                    for _ in range(chain):
+                        link.sendrecv(send, right, recv, left)
 
-                _timed(dup, step, 2)  # warm-up: connections, registration
-                t = _slowest_rank_median(dup, lambda: _timed(dup, step, count), repeats)
+                _call_times(dup, step, 2)  # warm-up: connections, registration
+                t = _typical(dup, _call_times(dup, step, count * repeats)) / chain
             else:
                 pairs = [(0, 1)] if size == 2 else [(r, (r + 1) % size) for r in range(size)]
-                t = max(_slowest_rank_median(dup, lambda: _pingpong(link, dup, a, b, send, count), repeats)
+                t = max(_typical(dup, _pingpong(link, dup, a, b, send, count * repeats, chain))
                         for a, b in pairs)
             points.append((nbytes, t))
         return points
@@ -116,22 +131,24 @@ def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int
         dup.Free()
 
 
-def _pingpong(link: Link, comm: MPI.Comm, a: int, b: int, buf: np.ndarray, iterations: int) -> float:
-    """Half the round trip between ranks a and b (measured on a); 0 on every other rank."""
+def _pingpong(link: Link, comm: MPI.Comm, a: int, b: int, buf: np.ndarray, iterations: int,
+              chain: int) -> np.ndarray:
+    """Half the round trip between ranks a and b per iteration (measured on a); 0 elsewhere."""
     rank = comm.Get_rank()
 
     def bounce() -> None:
-        if rank == a:
-            link.send(buf, b)
-            link.recv(buf, b)
-        elif rank == b:
-            link.recv(buf, a)
-            link.send(buf, a)
+        for _ in range(chain):
+            if rank == a:
+                link.send(buf, b)
+                link.recv(buf, b)
+            elif rank == b:
+                link.recv(buf, a)
+                link.send(buf, a)
 
     if rank in (a, b):
         bounce()  # warm-up
-    t = _timed(comm, bounce, iterations) / 2
-    return t if rank == a else 0.0
+    times = _call_times(comm, bounce, iterations) / (2 * chain)
+    return times if rank == a else np.zeros_like(times)
 
 
 def measure_reduction(sizes: Iterable[int], dtype: str = "float32", op: str = "sum", *,
@@ -181,20 +198,24 @@ def measure_call_overhead(comm: MPI.Comm, params: ModelParams, iterations: int =
     def call() -> None:
         allreduce(x, comm, algorithm="butterfly", out=x)
 
-    _timed(comm, call, 10)  # warm-up: communicator duplicates, caches
-    seconds = _slowest_rank_median(comm, lambda: _timed(comm, call, iterations), repeats)
+    _call_times(comm, call, 10)  # warm-up: communicator duplicates, caches
+    seconds = _typical(comm, _call_times(comm, call, iterations * repeats))
     messages = predict("allreduce", "butterfly", x.nbytes, comm.Get_size(),
                        replace(params, overhead=0.0))
     return max(seconds - messages, 0.0), seconds
 
 
-def fit(points: Sequence[tuple[float, float]], *, relative: bool = True) -> tuple[float, float]:
-    """(intercept, slope) of time = intercept + slope * size, by least squares.
+def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of time = intercept + slope * size, fitted as Hockney fits a link.
 
-    Repeated sizes are reduced to their median first (robust to outliers). `relative` (weights
-    1/time) minimises relative errors, so the intercept is set by the small sizes rather than
-    swamped by the large ones (alpha and beta); without it the largest sizes set the slope (gamma,
-    which matters only where messages are large). Needs at least two distinct sizes.
+    Repeated sizes are reduced to their median first. The intercept is the smallest
+    `time - slope * size` among the latency-bound sizes (time at least twice their bytes'
+    share; the smallest size if none), at least 0; the line passes through the largest size, so
+    the slope is the cost per byte that large messages pay. Sizes in between set neither: on the
+    emulated 1 Gbit/s cluster Open MPI's TCP rendezvous made 64 KiB-512 KiB exchanges take
+    1.4-4x the line through the others, and a least-squares line bent by them was off for every
+    size. The smallest intercept ignores a burst of load on one small size (load only adds
+    time). Needs at least two distinct sizes.
     """
     by_size: dict[float, list[float]] = {}
     for x, y in points:
@@ -203,9 +224,16 @@ def fit(points: Sequence[tuple[float, float]], *, relative: bool = True) -> tupl
         raise ValueError(f"fit needs points at two or more sizes, got {sorted(by_size)}")
     xs = np.array(sorted(by_size))
     ys = np.array([np.median(by_size[x]) for x in xs])
-    weights = 1.0 / np.maximum(ys, np.finfo(float).tiny) if relative else None
-    slope, intercept = np.polyfit(xs, ys, 1, w=weights)
-    return float(intercept), float(slope)
+    intercept, slope = 0.0, ys[-1] / xs[-1]
+    for _ in range(200):  # intercept and slope depend on each other: settle both
+        latency_bound = ys >= 2 * slope * xs
+        rest = (ys - slope * xs)[latency_bound] if latency_bound.any() else ys[:1] - slope * xs[:1]
+        settled = intercept
+        intercept = min(max(float(rest.min()), 0.0), float(ys[-1]))
+        slope = (ys[-1] - intercept) / xs[-1]
+        if abs(intercept - settled) <= 1e-12 * ys[-1]:
+            break
+    return intercept, float(slope)
 
 
 def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
@@ -216,13 +244,15 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
     `iterations`: timed operations per point-to-point size (fewer for large sizes), 4x that many
     tiny calls for the overhead.
 
-    alpha, beta: intercept and slope of the point-to-point times (relative fit); gamma: slope of
-    the reduction times (plain fit, set by the large sizes where the combine streams memory; all
-    ranks fold at once, slowest rank per size, so every rank fits the same model); overhead: see
-    `measure_call_overhead`. Negative fits (noise) are clamped to 0.
+    alpha, beta: intercept and slope (`fit`) of the point-to-point times of `pattern` (at P = 2
+    a ring is a pairwise exchange, so beta and beta_pairwise measure the same); beta_pairwise:
+    slope of the "pairwise" times; gamma: slope of the reduction times (all ranks fold at once, slowest
+    rank per size, so every rank fits the same model); overhead: see `measure_call_overhead`.
     """
     p2p = measure_point_to_point(comm, p2p_sizes, iterations, pattern=pattern)
     alpha, beta = fit(p2p)
+    pairwise = measure_point_to_point(comm, p2p_sizes, iterations, pattern="pairwise")
+    beta_pairwise = fit(pairwise)[1]
     # Every rank folds at the same time, as in a collective (ranks of a host share its memory
     # bandwidth and cores); each size's time is the slowest rank's.
     comm.Barrier()
@@ -230,7 +260,7 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
     slowest = np.empty(len(mine))
     comm.Allreduce(np.array([t for _, t in mine]), slowest, MPI.MAX)
     reduction = [(n, float(t)) for (n, _), t in zip(mine, slowest)]
-    gamma = max(fit(reduction, relative=False)[1], 0.0)
-    params = ModelParams(max(alpha, 0.0), max(beta, 0.0), gamma)
+    gamma = fit(reduction)[1]
+    params = ModelParams(alpha, beta, gamma, beta_pairwise=beta_pairwise)
     overhead, call = measure_call_overhead(comm, params, 4 * iterations)  # small: cheap, noisy
-    return Calibration(replace(params, overhead=overhead), pattern, p2p, reduction, call)
+    return Calibration(replace(params, overhead=overhead), pattern, p2p, pairwise, reduction, call)

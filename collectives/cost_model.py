@@ -2,14 +2,18 @@
 
 A call's time is predicted as
 
-    overhead + messages * alpha + wire_bytes * beta + (reduced_bytes + copied_bytes) * gamma
+    overhead + messages * alpha + wire_bytes * beta + pairwise_bytes * beta_pairwise
+             + (reduced_bytes + copied_bytes) * gamma
 
-where the four counts are taken along the call's critical path (`Cost`), and
+where the counts are taken along the call's critical path (`Cost`), and
 
 - alpha is the time of one message (MPI latency plus this package's Python per message),
-- beta the time per byte on the wire, gamma the time per byte combined by the reduction (local
-  copies are charged gamma too: on the reference machine a NumPy copy and an add in 512 KiB pieces
-  ran within 20% of each other per byte),
+- beta the time per byte on the wire; beta_pairwise (default beta) per byte of a plain Sendrecv
+  in which two ranks send each other one message at once (butterfly and doubling rounds, ring
+  steps at P = 2), which Open MPI over TCP ran at half the link rate;
+- gamma the time per byte combined by the reduction (local copies are charged gamma too: on the
+  reference machine a NumPy copy and an add in 512 KiB pieces ran within 20% of each other per
+  byte),
 - overhead the fixed Python work of one call outside its messages (planning, `choose`, the
   communicator lookup).
 
@@ -25,9 +29,10 @@ The counts follow the implementations in `algorithms/`, not the textbook, where 
 - non-powers of two fold in and out (`fold.py`): 2 alpha + 2 N beta + N gamma on the paired ranks,
   which lie on the critical path;
 - binomial trees take ceil(log2 P) rounds of whole buffers;
-- the API copies the input of reduce_scatter into scratch and the block out again, places the
-  input of allgather, and copies the input of a non-root rank of reduce; allreduce and the root
-  of reduce are assumed in place (`out=x`), as training and the benchmarks call them.
+- the API copies the input of reduce_scatter into scratch and the block out again, and the
+  input of a non-root rank of reduce; allreduce and the root of reduce are assumed in place
+  (`out=x`), and allgather's input to be its block of the output (nccl-tests' in place), as
+  training and the benchmarks call them: placing it is then no copy.
 
 Sizes follow nccl-tests: `nbytes` is the per-rank buffer for allreduce, broadcast and reduce, the
 whole input for reduce_scatter and the whole (gathered) output for allgather. `select.choose` sees
@@ -59,18 +64,34 @@ _TIE = 1e-9
 
 @dataclass(frozen=True)
 class ModelParams:
-    """Machine parameters of the model, all in seconds."""
+    """Machine parameters of the model, all in seconds.
+
+    `beta_pairwise` prices bytes of a plain exchange in which two ranks send one message to each
+    other at once (butterfly and doubling rounds, ring steps at P = 2); None means `beta`. Over
+    Open MPI's TCP transport such an exchange of a large message ran at about half the link rate
+    (17 ns/B against 10 ns/B for a ring step on the emulated 1 Gbit/s cluster), while pipelined
+    pieces (`sendrecv_combine`) and messages to distinct peers ran at the link rate.
+    """
 
     alpha: float  # per message
-    beta: float  # per byte on the wire
+    beta: float  # per byte on the wire: one way, or to one peer while receiving from another
     gamma: float  # per byte combined (or copied) locally
     overhead: float = 0.0  # per call, outside its messages
+    beta_pairwise: float | None = None  # per byte of a plain two-way exchange with one peer
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma", "overhead"):
+        for name in ("alpha", "beta", "gamma", "overhead", "beta_pairwise"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if name == "beta_pairwise" and value is None:
+                continue
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < 0):
                 raise ValueError(f"model parameter {name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def pairwise(self) -> float:
+        """Seconds per byte of a plain two-way exchange (`beta_pairwise`, else `beta`)."""
+        return self.beta if self.beta_pairwise is None else self.beta_pairwise
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "ModelParams":
@@ -79,35 +100,44 @@ class ModelParams:
         if missing:
             raise ValueError(f"model lacks {', '.join(missing)} (seconds per message, per byte on "
                              "the wire, per byte reduced)")
-        return cls(*(data[k] for k in ("alpha", "beta", "gamma")), data.get("overhead", 0.0))
+        return cls(*(data[k] for k in ("alpha", "beta", "gamma")), data.get("overhead", 0.0),
+                   data.get("beta_pairwise"))
 
     def as_dict(self) -> dict[str, float]:
-        return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
-                "overhead": self.overhead}
+        values = {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
+                  "overhead": self.overhead}
+        if self.beta_pairwise is not None:
+            values["beta_pairwise"] = self.beta_pairwise
+        return values
 
 
 @dataclass(frozen=True)
 class Cost:
-    """What a call does on its critical path: messages, bytes sent, bytes combined and copied."""
+    """What a call does on its critical path: messages, bytes sent (priced at beta, or at
+    beta_pairwise when two ranks exchange a plain message with each other), bytes combined and
+    bytes copied."""
 
     messages: float = 0
     wire_bytes: float = 0
     reduced_bytes: float = 0
     copied_bytes: float = 0
+    pairwise_bytes: float = 0
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.messages + other.messages, self.wire_bytes + other.wire_bytes,
-                    self.reduced_bytes + other.reduced_bytes, self.copied_bytes + other.copied_bytes)
+                    self.reduced_bytes + other.reduced_bytes, self.copied_bytes + other.copied_bytes,
+                    self.pairwise_bytes + other.pairwise_bytes)
 
     def __mul__(self, k: float) -> "Cost":
         return Cost(k * self.messages, k * self.wire_bytes, k * self.reduced_bytes,
-                    k * self.copied_bytes)
+                    k * self.copied_bytes, k * self.pairwise_bytes)
 
     __rmul__ = __mul__
 
     def seconds(self, params: ModelParams) -> float:
         """Time of these counts, without the per-call overhead."""
         return (self.messages * params.alpha + self.wire_bytes * params.beta
+                + self.pairwise_bytes * params.pairwise
                 + (self.reduced_bytes + self.copied_bytes) * params.gamma)
 
 
@@ -127,15 +157,23 @@ def _tree_rounds(size: int) -> int:
     return (size - 1).bit_length()
 
 
-def _combining_step(count: int, itemsize: int) -> Cost:
-    """One `sendrecv_combine` of `count` elements: a message per piece, bytes sent and combined."""
+def _combining_step(count: int, itemsize: int, pairwise: bool) -> Cost:
+    """One `sendrecv_combine` of `count` elements: a message per piece, bytes sent and combined.
+
+    One piece is a plain Sendrecv (pairwise when the peer sends back); several are pipelined
+    Isend/Irecv pieces, priced at beta either way.
+    """
     nbytes = count * itemsize
-    return Cost(pieces_of(count, itemsize)[1], nbytes, nbytes)
+    pieces = pieces_of(count, itemsize)[1]
+    if pieces == 1 and pairwise:
+        return Cost(1, reduced_bytes=nbytes, pairwise_bytes=nbytes)
+    return Cost(pieces, nbytes, nbytes)
 
 
-def _message(nbytes: int) -> Cost:
-    """One message of `nbytes` (a send, or one direction of a sendrecv), nothing combined."""
-    return Cost(1, nbytes)
+def _message(nbytes: int, pairwise: bool = False) -> Cost:
+    """One message of `nbytes` (a send, or one direction of a sendrecv), nothing combined;
+    `pairwise` when the rank it goes to sends to this rank at the same time."""
+    return Cost(1, pairwise_bytes=nbytes) if pairwise else Cost(1, nbytes)
 
 
 def _fold(nbytes_in: int, nbytes_out: int, size: int) -> Cost:
@@ -155,7 +193,7 @@ def check_cost(size: int) -> Cost:
     if size == 1:
         return NOTHING
     rounds, _ = _log2_pof2(size)
-    return _fold(CHECK_BYTES, CHECK_BYTES, size) + rounds * _combining_step(CHECK_BYTES, 1)
+    return _fold(CHECK_BYTES, CHECK_BYTES, size) + rounds * _combining_step(CHECK_BYTES, 1, True)
 
 
 # -- the algorithms -----------------------------------------------------------------------------
@@ -164,11 +202,12 @@ def check_cost(size: int) -> Cost:
 
 def _ring_reduce_scatter(n: int, size: int, itemsize: int) -> Cost:
     largest = max(partition_counts(n, size))
-    return (size - 1) * _combining_step(largest, itemsize)
+    # With 2 ranks the left and right neighbours are the same rank: each step is an exchange.
+    return (size - 1) * _combining_step(largest, itemsize, size == 2)
 
 
 def _ring_allgather_blocks(largest: int, size: int, itemsize: int) -> Cost:
-    return (size - 1) * _message(largest * itemsize)
+    return (size - 1) * _message(largest * itemsize, size == 2)
 
 
 def _ring_allreduce(n: int, size: int, itemsize: int) -> Cost:
@@ -181,7 +220,7 @@ def _butterfly_allreduce(n: int, size: int, itemsize: int) -> Cost:
     if nbytes <= PAYLOAD_BYTES:  # rides in the argument check's own exchange
         return NOTHING
     rounds, _ = _log2_pof2(size)
-    return _fold(nbytes, nbytes, size) + rounds * _combining_step(n, itemsize)
+    return _fold(nbytes, nbytes, size) + rounds * _combining_step(n, itemsize, True)
 
 
 def _tree_allreduce(n: int, size: int, itemsize: int) -> Cost:
@@ -192,7 +231,7 @@ def _halving(counts: Sequence[int], itemsize: int) -> Cost:
     """Recursive halving over P' blocks: round k swaps P'/2^k blocks and combines them."""
     cost, half = NOTHING, len(counts) >> 1
     while half:
-        cost += _combining_step(_largest_aligned_sum(counts, half), itemsize)
+        cost += _combining_step(_largest_aligned_sum(counts, half), itemsize, True)
         half >>= 1
     return cost
 
@@ -201,7 +240,7 @@ def _doubling(counts: Sequence[int], itemsize: int) -> Cost:
     """Recursive doubling all-gather over P' blocks: round k sends the 2^k blocks held so far."""
     cost, width = NOTHING, 1
     while width < len(counts):
-        cost += _message(_largest_aligned_sum(counts, width) * itemsize)
+        cost += _message(_largest_aligned_sum(counts, width) * itemsize, True)
         width <<= 1
     return cost
 
@@ -278,8 +317,6 @@ def _api_copies(collective: str, n: int, size: int, itemsize: int) -> Cost:
     """Local copies the API makes around the algorithm (see `api._plan`)."""
     if collective == "reduce_scatter":  # input into scratch, then this rank's block out
         return Cost(copied_bytes=(n + max(partition_counts(n, size))) * itemsize)
-    if collective == "allgather":  # this rank's input into its block of the output
-        return Cost(copied_bytes=(n // size) * itemsize)
     if collective == "reduce" and size > 1:  # non-roots reduce a copy, leaving x intact
         return Cost(copied_bytes=n * itemsize)
     return NOTHING

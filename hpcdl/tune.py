@@ -168,8 +168,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                               "in the sweep); default 50")
     measure.add_argument("--p2p", choices=("exchange", "pingpong"), default="exchange",
                          help="point-to-point pattern for alpha and beta: all ranks exchange with "
-                              "their ring neighbours at once (default; what the algorithms' steps "
-                              "do) or ping-pong pair by pair")
+                              "their ring neighbours at once (default; a ring step) or ping-pong "
+                              "pair by pair; beta_pairwise always comes from a pairwise exchange")
     predict = parser.add_argument_group("predicting (--predict, one process)")
     predict.add_argument("--predict", action="store_true", help="plan from the model; no measurement")
     predict.add_argument("--nodes", type=positive(int), help="ranks in the job, one per node")
@@ -213,7 +213,7 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.predict:
         return run_predict(args)
-    return run_tune(args)
+    return run_tune(args, argv)
 
 
 # -- predicting ------------------------------------------------------------------------------------
@@ -275,8 +275,10 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
         alpha, source["alpha"] = base.alpha, f"from {args.tuning_file}"
     if args.link is not None:
         beta, source["beta"] = 1.0 / args.link, f"--link {args.link * 8 / 1e9:g} Gbit/s"
+        beta_pairwise = None  # a full-duplex link: two-way exchanges at the link rate too
     else:
         beta, source["beta"] = base.beta, f"from {args.tuning_file}"
+        beta_pairwise = base.beta_pairwise
     if args.gamma is not None:
         gamma, source["gamma"] = args.gamma, "--gamma"
     elif base is not None:
@@ -288,7 +290,7 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
         overhead, source["overhead"] = base.overhead, f"from {args.tuning_file}"
     else:
         overhead, source["overhead"] = DEFAULT_OVERHEAD, "default, measured on the reference machine"
-    return ModelParams(alpha, beta, gamma, overhead), source
+    return ModelParams(alpha, beta, gamma, overhead, beta_pairwise), source
 
 
 def plan_step(params: Any, nodes: int, parameters: int, dtype: str, bucket_mb: float,
@@ -319,6 +321,8 @@ def run_predict(args: argparse.Namespace) -> int:
         f"  alpha    {params.alpha * 1e6:9.3f} µs per message      ({source['alpha']})",
         f"  beta     {params.beta * 1e9:9.4f} ns per byte         ({source['beta']}; "
         f"{1 / params.beta / 1e9 if params.beta else math.inf:.3g} GB/s)",
+        *([f"  beta_pairwise {params.beta_pairwise * 1e9:.4f} ns per byte of a two-way "
+           f"exchange (from {args.tuning_file})"] if params.beta_pairwise is not None else []),
         f"  gamma    {params.gamma * 1e9:9.4f} ns per byte reduced ({source['gamma']})",
         f"  overhead {params.overhead * 1e6:9.3f} µs per call         ({source['overhead']})",
         "",
@@ -352,16 +356,17 @@ def time_algorithm(collective: str, algorithm: str, nbytes: int, comm: Any, *, i
     """Collective: (seconds per call, result correct, bytes as nccl-tests counts them).
 
     Times by `hpcdl bench`'s `measure` (a barrier before each call, the first call checked);
-    seconds are the slowest rank's average (`max_s`): a collective ends when its slowest rank
-    does, and that is what the model predicts.
+    seconds are the median over calls of the slowest rank's time (`median_s`): a collective ends
+    when its slowest rank does, which is what the model predicts, and the median, as in the
+    calibration, so a burst of load on a shared machine does not decide a row.
     """
     from benchmarks.microbench import measure
 
     m = measure(collective, algorithm, nbytes, comm, iterations=iterations, warmup=warmup)
-    if m.max_s is None:
+    if m.median_s is None:
         raise RuntimeError(f"hpcdl tune: {collective} {algorithm} could not run at {nbytes} bytes: "
                            f"{m.unavailable}")
-    return m.max_s, m.wrong == 0, m.nbytes
+    return m.median_s, m.wrong == 0, m.nbytes
 
 
 def sweep(collective: str, sizes: list[int], comm: Any, iterations: int) -> list[dict[str, Any]]:
@@ -402,7 +407,34 @@ def measured_row(records: list[dict[str, Any]], collective: str, size: int) -> d
     return {"min_ranks": size, "max_ranks": size, "by_bytes": thresholds(times, HYSTERESIS)}
 
 
-def describe_job(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
+#: A point-to-point size this far off the fitted line is reported as not fitting it.
+MISFIT = 0.25
+
+
+def fit_report(calibration: Any) -> list[str]:
+    """Lines: each point-to-point size's measured time against the fitted line, for the pattern
+    that gave alpha and beta and for the pairwise one (beta_pairwise), and a warning where a size
+    is far off its line (an MPI protocol switch the linear model cannot follow)."""
+    params = calibration.params
+    lines, off = [], []
+    for name, points, beta in ((calibration.pattern, calibration.point_to_point, params.beta),
+                               ("pairwise", calibration.pairwise, params.pairwise)):
+        lines.append(f"point-to-point ({name}): " + ", ".join(
+            f"{human_bytes(n)} {human_seconds(t)} (line {human_seconds(params.alpha + n * beta)})"
+            for n, t in points))
+        off += [(name, n, t / (params.alpha + n * beta) - 1) for n, t in points]
+    off = [(name, n, e) for name, n, e in off if abs(e) > MISFIT]
+    if off:
+        lines.append(
+            f"warning: point-to-point times off the fitted line by more than {MISFIT:.0%} at "
+            + ", ".join(f"{human_bytes(n)} {name} ({e:+.0%})" for name, n, e in off)
+            + ": the link is not linear there (an MPI protocol switch, e.g. Open MPI's TCP eager "
+            "limit, btl_tcp_eager_limit, 64 KiB; or load on a shared machine); predictions for "
+            "steps of those sizes will be off by about as much")
+    return lines
+
+
+def describe_job(comm: Any, pattern: str, argv: Sequence[str]) -> dict[str, Any]:
     """Where and how the model was measured, for the tuning file's `measured_on`."""
     from mpi4py import MPI
 
@@ -413,8 +445,8 @@ def describe_job(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         "hosts": sorted(set(hosts)),
         "ranks_per_host": {h: hosts.count(h) for h in sorted(set(hosts))},
         "mpi_library": MPI.Get_library_version().replace("\0", "").strip().splitlines()[0],
-        "point_to_point": args.p2p,
-        "command": "hpcdl tune " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["tune"] else []),
+        "point_to_point": pattern,
+        "command": " ".join(["hpcdl", "tune", *argv]),
     }
 
 
@@ -449,14 +481,17 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
     return {
         "about": (f"Written by `hpcdl tune` on {job['date']} over {size} ranks on "
                   f"{len(job['hosts'])} host(s). model: alpha (s per message), beta (s per byte "
-                  "on the wire), gamma (s per byte reduced), overhead (s per call), fitted by "
-                  f"collectives.calibrate ({job['point_to_point']} pattern). Decision rows: "
+                  "on the wire), beta_pairwise (s per byte of a plain two-way exchange with one "
+                  "peer), gamma (s per byte reduced), overhead (s per call), fitted by "
+                  f"collectives.calibrate ({job['point_to_point']} pattern; beta_pairwise from "
+                  "the pairwise pattern). Decision rows: "
                   f"{measured}; other rank counts from the model. Sizes in rows are the bytes "
                   "of the array each rank passes (allgather: one rank's contribution)."),
         "model": {**params.as_dict(), "measured_on": job},
         "collectives": rows,
         "measurements": {
             "point_to_point": calibration.point_to_point,
+            "pairwise": calibration.pairwise,
             "reduction": calibration.reduction,
             "call_seconds": calibration.call_seconds,
             "sweep": records,
@@ -524,7 +559,7 @@ def _row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | Non
     return None
 
 
-def run_tune(args: argparse.Namespace) -> int:
+def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from collectives.calibrate import calibrate
 
     from .runtime import MPI, init
@@ -541,16 +576,19 @@ def run_tune(args: argparse.Namespace) -> int:
         if rank == 0:
             print(text, flush=True)
 
-    say(f"# hpcdl tune: {size} ranks; fitting alpha, beta ({args.p2p}), gamma, overhead")
+    say(f"# hpcdl tune: {size} ranks; fitting alpha, beta ({args.p2p}), beta_pairwise, gamma, "
+        "overhead")
     calibration = calibrate(comm, pattern=args.p2p, iterations=args.iters)
     params = calibration.params
     say(f"alpha    {params.alpha * 1e6:10.2f} µs per message")
-    say(f"beta     {params.beta * 1e9:10.4f} ns per byte  "
-        f"({1 / params.beta / 1e9 if params.beta else math.inf:.3g} GB/s)")
+    for name, value in (("beta", params.beta), ("beta_pairwise", params.pairwise)):
+        say(f"{name:<8} {value * 1e9:10.4f} ns per byte  "
+            f"({1 / value if value else math.inf:.3g} B/s)")
     say(f"gamma    {params.gamma * 1e9:10.4f} ns per byte reduced  "
         f"({1 / params.gamma / 1e9 if params.gamma else math.inf:.3g} GB/s)")
     say(f"overhead {params.overhead * 1e6:10.2f} µs per call  (a 4-byte allreduce took "
         f"{calibration.call_seconds * 1e6:.1f} µs)")
+    say("\n".join(fit_report(calibration)))
     records: list[dict[str, Any]] = []
     if not args.model_only:
         from benchmarks.microbench import size_sweep
@@ -560,7 +598,7 @@ def run_tune(args: argparse.Namespace) -> int:
             say(f"# sweeping {collective}: {len(sizes)} sizes, {human_bytes(sizes[0])} to "
                 f"{human_bytes(sizes[-1])}")
             records += sweep(collective, sizes, comm, args.iters)
-    job = describe_job(comm, args)
+    job = describe_job(comm, calibration.pattern, argv)
     document = tuning_document(params, calibration, records, args.collectives, size, job)
     output = Path(args.output).resolve()
     error = None
