@@ -61,7 +61,12 @@ def advertised_host(comm: MPI.Comm) -> str:
         return interface_ipv4(interface)
     if len(set(hosts)) == 1:
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot resolve this host's name {socket.gethostname()!r} ({exc}) for torch.distributed's "
+            "store: set GLOO_SOCKET_IFNAME to the network interface the ranks share") from exc
 
 
 def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 120.0) -> None:

@@ -42,6 +42,21 @@ def pieces_of(count: int, itemsize: int) -> tuple[int, int]:
     return segment, max(-(-count // segment), 1)
 
 
+#: `sendrecv` cuts messages longer than this into pieces.
+PIECEWISE_BYTES = 2 * SEGMENT_BYTES
+
+
+def _cut(view: Any) -> list[Any]:
+    """`view` (flat) as pieces of at most SEGMENT_BYTES, or whole if at most PIECEWISE_BYTES.
+
+    Depends only on the message's own length, so sender and receiver cut it alike.
+    """
+    if view.nbytes <= PIECEWISE_BYTES:
+        return [view]
+    step = max(SEGMENT_BYTES // view.dtype.itemsize, 1)
+    return [view[i:i + step] for i in range(0, max(view.shape[0], 1), step)]
+
+
 #: How a patient link waits: this many back-to-back MPI tests, then a sleep between tests.
 #: Blocking in MPI busy-polls a core. On the communication thread that core is the one backward
 #: is computing on, and the peer it waits for is usually still in its own backward, so spinning
@@ -192,7 +207,17 @@ class Link:
         return ("staging", self._staging_slot)
 
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int) -> None:
-        """Send `send` to `dest` while receiving `recv` from `source` (blocking)."""
+        """Send `send` to `dest` while receiving `recv` from `source` (blocking).
+
+        A large host (or CUDA-aware) message goes as pieces of SEGMENT_BYTES, all posted at once:
+        over TCP one large exchange in both directions moved at about half the link rate, the same
+        bytes in pieces at the full rate (see docs/algorithms.md). Both sides cut a message the
+        same way, from its length, which sender and receiver always agree on.
+        """
+        if not self._staged and max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:
+            self.wait(*(self.irecv(piece, source) for piece in _cut(recv)),
+                      *(self.isend(piece, dest) for piece in _cut(send)))
+            return
         if self.patient:
             self.wait(self.irecv(recv, source), self.isend(send, dest))
             return

@@ -19,7 +19,7 @@ import collectives
 from arrays import (BACKENDS, Backend, Outcomes, backend_fixture, backend_params, mpi_reference,
                     rank_data, reduce_reference)
 from collectives import ALGORITHMS, OPS, CollectiveArgumentError, partition_counts
-from collectives.transport import SEGMENT_BYTES
+from collectives.transport import PIECEWISE_BYTES, SEGMENT_BYTES
 from conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -274,28 +274,39 @@ def test_reduce(backend: Backend, algorithm: str, comm: MPI.Comm) -> None:
 
 LARGE_CASES = [  # (collective, algorithm, dtype, op): every large-message user of the ring
     ("allreduce", "auto", "float32", "avg"),
+    ("allreduce", "halving_doubling", "float32", "sum"),
     ("reduce_scatter", "ring", "bfloat16", "prod"),
     ("allgather", "ring", "int32", None),
+    ("allgather", "butterfly", "int32", None),
     ("broadcast", "scatter_allgather", "float64", None),
     ("reduce", "reduce_scatter_gather", "int64", "max"),
 ]
+#: Block lengths, in bytes, the large-message test runs: 2.25 pieces (a ragged last piece, and
+#: whole-message sends over PIECEWISE_BYTES cut into pieces), and exactly PIECEWISE_BYTES, where
+#: the length not dividing by P gives rank 0 one element more: its block is cut, the others' are
+#: not, and sender and receiver must still agree on every message.
+LARGE_BLOCKS = {"ragged pieces": 2 * SEGMENT_BYTES + SEGMENT_BYTES // 4, "straddling": PIECEWISE_BYTES}
 
 
+@pytest.mark.parametrize("blocks", list(LARGE_BLOCKS))
 @pytest.mark.parametrize("backend", [p for p in backend_params() if p.id != "fake-device-aware"],
                          indirect=True)
-def test_large_messages_pipelined(backend: Backend, comm: MPI.Comm) -> None:
-    """Blocks of 1.25 ring segments (SEGMENT_BYTES, 512 KiB), so every ring step is pipelined
-    over two segments, the second one ragged; the length does not divide by the rank count."""
+def test_large_messages_pipelined(backend: Backend, comm: MPI.Comm, blocks: str) -> None:
+    """Blocks of LARGE_BLOCKS[blocks] bytes, so steps move in pieces (transport.SEGMENT_BYTES);
+    the length does not divide by the rank count."""
     size, rank = comm.Get_size(), comm.Get_rank()
     outcomes = Outcomes(comm)
     for collective, algorithm, dtype, op in LARGE_CASES:
         itemsize = collectives.DTYPES[dtype].itemsize
         if dtype not in backend.dtypes:
             continue
-        per_segment = SEGMENT_BYTES // itemsize
-        per_block = per_segment + per_segment // 4
-        # allgather's blocks are the ranks' whole inputs; the others cut the input into P blocks
-        n = per_block + 3 if collective == "allgather" else size * per_block + 3
+        per_block = LARGE_BLOCKS[blocks] // itemsize
+        # allgather's blocks are the ranks' whole inputs, all alike; the others cut the input
+        # into P blocks
+        if collective == "allgather":
+            n = per_block + 3
+        else:
+            n = size * per_block + (1 if blocks == "straddling" else 3)
         label = f"{collective}({algorithm}, {backend.name}, {dtype}, {op}, n={n})"
         inputs = [rank_data(q, n, dtype, op or "sum") for q in range(size)]
         x = backend.make(inputs[rank])

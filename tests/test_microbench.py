@@ -190,7 +190,7 @@ def test_table_rows_and_closing_lines(comm: MPI.Comm, capsys: pytest.CaptureFixt
     rows = [line for line in lines if not line.startswith("#")]
     assert len(rows) == 4 and all(" in ring" in r or " in halving_doubling" in r for r in rows)
     assert "# Avg bus bandwidth : " in out and "(ring)" in out and "(halving_doubling)" in out
-    assert f"{comm.Get_size()} ranks on 1 host" in out and "all checked results exact" in out
+    assert f"{comm.Get_size()} ranks on " in out and "all checked results exact" in out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
@@ -290,7 +290,8 @@ def test_gloo_address_of_an_interface(comm: MPI.Comm, monkeypatch: pytest.Monkey
     host = advertised_host(comm)
     assert host == ("127.0.0.1" if comm.Get_rank() == 0 else "")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    assert advertised_host(comm) in ("127.0.0.1", "")  # one host: loopback
+    if len(set(comm.allgather(MPI.Get_processor_name()))) == 1:
+        assert advertised_host(comm) in ("127.0.0.1", "")  # one host: loopback
 
 
 def test_unsupported_rows_say_why(comm: MPI.Comm, tmp_path: Path,
