@@ -23,7 +23,9 @@ The counts follow the implementations in `algorithms/`, not the textbook, where 
   of a 384-byte packet, log2 P' rounds plus 2 fold messages when P is not a power of two; a host
   butterfly allreduce of at most 256 bytes rides in it and costs nothing more;
 - a step that combines what it receives (ring reduce-scatter steps, butterfly and halving rounds)
-  moves its data in pieces of `transport.SEGMENT_BYTES`, one alpha per piece;
+  moves its data in pieces of `transport.SEGMENT_BYTES`, one alpha per piece; a step that only
+  moves data (all-gather steps, doubling rounds) is one message, or one per piece when it is over
+  `transport.PIECEWISE_BYTES`;
 - blocks follow `partition_counts`, so the largest block (ceil(n/P) elements) sets each ring
   step's time;
 - non-powers of two fold in and out (`fold.py`): 2 alpha + 2 N beta + N gamma on the paired ranks,
@@ -49,7 +51,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .algorithms import ALGORITHMS
 from .partition import partition_counts
-from .transport import pieces_of
+from .transport import PIECEWISE_BYTES, SEGMENT_BYTES, pieces_of
 from .validation import HEADER_BYTES, PAYLOAD_BYTES
 
 #: Bytes of the argument check's packet, exchanged in every round of its butterfly.
@@ -176,6 +178,15 @@ def _message(nbytes: int, pairwise: bool = False) -> Cost:
     return Cost(1, pairwise_bytes=nbytes) if pairwise else Cost(1, nbytes)
 
 
+def _exchange(nbytes: int, pairwise: bool = False) -> Cost:
+    """One direction of a `Link.sendrecv` that moves data without combining it: one message, or
+    over PIECEWISE_BYTES a message per SEGMENT_BYTES piece, all posted at once (at the link rate,
+    like pipelined pieces, whoever sends back)."""
+    if nbytes > PIECEWISE_BYTES:
+        return Cost(-(-nbytes // SEGMENT_BYTES), nbytes)
+    return _message(nbytes, pairwise)
+
+
 def _fold(nbytes_in: int, nbytes_out: int, size: int) -> Cost:
     """fold_in (the even rank's data to its odd partner, combined) and fold_out (back), if any."""
     if _log2_pof2(size)[1] == 0:
@@ -207,7 +218,7 @@ def _ring_reduce_scatter(n: int, size: int, itemsize: int) -> Cost:
 
 
 def _ring_allgather_blocks(largest: int, size: int, itemsize: int) -> Cost:
-    return (size - 1) * _message(largest * itemsize, size == 2)
+    return (size - 1) * _exchange(largest * itemsize, size == 2)
 
 
 def _ring_allreduce(n: int, size: int, itemsize: int) -> Cost:
@@ -240,7 +251,7 @@ def _doubling(counts: Sequence[int], itemsize: int) -> Cost:
     """Recursive doubling all-gather over P' blocks: round k sends the 2^k blocks held so far."""
     cost, width = NOTHING, 1
     while width < len(counts):
-        cost += _message(_largest_aligned_sum(counts, width) * itemsize, True)
+        cost += _exchange(_largest_aligned_sum(counts, width) * itemsize, True)
         width <<= 1
     return cost
 
@@ -385,13 +396,15 @@ def model_bytes(collective: str, array_bytes: int, size: int) -> int:
     return array_bytes * size if collective == "allgather" else array_bytes
 
 
-def thresholds(times: Mapping[int, Mapping[str, float]], margin: float = 0.0) -> list[list[Any]]:
+def thresholds(times: Mapping[int, Mapping[str, float]], margin: float = 0.0,
+               crossover: Callable[[str, str, int, int], int] | None = None) -> list[list[Any]]:
     """A decision-table `by_bytes` list from times per size: the fastest algorithm per size.
 
     `times[size][algorithm]` in seconds (or any unit). A new algorithm takes over only when it
     beats the current one by more than `margin` (a fraction), so measurement noise does not make
-    the table flip-flop; each algorithm keeps every size up to the last one before the next takes
-    over, and the last entry is open-ended (`None`).
+    the table flip-flop; the last entry is open-ended (`None`). Between the last size the old
+    algorithm won and the first the new one won, the switch goes where `crossover(old, new, lo,
+    hi)` says (e.g. `model_crossover`), else at the last size the old one won.
     """
     margin = max(margin, _TIE)
     by_bytes: list[list[Any]] = []
@@ -404,12 +417,32 @@ def thresholds(times: Mapping[int, Mapping[str, float]], margin: float = 0.0) ->
         if current is None or current not in row or (
                 fastest != current and row[fastest] < (1 - margin) * row[current]):
             if current is not None and previous is not None:
-                by_bytes.append([previous, current])
+                limit = crossover(current, fastest, previous, nbytes) if crossover else previous
+                by_bytes.append([limit, current])
             current = fastest
         previous = nbytes
     if current is not None:
         by_bytes.append([None, current])
     return by_bytes
+
+
+def model_crossover(collective: str, size: int, params: ModelParams, *, itemsize: int = 4
+                    ) -> Callable[[str, str, int, int], int]:
+    """For `thresholds`: where, between measured sizes lo and hi (array bytes, as `choose` sees
+    them), the model moves from `old` to `new`: the largest power of two in [lo, hi) up to which
+    it prices `old` no higher than `new`, or lo. A sweep by factors of 4 or more would otherwise
+    put every switch at a measured size, e.g. butterfly's end at 128 B, not where its payload
+    stops riding in the argument check (256 B)."""
+    def crossover(old: str, new: str, lo: int, hi: int) -> int:
+        limit, candidate = lo, 1 << lo.bit_length()
+        while candidate < hi:
+            nbytes = model_bytes(collective, candidate, size)
+            if (predict(collective, old, nbytes, size, params, itemsize=itemsize)
+                    > predict(collective, new, nbytes, size, params, itemsize=itemsize)):
+                break
+            limit, candidate = candidate, candidate << 1
+        return limit
+    return crossover
 
 
 #: Array sizes (bytes per rank, as `choose` sees them) at which `decision_rows` compares the

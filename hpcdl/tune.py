@@ -395,16 +395,19 @@ def sweep(collective: str, sizes: list[int], comm: Any, iterations: int) -> list
     return records
 
 
-def measured_row(records: list[dict[str, Any]], collective: str, size: int) -> dict[str, Any]:
-    """The decision row for this rank count from measured times (bytes as `choose` sees them)."""
-    from collectives.cost_model import thresholds
+def measured_row(records: list[dict[str, Any]], collective: str, size: int,
+                 params: Any) -> dict[str, Any]:
+    """The decision row for this rank count from measured times (bytes as `choose` sees them);
+    between two measured sizes the model places the switch (`cost_model.model_crossover`)."""
+    from collectives.cost_model import model_crossover, thresholds
 
     times: dict[int, dict[str, float]] = {}
     for r in records:
         if r["collective"] == collective and r["valid"]:
             array_bytes = r["bytes"] // size if collective == "allgather" else r["bytes"]
             times.setdefault(array_bytes, {})[r["algorithm"]] = r["seconds"]
-    return {"min_ranks": size, "max_ranks": size, "by_bytes": thresholds(times, HYSTERESIS)}
+    return {"min_ranks": size, "max_ranks": size,
+            "by_bytes": thresholds(times, HYSTERESIS, model_crossover(collective, size, params))}
 
 
 #: A point-to-point size this far off the fitted line is reported as not fitting it.
@@ -474,7 +477,7 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
     for collective in collectives_:
         modelled = decision_rows(collective, params)
         # The first row covering P wins in `select`, so the measured row goes first.
-        rows[collective] = ([measured_row(records, collective, size)] if records else []) + modelled
+        rows[collective] = ([measured_row(records, collective, size, params)] if records else []) + modelled
     measured = (f"rows for P={size} from a measured sweep of every algorithm (fastest correct one "
                 f"per size, switching only on a >{HYSTERESIS:.0%} win)" if records
                 else "every row from the model (--model-only)")

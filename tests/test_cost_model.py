@@ -17,8 +17,8 @@ from mpi4py import MPI
 from collectives import select
 from collectives.calibrate import fit, measure_point_to_point, measure_reduction
 from collectives.cost_model import (DEFAULT_ROW_SIZES, Cost, ModelParams, best, check_cost, cost,
-                                    decision_rows, model_bytes, modelled_algorithms, predict,
-                                    thresholds)
+                                    decision_rows, model_bytes, model_crossover,
+                                    modelled_algorithms, predict, thresholds)
 from conftest import all_ranks_agree
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -42,8 +42,13 @@ HAND_COMPUTED = {
     # 1000 elements over 3: blocks 334, 333, 333; the largest (1336 B) sets each step
     ("allreduce", "ring", 4000, 3): (4, 4 * 1336, 2 * 1336, 0, 0),
     # 8 MiB over 2: one reduce step of a 4 MiB block in 8 pipelined pieces of 512 KiB, then one
-    # gather message exchanged with the same (only) neighbour: pairwise
-    ("allreduce", "ring", 8 * MIB, 2): (9, 4 * MIB, 4 * MIB, 0, 4 * MIB),
+    # gather step of the 4 MiB block, over 1 MiB so also cut into 8 pieces (priced at beta)
+    ("allreduce", "ring", 8 * MIB, 2): (16, 8 * MIB, 4 * MIB, 0, 0),
+    # 2 MiB over 2: the gather step's 1 MiB block is not over the cut: one pairwise message
+    ("allreduce", "ring", 2 * MIB, 2): (3, MIB, MIB, 0, MIB),
+    # halving-doubling over 4, 16 MiB: halving rounds of 8 and 4 MiB (16 + 8 pieces), doubling
+    # rounds of 4 and 8 MiB cut into 8 + 16 pieces
+    ("allreduce", "halving_doubling", 16 * MIB, 4): (48, 24 * MIB, 12 * MIB, 0, 0),
     # butterfly over 5: fold in (combined) and out, one way, around 2 exchange rounds of 4 KiB
     ("allreduce", "butterfly", 4096, 5): (4, 2 * 4096, 3 * 4096, 0, 2 * 4096),
     # 200 bytes ride inside the argument check: nothing more
@@ -154,6 +159,17 @@ def test_thresholds_switch_only_on_a_clear_win() -> None:
     assert thresholds(times) == [[8, "a"], [None, "b"]]
     assert thresholds(times, margin=0.05) == [[64, "a"], [None, "b"]]
     assert thresholds({}) == []
+
+
+def test_thresholds_switch_where_the_model_crosses() -> None:
+    """Measured at 128 B (butterfly faster) and 512 B (tree faster): butterfly's payload rides in
+    the argument check up to 256 B, so the model keeps it there, not only to 128 B."""
+    params = ModelParams(alpha=27e-6, beta=8.6e-9, gamma=0.07e-9, overhead=65e-6)  # 1 Gbit/s TCP
+    times = {128: {"butterfly": 1.0, "tree": 2.0}, 512: {"butterfly": 2.0, "tree": 1.0}}
+    crossover = model_crossover("allreduce", 4, params)
+    assert thresholds(times, 0.05, crossover) == [[256, "butterfly"], [None, "tree"]]
+    assert crossover("butterfly", "tree", 128, 256) == 128  # never beyond the next measured size
+    assert crossover("tree", "butterfly", 128, 4096) == 128  # the model prefers butterfly at once
 
 
 def test_model_params_are_checked() -> None:

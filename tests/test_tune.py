@@ -123,7 +123,10 @@ def test_measured_rows_use_the_bytes_choose_sees() -> None:
                                (1 << 20, "ring", 3.0), (1 << 20, "butterfly", 1.0))]
     records.append({"collective": "allgather", "bytes": 1 << 22, "algorithm": "ring",
                     "seconds": 0.1, "valid": False})  # wrong results never win
-    row = tune.measured_row(records, "allgather", 4)
+    # The model (butterfly never dearer than ring for allgather at P=4) keeps the switch at the
+    # last size ring won.
+    params = ModelParams(alpha=20e-6, beta=0.1e-9, gamma=0.05e-9, overhead=10e-6)
+    row = tune.measured_row(records, "allgather", 4, params)
     assert row == {"min_ranks": 4, "max_ranks": 4, "by_bytes": [[1024, "ring"], [None, "butterfly"]]}
 
 
