@@ -6,8 +6,8 @@ its own copy; after P-1 steps rank r holds the complete reduction of block r. Al
 rank r forwards block (r-s) mod P; after P-1 steps every rank has every block.
 
 A reduce step moves its block in cache-sized pieces (`transport.SEGMENT_BYTES`), pipelined: the
-next piece is posted before the current one is folded in. An all-gather step is one message
-straight into place.
+next piece is posted before the current one is folded in. An all-gather step goes straight into
+place (`Link.sendrecv`: one message, or 512 KiB pieces above 1 MiB).
 
 Cost (alpha: per message, beta: per byte sent, gamma: per byte combined, N bytes):
   reduce-scatter  (P-1) alpha + (P-1)/P N beta + (P-1)/P N gamma
