@@ -100,16 +100,24 @@ def choose(collective: str, nbytes: int, size: int) -> str:
     return _lookup(os.environ.get("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes, size)
 
 
-@functools.lru_cache(maxsize=4096)
-def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
-    table = load_table(path)
-    rows = table.get("collectives", {}).get(collective, [])
+def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None:
+    """The algorithm decision rows give `nbytes` at `size` ranks: the first row covering `size`
+    decides; None if no row covers it."""
     for row in rows:
         if row["min_ranks"] <= size <= row.get("max_ranks", size):
             for limit, name in row["by_bytes"]:
                 if limit is None or nbytes <= limit:
                     return name
             return row["by_bytes"][-1][1]
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
+    table = load_table(path)
+    chosen = row_choice(table.get("collectives", {}).get(collective, []), nbytes, size)
+    if chosen is not None:
+        return chosen
     params = model_params(path)
     if params is not None:  # no row for this rank count: the model decides
         return best(collective, model_bytes(collective, nbytes, size), size, params)

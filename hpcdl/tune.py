@@ -511,6 +511,7 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
                table_rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Lines: measured vs predicted per collective, size and algorithm, and summary errors."""
     from collectives.cost_model import predict
+    from collectives.select import row_choice
 
     lines = [f"{'collective':<15}{'bytes':>9} {'algorithm':<22}{'measured':>11}{'predicted':>11}"
              f"{'error':>8}  notes"]
@@ -525,7 +526,7 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
         fastest = min(valid, key=lambda r: r["seconds"]) if valid else None
         model_pick = min(predicted, key=predicted.__getitem__)
         array_bytes = nbytes // size if collective == "allgather" else nbytes
-        table_pick = _row_choice(table_rows[collective], array_bytes, size)
+        table_pick = row_choice(table_rows[collective], array_bytes, size)
         for r in group:
             error = predicted[r["algorithm"]] / r["seconds"] - 1
             if nbytes >= 64 << 10:
@@ -554,17 +555,6 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
             lines.append(f"{name} vs the fastest measured: worst {worst[0]:+.0%} ({worst[1]}); "
                          f"within 10% at {sum(loss <= 0.10 for loss, _ in losses)}/{len(losses)} sizes")
     return lines
-
-
-def _row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None:
-    """What `select` would pick from these rows (the first row covering `size`)."""
-    for row in rows:
-        if row["min_ranks"] <= size <= row.get("max_ranks", size):
-            for limit, name in row["by_bytes"]:
-                if limit is None or nbytes <= limit:
-                    return name
-            return row["by_bytes"][-1][1]
-    return None
 
 
 def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
