@@ -21,7 +21,8 @@ setup(
         # resolves a different build with gigabytes of CUDA packages.
         "train": ["scikit-learn>=1.3", "tqdm>=4.60"],
         "test": ["pytest>=8", "pytest-mpi>=0.6", "pytest-timeout>=2.2", "hypothesis>=6.80",
-                 "ml_dtypes>=0.3", "scikit-learn>=1.3", "tqdm>=4.60"],
+                 "ml_dtypes>=0.3", "scikit-learn>=1.3", "tqdm>=4.60",
+                 "matplotlib>=3.7"],  # so `hpcdl bench --plot` is tested, not skipped
         "bench": ["matplotlib>=3.7"],
         "gpu": ["cupy-cuda12x>=13"],  # the CuPy wheel for CUDA 12; pick cupy-cuda11x etc. to match
     },
