@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 import hpcdl
 from collectives import ALGORITHMS, DTYPES, OPS
+from hpcdl.tune import parse_bytes
 
 from .collective_timing import (AUTO, COLLECTIVES, DIRECT, GLOO, PEERS, PLACEMENTS, Case,
                                 DeviceUnavailable, Measurement, agree, algorithms_of, element_count,
@@ -333,19 +334,6 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
-def parse_size(text: str) -> int:
-    """Bytes from "8", "8K", "64M", "1G" (powers of 1024, a trailing B allowed)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = text.strip().upper().removesuffix("B")
-    try:
-        value = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 8, 8K, 64M") from None
-    if value != int(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number of bytes >= 1")
-    return int(value)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hpcdl bench", description=__doc__.split("\n\n")[0],
                      epilog="Sizes accept K, M, G (powers of 1024). Run under mpirun or srun.")
@@ -354,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-A", "--algorithms", nargs="+", metavar="NAME",
                         help="algorithms to time (default: every one of the collective, plus "
                              f"{', '.join(PEERS)})")
-    parser.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
-    parser.add_argument("-e", "--maxbytes", type=parse_size, default=64 << 20,
+    parser.add_argument("-b", "--minbytes", type=parse_bytes, default=8, help="smallest size (default 8)")
+    parser.add_argument("-e", "--maxbytes", type=parse_bytes, default=64 << 20,
                         help="largest size (default 64M)")
     parser.add_argument("-f", "--stepfactor", type=int, default=2,
                         help="multiply the size by this between rows (default 2)")

@@ -105,11 +105,16 @@ def parse_count(text: str) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """Bytes from e.g. "8", "64K", "32M", "1G" (binary prefixes, as nccl-tests reads them)."""
+    """Bytes from e.g. "8", "64K", "32M", "1G", "1.5K", "4KB", "4KiB" (binary prefixes, as
+    nccl-tests reads them): a whole number of at least 1, so a size sweep always advances.
+    `hpcdl tune` and `hpcdl bench` read their -b/-e with it."""
     match = re.fullmatch(_NUMBER + r"\s*([kKmMgG]?)i?[bB]?", text.strip())
     if not match:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; write e.g. 8, 64K, 32M, 1G")
-    return int(float(match[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match[2].lower()])
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 8, 64K, 32M, 1G")
+    value = float(match[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match[2].lower()]
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number of bytes >= 1")
+    return int(value)
 
 
 def positive(kind: type) -> Any:

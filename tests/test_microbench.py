@@ -21,7 +21,7 @@ from mpi4py import MPI
 from benchmarks import microbench
 from benchmarks.collective_timing import (BUS_FACTOR, COLLECTIVES, EXACT_INTEGER, algorithms_of,
                                           bus_factor, reduced_table, value_table)
-from benchmarks.microbench import Measurement, measure, parse_size
+from benchmarks.microbench import Measurement, measure
 from benchmarks.torch_gloo import advertised_host, interface_ipv4
 from collectives import ALGORITHMS, DTYPES, OPS
 
@@ -272,14 +272,6 @@ def test_argument_errors(comm: MPI.Comm, capsys: pytest.CaptureFixture[str], arg
     err = from_rank0(comm, captured.err)
     assert "hpcdl bench: error: " in err and message in err, err
     assert captured.out == "" and (comm.Get_rank() == 0 or captured.err == "")  # printed once
-
-
-def test_parse_size() -> None:
-    assert [parse_size(s) for s in ("8", "8K", "64M", "1G", "1.5K", "4kb")] == [
-        8, 8192, 64 << 20, 1 << 30, 1536, 4096]
-    for bad in ("0", "-8", "1.5", "K", "eight"):
-        with pytest.raises(Exception, match="size|whole number"):
-            parse_size(bad)
 
 
 def test_gloo_address_of_an_interface(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
