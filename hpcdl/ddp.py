@@ -11,7 +11,9 @@ How a step runs (DESIGN.md, "One training step"):
 - Gradients are grouped into fusion buckets in reverse registration order (about the order backward
   produces them), `first_bucket_mb` for the first bucket and `bucket_cap_mb` for the others; a
   bucket holds one dtype on one device and whole modules (a layer's weight and bias together,
-  since backward produces them at the same moment). Each bucket owns one flat tensor. After the
+  since backward produces them at the same moment). Each bucket owns one flat tensor. A gradient
+  of IN_PLACE_BYTES or more is a bucket of its own (it needs no fusion), so its reduction starts
+  as soon as its layer's backward is done rather than when the later layers fill a shared bucket. After the
   first synchronized backward the buckets are rebuilt once in the order gradients really became ready
   (rank 0's order, broadcast), as torch's DDP does.
 - Small gradients live in the bucket: after its gradient is accumulated, `param.grad` is made a
@@ -208,18 +210,31 @@ class DistributedDataParallel(torch.nn.Module):
         for name, p in named:
             units.setdefault((name.rpartition(".")[0], p.dtype, p.device), []).append((name, p))
         groups: list[list[tuple[str, torch.nn.Parameter]]] = []
+        open_group: list[tuple[str, torch.nn.Parameter]] | None = None  # fusion bucket filling
         size = 0.0
         for unit in units.values():
-            nbytes = sum(p.numel() * p.element_size() for _, p in unit)
+            fused = [(n, p) for n, p in unit if not self._averaged_in_place(p)]
+            nbytes = sum(p.numel() * p.element_size() for _, p in fused)
             limit = first_cap if len(groups) <= 1 else cap
-            current = groups[-1] if groups else None
-            if (current is None or size + nbytes > limit
-                    or current[0][1].dtype != unit[0][1].dtype
-                    or current[0][1].device != unit[0][1].device):
-                groups.append([])
+            if fused and (open_group is None or size + nbytes > limit
+                          or open_group[0][1].dtype != fused[0][1].dtype
+                          or open_group[0][1].device != fused[0][1].device):
+                open_group = []
+                groups.append(open_group)
                 size = 0.0
-            groups[-1].extend(unit)
-            size += nbytes
+            if fused:
+                assert open_group is not None
+                open_group.extend(fused)
+                size += nbytes
+            # A gradient averaged in place needs no fusion: it is a bucket of its own, launched
+            # the moment its layer's backward is done instead of waiting for the later layers
+            # that would fill a shared bucket. Smaller gradients ready after it start a new
+            # fusion bucket behind it, since buckets launch strictly in order.
+            solo = [(n, p) for n, p in unit if self._averaged_in_place(p)]
+            for item in solo:
+                groups.append([item])
+            if solo:
+                open_group = None
         buckets = []
         for index, group in enumerate(groups):
             params = [p for _, p in group]
@@ -227,8 +242,7 @@ class DistributedDataParallel(torch.nn.Module):
                 if not p.is_contiguous():
                     raise ValueError(f"parameter {name} is not contiguous; DistributedDataParallel "
                                      "keeps gradients in flat buckets and needs contiguous ones")
-            in_place = [self.compression is None and p.numel() * p.element_size() >= IN_PLACE_BYTES
-                        for p in params]
+            in_place = [self._averaged_in_place(p) for p in params]
             flat = torch.zeros(sum(p.numel() for p, solo in zip(params, in_place) if not solo),
                                dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
@@ -245,6 +259,10 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.wire_array = as_array(bucket.wire)
             buckets.append(bucket)
         return buckets
+
+    def _averaged_in_place(self, param: torch.nn.Parameter) -> bool:
+        """Whether `param`'s gradient is averaged where autograd left it (see IN_PLACE_BYTES)."""
+        return self.compression is None and param.numel() * param.element_size() >= IN_PLACE_BYTES
 
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per bucket, in the order buckets are reduced."""

@@ -274,6 +274,29 @@ def test_buckets_keep_modules_whole_and_follow_ready_order(comm):
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
 
 
+def test_large_gradient_is_a_bucket_of_its_own_launched_with_its_layer(comm, monkeypatch):
+    # 2.weight (16x32 float32 = 2048 bytes) counts as large: averaged in place, in no fusion bucket
+    monkeypatch.setattr(hpcdl.ddp, "IN_PLACE_BYTES", 2048)
+    steps = _batches(comm.Get_size())
+    make_opt = OPTIMIZERS["momentum_wd"]
+    model, identical = _train(comm, steps, make_opt)  # default caps: everything else fits one
+    assert model.bucket_layout() == [["4.bias", "4.weight", "2.bias"], ["2.weight"],
+                                     ["0.bias", "0.weight"]]
+    error = _relative_error(model.module, _reference(steps, make_opt, _net()))
+    assert all_ranks_agree(identical and error <= 1e-5, comm), error
+    # Its reduction is queued when its own layer's backward is done, before the first layer's
+    # gradient exists (in a shared bucket it would have waited for that gradient).
+    first_layer_done: list[float] = []
+    model.module[0].weight.register_post_accumulate_grad_hook(
+        lambda p: first_layer_done.append(time.perf_counter()))
+    rank = comm.Get_rank()
+    x, y = steps[0]
+    torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+    # (this hook runs after the wrapper's own, which launched the last bucket already)
+    queued = model.last_handles[1].queued_at
+    assert all_ranks_agree(queued < first_layer_done[0], comm), (queued, first_layer_done)
+
+
 def test_timeline_records_backward_and_buckets(comm, tmp_path_factory):
     rank, size = comm.Get_rank(), comm.Get_size()
     path = comm.bcast(str(tmp_path_factory.mktemp("trace") / "trace.json") if rank == 0 else None)
