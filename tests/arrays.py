@@ -162,6 +162,71 @@ def device_runtime_installed(runtime: buffers.DeviceRuntime | None, cuda_aware: 
             os.environ["HPCDL_CUDA_AWARE"] = previous_env
 
 
+class FakeCupyArray(FakeDeviceArray):
+    """A `FakeDeviceArray` with the few array operations `hpcdl bench` does on CuPy arrays
+    (indexing, assignment, fill, reshape, !=): each acts on the host memory and returns fake
+    device arrays, so code written against CuPy runs here while the collectives still see only
+    `__cuda_array_interface__`."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _host_of(value: Any) -> Any:
+        return value.host if isinstance(value, FakeDeviceArray) else value
+
+    def __getitem__(self, key: Any) -> "FakeCupyArray":
+        return FakeCupyArray(self.host[key])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.host[key] = self._host_of(value)
+
+    def __ne__(self, other: Any) -> "FakeCupyArray":  # type: ignore[override]
+        return FakeCupyArray(np.not_equal(self.host, self._host_of(other)))
+
+    def fill(self, value: Any) -> None:
+        self.host.fill(value)
+
+    def reshape(self, *shape: Any) -> "FakeCupyArray":
+        return FakeCupyArray(self.host.reshape(*shape))
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        # For torch (the gloo peer of `hpcdl bench`): as a host tensor, which gloo reduces on the
+        # CPU; the collectives never take this path (they read __cuda_array_interface__ first).
+        return self.host.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.host.__dlpack_device__()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.host.nbytes)
+
+    @property
+    def size(self) -> int:
+        return int(self.host.size)
+
+
+def fake_cupy_module() -> Any:
+    """A stand-in for the `cupy` module with one visible GPU whose memory is host memory.
+
+    Enough of CuPy for `hpcdl bench --device gpu` (benchmarks/collective_timing.py) and
+    `hpcdl.init`'s GPU binding: asarray, empty, count_nonzero, the device count, Device(i).use()
+    and the current stream. Install it as
+    `sys.modules["cupy"]` together with a `FakeDeviceRuntime`, which serves the collectives.
+    """
+    import types
+
+    module = types.ModuleType("cupy")
+    module.asarray = lambda a, dtype=None: FakeCupyArray(np.array(a, dtype=dtype, copy=True))
+    module.empty = lambda shape, dtype=np.float64: FakeCupyArray(np.empty(shape, dtype=dtype))
+    module.count_nonzero = lambda a: np.count_nonzero(FakeCupyArray._host_of(a))
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    module.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+                                        get_current_stream=lambda: stream,
+                                        Device=lambda i: types.SimpleNamespace(use=lambda: None))
+    return module
+
+
 # -- the backend registry ---------------------------------------------------------------------
 
 @dataclass

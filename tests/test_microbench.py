@@ -18,6 +18,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import hpcdl.runtime
+
+from arrays import FakeDeviceRuntime, device_runtime_installed, fake_cupy_module
 from benchmarks import microbench
 from benchmarks.collective_timing import (BUS_FACTOR, COLLECTIVES, EXACT_INTEGER, algorithms_of,
                                           bus_factor, reduced_table, value_table)
@@ -40,7 +43,12 @@ def run_json(comm: MPI.Comm, tmp_path: Path, *args: str) -> tuple[int, dict[str,
     """`hpcdl bench ARGS --json FILE`: exit status and rank 0's JSON, on every rank."""
     path = tmp_path / "bench.json"
     status = microbench.main([*args, "-q", "--json", str(path)])
-    return status, from_rank0(comm, json.loads(path.read_text()) if comm.Get_rank() == 0 else None)
+    # Rank 0 reads, every rank gets it: a missing file must fail every rank here, not leave the
+    # other ranks waiting in the broadcast for a rank 0 that raised.
+    report = from_rank0(comm, json.loads(path.read_text()) if comm.Get_rank() == 0
+                        and path.is_file() else None)
+    assert report is not None, f"hpcdl bench {' '.join(args)} exited {status} without writing JSON"
+    return status, report
 
 
 COMBINATIONS = [("float32", "sum"), ("int32", "avg"), ("float16", "max"), ("float64", "prod")]
@@ -262,6 +270,34 @@ if "bfloat16" in DTYPES:
 if importlib.util.find_spec("cupy") is None:
     BAD_ARGUMENTS.append((["--device", "gpu"], "--device gpu needs CuPy: install the wheel matching "
                                                "your CUDA, e.g. `pip install cupy-cuda12x`"))
+
+
+@pytest.mark.parametrize("cuda_aware", [True, False], ids=["cuda-aware", "staged"])
+def test_device_gpu_over_a_fake_gpu(comm: MPI.Comm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    cuda_aware: bool) -> None:
+    """--device gpu end to end, on CuPy-like arrays whose memory is host memory (CI has no GPU)."""
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
+    monkeypatch.setattr(hpcdl.runtime, "_topology", None)  # bind "the GPU" afresh, undone after
+    runtime = FakeDeviceRuntime()
+    with device_runtime_installed(runtime, cuda_aware):
+        status, report = run_json(comm, tmp_path, *TINY, "--device", "gpu", "-C", "all", "-c",
+                                  "--inplace", "--out-of-place")
+    rows = report["results"]
+    assert status == 0, [r for r in rows if r["wrong"]]
+    assert report["metadata"]["device"] == "gpu"
+    ran = [r for r in rows if not r["unavailable"]]
+    assert ran and all(r["wrong"] == 0 and r["checked"] for r in ran)
+    assert {r["collective"] for r in ran} == set(COLLECTIVES)
+    direct = {r["unavailable"] for r in rows if r["algorithm"] == "direct"}
+    # MPI that is not CUDA-aware cannot take device buffers: the bare call is n/a, with the reason
+    assert direct == {None} if cuda_aware else direct == {
+        "this MPI is not CUDA-aware, so it cannot take device buffers (mpi stages them)"}
+    # the collectives really saw device arrays, and staged them through host memory when told to
+    calls = comm.allgather(dict(runtime.calls))
+    assert all(c.get("from_cuda_array_interface", 0) > 0 for c in calls)
+    if comm.Get_size() > 1:
+        staged = [c.get("copy_to_host", 0) > 0 for c in calls]
+        assert all(staged) if not cuda_aware else not any(staged), calls
 
 
 @pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
