@@ -13,9 +13,9 @@ How a step runs (DESIGN.md, "One training step"):
   bucket holds one dtype on one device and whole modules (a layer's weight and bias together,
   since backward produces them at the same moment). Each bucket owns one flat tensor. A gradient
   of IN_PLACE_BYTES or more is a bucket of its own (it needs no fusion), so its reduction starts
-  as soon as its layer's backward is done rather than when the later layers fill a shared bucket. After the
-  first synchronized backward the buckets are rebuilt once in the order gradients really became ready
-  (rank 0's order, broadcast), as torch's DDP does.
+  as soon as its layer's backward is done rather than when the later layers fill a shared
+  bucket. After the first synchronized backward the buckets are rebuilt once in the order
+  gradients really became ready (rank 0's order, broadcast), as torch's DDP does.
 - Small gradients live in the bucket: after its gradient is accumulated, `param.grad` is made a
   view into the bucket's flat tensor (like torch's `gradient_as_bucket_view=True`). If autograd
   handed a fresh tensor (e.g. after `zero_grad(set_to_none=True)`) it is copied in once, then

@@ -174,19 +174,19 @@ class FakeCupyArray(FakeDeviceArray):
     def _host_of(value: Any) -> Any:
         return value.host if isinstance(value, FakeDeviceArray) else value
 
-    def __getitem__(self, key: Any) -> "FakeCupyArray":
+    def __getitem__(self, key: Any) -> FakeCupyArray:
         return FakeCupyArray(self.host[key])
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.host[key] = self._host_of(value)
 
-    def __ne__(self, other: Any) -> "FakeCupyArray":  # type: ignore[override]
+    def __ne__(self, other: object) -> FakeCupyArray:  # type: ignore[override]
         return FakeCupyArray(np.not_equal(self.host, self._host_of(other)))
 
     def fill(self, value: Any) -> None:
         self.host.fill(value)
 
-    def reshape(self, *shape: Any) -> "FakeCupyArray":
+    def reshape(self, *shape: Any) -> FakeCupyArray:
         return FakeCupyArray(self.host.reshape(*shape))
 
     def __dlpack__(self, **kwargs: Any) -> Any:
@@ -211,8 +211,8 @@ def fake_cupy_module() -> Any:
 
     Enough of CuPy for `hpcdl bench --device gpu` (benchmarks/collective_timing.py) and
     `hpcdl.init`'s GPU binding: asarray, empty, count_nonzero, the device count, Device(i).use()
-    and the current stream. Install it as
-    `sys.modules["cupy"]` together with a `FakeDeviceRuntime`, which serves the collectives.
+    and the current stream. Install it as `sys.modules["cupy"]` together with a
+    `FakeDeviceRuntime`, which serves the collectives.
     """
     import types
 

@@ -19,7 +19,6 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl.runtime
-
 from arrays import FakeDeviceRuntime, device_runtime_installed, fake_cupy_module
 from benchmarks import microbench
 from benchmarks.collective_timing import (BUS_FACTOR, COLLECTIVES, EXACT_INTEGER, algorithms_of,
@@ -288,10 +287,10 @@ def test_device_gpu_over_a_fake_gpu(comm: MPI.Comm, tmp_path: Path, monkeypatch:
     ran = [r for r in rows if not r["unavailable"]]
     assert ran and all(r["wrong"] == 0 and r["checked"] for r in ran)
     assert {r["collective"] for r in ran} == set(COLLECTIVES)
-    direct = {r["unavailable"] for r in rows if r["algorithm"] == "direct"}
     # MPI that is not CUDA-aware cannot take device buffers: the bare call is n/a, with the reason
-    assert direct == {None} if cuda_aware else direct == {
+    expected = {None} if cuda_aware else {
         "this MPI is not CUDA-aware, so it cannot take device buffers (mpi stages them)"}
+    assert {r["unavailable"] for r in rows if r["algorithm"] == "direct"} == expected
     # the collectives really saw device arrays, and staged them through host memory when told to
     calls = comm.allgather(dict(runtime.calls))
     assert all(c.get("from_cuda_array_interface", 0) > 0 for c in calls)
