@@ -115,7 +115,8 @@ def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None
 @functools.lru_cache(maxsize=4096)
 def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
     table = load_table(path)
-    chosen = row_choice(table.get("collectives", {}).get(collective, []), nbytes, size)
+    rows = table.get("collectives", {}).get(collective, [])
+    chosen = row_choice(rows, nbytes, size)
     if chosen is not None:
         return chosen
     params = model_params(path)

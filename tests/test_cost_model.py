@@ -231,6 +231,18 @@ def test_model_decides_where_no_row_covers(tuning_file: Any) -> None:
     assert select.choose("allgather", 64 * MIB, 32) == best("allgather", 32 * 64 * MIB, 32, CLUSTER)
 
 
+def test_rows_without_a_model(tuning_file: Any) -> None:
+    # A table like the built-in one: no model. A rank count no row covers takes the last row's
+    # choice for the largest sizes; a collective without rows has nothing to choose by.
+    rows = [{"min_ranks": 2, "max_ranks": 2, "by_bytes": [[1024, "butterfly"], [None, "ring"]]},
+            {"min_ranks": 4, "max_ranks": 4, "by_bytes": [[None, "tree"]]}]
+    tuning_file({"collectives": {"allreduce": rows}})
+    assert select.choose("allreduce", 16, 2) == "butterfly"
+    assert select.choose("allreduce", 16, 3) == "tree"
+    with pytest.raises(ValueError, match="has no rows for broadcast and no model"):
+        select.choose("broadcast", 16, 3)
+
+
 def test_choice_is_cached(tuning_file: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     tuning_file({"model": CLUSTER.as_dict()})
     calls = []
