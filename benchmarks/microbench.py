@@ -21,7 +21,6 @@ import argparse
 import csv
 import datetime
 import importlib.metadata
-import inspect
 import json
 import math
 import os
@@ -37,6 +36,7 @@ from mpi4py import MPI
 
 import hpcdl
 from collectives import ALGORITHMS, DTYPES, OPS
+from collectives.cost_model import ModelParams, predict
 from hpcdl.tune import parse_bytes
 
 from .collective_timing import (AUTO, COLLECTIVES, DIRECT, GLOO, PEERS, PLACEMENTS, Case,
@@ -70,15 +70,10 @@ class Predictor:
     """The cost model's predicted time per row, when a model is available."""
 
     def __init__(self, tuning_file: str | None) -> None:
-        self.params: Any = None
+        self.params: ModelParams | None = None
         self.note = ("no model: give --tuning-file or set HPCDL_TUNING_FILE to a file written by "
                      "`hpcdl tune`")
         if not tuning_file:
-            return
-        try:
-            from collectives import cost_model
-        except ImportError:
-            self.note = "no model: collectives.cost_model is not available in this installation"
             return
         try:
             data = json.loads(Path(tuning_file).read_text())
@@ -88,17 +83,14 @@ class Predictor:
         if model is None:
             self.note = f"no model: {tuning_file} has no \"model\" entry"
             return
-        try:
-            self.params = cost_model.ModelParams(
-                alpha=float(model["alpha"]), beta=float(model["beta"]), gamma=float(model["gamma"]),
-                overhead=float(model.get("overhead", 0.0)))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BenchArgumentError(f"{tuning_file}: bad \"model\" entry ({exc!r}); it needs "
+        try:  # the same reading as auto's (beta_pairwise included)
+            self.params = ModelParams.from_mapping(model)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise BenchArgumentError(f"{tuning_file}: bad \"model\" entry ({exc}); it needs "
                                      "alpha, beta, gamma (and overhead) in seconds") from exc
-        self._predict = cost_model.predict
-        self._takes_itemsize = "itemsize" in inspect.signature(cost_model.predict).parameters
         self.note = (f"model from {tuning_file}: alpha {self.params.alpha * 1e6:.2f} us, "
-                     f"beta {self.params.beta * 1e9:.3f} ns/B, gamma {self.params.gamma * 1e9:.3f} "
+                     f"beta {self.params.beta * 1e9:.3f} ns/B, beta_pairwise "
+                     f"{self.params.pairwise * 1e9:.3f} ns/B, gamma {self.params.gamma * 1e9:.3f} "
                      f"ns/B, overhead {self.params.overhead * 1e6:.2f} us")
 
     def seconds(self, m: Measurement) -> float | None:
@@ -106,9 +98,9 @@ class Predictor:
         algorithm = m.chose if m.algorithm == AUTO else m.algorithm
         if self.params is None or algorithm in (None, "mpi", DIRECT, GLOO):
             return None
-        extra = {"itemsize": DTYPES[m.dtype].itemsize} if self._takes_itemsize else {}
         try:
-            return float(self._predict(m.collective, algorithm, m.nbytes, m.ranks, self.params, **extra))
+            return predict(m.collective, algorithm, m.nbytes, m.ranks, self.params,
+                           itemsize=DTYPES[m.dtype].itemsize)
         except ValueError:  # an algorithm the model does not describe
             return None
 

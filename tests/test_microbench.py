@@ -211,23 +211,27 @@ def test_plot_writes_a_png(comm: MPI.Comm, tmp_path: Path) -> None:
 
 def test_predicted_column_from_a_tuning_file(comm: MPI.Comm, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    if importlib.util.find_spec("collectives.cost_model") is None:
-        pytest.skip("collectives.cost_model is not installed yet")
+    from collectives.cost_model import ModelParams, predict
     from collectives.select import BUILTIN_TABLE
 
     tuning = tmp_path / "tuning.json"
     table = json.loads(BUILTIN_TABLE.read_text())
-    table["model"] = {"alpha": 10e-6, "beta": 0.2e-9, "gamma": 0.1e-9, "overhead": 5e-6}
+    # beta_pairwise far from beta, so a prediction that ignored it would show
+    table["model"] = {"alpha": 10e-6, "beta": 0.2e-9, "gamma": 0.1e-9, "overhead": 5e-6,
+                      "beta_pairwise": 5e-9}
     tuning.write_text(json.dumps(table))
+    params = ModelParams.from_mapping(table["model"])
     monkeypatch.setenv("HPCDL_TUNING_FILE", str(tuning))  # restored after; main sets it too
-    status, report = run_json(comm, tmp_path, *TINY, "-A", "ring", "auto", "mpi", "--tuning-file",
-                              str(tuning))
+    status, report = run_json(comm, tmp_path, *TINY, "-A", "ring", "butterfly", "auto", "mpi",
+                              "--tuning-file", str(tuning))
     assert status == 0
     for r in report["results"]:
         if r["algorithm"] == "mpi":
             assert r["predicted_s"] is None and r["prediction_error"] is None
         else:
-            assert r["predicted_s"] > 0
+            algorithm = r["chose"] if r["algorithm"] == "auto" else r["algorithm"]
+            assert r["predicted_s"] == pytest.approx(
+                predict("allreduce", algorithm, r["nbytes"], r["ranks"], params))
             assert r["prediction_error"] == pytest.approx((r["predicted_s"] - r["avg_s"]) / r["avg_s"])
 
 
