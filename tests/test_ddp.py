@@ -297,6 +297,45 @@ def test_large_gradient_is_a_bucket_of_its_own_launched_with_its_layer(comm, mon
     assert all_ranks_agree(queued < first_layer_done[0], comm), (queued, first_layer_done)
 
 
+class _FailedHandle:
+    """A handle whose collective failed (what a broken link gives), for the error path."""
+
+    started_at = finished_at = queued_at = None
+
+    def wait(self, timeout: float | None = None) -> None:
+        raise collectives.CommunicationError("link to rank 1 lost (test)")
+
+
+def test_failed_bucket_raises_from_backward_and_the_next_step_works(comm, monkeypatch):
+    rank = comm.Get_rank()
+    model = hpcdl.DistributedDataParallel(_net(), comm, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    steps = _batches(comm.Get_size(), steps=2)
+    real = collectives.iallreduce
+    launched: list[int] = []
+
+    def failing_first(chunk, comm_, **kwargs):  # every rank fails the same bucket
+        launched.append(len(launched))
+        handle = real(chunk, comm_, **kwargs)
+        if len(launched) == 1:
+            handle.wait()  # the real one is done: nothing is left running
+            return _FailedHandle()
+        return handle
+
+    monkeypatch.setattr(hpcdl.ddp.collectives, "iallreduce", failing_first)
+    x, y = steps[0]
+    with pytest.raises(collectives.CommunicationError, match="link to rank 1 lost"):
+        torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+    # every bucket was still launched and waited for, so the ranks stay in step
+    assert launched == list(range(len(model.bucket_layout())))
+    monkeypatch.setattr(hpcdl.ddp.collectives, "iallreduce", real)
+    x, y = steps[1]
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+    assert len(model.last_handles) == len(model.bucket_layout())
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert all_ranks_agree(len(set(comm.allgather(grads.sum().item()))) == 1, comm)
+
+
 def test_timeline_records_backward_and_buckets(comm, tmp_path_factory):
     rank, size = comm.Get_rank(), comm.Get_size()
     path = comm.bcast(str(tmp_path_factory.mktemp("trace") / "trace.json") if rank == 0 else None)
