@@ -32,6 +32,12 @@ RATE_MBIT = 100  # low enough that the shaping test moves only a few megabytes
 # tests/run.py removes clusters named hpcdlt<pid><letters> whose process is gone, should this
 # process be killed before its fixtures tear them down.
 PREFIX = f"hpcdlt{os.getpid()}a"
+NET = "10.213.0"  # the script's default, pinned: a caller's HPCDL_NETNS_NET must not leak in
+
+
+def script_env(prefix: str = PREFIX) -> dict[str, str]:
+    """The environment for the script: the caller's, with this test's cluster name and subnet."""
+    return dict(os.environ, HPCDL_NETNS_PREFIX=prefix, HPCDL_NETNS_NET=NET)
 
 if MPI.COMM_WORLD.Get_size() != 1:
     pytest.skip("`emulated_cluster.sh run` starts its own ranks: run in the one-rank job only",
@@ -44,7 +50,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def cluster(*args: str, prefix: str = PREFIX, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     """scripts/emulated_cluster.sh ARGS for the cluster `prefix`, output captured."""
-    env = dict(os.environ, HPCDL_NETNS_PREFIX=prefix)
+    env = script_env(prefix)
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -93,7 +99,7 @@ def up(before: str) -> Iterator[str]:
 def test_up_again_changes_nothing_and_status_lists_hosts(up: str, before: str) -> None:
     status = ok(cluster("status"))
     for i in range(HOSTS):
-        assert re.search(rf"^{PREFIX}-host{i}\s+10\.213\.0\.{i + 1}/24\s+UP\s+{RATE_MBIT}Mbit\s+{RATE_MBIT}Mbit\s*$",
+        assert re.search(rf"^{PREFIX}-host{i}\s+{re.escape(NET)}\.{i + 1}/24\s+UP\s+{RATE_MBIT}Mbit\s+{RATE_MBIT}Mbit\s*$",
                          status, re.MULTILINE), status
     again = cluster("up", "--hosts", str(HOSTS), "--rate", f"{RATE_MBIT}mbit")
     ok(again)
@@ -147,13 +153,13 @@ SENDER = ("import socket, sys; s = socket.create_connection((sys.argv[1], 5201))
 def received_mbit(receiver: int, senders: list[int], nbytes: int) -> float:
     """Mbit/s into host `receiver` while each host in `senders` sends it `nbytes` at once."""
     rx = subprocess.Popen(["bash", str(SCRIPT), "exec", str(receiver), sys.executable, "-c", RECEIVER,
-                           str(len(senders))], env=dict(os.environ, HPCDL_NETNS_PREFIX=PREFIX),
+                           str(len(senders))], env=script_env(),
                           stdout=subprocess.PIPE, text=True)
     try:
         assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
-        address = f"10.213.0.{receiver + 1}"
+        address = f"{NET}.{receiver + 1}"
         tx = [subprocess.Popen(["bash", str(SCRIPT), "exec", str(s), sys.executable, "-c", SENDER,
-                                address, str(nbytes)], env=dict(os.environ, HPCDL_NETNS_PREFIX=PREFIX))
+                                address, str(nbytes)], env=script_env())
               for s in senders]
         assert all(p.wait(timeout=60) == 0 for p in tx)
         got, seconds = rx.stdout.readline().split()
@@ -213,6 +219,6 @@ def test_second_prefix_coexists_and_down_removes_everything(up: str, before: str
 def test_not_root_cannot_run_here() -> None:
     result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                              "bash", str(SCRIPT), "up"], capture_output=True, text=True, timeout=30,
-                            env=dict(os.environ, HPCDL_NETNS_PREFIX=f"hpcdlt{os.getpid()}c"))
+                            env=script_env(f"hpcdlt{os.getpid()}c"))
     assert result.returncode == CANNOT_RUN and "need root" in result.stderr, result.stderr
     assert namespaces(f"hpcdlt{os.getpid()}c") == []
