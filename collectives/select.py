@@ -122,7 +122,7 @@ def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
     params = model_params(path)
     if params is not None:  # no row for this rank count: the model decides
         return best(collective, model_bytes(collective, nbytes, size), size, params)
-    if not rows:
-        raise ValueError(f"{path} has no rows for {collective} and no model to choose by; add rows "
-                         "or run `hpcdl tune` to write a tuning file with a model")
-    return rows[-1]["by_bytes"][-1][1]
+    builtin = str(BUILTIN_TABLE)
+    if path != builtin:  # a table that leaves this case open, without a model: the built-in one
+        return _lookup(builtin, collective, nbytes, size)  # decides (as Open MPI's rules files do)
+    raise ValueError(f"{path} has no row for {collective} at {size} ranks")

@@ -231,16 +231,21 @@ def test_model_decides_where_no_row_covers(tuning_file: Any) -> None:
     assert select.choose("allgather", 64 * MIB, 32) == best("allgather", 32 * 64 * MIB, 32, CLUSTER)
 
 
-def test_rows_without_a_model(tuning_file: Any) -> None:
-    # A table like the built-in one: no model. A rank count no row covers takes the last row's
-    # choice for the largest sizes; a collective without rows has nothing to choose by.
-    rows = [{"min_ranks": 2, "max_ranks": 2, "by_bytes": [[1024, "butterfly"], [None, "ring"]]},
+def test_rows_without_a_model_leave_the_rest_to_the_builtin_table(tuning_file: Any) -> None:
+    # A hand-written table without a model decides where its rows reach; a rank count or a
+    # collective it leaves open goes to the built-in table, as Open MPI's rules files fall back
+    # to its fixed decisions.
+    builtin = str(select.BUILTIN_TABLE)
+    rows = [{"min_ranks": 2, "max_ranks": 2, "by_bytes": [[1024, "tree"], [None, "ring"]]},
             {"min_ranks": 4, "max_ranks": 4, "by_bytes": [[None, "tree"]]}]
     tuning_file({"collectives": {"allreduce": rows}})
-    assert select.choose("allreduce", 16, 2) == "butterfly"
-    assert select.choose("allreduce", 16, 3) == "tree"
-    with pytest.raises(ValueError, match="has no rows for broadcast and no model"):
-        select.choose("broadcast", 16, 3)
+    assert select.choose("allreduce", 16, 2) == "tree"
+    assert select.choose("allreduce", 64 * MIB, 4) == "tree"
+    for collective, nbytes, size in (("allreduce", 16, 3), ("allreduce", 64 * MIB, 3),
+                                     ("broadcast", 16, 2), ("reduce_scatter", 64 * MIB, 4)):
+        assert select.choose(collective, nbytes, size) == select._lookup(builtin, collective, nbytes,
+                                                                         size)
+    assert select._lookup(builtin, "allreduce", 16, 2) != "tree"  # the file's row really decided
 
 
 def test_choice_is_cached(tuning_file: Any, monkeypatch: pytest.MonkeyPatch) -> None:
