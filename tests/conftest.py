@@ -10,6 +10,9 @@ Rules that keep a distributed suite from hanging:
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -34,3 +37,17 @@ def all_ranks_agree(ok: bool, comm: MPI.Comm = MPI.COMM_WORLD) -> bool:
     flag = np.array([1 if ok else 0], dtype=np.int32)
     comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
     return bool(flag[0])
+
+
+def from_rank0(comm: MPI.Comm, value: Any) -> Any:
+    """Rank 0's `value` on every rank, so all ranks assert the same thing.
+
+    Compute `value` so that it cannot raise on rank 0 alone (check a file exists rather than
+    open it blindly): an exception there leaves the other ranks waiting in the broadcast.
+    """
+    return comm.bcast(value if comm.Get_rank() == 0 else None, root=0)
+
+
+def shared_directory(tmp_path: Path, comm: MPI.Comm) -> Path:
+    """A directory every rank sees: rank 0's tmp_path (one host, one file system)."""
+    return Path(comm.bcast(str(tmp_path), root=0))

@@ -106,9 +106,10 @@ def run_size(size: int, pytest_args: list[str], timeout: int, job_timeout: int) 
     return rc, out
 
 
-def cluster_script(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """scripts/emulated_cluster.sh ARGS for this run's cluster, its output captured."""
-    env = dict(os.environ, HPCDL_NETNS_PREFIX=NETNS_PREFIX)
+def cluster_script(*args: str, timeout: float, prefix: str = NETNS_PREFIX
+                   ) -> subprocess.CompletedProcess[str]:
+    """scripts/emulated_cluster.sh ARGS for the cluster `prefix` (this run's), output captured."""
+    env = dict(os.environ, HPCDL_NETNS_PREFIX=prefix)
     return subprocess.run(["bash", str(CLUSTER_SCRIPT), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -131,9 +132,7 @@ def remove_stale_clusters() -> None:
             pass
         except PermissionError:
             continue
-        env = dict(os.environ, HPCDL_NETNS_PREFIX=prefix)
-        subprocess.run(["bash", str(CLUSTER_SCRIPT), "down"], cwd=ROOT, env=env, timeout=120,
-                       capture_output=True, check=False)
+        cluster_script("down", timeout=120, prefix=prefix)
         print(f"removed the emulated cluster {prefix}-* left by a process that no longer exists")
 
 

@@ -2,20 +2,13 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
 
 from hpcdl import checkpoint as ckpt
-from conftest import all_ranks_agree
-
-
-def shared_directory(tmp_path: Path, comm: MPI.Comm) -> Path:
-    """A directory every rank sees: rank 0's tmp_path (one host, one file system)."""
-    return Path(comm.bcast(str(tmp_path), root=0))
+from conftest import all_ranks_agree, shared_directory
 
 
 def test_atomic_save_leaves_only_the_complete_file(tmp_path):

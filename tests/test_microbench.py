@@ -19,13 +19,14 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl.runtime
-from arrays import FakeDeviceRuntime, device_runtime_installed, fake_cupy_module
+from arrays import BACKENDS, fake_cupy_module
 from benchmarks import microbench
 from benchmarks.collective_timing import (BUS_FACTOR, COLLECTIVES, EXACT_INTEGER, algorithms_of,
                                           bus_factor, reduced_table, value_table)
 from benchmarks.microbench import Measurement, measure
 from benchmarks.torch_gloo import advertised_host, interface_ipv4
 from collectives import ALGORITHMS, DTYPES, OPS
+from conftest import all_ranks_agree, from_rank0
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
 
@@ -33,17 +34,10 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
 TINY = ["-b", "8", "-e", "4K", "-f", "512", "-n", "2", "-w", "0", "--rounds", "2"]
 
 
-def from_rank0(comm: MPI.Comm, value: Any) -> Any:
-    """Rank 0's `value` on every rank, so all ranks assert the same thing."""
-    return comm.bcast(value if comm.Get_rank() == 0 else None, root=0)
-
-
 def run_json(comm: MPI.Comm, tmp_path: Path, *args: str) -> tuple[int, dict[str, Any]]:
     """`hpcdl bench ARGS --json FILE`: exit status and rank 0's JSON, on every rank."""
     path = tmp_path / "bench.json"
     status = microbench.main([*args, "-q", "--json", str(path)])
-    # Rank 0 reads, every rank gets it: a missing file must fail every rank here, not leave the
-    # other ranks waiting in the broadcast for a rank 0 that raised.
     report = from_rank0(comm, json.loads(path.read_text()) if comm.Get_rank() == 0
                         and path.is_file() else None)
     assert report is not None, f"hpcdl bench {' '.join(args)} exited {status} without writing JSON"
@@ -177,7 +171,9 @@ def test_csv_and_json_hold_every_row(comm: MPI.Comm, tmp_path: Path) -> None:
                               str(comm.Get_size() - 1), "--csv", str(csv_path), "--json", str(json_path)])
     assert status == 0
     found = from_rank0(comm, (list(csv.DictReader(csv_path.open())), json.loads(json_path.read_text()))
-                       if comm.Get_rank() == 0 else None)
+                       if comm.Get_rank() == 0 and csv_path.is_file() and json_path.is_file()
+                       else None)
+    assert found is not None, "hpcdl bench wrote no CSV or no JSON"
     rows, report = found
     assert len(rows) == len(report["results"]) == 2 * 3  # two sizes x three algorithms
     assert [(int(r["nbytes"]), r["algorithm"]) for r in rows] == [
@@ -205,7 +201,8 @@ def test_plot_writes_a_png(comm: MPI.Comm, tmp_path: Path) -> None:
     path = tmp_path / "bench.png"
     assert microbench.main([*TINY, "-C", "allreduce", "allgather", "-A", "ring", "mpi", "-q",
                             "--plot", str(path)]) == 0
-    header = from_rank0(comm, path.read_bytes()[:8] if comm.Get_rank() == 0 else None)
+    header = from_rank0(comm, path.read_bytes()[:8] if comm.Get_rank() == 0 and path.is_file()
+                        else None)
     assert header == b"\x89PNG\r\n\x1a\n"
 
 
@@ -281,8 +278,7 @@ def test_device_gpu_over_a_fake_gpu(comm: MPI.Comm, tmp_path: Path, monkeypatch:
     """--device gpu end to end, on CuPy-like arrays whose memory is host memory (CI has no GPU)."""
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
     monkeypatch.setattr(hpcdl.runtime, "_topology", None)  # bind "the GPU" afresh, undone after
-    runtime = FakeDeviceRuntime()
-    with device_runtime_installed(runtime, cuda_aware):
+    with BACKENDS[f"fake-device-{'aware' if cuda_aware else 'staged'}"].installed() as runtime:
         status, report = run_json(comm, tmp_path, *TINY, "--device", "gpu", "-C", "all", "-c",
                                   "--inplace", "--out-of-place")
     rows = report["results"]
@@ -318,11 +314,12 @@ def test_gloo_address_of_an_interface(comm: MPI.Comm, monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match=r"GLOO_SOCKET_IFNAME='no-such-if0'.*interfaces: .*lo"):
         interface_ipv4("no-such-if0")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    host = advertised_host(comm)
-    assert host == ("127.0.0.1" if comm.Get_rank() == 0 else "")
+    # per-rank checks become flags: asserting between the collectives could strand the others
+    ok = advertised_host(comm) == ("127.0.0.1" if comm.Get_rank() == 0 else "")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     if len(set(comm.allgather(MPI.Get_processor_name()))) == 1:
-        assert advertised_host(comm) in ("127.0.0.1", "")  # one host: loopback
+        ok = advertised_host(comm) in ("127.0.0.1", "") and ok  # one host: loopback
+    assert all_ranks_agree(ok, comm)
 
 
 def test_unsupported_rows_say_why(comm: MPI.Comm, tmp_path: Path,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import all_ranks_agree
+from conftest import all_ranks_agree, shared_directory
 from hpcdl import train
 from hpcdl.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from hpcdl.data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
@@ -24,11 +24,6 @@ from hpcdl.schedule import (expected_learning_rate, scaled_learning_rate, warmup
                             warmup_start_factor)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def shared_directory(tmp_path: Path, comm: MPI.Comm) -> Path:
-    """A directory every rank sees: rank 0's tmp_path (one host, one file system)."""
-    return Path(comm.bcast(str(tmp_path), root=0))
 
 
 # -- learning-rate schedule ----------------------------------------------------------------------

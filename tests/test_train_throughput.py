@@ -3,14 +3,13 @@ the ranks of the pytest job and reports a positive rate. Speed is never asserted
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from mpi4py import MPI
 
 from benchmarks import train_throughput
-from conftest import all_ranks_agree
+from conftest import all_ranks_agree, from_rank0, shared_directory
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -18,14 +17,14 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 def test_every_mode_reports_samples_per_second(comm: MPI.Comm, tmp_path_factory: pytest.TempPathFactory,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
-    out = Path(comm.bcast(str(tmp_path_factory.mktemp("tp") / "tp.json") if rank == 0 else None))
+    out = shared_directory(tmp_path_factory.mktemp("tp"), comm) / "tp.json"
     threads = torch.get_num_threads()
     try:
         status = train_throughput.main(["--models", "cnn", "--steps", "2", "--warmup", "1",
                                         "--rounds", "2", "--batch", "2", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)  # main sets one thread per rank when P > 1
-    report = comm.bcast(json.loads(out.read_text()) if rank == 0 and out.is_file() else None)
+    report = from_rank0(comm, json.loads(out.read_text()) if rank == 0 and out.is_file() else None)
     ok = status == 0 and report is not None and report["size"] == size
     if ok:
         rates = report["samples_per_s"]["cnn"]

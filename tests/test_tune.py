@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from collectives import select
 from collectives.cost_model import ModelParams, best, predict
-from conftest import all_ranks_agree
+from conftest import all_ranks_agree, shared_directory
 from hpcdl import tune
 
 PREDICT = ["--predict", "--nodes", "256", "--link", "100gbit", "--latency", "2us",
@@ -139,17 +139,13 @@ def test_measured_rows_use_the_bytes_choose_sees() -> None:
 
 # -- measuring under MPI ----------------------------------------------------------------------------
 
-def _shared_path(comm: MPI.Comm, tmp_path: Path, name: str) -> Path:
-    return Path(comm.bcast(str(tmp_path / name), root=0))
-
-
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 2, reason="one measured run is enough: N = 2")
 def test_model_only_writes_a_valid_tuning_file(comm: MPI.Comm, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    path = _shared_path(comm, tmp_path, "tuning.json")
+    path = shared_directory(tmp_path, comm) / "tuning.json"
     rc = tune.main(["--model-only", "-o", str(path), "--iters", "5"])
     out = capsys.readouterr().out
     ok = rc == 0 and path.exists()
@@ -172,7 +168,7 @@ def test_model_only_writes_a_valid_tuning_file(comm: MPI.Comm, tmp_path: Path,
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 2, reason="one measured run is enough: N = 2")
 def test_sweep_writes_measured_rows_first(comm: MPI.Comm, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    path = _shared_path(comm, tmp_path, "swept.json")
+    path = shared_directory(tmp_path, comm) / "swept.json"
     rc = tune.main(["-o", str(path), "-b", "8", "-e", "64K", "-f", "64", "--iters", "3",
                     "--collectives", "allreduce", "broadcast"])
     out = capsys.readouterr().out
