@@ -35,7 +35,7 @@ from mpi4py import MPI
 import collectives
 from collectives import ALGORITHMS, DTYPES, OPS, CollectiveArgumentError
 from collectives.ops import mpi_datatype
-from collectives.partition import partition_offsets
+from collectives.partition import partition_counts, partition_offsets
 from collectives.select import choose
 
 from .torch_gloo import gloo_unavailable_reason, init_torch_distributed
@@ -181,16 +181,11 @@ def reduced_table(values: np.ndarray, dtype: np.dtype, op: str, size: int) -> np
     """R[k] = the op over ranks r of values[(k + r) % m]: the exact result at residue k."""
     m = len(values)
     contributions = values[(np.arange(m)[:, None] + np.arange(size)[None, :]) % m]
-    if op in ("sum", "avg"):
-        total = contributions.sum(axis=1)
-        if op == "sum":
-            return total.astype(dtype)
-        if dtype.kind in "iu":
-            return (total // size).astype(dtype)
-        # The same division the collectives run: the exact sum in dtype, divided in dtype.
-        return np.divide(total.astype(dtype), dtype.type(size))
-    reduce = {"max": np.max, "min": np.min, "prod": np.prod}[op]
-    return reduce(contributions, axis=1).astype(dtype)
+    # Combined exactly in int64 (the table keeps every partial result exact), then finished the
+    # way the collectives finish (`ReduceOp.finalize`: avg divides in the dtype itself).
+    result = getattr(np, OPS[op].ufunc).reduce(contributions, axis=1).astype(dtype)
+    OPS[op].finalize(np, result, size)
+    return result
 
 
 # -- buffers on the host or a GPU ----------------------------------------------------------------
@@ -363,7 +358,7 @@ class Case:
                 return Runner(lambda: comm.Allreduce(MPI.IN_PLACE, spec_x, mpi_op), x)
             return Runner(lambda: comm.Allreduce(spec_x, spec_out, mpi_op), out)
         if c == "reduce_scatter":
-            counts = [self.count // self.size] * self.size
+            counts = partition_counts(self.count, self.size)
             if self.in_place:  # MPI's in-place form leaves this rank's block at the front of x
                 mine = x[:counts[self.rank]]
                 return Runner(lambda: comm.Reduce_scatter(MPI.IN_PLACE, spec_x, counts, mpi_op), mine)
@@ -486,7 +481,11 @@ def run_interleaved(case: Case, algorithms: Sequence[str], *, iterations: int, w
         # Agree before the first call: a rank that skipped it would leave the others waiting.
         reason = agree(comm, reason)
         if reason is None and a == GLOO:
-            init_torch_distributed(comm)  # collective, once per process
+            try:
+                init_torch_distributed(comm)  # collective, once per process
+            except (RuntimeError, ValueError) as exc:  # e.g. a bad GLOO_SOCKET_IFNAME: gloo is n/a
+                reason = str(exc)
+            reason = agree(comm, reason)
         if reason is None:
             wrong[a], error = _first_call(case, runners[a])
             checked[a] = 1 if case.has_output and error is None else 0

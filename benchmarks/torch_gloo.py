@@ -84,10 +84,13 @@ def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 1
         return
     rank, size = comm.Get_rank(), comm.Get_size()
     timeout = timedelta(seconds=timeout_s)
-    host = advertised_host(comm)
     store: Any = None
     address: tuple[str, int] | str | None = None
-    if rank == 0:
+    try:  # raises on rank 0 only (after its collective part): the broadcast below carries it
+        host = advertised_host(comm)
+    except (ValueError, RuntimeError) as exc:
+        address = f"rank 0 has no address for torch.distributed's store: {exc}"
+    if rank == 0 and address is None:
         try:
             store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
             address = (host, store.port)

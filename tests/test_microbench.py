@@ -24,7 +24,7 @@ from benchmarks import microbench
 from benchmarks.collective_timing import (BUS_FACTOR, COLLECTIVES, EXACT_INTEGER, algorithms_of,
                                           bus_factor, reduced_table, value_table)
 from benchmarks.microbench import Measurement, measure
-from benchmarks.torch_gloo import advertised_host, interface_ipv4
+from benchmarks.torch_gloo import advertised_host, gloo_unavailable_reason, interface_ipv4
 from collectives import ALGORITHMS, DTYPES, OPS
 from conftest import all_ranks_agree, from_rank0
 
@@ -320,6 +320,24 @@ def test_gloo_address_of_an_interface(comm: MPI.Comm, monkeypatch: pytest.Monkey
     if len(set(comm.allgather(MPI.Get_processor_name()))) == 1:
         ok = advertised_host(comm) in ("127.0.0.1", "") and ok  # one host: loopback
     assert all_ranks_agree(ok, comm)
+
+
+def test_gloo_that_cannot_start_is_unavailable_not_a_hang(comm: MPI.Comm, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 0 alone cannot find an address for the store: every rank must learn it and go on
+    if gloo_unavailable_reason():
+        pytest.skip(gloo_unavailable_reason())
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already set up in this process")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-if0")
+    status, report = run_json(comm, tmp_path, *TINY, "-C", "allreduce", "-A", "ring", "gloo")
+    assert status == 0
+    reasons = {r["unavailable"] for r in report["results"] if r["algorithm"] == "gloo"}
+    assert len(reasons) == 1 and "GLOO_SOCKET_IFNAME='no-such-if0'" in reasons.pop(), reasons
+    assert all(r["wrong"] == 0 and not r["unavailable"]
+               for r in report["results"] if r["algorithm"] == "ring")
 
 
 def test_unsupported_rows_say_why(comm: MPI.Comm, tmp_path: Path,
