@@ -37,6 +37,7 @@ from mpi4py import MPI
 import hpcdl
 from collectives import ALGORITHMS, DTYPES, OPS
 from collectives.cost_model import ModelParams, predict
+from hpcdl.info import mpi_library
 from hpcdl.tune import parse_bytes
 
 from .collective_timing import (AUTO, COLLECTIVES, DIRECT, GLOO, PEERS, PLACEMENTS, Case,
@@ -228,11 +229,10 @@ def run_metadata(comm: MPI.Comm, argv: Sequence[str], args: argparse.Namespace) 
         torch_version: str | None = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = None
-    library = MPI.Get_library_version().replace("\0", "").strip().splitlines()
     return {
         "ranks": comm.Get_size(),
         "hosts": {h: hosts.count(h) for h in dict.fromkeys(hosts)},
-        "mpi_library": library[0].strip() if library else "unknown",
+        "mpi_library": mpi_library(),
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__, "torch": torch_version,
         "python": platform.python_version(), "hpcdl": hpcdl.__version__,
@@ -457,7 +457,19 @@ def _gloo_initialized() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`hpcdl bench`: 0 when every checked result was right, 1 otherwise, 2 for bad arguments."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    # --tuning-file is handed to auto through HPCDL_TUNING_FILE; an in-process caller gets its
+    # environment back as it was.
+    previous = os.environ.get("HPCDL_TUNING_FILE")
+    try:
+        return _bench(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        if previous is None:
+            os.environ.pop("HPCDL_TUNING_FILE", None)
+        else:
+            os.environ["HPCDL_TUNING_FILE"] = previous
+
+
+def _bench(argv: list[str]) -> int:
     hpcdl.init()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .api import allreduce
-from .cost_model import ModelParams, predict
+from .cost_model import ModelParams, cost
 from .ops import DTYPES, OPS
 from .transport import Link, ScratchPool, pieces_of
 
@@ -200,8 +200,7 @@ def measure_call_overhead(comm: MPI.Comm, params: ModelParams, iterations: int =
 
     _call_times(comm, call, 10)  # warm-up: communicator duplicates, caches
     seconds = _typical(comm, _call_times(comm, call, iterations * repeats))
-    messages = predict("allreduce", "butterfly", x.nbytes, comm.Get_size(),
-                       replace(params, overhead=0.0))
+    messages = cost("allreduce", "butterfly", x.nbytes, comm.Get_size()).seconds(params)
     return max(seconds - messages, 0.0), seconds
 
 

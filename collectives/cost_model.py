@@ -195,8 +195,13 @@ def _fold(nbytes_in: int, nbytes_out: int, size: int) -> Cost:
 
 
 def _largest_aligned_sum(counts: Sequence[int], width: int) -> int:
-    """The largest sum of `width` consecutive counts starting at a multiple of `width`."""
-    return max(sum(counts[i:i + width]) for i in range(0, len(counts), width))
+    """The largest sum of `width` consecutive counts starting at a multiple of `width`.
+
+    That is the first window: every caller passes non-increasing counts (`partition_counts`
+    gives the larger blocks first, `_folded_blocks` puts the folded pairs first), and summing
+    only it keeps `decision_rows` over thousands of rank counts from being O(P) per round.
+    """
+    return sum(counts[:width])
 
 
 def check_cost(size: int) -> Cost:
@@ -394,6 +399,11 @@ def best(collective: str, nbytes: int, size: int, params: ModelParams,
 def model_bytes(collective: str, array_bytes: int, size: int) -> int:
     """nccl-tests bytes of a call whose array (as `select.choose` sees it) has `array_bytes`."""
     return array_bytes * size if collective == "allgather" else array_bytes
+
+
+def array_bytes(collective: str, nbytes: int, size: int) -> int:
+    """The inverse of `model_bytes`: the bytes `select.choose` sees for `nbytes` nccl-tests bytes."""
+    return nbytes // size if collective == "allgather" else nbytes
 
 
 def thresholds(times: Mapping[int, Mapping[str, float]], margin: float = 0.0,

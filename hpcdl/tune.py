@@ -258,14 +258,13 @@ def bucket_sizes(parameters: int, itemsize: int, bucket_mb: float) -> list[int]:
 def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     """The ModelParams for --predict, and where each came from."""
     from collectives.cost_model import ModelParams
-    from collectives.select import load_table, model_params
+    from collectives.select import model_params
 
     source: dict[str, str] = {}
     base = None
     if args.tuning_file:
         try:
-            load_table(args.tuning_file)
-            base = model_params(args.tuning_file)
+            base = model_params(args.tuning_file)  # reads and checks the whole file
         except ValueError as exc:
             raise SystemExit(f"hpcdl tune: {exc}") from None
         if base is None:
@@ -381,20 +380,21 @@ def sweep(collective: str, sizes: list[int], comm: Any, iterations: int) -> list
     order of the algorithms rotates from size to size, so none always runs first on a drifting
     machine. Sizes that round to the same element count are timed once.
     """
+    from benchmarks.collective_timing import element_count
     from collectives.cost_model import modelled_algorithms
 
     algorithms = modelled_algorithms(collective)
     records: list[dict[str, Any]] = []
     seen: set[int] = set()
     for i, nbytes in enumerate(sizes):
+        actual = element_count(collective, nbytes, 4, comm.Get_size()) * 4  # float32, as timed
+        if actual in seen:  # rounds to a size already timed: skip it before timing it
+            continue
+        seen.add(actual)
         count = max(3, min(iterations, SWEEP_BYTES // max(nbytes, 1)))
         order = algorithms[i % len(algorithms):] + algorithms[:i % len(algorithms)]
         timed = {a: time_algorithm(collective, a, nbytes, comm, iterations=count,
                                    warmup=max(1, count // 10)) for a in order}
-        actual = timed[algorithms[0]][2]
-        if actual in seen:
-            continue
-        seen.add(actual)
         records += [{"collective": collective, "bytes": actual, "algorithm": a, "seconds": timed[a][0],
                      "valid": timed[a][1]} for a in algorithms]
     return records
@@ -404,13 +404,12 @@ def measured_row(records: list[dict[str, Any]], collective: str, size: int,
                  params: Any) -> dict[str, Any]:
     """The decision row for this rank count from measured times (bytes as `choose` sees them);
     between two measured sizes the model places the switch (`cost_model.model_crossover`)."""
-    from collectives.cost_model import model_crossover, thresholds
+    from collectives.cost_model import array_bytes, model_crossover, thresholds
 
     times: dict[int, dict[str, float]] = {}
     for r in records:
         if r["collective"] == collective and r["valid"]:
-            array_bytes = r["bytes"] // size if collective == "allgather" else r["bytes"]
-            times.setdefault(array_bytes, {})[r["algorithm"]] = r["seconds"]
+            times.setdefault(array_bytes(collective, r["bytes"], size), {})[r["algorithm"]] = r["seconds"]
     return {"min_ranks": size, "max_ranks": size,
             "by_bytes": thresholds(times, HYSTERESIS, model_crossover(collective, size, params))}
 
@@ -446,13 +445,15 @@ def describe_job(comm: Any, pattern: str, argv: Sequence[str]) -> dict[str, Any]
     """Where and how the model was measured, for the tuning file's `measured_on`."""
     from mpi4py import MPI
 
+    from .info import mpi_library
+
     hosts = comm.allgather(MPI.Get_processor_name())
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ranks": comm.Get_size(),
         "hosts": sorted(set(hosts)),
         "ranks_per_host": {h: hosts.count(h) for h in sorted(set(hosts))},
-        "mpi_library": MPI.Get_library_version().replace("\0", "").strip().splitlines()[0],
+        "mpi_library": mpi_library(),
         "point_to_point": pattern,
         "command": " ".join(["hpcdl", "tune", *argv]),
     }
@@ -515,7 +516,7 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
 def comparison(records: list[dict[str, Any]], params: Any, size: int,
                table_rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Lines: measured vs predicted per collective, size and algorithm, and summary errors."""
-    from collectives.cost_model import predict
+    from collectives.cost_model import array_bytes, predict
     from collectives.select import row_choice
 
     lines = [f"{'collective':<15}{'bytes':>9} {'algorithm':<22}{'measured':>11}{'predicted':>11}"
@@ -530,8 +531,7 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
                      for r in group}
         fastest = min(valid, key=lambda r: r["seconds"]) if valid else None
         model_pick = min(predicted, key=predicted.__getitem__)
-        array_bytes = nbytes // size if collective == "allgather" else nbytes
-        table_pick = row_choice(table_rows[collective], array_bytes, size)
+        table_pick = row_choice(table_rows[collective], array_bytes(collective, nbytes, size), size)
         for r in group:
             error = predicted[r["algorithm"]] / r["seconds"] - 1
             if nbytes >= 64 << 10:
@@ -601,11 +601,11 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
             say(f"# sweeping {collective}: {len(sizes)} sizes, {human_bytes(sizes[0])} to "
                 f"{human_bytes(sizes[-1])}")
             records += sweep(collective, sizes, comm, args.iters)
-    job = describe_job(comm, calibration.pattern, argv)
-    document = tuning_document(params, calibration, records, args.collectives, size, job)
+    job = describe_job(comm, calibration.pattern, argv)  # collective
     output = Path(args.output).resolve()
-    error = None
-    if rank == 0:
+    error, document = None, None
+    if rank == 0:  # only rank 0 writes and prints: the model's rows for every P are its work alone
+        document = tuning_document(params, calibration, records, args.collectives, size, job)
         try:
             write_atomically(output, json.dumps(document, indent=1) + "\n")
         except OSError as exc:
@@ -614,7 +614,7 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if error:
         say(f"hpcdl tune: {error}; choose a writable path with -o")
         return 1
-    if records:
+    if records and document is not None:
         say("\n".join(["", *comparison(records, params, size, document["collectives"])]))
     say(f"\nwrote {output}\nuse it:  export HPCDL_TUNING_FILE={output}")
     return 0 if all(r["valid"] for r in records) else 1
