@@ -213,26 +213,26 @@ class DistributedDataParallel(torch.nn.Module):
         open_group: list[tuple[str, torch.nn.Parameter]] | None = None  # fusion bucket filling
         size = 0.0
         for unit in units.values():
-            fused = [(n, p) for n, p in unit if not self._averaged_in_place(p)]
-            nbytes = sum(p.numel() * p.element_size() for _, p in fused)
-            limit = first_cap if len(groups) <= 1 else cap
-            if fused and (open_group is None or size + nbytes > limit
-                          or open_group[0][1].dtype != fused[0][1].dtype
-                          or open_group[0][1].device != fused[0][1].device):
-                open_group = []
-                groups.append(open_group)
-                size = 0.0
+            fused: list[tuple[str, torch.nn.Parameter]] = []
+            solo: list[tuple[str, torch.nn.Parameter]] = []
+            for item in unit:
+                (solo if self._averaged_in_place(item[1]) else fused).append(item)
             if fused:
-                assert open_group is not None
+                nbytes = sum(p.numel() * p.element_size() for _, p in fused)
+                limit = first_cap if len(groups) <= 1 else cap
+                if (open_group is None or size + nbytes > limit
+                        or open_group[0][1].dtype != fused[0][1].dtype
+                        or open_group[0][1].device != fused[0][1].device):
+                    open_group = []
+                    groups.append(open_group)
+                    size = 0.0
                 open_group.extend(fused)
                 size += nbytes
             # A gradient averaged in place needs no fusion: it is a bucket of its own, launched
             # the moment its layer's backward is done instead of waiting for the later layers
             # that would fill a shared bucket. Smaller gradients ready after it start a new
             # fusion bucket behind it, since buckets launch strictly in order.
-            solo = [(n, p) for n, p in unit if self._averaged_in_place(p)]
-            for item in solo:
-                groups.append([item])
+            groups += [[item] for item in solo]
             if solo:
                 open_group = None
         buckets = []
