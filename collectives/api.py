@@ -18,14 +18,15 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms import ALGORITHM_CODES, ALGORITHMS
+from .algorithms import ALGORITHM_CODES, ALGORITHMS, FINISH_IN_LAST_COMBINE
 from .buffers import Buffer, UnusableArray, as_buffer, cuda_aware, device_runtime, flat_view
 from .engine import ENGINE, Handle
 from .ops import DTYPE_CODES, OPS, dtype_name
 from .partition import partition_offsets
 from .select import choose
 from .transport import Link, ScratchPool
-from .validation import PAYLOAD_BYTES, Agreement, LocalArgumentError, check_choice
+from .validation import (PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, Agreement, LocalArgumentError,
+                         check_choice)
 
 COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "reduce": 5}
 _REDUCING = ("allreduce", "reduce_scatter", "reduce")
@@ -156,7 +157,8 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     if algorithm == "mpi" and dtype == "bfloat16" and call.collective in _REDUCING:
         raise LocalArgumentError("the MPI library cannot reduce bfloat16; pick a hand-written algorithm")
     signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES[algorithm], OPS[call.op].code,
-                 DTYPE_CODES[dtype], n, call.root]
+                 DTYPE_CODES[dtype], n, call.root,
+                 PLACEMENTS["device memory" if src.on_device else "host memory"]]
     op = OPS[call.op]
 
     def copy_input(link: Link, work: Any) -> None:
@@ -171,7 +173,7 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
                 raise LocalArgumentError(f"out has shape {out.shape}, but the input has {src.shape}")
 
         def average(link: Link, work: Any) -> None:
-            if produces:
+            if produces and not link.finishes_blocks:
                 op.finalize(link.xp, work, size)
 
         args: tuple[Any, ...] = (call.root,) if rooted else ()
@@ -204,7 +206,8 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
 
         def take_block(link: Link, work: Any) -> None:
             block = work[offsets[rank]:offsets[rank + 1]]
-            op.finalize(link.xp, block, size)
+            if not link.finishes_blocks:
+                op.finalize(link.xp, block, size)
             link.copy(target, block)
 
         return _Plan(algorithm, signature, src, result, None, copy_input, take_block, (offsets,))
@@ -253,19 +256,22 @@ def _execute(call: _Call, dup: MPI.Comm, plan: _Plan | None, error: str | None) 
     pool = _scratch()
     tag = _next_tag(dup)
     op = OPS.get(call.op)
-    # A small host butterfly allreduce travels inside the argument check's own exchange.
+    # A small host butterfly allreduce travels inside the argument check's own exchange (every
+    # rank's buffers are in host memory then: placement is part of the checked signature).
     fused = (plan is not None and plan.algorithm == "butterfly" and call.collective == "allreduce"
              and not plan.source.on_device and plan.source.flat.nbytes <= PAYLOAD_BYTES)
     reduced = _agreement(dup, pool).run(
         tag, call.collective,
-        plan.signature if plan else [COLLECTIVE_CODES[call.collective], 0, 0, 0, 0, 0], error,
+        plan.signature if plan else [COLLECTIVE_CODES[call.collective]] + [0] * (SIGNATURE_FIELDS - 1),
+        error,
         payload=plan.source.flat if fused else None, op=op)  # type: ignore[union-attr]
     assert plan is not None and op is not None  # else run() raised on every rank
     src = plan.source
     link = Link(dup, op, src.xp, on_device=src.on_device,
                 cuda_aware=src.on_device and cuda_aware(),
                 runtime=device_runtime() if src.on_device else None, scratch=pool, tag=tag,
-                patient=ENGINE.is_comm_thread())
+                patient=ENGINE.is_comm_thread(),
+                finishes_blocks=(call.collective, plan.algorithm) in FINISH_IN_LAST_COMBINE)
     work = plan.work if plan.work is not None else \
         pool.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
     if reduced is not None:

@@ -23,10 +23,11 @@ from mpi4py import MPI
 from .api import allreduce
 from .cost_model import ModelParams, cost
 from .ops import DTYPES, OPS
-from .transport import Link, ScratchPool, pieces_of
+from .transport import PIECEWISE_BYTES, Link, ScratchPool, pieces_of
 
-#: Message sizes for alpha and beta: from latency-bound to well past one pipelined piece.
-DEFAULT_P2P_SIZES = (8, 1 << 10, 8 << 10, 64 << 10, 512 << 10, 4 << 20)
+#: Message sizes for alpha and beta: from latency-bound to well past one pipelined piece. 1 MiB
+#: is the largest message sent whole (`transport.PIECEWISE_BYTES`): beta_pairwise's line ends there.
+DEFAULT_P2P_SIZES = (8, 1 << 10, 8 << 10, 64 << 10, 512 << 10, 1 << 20, 4 << 20)
 #: Buffer sizes for gamma: from cache-resident to streaming through memory.
 DEFAULT_REDUCTION_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 #: At most this many bytes per rank per repeat, so large sizes take fewer iterations.
@@ -235,6 +236,18 @@ def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return intercept, float(slope)
 
 
+def pairwise_slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """beta_pairwise: the `fit` slope of the pairwise exchanges `Link.sendrecv` sends whole.
+
+    The model prices only those (messages of at most `transport.PIECEWISE_BYTES`) at
+    beta_pairwise; longer ones travel as pipelined pieces and are priced at beta, so a line
+    through them would carry the piecewise rate into the whole-message one (on TCP, about half
+    the link rate against the full rate). None (priced at beta) if fewer than two sizes qualify.
+    """
+    whole = [(n, t) for n, t in points if n <= PIECEWISE_BYTES]
+    return fit(whole)[1] if len({n for n, _ in whole}) >= 2 else None
+
+
 def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
               reduction_sizes: Iterable[int] = DEFAULT_REDUCTION_SIZES, iterations: int = 50,
               pattern: str = "exchange", dtype: str = "float32", op: str = "sum") -> Calibration:
@@ -245,13 +258,14 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
 
     alpha, beta: intercept and slope (`fit`) of the point-to-point times of `pattern` (at P = 2
     a ring is a pairwise exchange, so beta and beta_pairwise measure the same); beta_pairwise:
-    slope of the "pairwise" times; gamma: slope of the reduction times (all ranks fold at once, slowest
-    rank per size, so every rank fits the same model); overhead: see `measure_call_overhead`.
+    slope of the "pairwise" times of whole messages (`pairwise_slope`); gamma: slope of the
+    reduction times (all ranks fold at once, slowest rank per size, so every rank fits the same
+    model); overhead: see `measure_call_overhead`.
     """
     p2p = measure_point_to_point(comm, p2p_sizes, iterations, pattern=pattern)
     alpha, beta = fit(p2p)
     pairwise = measure_point_to_point(comm, p2p_sizes, iterations, pattern="pairwise")
-    beta_pairwise = fit(pairwise)[1]
+    beta_pairwise = pairwise_slope(pairwise)
     # Every rank folds at the same time, as in a collective (ranks of a host share its memory
     # bandwidth and cores); each size's time is the slowest rank's.
     comm.Barrier()

@@ -27,12 +27,10 @@ from .ops import ReduceOp
 #: Elements of a reduction step travel and are folded in pieces of this many bytes. Each piece is
 #: received into one reused scratch segment and added while it is still in cache, instead of
 #: streaming a block-sized temporary through memory. Measured on the reference machine (2 ranks,
-#: shared memory, ring allreduce, 2026-11-22, runs interleaved): one Sendrecv + fold per piece beat
-#: one Sendrecv per whole block by 8-28% at 16-64 MiB, and matched or beat (by up to 14%) the former
-#: Isend/Irecv pipeline that posted the next piece before folding this one: without an
-#: asynchronous progress thread nothing moves while NumPy adds, so posting ahead only adds Python
-#: work. 256 KiB pieces lost 5-30% to per-message cost; 512 KiB and 1 MiB were within noise, and
-#: 512 KiB keeps a piece plus its scratch inside the 1 MiB L2.
+#: shared memory, ring allreduce, 2026-11-22, runs interleaved): a message + fold per piece beat
+#: one Sendrecv per whole block by 8-28% at 16-64 MiB (`Link.sendrecv_combine` also posts piece
+#: k+1 before folding piece k). 256 KiB pieces lost 5-30% to per-message cost; 512 KiB and 1 MiB
+#: were within noise, and 512 KiB keeps a piece plus its scratch inside the L2.
 SEGMENT_BYTES = 512 << 10
 
 
@@ -131,8 +129,12 @@ class Link:
 
     def __init__(self, comm: MPI.Comm, op: ReduceOp, xp: Any, *, on_device: bool,
                  cuda_aware: bool, runtime: DeviceRuntime | None, scratch: ScratchPool,
-                 tag: int = 0, patient: bool = False) -> None:
+                 tag: int = 0, patient: bool = False, finishes_blocks: bool = False) -> None:
         self.comm = comm
+        #: the algorithm applies the op's final step (avg's division) itself, in the combine that
+        #: completes each block (`sendrecv_combine(..., completes=True)`); set by the caller only
+        #: for algorithms listed in `algorithms.FINISH_IN_LAST_COMBINE`
+        self.finishes_blocks = finishes_blocks
         #: wait by polling with back-off instead of blocking in MPI (see `_complete`)
         self.patient = patient
         self.rank = comm.Get_rank()
@@ -161,9 +163,15 @@ class Link:
 
     # -- arithmetic ---------------------------------------------------------------------------
 
-    def combine(self, dst: Any, src: Any) -> None:
-        """dst <- dst (op) src on the buffers' device; finished before any later MPI call reads dst."""
+    def combine(self, dst: Any, src: Any, *, completes: bool = False) -> None:
+        """dst <- dst (op) src on the buffers' device; finished before any later MPI call reads dst.
+
+        `completes`: this combine makes dst the full reduction, so the op's final step (avg's
+        division) follows at once, while dst is still in cache, if `finishes_blocks` asks for it.
+        """
         self.op.combine(self.xp, dst, src)
+        if completes and self.finishes_blocks:
+            self.op.finalize(self.xp, dst, self.size)
         if self.on_device:
             self._runtime.synchronize()  # type: ignore[union-attr]
 
@@ -209,12 +217,25 @@ class Link:
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int) -> None:
         """Send `send` to `dest` while receiving `recv` from `source` (blocking).
 
-        A large host (or CUDA-aware) message goes as pieces of SEGMENT_BYTES, all posted at once:
-        over TCP one large exchange in both directions moved at about half the link rate, the same
-        bytes in pieces at the full rate (see docs/algorithms.md). Both sides cut a message the
-        same way, from its length, which sender and receiver always agree on.
+        A large message goes as pieces of SEGMENT_BYTES, all posted at once: over TCP one large
+        exchange in both directions moved at about half the link rate, the same bytes in pieces at
+        the full rate (see docs/algorithms.md). Both sides cut a message the same way, from its
+        length alone, whatever the buffers' placement: a staged device message is copied to host
+        memory whole and its host copy cut, so a rank with host buffers and one staging device
+        buffers still send and expect the same messages.
         """
-        if not self._staged and max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:
+        if max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:
+            if self._staged:  # one staging buffer per message: pieces of it, not a slot each
+                host_send = self.mpi_array(send, recv=False)[0]
+                host_recv, landing = self.mpi_array(recv, send=False)
+                requests = [*(self.comm.Irecv([piece, MPI.BYTE], source, self.tag)
+                              for piece in _cut(host_recv)),
+                            *(self.comm.Isend([piece, MPI.BYTE], dest, self.tag)
+                              for piece in _cut(host_send))]
+                self.wait(*(Pending(request, None) for request in requests))
+                assert landing is not None
+                landing.land()
+                return
             self.wait(*(self.irecv(piece, source) for piece in _cut(recv)),
                       *(self.isend(piece, dest) for piece in _cut(send)))
             return
@@ -227,7 +248,7 @@ class Link:
             landing.land()
 
     def sendrecv_combine(self, send: Any, dest: int, recv: Any, source: int, *,
-                         segment: int, pieces: int) -> None:
+                         segment: int, pieces: int, completes: bool = False) -> None:
         """Send `send` to `dest` while folding what `source` sends into `recv` (recv op= incoming).
 
         Both travel as `pieces` messages of `segment` elements (the last ones shorter or empty),
@@ -235,12 +256,13 @@ class Link:
         Isend) while piece k is folded, so a peer inside MPI can move it meanwhile, and each
         piece is folded while it is still in cache. Sender and receiver must agree on `pieces`:
         callers derive it from a length both sides know (see `pieces_of`). `send` and `recv` may
-        be the same buffer: piece k+1 of `send` is never a piece already folded.
+        be the same buffer: piece k+1 of `send` is never a piece already folded. `completes`: this
+        step leaves `recv` fully reduced (see `combine`).
         """
         if pieces == 1:
             tmp = self.scratch(recv.shape[0], recv.dtype)
             self.sendrecv(send, dest, tmp, source)
-            self.combine(recv, tmp)
+            self.combine(recv, tmp, completes=completes)
             return
 
         def post(k: int) -> tuple[Pending, Pending, Any]:
@@ -254,7 +276,7 @@ class Link:
             if k + 1 < pieces:
                 ahead = post(k + 1)
             self.wait(incoming, outgoing)
-            self.combine(recv[k * segment:(k + 1) * segment], tmp)
+            self.combine(recv[k * segment:(k + 1) * segment], tmp, completes=completes)
 
     def send(self, view: Any, dest: int) -> None:
         if self.patient:

@@ -3,8 +3,8 @@
 A collective whose arguments are wrong on one rank must not leave the others waiting. So each call
 first checks its own arguments locally, then all ranks combine a fixed-size packet with a
 hand-written butterfly: a header of int64 fields (collective, algorithm, op, dtype, element count,
-root, local error) reduced with max over (v, -v), which yields every field's max and min at once.
-If any rank found an error, or the ranks disagree on a field, every rank raises
+root, placement, local error) reduced with max over (v, -v), which yields every field's max and min
+at once. If any rank found an error, or the ranks disagree on a field, every rank raises
 `CollectiveArgumentError` naming the rank and the problem.
 
 Small host payloads ride along: the packet has room for PAYLOAD_BYTES of data, combined with the
@@ -12,7 +12,7 @@ collective's own op in the same exchanges. A butterfly allreduce of up to PAYLOA
 *one* butterfly in total, checks included. The packet's size never depends on the arguments, so
 ranks that disagree still exchange matching messages and learn of it together.
 
-Cost per call: one butterfly over a 384-byte packet, log2 P messages (+2 where P is not a power of
+Cost per call: one butterfly over a 400-byte packet, log2 P messages (+2 where P is not a power of
 two), about a microsecond per message on shared memory.
 """
 from __future__ import annotations
@@ -28,8 +28,14 @@ from .ops import OPS, ReduceOp
 from .transport import Link, ScratchPool
 
 #: The header fields, in order; names are used in error messages.
-FIELDS = ("collective", "algorithm", "op", "dtype", "element count", "root", "error", "error rank")
+FIELDS = ("collective", "algorithm", "op", "dtype", "element count", "root", "placement", "error",
+          "error rank")
 _ERROR, _ERROR_RANK = FIELDS.index("error"), FIELDS.index("error rank")
+#: The leading fields that every rank must pass alike: a call's signature (`api._plan`).
+SIGNATURE_FIELDS = _ERROR
+#: Codes of the "placement" field. All ranks must agree, as Horovod requires: a small host
+#: allreduce rides inside this check while a device one runs its own messages afterwards.
+PLACEMENTS = {"host memory": 0, "device memory": 1}
 _N = len(FIELDS)
 HEADER_BYTES = 2 * _N * 8
 PAYLOAD_BYTES = 256
@@ -94,7 +100,7 @@ class Agreement:
             raise CollectiveArgumentError(
                 message if self.link.rank == bad_rank
                 else f"{collective} failed on rank {bad_rank}: {message}")
-        if highest[:6] != lowest[:6]:
+        if highest[:SIGNATURE_FIELDS] != lowest[:SIGNATURE_FIELDS]:
             raise CollectiveArgumentError(self._mismatch(collective, signature))
         return reduced
 
@@ -103,11 +109,11 @@ class Agreement:
 
         Only on the error path, so its extra all-gather costs nothing in normal operation.
         """
-        size = self.link.size
-        table = np.zeros(6 * size, dtype=np.int64)
-        table[6 * self.link.rank:6 * self.link.rank + 6] = signature
-        butterfly_allgather(self.link, table, [6 * r for r in range(size + 1)])
-        rows = table.reshape(size, 6)
+        size, width = self.link.size, SIGNATURE_FIELDS
+        table = np.zeros(width * size, dtype=np.int64)
+        table[width * self.link.rank:width * (self.link.rank + 1)] = signature
+        butterfly_allgather(self.link, table, [width * r for r in range(size + 1)])
+        rows = table.reshape(size, width)
         i = int(np.flatnonzero(rows.min(axis=0) != rows.max(axis=0))[0])
         values, counts = np.unique(rows[:, i], return_counts=True)
         usual = int(values[np.argmax(counts)])  # the most common value; ties: the smallest
@@ -140,6 +146,7 @@ def _describe(field: str, value: int) -> str:
         "algorithm": ALGORITHM_CODES,
         "op": {op.name: op.code for op in OPS.values()},
         "dtype": DTYPE_CODES,
+        "placement": PLACEMENTS,
     }
     if field in tables:
         for name, code in tables[field].items():

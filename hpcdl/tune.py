@@ -422,14 +422,21 @@ def fit_report(calibration: Any) -> list[str]:
     """Lines: each point-to-point size's measured time against the fitted line, for the pattern
     that gave alpha and beta and for the pairwise one (beta_pairwise), and a warning where a size
     is far off its line (an MPI protocol switch the linear model cannot follow)."""
+    from collectives.transport import PIECEWISE_BYTES
+
     params = calibration.params
     lines, off = [], []
-    for name, points, beta in ((calibration.pattern, calibration.point_to_point, params.beta),
-                               ("pairwise", calibration.pairwise, params.pairwise)):
+    for name, points in ((calibration.pattern, calibration.point_to_point),
+                         ("pairwise", calibration.pairwise)):
+        def line(n: int) -> float:
+            # The model prices a pairwise exchange at beta_pairwise only while it goes whole;
+            # longer ones travel as pieces, at beta (calibrate.pairwise_slope).
+            whole_pairwise = name == "pairwise" and n <= PIECEWISE_BYTES
+            return params.alpha + n * (params.pairwise if whole_pairwise else params.beta)
+
         lines.append(f"point-to-point ({name}): " + ", ".join(
-            f"{human_bytes(n)} {human_seconds(t)} (line {human_seconds(params.alpha + n * beta)})"
-            for n, t in points))
-        off += [(name, n, t / (params.alpha + n * beta) - 1) for n, t in points]
+            f"{human_bytes(n)} {human_seconds(t)} (line {human_seconds(line(n))})" for n, t in points))
+        off += [(name, n, t / line(n) - 1) for n, t in points]
     off = [(name, n, e) for name, n, e in off if abs(e) > MISFIT]
     if off:
         lines.append(

@@ -275,7 +275,10 @@ def test_reduce(backend: Backend, algorithm: str, comm: MPI.Comm) -> None:
 LARGE_CASES = [  # (collective, algorithm, dtype, op): every large-message user of the ring
     ("allreduce", "auto", "float32", "avg"),
     ("allreduce", "halving_doubling", "float32", "sum"),
+    ("allreduce", "ring", "float64", "avg"),  # avg: divided piece by piece in the last fold
     ("reduce_scatter", "ring", "bfloat16", "prod"),
+    ("reduce_scatter", "halving_doubling", "int32", "avg"),
+    ("reduce", "reduce_scatter_gather", "float32", "avg"),
     ("allgather", "ring", "int32", None),
     ("allgather", "butterfly", "int32", None),
     ("broadcast", "scatter_allgather", "float64", None),
@@ -338,6 +341,34 @@ def test_large_messages_pipelined(backend: Backend, comm: MPI.Comm, blocks: str)
             outcomes.expect(label, result is None, "non-root got a result")
     outcomes.verify()
     check_device_path(backend, comm)
+
+
+def test_ranks_must_agree_on_placement(comm: MPI.Comm) -> None:
+    """Odd ranks pass device arrays, even ranks NumPy arrays: every rank raises one clear error,
+    at every size (a small host butterfly allreduce rides inside the argument check, so without
+    the check a host rank would return while a device rank waited for butterfly messages)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2:
+        pytest.skip("needs two ranks to disagree")
+    backend = BACKENDS["fake-device-staged" if rank % 2 else "numpy"]
+    outcomes = Outcomes(comm)
+    with backend.installed():
+        for n, algorithm in ((4, "butterfly"), (4, "auto"), (size * (PIECEWISE_BYTES // 4) + 3, "ring")):
+            label = f"allreduce({algorithm}, n={n}, {backend.name} on rank {rank})"
+            x = backend.make(rank_data(rank, n, "float32"))
+            try:
+                collectives.allreduce(x, algorithm=algorithm)
+                outcomes.fail(label, "mixed placements were not refused")
+            except CollectiveArgumentError as exc:
+                outcomes.expect(label, "different placements: rank 1 passed device memory" in str(exc),
+                                f"unclear message: {exc}")
+        # Afterwards a call with host arrays on every rank works.
+        inputs = [rank_data(q, 4, "float32") for q in range(size)]
+        ran, result = run_case(outcomes, "host arrays afterwards", False,
+                               lambda: collectives.allreduce(inputs[rank].copy()))
+        if ran:
+            outcomes.expect_equal("host arrays afterwards", result, reduce_reference(inputs, "sum"))
+    outcomes.verify()
 
 
 # -- layouts, communicators, bitwise identity -----------------------------------------------------
@@ -451,3 +482,26 @@ def test_registry_covers_every_backend_and_dtype() -> None:
                                        "bfloat16"}
     assert set(OPS) == {"sum", "avg", "max", "min", "prod"}
     assert all_ranks_agree(True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_avg_over_a_power_of_two_is_the_quotient_bit_for_bit(dtype: str) -> None:
+    """`avg` multiplies by 1/P when P is a power of two (faster than dividing): that must be the
+    quotient exactly, for every float16 and bfloat16 value and random bit patterns of the wider
+    types (subnormals, infinities and NaNs included)."""
+    if dtype not in collectives.DTYPES:
+        pytest.skip(f"{dtype} needs ml_dtypes")
+    np_dtype = collectives.DTYPES[dtype]
+    bits = np.dtype(f"u{np_dtype.itemsize}")
+    if np_dtype.itemsize == 2:
+        values = np.arange(1 << 16, dtype=bits).view(np_dtype)
+    else:
+        values = np.random.default_rng(7).integers(0, np.iinfo(bits).max, 1 << 18,
+                                                   dtype=bits, endpoint=True).view(np_dtype)
+    for size in (2, 4, 64, 1 << 10, 1 << 14):
+        got = values.copy()
+        with np.errstate(all="ignore"):  # NaN and infinity inputs
+            OPS["avg"].finalize(np, got, size)
+            want = np.divide(values, np_dtype.type(size))
+        same = (got.view(bits) == want.view(bits)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (size, values[~same][:4], got[~same][:4], want[~same][:4])

@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 from collectives import select
-from collectives.calibrate import fit, measure_point_to_point, measure_reduction
+from collectives.calibrate import fit, measure_point_to_point, measure_reduction, pairwise_slope
 from collectives.cost_model import (DEFAULT_ROW_SIZES, Cost, ModelParams, best, check_cost, cost,
                                     decision_rows, model_bytes, model_crossover,
                                     modelled_algorithms, predict, thresholds)
@@ -23,15 +23,17 @@ from conftest import all_ranks_agree
 
 KIB, MIB = 1 << 10, 1 << 20
 
+#: The argument check's packet: 9 int64 header fields, each with its negation, and 256 payload bytes.
+PACKET = 2 * 9 * 8 + 256
 #: The argument check alone, per P: (messages, wire bytes, reduced bytes, copied bytes, pairwise
-#: bytes) of a butterfly over the 384-byte packet: its rounds are plain two-way exchanges
-#: (pairwise); non-powers of two fold in (combined) and out, one way.
+#: bytes) of a butterfly over the packet: its rounds are plain two-way exchanges (pairwise);
+#: non-powers of two fold in (combined) and out, one way.
 CHECK = {
-    2: (1, 0, 384, 0, 384),
-    3: (3, 2 * 384, 2 * 384, 0, 384),
-    4: (2, 0, 2 * 384, 0, 2 * 384),
-    5: (4, 2 * 384, 3 * 384, 0, 2 * 384),
-    8: (3, 0, 3 * 384, 0, 3 * 384),
+    2: (1, 0, PACKET, 0, PACKET),
+    3: (3, 2 * PACKET, 2 * PACKET, 0, PACKET),
+    4: (2, 0, 2 * PACKET, 0, 2 * PACKET),
+    5: (4, 2 * PACKET, 3 * PACKET, 0, 2 * PACKET),
+    8: (3, 0, 3 * PACKET, 0, 3 * PACKET),
 }
 
 #: (collective, algorithm, nbytes, P) -> (messages, wire, reduced, copied, pairwise) of the
@@ -308,6 +310,14 @@ def test_fit_follows_latency_and_large_messages_not_protocol_bumps() -> None:
     # Without a latency-bound size the intercept is the smallest size's remainder, never < 0.
     assert fit([(1 << 20, 1e-3), (4 << 20, 3e-3)]) == pytest.approx((1e-3 - 2e-3 / 3, 2e-3 / (3 << 20)))
     assert fit([(1 << 20, 2e-3), (4 << 20, 3e-3)])[0] >= 0
+
+
+def test_pairwise_slope_fits_only_messages_sent_whole() -> None:
+    # Whole messages at 16 ns/B, the piecewise 4 MiB one at 8 ns/B (link rate), as over TCP.
+    whole = [(n, 25e-6 + 16e-9 * n) for n in (8, 1024, 65536, 524288)]
+    slope = pairwise_slope([*whole, (4 << 20, 25e-6 + 8e-9 * (4 << 20))])
+    assert slope == pytest.approx(16e-9, rel=1e-6)  # through 4 MiB it would be about 8 ns/B
+    assert pairwise_slope([(8, 25e-6), (4 << 20, 35e-3), (16 << 20, 0.14)]) is None
 
 
 def test_measure_reduction_covers_each_size() -> None:

@@ -196,3 +196,21 @@ def test_tuning_file_is_readable_by_every_user(tmp_path: Path) -> None:
         os.umask(previous)
     assert (tmp_path / "tuning.json").stat().st_mode & 0o777 == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["tuning.json"]  # no temporary file left
+
+
+def test_fit_report_prices_piecewise_pairwise_exchanges_at_beta() -> None:
+    """The pairwise line uses beta_pairwise for whole messages only: a 4 MiB exchange, sent as
+    pieces at the link rate, is on the model's line, not 50% off it (as `calibrate.pairwise_slope`
+    fits it); a point truly off its line is still reported."""
+    from collectives.calibrate import Calibration
+
+    alpha, beta, beta_pairwise = 25e-6, 8e-9, 16e-9
+    sizes = (8, 1 << 10, 64 << 10, 512 << 10, 4 << 20)
+    on_model = [(n, alpha + n * (beta_pairwise if n <= 1 << 20 else beta)) for n in sizes]
+    exchange = [(n, alpha + n * beta) for n in sizes]
+    params = ModelParams(alpha, beta, 1e-10, beta_pairwise=beta_pairwise)
+    report = tune.fit_report(Calibration(params, "exchange", exchange, on_model, [], 1e-5))
+    assert not any(line.startswith("warning") for line in report), report
+    bumped = [(n, t * (2 if n == 64 << 10 else 1)) for n, t in on_model]
+    report = tune.fit_report(Calibration(params, "exchange", exchange, bumped, [], 1e-5))
+    assert report[-1].startswith("warning") and "64 KiB pairwise (+100%)" in report[-1], report

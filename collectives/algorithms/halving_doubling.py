@@ -5,6 +5,7 @@ Reduce-scatter: with P' a power of two, in round k (distance P'/2^(k+1)) each ra
 its current range of blocks with its partner, keeps the half its rank bit selects and combines the
 received half into it. After log2 P' rounds rank r holds block r fully reduced. All-gather retraces
 the rounds in reverse, doubling the range each time. Non-powers of two fold first (`fold.py`).
+The last halving round applies `avg`'s division as it completes each block (`Link.finishes_blocks`).
 
 Cost (P a power of two, N bytes):
   reduce-scatter  log2 P alpha + (P-1)/P N beta + (P-1)/P N gamma
@@ -36,7 +37,8 @@ def _halving_reduce_scatter(link: Link, buf: Any, fold: Fold, new: list[int]) ->
         kept, given = buf[new[keep[0]]:new[keep[1]]], buf[new[give[0]]:new[give[1]]]
         # The partner's kept and given are my given and kept: both sides count the same pieces.
         segment, pieces = pieces_of(max(kept.shape[0], given.shape[0]), buf.dtype.itemsize)
-        link.sendrecv_combine(given, peer, kept, peer, segment=segment, pieces=pieces)
+        link.sendrecv_combine(given, peer, kept, peer, segment=segment, pieces=pieces,
+                              completes=mask == 1)
         lo, hi = keep
         mask >>= 1
 

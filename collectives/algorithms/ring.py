@@ -7,7 +7,9 @@ rank r forwards block (r-s) mod P; after P-1 steps every rank has every block.
 
 A reduce step moves its block in cache-sized pieces (`transport.SEGMENT_BYTES`), pipelined: the
 next piece is posted before the current one is folded in. An all-gather step goes straight into
-place (`Link.sendrecv`: one message, or 512 KiB pieces above 1 MiB).
+place (`Link.sendrecv`: one message, or 512 KiB pieces above 1 MiB). The last reduce step
+applies `avg`'s division to each piece as it completes it (`Link.finishes_blocks`), so every
+element is divided once, in cache, on the rank that owns its block.
 
 Cost (alpha: per message, beta: per byte sent, gamma: per byte combined, N bytes):
   reduce-scatter  (P-1) alpha + (P-1)/P N beta + (P-1)/P N gamma
@@ -36,7 +38,7 @@ def ring_reduce_scatter(link: Link, buf: Any, offsets: list[int]) -> None:
         recv_block = (r - step - 2) % p
         link.sendrecv_combine(buf[offsets[send_block]:offsets[send_block + 1]], right,
                               buf[offsets[recv_block]:offsets[recv_block + 1]], left,
-                              segment=segment, pieces=pieces)
+                              segment=segment, pieces=pieces, completes=step == p - 2)
 
 
 def ring_allgather(link: Link, buf: Any, offsets: list[int], first_block: int | None = None) -> None:
