@@ -523,7 +523,7 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
 def comparison(records: list[dict[str, Any]], params: Any, size: int,
                table_rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Lines: measured vs predicted per collective, size and algorithm, and summary errors."""
-    from collectives.cost_model import array_bytes, predict
+    from collectives.cost_model import array_bytes, best, modelled_algorithms, predict
     from collectives.select import row_choice
 
     lines = [f"{'collective':<15}{'bytes':>9} {'algorithm':<22}{'measured':>11}{'predicted':>11}"
@@ -537,7 +537,9 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
         predicted = {r["algorithm"]: predict(collective, r["algorithm"], nbytes, size, params)
                      for r in group}
         fastest = min(valid, key=lambda r: r["seconds"]) if valid else None
-        model_pick = min(predicted, key=predicted.__getitem__)
+        # as `auto` decides: cost_model.best, whose exact ties go to the earlier algorithm
+        model_pick = best(collective, nbytes, size, params,
+                          [a for a in modelled_algorithms(collective) if a in predicted])
         table_pick = row_choice(table_rows[collective], array_bytes(collective, nbytes, size), size)
         for r in group:
             error = predicted[r["algorithm"]] / r["seconds"] - 1

@@ -214,3 +214,15 @@ def test_fit_report_prices_piecewise_pairwise_exchanges_at_beta() -> None:
     bumped = [(n, t * (2 if n == 64 << 10 else 1)) for n, t in on_model]
     report = tune.fit_report(Calibration(params, "exchange", exchange, bumped, [], 1e-5))
     assert report[-1].startswith("warning") and "64 KiB pairwise (+100%)" in report[-1], report
+
+
+def test_comparison_names_the_pick_auto_would_make_on_a_tie() -> None:
+    """With alpha 0, ring and halving-doubling reduce-scatter cost the same but for rounding (the
+    latter a hair less); `auto` (cost_model.best) takes ring, the earlier, and so must the report."""
+    params = ModelParams(0.0, 8e-9, 1e-10, 10e-6)
+    records = [{"collective": "reduce_scatter", "bytes": 1 << 20, "algorithm": a, "seconds": 1e-3,
+                "valid": True} for a in ("ring", "halving_doubling")]
+    assert best("reduce_scatter", 1 << 20, 4, params) == "ring"
+    lines = tune.comparison(records, params, 4, {"reduce_scatter": []})
+    picked = [line.split()[3] for line in lines[1:3] if "model's pick" in line]
+    assert picked == ["ring"], lines
