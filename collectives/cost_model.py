@@ -20,7 +20,7 @@ where the counts are taken along the call's critical path (`Cost`), and
 The counts follow the implementations in `algorithms/`, not the textbook, where they differ:
 
 - every call first runs the cross-rank argument check (`validation.py`): a butterfly allreduce
-  of a 384-byte packet, log2 P' rounds plus 2 fold messages when P is not a power of two; a host
+  of a 400-byte packet, log2 P' rounds plus 2 fold messages when P is not a power of two; a host
   butterfly allreduce of at most 256 bytes rides in it and costs nothing more;
 - a step that combines what it receives (ring reduce-scatter steps, butterfly and halving rounds)
   moves its data in pieces of `transport.SEGMENT_BYTES`, one alpha per piece; a step that only
@@ -205,7 +205,7 @@ def _largest_aligned_sum(counts: Sequence[int], width: int) -> int:
 
 
 def check_cost(size: int) -> Cost:
-    """The argument check every call makes: a butterfly allreduce of the 384-byte packet."""
+    """The argument check every call makes: a butterfly allreduce of the 400-byte packet."""
     if size == 1:
         return NOTHING
     rounds, _ = _log2_pof2(size)
