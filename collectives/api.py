@@ -235,7 +235,8 @@ def _agreement(dup: MPI.Comm, pool: ScratchPool) -> Agreement:
     key = dup.py2f()
     found = agreements.get(key)
     if found is None:
-        found = agreements[key] = Agreement(dup, pool, patient=ENGINE.is_comm_thread())
+        found = agreements[key] = Agreement(
+            dup, pool, patient=ENGINE.nobody_waiting if ENGINE.is_comm_thread() else None)
     return found
 
 
@@ -270,7 +271,7 @@ def _execute(call: _Call, dup: MPI.Comm, plan: _Plan | None, error: str | None) 
     link = Link(dup, op, src.xp, on_device=src.on_device,
                 cuda_aware=src.on_device and cuda_aware(),
                 runtime=device_runtime() if src.on_device else None, scratch=pool, tag=tag,
-                patient=ENGINE.is_comm_thread(),
+                patient=ENGINE.nobody_waiting if ENGINE.is_comm_thread() else None,
                 finishes_blocks=(call.collective, plan.algorithm) in FINISH_IN_LAST_COMBINE)
     work = plan.work if plan.work is not None else \
         pool.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)

@@ -15,7 +15,7 @@ Messages are typed as bytes, so every dtype (float16 and bfloat16 included) move
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -62,16 +62,18 @@ def _cut(view: Any) -> list[Any]:
 #: MPI still progresses at every test. Measured on the reference machine (2 ranks, 25 M-param MLP,
 #: benchmarks/train_throughput.py, 3 rounds each): overlap/no-overlap 0.95 when spinning, 0.99
 #: with 64 tests then 50 us sleeps, 1.00 with 8 tests then 200 us sleeps, absolute samples/s within
-#: noise of each other; blocking calls on the caller's thread keep spinning (lowest latency).
+#: noise of each other; blocking calls on the caller's thread keep spinning (lowest latency). The
+#: sleeps stop while a caller is blocked waiting for the result (`Engine.nobody_waiting`): it has
+#: no compute to hand the core to.
 SPIN_TESTS = 64
 POLL_SLEEP_S = 50e-6
 
 
-def _complete_patiently(requests: list[MPI.Request]) -> None:
+def _complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool]) -> None:
     tests = 0
     while not MPI.Request.Testall(requests):
         tests += 1
-        if tests > SPIN_TESTS:
+        if tests > SPIN_TESTS and patient():
             time.sleep(POLL_SLEEP_S)
 
 
@@ -129,13 +131,15 @@ class Link:
 
     def __init__(self, comm: MPI.Comm, op: ReduceOp, xp: Any, *, on_device: bool,
                  cuda_aware: bool, runtime: DeviceRuntime | None, scratch: ScratchPool,
-                 tag: int = 0, patient: bool = False, finishes_blocks: bool = False) -> None:
+                 tag: int = 0, patient: Callable[[], bool] | None = None,
+                 finishes_blocks: bool = False) -> None:
         self.comm = comm
         #: the algorithm applies the op's final step (avg's division) itself, in the combine that
         #: completes each block (`sendrecv_combine(..., completes=True)`); set by the caller only
         #: for algorithms listed in `algorithms.FINISH_IN_LAST_COMBINE`
         self.finishes_blocks = finishes_blocks
-        #: wait by polling with back-off instead of blocking in MPI (see `_complete`)
+        #: on the communication thread: wait by polling, sleeping between tests while this says
+        #: so (`Engine.nobody_waiting`), instead of blocking in MPI; None: block in MPI
         self.patient = patient
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -305,7 +309,7 @@ class Link:
         """Complete messages from `isend`/`irecv`; staged receives land on the device here."""
         requests = [p.request for p in pending]
         if self.patient:
-            _complete_patiently(requests)
+            _complete_patiently(requests, self.patient)
         else:
             MPI.Request.Waitall(requests)
         for p in pending:

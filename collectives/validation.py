@@ -17,7 +17,7 @@ two), about a microsecond per message on shared memory.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -53,7 +53,8 @@ class LocalArgumentError(Exception):
 class Agreement:
     """One thread's argument check on one communicator: its packet and how to combine packets."""
 
-    def __init__(self, comm: MPI.Comm, scratch: ScratchPool, *, patient: bool = False) -> None:
+    def __init__(self, comm: MPI.Comm, scratch: ScratchPool, *,
+                 patient: Callable[[], bool] | None = None) -> None:
         self.packet = np.zeros(HEADER_BYTES + PAYLOAD_BYTES, dtype=np.uint8)
         self._header = self.packet[:HEADER_BYTES].view(np.int64)
         self._payload_op: ReduceOp | None = None

@@ -1,7 +1,12 @@
 """hpcdl: synchronous data-parallel deep learning over MPI, on hand-written collectives."""
 from typing import Any
 
-from .runtime import Topology, abort, init, local_rank, local_size, rank, size, thread_level, topology
+from .memory import request_huge_pages
+
+request_huge_pages()  # before torch's first allocation, wherever hpcdl is imported first
+
+from .runtime import (Topology, abort, init, local_rank, local_size, rank, size,  # noqa: E402
+                      thread_level, topology)
 
 __all__ = ["DistributedDataParallel", "Topology", "abort", "init", "local_rank", "local_size", "rank",
            "size", "thread_level", "topology"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -59,6 +60,7 @@ import collectives
 from collectives import Handle
 
 from . import runtime
+from .memory import small_pages_warning
 from .tensors import as_array
 from .timeline import Timeline
 
@@ -138,6 +140,11 @@ class DistributedDataParallel(torch.nn.Module):
             raise NotImplementedError(
                 f"compression {compression!r} is not implemented; use None or 'fp16'")
         runtime.init()
+        on_cpu = any(p.device.type == "cpu" for p in module.parameters())
+        if on_cpu and (comm if comm is not None else MPI.COMM_WORLD).Get_size() > 1:
+            advice = small_pages_warning()
+            if advice is not None:
+                warnings.warn(advice, RuntimeWarning, stacklevel=2)
         self.module = module
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.algorithm = algorithm

@@ -401,3 +401,19 @@ def test_as_array_shares_memory(dtype):
     assert float(tensor[1, 2]) == 42.0
     with pytest.raises(ValueError, match="contiguous"):
         as_array(tensor.t())
+
+
+def test_small_pages_are_warned_about_where_ranks_communicate(comm: MPI.Comm,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP passes on `hpcdl.memory.small_pages_warning`'s advice when more than one rank
+    averages CPU gradients; one rank moves nothing, so it stays quiet."""
+    import warnings
+
+    import hpcdl.ddp
+
+    monkeypatch.setattr(hpcdl.ddp, "small_pages_warning", lambda: "use huge pages")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hpcdl.DistributedDataParallel(_net(), comm)
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert all_ranks_agree(said == (["use huge pages"] if comm.Get_size() > 1 else [])), said

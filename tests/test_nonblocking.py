@@ -7,6 +7,7 @@ failure inside the thread reaches every handle it affects, on every rank.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -268,3 +269,36 @@ def test_process_engine_still_works_after_the_broken_one(comm: MPI.Comm) -> None
     got = collectives.iallreduce(np.ones(5, np.int32)).wait()
     assert all_ranks_agree(bitwise_equal(got, np.full(5, size, np.int32)) is None)
 
+
+
+def test_engine_knows_when_a_caller_is_blocked_on_a_handle() -> None:
+    """`Engine.nobody_waiting` (which lets the communication thread stop handing its core back)
+    is False exactly while some thread is blocked in `Handle.wait`, timeouts included."""
+    import threading
+
+    engine = Engine()
+    try:
+        release, seen = threading.Event(), []
+
+        def work() -> None:  # runs on the engine's thread while the caller may be waiting
+            release.wait(10)
+            seen.append(engine.nobody_waiting())
+
+        assert engine.nobody_waiting()
+        first = engine.submit("first", work)
+        with pytest.raises(TimeoutError):
+            first.wait(timeout=0.05)
+        assert engine.nobody_waiting()  # a wait that timed out no longer counts
+        waiter = threading.Thread(target=first.wait)
+        waiter.start()
+        while engine.nobody_waiting():  # until the waiter is blocked
+            time.sleep(0.001)
+        release.set()
+        waiter.join(10)
+        assert seen == [False] and engine.nobody_waiting()
+        second = engine.submit("second", lambda: engine.nobody_waiting())
+        while not second.done():  # done() asks without waiting
+            time.sleep(0.001)
+        assert second.wait() is True
+    finally:
+        engine.stop()
