@@ -140,8 +140,9 @@ class DistributedDataParallel(torch.nn.Module):
             raise NotImplementedError(
                 f"compression {compression!r} is not implemented; use None or 'fp16'")
         runtime.init()
+        # Small pages cost where ranks of one host copy from each other's memory.
         on_cpu = any(p.device.type == "cpu" for p in module.parameters())
-        if on_cpu and (comm if comm is not None else MPI.COMM_WORLD).Get_size() > 1:
+        if on_cpu and runtime.local_size() > 1:
             advice = small_pages_warning()
             if advice is not None:
                 warnings.warn(advice, RuntimeWarning, stacklevel=2)

@@ -6,14 +6,20 @@ environment before its first allocation. Over shared memory Open MPI moves a lar
 one copy straight from the peer's pages (CMA, `process_vm_readv`), which costs per page, and every
 fold and copy walks the pages too. Measured on the reference machine (2 ranks, 2026-11-22):
 
-- 100 MiB averaged in 8 MiB `iallreduce` calls: 12.5-12.8 ms on huge-page tensors (or NumPy
-  arrays), 33-34 ms on torch tensors in 4 KiB pages;
-- the 25 M-parameter MLP of benchmarks/train_throughput.py, P=2, samples/s: no communication
-  +18%, hpcdl +24%, torch's DDP over gloo +13% with huge pages (two interleaved runs each).
+- 100 MiB averaged in 8 MiB `iallreduce` calls, the caller waiting on them: 12.5-12.8 ms on
+  huge-page tensors (or NumPy arrays), 33-34 ms on torch tensors in 4 KiB pages;
+- the 25 M-parameter MLP of benchmarks/train_throughput.py, P=2, samples/s, the variable set or
+  not (two interleaved runs each, same code otherwise): no communication +18%, hpcdl +24%,
+  torch's DDP over gloo +13%.
 
 So `import hpcdl` sets `THP_MEM_ALLOC_ENABLE=1` unless the variable is already set (`0` keeps it
-off), and `DistributedDataParallel` warns, with what to do, when torch's tensors still cannot get
-huge pages because torch allocated before hpcdl was imported.
+off), and `DistributedDataParallel` warns, with what to do, when ranks share a host and torch's
+tensors still cannot get huge pages because torch allocated before hpcdl was imported. What the
+setting also does: child processes inherit it (it is in `os.environ`); a tensor of 2 MiB or more
+that is touched sparsely can take more memory, in 2 MiB steps; and where the kernel's THP
+`defrag` setting is `madvise` (its default), a page fault in such a tensor may compact memory
+first, which can stall on a fragmented host. Programs that use only `collectives` with torch
+tensors get neither the setting nor the warning.
 """
 from __future__ import annotations
 
@@ -51,6 +57,8 @@ def huge_page_eligible(address: int, smaps: str = "/proc/self/smaps") -> bool | 
         with open(smaps) as f:
             inside = False
             for line in f:
+                if not line.strip():
+                    continue
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi ...
                     lo, hi = (int(x, 16) for x in head.split("-"))

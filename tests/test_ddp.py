@@ -405,8 +405,8 @@ def test_as_array_shares_memory(dtype):
 
 def test_small_pages_are_warned_about_where_ranks_communicate(comm: MPI.Comm,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """DDP passes on `hpcdl.memory.small_pages_warning`'s advice when more than one rank
-    averages CPU gradients; one rank moves nothing, so it stays quiet."""
+    """DDP passes on `hpcdl.memory.small_pages_warning`'s advice when ranks of one host average
+    CPU gradients (through each other's memory); a rank alone on its host stays quiet."""
     import warnings
 
     import hpcdl.ddp
@@ -416,4 +416,4 @@ def test_small_pages_are_warned_about_where_ranks_communicate(comm: MPI.Comm,
         warnings.simplefilter("always")
         hpcdl.DistributedDataParallel(_net(), comm)
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert all_ranks_agree(said == (["use huge pages"] if comm.Get_size() > 1 else [])), said
+    assert all_ranks_agree(said == (["use huge pages"] if hpcdl.local_size() > 1 else [])), said

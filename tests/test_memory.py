@@ -27,6 +27,7 @@ SMAPS = """\
 Size:               4096 kB
 AnonHugePages:         0 kB
 THPeligible:           1
+
 7f0000400000-7f0000800000 rw-p 00000000 00:00 0
 Size:               4096 kB
 THPeligible:           0
@@ -51,7 +52,7 @@ def _fresh_python(code: str, **env: str) -> str:
              if not k.startswith(("OMPI_", "PMIX_", "PRTE_")) and k != memory.ENV}
     clean.update(env)
     done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=90)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
