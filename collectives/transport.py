@@ -224,9 +224,8 @@ class Link:
         A large message goes as pieces of SEGMENT_BYTES, all posted at once: over TCP one large
         exchange in both directions moved at about half the link rate, the same bytes in pieces at
         the full rate (see docs/algorithms.md). Both sides cut a message the same way, from its
-        length alone, whatever the buffers' placement: a staged device message is copied to host
-        memory whole and its host copy cut, so a rank with host buffers and one staging device
-        buffers still send and expect the same messages.
+        length alone. A staged device message is copied to host memory whole and its host copy
+        cut, so staged exchanges are pipelined too (as the cost model prices them).
         """
         if max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:
             if self._staged:  # one staging buffer per message: pieces of it, not a slot each
