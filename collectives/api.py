@@ -91,6 +91,12 @@ def _scratch() -> ScratchPool:
     return pool
 
 
+def _patience() -> Callable[[], bool] | None:
+    """How this thread's links wait (`Link.patient`): on the communication thread, politely while
+    no caller is blocked on a handle; elsewhere by blocking in MPI."""
+    return ENGINE.nobody_waiting if ENGINE.is_comm_thread() else None
+
+
 def _next_tag(dup: MPI.Comm) -> int:
     # A tag per call separates consecutive collectives' messages even if an algorithm's pattern
     # would let one overtake another. Tags stay below the MPI minimum upper bound (32767).
@@ -236,7 +242,7 @@ def _agreement(dup: MPI.Comm, pool: ScratchPool) -> Agreement:
     found = agreements.get(key)
     if found is None:
         found = agreements[key] = Agreement(
-            dup, pool, patient=ENGINE.nobody_waiting if ENGINE.is_comm_thread() else None)
+            dup, pool, patient=_patience())
     return found
 
 
@@ -271,7 +277,7 @@ def _execute(call: _Call, dup: MPI.Comm, plan: _Plan | None, error: str | None) 
     link = Link(dup, op, src.xp, on_device=src.on_device,
                 cuda_aware=src.on_device and cuda_aware(),
                 runtime=device_runtime() if src.on_device else None, scratch=pool, tag=tag,
-                patient=ENGINE.nobody_waiting if ENGINE.is_comm_thread() else None,
+                patient=_patience(),
                 finishes_blocks=(call.collective, plan.algorithm) in FINISH_IN_LAST_COMBINE)
     work = plan.work if plan.work is not None else \
         pool.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
