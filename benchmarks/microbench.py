@@ -37,6 +37,7 @@ from mpi4py import MPI
 import hpcdl
 from collectives import ALGORITHMS, DTYPES, OPS
 from collectives.cost_model import ModelParams, predict
+from collectives.select import model_params
 from hpcdl.info import mpi_library
 from hpcdl.tune import parse_bytes
 
@@ -76,19 +77,13 @@ class Predictor:
                      "`hpcdl tune`")
         if not tuning_file:
             return
-        try:
-            data = json.loads(Path(tuning_file).read_text())
-        except (OSError, ValueError) as exc:
-            raise BenchArgumentError(f"cannot read tuning file {tuning_file}: {exc}") from exc
-        model = data.get("model") if isinstance(data, dict) else None
-        if model is None:
+        try:  # the same reading and checks as auto's (beta_pairwise included)
+            self.params = model_params(tuning_file)
+        except ValueError as exc:
+            raise BenchArgumentError(f"bad tuning file: {exc}") from exc
+        if self.params is None:
             self.note = f"no model: {tuning_file} has no \"model\" entry"
             return
-        try:  # the same reading as auto's (beta_pairwise included)
-            self.params = ModelParams.from_mapping(model)
-        except (AttributeError, TypeError, ValueError) as exc:
-            raise BenchArgumentError(f"{tuning_file}: bad \"model\" entry ({exc}); it needs "
-                                     "alpha, beta, gamma (and overhead) in seconds") from exc
         self.note = (f"model from {tuning_file}: alpha {self.params.alpha * 1e6:.2f} us, "
                      f"beta {self.params.beta * 1e9:.3f} ns/B, beta_pairwise "
                      f"{self.params.pairwise * 1e9:.3f} ns/B, gamma {self.params.gamma * 1e9:.3f} "

@@ -11,10 +11,8 @@ A checkpoint is one file, `checkpoint-<step>.pt` (torch.save format), written by
 - the job shape (ranks, batch per rank) it was made with, so resuming under another shape is refused
   instead of silently training on a different data order.
 
-Writes are atomic: into a temporary file in the same directory (same file system, so the rename
-cannot turn into a copy), flushed and fsync'ed, then `os.replace`d onto the final name, and the
-directory fsync'ed. A reader therefore sees either no file or a complete one. Temporary files start
-with a dot and end in `.tmp`, so a crash mid-write leaves nothing that looks like a checkpoint.
+Writes are atomic (`atomic_file.write_atomically`): a reader sees either no file or a complete one,
+and a crash mid-write leaves nothing that looks like a checkpoint.
 Everything is stored as tensors and plain Python values, so loading uses `weights_only=True`.
 """
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from mpi4py import MPI
+
+from .atomic_file import write_atomically
 
 _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
 
@@ -41,23 +40,7 @@ def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     """`torch.save(obj)` to `path` so that `path` is either absent, or the old file, or complete."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    # The rename is durable only once the directory entry is on disk.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomically(path, lambda f: torch.save(obj, f))
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:

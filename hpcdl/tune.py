@@ -25,15 +25,15 @@ import argparse
 import datetime
 import json
 import math
-import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from .atomic_file import write_atomically
 
 #: Collectives `hpcdl tune` covers, in the order it prints them.
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -466,26 +466,6 @@ def describe_job(comm: Any, pattern: str, argv: Sequence[str]) -> dict[str, Any]
     }
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file in the same directory, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp makes the file private (0600); every rank, and other users of a shared
-        # tuning file, must read it: the permissions a plain open() would give.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]],
                     collectives_: Sequence[str], size: int, job: dict[str, Any]) -> dict[str, Any]:
     """The tuning file: model, decision rows (measured at this P, modelled elsewhere), raw data."""
@@ -616,7 +596,9 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if rank == 0:  # only rank 0 writes and prints: the model's rows for every P are its work alone
         document = tuning_document(params, calibration, records, args.collectives, size, job)
         try:
-            write_atomically(output, json.dumps(document, indent=1) + "\n")
+            output.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(document, indent=1) + "\n"
+            write_atomically(output, lambda f: f.write(text.encode()))
         except OSError as exc:
             error = f"cannot write {output}: {exc}"
     error = comm.bcast(error, root=0)

@@ -309,6 +309,26 @@ def test_argument_errors(comm: MPI.Comm, capsys: pytest.CaptureFixture[str], arg
     assert captured.out == "" and (comm.Get_rank() == 0 or captured.err == "")  # printed once
 
 
+@pytest.mark.parametrize("content, message", [
+    ('{"model": {"alpha": 1e-5}}', "model: "),  # no beta, gamma: checked as auto checks it
+    ('{"collectives": {"allreduce": [{"min_ranks": 1, "by_bytes": [[null, "rign"]]}]}}',
+     "allreduce has no algorithm 'rign'"),
+    ("{not json", "cannot read decision table"),
+], ids=["model", "rows", "json"])
+def test_a_bad_tuning_file_is_refused_before_measuring(comm: MPI.Comm, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      content: str, message: str) -> None:
+    """The predicted column and auto read the file alike, so a file auto would trip over halfway
+    through the sweep stops the run at the start instead, naming the file."""
+    tuning = tmp_path / "tuning.json"  # one per rank: every rank reads its own copy
+    tuning.write_text(content)
+    monkeypatch.delenv("HPCDL_TUNING_FILE", raising=False)  # main sets it; undone after
+    assert microbench.main([*TINY, "--tuning-file", str(tuning)]) == 2
+    err = from_rank0(comm, capsys.readouterr().err)
+    assert "hpcdl bench: error: bad tuning file: " in err and message in err and "tuning.json" in err, err
+
+
 def test_gloo_address_of_an_interface(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
     assert interface_ipv4("lo") == "127.0.0.1"
     with pytest.raises(ValueError, match=r"GLOO_SOCKET_IFNAME='no-such-if0'.*interfaces: .*lo"):

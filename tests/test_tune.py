@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -183,17 +182,6 @@ def test_sweep_writes_measured_rows_first(comm: MPI.Comm, tmp_path: Path,
     if comm.Get_rank() == 0:
         ok = ok and re.search(r"^broadcast\s+32 KiB scatter_allgather\s", out, re.M) is not None
     assert all_ranks_agree(ok), out
-
-
-def test_tuning_file_is_readable_by_every_user(tmp_path: Path) -> None:
-    """Written through a private temporary file, but left as a plain open() would leave it."""
-    previous = os.umask(0o022)
-    try:
-        tune.write_atomically(tmp_path / "tuning.json", "{}")
-    finally:
-        os.umask(previous)
-    assert (tmp_path / "tuning.json").stat().st_mode & 0o777 == 0o644
-    assert [p.name for p in tmp_path.iterdir()] == ["tuning.json"]  # no temporary file left
 
 
 def test_fit_report_prices_piecewise_pairwise_exchanges_at_beta() -> None:
