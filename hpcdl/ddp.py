@@ -30,11 +30,23 @@ How a step runs (DESIGN.md, "One training step"):
 - At the end of backward (an autograd engine callback, as torch's DDP does) the remaining buckets
   are launched and all are waited for, so `loss.backward(); optimizer.step()` is correct as is.
 
+Which backward passes communicate: the one after each forward through the wrapper outside
+`no_sync()`, as in torch's DDP. A backward with no forward through the wrapper since the last one
+(a second backward over a retained graph, or a diagnostic `model.module(x).sum().backward()`)
+keeps its gradients local to the rank, with a warning the first time: communicating there would
+pair it with a peer's next real step.
+
 Parameters without a gradient in a step: with `find_unused_parameters=True` they count as a zero
 contribution at the end of backward (their bucket slot keeps what was accumulated before, zero if
-nothing) and get the averaged slot as `.grad` on every rank, so ranks stay identical. Without it,
-the step still completes its communication the same way (so no rank is left waiting) and then
-raises RuntimeError naming the parameters.
+nothing), so ranks stay identical; a parameter that no rank used since the last synchronized step
+keeps `.grad = None` if it had no gradient, as in torch's DDP, so optimizers with momentum or
+weight decay leave it alone (this costs one small allreduce of a used-flag per parameter and
+step). Without the option, the step still completes its communication the same way (so no rank
+is left waiting) and then raises RuntimeError naming the parameters.
+
+A reduction still waiting after STALL_WARNING_S seconds warns, naming the bucket (a rank that
+skipped a batch or raised inside a step leaves its peers waiting); `timeout=` turns the wait into
+a TimeoutError after that many seconds.
 
 Buffers (batch-norm running statistics): independent per rank by default. `sync_buffers()`, and
 every training-mode forward when `broadcast_buffers=True`, AVERAGE floating-point buffers over
@@ -49,6 +61,7 @@ import contextlib
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -61,7 +74,7 @@ from collectives import Handle
 
 from . import runtime
 from .memory import small_pages_warning
-from .tensors import as_array
+from .tensors import as_array, flat_in_memory_order
 from .timeline import Timeline
 
 _MB = 1024 * 1024
@@ -77,6 +90,13 @@ CHUNK_BYTES = 8 * _MB
 #: every step when the loop zeroes gradients with set_to_none=True, torch's default.
 IN_PLACE_BYTES = 1 * _MB
 COMPRESSIONS = (None, "fp16")
+#: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket.
+STALL_WARNING_S = 60.0
+
+#: The wrapper in charge of each module's gradients; building a new one around a module detaches
+#: the old one (its hooks would otherwise go on reducing every backward).
+_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[DistributedDataParallel]] = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -111,21 +131,27 @@ class DistributedDataParallel(torch.nn.Module):
         first_bucket_mb: capacity of the first bucket, small so communication starts early.
         algorithm: allreduce algorithm for the buckets ("auto", "ring", "butterfly", "tree",
             "halving_doubling", "mpi").
-        compression: None, or "fp16" to send float32/float64 buckets as float16 (averaged in
-            float16; values beyond ±65504 overflow).
+        compression: None, or "fp16" to send float32/float64 buckets as float16 (each rank
+            divides by the number of ranks before the float16 sum, as torch's fp16 hook does, so
+            only an average beyond ±65504 overflows; the same holds for float16 parameters).
         overlap: reduce buckets as they complete during backward (True), or all after backward
             (False, the baseline for measuring overlap).
         find_unused_parameters: treat parameters without a gradient as zero contributions instead
             of raising.
         broadcast_buffers: synchronize buffers (see `sync_buffers`) before every training forward.
         timeline: a `Timeline`, or a path to write a Chrome trace to (call `write_timeline()`).
+        timeout: seconds a step may wait for its reductions before backward raises TimeoutError
+            (None: wait, warning after STALL_WARNING_S).
+
+    Building a second wrapper around the same module detaches the first (its forward then raises).
     """
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *,
                  bucket_cap_mb: float = 25, first_bucket_mb: float = 1, algorithm: str = "auto",
                  compression: str | None = None, overlap: bool = True,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = False,
-                 timeline: Timeline | str | os.PathLike[str] | None = None) -> None:
+                 timeline: Timeline | str | os.PathLike[str] | None = None,
+                 timeout: float | None = None) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -139,6 +165,13 @@ class DistributedDataParallel(torch.nn.Module):
         if compression not in COMPRESSIONS:
             raise NotImplementedError(
                 f"compression {compression!r} is not implemented; use None or 'fp16'")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        for name, sub in module.named_modules():
+            if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
+                raise ValueError(f"{name or 'the module'} is a {type(sub).__name__} with sparse=True: "
+                                 "DistributedDataParallel averages dense gradients only; build it "
+                                 "with sparse=False")
         runtime.init()
         # Small pages cost where ranks of one host copy from each other's memory.
         on_cpu = any(p.device.type == "cpu" for p in module.parameters())
@@ -153,6 +186,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap = bool(overlap)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.timeout = timeout
         if timeline is not None and not isinstance(timeline, (Timeline, str, os.PathLike)):
             raise TypeError(f"timeline must be a path or a hpcdl.timeline.Timeline, got "
                             f"{type(timeline).__name__}")
@@ -170,10 +204,29 @@ class DistributedDataParallel(torch.nn.Module):
         # The order gradients really became ready in the first synchronized backward; buckets
         # are rebuilt from it once (rank 0's), as torch's DDP does.
         self._ready_order: list[int] | None = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._mark_ready) for _, p in self._named]
+        # Parameters frozen when the wrapper was built get no bucket; if one is unfrozen later,
+        # its gradient would silently stay local (warned about once).
+        self._frozen_at_build = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._warned: set[str] = set()
+
+        previous = _OWNERS.get(module)
+        if previous is not None and previous() is not None:
+            previous()._detach()  # type: ignore[union-attr]
+        _OWNERS[module] = weakref.ref(self)
+        self._detached = False
+        # The hooks hold the wrapper weakly: the parameters outlive a discarded wrapper, and a
+        # strong reference would keep it (and its reductions) alive behind the user's back.
+        hook = _weak_hook(weakref.ref(self))
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in self._named]
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
         self._require_sync = True  # flipped by no_sync()
-        self._sync_this_backward = True  # captured at forward, like torch's DDP
+        # Set by forward (unless in no_sync) and used up by the next backward, as torch's DDP
+        # prepares exactly one backward per forward.
+        self._sync_next = False
+        self._forwarded = False  # a forward ran since the last backward
+        self._syncing = False  # this backward pass communicates
         self._in_backward = False
+        self._used_locally: set[int] = set()  # got a gradient in a no_sync pass since the last sync
         self._next_launch = 0
         self._backward_started_at: float | None = None
         self._reset_step()
@@ -184,7 +237,13 @@ class DistributedDataParallel(torch.nn.Module):
         """Give every rank rank 0's parameters and buffers (one broadcast per tensor)."""
         with torch.no_grad():
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                collectives.broadcast(as_array(tensor.data), 0, self.comm)
+                flat = flat_in_memory_order(tensor.data)
+                if flat is None:  # gaps or overlaps: broadcast a dense copy
+                    copy = tensor.data.contiguous()
+                    collectives.broadcast(as_array(copy), 0, self.comm)
+                    tensor.data.copy_(copy)
+                else:
+                    collectives.broadcast(as_array(flat), 0, self.comm)
 
     def _set_buckets(self, order: list[int]) -> None:
         """Bucket the parameters in `order` (indices into self._named); keep current gradients."""
@@ -247,18 +306,23 @@ class DistributedDataParallel(torch.nn.Module):
         for index, group in enumerate(groups):
             params = [p for _, p in group]
             for name, p in group:
-                if not p.is_contiguous():
-                    raise ValueError(f"parameter {name} is not contiguous; DistributedDataParallel "
-                                     "keeps gradients in flat buckets and needs contiguous ones")
+                if flat_in_memory_order(p) is None:
+                    raise ValueError(
+                        f"parameter {name} (shape {tuple(p.shape)}, strides {p.stride()}) has gaps "
+                        "or overlaps in memory; DistributedDataParallel keeps gradients in flat "
+                        "buckets and needs dense parameters (contiguous, or a permutation such as "
+                        "channels_last): make it a Parameter of its own")
             in_place = [self._averaged_in_place(p) for p in params]
             flat = torch.zeros(sum(p.numel() for p, solo in zip(params, in_place) if not solo),
                                dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
             for p, solo in zip(params, in_place):
                 if solo:
-                    views.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
+                    views.append(torch.zeros_like(p))  # the parameter's layout, as autograd's
                     continue
-                views.append(flat[offset:offset + p.numel()].view_as(p))
+                # With the parameter's strides (channels_last included), so autograd, whose
+                # gradients follow the parameter's layout, accumulates into the view in place.
+                views.append(flat.as_strided(p.shape, p.stride(), offset))
                 offset += p.numel()
             bucket = _Bucket(index, [n for n, _ in group], params, views, flat, as_array(flat),
                              in_place)
@@ -280,14 +344,22 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; the next backward averages gradients unless inside no_sync()."""
+        if self._detached:
+            raise RuntimeError("this DistributedDataParallel no longer manages its module: a newer "
+                               "DistributedDataParallel was built around the same module; use that one")
+        if self._in_backward:  # the last backward raised before its end: finish what it launched
+            with contextlib.suppress(Exception):
+                self.synchronize()
+            self._reset_step()
         if self.broadcast_buffers and self.training:
             self.sync_buffers()
-        self._sync_this_backward = self._require_sync
+        self._sync_next = self._require_sync
+        self._forwarded = True
         started = time.perf_counter()
         output = self.module(*inputs, **kwargs)
         if self.timeline is not None:
             self.timeline.span("forward", started, time.perf_counter())
-            first = _first_tensor_needing_grad(output) if self._sync_this_backward else None
+            first = _first_tensor_needing_grad(output) if self._sync_next else None
             if first is not None:
                 first.register_hook(self._stamp_backward_start)
         return output
@@ -308,17 +380,25 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._require_sync = previous
 
+    def _detach(self) -> None:
+        """Stop managing the module's gradients (a newer wrapper around it took over)."""
+        _remove_hooks(self._hooks)
+        self._hooks = []
+        self._detached = True
+
     # -- backward: hooks and buckets -------------------------------------------------------------
 
     def _mark_ready(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook: put the gradient in its bucket; launch complete buckets."""
-        if not self._sync_this_backward:
-            return
         if not self._in_backward:
-            self._in_backward = True
-            if self._backward_started_at is None:
-                self._backward_started_at = time.perf_counter()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._begin_backward()
+        if param.grad is not None and param.grad.layout != torch.strided:
+            raise RuntimeError(f"parameter {self._named[self._index[id(param)]][0]} got a "
+                               f"{param.grad.layout} gradient; DistributedDataParallel averages "
+                               "dense gradients only")
+        if not self._syncing:
+            self._used_locally.add(self._index[id(param)])
+            return
         bucket, i = self._slot[id(param)]
         if self._ready_order is not None and not bucket.ready[i]:
             self._ready_order.append(self._index[id(param)])
@@ -330,11 +410,30 @@ class DistributedDataParallel(torch.nn.Module):
         if self.overlap and bucket.pending == 0:
             self._launch_ready_buckets()
 
+    def _begin_backward(self) -> None:
+        """First hook of a backward pass: take up the forward's decision to communicate."""
+        self._in_backward = True
+        self._syncing, self._sync_next = self._sync_next, False
+        if not self._forwarded and self._require_sync:
+            self._warn_once("backward-without-forward", (
+                "a backward pass ran without a forward through DistributedDataParallel since the "
+                "previous one; its gradients stay local to this rank (not averaged). Run each "
+                "forward through the wrapper, and use no_sync() to accumulate on purpose."))
+        self._forwarded = False
+        if self._syncing and self._backward_started_at is None:
+            self._backward_started_at = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
     def _place_gradient(self, bucket: _Bucket, i: int) -> None:
         param, view = bucket.params[i], bucket.views[i]
         grad = param.grad
         if (bucket.in_place[i] and grad is not None and grad.layout == torch.strided
-                and grad.is_contiguous() and grad.dtype == view.dtype):
+                and grad.dtype == view.dtype and flat_in_memory_order(grad) is not None):
             bucket.targets[i] = grad  # averaged where it is: no copy
         else:
             if grad is None:  # unused this step and nothing accumulated: a zero contribution
@@ -355,13 +454,22 @@ class DistributedDataParallel(torch.nn.Module):
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        solos = [flat_in_memory_order(t) for t, solo in zip(bucket.targets, bucket.in_place)
+                 if solo and t is not None]
+        size = self.comm.Get_size()
+        # float16 holds at most 65504: a sum of P gradients overflows where their average need
+        # not, so each rank divides first and the ranks sum (torch's fp16 hook does the same).
+        prescale = size > 1 and (bucket.wire is not None or bucket.flat.dtype == torch.float16)
+        if prescale:
+            for t in [bucket.flat, *solos]:
+                t.div_(size)
+        op = "sum" if prescale else "avg"
         if bucket.wire is not None:
             bucket.wire.copy_(bucket.flat)
             arrays = [bucket.wire_array]
         else:
             arrays = [bucket.array] if bucket.flat.numel() else []
-            arrays += [as_array(t.view(-1)) for t, solo in zip(bucket.targets, bucket.in_place)
-                       if solo and t is not None]
+            arrays += [as_array(t) for t in solos]
         if bucket.flat.is_cuda:  # not run here: MPI and the engine's stream must see finished grads
             torch.cuda.current_stream(bucket.flat.device).synchronize()
         for array in arrays:
@@ -369,18 +477,25 @@ class DistributedDataParallel(torch.nn.Module):
             for i in range(0, array.shape[0], step):
                 chunk = array[i:i + step]
                 bucket.handles.append(collectives.iallreduce(
-                    chunk, self.comm, op="avg", algorithm=self.algorithm, out=chunk))
+                    chunk, self.comm, op=op, algorithm=self.algorithm, out=chunk))
                 bucket.chunk_bytes.append(chunk.nbytes)
 
     def _end_of_backward(self) -> None:
         """Autograd callback after the whole backward: finish every bucket, then check."""
-        missing = [b.names[i] for b in self._buckets for i, ok in enumerate(b.ready) if not ok]
+        if not self._syncing:
+            self._in_backward = False
+            return
+        unused = [(b, i) for b in self._buckets for i, ok in enumerate(b.ready) if not ok]
+        missing = [b.names[i] for b, i in unused]
         # Missing gradients are zero contributions in both modes, so this rank launches exactly
         # the buckets its peers launch; only then is the error (if any) raised.
-        for bucket in self._buckets:
-            for i, ok in enumerate(bucket.ready):
-                if not ok:
-                    self._place_gradient(bucket, i)
+        had_none = [b.params[i].grad is None for b, i in unused]
+        used = np.ones(len(self._named), dtype=np.int32)
+        for bucket, i in unused:
+            index = self._index[id(bucket.params[i])]
+            used[index] = index in self._used_locally  # accumulated under no_sync: used
+            self._place_gradient(bucket, i)
+        self._used_locally.clear()
         backward_end = time.perf_counter()
         self._launch_ready_buckets()
         self.synchronize()
@@ -389,26 +504,54 @@ class DistributedDataParallel(torch.nn.Module):
         self._backward_started_at = None
         if self._ready_order is not None:
             self._rebuild_buckets()
-        if missing and not self.find_unused_parameters:
+        self._check_unfrozen()
+        if self.find_unused_parameters:
+            # A parameter no rank used keeps no gradient, as in torch's DDP: a zero one would
+            # still be moved by momentum and weight decay. One int32 per parameter, every step.
+            collectives.allreduce(used, self.comm, op="max", out=used)
+            for (bucket, i), none in zip(unused, had_none):
+                if none and not used[self._index[id(bucket.params[i])]]:
+                    bucket.params[i].grad = None
+        elif missing:
+            frozen = [name for (b, i), name in zip(unused, missing) if not b.params[i].requires_grad]
+            if frozen:
+                raise RuntimeError(
+                    f"these parameters were frozen (requires_grad=False) after "
+                    f"DistributedDataParallel was built: {', '.join(frozen)}. Build the wrapper "
+                    "again after changing requires_grad, or pass find_unused_parameters=True.")
             raise RuntimeError(
                 f"these parameters received no gradient in this backward pass: {', '.join(missing)}. "
                 "Make every parameter take part in the loss, set requires_grad=False on the "
-                "unused ones, or pass find_unused_parameters=True to DistributedDataParallel.")
+                "unused ones (then build the wrapper again), or pass find_unused_parameters=True "
+                "to DistributedDataParallel.")
+
+    def _check_unfrozen(self) -> None:
+        late = [name for name, p in self._frozen_at_build if p.requires_grad and p.grad is not None]
+        if late:
+            self._warn_once("unfrozen", (
+                f"these parameters require gradients but did not when DistributedDataParallel was "
+                f"built: {', '.join(late)}; their gradients are not averaged over ranks. Build the "
+                "wrapper again after changing requires_grad."))
 
     def synchronize(self) -> None:
         """Wait for every launched bucket; afterwards each `param.grad` holds the average.
 
         Called automatically at the end of backward. Cost: the allreduce of all gradient bytes
-        (see `collectives.allreduce`), less what overlapped with backward.
+        (see `collectives.allreduce`), less what overlapped with backward. Warns once a wait
+        passes STALL_WARNING_S; raises TimeoutError after `timeout` seconds, leaving the
+        reductions running (calling `synchronize()` again waits for them).
         """
         handles: list[Handle] = []
         error: BaseException | None = None
+        started = time.monotonic()
         for bucket in self._buckets:
             if not bucket.handles:
                 continue
             try:
                 for handle in bucket.handles:
-                    handle.wait()
+                    self._wait(handle, bucket, started)
+            except TimeoutError:
+                raise
             except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise the first
                 error = error or exc
                 continue
@@ -425,6 +568,30 @@ class DistributedDataParallel(torch.nn.Module):
         self._reset_step()
         if error is not None:
             raise error
+
+    def _wait(self, handle: Handle, bucket: _Bucket, started: float) -> None:
+        warned = False
+        while True:
+            waited = time.monotonic() - started
+            limits = [] if warned else [STALL_WARNING_S - waited]
+            if self.timeout is not None:
+                limits.append(self.timeout - waited)
+            try:
+                handle.wait(max(0.0, min(limits)) if limits else None)
+                return
+            except TimeoutError:
+                waited = time.monotonic() - started
+                stalled = (f"rank {self.comm.Get_rank()}: the reduction of bucket {bucket.index} "
+                           f"({', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''}) "
+                           f"has waited {waited:.1f} s for the other ranks. Every rank must run "
+                           "the same sequence of forward and backward passes: a rank that skipped "
+                           "a batch, ran an extra backward or failed inside a step leaves its "
+                           "peers waiting here.")
+                if self.timeout is not None and waited >= self.timeout:
+                    raise TimeoutError(stalled) from None
+                if not warned:
+                    warnings.warn(stalled, RuntimeWarning, stacklevel=4)
+                    warned = True
 
     def _reset_step(self) -> None:
         for bucket in self._buckets:
@@ -470,3 +637,16 @@ def _first_tensor_needing_grad(output: Any) -> torch.Tensor | None:
             if found is not None:
                 return found
     return None
+
+
+def _weak_hook(wrapper: weakref.ref[DistributedDataParallel]) -> Any:
+    def mark_ready(param: torch.nn.Parameter) -> None:
+        alive = wrapper()
+        if alive is not None:
+            alive._mark_ready(param)
+    return mark_ready
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

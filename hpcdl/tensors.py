@@ -62,3 +62,22 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
             raise TypeError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
         return np.dtype(ml_dtypes.bfloat16)
     return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def flat_in_memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of `tensor`'s elements in the order they lie in memory, or None if it has gaps
+    or overlaps.
+
+    Contiguous tensors and dense permutations of them (channels_last weights, transposes) qualify:
+    elementwise collectives such as an average do not care about element order, only that every
+    element is covered once.
+    """
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    expected = 1
+    for dim in sorted((d for d in range(tensor.dim()) if tensor.shape[d] != 1),
+                      key=tensor.stride):
+        if tensor.stride(dim) != expected:
+            return None
+        expected *= tensor.shape[dim]
+    return tensor.as_strided((tensor.numel(),), (1,))

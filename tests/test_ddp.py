@@ -165,21 +165,212 @@ def test_unused_parameters_raise_naming_them(comm):
 
 
 def test_find_unused_parameters(comm):
+    """A parameter no rank uses keeps .grad None, as in one process: with momentum and weight
+    decay a zero gradient would still move it."""
     rank, size = comm.Get_rank(), comm.Get_size()
     steps = _batches(size)
     torch.manual_seed(0)
     model = hpcdl.DistributedDataParallel(_WithUnused(), comm, find_unused_parameters=True,
                                           first_bucket_mb=0.0005, bucket_cap_mb=0.002)
     reference = copy.deepcopy(model.module)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    make_opt = OPTIMIZERS["momentum_wd"]
+    opt = make_opt(model.parameters())
     for x, y in steps:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
         opt.step()
-    _reference(steps, OPTIMIZERS["sgd"], reference)
+    _reference(steps, make_opt, reference)
     ok = _relative_error(model.module, reference) <= 1e-5 and _identical_on_all_ranks(model, comm)
     assert all_ranks_agree(ok, comm)
-    assert all_ranks_agree(bool((model.module.extra.weight.grad == 0).all()), comm)
+    assert all_ranks_agree(model.module.extra.weight.grad is None, comm)
+
+
+def test_parameter_used_on_some_ranks_is_averaged_with_zeros(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = _batches(size, steps=1)[0]
+    torch.manual_seed(0)
+    model = hpcdl.DistributedDataParallel(_WithUnused(), comm, find_unused_parameters=True)
+    extra = copy.deepcopy(model.module.extra)  # rank 0's contribution, computed on every rank
+    extra(_shard(x, 0)).sum().backward()
+    for _ in range(2):  # the second step runs on the buckets rebuilt after the first
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank))
+        if rank == 0:
+            loss = loss + model.module.extra(_shard(x, rank)).sum()
+        loss.backward()
+        grad = model.module.extra.weight.grad
+        ok = grad is not None and torch.allclose(grad, extra.weight.grad / size, rtol=1e-5)
+        assert all_ranks_agree(ok, comm), grad
+
+
+def test_backward_without_a_forward_through_the_wrapper_stays_local(comm):
+    """A diagnostic backward on one rank must not pair with its peers' next step (that hung)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    steps = _batches(size, steps=3)
+    model = hpcdl.DistributedDataParallel(_net(), comm, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    reference = _net()
+    make_opt = OPTIMIZERS["sgd"]
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    for k, (x, y) in enumerate(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        if k == 0 and rank == 0:
+            with pytest.warns(RuntimeWarning, match="without a forward through"):
+                model.module(_shard(x, rank)).sum().backward()  # local: no communication
+            assert len(model.last_handles) == len(model.bucket_layout())  # from the real step
+    ok = _relative_error(model.module, reference) <= 1e-5 and _identical_on_all_ranks(model, comm)
+    assert all_ranks_agree(ok, comm)
+
+
+def test_a_new_wrapper_around_the_module_detaches_the_old_one(comm):
+    import gc
+    import weakref
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = _batches(size, steps=1)[0]
+    net = _net()
+    old = hpcdl.DistributedDataParallel(net, comm)
+    torch.nn.functional.mse_loss(old(_shard(x, rank)), _shard(y, rank)).backward()
+    new = hpcdl.DistributedDataParallel(net, comm, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    new.zero_grad()
+    torch.nn.functional.mse_loss(new(_shard(x, rank)), _shard(y, rank)).backward()
+    assert len(new.last_handles) == len(new.bucket_layout()) >= 3
+    reference = _net()
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    ok = all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+             for p, q in zip(net.parameters(), reference.parameters()))
+    assert all_ranks_agree(ok, comm)  # reduced once, by the new wrapper only
+    with pytest.raises(RuntimeError, match="newer DistributedDataParallel"):
+        old(_shard(x, rank))
+    # A discarded wrapper is not kept alive by the hooks it left on the parameters.
+    gone = weakref.ref(new)
+    del new
+    gc.collect()
+    assert gone() is None
+
+
+def test_frozen_and_unfrozen_after_building_are_named(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = _batches(size, steps=1)[0]
+    net = _net()
+    net[4].weight.requires_grad_(False)
+    model = hpcdl.DistributedDataParallel(net, comm)
+    net[0].weight.requires_grad_(False)  # frozen after building
+    net[4].weight.requires_grad_(True)  # unfrozen after building
+    with pytest.warns(RuntimeWarning, match=r"did not when DistributedDataParallel was built: 4\.weight"):
+        with pytest.raises(RuntimeError, match=r"frozen .* after DistributedDataParallel was built: 0\.weight"):
+            torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+
+
+def test_channels_last_parameters(comm):
+    """Convolution weights in channels_last (a dense permutation) are broadcast, bucketed and
+    averaged in their own layout, the large one in place."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    def conv_net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Tanh(),
+                                  torch.nn.Conv2d(8, 512, 8), torch.nn.Flatten(),
+                                  torch.nn.Linear(512, 2))  # 1 MiB second weight: averaged in place
+        return net.to(memory_format=torch.channels_last)
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * size, 3, 10, 10, generator=gen).to(memory_format=torch.channels_last)
+    y = torch.randn(2 * size, 2, generator=gen)
+    net = conv_net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(rank)  # the constructor's broadcast must undo this
+    model = hpcdl.DistributedDataParallel(net, comm, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    reference = conv_net()
+    make_opt = OPTIMIZERS["momentum_wd"]
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    weight = net[2].weight
+    ok = weight.is_contiguous(memory_format=torch.channels_last) and weight.grad.stride() == weight.stride()
+    ok &= _relative_error(model.module, reference) <= 1e-5 and _identical_on_all_ranks(model, comm)
+    assert all_ranks_agree(ok, comm)
+
+
+def test_sparse_gradients_are_refused_clearly(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match="0 is a Embedding with sparse=True"):
+        hpcdl.DistributedDataParallel(net, comm)
+    # Made sparse after building: the backward raises on every rank, and the next step works.
+    net[0].sparse = False
+    model = hpcdl.DistributedDataParallel(net, comm)
+    net[0].sparse = True
+    tokens = torch.arange(4).reshape(2, 2) + rank
+    with pytest.raises(RuntimeError, match="0.weight got a torch.sparse_coo gradient"):
+        model(tokens).sum().backward()
+    net[0].sparse = False
+    model.zero_grad()
+    model(tokens).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert all_ranks_agree(len(set(comm.allgather(grads.sum().item()))) == 1, comm)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_float16_average_does_not_overflow(comm, compression):
+    """Each rank's 40000 averages to 40000; summed first in float16 it would be inf."""
+    dtype = torch.float16 if compression is None else torch.float32
+
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8, dtype=dtype))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.w * x).sum()
+
+    model = hpcdl.DistributedDataParallel(Scale(), comm, compression=compression)
+    model(torch.full((8,), 40000.0, dtype=dtype)).backward()
+    grad = model.module.w.grad.float()
+    ok = bool(torch.isfinite(grad).all()) and torch.allclose(grad, torch.tensor(40000.0), rtol=2e-3)
+    assert all_ranks_agree(ok, comm), grad
+
+
+def test_a_stalled_reduction_warns_then_times_out(comm, monkeypatch):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("needs a peer to wait for")
+    x, y = _batches(size, steps=1)[0]
+    model = hpcdl.DistributedDataParallel(_net(), comm)
+    torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()  # buckets rebuilt
+    monkeypatch.setattr(hpcdl.ddp, "STALL_WARNING_S", 0.2)
+
+    def step() -> None:
+        torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
+
+    if rank == 1:
+        time.sleep(1.0)  # a slow rank: the others wait for it
+        step()
+    else:
+        with pytest.warns(RuntimeWarning, match="has waited .* for the other ranks"):
+            step()
+    comm.Barrier()
+    model.timeout = 0.5
+    if rank == 1:
+        time.sleep(2.0)
+        step()
+    else:
+        with pytest.raises(TimeoutError, match=f"rank {rank}: the reduction of bucket 0"):
+            step()
+        model.timeout = None
+        model.synchronize()  # the reductions went on running; now they finish
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert all_ranks_agree(len(set(comm.allgather(grads.sum().item()))) == 1, comm)
 
 
 def test_no_sync_accumulation(comm):
@@ -388,6 +579,8 @@ def test_bad_arguments(comm):
         hpcdl.DistributedDataParallel(_net(), comm, algorithm="nope")
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         hpcdl.DistributedDataParallel(_net(), comm, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        hpcdl.DistributedDataParallel(_net(), comm, timeout=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
