@@ -11,6 +11,7 @@ into a new array on the input's device.
 """
 from __future__ import annotations
 
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -60,7 +61,8 @@ class _Plan:
 
 # -- communicators and per-thread state -----------------------------------------------------------
 
-_dups_lock = threading.Lock()
+_dups_lock = threading.Lock()  # guards _dup_locks
+_dup_locks: dict[int, threading.Lock] = {}  # per communicator handle: who makes its duplicates
 _thread_state = threading.local()
 # The private duplicates live on the user's communicator as an MPI attribute, so they go away
 # with it: a cache keyed by handle would hand a freed communicator's duplicates to whatever new
@@ -76,7 +78,12 @@ def _private_comm(comm: MPI.Comm, role: str) -> MPI.Comm:
     """
     dups = comm.Get_attr(_DUPS_KEYVAL)
     if dups is None:
+        # One lock per communicator, not one for all: Dup is collective, so two threads making
+        # the duplicates of two communicators under one lock deadlock when ranks take it in
+        # different orders (thread A's Dup waits for a peer whose thread B holds the lock).
         with _dups_lock:
+            lock = _dup_locks.setdefault(comm.py2f(), threading.Lock())
+        with lock:
             dups = comm.Get_attr(_DUPS_KEYVAL)
             if dups is None:
                 dups = {"blocking": comm.Dup(), "engine": comm.Dup()}
@@ -154,21 +161,53 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     if dtype is None:
         raise LocalArgumentError(
             f"dtype {src.dtype} is not supported; use one of {', '.join(sorted(DTYPE_CODES))}")
-    if not isinstance(call.root, int) or not 0 <= call.root < size:
-        raise LocalArgumentError(f"root {call.root!r} is out of range for {size} ranks (0..{size - 1})")
+    if not isinstance(call.root, numbers.Integral) or isinstance(call.root, bool):
+        raise LocalArgumentError(f"root must be an integer rank, got {call.root!r}")
+    call.root = int(call.root)  # NumPy integers too
+    if not 0 <= call.root < size:
+        raise LocalArgumentError(f"root {call.root} is out of range for {size} ranks (0..{size - 1})")
     n = src.count
     algorithm = call.algorithm
     if algorithm == "auto":
-        algorithm = choose(call.collective, n * src.dtype.itemsize, size)
+        try:  # an override or tuning file that only this rank sees must fail every rank together
+            algorithm = choose(call.collective, n * src.dtype.itemsize, size)
+        except ValueError as exc:
+            raise LocalArgumentError(str(exc)) from exc
     if algorithm == "mpi" and dtype == "bfloat16" and call.collective in _REDUCING:
         raise LocalArgumentError("the MPI library cannot reduce bfloat16; pick a hand-written algorithm")
     signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES[algorithm], OPS[call.op].code,
                  DTYPE_CODES[dtype], n, call.root,
                  PLACEMENTS["device memory" if src.on_device else "host memory"]]
+    # A buffer the result goes into must be writable: found out mid-collective, the error would
+    # leave the other ranks waiting for this one's messages.
+    writes = {"allreduce": [out or src] if in_place or out is not None else [],
+              "reduce": [out or src] if rank == call.root and (in_place or out is not None) else [],
+              "broadcast": [src] if rank != call.root else [],
+              "reduce_scatter": [out] if out is not None else [],
+              "allgather": [out] if out is not None else []}[call.collective]
+    for buffer in writes:
+        if not getattr(buffer.array.flags, "writeable", True):  # CuPy arrays are always writable
+            raise LocalArgumentError(("out" if buffer is out and not in_place else "x") +
+                                     " is read-only, but the result is written into it")
     op = OPS[call.op]
+    # Every rank's algorithm works on the elements in row-major (C) order, whatever the layout of
+    # its arrays: ranks may pass C and Fortran arrays to one call, and the elements that meet must
+    # be the same logical ones. A row-major array is worked on where it lies; any other layout is
+    # copied into row-major scratch first and back afterwards.
 
     def copy_input(link: Link, work: Any) -> None:
-        link.copy(work, src.flat)
+        if _row_major(src.array):
+            link.copy(work, src.flat)
+        else:
+            link.copy(work.reshape(src.shape), src.array)
+
+    def copy_back(target: Any, then: Callable[[Link, Any], None] | None = None
+                  ) -> Callable[[Link, Any], None]:
+        def finish(link: Link, work: Any) -> None:
+            if then is not None:
+                then(link, work)
+            link.copy(target, work.reshape(target.shape))
+        return finish
 
     if call.collective in ("allreduce", "reduce"):
         rooted = call.collective == "reduce"
@@ -185,21 +224,31 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
         args: tuple[Any, ...] = (call.root,) if rooted else ()
         if not produces:  # a non-root rank of reduce combines in scratch, leaving x intact
             return _Plan(algorithm, signature, src, None, None, copy_input, None, args)
-        if in_place or out is not None and _same_memory(out, src):
-            return _Plan(algorithm, signature, src, call.out, src.flat, None, average, args)
-        if out is None:  # same memory order as the input, so flat views pair up element by element
-            result = src.xp.empty_like(src.array)
-            work = flat_view(result)
-            return _Plan(algorithm, signature, src, result, work, copy_input, average, args)
+        in_input = in_place or out is not None and _same_memory(out, src)
+        if in_input:
+            result, target = call.out, src.array
+        elif out is not None:
+            result, target = call.out, out.array
+        else:  # the input's layout, like numpy.empty_like
+            result = target = src.xp.empty_like(src.array)
+        if not _row_major(target):
+            return _Plan(algorithm, signature, src, result, None, copy_input,
+                         copy_back(target, average), args)
+        if in_input:
+            return _Plan(algorithm, signature, src, result, src.flat, None, average, args)
 
-        def copy_logically(link: Link, work: Any) -> None:  # `out` may be laid out differently
-            link.copy(out.array, src.array)  # type: ignore[union-attr]
+        def copy_logically(link: Link, work: Any) -> None:  # the input may be laid out differently
+            link.copy(target, src.array)
 
-        return _Plan(algorithm, signature, src, call.out, out.flat, copy_logically, average, args)
+        return _Plan(algorithm, signature, src, result, flat_view(target), copy_logically, average,
+                     args)
 
     if call.collective == "broadcast":
         if out is not None:
             raise LocalArgumentError("broadcast works in place on x; it takes no out")
+        if not _row_major(src.array):
+            return _Plan(algorithm, signature, src, call.x, None, copy_input, copy_back(src.array),
+                         (call.root,))
         return _Plan(algorithm, signature, src, call.x, src.flat, None, None, (call.root,))
 
     if call.collective == "reduce_scatter":
@@ -208,13 +257,13 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
         if out is not None:
             _check_out(out, src, mine, "reduce_scatter on this rank")
         result = call.out if out is not None else _new_array(src, (mine,))
-        target = out.flat if out is not None else result
+        target = out.array if out is not None else result
 
         def take_block(link: Link, work: Any) -> None:
             block = work[offsets[rank]:offsets[rank + 1]]
             if not link.finishes_blocks:
                 op.finalize(link.xp, block, size)
-            link.copy(target, block)
+            link.copy(target, block.reshape(target.shape))
 
         return _Plan(algorithm, signature, src, result, None, copy_input, take_block, (offsets,))
 
@@ -228,8 +277,16 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     def place_input(link: Link, work: Any) -> None:
         link.copy(work[offsets[rank]:offsets[rank + 1]], logical)
 
+    if out is not None and not _row_major(out.array):
+        return _Plan(algorithm, signature, src, result, _new_array(src, (size * n,)), place_input,
+                     copy_back(out.array), (offsets,))
     return _Plan(algorithm, signature, src, result, out.flat if out is not None else result.reshape(-1),
                  place_input, None, (offsets,))
+
+
+def _row_major(array: Any) -> bool:
+    """Whether `array`'s memory order is its row-major element order (so its flat view is)."""
+    return bool(array.flags.c_contiguous)
 
 
 # -- execution -----------------------------------------------------------------------------------
@@ -271,7 +328,7 @@ def _execute(call: _Call, dup: MPI.Comm, plan: _Plan | None, error: str | None) 
         tag, call.collective,
         plan.signature if plan else [COLLECTIVE_CODES[call.collective]] + [0] * (SIGNATURE_FIELDS - 1),
         error,
-        payload=plan.source.flat if fused else None, op=op)  # type: ignore[union-attr]
+        payload=_row_major_flat(plan.source) if fused else None, op=op)  # type: ignore[union-attr]
     assert plan is not None and op is not None  # else run() raised on every rank
     src = plan.source
     link = Link(dup, op, src.xp, on_device=src.on_device,
@@ -290,6 +347,11 @@ def _execute(call: _Call, dup: MPI.Comm, plan: _Plan | None, error: str | None) 
     if plan.finish is not None:
         plan.finish(link, work)
     return plan.result
+
+
+def _row_major_flat(src: Buffer) -> Any:
+    """The input's elements in row-major order, as every rank's algorithm sees them."""
+    return src.flat if _row_major(src.array) else src.xp.ascontiguousarray(src.array).reshape(-1)
 
 
 def _run(call: _Call, role: str) -> Any:

@@ -399,6 +399,51 @@ def test_fortran_ordered_input_without_out(collective: str, comm: MPI.Comm) -> N
     outcomes.verify()
 
 
+@pytest.mark.parametrize("collective", list(ALGORITHMS))
+def test_ranks_may_pass_different_layouts(collective: str, comm: MPI.Comm) -> None:
+    """Odd ranks pass Fortran-ordered arrays (input and out), even ranks C-ordered ones: element
+    [i, j] must still meet element [i, j], with every algorithm, small (the reduction travels
+    inside the argument check) and large, into a new array, into `out` and in place."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    layout = np.asfortranarray if rank % 2 else np.ascontiguousarray
+    wrong = []
+    for shape, algorithm in product([(3, 5), (40, 33)], [*ALGORITHMS[collective], "auto"]):
+        inputs = [rank_data(q, shape, "float64") for q in range(size)]
+        total = reduce_reference(inputs, "sum")
+        for placement in ("new", "out", "inplace"):
+            x = layout(inputs[rank].copy())
+            out = x if placement == "inplace" else None
+            kwargs: dict[str, Any] = {"algorithm": algorithm}
+            if collective == "allreduce":
+                want = total
+                out = out if out is not None else layout(np.empty(shape)) if placement == "out" else None
+                got = collectives.allreduce(x, out=out, **kwargs)
+            elif collective == "reduce":
+                want = total if rank == 0 else None
+                out = out if out is not None else layout(np.empty(shape)) if placement == "out" else None
+                got = collectives.reduce(x, 0, out=out if rank == 0 else None, **kwargs)
+            elif collective == "broadcast":
+                if placement != "inplace":
+                    continue
+                want, got = inputs[0], collectives.broadcast(x, 0, **kwargs)
+            elif collective == "reduce_scatter":
+                if placement == "inplace":
+                    continue
+                offsets = np.cumsum([0, *partition_counts(x.size, size)])
+                want = total.reshape(-1)[offsets[rank]:offsets[rank + 1]]
+                out = np.empty(want.shape) if placement == "out" else None
+                got = collectives.reduce_scatter(x, out=out, **kwargs)
+            else:
+                if placement == "inplace":
+                    continue
+                want = np.stack(inputs)
+                out = layout(np.empty((size, *shape))) if placement == "out" else None
+                got = collectives.allgather(x, out=out, **kwargs)
+            if want is not None and not np.array_equal(got, want):
+                wrong.append(f"rank {rank}: {collective} {algorithm} {shape} {placement}")
+    assert all_ranks_agree(not wrong, comm), [w for ws in comm.allgather(wrong) for w in ws][:8]
+
+
 #: Communicators made by tests and deliberately never freed: MPI reuses a freed communicator's
 #: handle, and a collective that caches per-handle state would then poison a later test.
 _KEPT_COMMS: list[MPI.Comm] = []

@@ -36,6 +36,36 @@ class BadInput:
     call: Callable[[Backend, bool, int], Any]  # (backend, bad, size) -> the call's result
     says: str  # what the bad rank's message must contain
     device_only: bool = False
+    host_only: bool = False
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def _broadcast_into(x: np.ndarray, read_only: bool, size: int) -> Any:
+    """A broadcast from rank 0 into `x` (read-only if asked); alone, an allgather into it."""
+    if read_only:
+        x = _read_only(x)
+    if size == 1:  # no rank receives a broadcast: write into an allgather's out instead
+        return collectives.allgather(np.arange(N, dtype=np.float32), out=x)
+    return collectives.broadcast(x, 0)
+
+
+def _with_algorithm_override(value: str, call: Callable[[], Any]) -> Any:
+    """`call()` with HPCDL_ALGORITHM_ALLREDUCE=value set on this rank only while it runs."""
+    import os
+
+    previous = os.environ.get("HPCDL_ALGORITHM_ALLREDUCE")
+    os.environ["HPCDL_ALGORITHM_ALLREDUCE"] = value
+    try:
+        return call()
+    finally:
+        if previous is None:
+            del os.environ["HPCDL_ALGORITHM_ALLREDUCE"]
+        else:
+            os.environ["HPCDL_ALGORITHM_ALLREDUCE"] = previous
 
 
 def _x(backend: Backend, dtype: str = "float32", n: int = N) -> Any:
@@ -111,7 +141,23 @@ LOCAL_ERRORS = [
              "root -1 is out of range"),
     BadInput("reduce root not an int",
              lambda b, bad, size: collectives.reduce(_x(b), 0.0 if bad else 0),
-             "root 0.0 is out of range"),
+             "root must be an integer rank, got 0.0"),
+    BadInput("broadcast root True",
+             lambda b, bad, size: collectives.broadcast(_x(b), True if bad else 0),
+             "root must be an integer rank, got True"),
+    # Found out mid-collective, a read-only result buffer left the other ranks waiting.
+    BadInput("read-only out",
+             lambda b, bad, size: collectives.allreduce(
+                 _x(b), out=_read_only(np.empty(N, np.float32)) if bad else np.empty(N, np.float32)),
+             "out is read-only", host_only=True),
+    BadInput("read-only buffer a non-root rank's broadcast writes", lambda b, bad, size:
+             _broadcast_into(np.arange(N, dtype=np.float32), bad, size), "is read-only",
+             host_only=True),
+    # An override only this rank sees is a local error like any other, not a hang.
+    BadInput("HPCDL_ALGORITHM_ALLREDUCE names no algorithm",
+             lambda b, bad, size: _with_algorithm_override(
+                 "nonsense" if bad else "ring", lambda: collectives.allreduce(_x(b))),
+             "HPCDL_ALGORITHM_ALLREDUCE='nonsense' is not a allreduce algorithm"),
     BadInput("reduce root = size",
              lambda b, bad, size: collectives.reduce(_x(b), size if bad else 0),
              "out of range"),
@@ -155,7 +201,7 @@ def test_bad_input_raises_on_every_rank(backend: Backend, everyone_bad: bool,
     problems = []
     recovery_algorithms = ALGORITHMS["allreduce"]
     for i, case in enumerate(LOCAL_ERRORS):
-        if case.device_only and not backend.device:
+        if case.device_only and not backend.device or case.host_only and backend.device:
             continue
         exc = raised(lambda: case.call(backend, i_am_bad, size))
         # Every rank reports the highest bad rank's message when several are bad.
