@@ -168,7 +168,8 @@ class DistributedDataParallel(torch.nn.Module):
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         for name, sub in module.named_modules():
-            if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
+            if (isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse
+                    and sub.weight.requires_grad):
                 raise ValueError(f"{name or 'the module'} is a {type(sub).__name__} with sparse=True: "
                                  "DistributedDataParallel averages dense gradients only; build it "
                                  "with sparse=False")
