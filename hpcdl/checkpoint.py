@@ -9,7 +9,13 @@ A checkpoint is one file, `checkpoint-<step>.pt` (torch.save format), written by
   ranks draw different random numbers (dropout masks, seeded by seed + rank), so a resumed rank must
   get its own state back, not rank 0's;
 - the job shape (ranks, batch per rank) it was made with, so resuming under another shape is refused
-  instead of silently training on a different data order.
+  instead of silently training on a different data order;
+- whatever else the caller passes per rank as `rank_state` (`hpcdl train`: batch-norm buffers and
+  the epoch's running loss, sample and time sums, so a resumed epoch reports the same summary).
+
+After each write only the `keep` checkpoints with the highest step numbers stay, whichever run
+wrote them: a fresh run into a directory holding an older run's later steps would delete its own
+(`hpcdl train` refuses such a directory without --resume).
 
 Writes are atomic (`atomic_file.write_atomically`): a reader sees either no file or a complete one,
 and a crash mid-write leaves nothing that looks like a checkpoint.

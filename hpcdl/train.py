@@ -13,7 +13,9 @@ starts, so a bad option stops all ranks with the same message instead of leaving
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -35,6 +37,10 @@ ARGUMENT_ERROR = 2  # the exit status argparse uses for bad options
 #: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
 #: time limit): the requeue batch template requeues the job when it sees it.
 CHECKPOINTED_ON_SIGNAL = 3
+#: Exit status when the training loss stops being a finite number: continuing would only waste time.
+DIVERGED = 4
+#: Checkpoints kept in --checkpoint-dir: the newest by step number, whichever run wrote them.
+KEEP_CHECKPOINTS = 3
 METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 
 
@@ -69,13 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--timeline", metavar="PATH", help="write a Chrome trace of communication here")
     state = parser.add_argument_group("checkpoints and output")
     state.add_argument("--checkpoint-dir", metavar="DIR",
-                       help="write checkpoints here at the end of every epoch (rank 0 writes)")
+                       help="write checkpoints here at the end of every epoch (rank 0 writes); only "
+                            f"the newest {KEEP_CHECKPOINTS} are kept. Without --resume, DIR must not "
+                            "hold checkpoints already")
     state.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
                        help="also checkpoint every STEPS steps (0: only at epoch ends)")
     state.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in --checkpoint-dir")
     state.add_argument("--metrics", metavar="PATH",
-                       help="append per-epoch metrics to PATH (.csv, or .jsonl/.json for JSON lines)")
+                       help="write per-epoch metrics to PATH (.csv, or .jsonl/.json for JSON lines): "
+                            "a fresh run truncates PATH, --resume appends to it")
     state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
                        help="for testing resume: stop abruptly after STEPS steps in total, as if "
                             "killed (no final checkpoint)")
@@ -129,14 +138,19 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
         if suffix not in METRICS_FORMATS:
             errors.append(f"--metrics {args.metrics}: unknown format {suffix or '(no extension)'}; "
                           "name the file .csv, .jsonl or .json")
-        problem = _unwritable_directory(Path(args.metrics).resolve().parent, create=False)
+    for flag, path in (("--metrics", args.metrics), ("--timeline", args.timeline)):
+        problem = None if path is None else _unwritable_file(Path(path))
         if problem:
-            errors.append(f"--metrics {args.metrics}: {problem}")
-    if args.timeline is not None:
-        problem = _unwritable_directory(Path(args.timeline).resolve().parent, create=False)
-        if problem:
-            errors.append(f"--timeline {args.timeline}: {problem}")
+            errors.append(f"{flag} {path}: {problem}")
     return errors
+
+
+def _unwritable_file(path: Path) -> str | None:
+    """Why the file `path` cannot be written, or None: checked now, because the metrics file is
+    opened and the timeline written only once training has started or ended."""
+    if path.is_dir():
+        return "is a directory; give the path of a file to write"
+    return _unwritable_directory(path.resolve().parent, create=False)
 
 
 def _unwritable_directory(directory: Path, *, create: bool) -> str | None:
@@ -167,12 +181,27 @@ def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
     return result
 
 
-def _fail(messages: list[str], rank: int) -> int:
+def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
+    """Print `messages` once (on rank 0) and return `status`; every rank calls it alike."""
     if rank == 0:
         for message in messages:
             print(f"hpcdl train: error: {message}", file=sys.stderr)
         sys.stderr.flush()
-    return ARGUMENT_ERROR
+    return status
+
+
+def parse_arguments(argv: list[str], rank: int) -> argparse.Namespace:
+    """`build_parser().parse_args(argv)`, printing only on rank 0.
+
+    On bad syntax argparse prints the usage and exits with status 2, and on --help prints the help
+    and exits with 0. Every rank parses the same `argv`, so every rank exits with the same status;
+    only the text of ranks other than 0 is dropped, which would repeat it once per rank.
+    """
+    parser = build_parser()
+    if rank == 0:
+        return parser.parse_args(argv)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return parser.parse_args(argv)
 
 
 # -- entry point ---------------------------------------------------------------------------------
@@ -180,7 +209,7 @@ def _fail(messages: list[str], rank: int) -> int:
 def main(argv: list[str]) -> int:
     """Run `hpcdl train` with command-line arguments `argv`; returns the exit status."""
     topology = runtime.init()
-    args = build_parser().parse_args(argv)  # bad syntax: argparse exits 2, on every rank alike
+    args = parse_arguments(argv, topology.rank)
     comm = MPI.COMM_WORLD
     errors = agreed_errors(local_argument_errors(args), comm)
     if errors:
@@ -206,7 +235,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    from .checkpoint import find_resume_checkpoint, load_checkpoint, restore_rank_state, save_checkpoint
+    from .checkpoint import (find_resume_checkpoint, list_checkpoints, load_checkpoint, restore_rank_state,
+                             save_checkpoint)
     from .data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
     from .ddp import DistributedDataParallel
     from .models import build_model
@@ -228,21 +258,46 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         if differences:
             return _fail([f"--resume: {path} was made with " + ", ".join(differences)
                           + "; resume with the same settings or use a new --checkpoint-dir"], rank)
+    elif args.checkpoint_dir is not None:
+        # Only the newest checkpoints by step number are kept, whichever run wrote them: a fresh run
+        # beside an older run's later steps would delete its own. Rank 0 writes them, so its view
+        # decides, for every rank.
+        newest = comm.bcast(list_checkpoints(args.checkpoint_dir)[-1:] if rank == 0 else None, root=0)
+        if newest:
+            return _fail([(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (newest: "
+                           f"{newest[0][1].name}, step {newest[0][0]}); add --resume to continue that "
+                           "run, or give an empty or new directory (only the newest "
+                           f"{KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's would be "
+                           "deleted)")], rank)
 
     train_set, test_set = load_digits_split()
     x_train, y_train = train_set.tensors
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
     sampler = shard_sampler(train_set, seed=args.seed)
+    if args.batch_size > len(sampler):
+        # Every step would take the whole share, so the global batch the rate is scaled for never
+        # happens; the same numbers on every rank give the same verdict.
+        return _fail([(f"--batch-size {args.batch_size} is more than each rank's share of the training "
+                       f"data ({len(sampler)} of {len(train_set)} samples on {size} rank(s)); use "
+                       f"--batch-size {len(sampler)} or less")], rank)
     steps_per_epoch = batches_per_epoch(sampler, args.batch_size)
     total_steps = steps_per_epoch * args.epochs
     global_batch = args.batch_size * size
     lr = scaled_learning_rate(args.lr, global_batch, args.reference_batch)
     warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    start_factor = warmup_start_factor(global_batch, args.reference_batch)
     scheduler = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
-                                       start_factor=warmup_start_factor(global_batch, args.reference_batch))
+                                       start_factor=start_factor)
+    warning = warmup_warning(warmup_steps, total_steps, lr, start_factor)
+    if warning and rank == 0:
+        print(f"hpcdl train: warning: --warmup-epochs {args.warmup_epochs:g} with --epochs {args.epochs}: "
+              f"{warning}", file=sys.stderr, flush=True)
     epoch, done_in_epoch, step = 0, 0, 0
+    # This rank's sums over the epoch's batches so far: loss x samples, samples, seconds. They are
+    # checkpointed, so an epoch resumed midway reports what the uninterrupted run reports.
+    epoch_sums: tuple[float, int, float] = (0.0, 0, 0.0)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -257,15 +312,17 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(mine["buffers"][name])
+        # Checkpoints written before hpcdl kept the sums have none: the epoch then starts from zero.
+        epoch_sums = tuple(mine.get("epoch_sums", epoch_sums))
     else:
         torch.manual_seed(args.seed + 1 + rank)  # ranks draw different dropout masks
 
-    def checkpoint_now(epoch_: int, batches_done: int) -> None:
+    def checkpoint_now(epoch_: int, batches_done: int, sums: tuple[float, int, float]) -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "epoch": epoch_, "batches_done": batches_done,
                  "job": job}
-        save_checkpoint(args.checkpoint_dir, state, step=step, comm=comm,
-                        rank_state={"buffers": dict(model.named_buffers())})
+        save_checkpoint(args.checkpoint_dir, state, step=step, comm=comm, keep=KEEP_CHECKPOINTS,
+                        rank_state={"buffers": dict(model.named_buffers()), "epoch_sums": sums})
 
     metrics = MetricsLog(args.metrics, append=args.resume) if rank == 0 and args.metrics else None
     stop_request = StopRequest() if args.checkpoint_dir else None
@@ -278,10 +335,13 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
 
     while epoch < args.epochs:
         ddp.train()
-        local_loss, local_samples = 0.0, 0
+        (local_loss, local_samples, seconds_before), epoch_sums = epoch_sums, (0.0, 0, 0.0)
         bar = tqdm(total=steps_per_epoch, initial=done_in_epoch, disable=rank != 0, leave=False,
                    desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr)
-        started = time.perf_counter()
+        # Set back by the seconds the resumed run spent on this epoch up to its checkpoint: the
+        # epoch's time (and so its throughput) covers its batches in both runs, not the start-up
+        # or the time between kill and resume.
+        started = time.perf_counter() - seconds_before
         for batch_index, indices in enumerate(epoch_batches(sampler, args.batch_size, epoch,
                                                             skip=done_in_epoch), start=done_in_epoch):
             loss = F.cross_entropy(ddp(x_train[indices]), y_train[indices])
@@ -299,30 +359,48 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                 return 0
             if stop_request is not None and stop_request.agreed(comm):
                 bar.close()
-                checkpoint_now(epoch, batch_index + 1)
+                checkpoint_now(epoch, batch_index + 1,
+                               (local_loss, local_samples, time.perf_counter() - started))
                 say(f"stopping at step {step} on {stop_request.name}: checkpoint written, exit status "
                     f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
                 return CHECKPOINTED_ON_SIGNAL
             if args.checkpoint_every and step % args.checkpoint_every == 0 \
                     and batch_index + 1 < steps_per_epoch:  # the epoch-end checkpoint covers the last
-                checkpoint_now(epoch, batch_index + 1)
-        elapsed = time.perf_counter() - started
+                checkpoint_now(epoch, batch_index + 1,
+                               (local_loss, local_samples, time.perf_counter() - started))
         bar.close()
+        # A run stopped by a signal after the epoch's last batch has not reported the epoch yet: with
+        # no batch left, the checkpoint's sums alone make its summary.
+        elapsed = time.perf_counter() - started
         totals = collectives.allreduce(np.array([local_loss, local_samples, elapsed]), comm, op="sum")
-        train_loss = totals[0] / max(totals[1], 1)
-        throughput = totals[1] / (totals[2] / size)  # samples of all ranks / mean rank time
-        test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
         epoch += 1
         done_in_epoch = 0
-        say(f"epoch {epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
-            f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  lr {scheduler.get_last_lr()[0]:.4g}",
-            flush=True)
-        if metrics is not None:
-            metrics.write({"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
-                           "accuracy": accuracy, "samples_per_s": throughput, "seconds": totals[2] / size,
-                           "lr": scheduler.get_last_lr()[0], "ranks": size})
+        if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
+            say(f"epoch {epoch:3d}/{args.epochs}  no summary: resumed at its end from a checkpoint that "
+                "holds no running sums (written by an older hpcdl)", flush=True)
+        else:
+            train_loss = totals[0] / totals[1]
+            if not math.isfinite(train_loss):
+                # A sum with a NaN or infinite term is not finite whatever order the allreduce adds
+                # in (and losses are not negative), so all ranks take this exit together.
+                if metrics is not None:
+                    metrics.close()
+                return _fail([(f"training diverged: the mean training loss of epoch {epoch} is "
+                               f"{train_loss}; lower --lr (the scaled rate was {lr:g}) or lengthen "
+                               "--warmup-epochs. No checkpoint was written at this epoch's end")],
+                             rank, DIVERGED)
+            throughput = totals[1] / (totals[2] / size)  # samples of all ranks / mean rank time
+            test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
+            say(f"epoch {epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
+                f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  "
+                f"lr {scheduler.get_last_lr()[0]:.4g}", flush=True)
+            if metrics is not None:
+                metrics.write({"epoch": epoch, "step": step, "train_loss": train_loss,
+                               "test_loss": test_loss, "accuracy": accuracy, "samples_per_s": throughput,
+                               "seconds": totals[2] / size, "lr": scheduler.get_last_lr()[0],
+                               "ranks": size})
         if args.checkpoint_dir:
-            checkpoint_now(epoch, 0)
+            checkpoint_now(epoch, 0, (0.0, 0, 0.0))
 
     test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
     say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {step} steps", flush=True)
@@ -334,13 +412,35 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     return 0
 
 
+def warmup_warning(warmup_steps: int, total_steps: int, scaled_lr: float, start_factor: float) -> str | None:
+    """What a warm-up as long as the whole run does to the learning rate, or None if it is shorter.
+
+    `warmup_cosine_schedule` ramps linearly over `warmup_steps` and decays over the steps after them:
+    when the warm-up covers every step, the scaled rate is never reached and nothing decays.
+    """
+    from .schedule import expected_learning_rate
+
+    if warmup_steps < total_steps:
+        return None
+    if start_factor < 1:
+        last = expected_learning_rate(scaled_lr, total_steps - 1, warmup_steps=warmup_steps,
+                                      total_steps=total_steps, start_factor=start_factor)
+        effect = (f"the learning rate climbs from {scaled_lr * start_factor:g} to only {last:g} at the "
+                  f"last step, never reaches its peak {scaled_lr:g}, and never decays")
+    else:  # the global batch is not larger than the reference batch: the ramp is flat
+        effect = f"the learning rate stays at {scaled_lr:g} throughout and never decays"
+    return (f"the warm-up covers all {total_steps} steps, so {effect}; use fewer --warmup-epochs than "
+            "--epochs")
+
+
 class StopRequest:
     """SIGUSR1 or SIGTERM (SLURM's `--signal`, preemption, a time limit): finish the step,
     checkpoint, and stop.
 
     The handler only records the signal. Ranks may receive it at different steps, so at every
     step boundary they agree with one max-allreduce of a single int (microseconds), and all of them
-    stop after the same step.
+    stop after the same step. Only signals that reach the ranks count: Open MPI's mpirun forwards
+    SIGUSR1 to them, but on SIGTERM it kills them itself (README, "Training").
     """
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)

@@ -10,6 +10,7 @@ import copy
 import hashlib
 import json
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -303,7 +304,7 @@ def test_channels_last_parameters(comm):
 
 
 def test_sparse_gradients_are_refused_clearly(comm):
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     net = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
     with pytest.raises(ValueError, match="0 is a Embedding with sparse=True"):
         hpcdl.DistributedDataParallel(net, comm)
@@ -365,10 +366,13 @@ def test_a_stalled_reduction_warns_then_times_out(comm, monkeypatch):
         time.sleep(2.0)
         step()
     else:
-        with pytest.raises(TimeoutError, match=f"rank {rank}: the reduction of bucket 0"):
+        with pytest.raises(TimeoutError, match=f"rank {rank}: the reduction of bucket 0"), \
+                pytest.warns(RuntimeWarning, match="has waited"):  # the warning comes first
             step()
         model.timeout = None
-        model.synchronize()  # the reductions went on running; now they finish
+        with warnings.catch_warnings():  # still waiting for rank 1: warned about above
+            warnings.simplefilter("ignore", RuntimeWarning)
+            model.synchronize()  # the reductions went on running; now they finish
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert all_ranks_agree(len(set(comm.allgather(grads.sum().item()))) == 1, comm)
 
@@ -600,8 +604,6 @@ def test_small_pages_are_warned_about_where_ranks_communicate(comm: MPI.Comm,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """DDP passes on `hpcdl.memory.small_pages_warning`'s advice when ranks of one host average
     CPU gradients (through each other's memory); a rank alone on its host stays quiet."""
-    import warnings
-
     import hpcdl.ddp
 
     monkeypatch.setattr(hpcdl.ddp, "small_pages_warning", lambda: "use huge pages")

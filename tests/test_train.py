@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import all_ranks_agree, shared_directory
+from conftest import all_ranks_agree, from_rank0, shared_directory
 from hpcdl import train
-from hpcdl.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from hpcdl.checkpoint import atomic_save, checkpoint_path, list_checkpoints, load_checkpoint
 from hpcdl.data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
 from hpcdl.schedule import (expected_learning_rate, scaled_learning_rate, warmup_cosine_schedule,
                             warmup_start_factor)
@@ -62,6 +63,26 @@ def test_warmup_schedule_values_per_step(warmup_steps, total_steps, start_factor
     if warmup_steps < total_steps:
         assert seen[warmup_steps] == pytest.approx(scaled)  # peak right after warm-up, then decay
         assert all(b < a for a, b in zip(seen[warmup_steps:], seen[warmup_steps + 1:]))
+
+
+def test_warmup_as_long_as_the_run_is_described():
+    assert train.warmup_warning(9, 10, 0.4, 0.5) is None  # the peak is reached at the last step
+    # All 4 steps ramping from 0.2: the last one runs at 0.4 * (0.5 + 0.5 * 3 / 4) = 0.35.
+    assert "climbs from 0.2 to only 0.35 at the last step, never reaches its peak 0.4, and never " \
+           "decays" in train.warmup_warning(4, 4, 0.4, 0.5)
+    assert "stays at 0.4 throughout and never decays" in train.warmup_warning(4, 4, 0.4, 1.0)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_warmup_over_every_epoch_is_warned_about_once(comm, capsys):
+    status = train.main(["--epochs", "1", "--warmup-epochs", "1", "--batch-size", "128"])
+    err = capsys.readouterr().err
+    if comm.Get_rank() == 0:
+        ok = "warning: --warmup-epochs 1 with --epochs 1: the warm-up covers all" in err \
+            and "never reaches its peak" in err
+    else:
+        ok = "warning" not in err
+    assert all_ranks_agree(ok and status == 0, comm), err
 
 
 # -- data sharding -------------------------------------------------------------------------------
@@ -136,10 +157,72 @@ def test_resume_without_checkpoint_fails_on_every_rank(tmp_path, comm, capsys):
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
-def test_unknown_model_is_an_argparse_error(comm, capsys):
+@pytest.mark.parametrize("argv,status,stream,texts", [
+    (["--model", "vgg"], 2, "err", ["invalid choice: 'vgg'"]),
+    (["--epochs", "abc"], 2, "err", ["invalid int value: 'abc'"]),
+    (["--help"], 0, "out", ["a fresh run truncates PATH, --resume appends to it",
+                            "only the newest 3 are kept"]),
+])
+def test_argparse_output_comes_from_rank_0_only(argv, status, stream, texts, comm, capsys):
     with pytest.raises(SystemExit) as exit_:
-        train.main(["--model", "vgg"])
-    assert all_ranks_agree(exit_.value.code == 2 and "invalid choice: 'vgg'" in capsys.readouterr().err, comm)
+        train.main(argv)
+    captured = capsys.readouterr()
+    if comm.Get_rank() == 0:
+        printed = " ".join(getattr(captured, stream).split())  # argparse wraps its help
+        ok = all(text in printed for text in texts)
+    else:
+        ok = captured.out == captured.err == ""
+    assert all_ranks_agree(ok and exit_.value.code == status, comm), captured
+
+
+@pytest.mark.parametrize("flag,name", [("--timeline", "trace.json"), ("--metrics", "metrics.csv")])
+def test_output_path_that_is_a_directory_is_refused(flag, name, tmp_path, comm, capsys):
+    path = shared_directory(tmp_path, comm) / name
+    path.mkdir(exist_ok=True)
+    status = train.main([flag, str(path)])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or f"{flag} {path}: is a directory" in err)
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_batch_larger_than_a_ranks_share_is_refused(comm, capsys):
+    share = math.ceil(1437 / comm.Get_size())  # DistributedSampler pads the shards to equal sizes
+    status = train.main(["--batch-size", str(share + 1)])
+    err = capsys.readouterr().err
+    expected = (f"--batch-size {share + 1} is more than each rank's share of the training data "
+                f"({share} of 1437 samples on {comm.Get_size()} rank(s))")
+    ok = status == 2 and (comm.Get_rank() != 0 or expected in err)
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_fresh_run_refuses_a_directory_holding_checkpoints(tmp_path, comm, capsys):
+    # An older, longer run's checkpoint: a fresh run's own (lower) steps would be pruned first.
+    directory = shared_directory(tmp_path, comm)
+    if comm.Get_rank() == 0:
+        atomic_save({"step": 900}, checkpoint_path(directory, 900))
+    comm.Barrier()
+    status = train.main(["--epochs", "1", "--checkpoint-dir", str(directory)])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or (
+        "already holds checkpoints (newest: checkpoint-000000900.pt, step 900)" in err
+        and "add --resume" in err))
+    ok &= [s for s, _ in list_checkpoints(directory)] == [900]  # nothing written, nothing deleted
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_diverged_training_stops_every_rank(tmp_path, comm, capsys):
+    directory = shared_directory(tmp_path, comm)
+    metrics = directory / "metrics.jsonl"
+    status = train.main(["--epochs", "2", "--batch-size", "64", "--lr", "1e30", "--warmup-epochs", "0",
+                         "--checkpoint-dir", str(directory / "ckpt"), "--metrics", str(metrics)])
+    err = capsys.readouterr().err
+    ok = status == train.DIVERGED and (comm.Get_rank() != 0 or (
+        "training diverged: the mean training loss of epoch 1 is" in err and "lower --lr" in err))
+    # Neither an epoch-end checkpoint nor a metrics row of the diverged epoch.
+    ok &= from_rank0(comm, metrics.exists() and metrics.stat().st_size == 0)
+    ok &= list_checkpoints(directory / "ckpt") == []
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
 # -- kill and resume -----------------------------------------------------------------------------
@@ -156,13 +239,17 @@ def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, comm):
     stop += 1 if stop % every == 0 else 0  # some steps done after the last checkpoint
     common = ["--epochs", "2", "--batch-size", str(batch), "--checkpoint-every", str(every),
               "--warmup-epochs", "0.5", "--seed", "7"]
-    assert train.main(common + ["--checkpoint-dir", str(directory / "whole")]) == 0
-    assert train.main(common + ["--checkpoint-dir", str(directory / "killed"),
-                                "--stop-after-steps", str(stop)]) == 0
+    assert train.main(common + ["--checkpoint-dir", str(directory / "whole"),
+                                "--metrics", str(directory / "whole.jsonl")]) == 0
+    killed = common + ["--checkpoint-dir", str(directory / "killed"),
+                       "--metrics", str(directory / "killed.jsonl")]
+    assert train.main(killed + ["--stop-after-steps", str(stop)]) == 0
     last_written = max(s for s, _ in list_checkpoints(directory / "killed"))
     ok = steps_per_epoch < last_written < stop
-    assert train.main(common + ["--checkpoint-dir", str(directory / "killed"), "--resume"]) == 0
+    assert train.main(killed + ["--resume"]) == 0
     comm.Barrier()
+    # The resumed epoch 2 reports the loss of all its batches, those before the checkpoint included.
+    ok &= same_metrics(directory / "whole.jsonl", directory / "killed.jsonl", comm, epochs=2)
     total = 2 * steps_per_epoch
     whole = load_checkpoint(checkpoint_path(directory / "whole", total))
     resumed = load_checkpoint(checkpoint_path(directory / "killed", total))
@@ -174,6 +261,58 @@ def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, comm):
     ok &= all(torch.equal(a["rng"]["torch"], b["rng"]["torch"])
               for a, b in zip(whole["ranks"], resumed["ranks"]))
     assert all_ranks_agree(ok, comm)
+
+
+def same_metrics(expected: Path, got: Path, comm: MPI.Comm, *, epochs: int) -> bool:
+    """True on every rank if `got` has one row per epoch with `expected`'s results, bit for bit
+    (timings aside, which only need to be real)."""
+    def rows(path: Path) -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    results = ("epoch", "step", "train_loss", "test_loss", "accuracy", "lr", "ranks")
+    ok = None
+    if comm.Get_rank() == 0:  # rank 0 wrote both files
+        want, have = rows(expected), rows(got)
+        ok = (len(want) == len(have) == epochs and all(r["samples_per_s"] > 0 for r in have)
+              and [[r[k] for k in results] for r in want] == [[r[k] for k in results] for r in have])
+    return from_rank0(comm, ok)
+
+
+class StopAtStep(train.StopRequest):
+    """A stop signal that every rank sees at the same given step: the signal path, made
+    deterministic (a real signal cannot be timed to one step)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.steps_seen = step, 0
+
+    def agreed(self, comm: MPI.Comm) -> bool:
+        self.steps_seen += 1
+        if self.steps_seen == self.step:
+            self.received = signal.SIGUSR1
+        return super().agreed(comm)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains two epochs; N <= 3 is enough")
+def test_stop_after_an_epochs_last_step_reports_that_epoch_on_resume(tmp_path, comm, capsys, monkeypatch):
+    """Stopped by a signal after the last batch of epoch 1, before its summary: the resumed run
+    runs no batch of epoch 1 yet reports it as the uninterrupted run does, then trains epoch 2."""
+    directory = shared_directory(tmp_path, comm)
+    batch = 128
+    steps_per_epoch = math.ceil(math.ceil(1437 / comm.Get_size()) / batch)
+    common = ["--epochs", "2", "--batch-size", str(batch), "--warmup-epochs", "0.5", "--seed", "3"]
+    assert train.main(common + ["--metrics", str(directory / "whole.jsonl")]) == 0
+    stopped = common + ["--checkpoint-dir", str(directory / "ckpt"),
+                        "--metrics", str(directory / "stopped.jsonl")]
+    monkeypatch.setattr(train, "StopRequest", lambda: StopAtStep(steps_per_epoch))
+    ok = train.main(stopped) == train.CHECKPOINTED_ON_SIGNAL
+    monkeypatch.undo()
+    capsys.readouterr()
+    ok &= train.main(stopped + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    ok &= comm.Get_rank() != 0 or (out.count("epoch   1/2") == 1 and "loss 0.0000" not in out)
+    ok &= same_metrics(directory / "whole.jsonl", directory / "stopped.jsonl", comm, epochs=2)
+    assert all_ranks_agree(ok, comm), out
 
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
