@@ -170,7 +170,8 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     algorithm = call.algorithm
     if algorithm == "auto":
         try:  # an override or tuning file that only this rank sees must fail every rank together
-            algorithm = choose(call.collective, n * src.dtype.itemsize, size)
+            algorithm = choose(call.collective, n * src.dtype.itemsize, size,
+                               hand_written=dtype == "bfloat16" and call.collective in _REDUCING)
         except ValueError as exc:
             raise LocalArgumentError(str(exc)) from exc
     if algorithm == "mpi" and dtype == "bfloat16" and call.collective in _REDUCING:

@@ -87,8 +87,13 @@ def model_params(path: str) -> ModelParams | None:
     return ModelParams.from_mapping(model) if model is not None else None
 
 
-def choose(collective: str, nbytes: int, size: int) -> str:
-    """The algorithm `auto` runs for `collective` on `nbytes` bytes per rank over `size` ranks."""
+def choose(collective: str, nbytes: int, size: int, *, hand_written: bool = False) -> str:
+    """The algorithm `auto` runs for `collective` on `nbytes` bytes per rank over `size` ranks.
+
+    `hand_written`: the call cannot go to the MPI library (bfloat16 reductions); where a tuning
+    file picks "mpi", the built-in table, which only holds hand-written algorithms, decides. An
+    explicit HPCDL_ALGORITHM_* override is the user's own choice and is kept.
+    """
     forced = os.environ.get(f"HPCDL_ALGORITHM_{collective.upper()}")
     if forced:
         if forced not in ALGORITHMS[collective]:
@@ -97,7 +102,11 @@ def choose(collective: str, nbytes: int, size: int) -> str:
                 f"choose one of {', '.join(sorted(ALGORITHMS[collective]))}"
             )
         return forced
-    return _lookup(os.environ.get("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes, size)
+    chosen = _lookup(os.environ.get("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes,
+                     size)
+    if hand_written and chosen == "mpi":
+        chosen = _lookup(str(BUILTIN_TABLE), collective, nbytes, size)
+    return chosen
 
 
 def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None:

@@ -11,9 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
+import collectives
 from collectives import select
 from collectives.calibrate import fit, measure_point_to_point, measure_reduction, pairwise_slope
 from collectives.cost_model import (DEFAULT_ROW_SIZES, Cost, ModelParams, best, check_cost, cost,
@@ -248,6 +250,23 @@ def test_rows_without_a_model_leave_the_rest_to_the_builtin_table(tuning_file: A
         assert select.choose(collective, nbytes, size) == select._lookup(builtin, collective, nbytes,
                                                                          size)
     assert select._lookup(builtin, "allreduce", 16, 2) != "tree"  # the file's row really decided
+
+
+def test_auto_never_hands_a_bfloat16_reduction_to_the_mpi_library(tuning_file: Any) -> None:
+    """A tuning file may pick the MPI library's collective, which cannot reduce bfloat16: auto
+    then takes the built-in table's hand-written choice instead of refusing the call."""
+    rows = [{"min_ranks": 1, "by_bytes": [[None, "mpi"]]}]
+    tuning_file({"collectives": {name: rows for name in ("allreduce", "reduce_scatter", "reduce")}})
+    builtin = str(select.BUILTIN_TABLE)
+    for collective in ("allreduce", "reduce_scatter", "reduce"):
+        assert select.choose(collective, 4096, 2) == "mpi"
+        assert select.choose(collective, 4096, 2, hand_written=True) == select._lookup(
+            builtin, collective, 4096, 2) != "mpi"
+    if "bfloat16" in collectives.DTYPES:
+        x = np.arange(8).astype(collectives.DTYPES["bfloat16"])
+        size = MPI.COMM_WORLD.Get_size()
+        got = collectives.allreduce(x)  # refused before: "pick a hand-written algorithm"
+        assert np.array_equal(got.astype(np.float64), np.arange(8) * size)
 
 
 def test_choice_is_cached(tuning_file: Any, monkeypatch: pytest.MonkeyPatch) -> None:
