@@ -96,6 +96,8 @@ class Agreement:
         combined = self._header.tolist()
         highest, lowest = combined[:_N], [-v for v in combined[_N:]]
         if highest[_ERROR]:
+            if lowest[_ERROR] and error:  # every rank failed: each says its own reason
+                raise CollectiveArgumentError(error)
             bad_rank = highest[_ERROR_RANK]
             message = _share_message(self.link, error, bad_rank)
             raise CollectiveArgumentError(

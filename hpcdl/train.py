@@ -181,6 +181,24 @@ def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
     return result
 
 
+def different_options(args: argparse.Namespace, comm: MPI.Comm) -> list[str]:
+    """Collective: an error naming the ranks whose options differ from rank 0's, or [].
+
+    Ranks started with different command lines (an MPMD launch, a wrapper script that adds
+    options on some nodes) would otherwise train different jobs and wait for each other forever.
+    """
+    options = comm.allgather(sorted(vars(args).items()))
+    odd = [r for r, theirs in enumerate(options) if theirs != options[0]]
+    if not odd:
+        return []
+    mine, theirs = dict(options[0]), dict(options[odd[0]])
+    differing = ", ".join(f"{name.replace('_', '-')} {mine[name]!r} on rank 0, {theirs[name]!r} on "
+                          f"rank {odd[0]}" for name in sorted(mine) if mine[name] != theirs.get(name))
+    return [f"ranks were started with different options ({differing}; ranks differing from rank 0: "
+            f"{', '.join(map(str, odd[:8]))}{' ...' if len(odd) > 8 else ''}); start every rank "
+            "with the same command line"]
+
+
 def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
     """Print `messages` once (on rank 0) and return `status`; every rank calls it alike."""
     if rank == 0:
@@ -211,7 +229,7 @@ def main(argv: list[str]) -> int:
     topology = runtime.init()
     args = parse_arguments(argv, topology.rank)
     comm = MPI.COMM_WORLD
-    errors = agreed_errors(local_argument_errors(args), comm)
+    errors = agreed_errors(local_argument_errors(args), comm) or different_options(args, comm)
     if errors:
         return _fail(errors, topology.rank)
 

@@ -37,6 +37,7 @@ class BadInput:
     says: str  # what the bad rank's message must contain
     device_only: bool = False
     host_only: bool = False
+    fails_everywhere: bool = True  # when every rank passes it (a broadcast's root writes nothing)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -152,7 +153,7 @@ LOCAL_ERRORS = [
              "out is read-only", host_only=True),
     BadInput("read-only buffer a non-root rank's broadcast writes", lambda b, bad, size:
              _broadcast_into(np.arange(N, dtype=np.float32), bad, size), "is read-only",
-             host_only=True),
+             host_only=True, fails_everywhere=False),
     # An override only this rank sees is a local error like any other, not a hang.
     BadInput("HPCDL_ALGORITHM_ALLREDUCE names no algorithm",
              lambda b, bad, size: _with_algorithm_override(
@@ -204,8 +205,11 @@ def test_bad_input_raises_on_every_rank(backend: Backend, everyone_bad: bool,
         if case.device_only and not backend.device or case.host_only and backend.device:
             continue
         exc = raised(lambda: case.call(backend, i_am_bad, size))
-        # Every rank reports the highest bad rank's message when several are bad.
-        problem = check_error(exc, i_am_bad and rank == bad_rank, bad_rank, case.says)
+        # One bad rank: the others name it and repeat its reason. Every rank bad: each gives its
+        # own reason, naming no rank (naming one would wrongly suggest the others were fine).
+        problem = check_error(exc, i_am_bad, bad_rank, case.says)
+        if not problem and everyone_bad and case.fails_everywhere and "failed on rank" in str(exc):
+            problem = f"every rank failed, yet the message names one: {exc}"
         if problem:
             problems.append(f"rank {rank}: {case.name}: {problem}")
         algorithm = list(recovery_algorithms)[i % len(recovery_algorithms)]

@@ -175,6 +175,18 @@ def test_argparse_output_comes_from_rank_0_only(argv, status, stream, texts, com
     assert all_ranks_agree(ok and exit_.value.code == status, comm), captured
 
 
+def test_ranks_started_with_different_options_are_refused(comm, capsys):
+    """An MPMD launch with one option differing per rank: refused on every rank, not a hang."""
+    if comm.Get_size() == 1:
+        pytest.skip("needs two ranks to differ")
+    epochs = "2" if comm.Get_rank() == comm.Get_size() - 1 else "1"
+    status = train.main(["--epochs", epochs])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or (
+        "different options (epochs 1 on rank 0, 2 on rank" in err and "same command line" in err))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
 @pytest.mark.parametrize("flag,name", [("--timeline", "trace.json"), ("--metrics", "metrics.csv")])
 def test_output_path_that_is_a_directory_is_refused(flag, name, tmp_path, comm, capsys):
     path = shared_directory(tmp_path, comm) / name
