@@ -22,7 +22,7 @@ from mpi4py import MPI
 from .algorithms import ALGORITHM_CODES, ALGORITHMS, FINISH_IN_LAST_COMBINE
 from .buffers import Buffer, UnusableArray, as_buffer, cuda_aware, device_runtime, flat_view
 from .engine import ENGINE, Handle
-from .ops import DTYPE_CODES, OPS, dtype_name
+from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
 from .partition import partition_offsets
 from .select import choose
 from .transport import Link, ScratchPool
@@ -157,10 +157,14 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
         out = src if in_place else as_buffer(call.out) if call.out is not None else None
     except (UnusableArray, TypeError) as exc:
         raise LocalArgumentError(str(exc)) from exc
-    dtype = dtype_name(src.dtype)
+    reducing = call.collective in _REDUCING
+    dtype = dtype_name(src.dtype, moved_only=not reducing)
     if dtype is None:
-        raise LocalArgumentError(
-            f"dtype {src.dtype} is not supported; use one of {', '.join(sorted(DTYPE_CODES))}")
+        accepted = sorted(DTYPES) if reducing else sorted([*DTYPES, *MOVED_DTYPES])
+        also = (f" (allgather and broadcast, which only move elements, also take "
+                f"{', '.join(sorted(MOVED_DTYPES))})" if reducing else "")
+        raise LocalArgumentError(f"dtype {src.dtype} is not supported by {call.collective}; use one "
+                                 f"of {', '.join(accepted)}{also}")
     if not isinstance(call.root, numbers.Integral) or isinstance(call.root, bool):
         raise LocalArgumentError(f"root must be an integer rank, got {call.root!r}")
     call.root = int(call.root)  # NumPy integers too

@@ -26,8 +26,19 @@ try:  # bfloat16 exists for NumPy only through ml_dtypes; supported when it is i
 except ImportError:  # pragma: no cover - depends on the environment
     pass
 
+#: Element types that are only moved, never combined: allgather and broadcast take them (Horovod
+#: broadcasts bool masks and uint8 images too); the reducing collectives refuse them, since this
+#: table defines no arithmetic for them. Messages travel as bytes, so any fixed-size type moves.
+MOVED_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name) for name in ("bool", "int8", "uint8", "int16", "uint16", "uint32", "uint64",
+                                      "complex64", "complex128")
+}
+
 #: Small stable integer codes, exchanged between ranks when arguments are cross-checked.
-DTYPE_CODES: dict[str, int] = {name: i + 1 for i, name in enumerate(sorted(DTYPES))}
+DTYPE_CODES: dict[str, int] = {
+    **{name: i + 1 for i, name in enumerate(sorted(DTYPES))},
+    **{name: 64 + i for i, name in enumerate(sorted(MOVED_DTYPES))},
+}
 
 
 @dataclass(frozen=True)
@@ -73,14 +84,19 @@ OPS: dict[str, ReduceOp] = {
 
 
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
+_MOVED_NAME_OF = {dt: name for name, dt in MOVED_DTYPES.items()}
 
 
-def dtype_name(dtype: Any) -> str | None:
-    """Canonical name of a supported dtype, or None when the dtype is not supported."""
+def dtype_name(dtype: Any, *, moved_only: bool = False) -> str | None:
+    """Canonical name of a supported dtype, or None when the dtype is not supported.
+
+    `moved_only`: the collective only moves elements, so MOVED_DTYPES count too.
+    """
     try:
-        return _NAME_OF.get(np.dtype(dtype))
+        dtype = np.dtype(dtype)
     except TypeError:
         return None
+    return _NAME_OF.get(dtype) or (_MOVED_NAME_OF.get(dtype) if moved_only else None)
 
 
 def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:

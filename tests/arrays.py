@@ -26,15 +26,16 @@ import numpy as np
 
 import collectives
 from collectives import buffers
+from collectives.ops import MOVED_DTYPES
 
 # -- the fake GPU -----------------------------------------------------------------------------
 
 #: typestr -> dtype for what the fake device supports. The CUDA array interface has no typestr
 #: for bfloat16 (NumPy spells ml_dtypes' bfloat16 as the 2-byte void "<V2"), so, like a device
 #: library that knows its own bfloat16, the fake reads a 2-byte void as bfloat16.
-_TYPESTRS = {np.dtype(dt).str: np.dtype(dt) for dt in
-             (np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_,
-              np.complex64)}
+_TYPESTRS = {dt.str: dt for dt in [*(np.dtype(t) for t in (np.float16, np.float32, np.float64,
+                                                              np.int32, np.int64)),
+                                     *MOVED_DTYPES.values()]}
 if "bfloat16" in collectives.DTYPES:
     _TYPESTRS[collectives.DTYPES["bfloat16"].str] = collectives.DTYPES["bfloat16"]
 

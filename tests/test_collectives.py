@@ -19,6 +19,7 @@ import collectives
 from arrays import (BACKENDS, Backend, Outcomes, backend_fixture, backend_params, mpi_reference,
                     rank_data, reduce_reference)
 from collectives import ALGORITHMS, OPS, CollectiveArgumentError, partition_counts
+from collectives.ops import MOVED_DTYPES
 from collectives.transport import PIECEWISE_BYTES, SEGMENT_BYTES
 from conftest import all_ranks_agree
 
@@ -239,6 +240,41 @@ def test_broadcast(backend: Backend, algorithm: str, comm: MPI.Comm) -> None:
         outcomes.digest(label, got)
     outcomes.verify()
     check_device_path(backend, comm, computes=False)
+
+
+# -- element types that are only moved ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", sorted(MOVED_DTYPES))
+def test_moved_only_dtypes(backend: Backend, dtype: str, comm: MPI.Comm) -> None:
+    """allgather and broadcast move any MOVED_DTYPES element bit for bit, with every algorithm;
+    the reducing collectives refuse them on every rank."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    outcomes = Outcomes(comm)
+    gen = np.random.default_rng(7)
+    # Random bytes of every rank, so each bit pattern (sign bits, NaN payloads of complex) must
+    # arrive as it was; bool is kept to 0/1, the values NumPy's bool holds.
+    raw = [gen.integers(0, 256, size=7 * MOVED_DTYPES[dtype].itemsize, dtype=np.uint8)
+           for _ in range(size)]
+    inputs = [(r % 2 if dtype == "bool" else r).view(MOVED_DTYPES[dtype]) for r in raw]
+    for algorithm in [*ALGORITHMS["allgather"], "auto"]:
+        label = f"allgather {dtype} {algorithm} on {backend.name}"
+        x = backend.make(inputs[rank])
+        ran, result = run_case(outcomes, label, False,
+                               lambda: collectives.allgather(x, algorithm=algorithm))
+        if ran:
+            outcomes.expect_equal(label, backend.to_numpy(result).view(np.uint8),
+                                  np.stack(inputs).view(np.uint8))
+    for algorithm in [*ALGORITHMS["broadcast"], "auto"]:
+        label = f"broadcast {dtype} {algorithm} on {backend.name}"
+        x = backend.make(inputs[rank])
+        ran, _ = run_case(outcomes, label, False,
+                          lambda: collectives.broadcast(x, size - 1, algorithm=algorithm))
+        if ran:
+            outcomes.expect_equal(label, backend.to_numpy(x).view(np.uint8),
+                                  inputs[size - 1].view(np.uint8))
+    label = f"allreduce {dtype} on {backend.name}"
+    ran, _ = run_case(outcomes, label, True, lambda: collectives.allreduce(backend.make(inputs[rank])))
+    outcomes.verify()
 
 
 # -- reduce ---------------------------------------------------------------------------------------
