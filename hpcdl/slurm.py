@@ -190,8 +190,9 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
     if args.template == "requeue":
         if args.checkpoint_every < 1:
             errors.append(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
-        if args.signal_seconds < 1:
-            errors.append(f"--signal-seconds must be at least 1, got {args.signal_seconds}")
+        if not 1 <= args.signal_seconds <= 65535:  # sbatch --signal's limit
+            errors.append(f"--signal-seconds must be 1..65535 (sbatch --signal's range), got "
+                          f"{args.signal_seconds}")
         owned = [a for a in args.program_args if a.split("=")[0] in _REQUEUE_OWNS]
         if owned:
             errors.append(f"the requeue template sets {', '.join(_REQUEUE_OWNS)} itself; drop "
@@ -210,8 +211,15 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
         if value is not None and not _NAME.match(value):
             errors.append(f"{flag} {value!r}: use letters, digits and . _ + - only")
     for flag, value in (("--log-dir", args.log_dir), ("--checkpoint-dir", args.checkpoint_dir)):
-        if not value or any(c.isspace() or c in "'\"\\" for c in value):
-            errors.append(f"{flag} {value!r}: give a path without spaces or quotes")
+        if not value or any(c.isspace() or c in "'\"\\;&|<>`()" for c in value):
+            errors.append(f"{flag} {value!r}: give a path without spaces, quotes or shell "
+                          "operators")
+    if args.log_dir and "$" in args.log_dir:
+        # The log directory goes into `#SBATCH --output`, which sbatch reads itself: it fills in
+        # %j-style patterns but never expands environment variables.
+        errors.append(f"--log-dir {args.log_dir!r}: sbatch does not expand environment variables "
+                      "in #SBATCH lines; give the path itself (unquoted, your shell expands "
+                      "$HOME and ~ now)")
     return errors
 
 
@@ -273,11 +281,16 @@ def main(argv: list[str]) -> int:
                       "(Open MPI) or --mpi pmi2 (MPICH and derivatives)"])
     script = render(args.template, template_values(args, family))
     if args.output:
-        Path(args.output).write_text(script)
-        Path(args.output).chmod(0o755)
+        output = Path(args.output)
+        try:
+            output.write_text(script)
+            if output.is_file():  # not /dev/null or a pipe: those keep their modes
+                output.chmod(0o755)
+        except OSError as exc:
+            return _fail([f"-o {args.output}: cannot write the script ({exc.strerror or exc})"])
     else:
         sys.stdout.write(script)
-    if args.log_dir and not Path(args.log_dir).is_dir() and "$" not in args.log_dir:
+    if args.log_dir and not Path(args.log_dir).is_dir():
         print(f"hpcdl slurm: note: create the log directory before submitting: mkdir -p {args.log_dir}",
               file=sys.stderr)
     return 0

@@ -126,12 +126,26 @@ BASIC = ("--time", "30", "--partition", "batch")
     (("requeue", *BASIC, "--", "--resume"), "drop --resume after `--`"),
     (("requeue", "--time", "5", "--partition", "batch", "--signal-seconds", "300"),
      "not shorter than --time 5"),
+    (("requeue", "--time", "2-0", "--partition", "batch", "--signal-seconds", "70000"),
+     "--signal-seconds must be 1..65535 (sbatch --signal's range), got 70000"),
+    (("cpu", *BASIC, "--log-dir", "$HOME/logs"), "sbatch does not expand environment variables"),
+    (("cpu", *BASIC, "--checkpoint-dir", "/scratch/a;b"), "without spaces, quotes or shell operators"),
+    (("cpu", *BASIC, "-o", "/nonexistent-dir/job.sbatch"), "-o /nonexistent-dir/job.sbatch: cannot "
+                                                           "write the script"),
 ])
 def test_render_rejects_bad_input(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
                                   message: str) -> None:
     status, out, err = render(capsys, *argv)
     assert status == 2 and out == ""
     assert message in err, err
+
+
+def test_render_into_a_device_leaves_its_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """-o /dev/null (as root) must not make /dev/null executable: only a regular file is chmod'ed."""
+    before = Path("/dev/null").stat().st_mode
+    status, out, err = render(capsys, "cpu", *BASIC, "-o", "/dev/null")
+    assert status == 0, err
+    assert Path("/dev/null").stat().st_mode == before
 
 
 @pytest.mark.parametrize("text, seconds", [
