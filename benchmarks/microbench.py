@@ -38,6 +38,7 @@ import hpcdl
 from collectives import ALGORITHMS, DTYPES, OPS
 from collectives.cost_model import ModelParams, predict
 from collectives.select import model_params
+from hpcdl.atomic_file import unwritable_file
 from hpcdl.info import mpi_library
 from hpcdl.tune import parse_bytes
 
@@ -306,6 +307,10 @@ def write_plot(path: str, results: list[Measurement], title: str) -> None:
 
 # -- command line --------------------------------------------------------------------------------
 
+#: File types --plot can write (matplotlib picks the format from the name).
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
+
+
 class BenchArgumentError(ValueError):
     """A bad command line or environment; the message says what to change."""
 
@@ -407,10 +412,16 @@ def check_args(args: argparse.Namespace, size: int) -> None:
                         f"-A {name} cannot run {c} {args.datatype} {args.op}"
                         f"{'' if in_place else ' out of place'}: {reason}; drop it or change "
                         "-d/-o/placement")
-    for flag in ("csv", "json", "plot"):
+    for flag in ("csv", "json", "plot"):  # written after the whole sweep: checked before it
         path = getattr(args, flag)
-        if path and not Path(path).resolve().parent.is_dir():
-            raise BenchArgumentError(f"--{flag} {path}: directory {Path(path).parent} does not exist")
+        problem = unwritable_file(path) if path is not None else None
+        if problem:
+            raise BenchArgumentError(f"--{flag} {path}: {problem}")
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
+        raise BenchArgumentError(f"--plot {args.plot}: matplotlib writes {', '.join(PLOT_FORMATS)} "
+                                 "files; name the file after one of them (e.g. bench.png)")
+    if args.algorithms and len(set(args.algorithms)) < len(args.algorithms):
+        raise BenchArgumentError(f"-A {' '.join(args.algorithms)}: an algorithm is named twice")
 
 
 def check_environment(args: argparse.Namespace, rank: int) -> None:

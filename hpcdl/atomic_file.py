@@ -41,3 +41,31 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def unwritable_file(path: str | os.PathLike[str], *, create_parent: bool = False) -> str | None:
+    """Why the file `path` cannot be written, or None (`create_parent`: make its directory).
+
+    For commands that write their output only after minutes of work (a benchmark's tables, a
+    tuning file, a training run's trace): checked before the work, so a typo costs nothing.
+    """
+    path = Path(path)
+    if path.is_dir():  # "" too: it is the current directory
+        return "is a directory; give the path of a file to write"
+    return unwritable_directory(path.resolve().parent, create=create_parent)
+
+
+def unwritable_directory(directory: str | os.PathLike[str], *, create: bool) -> str | None:
+    """Why files cannot be written in `directory` (created first if `create`), or None."""
+    directory = Path(directory)
+    try:
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+        elif not directory.is_dir():
+            return f"directory {directory} does not exist"
+        # Permission bits do not tell the whole story (root, read-only mounts): try it.
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        return f"cannot write in {directory} ({exc.strerror or exc})"
+    return None

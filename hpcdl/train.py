@@ -21,7 +21,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -32,6 +31,7 @@ from mpi4py import MPI
 import collectives
 
 from . import runtime
+from .atomic_file import unwritable_directory, unwritable_file
 
 ARGUMENT_ERROR = 2  # the exit status argparse uses for bad options
 #: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
@@ -130,7 +130,7 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
             if used:
                 errors.append(f"{flag} needs --checkpoint-dir DIR")
     elif not args.synthetic:
-        problem = _unwritable_directory(Path(args.checkpoint_dir), create=True)
+        problem = unwritable_directory(Path(args.checkpoint_dir), create=True)
         if problem:
             errors.append(f"--checkpoint-dir {args.checkpoint_dir}: {problem}")
     if args.metrics is not None:
@@ -139,33 +139,10 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
             errors.append(f"--metrics {args.metrics}: unknown format {suffix or '(no extension)'}; "
                           "name the file .csv, .jsonl or .json")
     for flag, path in (("--metrics", args.metrics), ("--timeline", args.timeline)):
-        problem = None if path is None else _unwritable_file(Path(path))
+        problem = None if path is None else unwritable_file(Path(path))
         if problem:
             errors.append(f"{flag} {path}: {problem}")
     return errors
-
-
-def _unwritable_file(path: Path) -> str | None:
-    """Why the file `path` cannot be written, or None: checked now, because the metrics file is
-    opened and the timeline written only once training has started or ended."""
-    if path.is_dir():
-        return "is a directory; give the path of a file to write"
-    return _unwritable_directory(path.resolve().parent, create=False)
-
-
-def _unwritable_directory(directory: Path, *, create: bool) -> str | None:
-    """Why files cannot be written in `directory` (created first if `create`), or None."""
-    try:
-        if create:
-            directory.mkdir(parents=True, exist_ok=True)
-        elif not directory.is_dir():
-            return f"directory {directory} does not exist"
-        # Permission bits do not tell the whole story (root, read-only mounts): try it.
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        return f"cannot write in {directory} ({exc.strerror or exc})"
-    return None
 
 
 def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:

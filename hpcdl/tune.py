@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .atomic_file import write_atomically
+from .atomic_file import unwritable_file, write_atomically
 
 #: Collectives `hpcdl tune` covers, in the order it prints them.
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -403,15 +403,26 @@ def sweep(collective: str, sizes: list[int], comm: Any, iterations: int) -> list
 def measured_row(records: list[dict[str, Any]], collective: str, size: int,
                  params: Any) -> dict[str, Any]:
     """The decision row for this rank count from measured times (bytes as `choose` sees them);
-    between two measured sizes the model places the switch (`cost_model.model_crossover`)."""
-    from collectives.cost_model import array_bytes, model_crossover, thresholds
+    between two measured sizes the model places the switch (`cost_model.model_crossover`), and
+    beyond the largest measured size the model decides alone: a sweep that stopped at 64 KiB
+    says nothing about 64 MiB, where a latency-bound winner can be several times too slow."""
+    from collectives.cost_model import DEFAULT_ROW_SIZES, array_bytes, decision_rows, model_crossover, thresholds
 
     times: dict[int, dict[str, float]] = {}
     for r in records:
         if r["collective"] == collective and r["valid"]:
             times.setdefault(array_bytes(collective, r["bytes"], size), {})[r["algorithm"]] = r["seconds"]
-    return {"min_ranks": size, "max_ranks": size,
-            "by_bytes": thresholds(times, HYSTERESIS, model_crossover(collective, size, params))}
+    by_bytes = thresholds(times, HYSTERESIS, model_crossover(collective, size, params))
+    largest = max(times, default=None)
+    beyond = [s for s in DEFAULT_ROW_SIZES if largest is not None and s > largest]
+    if beyond:
+        by_bytes[-1] = [largest, by_bytes[-1][1]]
+        for limit, name in decision_rows(collective, params, beyond, [size])[0]["by_bytes"]:
+            if by_bytes[-1][1] == name:  # the same algorithm on both sides: one entry
+                by_bytes[-1] = [limit, name]
+            else:
+                by_bytes.append([limit, name])
+    return {"min_ranks": size, "max_ranks": size, "by_bytes": by_bytes}
 
 
 #: A point-to-point size this far off the fitted line is reported as not fitting it.
@@ -562,6 +573,13 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if size < 2:
         print("hpcdl tune measures messages between ranks: run it under `mpirun -n 2` or more "
               "(or plan without measuring: `hpcdl tune --predict ...`)", file=sys.stderr)
+        return 2
+    # The file is written after minutes of measuring: a path that cannot take it fails now.
+    problem = comm.bcast(unwritable_file(args.output, create_parent=True) if rank == 0 else None,
+                         root=0)
+    if problem:
+        if rank == 0:
+            print(f"hpcdl tune: error: -o {args.output}: {problem}", file=sys.stderr)
         return 2
 
     def say(text: str = "") -> None:

@@ -263,6 +263,10 @@ BAD_ARGUMENTS = [
     (["-C", "reduce", "-r", "99"], "-r/--root 99 is out of range"),
     (["--csv", "/nonexistent-dir/x.csv"], "directory /nonexistent-dir does not exist"),
     (["--tuning-file", "/nonexistent-tuning.json"], "--tuning-file /nonexistent-tuning.json does not exist"),
+    # Written only after the sweep: refused before it.
+    (["--json", "/tmp"], "--json /tmp: is a directory"),
+    (["--plot", "bench.txt"], "--plot bench.txt: matplotlib writes .png"),
+    (["-A", "ring", "tree", "ring"], "-A ring tree ring: an algorithm is named twice"),
 ]
 if "bfloat16" in DTYPES:
     BAD_ARGUMENTS.append((["-C", "reduce", "-A", "mpi", "-d", "bfloat16"],

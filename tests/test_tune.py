@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from collectives import select
-from collectives.cost_model import ModelParams, best, predict
+from collectives.cost_model import ModelParams, array_bytes, best, predict
 from conftest import all_ranks_agree, shared_directory
 from hpcdl import tune
 
@@ -127,11 +127,31 @@ def test_measured_rows_use_the_bytes_choose_sees() -> None:
                                (1 << 20, "ring", 3.0), (1 << 20, "butterfly", 1.0))]
     records.append({"collective": "allgather", "bytes": 1 << 22, "algorithm": "ring",
                     "seconds": 0.1, "valid": False})  # wrong results never win
-    # The model (butterfly never dearer than ring for allgather at P=4) keeps the switch at the
-    # last size ring won.
+    # The switch stays at the last size ring won (1024 B per rank, as choose counts allgather's
+    # bytes); butterfly's measured win holds up to the largest measured size; the model decides
+    # beyond it.
     params = ModelParams(alpha=20e-6, beta=0.1e-9, gamma=0.05e-9, overhead=10e-6)
     row = tune.measured_row(records, "allgather", 4, params)
-    assert row == {"min_ranks": 4, "max_ranks": 4, "by_bytes": [[1024, "ring"], [None, "butterfly"]]}
+    largest = array_bytes("allgather", 1 << 20, 4)
+    assert (row["min_ranks"], row["max_ranks"]) == (4, 4) and row["by_bytes"][0] == [1024, "ring"]
+    assert select.row_choice([row], largest, 4) == "butterfly"
+    assert select.row_choice([row], 1 << 30, 4) == best("allgather", 4 << 30, 4, params)
+
+
+def test_measured_rows_leave_unmeasured_sizes_to_the_model() -> None:
+    """A sweep up to 64 KiB where tree won decides nothing at 64 MiB: the model does (ring)."""
+    from collectives.cost_model import best, model_bytes
+
+    records = [{"collective": "allreduce", "bytes": b, "algorithm": a, "seconds": t, "valid": True}
+               for b in (1024, 65536) for a, t in (("tree", 1.0), ("ring", 2.0), ("butterfly", 3.0),
+                                                   ("halving_doubling", 4.0))]
+    params = ModelParams(alpha=20e-6, beta=1e-9, gamma=0.05e-9, overhead=10e-6)
+    row = tune.measured_row(records, "allreduce", 3, params)
+    assert row["by_bytes"][0] == [65536, "tree"]  # measured: tree up to the largest measured size
+    assert select.row_choice([row], 65536, 3) == "tree"
+    for nbytes in (1 << 20, 64 << 20):  # beyond it, the model's choice
+        assert select.row_choice([row], nbytes, 3) == best("allreduce", model_bytes("allreduce", nbytes, 3),
+                                                           3, params) != "tree"
 
 
 # -- measuring under MPI ----------------------------------------------------------------------------
@@ -182,6 +202,19 @@ def test_sweep_writes_measured_rows_first(comm: MPI.Comm, tmp_path: Path,
     if comm.Get_rank() == 0:
         ok = ok and re.search(r"^broadcast\s+32 KiB scatter_allgather\s", out, re.M) is not None
     assert all_ranks_agree(ok), out
+
+
+@pytest.mark.mpi
+def test_an_output_that_cannot_be_written_is_refused_before_measuring(comm: MPI.Comm, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]
+                                                                      ) -> None:
+    if comm.Get_size() < 2:
+        pytest.skip("tune measures between ranks")
+    directory = shared_directory(tmp_path, comm)
+    status = tune.main(["-o", str(directory)])  # a directory, not a file
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or f"-o {directory}: is a directory" in err)
+    assert all_ranks_agree(ok, comm), err
 
 
 def test_fit_report_prices_piecewise_pairwise_exchanges_at_beta() -> None:
