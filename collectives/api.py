@@ -175,10 +175,10 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     if algorithm == "auto":
         try:  # an override or tuning file that only this rank sees must fail every rank together
             algorithm = choose(call.collective, n * src.dtype.itemsize, size,
-                               hand_written=dtype == "bfloat16" and call.collective in _REDUCING)
+                               hand_written=reducing and dtype == "bfloat16")
         except ValueError as exc:
             raise LocalArgumentError(str(exc)) from exc
-    if algorithm == "mpi" and dtype == "bfloat16" and call.collective in _REDUCING:
+    if algorithm == "mpi" and dtype == "bfloat16" and reducing:
         raise LocalArgumentError("the MPI library cannot reduce bfloat16; pick a hand-written algorithm")
     signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES[algorithm], OPS[call.op].code,
                  DTYPE_CODES[dtype], n, call.root,

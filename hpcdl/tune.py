@@ -613,8 +613,7 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
     error, document = None, None
     if rank == 0:  # only rank 0 writes and prints: the model's rows for every P are its work alone
         document = tuning_document(params, calibration, records, args.collectives, size, job)
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
+        try:  # its directory was made by the check before measuring
             text = json.dumps(document, indent=1) + "\n"
             write_atomically(output, lambda f: f.write(text.encode()))
         except OSError as exc:
