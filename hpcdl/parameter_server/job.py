@@ -87,7 +87,7 @@ class ParameterServer:
         self.layout = plan_layout([p.numel() for p in params], [p.element_size() for p in params],
                                   servers)
         workers = size - servers
-        rank = comm.Get_rank()
+        self.rank = rank = comm.Get_rank()
         self.server_ranks = list(range(workers, size))
         self.worker_ranks = list(range(workers))
         self.is_server = rank >= workers
@@ -117,7 +117,7 @@ class ParameterServer:
         if role is None:
             mine = "server" if self.is_server else "worker"
             raise RuntimeError(f"{call}() is for {'servers' if server else 'workers'}; rank "
-                               f"{self.comm.Get_rank()} is a {mine} (check ps.is_server)")
+                               f"{self.rank} is a {mine} (check ps.is_server)")
         return role
 
     # -- servers -------------------------------------------------------------------------------
