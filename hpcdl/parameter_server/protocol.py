@@ -13,7 +13,7 @@ sharding.ALIGN, so the data keeps its alignment).
     SAVE         worker -> server  step                                -                  32
     SAVED        server -> worker  version                             -                  32
     STATS        worker -> server  reset                               -                  32
-    STATS_REPLY  server -> worker  count, sum, max, version            HISTOGRAM_BINS int64  32 + 8 B
+    STATS_REPLY  server -> worker  count, sum, max, version            histogram          32 + 8 x 64
 
 - version: how many updates the shard has applied; a push carries the version of the parameters
   its gradient was computed from (the oldest, when it accumulates several steps), so the server
