@@ -1,0 +1,335 @@
+"""A server: one shard of the parameters, its optimizer, and the event loop that serves workers.
+
+The loop (`ShardServer.serve`) probes for the next message from any worker (`Improbe` on
+ANY_SOURCE and ANY_TAG), receives it into a buffer of the right kind, and acts on it:
+
+- PUSH: keep it as pending, then apply whatever the consistency model says is ready (one optimizer
+  step per update, on the weighted sum of the batch's gradients), recording each push's staleness;
+- PULL: answer with the shard (one message: header + bytes) if the model allows, else defer it
+  until an update or a clock change allows it;
+- DONE: the worker is gone; SAVE: a checkpoint barrier (when every active worker has asked, the
+  shard's state goes to `on_checkpoint` and every asker is acknowledged); STATS: the staleness.
+
+When no message is waiting it tests its outstanding sends and sleeps (waiting.Backoff): Open MPI
+here makes no progress in the background, so the server must poll, and it must not spin on a
+core it shares with the workers. Replies are sent straight from the shard's buffer (no copy), so
+before an update modifies the shard the server completes the replies in flight; workers post
+their receive before they ask, so that takes only this rank's own progress.
+
+When every worker has sent DONE the server applies what is still pending, completes its sends and
+returns. An error raises out of `serve()` on the server's rank (the runtime's abort hook then ends
+the job with the rank and traceback), and a malformed message is an error naming its sender.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .consistency import Async, Push, slowest
+from .optimizers import make_optimizer
+from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PUSH_CLOCK, PUSH_STEPS,
+                       RESET, STATS_VERSION, STEP, SUM, VERSION, Tag, header, header_message)
+from .sharding import Layout, segments
+from .staleness import Staleness, StalenessLog
+from .waiting import Backoff, wait_all
+
+#: on_checkpoint(step, state): called on each server when every worker asked for checkpoint `step`.
+_TAGS = {int(t) for t in Tag}
+CheckpointHook = Callable[[int, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """What a server did: pushes received and applied, updates (optimizer steps), pulls answered,
+    bytes it sent and received, the staleness of everything it applied since the last reset, and
+    the largest gap between a worker's clock and the slowest active clock when its pull was
+    answered (what SSP bounds)."""
+
+    pushes: int
+    updates: int
+    pulls: int
+    bytes_sent: int
+    bytes_received: int
+    staleness: Staleness
+    max_clock_gap: int
+
+
+class ShardServer:
+    """Server `index` of `layout`, for the workers at ranks `workers` of `comm`.
+
+    `params` are the model's parameters (their values at construction seed the shard), `dtypes`
+    their dtypes; `optimizer` is (name, keyword arguments) for `optimizers.make_optimizer`.
+    `record_events=True` keeps a list of every update and every answered pull in `events`, for
+    tests and analysis: ("update", version, [(worker, clock, version of the push, tau, weight)])
+    and ("answer", worker, clock, slowest active clock, version).
+    """
+
+    def __init__(self, comm: MPI.Comm, layout: Layout, index: int, params: Sequence[torch.Tensor],
+                 workers: Sequence[int], consistency: Async, optimizer: tuple[str, dict[str, Any]],
+                 *, timeout: float | None = None, record_events: bool = False) -> None:
+        self.comm = comm
+        self.layout = layout
+        self.shard = layout.shards[index]
+        self.consistency = consistency
+        self.timeout = timeout
+        dtypes = [p.dtype for p in params]
+        self._runs = segments(layout, self.shard, dtypes)
+        # The reply buffer: header, then the shard's values, which the optimizer updates in place.
+        self.message = torch.zeros(HEADER_BYTES + self.shard.nbytes, dtype=torch.uint8)
+        self._array = self.message.numpy()
+        with torch.no_grad():
+            for piece in self.shard.pieces:
+                size = layout.itemsizes[piece.param]
+                source = params[piece.param].detach().reshape(-1).view(torch.uint8)
+                start = HEADER_BYTES + piece.offset
+                self.message[start:start + (piece.stop - piece.start) * size].copy_(
+                    source[piece.start * size:piece.stop * size])
+        self.values = self._typed(self.message)
+        name, options = optimizer
+        self.optimizer = make_optimizer(name, self.values, **options)
+        self._combined = torch.zeros_like(self.message)
+        self.version = 0
+        self.workers = list(workers)
+        self.clocks = {w: 0 for w in self.workers}
+        self.active = set(self.workers)
+        self.pending: list[Push] = []
+        self._deferred: list[tuple[int, int]] = []  # (worker, clock) of pulls not yet answered
+        self._sends: list[tuple[MPI.Request, Any]] = []  # in flight, with the buffer they send
+        self._free: list[torch.Tensor] = []  # push buffers to reuse
+        self._saves: dict[int, int] = {}  # worker -> step of its SAVE
+        self.staleness = StalenessLog()
+        self.events: list[tuple[Any, ...]] | None = [] if record_events else None
+        self.last_checkpoint: tuple[int, dict[str, Any]] | None = None
+        self.pushes = self.updates = self.pulls = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.max_clock_gap = 0
+
+    def _typed(self, message: torch.Tensor) -> list[torch.Tensor]:
+        """The shard's runs inside `message` (header first), as tensors of their dtypes."""
+        return [message[HEADER_BYTES + offset:HEADER_BYTES + offset + length].view(dtype)
+                for dtype, offset, length in self._runs]
+
+    # -- the event loop ------------------------------------------------------------------------
+
+    def serve(self, on_checkpoint: CheckpointHook | None = None) -> ServerStats:
+        """Serve until every worker has sent DONE; then drain and return what was done.
+
+        `on_checkpoint(step, state)` receives this shard's `state_dict()` at each checkpoint the
+        workers ask for (write it to a file there); without it the latest is kept in
+        `last_checkpoint`. Raises TimeoutError when `timeout` seconds pass without a message
+        while workers are active.
+        """
+        backoff = Backoff()
+        status = MPI.Status()
+        heard_at = time.monotonic()
+        while self.active:
+            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if message is None:
+                self._reap_sends()
+                if self.timeout is not None and time.monotonic() - heard_at > self.timeout:
+                    raise TimeoutError(
+                        f"rank {self.comm.Get_rank()} (server {self.shard.index}): no message for "
+                        f"{self.timeout} s while workers {sorted(self.active)} are still active")
+                backoff.idle()
+                continue
+            backoff.reset()
+            heard_at = time.monotonic()
+            self._handle(message, status, on_checkpoint)
+        self._apply_ready(draining=True)
+        wait_all([request for request, _ in self._sends], "the server's last replies", self.timeout)
+        self._sends.clear()
+        return self.stats()
+
+    def _handle(self, message: MPI.Message, status: MPI.Status,
+                on_checkpoint: CheckpointHook | None) -> None:
+        source, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+        expected = HEADER_BYTES + self.shard.nbytes if tag == Tag.PUSH else HEADER_BYTES
+        if source not in self.clocks or tag not in _TAGS or nbytes != expected:
+            message.Recv([np.empty(max(nbytes, 1), dtype=np.uint8), MPI.BYTE])  # consume it
+            what = f"{Tag(tag).name} of {nbytes} bytes" if tag in _TAGS else f"tag {tag}"
+            raise RuntimeError(
+                f"rank {self.comm.Get_rank()} (server {self.shard.index}) got a message ({what}) "
+                f"from rank {source}; servers expect messages from the workers (ranks "
+                f"{self.workers}), a PUSH of {HEADER_BYTES + self.shard.nbytes} bytes or a "
+                f"{HEADER_BYTES}-byte request. Every rank must build the same ParameterServer.")
+        if tag == Tag.PUSH:
+            buffer = self._free.pop() if self._free else torch.empty_like(self.message)
+        else:
+            buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        message.Recv([buffer.numpy(), MPI.BYTE])
+        self.bytes_received += nbytes
+        fields = header(buffer.numpy())
+        if tag == Tag.PUSH:
+            self._on_push(Push(source, int(fields[VERSION]), int(fields[PUSH_CLOCK]),
+                               int(fields[PUSH_STEPS]), buffer))
+        elif tag == Tag.PULL:
+            self._deferred.append((source, int(fields[CLOCK])))
+            self._answer_deferred()
+        elif tag == Tag.DONE:
+            self.active.discard(source)
+            self._apply_ready()
+            self._answer_deferred()
+            self._check_saves(on_checkpoint)
+        elif tag == Tag.SAVE:
+            self._saves[source] = int(fields[STEP])
+            self._check_saves(on_checkpoint)
+        elif tag == Tag.STATS:
+            self._send_stats(source, reset=bool(fields[RESET]))
+        else:
+            raise RuntimeError(f"rank {self.comm.Get_rank()} (server {self.shard.index}): a worker "
+                               f"(rank {source}) sent {Tag(tag).name}, which only servers send")
+
+    def _on_push(self, push: Push) -> None:
+        if push.version > self.version:
+            raise RuntimeError(f"rank {self.comm.Get_rank()} (server {self.shard.index}): rank "
+                               f"{push.worker} pushed a gradient of version {push.version}, but "
+                               f"the shard is at version {self.version}; were the servers and "
+                               "workers resumed from the same checkpoint?")
+        self.pushes += 1
+        self.clocks[push.worker] = push.clock
+        self.pending.append(push)
+        self._apply_ready()
+        self._answer_deferred()
+
+    # -- updates -------------------------------------------------------------------------------
+
+    def _apply_ready(self, draining: bool = False) -> None:
+        while True:
+            batch = self.consistency.batch(self.pending, self.version, self.active, draining)
+            if batch is None:
+                return
+            indices, weights = batch
+            pushes = [self.pending[i] for i in indices]
+            chosen = set(indices)
+            self.pending = [p for i, p in enumerate(self.pending) if i not in chosen]
+            self._apply(pushes, weights)
+
+    @torch.no_grad()
+    def _apply(self, pushes: list[Push], weights: list[float]) -> None:
+        """One optimizer step on sum(weight * gradient) of `pushes`."""
+        self._finish_sends()  # the replies in flight read the shard this step changes
+        if len(pushes) == 1 and weights[0] == 1.0:
+            grads = self._typed(pushes[0].message)
+        else:
+            grads = self._typed(self._combined)
+            for i, grad in enumerate(grads):
+                grad.zero_()
+                for push, weight in zip(pushes, weights):
+                    grad.add_(self._typed(push.message)[i], alpha=weight)
+        for value, grad in zip(self.values, grads):
+            value.grad = grad
+        self.optimizer.step()
+        record = []
+        for push, weight in zip(pushes, weights):
+            tau = self.version - push.version
+            self.staleness.record(tau)
+            record.append((push.worker, push.clock, push.version, tau, weight))
+            self._free.append(push.message)
+        if self.events is not None:
+            self.events.append(("update", self.version, record))
+        self.version += 1
+        self.updates += 1
+        header(self._array)[VERSION] = self.version
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def _answer_deferred(self) -> None:
+        waiting, self._deferred = self._deferred, []
+        for worker, clock in waiting:
+            if self.consistency.may_answer(clock, self.clocks, self.active, self.version):
+                self._send_params(worker, clock)
+            else:
+                self._deferred.append((worker, clock))
+
+    def _send_params(self, worker: int, clock: int) -> None:
+        gap = clock - slowest(self.clocks, self.active, clock)
+        self.max_clock_gap = max(self.max_clock_gap, gap)
+        if self.events is not None:
+            self.events.append(("answer", worker, clock, clock - gap, self.version))
+        self._send(self._array, worker, Tag.PARAMS)
+        self.pulls += 1
+
+    def _send(self, buffer: np.ndarray, worker: int, tag: Tag) -> None:
+        self._sends.append((self.comm.Isend([buffer, MPI.BYTE], worker, tag), buffer))
+        self.bytes_sent += buffer.nbytes
+
+    def _reap_sends(self) -> None:
+        if self._sends:
+            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+    def _finish_sends(self) -> None:
+        if self._sends:
+            wait_all([r for r, _ in self._sends], "replies to workers", self.timeout)
+            self._sends.clear()
+
+    def _send_stats(self, worker: int, reset: bool) -> None:
+        reply = np.zeros(HEADER_BYTES + HISTOGRAM_BINS * 8, dtype=np.uint8)
+        fields = header(reply)
+        fields[COUNT], fields[SUM], fields[MAX] = (self.staleness.count, self.staleness.total,
+                                                  self.staleness.max)
+        fields[STATS_VERSION] = self.version
+        reply[HEADER_BYTES:].view(np.int64)[:] = self.staleness.histogram
+        self._send(reply, worker, Tag.STATS_REPLY)
+        if reset:
+            self.staleness = StalenessLog()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _check_saves(self, on_checkpoint: CheckpointHook | None) -> None:
+        """A checkpoint is taken once every active worker has asked for it (after its push)."""
+        if not self._saves or not self.active <= set(self._saves):
+            return
+        steps = sorted(set(self._saves.values()))
+        if len(steps) > 1:
+            raise RuntimeError(f"rank {self.comm.Get_rank()} (server {self.shard.index}): workers "
+                               f"asked for checkpoints at different steps {steps} "
+                               f"({self._saves}); every worker must call checkpoint(step) at the "
+                               "same step")
+        state = self.state_dict()
+        if on_checkpoint is None:
+            self.last_checkpoint = (steps[0], state)
+        else:
+            on_checkpoint(steps[0], state)
+        for worker in sorted(self._saves):
+            self._send(header_message(self.version), worker, Tag.SAVED)
+        self._saves.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of everything this shard needs to resume: values, version, optimizer state,
+        workers' clocks, pushes not yet applied (softsync) and the staleness counts."""
+        return {
+            "shard": self.shard.index, "servers": len(self.layout.shards), "nbytes": self.layout.nbytes,
+            "values": self.message[HEADER_BYTES:].clone(), "version": self.version,
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "clocks": dict(self.clocks),
+            "pending": [(p.worker, p.version, p.clock, p.steps, p.message.clone()) for p in self.pending],
+            "staleness": self.staleness.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` of this same shard (same servers and model); call before serve()."""
+        mine = (self.shard.index, len(self.layout.shards), self.layout.nbytes)
+        theirs = (state.get("shard"), state.get("servers"), state.get("nbytes"))
+        if mine != theirs:
+            raise ValueError(f"this checkpoint is of shard {theirs[0]} of {theirs[1]} over a "
+                             f"{theirs[2]}-byte model, but this server holds shard {mine[0]} of "
+                             f"{mine[1]} over {mine[2]} bytes; resume with the same servers and model")
+        with torch.no_grad():
+            self.message[HEADER_BYTES:].copy_(state["values"])
+        self.version = int(state["version"])
+        header(self._array)[VERSION] = self.version
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.clocks = {int(w): int(c) for w, c in state["clocks"].items()}
+        self.pending = [Push(w, v, c, s, m.clone()) for w, v, c, s, m in state["pending"]]
+        self.staleness.load_state_dict(state["staleness"])
+
+    def stats(self) -> ServerStats:
+        """What this server has done so far (see ServerStats)."""
+        return ServerStats(self.pushes, self.updates, self.pulls, self.bytes_sent,
+                           self.bytes_received, self.staleness.summary(), self.max_clock_gap)

@@ -1,0 +1,58 @@
+"""Waiting without taking a core: test, then sleep a little longer each time, up to a millisecond.
+
+Open MPI here has no asynchronous progress and the ranks share few cores: a rank blocked in
+`MPI_Wait` polls (with `mpi_yield_when_idle` it yields, but still competes for the core), which
+slows the very server or straggler it is waiting for. So servers and workers test their requests
+and, between tests, first only yield the core for YIELD_S (a reply that comes quickly is seen at
+once), then sleep, from IDLE_SLEEP_MIN doubling to IDLE_SLEEP_MAX: a message that arrives while a
+rank sleeps waits at most about a millisecond.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Sequence
+
+from mpi4py import MPI
+
+YIELD_S = 200e-6
+IDLE_SLEEP_MIN = 20e-6
+IDLE_SLEEP_MAX = 1e-3
+
+
+class Backoff:
+    """Waits that grow while nothing happens; `reset()` when something did.
+
+    For the first YIELD_S seconds of idleness a wait only yields the core (`os.sched_yield`: it
+    returns at once when no other process wants the core, so a quick reply is seen quickly);
+    after that it sleeps, IDLE_SLEEP_MIN doubling to IDLE_SLEEP_MAX.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.delay = IDLE_SLEEP_MIN
+        self.idle_since: float | None = None
+
+    def idle(self) -> None:
+        now = time.perf_counter()
+        if self.idle_since is None:
+            self.idle_since = now
+        if now - self.idle_since < YIELD_S:
+            os.sched_yield()
+            return
+        time.sleep(self.delay)
+        self.delay = min(2 * self.delay, IDLE_SLEEP_MAX)
+
+
+def wait_all(requests: Sequence[MPI.Request], what: str, timeout: float | None = None) -> None:
+    """Complete every request, sleeping between tests; TimeoutError naming `what` after `timeout` s."""
+    backoff = Backoff()
+    started = time.monotonic()
+    requests = list(requests)
+    while not MPI.Request.Testall(requests):
+        if timeout is not None and time.monotonic() - started > timeout:
+            raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what} did not finish within "
+                               f"{timeout} s")
+        backoff.idle()

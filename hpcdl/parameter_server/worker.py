@@ -1,0 +1,216 @@
+"""A worker's side of the parameter server: pull the shards into the model, push its gradients.
+
+Every exchange is with every server at once: receives are posted before the requests go out (so a
+server's reply never waits for this rank), and the worker then waits politely (waiting.wait_all)
+until all are done. One copy each way: a pull copies the received shards into the parameters, a
+push copies (or, accumulating several steps, adds) the gradients into per-server messages.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PUSH_CLOCK, PUSH_STEPS, SUM,
+                       VERSION, Tag, header, header_message)
+from .sharding import Layout
+from .staleness import Staleness, StalenessLog
+from .waiting import wait_all
+
+
+class WorkerClient:
+    """Pull/push for the model parameters `params` (those being trained, in a fixed order) laid out
+    by `layout` over the servers at ranks `servers` of `comm`.
+
+    `n_fetch`/`n_push` (Downpour): pull only every n_fetch-th step (in between the model keeps its
+    parameters) and push the sum of n_push steps' gradients, marked with the oldest version they
+    were computed from. `must_pull`: refuse a push without a pull since the previous one (the
+    synchronous models count on it). `slowdown` >= 1 stretches each step (pull to push) to that
+    many times its length by sleeping: the straggler of experiments.
+    """
+
+    def __init__(self, comm: MPI.Comm, layout: Layout, params: Sequence[torch.Tensor],
+                 servers: Sequence[int], *, n_fetch: int = 1, n_push: int = 1,
+                 must_pull: bool = False, slowdown: float = 1.0,
+                 timeout: float | None = None) -> None:
+        self.comm = comm
+        self.layout = layout
+        self.params = list(params)
+        self.servers = list(servers)
+        self.n_fetch, self.n_push = n_fetch, n_push
+        self.must_pull = must_pull
+        self.slowdown = slowdown
+        self.timeout = timeout
+        self._pulled = [torch.zeros(HEADER_BYTES + s.nbytes, dtype=torch.uint8) for s in layout.shards]
+        self._pushed = [torch.zeros(HEADER_BYTES + s.nbytes, dtype=torch.uint8) for s in layout.shards]
+        # (parameter index, element start, stop, its piece in the pulled and in the pushed message)
+        self._pieces = []
+        for shard, pulled, pushed in zip(layout.shards, self._pulled, self._pushed):
+            for piece in shard.pieces:
+                dtype, size = self.params[piece.param].dtype, layout.itemsizes[piece.param]
+                start = HEADER_BYTES + piece.offset
+                stop = start + (piece.stop - piece.start) * size
+                self._pieces.append((piece.param, piece.start, piece.stop,
+                                     pulled[start:stop].view(dtype), pushed[start:stop].view(dtype)))
+        self.clock = 0  # steps pushed (or accumulated)
+        self.versions = np.zeros(len(self.servers), dtype=np.int64)  # of the last pull, per shard
+        self._push_versions = self.versions.copy()  # of the oldest step accumulated
+        self._accumulated = 0
+        self._since_fetch: int | None = None  # steps since the last fetch; None: never fetched
+        self._pulled_since_push = False
+        self._step_started: float | None = None
+        self.closed = False
+        self.bytes_sent = self.bytes_received = 0
+
+    # -- pull and push -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Fetch every shard into the parameters, unless n_fetch says this step keeps them."""
+        self._check_open()
+        if self._since_fetch is None or self._since_fetch >= self.n_fetch:
+            receives = [self.comm.Irecv([m.numpy(), MPI.BYTE], server, Tag.PARAMS)
+                        for m, server in zip(self._pulled, self.servers)]
+            request = header_message(self.clock)
+            sends = [self.comm.Isend([request, MPI.BYTE], server, Tag.PULL) for server in self.servers]
+            wait_all(receives + sends, f"pull at clock {self.clock} from servers {self.servers}",
+                     self.timeout)
+            for k, message in enumerate(self._pulled):
+                self.versions[k] = header(message.numpy())[VERSION]
+            flats = [p.detach().view(-1) for p in self.params]
+            for param, start, stop, pulled, _ in self._pieces:
+                flats[param][start:stop].copy_(pulled)
+            self.bytes_sent += request.nbytes * len(self.servers)
+            self.bytes_received += sum(m.numel() for m in self._pulled)
+            self._since_fetch = 0
+        self._pulled_since_push = True
+        self._step_started = time.perf_counter()
+
+    @torch.no_grad()
+    def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
+        """Send this step's gradients (the parameters' `.grad`, or `grads` in parameter order; None
+        counts as zero) to every shard, or add them to those being accumulated (n_push)."""
+        self._check_open()
+        if self.must_pull and not self._pulled_since_push:
+            raise RuntimeError("call pull() before each push(): this consistency model counts "
+                               "steps by the pull-push pairs of every worker")
+        if self.slowdown > 1 and self._step_started is not None:
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - self._step_started))
+        if grads is None:
+            grads = [p.grad for p in self.params]
+        grads = list(grads)
+        if len(grads) != len(self.params):
+            raise ValueError(f"push got {len(grads)} gradients for {len(self.params)} parameters")
+        for i, (g, p) in enumerate(zip(grads, self.params)):
+            if g is not None and (g.shape != p.shape or g.dtype != p.dtype):
+                raise ValueError(f"gradient {i} has shape {tuple(g.shape)} and dtype {g.dtype}; its "
+                                 f"parameter has {tuple(p.shape)} and {p.dtype}")
+        flats = [None if g is None else g.detach().reshape(-1) for g in grads]
+        first = self._accumulated == 0
+        if first:
+            self._push_versions = self.versions.copy()
+        for param, start, stop, _, pushed in self._pieces:
+            flat = flats[param]
+            if flat is None:
+                if first:
+                    pushed.zero_()
+            elif first:
+                pushed.copy_(flat[start:stop])
+            else:
+                pushed.add_(flat[start:stop])
+        self._accumulated += 1
+        self.clock += 1
+        self._since_fetch = (self._since_fetch or 0) + 1
+        self._pulled_since_push = False
+        if self._accumulated >= self.n_push:
+            self._send_push()
+
+    def _send_push(self) -> None:
+        for k, message in enumerate(self._pushed):
+            fields = header(message.numpy())
+            fields[VERSION] = self._push_versions[k]
+            fields[PUSH_CLOCK] = self.clock
+            fields[PUSH_STEPS] = self._accumulated
+        sends = [self.comm.Isend([m.numpy(), MPI.BYTE], server, Tag.PUSH)
+                 for m, server in zip(self._pushed, self.servers)]
+        wait_all(sends, f"push at clock {self.clock} to servers {self.servers}", self.timeout)
+        self.bytes_sent += sum(m.numel() for m in self._pushed)
+        self._accumulated = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _request(self, tag: Tag, value: int, reply_tag: Tag, reply_bytes: int) -> list[np.ndarray]:
+        """Send a header-only request to every server; their replies, in server order."""
+        replies = [np.empty(reply_bytes, dtype=np.uint8) for _ in self.servers]
+        receives = [self.comm.Irecv([r, MPI.BYTE], server, reply_tag)
+                    for r, server in zip(replies, self.servers)]
+        request = header_message(value)
+        sends = [self.comm.Isend([request, MPI.BYTE], server, tag) for server in self.servers]
+        wait_all(receives + sends, f"{tag.name} to servers {self.servers}", self.timeout)
+        self.bytes_sent += request.nbytes * len(self.servers)
+        self.bytes_received += reply_bytes * len(self.servers)
+        return replies
+
+    def checkpoint(self, step: int) -> None:
+        """Ask every server to checkpoint its shard; returns once all have.
+
+        Every worker must call it at the same `step`, after its push and before its next pull: a
+        server takes the checkpoint when every active worker has asked, so the shards hold exactly
+        the pushes of steps up to `step` (sync and async alike). Then save `state_dict()` here.
+        """
+        self._check_open()
+        self._request(Tag.SAVE, step, Tag.SAVED, HEADER_BYTES)
+
+    def staleness(self, reset: bool = False) -> Staleness:
+        """The staleness every server recorded since its last reset, merged (each push counts once
+        per shard); `reset=True` starts a new window (ask from one worker only, e.g. per epoch)."""
+        self._check_open()
+        merged = StalenessLog()
+        for reply in self._request(Tag.STATS, int(reset), Tag.STATS_REPLY,
+                                   HEADER_BYTES + HISTOGRAM_BINS * 8):
+            fields = header(reply)
+            merged.merge(int(fields[COUNT]), int(fields[SUM]), int(fields[MAX]),
+                         reply[HEADER_BYTES:].view(np.int64))
+        return merged.summary()
+
+    def close(self) -> None:
+        """Push what is still accumulated, then tell every server this worker is done."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._accumulated:
+            self._send_push()
+        message = header_message(self.clock)
+        sends = [self.comm.Isend([message, MPI.BYTE], server, Tag.DONE) for server in self.servers]
+        wait_all(sends, f"DONE to servers {self.servers}", self.timeout)
+        self.bytes_sent += message.nbytes * len(self.servers)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this worker has closed its connection to the servers")
+
+    # -- resume --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's counters (and gradients accumulated but not yet pushed)."""
+        return {"clock": self.clock, "versions": self.versions.tolist(),
+                "push_versions": self._push_versions.tolist(), "accumulated": self._accumulated,
+                "since_fetch": self._since_fetch,
+                "pushed": [m.clone() for m in self._pushed] if self._accumulated else None,
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`. With n_fetch > 1 also restore the module's parameters: between
+        fetches they are the last fetched values, which the servers no longer hold."""
+        self.clock = int(state["clock"])
+        self.versions = np.array(state["versions"], dtype=np.int64)
+        self._push_versions = np.array(state["push_versions"], dtype=np.int64)
+        self._accumulated = int(state["accumulated"])
+        if state["pushed"] is not None:
+            for mine, saved in zip(self._pushed, state["pushed"]):
+                mine.copy_(saved)
+        self._since_fetch = state["since_fetch"]
+        self.bytes_sent, self.bytes_received = int(state["bytes_sent"]), int(state["bytes_received"])
