@@ -8,8 +8,8 @@ request_huge_pages()  # before torch's first allocation, wherever hpcdl is impor
 from .runtime import (Topology, abort, init, local_rank, local_size, rank, size,  # noqa: E402
                       thread_level, topology)
 
-__all__ = ["DistributedDataParallel", "Topology", "abort", "init", "local_rank", "local_size", "rank",
-           "size", "thread_level", "topology"]
+__all__ = ["DistributedDataParallel", "ProcessGrid", "Topology", "abort", "init", "local_rank",
+           "local_size", "optim", "parallel", "rank", "size", "thread_level", "topology"]
 __version__ = "0.1.0"
 
 
@@ -19,4 +19,12 @@ def __getattr__(name: str) -> Any:
         from .ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name == "ProcessGrid":
+        from .grid import ProcessGrid
+
+        return ProcessGrid
+    if name in ("parallel", "optim"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'hpcdl' has no attribute {name!r}")
