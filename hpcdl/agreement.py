@@ -23,8 +23,8 @@ def agreed_error(error: str | None, comm: MPI.Comm) -> str | None:
         return None
     if len(failing) == len(errors) and len(set(errors)) == 1:
         return failing[0][1]
-    if len({e for _, e in failing}) == 1:
-        return f"ranks {', '.join(str(r) for r, _ in failing)} of {len(errors)}: {failing[0][1]}"
+    if len(failing) > 1 and len({e for _, e in failing}) == 1:
+        return f"ranks {', '.join(str(r) for r, _ in failing)}: {failing[0][1]}"
     return "; ".join(f"rank {r}: {e}" for r, e in failing)
 
 
