@@ -451,3 +451,19 @@ def test_hybrid_pipeline_with_ddp_equals_one_process(comm, data):
     ok = all(e <= TOLERANCE for e in errors.values())
     ok = ok and _same_on_all(list(pipe.parameters()), grid.data)
     assert all_ranks_agree(ok, comm), errors
+
+
+def test_grid_needs_no_torch(comm, tmp_path):
+    """`import hpcdl` and the grid stay torch-free (hpcdl info and the runtime must not pay for it)."""
+    import os
+    import subprocess
+    import sys
+
+    ok = True
+    if comm.Get_rank() == 0:  # a fresh interpreter, started as a one-rank MPI job of its own
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+        code = ("import sys, hpcdl; hpcdl.ProcessGrid; import hpcdl.grid; "
+                "sys.exit('torch' in sys.modules)")
+        ok = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                            timeout=120).returncode == 0
+    assert all_ranks_agree(ok, comm)

@@ -49,6 +49,7 @@ from mpi4py import MPI
 
 import collectives
 
+from .. import runtime
 from ..agreement import check_same
 from ..grid import ProcessGrid
 from ..tensors import as_array
@@ -102,6 +103,7 @@ class Pipeline(torch.nn.Module):
                  micro_batches: int = 1,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
+        runtime.init()
         comm = grid.model if isinstance(grid, ProcessGrid) else grid
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"Pipeline: grid must be a hpcdl.ProcessGrid or an MPI communicator, "
@@ -125,6 +127,11 @@ class Pipeline(torch.nn.Module):
                 or not 1 <= micro_batches <= MAX_MICRO_BATCHES):
             raise ValueError(f"Pipeline: micro_batches must be an integer in 1..{MAX_MICRO_BATCHES}, "
                              f"got {micro_batches!r}")
+        if size > 1 and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            # Activations move on this thread while DDP's communication thread may be in MPI.
+            raise RuntimeError("Pipeline needs MPI_THREAD_MULTIPLE (MPI granted "
+                               f"{runtime.thread_level()}); call hpcdl.init() before anything "
+                               "else initializes MPI")
         self.index = comm.Get_rank()
         self.num_stages = size
         self.micro_batches = int(micro_batches)
