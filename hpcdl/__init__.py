@@ -8,23 +8,29 @@ request_huge_pages()  # before torch's first allocation, wherever hpcdl is impor
 from .runtime import (Topology, abort, init, local_rank, local_size, rank, size,  # noqa: E402
                       thread_level, topology)
 
-__all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "Topology", "abort", "init",
-           "local_rank", "local_size", "rank", "size", "thread_level", "topology"]
+__all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "ProcessGrid", "Topology",
+           "abort", "init", "local_rank", "local_size", "optim", "parallel", "rank", "size",
+           "thread_level", "topology"]
 __version__ = "0.1.0"
 
 
+#: Names imported on first use, so `import hpcdl` (the runtime, `hpcdl info`) never imports torch.
+_LAZY = {
+    "DistributedDataParallel": ".ddp",
+    "LocalSGD": ".local_sgd",
+    "ParameterServer": ".parameter_server",
+    "ProcessGrid": ".grid",
+    "optim": None,  # subpackages
+    "parallel": None,
+}
+
+
 def __getattr__(name: str) -> Any:
-    # torch is imported only by what needs it, so `hpcdl info` and the runtime stay torch-free.
-    if name == "DistributedDataParallel":
-        from .ddp import DistributedDataParallel
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hpcdl' has no attribute {name!r}")
+    import importlib
 
-        return DistributedDataParallel
-    if name == "LocalSGD":
-        from .local_sgd import LocalSGD
-
-        return LocalSGD
-    if name == "ParameterServer":
-        from .parameter_server import ParameterServer
-
-        return ParameterServer
-    raise AttributeError(f"module 'hpcdl' has no attribute {name!r}")
+    module = _LAZY[name]
+    if module is None:
+        return importlib.import_module(f".{name}", __name__)
+    return getattr(importlib.import_module(module, __name__), name)

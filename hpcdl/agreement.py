@@ -1,17 +1,31 @@
-"""Argument checks that fail on every rank together, before anything communicates.
+"""Errors every rank raises together: what one rank finds wrong, all ranks hear about.
 
-A strategy constructed with a bad option on one rank must not leave the other ranks waiting in
-their first message. So each rank checks its own arguments into a list of messages, and
-`raise_unless_agreed` gathers every rank's messages and a description of what it was given; if any
-rank found a problem, or the ranks were given different things, every rank raises the same error.
-
-Cost: one `allgather` of a few pickled Python values per construction (not per step).
+A check that fails on some ranks only (a bad option, arguments that differ between ranks, a
+pipeline stage that raised) would leave the others waiting in their next message. So each rank
+collects its own findings, and one small allgather (a few pickled Python values, per construction
+or per failure, never per step) gives every rank the same verdict and the same message.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from mpi4py import MPI
+
+
+def agreed_error(error: str | None, comm: MPI.Comm) -> str | None:
+    """Collective: None if no rank of `comm` has an error, else one message, the same everywhere.
+
+    The message is the error shared by every failing rank, or each failing rank's own error
+    tagged with its rank in `comm`.
+    """
+    return _message(comm.allgather(([] if error is None else [error], {})))
+
+
+def raise_together(error: str | None, comm: MPI.Comm, exc_type: type[Exception] = ValueError) -> None:
+    """Collective: raise `exc_type` on every rank of `comm` if any rank has an error."""
+    message = agreed_error(error, comm)
+    if message is not None:
+        raise exc_type(message)
 
 
 def raise_unless_agreed(what: str, errors: list[str], given: dict[str, Any], comm: MPI.Comm,
@@ -22,7 +36,18 @@ def raise_unless_agreed(what: str, errors: list[str], given: dict[str, Any], com
     The message starts with `what` (e.g. "LocalSGD"); an error seen by some ranks only is prefixed
     with those ranks, and a differing option names its value on rank 0 and on the first other rank.
     """
-    per_rank = comm.allgather((list(errors), given))
+    message = _message(comm.allgather((list(errors), given)))
+    if message is not None:
+        raise exc_type(f"{what}: {message}")
+
+
+def check_same(what: str, values: dict[str, Any], comm: MPI.Comm) -> None:
+    """Collective: raise ValueError on every rank unless every rank passed equal `values`."""
+    raise_unless_agreed(what, [], values, comm)
+
+
+def _message(per_rank: list[tuple[list[str], dict[str, Any]]]) -> str | None:
+    """The verdict on every rank's (errors, arguments): None if all is well."""
     everywhere = [e for e in per_rank[0][0] if all(e in mine for mine, _ in per_rank)]
     messages = list(everywhere)
     for e in dict.fromkeys(e for mine, _ in per_rank for e in mine if e not in everywhere):
@@ -36,7 +61,6 @@ def raise_unless_agreed(what: str, errors: list[str], given: dict[str, Any], com
             details = "; ".join(f"{name} {reference.get(name)!r} on rank 0, {theirs.get(name)!r} "
                                 f"on rank {r}" for name in differing)
             messages.append(f"ranks were given different arguments ({details}); every rank must "
-                            "pass the same ones")
+                            "pass the same arguments")
             break
-    if messages:
-        raise exc_type(f"{what}: " + "; ".join(messages))
+    return "; ".join(messages) if messages else None

@@ -1,0 +1,4 @@
+"""Distributed optimizers that are more than averaged gradients: Sandblaster L-BFGS."""
+from .sandblaster import DistributedLBFGS
+
+__all__ = ["DistributedLBFGS"]
