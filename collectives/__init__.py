@@ -5,18 +5,38 @@
     h = iallreduce(grad, out=grad); ...; h.wait()
 
 Never imports torch. See docs/algorithms.md for every algorithm's steps and bytes on the wire.
+The API (and with it mpi4py, which initializes MPI) is imported on first use, so the cost model
+and the registry can be read without starting MPI (`hpcdl tune --predict`).
 """
-from .algorithms import ALGORITHMS
-from .api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce,
-                  ireduce_scatter, reduce, reduce_scatter)
-from .buffers import cuda_aware, set_device_runtime
-from .engine import CommunicationError, Handle
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import CollectiveArgumentError, CommunicationError, ConcurrentUseError
 from .ops import DTYPES, OPS
 from .partition import partition_counts
-from .validation import CollectiveArgumentError
+from .registry import ALGORITHMS, COLLECTIVES
+
+_LAZY = {
+    **{name: "api" for name in ("allgather", "allreduce", "broadcast", "iallgather", "iallreduce",
+                                "ibroadcast", "ireduce", "ireduce_scatter", "reduce",
+                                "reduce_scatter")},
+    "Handle": "engine",
+    "cuda_aware": "buffers",
+    "set_device_runtime": "buffers",
+}
 
 __all__ = [
-    "ALGORITHMS", "DTYPES", "OPS", "CollectiveArgumentError", "CommunicationError", "Handle",
-    "allgather", "allreduce", "broadcast", "cuda_aware", "iallgather", "iallreduce", "ibroadcast",
-    "ireduce", "ireduce_scatter", "partition_counts", "reduce", "reduce_scatter", "set_device_runtime",
+    "ALGORITHMS", "COLLECTIVES", "DTYPES", "OPS", "CollectiveArgumentError", "CommunicationError",
+    "ConcurrentUseError", "partition_counts", *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'collectives' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

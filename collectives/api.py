@@ -1,37 +1,52 @@
 """Public collectives: blocking functions and their non-blocking `i*` twins.
 
-Blocking calls run on the caller's thread; `i*` calls queue to the communication thread
-(`engine.py`) and return a `Handle`. Each runs on a private duplicate of `comm`, so its messages
-never match the caller's own. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go
-through the communication thread too, so only one thread ever calls MPI.
+Blocking calls run on the caller's thread; `i*` calls queue to their communicator's communication
+thread (`engine.py`) and return a `Handle` at once. Each runs on a private duplicate of `comm`
+(one for blocking calls, one for the communication thread), so its messages never match the
+caller's own. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go through the
+communication thread too, so only one thread ever calls MPI.
 
-Every call checks its arguments on every rank together (`validation.py`) before moving data.
+Every call checks its arguments on every rank together (`validation.py`) before moving data,
+along with its call number on the communicator, so ranks that are out of step are told so.
 Results are written in place when `out` is the input (or for `broadcast`), else into `out`, else
 into a new array on the input's device.
+
+A blocking pairs only with the same blocking call on the other ranks, never with an `i*` twin.
+Calls on one communicator must come from one thread at a time: a call made while another thread's
+call on the same communicator is under way raises `ConcurrentUseError` on both threads.
+
+The small-message path: a host allreduce of at most `packet.PAYLOAD_BYTES` whose algorithm rides in
+the check (butterfly) travels inside the check's own messages, with everything around it planned
+once per call signature (`_FusedPlan`), so the call costs one butterfly plus a few microseconds.
 """
 from __future__ import annotations
 
 import numbers
+import os
+import sys
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms import ALGORITHM_CODES, ALGORITHMS, FINISH_IN_LAST_COMBINE
-from .buffers import Buffer, UnusableArray, as_buffer, cuda_aware, device_runtime, flat_view
-from .engine import ENGINE, Handle
+from .buffers import Buffer, as_buffer, cuda_aware, device_runtime
+from .engine import Engine, Handle
+from .errors import CollectiveArgumentError, ConcurrentUseError, LocalArgumentError
 from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
-from .partition import partition_offsets
+from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, STATUS
+from .plans import Layout, Request, row_major
+from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
 from .select import choose
 from .transport import Link, ScratchPool
-from .validation import (PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, Agreement, LocalArgumentError,
-                         check_choice)
+from .validation import Agreement, Packet, check_choice
 
-COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "reduce": 5}
-_REDUCING = ("allreduce", "reduce_scatter", "reduce")
 _ALGORITHM_CHOICES = {name: {"auto", *table} for name, table in ALGORITHMS.items()}
+#: Tags of a call's own messages: 1..MAX_TAG, from its call number (the check uses tag 0). MPI
+#: guarantees tags up to 32767.
+_MAX_TAG = 32766
 
 
 @dataclass
@@ -43,6 +58,33 @@ class _Call:
     algorithm: str
     out: Any
     root: int = 0
+    site: tuple[int, str] = (0, "")  # `_call_site`, set as the call is issued
+
+
+#: Whether calls carry their call site in the check (`packet.FIELDS`); HPCDL_CHECK_CALL_SITES=0
+#: turns it off for programs whose ranks deliberately pair calls made from different lines.
+CHECK_CALL_SITES = os.environ.get("HPCDL_CHECK_CALL_SITES", "1").strip().lower() not in (
+    "0", "false", "no", "off")
+_SITES: dict[tuple[Any, int], tuple[int, str]] = {}
+
+
+def _call_site(depth: int = 3) -> tuple[int, str]:
+    """Where the caller's program made this call: a fingerprint, the same on every rank for the
+    same line of the same function, and its text for messages; (0, "") when not checked.
+
+    `depth`: frames between this function and the caller of the public function (the public
+    function and `_blocking`/`_submit`).
+    """
+    if not CHECK_CALL_SITES:
+        return 0, ""
+    frame = sys._getframe(depth)
+    key = (frame.f_code, frame.f_lineno)
+    found = _SITES.get(key)
+    if found is None:
+        code = frame.f_code
+        text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        found = _SITES[key] = (zlib.crc32(text.encode()) + 1, text)
+    return found
 
 
 @dataclass
@@ -50,119 +92,208 @@ class _Plan:
     """A call whose local arguments passed: what to run, on which working array."""
 
     algorithm: str
-    signature: list[int]
+    signature: list[int]  # without the call number
     source: Buffer
-    result: Any  # what the caller gets back
-    work: Any | None  # flat array the algorithm runs in place on; None: scratch of the input's size
-    fill: Callable[[Link, Any], None] | None  # before the algorithm: put the input into `work`
-    finish: Callable[[Link, Any], None] | None  # after it: avg, copy a block out, ...
-    args: tuple[Any, ...]
+    layout: Layout
 
 
-# -- communicators and per-thread state -----------------------------------------------------------
+# -- communicators -------------------------------------------------------------------------------
 
-_dups_lock = threading.Lock()  # guards _dup_locks
-_dup_locks: dict[int, threading.Lock] = {}  # per communicator handle: who makes its duplicates
-_thread_state = threading.local()
-# The private duplicates live on the user's communicator as an MPI attribute, so they go away
-# with it: a cache keyed by handle would hand a freed communicator's duplicates to whatever new
-# communicator MPI gives the same handle.
-_DUPS_KEYVAL = MPI.Comm.Create_keyval()
+class _Duplicate:
+    """The private duplicate of a user's communicator, made with a non-blocking Idup issued at its
+    first use (in the caller's program order, so every rank issues it alike) and completed by
+    whichever thread first needs it: an `i*` call never blocks, even the first on a communicator."""
+
+    def __init__(self, comm: MPI.Comm, nonblocking: bool) -> None:
+        self._lock = threading.Lock()
+        if nonblocking:
+            self._comm, self._request = comm.Idup()
+        else:  # below MPI_THREAD_MULTIPLE: made by the engine, the only thread that calls MPI
+            self._comm, self._request = None, None
+            self._parent = comm
+
+    def get(self) -> MPI.Comm:
+        if self._request is not None or self._comm is None:
+            with self._lock:
+                if self._comm is None:
+                    self._comm = self._parent.Dup()
+                if self._request is not None:
+                    self._request.Wait()
+                    self._request = None
+        return self._comm
 
 
-def _private_comm(comm: MPI.Comm, role: str) -> MPI.Comm:
-    """The duplicate of `comm` used for calls of `role` ("blocking" or "engine").
+class _Lane:
+    """How one thread talks on a communicator's duplicate (blocking calls on the caller's thread,
+    `i*` calls on the communication thread), and what is cached for it. The two lanes of a
+    communicator never run at once (`_Channel.drain`), but each keeps its own buffers."""
 
-    Both duplicates are made together, at the first use of `comm`, by the thread whose turn it
-    is to call collectives on it, so every rank makes them in the same order.
+    def __init__(self, dup: _Duplicate, patient: Callable[[], bool] | None) -> None:
+        self._dup = dup
+        self.patient = patient
+        self.scratch = ScratchPool()
+        self.fused: dict[tuple[Any, ...], _FusedPlan | None] = {}
+        self._links: dict[tuple[Any, ...], Link] = {}
+        self._agreement: Agreement | None = None
+
+    @property
+    def agreement(self) -> Agreement:
+        if self._agreement is None:
+            self._agreement = Agreement(self._dup.get(), patient=self.patient)
+        return self._agreement
+
+    def link(self, op: str, src: Buffer, finishes: bool, tag: int) -> Link:
+        """A `Link` for one call, reused across calls alike in op, device and runtime."""
+        runtime = device_runtime() if src.on_device else None
+        aware = src.on_device and cuda_aware()
+        key = (op, src.on_device, aware, finishes, id(runtime))
+        link = self._links.get(key)
+        if link is None or link.runtime is not runtime:  # a runtime swapped in since
+            link = self._links[key] = Link(
+                self._dup.get(), OPS[op], src.xp, on_device=src.on_device, cuda_aware=aware,
+                runtime=runtime, scratch=self.scratch, patient=self.patient, finishes_blocks=finishes)
+        link.tag = tag
+        return link
+
+
+class _Channel:
+    """A user's communicator as the collectives use it: its private duplicate, its call counter,
+    the thread issuing a call on it, and its communication thread.
+
+    Every call on a communicator, blocking or not, runs on the one duplicate in the order it was
+    issued, as MPI orders them: a blocking call first waits for the `i*` calls issued before it.
+    So the k-th call of every rank meets the k-th call of every other, and a rank that skipped a
+    call is found out by the check at the first call that differs (`packet.FIELDS`).
     """
-    dups = comm.Get_attr(_DUPS_KEYVAL)
-    if dups is None:
-        # One lock per communicator, not one for all: Dup is collective, so two threads making
-        # the duplicates of two communicators under one lock deadlock when ranks take it in
-        # different orders (thread A's Dup waits for a peer whose thread B holds the lock).
-        with _dups_lock:
-            lock = _dup_locks.setdefault(comm.py2f(), threading.Lock())
-        with lock:
-            dups = comm.Get_attr(_DUPS_KEYVAL)
-            if dups is None:
-                dups = {"blocking": comm.Dup(), "engine": comm.Dup()}
-                comm.Set_attr(_DUPS_KEYVAL, dups)
-    return dups[role]
+
+    def __init__(self, comm: MPI.Comm, multiple: bool) -> None:
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.calls = 0  # the number of the last call issued on this communicator
+        self.busy = threading.Lock()  # held while a thread issues a call
+        self.issuer = ""  # name of the thread holding `busy`
+        self.intruders: list[str] = []  # threads that called while `busy` was held
+        self.last: Handle | None = None  # the last `i*` call issued
+        dup = _Duplicate(comm, nonblocking=multiple)
+        self.engine = Engine(f"hpcdl-comm-{comm.py2f()}") if multiple else _serial_engine()
+        self.background = _Lane(dup, self.engine.nobody_waiting)
+        # Below MPI_THREAD_MULTIPLE only the engine may call MPI: blocking calls go through it too.
+        self.blocking = _Lane(dup, None) if multiple else self.background
+
+    def enter(self) -> int:
+        """Start issuing a call from this thread; its call number. Raises ConcurrentUseError if
+        another thread is issuing one."""
+        if not self.busy.acquire(blocking=False):
+            me = threading.current_thread().name
+            self.intruders.append(me)
+            raise ConcurrentUseError(
+                f"thread {me!r} called a collective on a communicator while thread "
+                f"{self.issuer!r} was in a call on it; MPI requires the calls on a communicator to "
+                "come in one order, which two threads cannot keep. Give each thread its own "
+                "communicator (comm.Dup()).")
+        self.issuer = threading.current_thread().name
+        self.calls += 1
+        return self.calls
+
+    def leave(self) -> None:
+        """End the call `enter` started; raises ConcurrentUseError if another thread intruded."""
+        intruders, self.intruders = self.intruders, []
+        self.issuer = ""
+        self.busy.release()
+        if intruders:
+            raise ConcurrentUseError(
+                f"thread(s) {', '.join(repr(t) for t in intruders)} called collectives on this "
+                f"communicator while thread {threading.current_thread().name!r} was in a call on "
+                "it (that call itself completed); give each thread its own communicator "
+                "(comm.Dup()).")
+
+    def drain(self) -> None:
+        """Wait until every `i*` call issued on this communicator has finished (whatever its
+        outcome, which its own handle reports): a blocking call runs only after them."""
+        last = self.last
+        if last is not None and not last.done():
+            last.settled()
 
 
-def _scratch() -> ScratchPool:
-    pool = getattr(_thread_state, "scratch", None)
-    if pool is None:
-        pool = _thread_state.scratch = ScratchPool()
-    return pool
+_serial: Engine | None = None
+_serial_lock = threading.Lock()
 
 
-def _patience() -> Callable[[], bool] | None:
-    """How this thread's links wait (`Link.patient`): on the communication thread, politely while
-    no caller is blocked on a handle; elsewhere by blocking in MPI."""
-    return ENGINE.nobody_waiting if ENGINE.is_comm_thread() else None
+def _serial_engine() -> Engine:
+    global _serial
+    with _serial_lock:
+        if _serial is None:
+            _serial = Engine("hpcdl-comm")
+        return _serial
 
 
-def _next_tag(dup: MPI.Comm) -> int:
-    # A tag per call separates consecutive collectives' messages even if an algorithm's pattern
-    # would let one overtake another. Tags stay below the MPI minimum upper bound (32767).
-    counters = getattr(_thread_state, "tags", None)
-    if counters is None:
-        counters = _thread_state.tags = {}
-    seq = counters.get(dup.py2f(), 0) + 1
-    counters[dup.py2f()] = seq
-    return seq % 32767
+def _forget_channel(comm: MPI.Comm, keyval: int, channel: _Channel) -> None:
+    # The user's communicator is being freed: its communication thread ends after what is queued.
+    if channel.engine is not _serial:
+        channel.engine.stop(timeout=0)
 
 
-def _thread_multiple() -> bool:
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+# The channel lives on the user's communicator as an MPI attribute, so it goes away with it: a
+# cache keyed by handle would hand a freed communicator's channel to whatever new communicator MPI
+# gives the same handle.
+_CHANNEL_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_forget_channel)
+_channel_lock = threading.Lock()
+_world: _Channel | None = None
+
+
+def _channel(comm: MPI.Comm | None) -> _Channel:
+    """The channel of `comm` (None: MPI.COMM_WORLD), made at its first use."""
+    global _world
+    if _world is not None and comm is None:
+        return _world
+    if MPI.Is_finalized():
+        raise RuntimeError("MPI has been finalized: no collective can run any more (call "
+                           "collectives before MPI.Finalize, or before hpcdl shuts MPI down at exit)")
+    target = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(target, MPI.Comm):
+        raise TypeError(f"comm must be an mpi4py communicator, got {type(target).__name__}")
+    channel = target.Get_attr(_CHANNEL_KEYVAL) if target != MPI.COMM_NULL else None
+    if channel is None:
+        if target == MPI.COMM_NULL:
+            raise CollectiveArgumentError("comm is MPI.COMM_NULL: this rank is not in the group; "
+                                          "call collectives only on ranks of the communicator")
+        if target.Is_inter():
+            # Every rank of an inter-communicator sees this, so every rank raises it.
+            raise CollectiveArgumentError(
+                "inter-communicators are not supported: the hand-written algorithms combine the "
+                "ranks of one group; merge the groups with comm.Merge() (an intra-communicator) "
+                "or use mpi4py's own collectives on the inter-communicator")
+        with _channel_lock:
+            channel = target.Get_attr(_CHANNEL_KEYVAL)
+            if channel is None:
+                channel = _Channel(target, MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+                target.Set_attr(_CHANNEL_KEYVAL, channel)
+    if comm is None:
+        _world = channel
+    return channel
 
 
 # -- planning: local checks and working buffers --------------------------------------------------
 
-def _check_out(out: Buffer, src: Buffer, count: int, what: str) -> None:
-    if out.dtype != src.dtype:
-        raise LocalArgumentError(f"out has dtype {out.dtype}, but {what} needs {src.dtype}")
-    if out.count != count:
-        raise LocalArgumentError(f"out has {out.count} elements, but {what} needs {count}")
-    if out.on_device != src.on_device:
-        raise LocalArgumentError("out and the input must both be on the host or both on the device")
-
-
-def _address(flat: Any) -> int:
-    iface = getattr(flat, "__cuda_array_interface__", None) or flat.__array_interface__
-    return int(iface["data"][0])
-
-
-def _same_memory(a: Buffer, b: Buffer) -> bool:
-    return a.on_device == b.on_device and _address(a.flat) == _address(b.flat)
-
-
-def _new_array(src: Buffer, shape: tuple[int, ...]) -> Any:
-    return src.xp.empty(shape, dtype=src.dtype)
-
-
 def _plan(call: _Call, rank: int, size: int) -> _Plan:
-    """Check this rank's arguments and decide the working buffers; raise LocalArgumentError.
+    """Check this rank's arguments and lay out the working buffers; raise LocalArgumentError.
 
     Runs on the caller's thread, with no communication, so device arrays are wrapped (and
     their producing stream waited for) in the caller's stream context.
     """
     check_choice("op", call.op, OPS)
     check_choice("algorithm", call.algorithm, _ALGORITHM_CHOICES[call.collective])
+    collective = COLLECTIVES[call.collective]
     in_place = call.out is call.x
     try:
         src = as_buffer(call.x)
         out = src if in_place else as_buffer(call.out) if call.out is not None else None
-    except (UnusableArray, TypeError) as exc:
-        raise LocalArgumentError(str(exc)) from exc
-    reducing = call.collective in _REDUCING
-    dtype = dtype_name(src.dtype, moved_only=not reducing)
+    except Exception as exc:  # noqa: BLE001 - any refusal must reach the other ranks as an error
+        raise LocalArgumentError(str(exc) or type(exc).__name__) from exc
+    dtype = dtype_name(src.dtype, moved_only=not collective.reducing)
     if dtype is None:
-        accepted = sorted(DTYPES) if reducing else sorted([*DTYPES, *MOVED_DTYPES])
+        accepted = sorted(DTYPES) if collective.reducing else sorted([*DTYPES, *MOVED_DTYPES])
         also = (f" (allgather and broadcast, which only move elements, also take "
-                f"{', '.join(sorted(MOVED_DTYPES))})" if reducing else "")
+                f"{', '.join(sorted(MOVED_DTYPES))})" if collective.reducing else "")
         raise LocalArgumentError(f"dtype {src.dtype} is not supported by {call.collective}; use one "
                                  f"of {', '.join(accepted)}{also}")
     if not isinstance(call.root, numbers.Integral) or isinstance(call.root, bool):
@@ -172,13 +303,13 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
         raise LocalArgumentError(f"root {call.root} is out of range for {size} ranks (0..{size - 1})")
     n = src.count
     algorithm = call.algorithm
+    hand_written = collective.reducing and dtype == "bfloat16"
     if algorithm == "auto":
         try:  # an override or tuning file that only this rank sees must fail every rank together
-            algorithm = choose(call.collective, n * src.dtype.itemsize, size,
-                               hand_written=reducing and dtype == "bfloat16")
+            algorithm = choose(call.collective, n * src.dtype.itemsize, size, hand_written=hand_written)
         except ValueError as exc:
             raise LocalArgumentError(str(exc)) from exc
-    if algorithm == "mpi" and dtype == "bfloat16" and reducing:
+    if algorithm == "mpi" and hand_written:
         raise LocalArgumentError("the MPI library cannot reduce bfloat16; pick a hand-written algorithm")
     signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES[algorithm], OPS[call.op].code,
                  DTYPE_CODES[dtype], n, call.root,
@@ -194,196 +325,190 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
         if not getattr(buffer.array.flags, "writeable", True):  # CuPy arrays are always writable
             raise LocalArgumentError(("out" if buffer is out and not in_place else "x") +
                                      " is read-only, but the result is written into it")
-    op = OPS[call.op]
-    # Every rank's algorithm works on the elements in row-major (C) order, whatever the layout of
-    # its arrays: ranks may pass C and Fortran arrays to one call, and the elements that meet must
-    # be the same logical ones. A row-major array is worked on where it lies; any other layout is
-    # copied into row-major scratch first and back afterwards.
-
-    def copy_input(link: Link, work: Any) -> None:
-        if _row_major(src.array):
-            link.copy(work, src.flat)
-        else:
-            link.copy(work.reshape(src.shape), src.array)
-
-    def copy_back(target: Any, then: Callable[[Link, Any], None] | None = None
-                  ) -> Callable[[Link, Any], None]:
-        def finish(link: Link, work: Any) -> None:
-            if then is not None:
-                then(link, work)
-            link.copy(target, work.reshape(target.shape))
-        return finish
-
-    if call.collective in ("allreduce", "reduce"):
-        rooted = call.collective == "reduce"
-        produces = not rooted or rank == call.root
-        if out is not None:
-            _check_out(out, src, n, call.collective)
-            if out.shape != src.shape:
-                raise LocalArgumentError(f"out has shape {out.shape}, but the input has {src.shape}")
-
-        def average(link: Link, work: Any) -> None:
-            if produces and not link.finishes_blocks:
-                op.finalize(link.xp, work, size)
-
-        args: tuple[Any, ...] = (call.root,) if rooted else ()
-        if not produces:  # a non-root rank of reduce combines in scratch, leaving x intact
-            return _Plan(algorithm, signature, src, None, None, copy_input, None, args)
-        in_input = in_place or out is not None and _same_memory(out, src)
-        if in_input:
-            result, target = call.out, src.array
-        elif out is not None:
-            result, target = call.out, out.array
-        else:  # the input's layout, like numpy.empty_like
-            result = target = src.xp.empty_like(src.array)
-        if not _row_major(target):
-            return _Plan(algorithm, signature, src, result, None, copy_input,
-                         copy_back(target, average), args)
-        if in_input:
-            return _Plan(algorithm, signature, src, result, src.flat, None, average, args)
-
-        def copy_logically(link: Link, work: Any) -> None:  # the input may be laid out differently
-            link.copy(target, src.array)
-
-        return _Plan(algorithm, signature, src, result, flat_view(target), copy_logically, average,
-                     args)
-
-    if call.collective == "broadcast":
-        if out is not None:
-            raise LocalArgumentError("broadcast works in place on x; it takes no out")
-        if not _row_major(src.array):
-            return _Plan(algorithm, signature, src, call.x, None, copy_input, copy_back(src.array),
-                         (call.root,))
-        return _Plan(algorithm, signature, src, call.x, src.flat, None, None, (call.root,))
-
-    if call.collective == "reduce_scatter":
-        offsets = partition_offsets(n, size)
-        mine = offsets[rank + 1] - offsets[rank]
-        if out is not None:
-            _check_out(out, src, mine, "reduce_scatter on this rank")
-        result = call.out if out is not None else _new_array(src, (mine,))
-        target = out.array if out is not None else result
-
-        def take_block(link: Link, work: Any) -> None:
-            block = work[offsets[rank]:offsets[rank + 1]]
-            if not link.finishes_blocks:
-                op.finalize(link.xp, block, size)
-            link.copy(target, block.reshape(target.shape))
-
-        return _Plan(algorithm, signature, src, result, None, copy_input, take_block, (offsets,))
-
-    # allgather: rank r's input becomes block r of a (size, *x.shape) result
-    offsets = [i * n for i in range(size + 1)]
-    if out is not None:
-        _check_out(out, src, size * n, "allgather")
-    result = call.out if out is not None else _new_array(src, (size, *src.shape))
-    logical = src.array.reshape(-1)  # row-major, whatever the input's layout (a copy only if F-order)
-
-    def place_input(link: Link, work: Any) -> None:
-        link.copy(work[offsets[rank]:offsets[rank + 1]], logical)
-
-    if out is not None and not _row_major(out.array):
-        return _Plan(algorithm, signature, src, result, _new_array(src, (size * n,)), place_input,
-                     copy_back(out.array), (offsets,))
-    return _Plan(algorithm, signature, src, result, out.flat if out is not None else result.reshape(-1),
-                 place_input, None, (offsets,))
+    layout = collective.plan(Request(src, None if in_place else out, call.x, call.out, in_place,
+                                     OPS[call.op], rank, size, call.root))
+    return _Plan(algorithm, signature, src, layout)
 
 
-def _row_major(array: Any) -> bool:
-    """Whether `array`'s memory order is its row-major element order (so its flat view is)."""
-    return bool(array.flags.c_contiguous)
+def _prepare(call: _Call, channel: _Channel) -> tuple[_Plan | None, str | None]:
+    """The local half of a call: its plan, or the error to share with the other ranks."""
+    try:
+        return _plan(call, channel.rank, channel.size), None
+    except LocalArgumentError as exc:
+        return None, f"{call.collective}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a rank that raised alone would strand its peers
+        return None, f"{call.collective}: {type(exc).__name__}: {exc}"
 
 
 # -- execution -----------------------------------------------------------------------------------
 
-def _agreement(dup: MPI.Comm, pool: ScratchPool) -> Agreement:
-    agreements = getattr(_thread_state, "agreements", None)
-    if agreements is None:
-        agreements = _thread_state.agreements = {}
-    key = dup.py2f()
-    found = agreements.get(key)
-    if found is None:
-        found = agreements[key] = Agreement(
-            dup, pool, patient=_patience())
-    return found
+def _rides_in_check(collective: str, algorithm: str, on_device: bool, nbytes: int) -> bool:
+    """Whether a call's data travels inside its argument check: a function of the checked
+    signature alone, so ranks whose headers agree take the same path."""
+    return (ALGORITHMS[collective][algorithm].rides_in_check and not on_device
+            and nbytes <= PAYLOAD_BYTES)
 
 
-def _prepare(call: _Call, dup: MPI.Comm) -> tuple[_Plan | None, str | None]:
-    """The local half of a call: its plan, or the error to share with the other ranks."""
-    try:
-        return _plan(call, dup.Get_rank(), dup.Get_size()), None
-    except LocalArgumentError as exc:
-        return None, f"{call.collective}: {exc}"
-
-
-def _execute(call: _Call, dup: MPI.Comm, plan: _Plan | None, error: str | None) -> Any:
+def _execute(call: _Call, lane: _Lane, number: int, plan: _Plan | None, error: str | None) -> Any:
     """The collective half: cross-check with every rank, then run the algorithm.
 
-    Runs on the thread that owns `dup` (the caller's for blocking calls, the engine's for `i*`);
-    scratch memory comes from that thread's pool.
+    Runs on the lane's thread (the caller's for blocking calls, the engine's for `i*`); scratch
+    memory comes from that lane.
     """
-    pool = _scratch()
-    tag = _next_tag(dup)
-    op = OPS.get(call.op)
-    # A small host butterfly allreduce travels inside the argument check's own exchange (every
-    # rank's buffers are in host memory then: placement is part of the checked signature).
-    fused = (plan is not None and plan.algorithm == "butterfly" and call.collective == "allreduce"
-             and not plan.source.on_device and plan.source.flat.nbytes <= PAYLOAD_BYTES)
-    reduced = _agreement(dup, pool).run(
-        tag, call.collective,
-        plan.signature if plan else [COLLECTIVE_CODES[call.collective]] + [0] * (SIGNATURE_FIELDS - 1),
-        error,
-        payload=_row_major_flat(plan.source) if fused else None, op=op)  # type: ignore[union-attr]
-    assert plan is not None and op is not None  # else run() raised on every rank
-    src = plan.source
-    link = Link(dup, op, src.xp, on_device=src.on_device,
-                cuda_aware=src.on_device and cuda_aware(),
-                runtime=device_runtime() if src.on_device else None, scratch=pool, tag=tag,
-                patient=_patience(),
-                finishes_blocks=(call.collective, plan.algorithm) in FINISH_IN_LAST_COMBINE)
-    work = plan.work if plan.work is not None else \
-        pool.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
-    if reduced is not None:
-        np.copyto(work, reduced)
+    site, where = call.site
+    if plan is None:
+        signature = [COLLECTIVE_CODES[call.collective]] + [0] * (SIGNATURE_FIELDS - 3) + [site, number]
+        lane.agreement.check(call.collective, signature, error, where)
+        raise AssertionError("unreachable: the check raises on every rank")  # pragma: no cover
+    src, layout = plan.source, plan.layout
+    described = ALGORITHMS[call.collective][plan.algorithm]
+    link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
+    work = layout.work if layout.work is not None else \
+        lane.scratch.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
+    rides = _rides_in_check(call.collective, plan.algorithm, src.on_device,
+                            src.count * src.dtype.itemsize)
+    if rides:  # the data goes with the check: fill first, then one exchange does both
+        if layout.fill is not None:
+            layout.fill(link, work)
+        key = ("signature", *plan.signature)
+        fused = lane.fused.get(key)
+        if fused is None:
+            fused = lane.fused[key] = _FusedPlan(plan.signature, src.dtype, (src.count,), call.op,
+                                                 link.size)
+        np.copyto(work, fused.reduce(lane, number, call.site, work))
     else:
-        if plan.fill is not None:
-            plan.fill(link, work)
-        ALGORITHMS[call.collective][plan.algorithm](link, work, *plan.args)
-    if plan.finish is not None:
-        plan.finish(link, work)
-    return plan.result
+        lane.agreement.check(call.collective, [*plan.signature, site, number], error, where)
+        if layout.fill is not None:
+            layout.fill(link, work)
+        described.run(link, work, *layout.args)
+    if layout.finish is not None:
+        layout.finish(link, work)
+    return layout.result
 
 
-def _row_major_flat(src: Buffer) -> Any:
-    """The input's elements in row-major order, as every rank's algorithm sees them."""
-    return src.flat if _row_major(src.array) else src.xp.ascontiguousarray(src.array).reshape(-1)
+class _FusedPlan:
+    """A small host allreduce whose data rides in the argument check: everything about it that
+    does not change from call to call, decided once per call signature."""
+
+    def __init__(self, signature: list[int], dtype: np.dtype, shape: tuple[int, ...], op: str,
+                 size: int) -> None:
+        self.signature = signature
+        self.packet = Packet(dtype, shape)
+        self.packet.set_header([*signature, 0, 0], False)
+        self.combine = getattr(np, OPS[op].ufunc)
+        self.op = OPS[op]
+        self.size = size
+
+    def reduce(self, lane: _Lane, number: int, site: tuple[int, str], data: Any) -> np.ndarray:
+        """Check the call and reduce `data` (shaped like the payload) over all ranks in the same
+        exchange; returns the packet's payload, holding the reduction (before avg's division)."""
+        packet = self.packet
+        header = packet.header
+        header[CALL_SITE] = site[0]
+        header[CALL_NUMBER] = number
+        header[STATUS] = 0
+        np.copyto(packet.payload, data)
+        agreement = lane.agreement
+        if not agreement.exchange(packet, self.combine):
+            raise agreement.failure("allreduce", [*self.signature, site[0], number], None, site[1])
+        return packet.payload
+
+    def run(self, lane: _Lane, number: int, site: tuple[int, str], x: np.ndarray,
+            in_place: bool) -> Any:
+        """The whole call for a C-ordered host array `x`."""
+        result = self.reduce(lane, number, site, x)
+        if self.op.divide_by_size:
+            self.op.finalize(np, result, self.size)
+        if in_place:
+            np.copyto(x, result)
+            return x
+        return result.copy()
 
 
-def _run(call: _Call, role: str) -> Any:
-    """Plan, cross-check and run `call` on the current thread, on `comm`'s `role` duplicate."""
-    dup = _private_comm(call.comm if call.comm is not None else MPI.COMM_WORLD, role)
-    return _execute(call, dup, *_prepare(call, dup))
+def _fused_plan(lane: _Lane, channel: _Channel, x: np.ndarray, op: str, algorithm: str,
+                in_place: bool) -> _FusedPlan | None:
+    """The fused plan for an allreduce of `x`, or None where the call takes the general path
+    (a larger or unusual call, or one whose error the general path reports)."""
+    key: tuple[Any, ...] = (x.dtype, x.shape, x.strides, op, algorithm, in_place)
+    if algorithm == "auto":  # what auto picks can change with these (tests change them)
+        key += (os.environ.get("HPCDL_ALGORITHM_ALLREDUCE"), os.environ.get("HPCDL_TUNING_FILE"))
+    try:
+        return lane.fused[key]
+    except KeyError:
+        pass
+    plan = None
+    dtype = dtype_name(x.dtype)
+    if (dtype is not None and op in OPS and x.nbytes <= PAYLOAD_BYTES and x.flags.c_contiguous
+            and algorithm in _ALGORITHM_CHOICES["allreduce"]):
+        try:
+            chosen = algorithm if algorithm != "auto" else choose(
+                "allreduce", x.nbytes, channel.size, hand_written=dtype == "bfloat16")
+        except ValueError:
+            chosen = None
+        if chosen is not None and _rides_in_check("allreduce", chosen, False, x.nbytes):
+            signature = [COLLECTIVE_CODES["allreduce"], ALGORITHM_CODES[chosen], OPS[op].code,
+                         DTYPE_CODES[dtype], x.size, 0, PLACEMENTS["host memory"]]
+            plan = _FusedPlan(signature, x.dtype, x.shape, op, channel.size)
+    lane.fused[key] = plan
+    return plan
+
+
+def _run_now(call: _Call, channel: _Channel, lane: _Lane, number: int) -> Any:
+    """Run `call` on the current thread, on `lane`."""
+    if call.collective == "allreduce" and type(call.x) is np.ndarray and (
+            call.out is None or (call.out is call.x and call.x.flags.writeable)):
+        fused = _fused_plan(lane, channel, call.x, call.op, call.algorithm, call.out is not None)
+        if fused is not None:
+            return fused.run(lane, number, call.site, call.x, call.out is not None)
+    return _execute(call, lane, number, *_prepare(call, channel))
 
 
 def _blocking(call: _Call) -> Any:
-    if _thread_multiple() or ENGINE.is_comm_thread():
-        return _run(call, "blocking")
-    return _submit(call).wait()
+    channel = _channel(call.comm)
+    call.site = _call_site()
+    number = channel.enter()
+    try:
+        if channel.blocking is not channel.background or channel.engine.is_comm_thread():
+            channel.drain()
+            result = _run_now(call, channel, channel.blocking, number)
+        else:  # below MPI_THREAD_MULTIPLE only the engine calls MPI
+            result = _queue(call, channel, number).wait()
+    finally:
+        channel.leave()
+    return result
 
 
-def _submit(call: _Call) -> Handle:
+def _queue(call: _Call, channel: _Channel, number: int) -> Handle:
     level = MPI.Query_thread()
     if level < MPI.THREAD_SERIALIZED:
         raise RuntimeError(
             "non-blocking collectives need MPI initialized with at least MPI_THREAD_SERIALIZED; "
             "call hpcdl.init() (or let mpi4py initialize MPI) before anything else initializes it")
-    if level < MPI.THREAD_MULTIPLE:  # only the engine may call MPI: it does everything
-        return ENGINE.submit(call.collective, lambda: _run(call, "engine"))
-    # Communicator duplication and buffer wrapping happen here, in the caller's program order and
-    # stream context; only the communication is left to the engine.
-    dup = _private_comm(call.comm if call.comm is not None else MPI.COMM_WORLD, "engine")
-    plan, error = _prepare(call, dup)
-    return ENGINE.submit(call.collective, lambda: _execute(call, dup, plan, error))
+    lane = channel.background
+    if lane is channel.blocking:  # serialized: the engine plans too, as only it may call MPI
+        return channel.engine.submit(call.collective, lambda: _run_now(call, channel, lane, number))
+    if call.collective == "allreduce" and type(call.x) is np.ndarray and (
+            call.out is None or (call.out is call.x and call.x.flags.writeable)):
+        fused = _fused_plan(lane, channel, call.x, call.op, call.algorithm, call.out is not None)
+        if fused is not None:
+            x, in_place, site = call.x, call.out is not None, call.site
+            return channel.engine.submit(call.collective,
+                                         lambda: fused.run(lane, number, site, x, in_place))
+    # Buffer wrapping happens here, in the caller's program order and stream context; only the
+    # communication is left to the engine.
+    plan, error = _prepare(call, channel)
+    return channel.engine.submit(call.collective, lambda: _execute(call, lane, number, plan, error))
+
+
+def _submit(call: _Call) -> Handle:
+    channel = _channel(call.comm)
+    call.site = _call_site()
+    number = channel.enter()
+    try:
+        handle = channel.last = _queue(call, channel, number)
+    finally:
+        channel.leave()
+    return handle
 
 
 # -- public API ----------------------------------------------------------------------------------
@@ -394,8 +519,9 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
 
     `out=x` reduces in place. Algorithms: ring, butterfly, tree, halving_doubling, mpi, auto.
     Cost (N bytes, P ranks): ring 2(P-1) alpha + 2(P-1)/P N beta + (P-1)/P N gamma;
-    butterfly log2 P (alpha + N beta + N gamma); tree 2 log2 P alpha + 2 log2 P N beta;
-    halving_doubling 2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma (docs/algorithms.md).
+    butterfly log2 P (alpha + N beta + N gamma), in the argument check's own messages up to
+    4 KiB on the host; tree 2 log2 P alpha + 2 log2 P N beta; halving_doubling
+    2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma (docs/algorithms.md).
     """
     return _blocking(_Call("allreduce", x, comm, op, algorithm, out))
 
@@ -444,7 +570,7 @@ def iallreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorit
                out: Any = None) -> Handle:
     """Non-blocking `allreduce`: queued to the communication thread; `wait()` returns the result.
 
-    Do not touch `x` or `out` until the handle is done.
+    Returns at once. Do not touch `x` or `out` until the handle is done.
     """
     return _submit(_Call("allreduce", x, comm, op, algorithm, out))
 

@@ -23,7 +23,8 @@ from mpi4py import MPI
 from .api import allreduce
 from .cost_model import ModelParams, cost
 from .ops import DTYPES, OPS
-from .transport import PIECEWISE_BYTES, Link, ScratchPool, pieces_of
+from .partition import PIECEWISE_BYTES, pieces_of
+from .transport import Link, ScratchPool
 
 #: Message sizes for alpha and beta: from latency-bound to well past one pipelined piece. 1 MiB
 #: is the largest message sent whole (`transport.PIECEWISE_BYTES`): beta_pairwise's line ends there.

@@ -19,9 +19,10 @@ where the counts are taken along the call's critical path (`Cost`), and
 
 The counts follow the implementations in `algorithms/`, not the textbook, where they differ:
 
-- every call first runs the cross-rank argument check (`validation.py`): a butterfly allreduce
-  of a 400-byte packet, log2 P' rounds plus 2 fold messages when P is not a power of two; a host
-  butterfly allreduce of at most 256 bytes rides in it and costs nothing more;
+- every call first runs the cross-rank argument check (`validation.py`): a butterfly over the
+  packet header (`packet.py`), log2 P' rounds plus 2 fold messages when P is not a power of two; a
+  host butterfly allreduce of at most `packet.PAYLOAD_BYTES` rides in it (`Algorithm.rides_in_check`)
+  and costs only its bytes in those messages and their combining;
 - a step that combines what it receives (ring reduce-scatter steps, butterfly and halving rounds)
   moves its data in pieces of `transport.SEGMENT_BYTES`, one alpha per piece; a step that only
   moves data (all-gather steps, doubling rounds) is one message, or one per piece when it is over
@@ -40,22 +41,20 @@ Sizes follow nccl-tests: `nbytes` is the per-rank buffer for allreduce, broadcas
 whole input for reduce_scatter and the whole (gathered) output for allgather. `select.choose` sees
 the bytes of the array the caller passes, which for allgather is 1/P of that: `model_bytes`
 converts. `mpi` (the MPI library's own collective) has no formula here: `cost`/`predict` raise
-ValueError for it and `best` never considers it. Pure arithmetic: no MPI calls. Formulas and their
-derivation: docs/cost_model.md.
+ValueError for it and `best` never considers it. Pure arithmetic: no MPI calls, and importing it
+starts no MPI. Each algorithm's formula lives next to its code (`Algorithm.cost`, in the vocabulary
+of `cost.py`); the API's copies next to the collective's planner (`Collective.copies`). Formulas and
+their derivation: docs/cost_model.md.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
-from .algorithms import ALGORITHMS
-from .partition import partition_counts
-from .transport import PIECEWISE_BYTES, SEGMENT_BYTES, pieces_of
-from .validation import HEADER_BYTES, PAYLOAD_BYTES
-
-#: Bytes of the argument check's packet, exchanged in every round of its butterfly.
-CHECK_BYTES = HEADER_BYTES + PAYLOAD_BYTES
+from .cost import Cost, check
+from .packet import PAYLOAD_BYTES
+from .registry import ALGORITHMS, COLLECTIVES, modelled
 
 #: The MPI library's own algorithm: not modelled (its choice is the library's, not ours).
 UNMODELLED = "mpi"
@@ -113,236 +112,10 @@ class ModelParams:
         return values
 
 
-@dataclass(frozen=True)
-class Cost:
-    """What a call does on its critical path: messages, bytes sent (priced at beta, or at
-    beta_pairwise when two ranks exchange a plain message with each other), bytes combined and
-    bytes copied."""
-
-    messages: float = 0
-    wire_bytes: float = 0
-    reduced_bytes: float = 0
-    copied_bytes: float = 0
-    pairwise_bytes: float = 0
-
-    def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.messages + other.messages, self.wire_bytes + other.wire_bytes,
-                    self.reduced_bytes + other.reduced_bytes, self.copied_bytes + other.copied_bytes,
-                    self.pairwise_bytes + other.pairwise_bytes)
-
-    def __mul__(self, k: float) -> "Cost":
-        return Cost(k * self.messages, k * self.wire_bytes, k * self.reduced_bytes,
-                    k * self.copied_bytes, k * self.pairwise_bytes)
-
-    __rmul__ = __mul__
-
-    def seconds(self, params: ModelParams) -> float:
-        """Time of these counts, without the per-call overhead."""
-        return (self.messages * params.alpha + self.wire_bytes * params.beta
-                + self.pairwise_bytes * params.pairwise
-                + (self.reduced_bytes + self.copied_bytes) * params.gamma)
-
-
-NOTHING = Cost()
-
-
-# -- building blocks ----------------------------------------------------------------------------
-
-def _log2_pof2(size: int) -> tuple[int, int]:
-    """(log2 P', R) with P' the largest power of two <= P and R = P - P'."""
-    rounds = size.bit_length() - 1
-    return rounds, size - (1 << rounds)
-
-
-def _tree_rounds(size: int) -> int:
-    """ceil(log2 P): the rounds of a binomial tree over P ranks."""
-    return (size - 1).bit_length()
-
-
-def _combining_step(count: int, itemsize: int, pairwise: bool) -> Cost:
-    """One `sendrecv_combine` of `count` elements: a message per piece, bytes sent and combined.
-
-    One piece is a plain Sendrecv (pairwise when the peer sends back); several are pipelined
-    Isend/Irecv pieces, priced at beta either way.
-    """
-    nbytes = count * itemsize
-    pieces = pieces_of(count, itemsize)[1]
-    if pieces == 1 and pairwise:
-        return Cost(1, reduced_bytes=nbytes, pairwise_bytes=nbytes)
-    return Cost(pieces, nbytes, nbytes)
-
-
-def _message(nbytes: int, pairwise: bool = False) -> Cost:
-    """One message of `nbytes` (a send, or one direction of a sendrecv), nothing combined;
-    `pairwise` when the rank it goes to sends to this rank at the same time."""
-    return Cost(1, pairwise_bytes=nbytes) if pairwise else Cost(1, nbytes)
-
-
-def _exchange(nbytes: int, pairwise: bool = False) -> Cost:
-    """One direction of a `Link.sendrecv` that moves data without combining it: one message, or
-    over PIECEWISE_BYTES a message per SEGMENT_BYTES piece, all posted at once (at the link rate,
-    like pipelined pieces, whoever sends back)."""
-    if nbytes > PIECEWISE_BYTES:
-        return Cost(-(-nbytes // SEGMENT_BYTES), nbytes)
-    return _message(nbytes, pairwise)
-
-
-def _fold(nbytes_in: int, nbytes_out: int, size: int) -> Cost:
-    """fold_in (the even rank's data to its odd partner, combined) and fold_out (back), if any."""
-    if _log2_pof2(size)[1] == 0:
-        return NOTHING
-    return Cost(1, nbytes_in, nbytes_in) + _message(nbytes_out)
-
-
-def _largest_aligned_sum(counts: Sequence[int], width: int) -> int:
-    """The largest sum of `width` consecutive counts starting at a multiple of `width`.
-
-    That is the first window: every caller passes non-increasing counts (`partition_counts`
-    gives the larger blocks first, `_folded_blocks` puts the folded pairs first), and summing
-    only it keeps `decision_rows` over thousands of rank counts from being O(P) per round.
-    """
-    return sum(counts[:width])
-
-
-def check_cost(size: int) -> Cost:
-    """The argument check every call makes: a butterfly allreduce of the 400-byte packet."""
-    if size == 1:
-        return NOTHING
-    rounds, _ = _log2_pof2(size)
-    return _fold(CHECK_BYTES, CHECK_BYTES, size) + rounds * _combining_step(CHECK_BYTES, 1, True)
-
-
-# -- the algorithms -----------------------------------------------------------------------------
-# Each takes (elements, size, itemsize) in the nccl-tests convention of its collective and returns
-# the algorithm's own Cost (the check and the API's copies are added by `cost`).
-
-def _ring_reduce_scatter(n: int, size: int, itemsize: int) -> Cost:
-    largest = max(partition_counts(n, size))
-    # With 2 ranks the left and right neighbours are the same rank: each step is an exchange.
-    return (size - 1) * _combining_step(largest, itemsize, size == 2)
-
-
-def _ring_allgather_blocks(largest: int, size: int, itemsize: int) -> Cost:
-    return (size - 1) * _exchange(largest * itemsize, size == 2)
-
-
-def _ring_allreduce(n: int, size: int, itemsize: int) -> Cost:
-    largest = max(partition_counts(n, size))
-    return _ring_reduce_scatter(n, size, itemsize) + _ring_allgather_blocks(largest, size, itemsize)
-
-
-def _butterfly_allreduce(n: int, size: int, itemsize: int) -> Cost:
-    nbytes = n * itemsize
-    if nbytes <= PAYLOAD_BYTES:  # rides in the argument check's own exchange
-        return NOTHING
-    rounds, _ = _log2_pof2(size)
-    return _fold(nbytes, nbytes, size) + rounds * _combining_step(n, itemsize, True)
-
-
-def _tree_allreduce(n: int, size: int, itemsize: int) -> Cost:
-    return _tree_reduce(n, size, itemsize) + _tree_broadcast(n, size, itemsize)
-
-
-def _halving(counts: Sequence[int], itemsize: int) -> Cost:
-    """Recursive halving over P' blocks: round k swaps P'/2^k blocks and combines them."""
-    cost, half = NOTHING, len(counts) >> 1
-    while half:
-        cost += _combining_step(_largest_aligned_sum(counts, half), itemsize, True)
-        half >>= 1
-    return cost
-
-
-def _doubling(counts: Sequence[int], itemsize: int) -> Cost:
-    """Recursive doubling all-gather over P' blocks: round k sends the 2^k blocks held so far."""
-    cost, width = NOTHING, 1
-    while width < len(counts):
-        cost += _exchange(_largest_aligned_sum(counts, width) * itemsize, True)
-        width <<= 1
-    return cost
-
-
-def _halving_doubling_allreduce(n: int, size: int, itemsize: int) -> Cost:
-    rounds, _ = _log2_pof2(size)
-    blocks = partition_counts(n, 1 << rounds)
-    nbytes = n * itemsize
-    return _fold(nbytes, nbytes, size) + _halving(blocks, itemsize) + _doubling(blocks, itemsize)
-
-
-def _folded_blocks(counts: Sequence[int], size: int) -> list[int]:
-    """Block sizes per new rank after the fold: new rank i < R holds real blocks 2i and 2i+1."""
-    rounds, rem = _log2_pof2(size)
-    return [counts[2 * i] + counts[2 * i + 1] if i < rem else counts[i + rem]
-            for i in range(1 << rounds)]
-
-
-def _halving_reduce_scatter(n: int, size: int, itemsize: int) -> Cost:
-    counts = partition_counts(n, size)
-    folded = _fold(n * itemsize, counts[0] * itemsize, size)  # returns the even rank's block only
-    return folded + _halving(_folded_blocks(counts, size), itemsize)
-
-
-def _butterfly_allgather(n: int, size: int, itemsize: int) -> Cost:
-    per_rank = n // size
-    doubling = _doubling(_folded_blocks([per_rank] * size, size), itemsize)
-    if _log2_pof2(size)[1] == 0:
-        return doubling
-    # Fold in: the even rank's block to its partner (nothing to combine); fold out: the whole
-    # gathered buffer back.
-    return _message(per_rank * itemsize) + doubling + _message(n * itemsize)
-
-
-def _ring_allgather(n: int, size: int, itemsize: int) -> Cost:
-    return _ring_allgather_blocks(n // size, size, itemsize)
-
-
-def _tree_broadcast(n: int, size: int, itemsize: int) -> Cost:
-    return _tree_rounds(size) * _message(n * itemsize)
-
-
-def _scatter_allgather_broadcast(n: int, size: int, itemsize: int) -> Cost:
-    counts = partition_counts(n, size)
-    # Binomial scatter: relative rank 1 is served last by the root, after all its L sends, which
-    # carry everything but the root's own block; every other rank's path is a subset of that.
-    scatter = Cost(_tree_rounds(size), (n - counts[0]) * itemsize)
-    return scatter + _ring_allgather_blocks(counts[0], size, itemsize)
-
-
-def _tree_reduce(n: int, size: int, itemsize: int) -> Cost:
-    nbytes = n * itemsize
-    return _tree_rounds(size) * Cost(1, nbytes, nbytes)
-
-
-def _reduce_scatter_gather_reduce(n: int, size: int, itemsize: int) -> Cost:
-    counts = partition_counts(n, size)
-    # The root (rank 0) posts P-1 receives at once: one message each, all through its own link.
-    gather = Cost(size - 1, (n - counts[0]) * itemsize)
-    return _ring_reduce_scatter(n, size, itemsize) + gather
-
-
-_ALGORITHM_COSTS: dict[str, dict[str, Callable[[int, int, int], Cost]]] = {
-    "allreduce": {"ring": _ring_allreduce, "butterfly": _butterfly_allreduce,
-                  "tree": _tree_allreduce, "halving_doubling": _halving_doubling_allreduce},
-    "reduce_scatter": {"ring": _ring_reduce_scatter, "halving_doubling": _halving_reduce_scatter},
-    "allgather": {"ring": _ring_allgather, "butterfly": _butterfly_allgather},
-    "broadcast": {"tree": _tree_broadcast, "scatter_allgather": _scatter_allgather_broadcast},
-    "reduce": {"tree": _tree_reduce, "reduce_scatter_gather": _reduce_scatter_gather_reduce},
-}
-
-
-def _api_copies(collective: str, n: int, size: int, itemsize: int) -> Cost:
-    """Local copies the API makes around the algorithm (see `api._plan`)."""
-    if collective == "reduce_scatter":  # input into scratch, then this rank's block out
-        return Cost(copied_bytes=(n + max(partition_counts(n, size))) * itemsize)
-    if collective == "reduce" and size > 1:  # non-roots reduce a copy, leaving x intact
-        return Cost(copied_bytes=n * itemsize)
-    return NOTHING
-
 
 def modelled_algorithms(collective: str) -> list[str]:
     """The algorithms of `collective` the model covers: all hand-written ones, in registry order."""
-    if collective not in ALGORITHMS:
-        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(ALGORITHMS)}")
-    return [a for a in ALGORITHMS[collective] if a != UNMODELLED]
+    return modelled(collective)
 
 
 def cost(collective: str, algorithm: str, nbytes: int, size: int, *, itemsize: int = 4) -> Cost:
@@ -363,12 +136,16 @@ def cost(collective: str, algorithm: str, nbytes: int, size: int, *, itemsize: i
         raise ValueError(f"need size >= 1, nbytes >= 0 and itemsize >= 1; got size={size}, "
                          f"nbytes={nbytes}, itemsize={itemsize}")
     n = nbytes // itemsize
-    if collective == "allgather":
+    if COLLECTIVES[collective].gathers:
         n = (n // size) * size  # whole output: P equal blocks
-    copies = _api_copies(collective, n, size, itemsize)
+    copies = COLLECTIVES[collective].copies(n, size, itemsize)
     if size == 1:  # every algorithm returns at once; the check exchanges nothing
         return copies
-    return check_cost(size) + _ALGORITHM_COSTS[collective][algorithm](n, size, itemsize) + copies
+    described = ALGORITHMS[collective][algorithm]
+    if described.rides_in_check and nbytes <= PAYLOAD_BYTES:
+        return check(size, nbytes) + copies
+    assert described.cost is not None
+    return check(size) + described.cost(n, size, itemsize) + copies
 
 
 def predict(collective: str, algorithm: str, nbytes: int, size: int, params: ModelParams, *,
@@ -398,12 +175,12 @@ def best(collective: str, nbytes: int, size: int, params: ModelParams,
 
 def model_bytes(collective: str, array_bytes: int, size: int) -> int:
     """nccl-tests bytes of a call whose array (as `select.choose` sees it) has `array_bytes`."""
-    return array_bytes * size if collective == "allgather" else array_bytes
+    return array_bytes * size if COLLECTIVES[collective].gathers else array_bytes
 
 
 def array_bytes(collective: str, nbytes: int, size: int) -> int:
     """The inverse of `model_bytes`: the bytes `select.choose` sees for `nbytes` nccl-tests bytes."""
-    return nbytes // size if collective == "allgather" else nbytes
+    return nbytes // size if COLLECTIVES[collective].gathers else nbytes
 
 
 def thresholds(times: Mapping[int, Mapping[str, float]], margin: float = 0.0,

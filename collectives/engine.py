@@ -1,15 +1,20 @@
-"""The communication thread: one background thread that performs every non-blocking collective.
+"""Communication threads: each communicator's non-blocking collectives run on a thread of its own.
 
 Open MPI from the PyPI wheel has no asynchronous progress: a request moves only while some thread
-is inside MPI. So `i*` collectives are not posted-and-forgotten; they are queued to this thread,
-which runs each algorithm to completion, in the order they were issued. Every rank issues the
-same collectives in the same order, so every rank's thread runs them in the same order, on the
-engine's own duplicate communicator (never matching the caller's messages). MPI releases the GIL,
-so the caller's thread computes meanwhile. This is Horovod's design too.
+is inside MPI. So `i*` collectives are not posted-and-forgotten; they are queued to an `Engine`, a
+thread that runs each algorithm to completion, in the order the calls were issued. MPI orders
+collectives per communicator only, so each communicator gets its own engine: ranks may issue
+calls on two communicators in different orders (model- and data-parallel groups do), and one
+thread running every communicator's calls in turn would deadlock there. Every rank issues the same
+collectives on a communicator in the same order, so every rank's engine for it runs them in the
+same order. MPI releases the GIL, so the callers compute meanwhile. This is Horovod's design too.
 
-A failure inside the thread is delivered to the handle it belongs to. Argument errors are raised
+Where MPI gives less than MPI_THREAD_MULTIPLE, one engine serves every communicator and blocking
+calls too, so that only one thread ever calls MPI (`api.py`).
+
+A failure inside an engine is delivered to the handle it belongs to. Argument errors are raised
 on every rank alike and leave the engine usable; any other failure means this rank may have left
-its peers mid-collective, so the engine stops: that handle and every later one fail with it.
+its peers mid-collective, so that engine stops: the handle and every later one on it fail with it.
 """
 from __future__ import annotations
 
@@ -19,11 +24,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from .validation import CollectiveArgumentError
+# Imported first, so that mpi4py's atexit (which finalizes MPI) runs after ours stops the threads.
+from mpi4py import MPI  # noqa: F401
 
+from .errors import CollectiveArgumentError, CommunicationError
 
-class CommunicationError(RuntimeError):
-    """A collective failed inside the communication thread, or after an earlier one did."""
+_current = threading.local()  # .engine: the Engine whose thread this is
 
 
 class Handle:
@@ -33,8 +39,8 @@ class Handle:
     `queued_at`, `started_at` and `finished_at` are `time.perf_counter()` stamps, for traces.
     """
 
-    __slots__ = ("name", "queued_at", "started_at", "finished_at", "_event", "_result", "_error",
-                 "_engine")
+    __slots__ = ("name", "queued_at", "started_at", "finished_at", "_done", "_lock", "_result",
+                 "_error", "_engine")
 
     def __init__(self, name: str, engine: Engine | None = None) -> None:
         self.name = name
@@ -42,67 +48,91 @@ class Handle:
         self.queued_at = time.perf_counter()
         self.started_at: float | None = None
         self.finished_at: float | None = None
-        self._event = threading.Event()
+        # Held until the collective is settled: a lock is the cheapest thing a thread can block on
+        # (a threading.Event costs a condition variable per handle).
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """True once the collective has finished, successfully or not."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until finished; return the result, or raise what went wrong.
 
         Raises TimeoutError if `timeout` seconds pass first (the collective keeps running).
         """
-        engine = self._engine
-        if engine is None or self._event.is_set():
-            finished = self._event.wait(timeout)
-        else:
-            counted = False
-            try:
-                with engine._lock:
-                    engine._callers_waiting += 1
-                    counted = True
-                finished = self._event.wait(timeout)
-            finally:
-                if counted:
-                    with engine._lock:
-                        engine._callers_waiting -= 1
-        if not finished:
+        if not self._done and not self._block(timeout):
             raise TimeoutError(f"{self.name} did not finish within {timeout} s")
         if self._error is not None:
             raise self._error
         return self._result
 
+    def _block(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` seconds (None: for ever) for the end; whether it came."""
+        engine = self._engine
+        if engine is not None:
+            engine.waiting(1)
+        try:
+            if timeout is None:
+                finished = self._lock.acquire()
+            elif timeout > 0:
+                finished = self._lock.acquire(timeout=timeout)
+            else:
+                finished = self._lock.acquire(blocking=False)
+        finally:
+            if engine is not None:
+                engine.waiting(-1)
+        if finished:
+            self._lock.release()  # other threads waiting on this handle go on too
+        return finished
+
+    def settled(self) -> None:
+        """Block until finished, without returning the result or raising its error."""
+        if not self._done:
+            self._block(None)
+
     def _settle(self, result: Any, error: BaseException | None) -> None:
         self.finished_at = time.perf_counter()
         self._result, self._error = result, error
-        self._event.set()
+        self._done = True
+        self._lock.release()
 
 
 class Engine:
     """Runs submitted collectives one after another on a daemon thread, started on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "hpcdl-comm") -> None:
+        self.name = name
         self._queue: queue.SimpleQueue[tuple[Handle, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._broken: BaseException | None = None
-        self._callers_waiting = 0  # threads blocked in Handle.wait on this engine's handles
+        self._waiting = 0  # threads blocked in Handle.wait on this engine's handles
+        _ENGINES.append(self)
 
     def submit(self, name: str, work: Callable[[], Any]) -> Handle:
-        """Queue `work` (a callable running one collective) and return its handle."""
+        """Queue `work` (a callable running one collective) and return its handle at once."""
         handle = Handle(name, self)
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="hpcdl-comm", daemon=True)
-                self._thread.start()
-            self._queue.put((handle, work))
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                    self._thread.start()
+        self._queue.put((handle, work))
         return handle
 
     def is_comm_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        """True on this engine's own thread."""
+        return getattr(_current, "engine", None) is self
+
+    def waiting(self, change: int) -> None:
+        """Count a thread starting (+1) or ending (-1) a `Handle.wait` on this engine's handles."""
+        with self._lock:
+            self._waiting += change
 
     def nobody_waiting(self) -> bool:
         """True while no thread is blocked in `Handle.wait`: the callers are computing.
@@ -110,14 +140,13 @@ class Engine:
         The communication thread hands its core back between tests only then
         (`transport.Link`'s `patient`). Once a caller blocks on a handle it computes nothing, and
         sleeping between tests would only delay the result it waits for: on the reference machine
-        (P=2, 25 M-parameter MLP, overlap off, torch tensors in huge pages, medians of 9 steps, two
-        runs each) the 8 MiB gradient slices averaged after backward took 0.86-0.87 ms each
-        instead of 1.13-1.21 ms, and all of them together 13.0-13.3 ms instead of 17.9-19.7 ms.
-        Any thread blocked in `wait` counts, so a monitor thread waiting with a long timeout also
-        stops the sleeps, and with more ranks than cores the spinning thread then shares its core
-        only through MPI's own yield (`mpi_yield_when_idle`).
+        (P=2, 25 M-parameter MLP, overlap off) the 8 MiB gradient slices averaged after backward
+        took 0.86-0.87 ms each instead of 1.13-1.21 ms (docs/design.md). Any thread blocked in
+        `wait` counts, so a monitor thread waiting with a long timeout also stops the sleeps, and
+        with more ranks than cores the spinning thread then shares its core only through MPI's own
+        yield (`mpi_yield_when_idle`).
         """
-        return self._callers_waiting == 0
+        return self._waiting == 0
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish what is queued, then end the thread (called at exit, before MPI finalizes)."""
@@ -128,6 +157,7 @@ class Engine:
             thread.join(timeout)
 
     def _loop(self) -> None:
+        _current.engine = self
         while True:
             item = self._queue.get()
             if item is None:
@@ -150,5 +180,13 @@ class Engine:
                 handle._settle(result, None)
 
 
-ENGINE = Engine()
-atexit.register(ENGINE.stop)  # registered after mpi4py's own atexit, so it runs before finalize
+_ENGINES: list[Engine] = []
+
+
+def stop_all(timeout: float = 10.0) -> None:
+    """Stop every engine's thread (at exit, before MPI finalizes)."""
+    for engine in list(_ENGINES):
+        engine.stop(timeout)
+
+
+atexit.register(stop_all)  # registered after mpi4py's own atexit, so it runs before finalize

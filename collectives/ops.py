@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 #: Supported element types, by canonical name. Values are NumPy dtypes; CuPy uses the same ones.
 DTYPES: dict[str, np.dtype] = {
@@ -49,9 +48,18 @@ class ReduceOp:
     code: int
     #: name of the array-module ufunc that combines two operands (xp.add, xp.maximum, ...)
     ufunc: str
-    mpi_op: MPI.Op
+    #: name of its MPI twin (MPI.SUM, ...), looked up when first used so importing this table
+    #: starts no MPI (the cost model and `hpcdl tune --predict` read it)
+    mpi_name: str
     #: divide the combined result by the number of ranks at the end
     divide_by_size: bool = False
+
+    @property
+    def mpi_op(self) -> Any:
+        """The MPI library's op, for the `mpi` algorithm."""
+        from mpi4py import MPI
+
+        return getattr(MPI, self.mpi_name)
 
     def combine(self, xp: Any, dst: Any, src: Any) -> None:
         """dst <- dst (op) src, elementwise, in place, on the arrays' own device."""
@@ -74,11 +82,11 @@ class ReduceOp:
 OPS: dict[str, ReduceOp] = {
     op.name: op
     for op in (
-        ReduceOp("sum", 1, "add", MPI.SUM),
-        ReduceOp("avg", 2, "add", MPI.SUM, divide_by_size=True),
-        ReduceOp("max", 3, "maximum", MPI.MAX),
-        ReduceOp("min", 4, "minimum", MPI.MIN),
-        ReduceOp("prod", 5, "multiply", MPI.PROD),
+        ReduceOp("sum", 1, "add", "SUM"),
+        ReduceOp("avg", 2, "add", "SUM", divide_by_size=True),
+        ReduceOp("max", 3, "maximum", "MAX"),
+        ReduceOp("min", 4, "minimum", "MIN"),
+        ReduceOp("prod", 5, "multiply", "PROD"),
     )
 }
 
@@ -99,8 +107,10 @@ def dtype_name(dtype: Any, *, moved_only: bool = False) -> str | None:
     return _NAME_OF.get(dtype) or (_MOVED_NAME_OF.get(dtype) if moved_only else None)
 
 
-def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
+def mpi_datatype(dtype: np.dtype) -> Any:
     """The MPI datatype of a supported dtype, for the MPI-library baseline only."""
+    from mpi4py import MPI
+
     if dtype.name == "bfloat16":
         raise TypeError("the MPI library has no bfloat16 reductions; use a hand-written algorithm")
     # The predefined type: predefined ops (MPI_SUM, ...) reject duplicated or derived types.

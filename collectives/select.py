@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .algorithms import ALGORITHMS
+from .registry import ALGORITHMS
 from .cost_model import ModelParams, best, model_bytes
 
 BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")

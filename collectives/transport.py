@@ -22,37 +22,7 @@ from mpi4py import MPI
 
 from .buffers import DeviceRuntime
 from .ops import ReduceOp
-
-
-#: Elements of a reduction step travel and are folded in pieces of this many bytes. Each piece is
-#: received into one reused scratch segment and added while it is still in cache, instead of
-#: streaming a block-sized temporary through memory. Measured on the reference machine (2 ranks,
-#: shared memory, ring allreduce, 2026-11-22, runs interleaved): a message + fold per piece beat
-#: one Sendrecv per whole block by 8-28% at 16-64 MiB (`Link.sendrecv_combine` also posts piece
-#: k+1 before folding piece k). 256 KiB pieces lost 5-30% to per-message cost; 512 KiB and 1 MiB
-#: were within noise, and 512 KiB keeps a piece plus its scratch inside the L2.
-SEGMENT_BYTES = 512 << 10
-
-
-def pieces_of(count: int, itemsize: int) -> tuple[int, int]:
-    """(elements per piece, number of pieces) for `sendrecv_combine` on `count` elements."""
-    segment = max(SEGMENT_BYTES // itemsize, 1)
-    return segment, max(-(-count // segment), 1)
-
-
-#: `sendrecv` cuts messages longer than this into pieces.
-PIECEWISE_BYTES = 2 * SEGMENT_BYTES
-
-
-def _cut(view: Any) -> list[Any]:
-    """`view` (flat) as pieces of at most SEGMENT_BYTES, or whole if at most PIECEWISE_BYTES.
-
-    Depends only on the message's own length, so sender and receiver cut it alike.
-    """
-    if view.nbytes <= PIECEWISE_BYTES:
-        return [view]
-    step = max(SEGMENT_BYTES // view.dtype.itemsize, 1)
-    return [view[i:i + step] for i in range(0, max(view.shape[0], 1), step)]
+from .partition import PIECEWISE_BYTES, cut
 
 
 #: How a patient link waits: this many back-to-back MPI tests, then a sleep between tests.
@@ -69,7 +39,7 @@ SPIN_TESTS = 64
 POLL_SLEEP_S = 50e-6
 
 
-def _complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool]) -> None:
+def complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool]) -> None:
     tests = 0
     while not MPI.Request.Testall(requests):
         tests += 1
@@ -148,7 +118,7 @@ class Link:
         self.tag = tag
         self.on_device = on_device
         self._staged = on_device and not cuda_aware
-        self._runtime = runtime
+        self.runtime = runtime
         self._scratch = scratch
         self._staging_slot = 0
 
@@ -162,8 +132,8 @@ class Link:
         return self.xp.empty(count, dtype=dtype)
 
     def _pinned(self, count: int, dtype: np.dtype, slot: tuple[Any, ...]) -> np.ndarray:
-        assert self._runtime is not None
-        return self._scratch.get(self._runtime.pinned_empty, ("pinned",) + slot, count, dtype)
+        assert self.runtime is not None
+        return self._scratch.get(self.runtime.pinned_empty, ("pinned",) + slot, count, dtype)
 
     # -- arithmetic ---------------------------------------------------------------------------
 
@@ -177,13 +147,13 @@ class Link:
         if completes and self.finishes_blocks:
             self.op.finalize(self.xp, dst, self.size)
         if self.on_device:
-            self._runtime.synchronize()  # type: ignore[union-attr]
+            self.runtime.synchronize()  # type: ignore[union-attr]
 
     def copy(self, dst: Any, src: Any) -> None:
         """dst <- src on the buffers' device."""
         self.xp.copyto(dst, src)
         if self.on_device:
-            self._runtime.synchronize()  # type: ignore[union-attr]
+            self.runtime.synchronize()  # type: ignore[union-attr]
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -196,7 +166,7 @@ class Link:
         """
         if not self.on_device:
             return view, None
-        runtime = self._runtime
+        runtime = self.runtime
         assert runtime is not None
         if not self._staged:
             return runtime.mpi_buffer(view), None
@@ -232,15 +202,15 @@ class Link:
                 host_send = self.mpi_array(send, recv=False)[0]
                 host_recv, landing = self.mpi_array(recv, send=False)
                 requests = [*(self.comm.Irecv([piece, MPI.BYTE], source, self.tag)
-                              for piece in _cut(host_recv)),
+                              for piece in cut(host_recv)),
                             *(self.comm.Isend([piece, MPI.BYTE], dest, self.tag)
-                              for piece in _cut(host_send))]
+                              for piece in cut(host_send))]
                 self.wait(*(Pending(request, None) for request in requests))
                 assert landing is not None
                 landing.land()
                 return
-            self.wait(*(self.irecv(piece, source) for piece in _cut(recv)),
-                      *(self.isend(piece, dest) for piece in _cut(send)))
+            self.wait(*(self.irecv(piece, source) for piece in cut(recv)),
+                      *(self.isend(piece, dest) for piece in cut(send)))
             return
         if self.patient:
             self.wait(self.irecv(recv, source), self.isend(send, dest))
@@ -308,7 +278,7 @@ class Link:
         """Complete messages from `isend`/`irecv`; staged receives land on the device here."""
         requests = [p.request for p in pending]
         if self.patient:
-            _complete_patiently(requests, self.patient)
+            complete_patiently(requests, self.patient)
         else:
             MPI.Request.Waitall(requests)
         for p in pending:

@@ -1,19 +1,23 @@
 """Argument checks that fail on every rank together, with messages that say what to change.
 
-A collective whose arguments are wrong on one rank must not leave the others waiting. So each call
-first checks its own arguments locally, then all ranks combine a fixed-size packet with a
-hand-written butterfly: a header of int64 fields (collective, algorithm, op, dtype, element count,
-root, placement, local error) reduced with max over (v, -v), which yields every field's max and min
-at once. If any rank found an error, or the ranks disagree on a field, every rank raises
-`CollectiveArgumentError` naming the rank and the problem.
+A collective whose arguments are wrong on one rank must not leave the others waiting, and ranks
+that are out of step must not pair one call with another. So each call first checks its own
+arguments locally, then the ranks exchange packets (`packet.py`: the call's signature, its call
+number on the communicator, a status word) in a butterfly. In every round each rank compares the
+header it receives with its own; a rank that sees a difference sets the mismatch bit of its status,
+which makes its header differ from every later partner's, so after the last round either every
+rank saw identical headers or every rank knows something is wrong. Only then, on that error path,
+do the ranks gather each other's signatures to say who is wrong and why, and every rank raises
+`CollectiveArgumentError`.
 
-Small host payloads ride along: the packet has room for PAYLOAD_BYTES of data, combined with the
-collective's own op in the same exchanges. A butterfly allreduce of up to PAYLOAD_BYTES is therefore
-*one* butterfly in total, checks included. The packet's size never depends on the arguments, so
-ranks that disagree still exchange matching messages and learn of it together.
+A small host butterfly allreduce rides along: its data follows the header in the same messages and
+is combined at every round where the headers agree, so the whole call is one butterfly (log2 P
+messages, +2 where P is not a power of two). Messages carry only the bytes in use, and receives are
+posted for the largest packet, so ranks that disagree about the size still exchange matching
+messages and learn of it together.
 
-Cost per call: one butterfly over a 400-byte packet, log2 P messages (+2 where P is not a power of
-two), about a microsecond per message on shared memory.
+The check's messages use CHECK_TAG, never a call's own tag: ranks that are out of step disagree
+about the call's tag, but still meet in the check.
 """
 from __future__ import annotations
 
@@ -22,111 +26,173 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms.butterfly import butterfly_allgather, butterfly_allreduce
+from .algorithms.butterfly import butterfly_allgather
+from .algorithms.fold import Fold
 from .algorithms.tree import tree_broadcast
-from .ops import OPS, ReduceOp
-from .transport import Link, ScratchPool
+from .errors import CollectiveArgumentError, LocalArgumentError
+from .ops import DTYPE_CODES, OPS
+from .packet import (FIELDS, HEADER_BYTES, LOCAL_ERROR, MISMATCH, PAYLOAD_BYTES, PLACEMENTS,
+                     SIGNATURE_FIELDS, STATUS)
+from .registry import ALGORITHM_CODES, COLLECTIVE_CODES
+from .transport import Link, ScratchPool, complete_patiently
 
-#: The header fields, in order; names are used in error messages.
-FIELDS = ("collective", "algorithm", "op", "dtype", "element count", "root", "placement", "error",
-          "error rank")
-_ERROR, _ERROR_RANK = FIELDS.index("error"), FIELDS.index("error rank")
-#: The leading fields that every rank must pass alike: a call's signature (`api._plan`).
-SIGNATURE_FIELDS = _ERROR
-#: Codes of the "placement" field. All ranks must agree, as Horovod requires: a small host
-#: allreduce rides inside this check while a device one runs its own messages afterwards.
-PLACEMENTS = {"host memory": 0, "device memory": 1}
-_N = len(FIELDS)
-HEADER_BYTES = 2 * _N * 8
-PAYLOAD_BYTES = 256
+#: Tag of the check's messages; calls number their own messages from 1 (`api`).
+CHECK_TAG = 0
+_CALL_NUMBER = FIELDS.index("call number")
+_CALL_SITE = FIELDS.index("call site")
 _MESSAGE_BYTES = 1024
+_SITE_BYTES = 160
 
 
-class CollectiveArgumentError(ValueError):
-    """Bad or mismatched collective arguments; raised on every rank of the communicator."""
+class Packet:
+    """One call's packet: what this rank sends (header, then payload) and where it receives.
 
+    With `payload_dtype`, `payload` (shaped `payload_shape`) lives in the packet after the header
+    and `incoming` is the same place in the receive buffer.
+    """
 
-class LocalArgumentError(Exception):
-    """A problem with this rank's own arguments, before the ranks compare notes."""
+    __slots__ = ("send", "recv", "header", "sent_header", "got_header", "payload", "incoming")
+
+    def __init__(self, payload_dtype: np.dtype | None = None, payload_shape: tuple[int, ...] = ()
+                 ) -> None:
+        nbytes = 0 if payload_dtype is None else int(np.prod(payload_shape)) * payload_dtype.itemsize
+        self.send = np.zeros(HEADER_BYTES + nbytes, dtype=np.uint8)
+        self.recv = np.zeros(HEADER_BYTES + PAYLOAD_BYTES, dtype=np.uint8)
+        self.header = self.send[:HEADER_BYTES].view(np.int64)
+        self.sent_header = self.send[:HEADER_BYTES]
+        self.got_header = self.recv[:HEADER_BYTES]
+        self.payload: Any = None
+        self.incoming: Any = None
+        if payload_dtype is not None:
+            end = HEADER_BYTES + nbytes
+            self.payload = self.send[HEADER_BYTES:end].view(payload_dtype).reshape(payload_shape)
+            self.incoming = self.recv[HEADER_BYTES:end].view(payload_dtype).reshape(payload_shape)
+
+    def set_header(self, signature: list[int], error: bool) -> None:
+        """Write this call's signature (with its call number) and this rank's own status."""
+        self.header[:SIGNATURE_FIELDS] = signature
+        self.header[STATUS] = LOCAL_ERROR if error else 0
 
 
 class Agreement:
-    """One thread's argument check on one communicator: its packet and how to combine packets."""
+    """The argument check of one thread on one private communicator.
 
-    def __init__(self, comm: MPI.Comm, scratch: ScratchPool, *,
-                 patient: Callable[[], bool] | None = None) -> None:
-        self.packet = np.zeros(HEADER_BYTES + PAYLOAD_BYTES, dtype=np.uint8)
-        self._header = self.packet[:HEADER_BYTES].view(np.int64)
-        self._payload_op: ReduceOp | None = None
-        self._payload_dtype: np.dtype | None = None
-        self._payload_bytes = 0
-        # The link's "op" is this object: Link.combine calls self.combine on whole packets.
-        self.link = Link(comm, self, np, on_device=False, cuda_aware=False,  # type: ignore[arg-type]
-                         runtime=None, scratch=scratch, patient=patient)
+    `patient` (see `transport.Link`): how the communication thread waits; None blocks in MPI.
+    """
 
-    def combine(self, xp: Any, dst: np.ndarray, src: np.ndarray) -> None:
-        """Header: elementwise max. Payload (if any): the collective's op in its dtype."""
-        header = dst[:HEADER_BYTES].view(np.int64)
-        np.maximum(header, src[:HEADER_BYTES].view(np.int64), out=header)
-        if self._payload_op is not None:
-            end = HEADER_BYTES + self._payload_bytes
-            self._payload_op.combine(np, dst[HEADER_BYTES:end].view(self._payload_dtype),
-                                     src[HEADER_BYTES:end].view(self._payload_dtype))
+    def __init__(self, comm: MPI.Comm, *, patient: Callable[[], bool] | None = None) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.patient = patient
+        fold = Fold.of(self.rank, self.size)
+        #: the rank this one folds with (non-powers of two), and whether it sits the cube out
+        self.partner = fold.partner_of(self.rank)
+        self.sits_out = fold.newrank < 0
+        self.peers: list[int] = []
+        if not self.sits_out:
+            mask = 1
+            while mask < fold.pof2:
+                self.peers.append(fold.real_rank(fold.newrank ^ mask))
+                mask <<= 1
+        self.packet = Packet()  # for checks that carry no payload
 
-    def run(self, tag: int, collective: str, signature: list[int], error: str | None,
-            payload: np.ndarray | None = None, op: ReduceOp | None = None) -> np.ndarray | None:
-        """Check arguments on all ranks; raise CollectiveArgumentError everywhere if any is bad.
+    # -- messages -----------------------------------------------------------------------------
 
-        With `payload` (a flat host array of at most PAYLOAD_BYTES), it is reduced with `op` in the
-        same exchanges; the returned view of the packet holds the reduced payload.
+    def _sendrecv(self, send: np.ndarray, peer: int, recv: np.ndarray) -> None:
+        if self.patient is None:
+            self.comm.Sendrecv(send, peer, CHECK_TAG, recv, peer, CHECK_TAG)
+        else:
+            complete_patiently([self.comm.Irecv(recv, peer, CHECK_TAG),
+                                self.comm.Isend(send, peer, CHECK_TAG)], self.patient)
+
+    def _send(self, send: np.ndarray, peer: int) -> None:
+        if self.patient is None:
+            self.comm.Send(send, peer, CHECK_TAG)
+        else:
+            complete_patiently([self.comm.Isend(send, peer, CHECK_TAG)], self.patient)
+
+    def _recv(self, recv: np.ndarray, peer: int) -> None:
+        if self.patient is None:
+            self.comm.Recv(recv, peer, CHECK_TAG)
+        else:
+            complete_patiently([self.comm.Irecv(recv, peer, CHECK_TAG)], self.patient)
+
+    # -- the check ------------------------------------------------------------------------------
+
+    def exchange(self, packet: Packet, combine: Callable[..., Any] | None = None) -> bool:
+        """Exchange `packet` with every rank; True on every rank iff all headers were identical
+        and no rank reported an error of its own.
+
+        With `combine` (a ufunc), the payload is reduced with it wherever the headers agree: when
+        this returns True, `packet.payload` holds the reduction of every rank's payload.
         """
-        # This runs on every call, so it sticks to a few NumPy calls on preallocated memory and
-        # compares plain Python ints: at small sizes this, not the messages, is the cost.
-        fields = [*signature, 1 if error else 0, self.link.rank if error else -1]
-        self._header[:] = fields + [-v for v in fields]
-        reduced = None
-        self._payload_op = None
-        if payload is not None and op is not None and not error:
-            nbytes = payload.nbytes
-            reduced = self.packet[HEADER_BYTES:HEADER_BYTES + nbytes].view(payload.dtype)
-            np.copyto(reduced, payload)
-            self._payload_op, self._payload_dtype, self._payload_bytes = op, payload.dtype, nbytes
-        self.link.tag = tag
-        butterfly_allreduce(self.link, self.packet)
-        combined = self._header.tolist()
-        highest, lowest = combined[:_N], [-v for v in combined[_N:]]
-        if highest[_ERROR]:
-            if lowest[_ERROR] and error:  # every rank failed: each says its own reason
-                raise CollectiveArgumentError(error)
-            bad_rank = highest[_ERROR_RANK]
-            message = _share_message(self.link, error, bad_rank)
-            raise CollectiveArgumentError(
-                message if self.link.rank == bad_rank
-                else f"{collective} failed on rank {bad_rank}: {message}")
-        if highest[:SIGNATURE_FIELDS] != lowest[:SIGNATURE_FIELDS]:
-            raise CollectiveArgumentError(self._mismatch(collective, signature))
-        return reduced
+        send, recv, header = packet.send, packet.recv, packet.header
+        mine, got = packet.sent_header, packet.got_header
+        partner = self.partner
+        if partner is not None and self.sits_out:  # hand my packet over, get the result back
+            self._send(send, partner)
+            self._recv(recv, partner)
+            if got.tobytes() != mine.tobytes():
+                header[STATUS] |= MISMATCH
+            elif combine is not None:
+                packet.payload[...] = packet.incoming
+            return not header[STATUS]
+        if partner is not None:  # fold in the partner's packet
+            self._recv(recv, partner)
+            if got.tobytes() != mine.tobytes():
+                header[STATUS] |= MISMATCH
+            elif combine is not None:
+                combine(packet.payload, packet.incoming, out=packet.payload)
+        for peer in self.peers:
+            self._sendrecv(send, peer, recv)
+            if got.tobytes() != mine.tobytes():
+                header[STATUS] |= MISMATCH
+            elif combine is not None:
+                combine(packet.payload, packet.incoming, out=packet.payload)
+        if partner is not None:
+            self._send(send, partner)
+        return not header[STATUS]
 
-    def _mismatch(self, collective: str, signature: list[int]) -> str:
-        """Describe a disagreement: gather every rank's signature and name the odd ranks out.
+    def check(self, collective: str, signature: list[int], error: str | None, site: str) -> None:
+        """The check alone, for a call whose data moves afterwards; raises on every rank.
 
-        Only on the error path, so its extra all-gather costs nothing in normal operation.
+        `site`: where the caller made the call (`api._call_site`), for messages.
         """
-        size, width = self.link.size, SIGNATURE_FIELDS
+        packet = self.packet
+        packet.set_header(signature, error is not None)
+        if not self.exchange(packet):
+            raise self.failure(collective, signature, error, site)
+
+    # -- the error path: who is wrong, and why -------------------------------------------------
+
+    def failure(self, collective: str, signature: list[int], error: str | None, site: str
+                ) -> CollectiveArgumentError:
+        """The error every rank raises after a failed exchange (collective: every rank calls it).
+
+        Gathers every rank's signature and error flag; only on this path, so its extra messages
+        cost nothing in normal operation.
+        """
+        size, width = self.size, SIGNATURE_FIELDS + 1
+        link = Link(self.comm, OPS["sum"], np, on_device=False, cuda_aware=False, runtime=None,
+                    scratch=ScratchPool(), tag=CHECK_TAG, patient=self.patient)
         table = np.zeros(width * size, dtype=np.int64)
-        table[width * self.link.rank:width * (self.link.rank + 1)] = signature
-        butterfly_allgather(self.link, table, [width * r for r in range(size + 1)])
+        table[width * self.rank:width * (self.rank + 1)] = [*signature, 1 if error else 0]
+        butterfly_allgather(link, table, [width * r for r in range(size + 1)])
         rows = table.reshape(size, width)
-        i = int(np.flatnonzero(rows.min(axis=0) != rows.max(axis=0))[0])
-        values, counts = np.unique(rows[:, i], return_counts=True)
-        usual = int(values[np.argmax(counts)])  # the most common value; ties: the smallest
-        odd = [(r, int(v)) for r, v in enumerate(rows[:, i]) if v != usual]
-        field = FIELDS[i]
-        listed = ", ".join(f"rank {r} passed {_describe(field, v)}" for r, v in odd[:8])
-        more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
-        return (f"{collective}: ranks passed different {field}s: {listed}{more}, the other ranks "
-                f"{_describe(field, usual)}; every rank must make the same collective calls with "
-                "the same arguments in the same order")
+        failed = [int(r) for r in np.flatnonzero(rows[:, -1])]
+        if failed:
+            if len(failed) == size and error:  # every rank failed: each says its own reason
+                return CollectiveArgumentError(error)
+            bad_rank = failed[0]
+            message = _share_message(link, error, bad_rank)
+            return CollectiveArgumentError(
+                message if self.rank == bad_rank
+                else f"{collective} failed on rank {bad_rank}: {message}")
+        rows = rows[:, :SIGNATURE_FIELDS]
+        sites = None
+        if rows[:, _CALL_SITE].min() != rows[:, _CALL_SITE].max():  # the same verdict everywhere
+            sites = _gather_text(link, site)
+        return CollectiveArgumentError(_mismatch(collective, rows, sites))
 
 
 def _share_message(link: Link, error: str | None, bad_rank: int) -> str:
@@ -139,11 +205,68 @@ def _share_message(link: Link, error: str | None, bad_rank: int) -> str:
     return bytes(buf).rstrip(b"\0").decode(errors="replace")
 
 
-def _describe(field: str, value: int) -> str:
-    from .algorithms import ALGORITHM_CODES
-    from .api import COLLECTIVE_CODES
-    from .ops import DTYPE_CODES
+def _groups(column: np.ndarray) -> list[tuple[int, list[int]]]:
+    """(value, ranks passing it) for each value in `column`, the most common value first."""
+    values, counts = np.unique(column, return_counts=True)
+    order = sorted(range(len(values)), key=lambda i: (-counts[i], values[i]))
+    return [(int(values[i]), [int(r) for r in np.flatnonzero(column == values[i])]) for i in order]
 
+
+def _ranks(ranks: list[int]) -> str:
+    listed = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return ("rank " if len(ranks) == 1 else "ranks ") + listed
+
+
+def _gather_text(link: Link, text: str) -> list[str]:
+    """Every rank's `text` (truncated to _SITE_BYTES), in rank order; collective."""
+    size = link.size
+    table = np.zeros(_SITE_BYTES * size, dtype=np.uint8)
+    raw = text.encode()[:_SITE_BYTES]
+    table[_SITE_BYTES * link.rank:_SITE_BYTES * link.rank + len(raw)] = np.frombuffer(raw, np.uint8)
+    butterfly_allgather(link, table, [_SITE_BYTES * r for r in range(size + 1)])
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table.reshape(size, -1)]
+
+
+def _mismatch(collective: str, rows: np.ndarray, sites: list[str] | None) -> str:
+    """Describe a disagreement: the first argument that differs, else the lines the ranks called
+    from (a rank skipped or added a call), else their call numbers."""
+    number = int(rows[0, _CALL_NUMBER])
+    places = ""
+    if sites is not None:
+        groups: dict[str, list[int]] = {}
+        for r, text in enumerate(sites):
+            groups.setdefault(text or "(not checked)", []).append(r)
+        places = "; ".join(f"{_ranks(ranks)} at {text}" for text, ranks in
+                           sorted(groups.items(), key=lambda item: (-len(item[1]), item[1])))
+    argument_fields = [i for i in range(_CALL_SITE) if rows[:, i].min() != rows[:, i].max()]
+    differs = ""
+    if argument_fields:
+        field = FIELDS[argument_fields[0]]
+        groups_of = _groups(rows[:, argument_fields[0]])
+        usual = groups_of[0][0]
+        odd = sorted((r, value) for value, ranks in groups_of[1:] for r in ranks)
+        listed = ", ".join(f"rank {r} passed {_describe(field, v)}" for r, v in odd[:8])
+        more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
+        differs = (f"ranks passed different {field}s: {listed}{more}, the other ranks "
+                   f"{_describe(field, usual)}")
+    if places:
+        return (f"{collective}: ranks made call {number} on this communicator from different lines "
+                f"of the program ({places}){'; ' + differs if differs else ''}. A rank that skipped "
+                "or added a collective call pairs its next call with its peers' call: every rank "
+                "must make the same collective calls on a communicator in the same order, blocking "
+                "and non-blocking alike. If these calls are meant to pair, make them from one line, "
+                "or set HPCDL_CHECK_CALL_SITES=0")
+    if differs:
+        return (f"{collective}: {differs}; every rank must make the same collective calls with the "
+                "same arguments in the same order")
+    groups_at = _groups(rows[:, _CALL_NUMBER])
+    at = "; ".join(f"{_ranks(ranks)} at call {value}" for value, ranks in groups_at)
+    return (f"{collective}: ranks are out of step on this communicator ({at}): a rank skipped "
+            "or added a collective call. Every rank must make the same collective calls on a "
+            "communicator in the same order, blocking and non-blocking alike")
+
+
+def _describe(field: str, value: int) -> str:
     tables: dict[str, dict[str, int]] = {
         "collective": COLLECTIVE_CODES,
         "algorithm": ALGORITHM_CODES,

@@ -433,7 +433,7 @@ def fit_report(calibration: Any) -> list[str]:
     """Lines: each point-to-point size's measured time against the fitted line, for the pattern
     that gave alpha and beta and for the pairwise one (beta_pairwise), and a warning where a size
     is far off its line (an MPI protocol switch the linear model cannot follow)."""
-    from collectives.transport import PIECEWISE_BYTES
+    from collectives.partition import PIECEWISE_BYTES
 
     params = calibration.params
     lines, off = [], []

@@ -20,7 +20,7 @@ from arrays import (BACKENDS, Backend, Outcomes, backend_fixture, backend_params
                     rank_data, reduce_reference)
 from collectives import ALGORITHMS, OPS, CollectiveArgumentError, partition_counts
 from collectives.ops import MOVED_DTYPES
-from collectives.transport import PIECEWISE_BYTES, SEGMENT_BYTES
+from collectives.partition import PIECEWISE_BYTES, SEGMENT_BYTES
 from conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]

@@ -18,24 +18,26 @@ from mpi4py import MPI
 import collectives
 from collectives import select
 from collectives.calibrate import fit, measure_point_to_point, measure_reduction, pairwise_slope
-from collectives.cost_model import (DEFAULT_ROW_SIZES, Cost, ModelParams, best, check_cost, cost,
-                                    decision_rows, model_bytes, model_crossover,
-                                    modelled_algorithms, predict, thresholds)
+from collectives.cost import check as check_cost
+from collectives.cost_model import (DEFAULT_ROW_SIZES, Cost, ModelParams, best, cost, decision_rows,
+                                    model_bytes, model_crossover, modelled_algorithms, predict,
+                                    thresholds)
 from conftest import all_ranks_agree
 
 KIB, MIB = 1 << 10, 1 << 20
 
-#: The argument check's packet: 9 int64 header fields, each with its negation, and 256 payload bytes.
-PACKET = 2 * 9 * 8 + 256
+#: The argument check's header: 9 int64 signature fields and a status word. Only the header
+#: travels when no payload rides along; it is compared, not combined.
+HEADER = 10 * 8
 #: The argument check alone, per P: (messages, wire bytes, reduced bytes, copied bytes, pairwise
-#: bytes) of a butterfly over the packet: its rounds are plain two-way exchanges (pairwise);
-#: non-powers of two fold in (combined) and out, one way.
+#: bytes) of a butterfly over the header: its rounds are plain two-way exchanges (pairwise);
+#: non-powers of two fold in and out, one way.
 CHECK = {
-    2: (1, 0, PACKET, 0, PACKET),
-    3: (3, 2 * PACKET, 2 * PACKET, 0, PACKET),
-    4: (2, 0, 2 * PACKET, 0, 2 * PACKET),
-    5: (4, 2 * PACKET, 3 * PACKET, 0, 2 * PACKET),
-    8: (3, 0, 3 * PACKET, 0, 3 * PACKET),
+    2: (1, 0, 0, 0, HEADER),
+    3: (3, 2 * HEADER, 0, 0, HEADER),
+    4: (2, 0, 0, 0, 2 * HEADER),
+    5: (4, 2 * HEADER, 0, 0, 2 * HEADER),
+    8: (3, 0, 0, 0, 3 * HEADER),
 }
 
 #: (collective, algorithm, nbytes, P) -> (messages, wire, reduced, copied, pairwise) of the
@@ -53,10 +55,13 @@ HAND_COMPUTED = {
     # halving-doubling over 4, 16 MiB: halving rounds of 8 and 4 MiB (16 + 8 pieces), doubling
     # rounds of 4 and 8 MiB cut into 8 + 16 pieces
     ("allreduce", "halving_doubling", 16 * MIB, 4): (48, 24 * MIB, 12 * MIB, 0, 0),
-    # butterfly over 5: fold in (combined) and out, one way, around 2 exchange rounds of 4 KiB
-    ("allreduce", "butterfly", 4096, 5): (4, 2 * 4096, 3 * 4096, 0, 2 * 4096),
-    # 200 bytes ride inside the argument check: nothing more
-    ("allreduce", "butterfly", 200, 4): (0, 0, 0, 0, 0),
+    # butterfly over 5: fold in (combined) and out, one way, around 2 exchange rounds of 8 KiB
+    ("allreduce", "butterfly", 8192, 5): (4, 2 * 8192, 3 * 8192, 0, 2 * 8192),
+    # up to 4 KiB ride inside the argument check: no message more, only their bytes in its
+    # messages and their combining at every step (2 rounds)
+    ("allreduce", "butterfly", 200, 4): (0, 0, 2 * 200, 0, 2 * 200),
+    # over 5 the fold carries them too (in, combined, and out)
+    ("allreduce", "butterfly", 4096, 5): (0, 2 * 4096, 3 * 4096, 0, 2 * 4096),
     # 2 MiB over 2: one round in 4 pipelined pieces
     ("allreduce", "butterfly", 2 * MIB, 2): (4, 2 * MIB, 2 * MIB, 0, 0),
     # tree over 5: ceil(log2 5) = 3 rounds up (combining) and 3 down, one way

@@ -8,6 +8,7 @@ rank 0 writes files and prints; what it found is broadcast so every rank asserts
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -92,7 +93,8 @@ def test_broken_algorithm_is_reported_and_fails(comm: MPI.Comm, tmp_path: Path,
                                                 every: bool) -> None:
     if breakage is _do_nothing and comm.Get_size() == 1:
         pytest.skip("doing nothing is a correct allreduce on one rank")
-    monkeypatch.setitem(ALGORITHMS["allreduce"], "ring", breakage)
+    monkeypatch.setitem(ALGORITHMS["allreduce"], "ring",
+                        dataclasses.replace(ALGORITHMS["allreduce"]["ring"], run=breakage))
     check = ["-c"] if every else []
     status, report = run_json(comm, tmp_path, "-b", "1K", "-e", "1K", "-n", "3", "-w", "1",
                               "-A", "ring", "tree", "mpi", *check)

@@ -32,15 +32,13 @@ def backend(request: Any) -> Any:
 
 
 @pytest.fixture
-def private_engine(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A fresh communication thread for a test that breaks its engine on purpose.
-
-    A broken engine stays broken (by design), so the process-wide one must not be the victim.
-    """
-    engine = Engine()
-    monkeypatch.setattr(collectives.api, "ENGINE", engine)
-    yield engine
-    engine.stop()
+def private_comm(comm: MPI.Comm) -> Any:
+    """A communicator of its own, hence a communication thread of its own, for a test that breaks
+    its engine on purpose: a broken engine stays broken (by design), so COMM_WORLD's must not be
+    the victim."""
+    private = comm.Dup()
+    yield private
+    private.Free()
 
 
 def mixed_calls(size: int) -> list[tuple[str, Callable[..., Any], dict[str, Any], Any, Any]]:
@@ -154,9 +152,8 @@ def test_caller_runs_while_a_collective_is_outstanding(comm: MPI.Comm) -> None:
     if rank == 0:
         for source in range(1, size):
             comm.recv(source=source, tag=go_tag)
-        handle = collectives.iallreduce(x)
-    else:
-        handle = collectives.iallreduce(x)
+    handle = collectives.iallreduce(x)  # one line for every rank: the call site is checked
+    if rank != 0:
         if handle.done():
             problems.append("done() before rank 0 joined")
         try:
@@ -217,7 +214,7 @@ def test_argument_error_reaches_every_rank_and_the_engine_goes_on(comm: MPI.Comm
     assert ok, f"rank {rank}: {problems}"
 
 
-def test_failure_in_the_thread_fails_later_handles(private_engine: Engine, comm: MPI.Comm) -> None:
+def test_failure_in_the_thread_fails_later_handles(private_comm: MPI.Comm, comm: MPI.Comm) -> None:
     """A device copy that fails (on every rank alike, so nothing hangs) inside the thread: that
     handle raises the copy's error at wait(), every later handle raises CommunicationError, and
     blocking collectives, which do not use the thread, still work."""
@@ -225,9 +222,10 @@ def test_failure_in_the_thread_fails_later_handles(private_engine: Engine, comm:
     failing = FakeDeviceRuntime(fail_copies=True)
     problems = []
     with device_runtime_installed(failing, cuda_aware=False):
-        broken = collectives.iallreduce(FakeDeviceArray(np.ones(8, np.float32)), algorithm="mpi")
-        later = [collectives.iallreduce(np.ones(4, np.float32)),
-                 collectives.iallgather(np.ones(4, np.float32))]
+        broken = collectives.iallreduce(FakeDeviceArray(np.ones(8, np.float32)), private_comm,
+                                        algorithm="mpi")
+        later = [collectives.iallreduce(np.ones(4, np.float32), private_comm),
+                 collectives.iallgather(np.ones(4, np.float32), private_comm)]
         try:
             broken.wait()
             problems.append("the failing collective did not raise")
@@ -243,12 +241,12 @@ def test_failure_in_the_thread_fails_later_handles(private_engine: Engine, comm:
                     problems.append(f"{handle.name}: unclear message {exc}")
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"{handle.name}: raised {exc!r}, not CommunicationError")
-        also_later = collectives.ibroadcast(np.ones(3, np.float32))
+        also_later = collectives.ibroadcast(np.ones(3, np.float32), 0, private_comm)
         if not isinstance(_error_of(also_later), CommunicationError):
             problems.append("a handle submitted after the failure was settled did not fail")
     if failing.calls["copy_to_host"] == 0:
         problems.append("the fake device's copy was never reached")
-    blocking = collectives.allreduce(np.ones(4, np.float32))
+    blocking = collectives.allreduce(np.ones(4, np.float32), private_comm)
     if bitwise_equal(blocking, np.full(4, size, np.float32)) is not None:
         problems.append("blocking allreduce after the failure is wrong")
     ok = all_ranks_agree(not problems)

@@ -6,15 +6,23 @@ here is commutative, so the result is bitwise identical everywhere. Non-powers o
 (`fold.py`).
 
 Cost (P a power of two, N bytes): log2 P alpha + log2 P N beta + log2 P N gamma.
-Latency-optimal, bandwidth-poor: the choice for small messages.
+Latency-optimal, bandwidth-poor: the choice for small messages. A host allreduce of at most
+`packet.PAYLOAD_BYTES` travels inside the argument check's own butterfly (`validation.py`), so the
+whole call is one butterfly.
 All-gather by recursive doubling: log2 P alpha + (P-1)/P N beta (N the gathered size).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..transport import Link, pieces_of
+from ..algorithm import Algorithm
+from ..cost import NOTHING, Blocks, Cost, combining_step, exchange, log2_pof2, message
+from ..cost import fold as fold_cost
+from ..partition import pieces_of
 from .fold import Fold, fold_in, fold_out
+
+if TYPE_CHECKING:
+    from ..transport import Link
 
 
 def butterfly_allreduce(link: Link, buf: Any) -> None:
@@ -60,3 +68,35 @@ def butterfly_allgather(link: Link, buf: Any, offsets: list[int]) -> None:
             lo, hi = min(lo, peer_lo), max(hi, peer_hi)
             mask <<= 1
     fold_out(link, buf, fold, slice(None))
+
+
+def doubling_cost(blocks: Blocks, itemsize: int) -> Cost:
+    """Recursive doubling all-gather over P' blocks: round k sends the 2^k blocks held so far."""
+    cost, width = NOTHING, 1
+    while width < len(blocks):
+        cost += exchange(blocks.first(width) * itemsize, True)
+        width <<= 1
+    return cost
+
+
+def _allreduce_cost(n: int, size: int, itemsize: int) -> Cost:
+    nbytes = n * itemsize
+    rounds, _ = log2_pof2(size)
+    return fold_cost(nbytes, nbytes, size) + rounds * combining_step(n, itemsize, True)
+
+
+def _allgather_cost(n: int, size: int, itemsize: int) -> Cost:
+    per_rank = n // size
+    doubling = doubling_cost(Blocks(per_rank * size, size, log2_pof2(size)[1]), itemsize)
+    if log2_pof2(size)[1] == 0:
+        return doubling
+    # Fold in: the even rank's block to its partner (nothing to combine); fold out: the whole
+    # gathered buffer back.
+    return message(per_rank * itemsize) + doubling + message(n * itemsize)
+
+
+ALGORITHMS = (
+    #: a host allreduce of at most packet.PAYLOAD_BYTES rides inside the argument check itself
+    Algorithm("allreduce", "butterfly", butterfly_allreduce, _allreduce_cost, rides_in_check=True),
+    Algorithm("allgather", "butterfly", butterfly_allgather, _allgather_cost),
+)

@@ -15,11 +15,17 @@ Ring's bandwidth with log P latency; non-powers of two pay 2 alpha + 2 N beta mo
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..partition import partition_offsets
-from ..transport import Link, pieces_of
+from ..algorithm import Algorithm
+from ..cost import NOTHING, Blocks, Cost, combining_step, largest_block, log2_pof2
+from ..cost import fold as fold_cost
+from ..partition import partition_offsets, pieces_of
+from .butterfly import doubling_cost
 from .fold import Fold, fold_in, fold_out
+
+if TYPE_CHECKING:
+    from ..transport import Link
 
 
 def _halving_reduce_scatter(link: Link, buf: Any, fold: Fold, new: list[int]) -> None:
@@ -87,3 +93,32 @@ def halving_reduce_scatter(link: Link, buf: Any, offsets: list[int]) -> None:
         even = link.rank if fold.newrank < 0 else partner
         fold_out(link, buf, fold, slice(offsets[even], offsets[even + 1]))
 
+
+def _halving_cost(blocks: Blocks, itemsize: int) -> Cost:
+    """Recursive halving over P' blocks: round k swaps P'/2^k blocks and combines them."""
+    cost, half = NOTHING, len(blocks) >> 1
+    while half:
+        cost += combining_step(blocks.first(half), itemsize, True)
+        half >>= 1
+    return cost
+
+
+def _allreduce_cost(n: int, size: int, itemsize: int) -> Cost:
+    rounds, _ = log2_pof2(size)
+    blocks = Blocks(n, 1 << rounds)
+    nbytes = n * itemsize
+    return fold_cost(nbytes, nbytes, size) + _halving_cost(blocks, itemsize) + doubling_cost(blocks, itemsize)
+
+
+def _reduce_scatter_cost(n: int, size: int, itemsize: int) -> Cost:
+    # The fold returns only the even rank's block.
+    folded = fold_cost(n * itemsize, largest_block(n, size) * itemsize, size)
+    return folded + _halving_cost(Blocks(n, size, log2_pof2(size)[1]), itemsize)
+
+
+ALGORITHMS = (
+    Algorithm("allreduce", "halving_doubling", halving_doubling_allreduce, _allreduce_cost,
+              finishes_avg=True),
+    Algorithm("reduce_scatter", "halving_doubling", halving_reduce_scatter, _reduce_scatter_cost,
+              finishes_avg=True),
+)

@@ -5,7 +5,7 @@ block (r-s-1) mod P to its right neighbour and folds block (r-s-2) mod P from it
 its own copy; after P-1 steps rank r holds the complete reduction of block r. All-gather: in step s
 rank r forwards block (r-s) mod P; after P-1 steps every rank has every block.
 
-A reduce step moves its block in cache-sized pieces (`transport.SEGMENT_BYTES`), pipelined: the
+A reduce step moves its block in cache-sized pieces (`partition.SEGMENT_BYTES`), pipelined: the
 next piece is posted before the current one is folded in. An all-gather step goes straight into
 place (`Link.sendrecv`: one message, or 512 KiB pieces above 1 MiB). The last reduce step
 applies `avg`'s division to each piece as it completes it (`Link.finishes_blocks`), so every
@@ -19,10 +19,14 @@ Bandwidth-optimal; latency grows linearly with P, so small messages prefer butte
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..partition import partition_offsets
-from ..transport import Link, pieces_of
+from ..algorithm import Algorithm
+from ..cost import Cost, combining_step, exchange, largest_block
+from ..partition import partition_offsets, pieces_of
+
+if TYPE_CHECKING:
+    from ..transport import Link
 
 
 def ring_reduce_scatter(link: Link, buf: Any, offsets: list[int]) -> None:
@@ -63,3 +67,30 @@ def ring_allreduce(link: Link, buf: Any) -> None:
     offsets = partition_offsets(buf.shape[0], link.size)
     ring_reduce_scatter(link, buf, offsets)
     ring_allgather(link, buf, offsets)
+
+
+def reduce_scatter_cost(n: int, size: int, itemsize: int) -> Cost:
+    largest = largest_block(n, size)
+    # With 2 ranks the left and right neighbours are the same rank: each step is an exchange.
+    return (size - 1) * combining_step(largest, itemsize, size == 2)
+
+
+def allgather_blocks_cost(largest: int, size: int, itemsize: int) -> Cost:
+    return (size - 1) * exchange(largest * itemsize, size == 2)
+
+
+def _allgather_cost(n: int, size: int, itemsize: int) -> Cost:
+    return allgather_blocks_cost(n // size, size, itemsize)
+
+
+def _allreduce_cost(n: int, size: int, itemsize: int) -> Cost:
+    largest = largest_block(n, size)
+    return reduce_scatter_cost(n, size, itemsize) + allgather_blocks_cost(largest, size, itemsize)
+
+
+ALGORITHMS = (
+    Algorithm("allreduce", "ring", ring_allreduce, _allreduce_cost, finishes_avg=True),
+    Algorithm("reduce_scatter", "ring", ring_reduce_scatter, reduce_scatter_cost,
+              finishes_avg=True),
+    Algorithm("allgather", "ring", ring_allgather, _allgather_cost),
+)

@@ -1,20 +1,24 @@
-"""Rooted collectives for large messages: split the buffer into P blocks so no rank moves it whole.
+"""Broadcast for large messages (van de Geijn): scatter the root's buffer, then all-gather it.
 
-Broadcast (van de Geijn): binomial scatter of the root's P blocks (rank v, relative to the root,
-gets block v), then a ring all-gather of the blocks.
-  cost  (log2 P + P - 1) alpha + 2(P-1)/P N beta          vs. tree: log2 P alpha + log2 P N beta
-Reduce (Rabenseifner's reduce): ring reduce-scatter, then every rank sends its reduced block to
-the root.
-  cost  2(P-1) alpha + 2(P-1)/P N beta + (P-1)/P N gamma  vs. tree: log2 P (alpha + N beta + N gamma)
-Both beat the binomial tree once N beta dominates alpha, i.e. for large messages.
+A binomial scatter gives relative rank v (v = (r - root) mod P) block v of the root's P blocks;
+a ring all-gather then spreads every block to every rank, so no rank moves the whole buffer more
+than about twice.
+
+Cost (N bytes):  (log2 P + P - 1) alpha + 2(P-1)/P N beta
+            vs. tree: log2 P alpha + log2 P N beta
+It beats the binomial tree once N beta dominates alpha, i.e. for large messages.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..algorithm import Algorithm
+from ..cost import Cost, largest_block, tree_rounds
 from ..partition import partition_offsets
-from ..transport import Link
-from .ring import ring_allgather, ring_reduce_scatter
+from .ring import allgather_blocks_cost, ring_allgather
+
+if TYPE_CHECKING:
+    from ..transport import Link
 
 
 def scatter_allgather_broadcast(link: Link, buf: Any, root: int) -> None:
@@ -41,15 +45,12 @@ def scatter_allgather_broadcast(link: Link, buf: Any, root: int) -> None:
     ring_allgather(link, buf, offsets, first_block=v)
 
 
-def reduce_scatter_gather_reduce(link: Link, buf: Any, root: int) -> None:
-    """In place on a working buffer: afterwards `buf` on `root` holds the reduction."""
-    p, r = link.size, link.rank
-    if p == 1:
-        return
-    offsets = partition_offsets(buf.shape[0], p)
-    ring_reduce_scatter(link, buf, offsets)
-    if r != root:
-        link.send(buf[offsets[r]:offsets[r + 1]], root)
-        return
-    pending = [link.irecv(buf[offsets[src]:offsets[src + 1]], src) for src in range(p) if src != root]
-    link.wait(*pending)
+def _broadcast_cost(n: int, size: int, itemsize: int) -> Cost:
+    largest = largest_block(n, size)
+    # Binomial scatter: relative rank 1 is served last by the root, after all its sends, which
+    # carry everything but the root's own block; every other rank's path is a subset of that.
+    scatter = Cost(tree_rounds(size), (n - largest) * itemsize)
+    return scatter + allgather_blocks_cost(largest, size, itemsize)
+
+
+ALGORITHMS = (Algorithm("broadcast", "scatter_allgather", scatter_allgather_broadcast, _broadcast_cost),)

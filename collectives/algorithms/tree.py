@@ -13,9 +13,13 @@ Few messages, whole buffers each: good for small messages, poor for large ones.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..transport import Link
+from ..algorithm import Algorithm
+from ..cost import Cost, message, tree_rounds
+
+if TYPE_CHECKING:
+    from ..transport import Link
 
 
 def tree_reduce(link: Link, buf: Any, root: int) -> None:
@@ -60,3 +64,23 @@ def tree_allreduce(link: Link, buf: Any) -> None:
     """In-place allreduce: binomial reduce to rank 0, binomial broadcast from it."""
     tree_reduce(link, buf, 0)
     tree_broadcast(link, buf, 0)
+
+
+def _reduce_cost(n: int, size: int, itemsize: int) -> Cost:
+    nbytes = n * itemsize
+    return tree_rounds(size) * Cost(1, nbytes, nbytes)
+
+
+def _broadcast_cost(n: int, size: int, itemsize: int) -> Cost:
+    return tree_rounds(size) * message(n * itemsize)
+
+
+def _allreduce_cost(n: int, size: int, itemsize: int) -> Cost:
+    return _reduce_cost(n, size, itemsize) + _broadcast_cost(n, size, itemsize)
+
+
+ALGORITHMS = (
+    Algorithm("allreduce", "tree", tree_allreduce, _allreduce_cost),
+    Algorithm("broadcast", "tree", tree_broadcast, _broadcast_cost),
+    Algorithm("reduce", "tree", tree_reduce, _reduce_cost),
+)

@@ -1,0 +1,37 @@
+"""The description of one algorithm, written once next to its code (`algorithms/<name>.py`).
+
+Everything else reads these descriptions through `registry.py`: the API to run an algorithm, the
+cost model and `auto` to price and pick it, `hpcdl bench` and `hpcdl tune` to list and time it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .cost import Cost
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One way to run one collective.
+
+    `run(link, buf, *args)` works in place on a flat working array; `args` depend on the
+    collective (`registry.Collective.arguments`). `cost(n, size, itemsize)` gives the
+    critical-path counts of the algorithm alone for n elements in nccl-tests' convention of its
+    collective (the argument check and the API's copies are added by the cost model); None for the
+    MPI library's own collective, which the model does not describe. `finishes_avg`: the algorithm
+    applies avg's division itself in the combine that completes each block
+    (`transport.Link.finishes_blocks`), while the block is still in cache. `rides_in_check`: a host
+    call of at most `packet.PAYLOAD_BYTES` travels inside the argument check's own exchanges
+    (`validation.py`) instead of running `run` afterwards.
+    """
+
+    collective: str
+    name: str
+    run: Callable[..., None]
+    cost: Callable[[int, int, int], Cost] | None
+    finishes_avg: bool = False
+    rides_in_check: bool = False
+
+    def __call__(self, link: Any, buf: Any, *args: Any) -> None:
+        self.run(link, buf, *args)
