@@ -8,9 +8,12 @@ request_huge_pages()  # before torch's first allocation, wherever hpcdl is impor
 from .runtime import (Topology, abort, init, local_rank, local_size, rank, size,  # noqa: E402
                       thread_level, topology)
 
+_COLLECTIVES = ("allgather", "allreduce", "average", "broadcast", "iallgather", "iallreduce",
+                "ibroadcast", "ireduce", "ireduce_scatter", "reduce", "reduce_scatter")
+
 __all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "ProcessGrid", "Topology",
-           "abort", "init", "local_rank", "local_size", "optim", "parallel", "rank", "size",
-           "thread_level", "topology"]
+           "abort", "horovod", "init", "init_torch_distributed", "local_rank", "local_size", "optim",
+           "parallel", "rank", "size", "thread_level", "topology", *_COLLECTIVES]
 __version__ = "0.1.0"
 
 
@@ -20,7 +23,11 @@ _LAZY = {
     "LocalSGD": ".local_sgd",
     "ParameterServer": ".parameter_server",
     "ProcessGrid": ".grid",
-    "optim": None,  # subpackages
+    "init_torch_distributed": ".torch_distributed",
+    # the collectives on torch tensors (and, untouched, on any array); torch-free for arrays
+    **{name: ".torch_collectives" for name in _COLLECTIVES},
+    "horovod": None,  # submodules and subpackages
+    "optim": None,
     "parallel": None,
 }
 
