@@ -12,17 +12,14 @@ address rank 0's host name resolves to. torch is imported only here, and only wh
 """
 from __future__ import annotations
 
-import fcntl
-import os
-import socket
-import struct
 from datetime import timedelta
 from typing import Any
 
 from mpi4py import MPI
 
-#: ioctl request that returns an interface's IPv4 address (linux/sockios.h).
-_SIOCGIFADDR = 0x8915
+from hpcdl.launch import interface_ipv4, store_host
+
+__all__ = ["advertised_host", "gloo_unavailable_reason", "init_torch_distributed", "interface_ipv4"]
 
 
 def gloo_unavailable_reason() -> str | None:
@@ -36,37 +33,12 @@ def gloo_unavailable_reason() -> str | None:
     return None
 
 
-def interface_ipv4(name: str) -> str:
-    """The IPv4 address of network interface `name` (Linux), e.g. "10.213.0.2" for "eth0".
-
-    Raises ValueError naming the interfaces that exist when `name` has no IPv4 address.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        except OSError as exc:
-            known = ", ".join(n for _, n in socket.if_nameindex())
-            raise ValueError(f"GLOO_SOCKET_IFNAME={name!r}: no IPv4 address on an interface of that "
-                             f"name here ({exc.strerror}); interfaces: {known}") from exc
-    return socket.inet_ntoa(packed[20:24])  # struct ifreq: name[16], then a sockaddr_in
-
-
 def advertised_host(comm: MPI.Comm) -> str:
     """Collective: the address rank 0 tells the other ranks to reach its TCPStore at."""
     hosts = comm.allgather(MPI.Get_processor_name())
     if comm.Get_rank() != 0:
         return ""
-    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
-    if interface:
-        return interface_ipv4(interface)
-    if len(set(hosts)) == 1:
-        return "127.0.0.1"
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError as exc:
-        raise RuntimeError(
-            f"cannot resolve this host's name {socket.gethostname()!r} ({exc}) for torch.distributed's "
-            "store: set GLOO_SOCKET_IFNAME to the network interface the ranks share") from exc
+    return store_host(len(set(hosts)) == 1)
 
 
 def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 120.0) -> None:
