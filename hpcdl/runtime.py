@@ -88,9 +88,19 @@ def init(*, abort_on_exception: bool = True) -> Topology:
                               if world.Get_rank() == 0 else None, root=0)
         export_torch_environment(torch_environment(world.Get_rank(), world.Get_size(), local_rank,
                                                    local_size), address)
+        if "torch" in sys.modules:  # then init_process_group("hpcdl") works; never import torch here
+            _register_torch_backend()
         if abort_on_exception:
             install_abort_hook()
         return _topology
+
+
+def _register_torch_backend() -> None:
+    """Make "hpcdl" a torch.distributed backend name (`hpcdl.torch_distributed`)."""
+    try:
+        from . import torch_distributed  # noqa: F401 - registers on import
+    except ImportError:  # a torch build without torch.distributed
+        pass
 
 
 def _bind_gpu(local_rank: int) -> int | None:
@@ -158,8 +168,11 @@ def thread_level() -> str:
 
 def abort(message: str, code: int = 1) -> None:
     """Print `message` tagged with this rank and abort every rank of the job."""
-    sys.stderr.write(f"[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
-    sys.stderr.flush()
+    # To the process's own stderr: torch.distributed's excepthook swaps sys.stderr for a buffer
+    # while the previous hook (ours) runs, and would print it only after the abort.
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(f"[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
+    stream.flush()
     MPI.COMM_WORLD.Abort(code)
 
 
