@@ -145,18 +145,23 @@ class _Work(dist._Work):
                     error = exc
             self._error, self._settled = error, True
             self._handles = []
-        self._done.set()
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
+        try:
+            if error is None:
+                self._future.set_result(self._result)
+            else:
+                self._future.set_exception(error)
+        finally:
+            self._done.set()  # after the future holds its value (and its callbacks have run)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if _in_callback():
-            self._complete()  # waited for inside a callback: the completer would wait for itself
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if not self._done.wait(seconds if seconds else None):
-            raise RuntimeError(f"hpcdl: operation did not finish within {timeout}")
+            # Waited for inside a callback: the completer would wait for itself. Once settled
+            # the outputs are final, even while the future's own callbacks are still running.
+            self._complete()
+        else:
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+            if not self._done.wait(seconds if seconds else None):
+                raise RuntimeError(f"hpcdl: operation did not finish within {timeout}")
         if self._error is not None:
             raise self._error
         return True
