@@ -19,9 +19,9 @@ from .partition import partition_counts
 from .registry import ALGORITHMS, COLLECTIVES
 
 _LAZY = {
-    **{name: "api" for name in ("allgather", "allreduce", "broadcast", "iallgather", "iallreduce",
-                                "ibroadcast", "ireduce", "ireduce_scatter", "reduce",
-                                "reduce_scatter")},
+    **{name: "api" for name in ("allgather", "allgatherv", "allreduce", "broadcast", "iallgather",
+                                "iallgatherv", "iallreduce", "ibroadcast", "ireduce",
+                                "ireduce_scatter", "reduce", "reduce_scatter")},
     "Handle": "engine",
     "cuda_aware": "buffers",
     "set_device_runtime": "buffers",

@@ -243,11 +243,11 @@ _world: _Channel | None = None
 def _channel(comm: MPI.Comm | None) -> _Channel:
     """The channel of `comm` (None: MPI.COMM_WORLD), made at its first use."""
     global _world
-    if _world is not None and comm is None:
-        return _world
     if MPI.Is_finalized():
         raise RuntimeError("MPI has been finalized: no collective can run any more (call "
                            "collectives before MPI.Finalize, or before hpcdl shuts MPI down at exit)")
+    if _world is not None and comm is None:
+        return _world
     target = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(target, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(target).__name__}")
@@ -304,6 +304,15 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     n = src.count
     algorithm = call.algorithm
     hand_written = collective.reducing and dtype == "bfloat16"
+    if collective.varying_counts:  # counts differ between ranks: auto decides after exchanging them
+        signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES.get(algorithm, 0), 0,
+                     DTYPE_CODES[dtype], -1, 0,
+                     PLACEMENTS["device memory" if src.on_device else "host memory"]]
+        if out is not None and not getattr(out.array.flags, "writeable", True):
+            raise LocalArgumentError("out is read-only, but the result is written into it")
+        layout = collective.plan(Request(src, out, call.x, call.out, in_place, OPS[call.op], rank,
+                                         size, 0))
+        return _Plan(algorithm, signature, src, layout)
     if algorithm == "auto":
         try:  # an override or tuning file that only this rank sees must fail every rank together
             algorithm = choose(call.collective, n * src.dtype.itemsize, size, hand_written=hand_written)
@@ -360,12 +369,27 @@ def _execute(call: _Call, lane: _Lane, number: int, plan: _Plan | None, error: s
         signature = [COLLECTIVE_CODES[call.collective]] + [0] * (SIGNATURE_FIELDS - 3) + [site, number]
         lane.agreement.check(call.collective, signature, error, where)
         raise AssertionError("unreachable: the check raises on every rank")  # pragma: no cover
-    src, layout = plan.source, plan.layout
-    described = ALGORITHMS[call.collective][plan.algorithm]
+    src, layout, algorithm = plan.source, plan.layout, plan.algorithm
+    if layout.complete is not None:  # the ranks' counts differ: exchange them, then lay out
+        lane.agreement.check(call.collective, [*plan.signature, site, number], error, where)
+        counts = lane.agreement.counts(call.collective, src.count, layout.capacity)
+        if algorithm == "auto":  # the same total everywhere, so the same choice everywhere
+            total = sum(counts) * src.dtype.itemsize
+            algorithm = choose(call.collective, total // len(counts), len(counts))
+        layout = layout.complete(counts)
+        described = ALGORITHMS[call.collective][algorithm]
+        link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
+        work = layout.work
+        layout.fill(link, work)
+        described.run(link, work, *layout.args)
+        if layout.finish is not None:
+            layout.finish(link, work)
+        return layout.result
+    described = ALGORITHMS[call.collective][algorithm]
     link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
     work = layout.work if layout.work is not None else \
         lane.scratch.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
-    rides = _rides_in_check(call.collective, plan.algorithm, src.on_device,
+    rides = _rides_in_check(call.collective, algorithm, src.on_device,
                             src.count * src.dtype.itemsize)
     if rides:  # the data goes with the check: fill first, then one exchange does both
         if layout.fill is not None:
@@ -566,6 +590,19 @@ def reduce(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, op: str = "su
     return _blocking(_Call("reduce", x, comm, op, algorithm, out, root))
 
 
+def allgatherv(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto",
+               out: Any = None) -> Any:
+    """Gather every rank's flattened `x` (counts may differ, zero included; one dtype everywhere)
+    into a 1-D array, in rank order, on every rank; or into `out`, of the total's element count.
+
+    The ranks first exchange their counts (an all-gather of 16 bytes per rank after the argument
+    check), then `auto` picks by the total size. Algorithms: ring ((P-1) alpha + (P-1)/P N beta
+    with N the gathered bytes, the largest block setting each step), butterfly (recursive
+    doubling, log2 P alpha + (P-1)/P N beta, non-powers of two folded), mpi (Allgatherv).
+    """
+    return _blocking(_Call("allgatherv", x, comm, "sum", algorithm, out))
+
+
 def iallreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorithm: str = "auto",
                out: Any = None) -> Handle:
     """Non-blocking `allreduce`: queued to the communication thread; `wait()` returns the result.
@@ -585,6 +622,12 @@ def iallgather(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto",
                out: Any = None) -> Handle:
     """Non-blocking `allgather`; `wait()` returns the gathered array."""
     return _submit(_Call("allgather", x, comm, "sum", algorithm, out))
+
+
+def iallgatherv(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto",
+                out: Any = None) -> Handle:
+    """Non-blocking `allgatherv`; `wait()` returns the gathered 1-D array."""
+    return _submit(_Call("allgatherv", x, comm, "sum", algorithm, out))
 
 
 def ireduce(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, op: str = "sum",

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .registry import ALGORITHMS
+from .registry import ALGORITHMS, COLLECTIVES
 from .cost_model import ModelParams, best, model_bytes
 
 BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")
@@ -102,10 +102,11 @@ def choose(collective: str, nbytes: int, size: int, *, hand_written: bool = Fals
                 f"choose one of {', '.join(sorted(ALGORITHMS[collective]))}"
             )
         return forced
-    chosen = _lookup(os.environ.get("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes,
+    decided_as = COLLECTIVES[collective].decided_as or collective
+    chosen = _lookup(os.environ.get("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), decided_as, nbytes,
                      size)
     if hand_written and chosen == "mpi":
-        chosen = _lookup(str(BUILTIN_TABLE), collective, nbytes, size)
+        chosen = _lookup(str(BUILTIN_TABLE), decided_as, nbytes, size)
     return chosen
 
 

@@ -119,4 +119,6 @@ ALGORITHMS = (
     Algorithm("allgather", "mpi", mpi_allgather, None),
     Algorithm("broadcast", "mpi", mpi_broadcast, None),
     Algorithm("reduce", "mpi", mpi_reduce, None),
+    # Blocks of any sizes: priced as equal blocks of the same total.
+    Algorithm("allgatherv", "mpi", mpi_allgather, None),
 )
