@@ -279,7 +279,7 @@ def write_plot(path: str, results: list[Measurement], title: str) -> None:
             if any(m.busbw_gbs for m in line):
                 bandwidth.plot(sizes, [m.busbw_gbs or math.nan for m in line], style, marker=".",
                                label=label)
-            latency.plot(sizes, [m.avg_s * 1e6 for m in line], style, marker=".", label=label)
+            latency.plot(sizes, [(m.avg_s or math.nan) * 1e6 for m in line], style, marker=".", label=label)
         for ax, what in ((bandwidth, "bus bandwidth (GB/s)"), (latency, "time per call (us)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

@@ -364,7 +364,7 @@ class Case:
                                                  out=target), target)
 
     def _direct(self) -> Runner:
-        c, comm, x, out, root = self.collective, self.comm, self.x, self.out, self.root
+        c, comm, x, out, root = self.collective, self.comm, self.x, self.out, self.root or 0
         mpi_op = OPS[self.op].mpi_op
         if COLLECTIVES[c].reducing:
             dt = mpi_datatype(self.dtype)
@@ -396,7 +396,7 @@ class Case:
     def _pickled(self) -> Runner:
         """mpi4py's pickle-based call: one Python number per rank up to PICKLE_SCALAR_BYTES of
         input, else the input array (the module docstring says what is checked)."""
-        c, comm, x, root = self.collective, self.comm, self.x, self.root
+        c, comm, x, root = self.collective, self.comm, self.x, self.root or 0
         op = OPS[self.op].mpi_op
         scalar = x.nbytes <= PICKLE_SCALAR_BYTES
         if COLLECTIVES[c].reducing and self.op in ("max", "min") and not scalar:
@@ -581,7 +581,8 @@ def _summarize(case: Case, algorithms: Sequence[str], times: dict[str, np.ndarra
     factor = bus_factor(case.collective, p)
     results = []
     for j, a in enumerate(algorithms):
-        common = dict(collective=case.collective, algorithm=a, nbytes=case.nbytes, count=case.count,
+        common: dict[str, Any] = dict(collective=case.collective, algorithm=a, nbytes=case.nbytes,
+                                      count=case.count,
                       dtype=case.dtype_name,
                       op=case.op if COLLECTIVES[case.collective].reducing else "none",
                       root=case.root, in_place=case.in_place, ranks=p, iterations=iterations,

@@ -89,14 +89,14 @@ class Command:
             except SystemExit as exc:
                 outcome = ("exit", exc.code)
             else:
-                differing = _different_options(parse, args, argvs)
+                differing = _different_options(parse, args, argvs or [])
                 outcome = ("error", differing) if differing else ("parsed", args)
         kind, value = self.comm.bcast(outcome if self.rank == 0 else None, root=0)
         if kind == "exit":
             raise SystemExit(value)
         if kind == "error":
             raise CommandError(value)
-        return value  # type: ignore[no-any-return]
+        return value
 
     def agree(self, errors: Iterable[str], status: int = ARGUMENT_ERROR) -> None:
         """Collective: raise CommandError(errors of every rank) on every rank if any rank has one.

@@ -204,16 +204,19 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
             raise CommandError(f"{args.tuning_file} has no \"model\"; write one with "
                                "`mpirun -n P hpcdl tune -o FILE`")
     software = args.software_latency if args.software_latency is not None else DEFAULT_SOFTWARE_LATENCY
+    # parse_args made sure: without --latency and --link there is a tuning file with a model
     if args.latency is not None:
         alpha = args.latency + software
         source["alpha"] = (f"--latency {human_seconds(args.latency)} + software "
                            f"{human_seconds(software)} per message")
     else:
+        assert base is not None
         alpha, source["alpha"] = base.alpha, f"from {args.tuning_file}"
     if args.link is not None:
         beta, source["beta"] = 1.0 / args.link, f"--link {args.link * 8 / 1e9:g} Gbit/s"
         beta_pairwise = None  # a full-duplex link: two-way exchanges at the link rate too
     else:
+        assert base is not None
         beta, source["beta"] = base.beta, f"from {args.tuning_file}"
         beta_pairwise = base.beta_pairwise
     if args.gamma is not None:
@@ -453,7 +456,9 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
 
     lines = [f"{'collective':<15}{'bytes':>9} {'algorithm':<22}{'measured':>11}{'predicted':>11}"
              f"{'error':>8}  notes"]
-    errors_large, model_loss, table_loss = [], [], []
+    errors_large: list[tuple[float, str]] = []
+    model_loss: list[tuple[float, str]] = []
+    table_loss: list[tuple[float, str]] = []
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["collective"], r["bytes"]), []).append(r)
