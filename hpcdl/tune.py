@@ -46,14 +46,9 @@ HYSTERESIS = 0.05
 #: Per-size budget of the sweep: at most this many bytes moved per algorithm and size.
 SWEEP_BYTES = 128 << 20
 
-#: Defaults for --predict where no tuning file is given, measured on the project's reference
-#: machine (2 cores, shared memory, Open MPI 5.0.11 PyPI wheel, 2026-11-22, shared with other
-#: jobs) with `collectives.calibrate` (docs/cost_model.md): gamma is the slope of folding sums in
-#: 512 KiB pieces over 256 KiB-64 MiB buffers (float32 0.02 ns/B in cache to 0.1 streaming with
-#: two ranks at once; NumPy's float16 add and ml_dtypes' bfloat16 add are scalar loops); overhead
-#: is a 4-byte allreduce call (13 µs) minus its messages; the software latency is an 8-byte
-#: exchange through `transport.Link` on shared memory (Python plus MPI per message), to which a
-#: cluster's wire latency adds.
+#: Defaults for --predict where no tuning file is given: `collectives.calibrate` on the reference
+#: machine (how, and what each number is: docs/design.md, "Facts that shaped the design"). The
+#: software latency is this package's Python and MPI cost per message; a cluster's wire adds to it.
 DEFAULT_GAMMA = {"float32": 0.05e-9, "float16": 5.3e-9, "bfloat16": 2.0e-9}
 DEFAULT_OVERHEAD = 11e-6
 DEFAULT_SOFTWARE_LATENCY = 1.5e-6
