@@ -7,9 +7,10 @@ or per failure, never per step) gives every rank the same verdict and the same m
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mpi4py import MPI
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 
 def agreed_error(error: str | None, comm: MPI.Comm) -> str | None:

@@ -245,3 +245,18 @@ def test_comparison_names_the_pick_auto_would_make_on_a_tie() -> None:
     lines = tune.comparison(records, params, 4, {"reduce_scatter": []})
     picked = [line.split()[3] for line in lines[1:3] if "model's pick" in line]
     assert picked == ["ring"], lines
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="one process is enough")
+def test_predict_starts_no_mpi() -> None:
+    """--predict plans on a login node: neither the command nor the cost model imports mpi4py.MPI
+    (whose import initializes MPI)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hpcdl import cli; status = cli.main(['tune', *sys.argv[1:]]); "
+            "print('MPI imported:', 'mpi4py.MPI' in sys.modules); sys.exit(status)")
+    done = subprocess.run([sys.executable, "-c", code, *PREDICT], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "auto would pick" in done.stdout and "MPI imported: False" in done.stdout, done.stdout
