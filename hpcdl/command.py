@@ -88,6 +88,9 @@ class Command:
                 args = parse(argv)
             except SystemExit as exc:
                 outcome = ("exit", exc.code)
+            except Exception as exc:  # noqa: BLE001 - a bug in `parse`: every rank must hear of it
+                outcome = ("error", f"{self.prog}: could not parse the command line: "
+                                    f"{type(exc).__name__}: {exc}")
             else:
                 differing = _different_options(parse, args, argvs or [])
                 outcome = ("error", differing) if differing else ("parsed", args)
