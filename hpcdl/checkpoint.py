@@ -85,9 +85,9 @@ def _verified_payload(data: bytes) -> memoryview:
     if not data.startswith(_MAGIC) or data[CHECKPOINT_HEADER_BYTES - 1:CHECKPOINT_HEADER_BYTES] != b"\n":
         if data.startswith(b"PK\x03\x04"):
             raise CheckpointError(
-                "is a torch.save archive without hpcdl's checksum header: it was written by another "
-                "program (or by an hpcdl older than checksummed checkpoints), and hpcdl resumes only "
-                "from its own checkpoints")
+                "is a zip archive (torch.save's format) without hpcdl's checksum header: it was "
+                "written by another program (or by an hpcdl older than checksummed checkpoints), "
+                "and hpcdl resumes only from its own checkpoints")
         raise CheckpointError("does not start with the hpcdl checkpoint header: it is damaged, or "
                               "not a checkpoint written by hpcdl")
     stored = data[len(_MAGIC):CHECKPOINT_HEADER_BYTES - 1]
