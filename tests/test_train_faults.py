@@ -79,10 +79,12 @@ def test_resume_falls_back_past_a_flipped_bit_and_ends_where_the_intact_run_ende
     comm.Barrier()  # every rank has read the intact file before rank 0 damages it
     rng = random.Random(2024)
     header_bits = [0, 8 * 17 + 5, 8 * 40 + 6, 8 * (ckpt.CHECKPOINT_HEADER_BYTES - 1)]
-    # torch's archive holds its structure (zip headers, the pickle) near the start: half the
-    # random flips there, where they made the unverified loader crash, half anywhere.
-    bits = (header_bits + rng.sample(range(8 * ckpt.CHECKPOINT_HEADER_BYTES, 8 * 4096), 18)
-            + rng.sample(range(8 * len(intact_bytes)), 18))
+    # torch's archive keeps its structure in the first KiB (the first zip header, the pickle) and
+    # the last (the zip directory), where flips made the unverified loader crash or read wrong
+    # data: a third of the random flips in each, a third anywhere.
+    end = 8 * len(intact_bytes)
+    bits = (header_bits + rng.sample(range(8 * ckpt.CHECKPOINT_HEADER_BYTES, 8 * 4096), 12)
+            + rng.sample(range(end - 8 * 4096, end), 12) + rng.sample(range(end), 12))
     failures = []
     capsys.readouterr()
     for bit in bits:
