@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- argument checks, agreed by all ranks --------------------------------------------------------
 
+#: More epochs than any run could finish; far more would overflow torch's schedulers, which count
+#: steps in floating point.
+MAX_EPOCHS = 10 ** 9
 #: Seeds go to torch.manual_seed (plus the rank, and the epoch for the sampler), which takes 64 bits.
 SEEDS = range(-2**63, 2**63)
 
@@ -130,6 +133,9 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1) -> l
         errors.append(f"--warmup-epochs {args.warmup_epochs:g} is longer than the whole run (--epochs "
                       f"{args.epochs}); use at most {args.epochs} (and fewer, or the rate never reaches "
                       "its scaled value)")
+    if args.epochs > MAX_EPOCHS:
+        errors.append(f"--epochs must be at most {MAX_EPOCHS:,}, got {args.epochs} (the learning-rate "
+                      "schedule counts steps in floating point)")
     if args.seed not in SEEDS:
         errors.append(f"--seed must be a 64-bit integer (-2**63 to 2**63-1), got {args.seed}")
     if not (args.bucket_cap_mb > 0 and math.isfinite(args.bucket_cap_mb)):

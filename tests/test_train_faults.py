@@ -361,12 +361,14 @@ def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     (["--synthetic", "--model", "mlp", "--image-size", "30000", "--batch-size", "1"],
      "--synthetic --model mlp --image-size 30000 --batch-size 1 needs at least"),
     (["--synthetic", "--image-size", "64", "--batch-size", str(10 ** 9)], "needs at least"),
+    (["--epochs", str(10 ** 400), "--warmup-epochs", "1e308"], "--epochs must be at most 1,000,000,000"),
     (["--seed", str(2 ** 70)], f"--seed must be a 64-bit integer (-2**63 to 2**63-1), got {2 ** 70}"),
     (["--synthetic", "--num-warmup-batches", str(10 ** 30)], f"--num-warmup-batches must be at most {sys.maxsize}"),
     (["--synthetic", "--num-batches-per-iter", str(10 ** 30)],
      f"--num-batches-per-iter must be at most {sys.maxsize}"),
     (["--lr", "1e308", "--reference-batch", "1"], "--lr 1e+308 scaled by the linear scaling rule"),
-], ids=["warmup-1e308", "warmup-beyond-epochs", "image-100000", "mlp-image-30000", "batch-1e9", "seed-2**70",
+], ids=["warmup-1e308", "warmup-beyond-epochs", "image-100000", "mlp-image-30000", "batch-1e9",
+        "epochs-1e400", "seed-2**70",
         "warmup-batches", "batches-per-iter", "lr-overflow"])
 def test_absurd_values_stop_every_rank_with_status_2(argv, message, comm, capsys):
     status = train.main(argv)
