@@ -29,18 +29,17 @@ after it, then the torch.save archive (the payload):
 
 Every byte is covered: a change anywhere makes `load_checkpoint` raise CheckpointError saying why,
 and `load_resume_checkpoint` falls back to the newest checkpoint that verifies and loads on every
-rank. Read one without hpcdl as `torch.load(io.BytesIO(data[CHECKPOINT_HEADER_BYTES:]))`.
+rank. Read one without hpcdl by opening it, seeking to CHECKPOINT_HEADER_BYTES, and `torch.load(f)`.
 Everything is stored as tensors and plain Python values, so loading uses `weights_only=True`.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import random
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import torch
@@ -66,46 +65,70 @@ def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Write `obj` as a checksummed checkpoint file at `path`: `path` is either absent, or the old
-    file, or complete (the format is in the module's docstring)."""
-    payload = io.BytesIO()
-    torch.save(obj, payload)
-    view = payload.getbuffer()
-    digest = hashlib.sha256(view).hexdigest().encode()
-
-    def write(f: Any) -> None:
-        f.write(_MAGIC + digest + b"\n")
-        f.write(view)
+    file, or complete (the format is in the module's docstring). The archive streams to the file
+    through the hash, never whole in memory."""
+    def write(f: BinaryIO) -> None:
+        f.write(_MAGIC + b"0" * 64 + b"\n")  # the digest is known only at the end
+        hashed = _HashingWriter(f)
+        torch.save(obj, hashed)
+        f.seek(len(_MAGIC))
+        f.write(hashed.sha256.hexdigest().encode())
 
     write_atomically(path, write)
 
 
-def _verified_payload(data: bytes) -> memoryview:
-    """The torch.save archive inside checkpoint file contents `data`; CheckpointError if the
-    header is not hpcdl's or the checksum does not match."""
-    if not data.startswith(_MAGIC) or data[CHECKPOINT_HEADER_BYTES - 1:CHECKPOINT_HEADER_BYTES] != b"\n":
-        if data.startswith(b"PK\x03\x04"):
-            raise CheckpointError(
-                "is a zip archive (torch.save's format) without hpcdl's checksum header: it was "
-                "written by another program (or by an hpcdl older than checksummed checkpoints), "
-                "and hpcdl resumes only from its own checkpoints")
-        raise CheckpointError("does not start with the hpcdl checkpoint header: it is damaged, or "
-                              "not a checkpoint written by hpcdl")
-    stored = data[len(_MAGIC):CHECKPOINT_HEADER_BYTES - 1]
-    payload = memoryview(data)[CHECKPOINT_HEADER_BYTES:]
-    actual = hashlib.sha256(payload).hexdigest().encode()
-    if actual != stored:
-        raise CheckpointError(
-            f"fails its checksum (SHA-256 {actual[:12].decode()}... of its {len(payload)} bytes, "
-            f"{stored[:12].decode(errors='replace')}... when written): it was damaged or changed "
-            "after it was written")
-    return payload
+class _HashingWriter:
+    """A write-only file that passes everything on to `file` and hashes it on the way."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
-def _read(path: str | os.PathLike[str]) -> bytes:
+def _open_verified(path: str | os.PathLike[str]) -> BinaryIO:
+    """Checkpoint `path`, opened and positioned at its torch.save archive once its header and
+    checksum are checked; CheckpointError saying why otherwise. Loading from the file that was
+    checked (not from `path` again) reads what was verified, even if `path` is replaced meanwhile."""
     try:
-        return Path(path).read_bytes()
-    except (OSError, MemoryError) as exc:
+        f = open(path, "rb")
+    except OSError as exc:
         raise CheckpointError(f"cannot be read ({type(exc).__name__}: {exc})") from exc
+    try:
+        header = f.read(CHECKPOINT_HEADER_BYTES)
+        if not header.startswith(_MAGIC) or not header.endswith(b"\n") or len(header) < CHECKPOINT_HEADER_BYTES:
+            if header.startswith(b"PK\x03\x04"):
+                raise CheckpointError(
+                    "is a zip archive (torch.save's format) without hpcdl's checksum header: it was "
+                    "written by another program (or by an hpcdl older than checksummed checkpoints), "
+                    "and hpcdl resumes only from its own checkpoints")
+            raise CheckpointError("does not start with the hpcdl checkpoint header: it is damaged, or "
+                                  "not a checkpoint written by hpcdl")
+        stored = header[len(_MAGIC):-1]
+        sha256, size = hashlib.sha256(), 0
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha256.update(chunk)
+            size += len(chunk)
+        actual = sha256.hexdigest().encode()
+        if actual != stored:
+            raise CheckpointError(
+                f"fails its checksum (SHA-256 {actual[:12].decode()}... of its {size} bytes, "
+                f"{stored[:12].decode(errors='replace')}... when written): it was damaged or changed "
+                "after it was written")
+        f.seek(CHECKPOINT_HEADER_BYTES)
+        return f
+    except OSError as exc:
+        f.close()
+        raise CheckpointError(f"cannot be read ({type(exc).__name__}: {exc})") from exc
+    except BaseException:
+        f.close()
+        raise
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -124,7 +147,7 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
 def is_complete(path: str | os.PathLike[str]) -> bool:
     """True if `path` is an hpcdl checkpoint whose checksum matches (nothing is unpickled)."""
     try:
-        _verified_payload(_read(path))
+        _open_verified(path).close()
     except CheckpointError:
         return False
     return True
@@ -186,7 +209,7 @@ def save_checkpoint(directory: str | os.PathLike[str], training_state: dict[str,
 
     `training_state` (model, optimizer, scheduler, epoch, ...) need only be right on rank 0: ranks
     hold identical copies in synchronous data-parallel training. Returns the path on every rank.
-    Cost: a one-byte allreduce (so that a missing rank is reported as a stall, hpcdl/stall.py,
+    Cost: a one-int32 allreduce (so that a missing rank is reported as a stall, hpcdl/stall.py,
     instead of hanging the gather silently), one gather of about 7 KiB (plus `rank_state`) per
     rank, and rank 0's write.
     """
@@ -202,11 +225,12 @@ def save_checkpoint(directory: str | os.PathLike[str], training_state: dict[str,
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Verify the checksum of checkpoint `path` and load it onto the CPU (tensors and plain values
     only: weights_only=True). Raises CheckpointError saying why the file cannot be used."""
-    payload = _verified_payload(_read(path))
-    try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a verified file that does not load: say so, whatever it is
-        raise CheckpointError(f"passes its checksum but does not load ({type(exc).__name__}: {exc})") from exc
+    with _open_verified(path) as f:
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a verified file that does not load: say so, whatever it is
+            raise CheckpointError(f"passes its checksum but does not load ({type(exc).__name__}: {exc})"
+                                  ) from exc
 
 
 def load_resume_checkpoint(directory: str | os.PathLike[str], comm: MPI.Comm = MPI.COMM_WORLD, *,
