@@ -238,6 +238,37 @@ def test_a_crash_in_the_epoch_end_checkpoint_write_leaves_one_metrics_row_per_ep
     assert [[r[k] for k in results] for r in have] == [[r[k] for k in results] for r in want], have
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_resumed_metrics_file_keeps_the_rows_of_the_checkpoint_s_epochs_only(suffix, tmp_path):
+    """Rows after the checkpoint's epoch, and a torn last line, are dropped; rows go on after."""
+    path = tmp_path / f"metrics{suffix}"
+
+    def write(rows: list[dict[str, Any]], after_epoch: int | None) -> None:
+        log = train.MetricsLog(str(path), after_epoch=after_epoch)
+        for row in rows:
+            log.write(row)
+        log.close()
+
+    def epochs() -> list[int]:
+        if suffix == ".jsonl":
+            return [r["epoch"] for r in metric_rows(path)]
+        lines = path.read_text().splitlines()
+        assert lines.count(lines[0]) == 1 and lines[0].startswith("epoch,")  # one header, first
+        return [int(line.split(",")[0]) for line in lines[1:]]
+
+    row = lambda epoch: {"epoch": epoch, "step": 10 * epoch, "train_loss": 1 / epoch}  # noqa: E731
+    write([row(1), row(2), row(3)], after_epoch=None)
+    with path.open("a") as f:
+        f.write('{"epoch": 4, "st' if suffix == ".jsonl" else "4,40")  # a crash mid-row
+    write([row(3)], after_epoch=2)  # resumed from the end of epoch 2
+    assert epochs() == [1, 2, 3]
+    write([row(1)], after_epoch=0)  # resumed inside epoch 1: nothing finished
+    assert epochs() == [1]
+    path.unlink()
+    write([row(2)], after_epoch=1)  # the file is gone: start it again
+    assert epochs() == [2]
+
+
 # -- stalls --------------------------------------------------------------------------------------
 
 def late_call(comm: MPI.Comm, call: Callable[[], Any], waiting_for: str) -> None:
