@@ -44,9 +44,9 @@ weight decay leave it alone (this costs one small allreduce of a used-flag per p
 step). Without the option, the step still completes its communication the same way (so no rank
 is left waiting) and then raises RuntimeError naming the parameters.
 
-A reduction still waiting after STALL_WARNING_S seconds warns, naming the bucket (a rank that
-skipped a batch or raised inside a step leaves its peers waiting); `timeout=` turns the wait into
-a TimeoutError after that many seconds.
+A reduction still waiting after STALL_WARNING_S seconds (or $HPCDL_STALL_WARNING_S) warns, naming
+the bucket (a rank that skipped a batch or raised inside a step leaves its peers waiting);
+`timeout=` turns the wait into a TimeoutError after that many seconds (hpcdl/stall.py).
 
 Buffers (batch-norm running statistics): independent per rank by default. `sync_buffers()`, and
 every training-mode forward when `broadcast_buffers=True`, AVERAGE floating-point buffers over
@@ -72,7 +72,7 @@ from mpi4py import MPI
 import collectives
 from collectives import Handle
 
-from . import runtime
+from . import runtime, stall
 from .memory import small_pages_warning
 from .tensors import as_array, flat_in_memory_order
 from .timeline import Timeline
@@ -90,8 +90,9 @@ CHUNK_BYTES = 8 * _MB
 #: every step when the loop zeroes gradients with set_to_none=True, torch's default.
 IN_PLACE_BYTES = 1 * _MB
 COMPRESSIONS = (None, "fp16")
-#: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket.
-STALL_WARNING_S = 60.0
+#: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket
+#: (HPCDL_STALL_WARNING_S, when set, overrides it: hpcdl/stall.py).
+STALL_WARNING_S = stall.DEFAULT_WARNING_S
 
 #: The wrapper in charge of each module's gradients; building a new one around a module detaches
 #: the old one (its hooks would otherwise go on reducing every backward).
@@ -572,28 +573,13 @@ class DistributedDataParallel(torch.nn.Module):
             raise error
 
     def _wait(self, handle: Handle, bucket: _Bucket, started: float) -> None:
-        warned = False
-        while True:
-            waited = time.monotonic() - started
-            limits = [] if warned else [STALL_WARNING_S - waited]
-            if self.timeout is not None:
-                limits.append(self.timeout - waited)
-            try:
-                handle.wait(max(0.0, min(limits)) if limits else None)
-                return
-            except TimeoutError:
-                waited = time.monotonic() - started
-                stalled = (f"rank {self.comm.Get_rank()}: the reduction of bucket {bucket.index} "
-                           f"({', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''}) "
-                           f"has waited {waited:.1f} s for the other ranks. Every rank must run "
-                           "the same sequence of forward and backward passes: a rank that skipped "
-                           "a batch, ran an extra backward or failed inside a step leaves its "
-                           "peers waiting here.")
-                if self.timeout is not None and waited >= self.timeout:
-                    raise TimeoutError(stalled) from None
-                if not warned:
-                    warnings.warn(stalled, RuntimeWarning, stacklevel=4)
-                    warned = True
+        names = f"{', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''}"
+        stall.wait_for(handle, f"the reduction of bucket {bucket.index} ({names})",
+                       rank=self.comm.Get_rank(), started=started, timeout=self.timeout,
+                       warn_after=stall.warning_seconds(STALL_WARNING_S), stacklevel=4,
+                       advice="Every rank must run the same sequence of forward and backward "
+                              "passes: a rank that skipped a batch, ran an extra backward or failed "
+                              "inside a step leaves its peers waiting here.")
 
     def _reset_step(self) -> None:
         for bucket in self._buckets:
