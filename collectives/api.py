@@ -27,7 +27,7 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -37,7 +37,7 @@ from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError, LocalArgumentError
 from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, STATUS
-from .plans import Layout, Request, row_major
+from .plans import Layout, Request
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
 from .select import choose
 from .transport import Link, ScratchPool
@@ -106,13 +106,15 @@ class _Duplicate:
 
     def __init__(self, comm: MPI.Comm, nonblocking: bool) -> None:
         self._lock = threading.Lock()
+        self._parent = comm
+        self._comm: MPI.Comm | None = None
+        self._request: MPI.Request | None = None
         if nonblocking:
             self._comm, self._request = comm.Idup()
-        else:  # below MPI_THREAD_MULTIPLE: made by the engine, the only thread that calls MPI
-            self._comm, self._request = None, None
-            self._parent = comm
+        # else: below MPI_THREAD_MULTIPLE, made by the engine, the only thread that calls MPI
 
     def get(self) -> MPI.Comm:
+        """The duplicate, waiting for its duplication to complete if it has not yet."""
         if self._request is not None or self._comm is None:
             with self._lock:
                 if self._comm is None:
@@ -251,7 +253,8 @@ def _channel(comm: MPI.Comm | None) -> _Channel:
     target = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(target, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(target).__name__}")
-    channel = target.Get_attr(_CHANNEL_KEYVAL) if target != MPI.COMM_NULL else None
+    channel = cast("_Channel | None",
+                   target.Get_attr(_CHANNEL_KEYVAL) if target != MPI.COMM_NULL else None)
     if channel is None:
         if target == MPI.COMM_NULL:
             raise CollectiveArgumentError("comm is MPI.COMM_NULL: this rank is not in the group; "
@@ -263,7 +266,7 @@ def _channel(comm: MPI.Comm | None) -> _Channel:
                 "ranks of one group; merge the groups with comm.Merge() (an intra-communicator) "
                 "or use mpi4py's own collectives on the inter-communicator")
         with _channel_lock:
-            channel = target.Get_attr(_CHANNEL_KEYVAL)
+            channel = cast("_Channel | None", target.Get_attr(_CHANNEL_KEYVAL))
             if channel is None:
                 channel = _Channel(target, MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
                 target.Set_attr(_CHANNEL_KEYVAL, channel)
@@ -380,6 +383,7 @@ def _execute(call: _Call, lane: _Lane, number: int, plan: _Plan | None, error: s
         described = ALGORITHMS[call.collective][algorithm]
         link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
         work = layout.work
+        assert layout.fill is not None  # a completed layout always places this rank's input
         layout.fill(link, work)
         described.run(link, work, *layout.args)
         if layout.finish is not None:
@@ -423,7 +427,7 @@ class _FusedPlan:
         self.op = OPS[op]
         self.size = size
 
-    def reduce(self, lane: _Lane, number: int, site: tuple[int, str], data: Any) -> np.ndarray:
+    def reduce(self, lane: _Lane, number: int, site: tuple[int, str], data: Any) -> Any:
         """Check the call and reduce `data` (shaped like the payload) over all ranks in the same
         exchange; returns the packet's payload, holding the reduction (before avg's division)."""
         packet = self.packet

@@ -73,7 +73,8 @@ class CupyRuntime:
         return arr
 
     def pinned_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
-        return self._cupyx.empty_pinned((count,), dtype=dtype)
+        pinned: np.ndarray = self._cupyx.empty_pinned((count,), dtype=dtype)
+        return pinned
 
     def copy_to_host(self, src: Any, dst: np.ndarray) -> None:
         src.get(out=dst)
@@ -162,7 +163,8 @@ class Buffer:
 
     @property
     def dtype(self) -> np.dtype:
-        return self.flat.dtype
+        dtype: np.dtype = self.flat.dtype
+        return dtype
 
     @property
     def count(self) -> int:

@@ -117,8 +117,8 @@ def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None
         if row["min_ranks"] <= size <= row.get("max_ranks", size):
             for limit, name in row["by_bytes"]:
                 if limit is None or nbytes <= limit:
-                    return name
-            return row["by_bytes"][-1][1]
+                    return str(name)
+            return str(row["by_bytes"][-1][1])
     return None
 
 

@@ -133,7 +133,9 @@ class Link:
 
     def _pinned(self, count: int, dtype: np.dtype, slot: tuple[Any, ...]) -> np.ndarray:
         assert self.runtime is not None
-        return self._scratch.get(self.runtime.pinned_empty, ("pinned",) + slot, count, dtype)
+        pinned: np.ndarray = self._scratch.get(self.runtime.pinned_empty, ("pinned",) + slot, count,
+                                               dtype)
+        return pinned
 
     # -- arithmetic ---------------------------------------------------------------------------
 
