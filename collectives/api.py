@@ -39,7 +39,7 @@ from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, STATUS
 from .plans import Layout, Request
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
-from .select import choose
+from .select import choose, settings_key
 from .transport import Link, ScratchPool
 from .validation import Agreement, Packet, check_choice
 
@@ -172,7 +172,7 @@ class _Channel:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.calls = 0  # the number of the last call issued on this communicator
         self.busy = threading.Lock()  # held while a thread issues a call
-        self.issuer = ""  # name of the thread holding `busy`
+        self.issuer = 0  # ident of the thread holding `busy`
         self.intruders: list[str] = []  # threads that called while `busy` was held
         self.last: Handle | None = None  # the last `i*` call issued
         dup = _Duplicate(comm, nonblocking=multiple)
@@ -189,19 +189,18 @@ class _Channel:
             self.intruders.append(me)
             raise ConcurrentUseError(
                 f"thread {me!r} called a collective on a communicator while thread "
-                f"{self.issuer!r} was in a call on it; MPI requires the calls on a communicator to "
-                "come in one order, which two threads cannot keep. Give each thread its own "
-                "communicator (comm.Dup()).")
-        self.issuer = threading.current_thread().name
+                f"{_thread_name(self.issuer)!r} was in a call on it; MPI requires the calls on a "
+                "communicator to come in one order, which two threads cannot keep. Give each "
+                "thread its own communicator (comm.Dup()).")
+        self.issuer = threading.get_ident()
         self.calls += 1
         return self.calls
 
     def leave(self) -> None:
         """End the call `enter` started; raises ConcurrentUseError if another thread intruded."""
-        intruders, self.intruders = self.intruders, []
-        self.issuer = ""
         self.busy.release()
-        if intruders:
+        if self.intruders:
+            intruders, self.intruders = self.intruders, []
             raise ConcurrentUseError(
                 f"thread(s) {', '.join(repr(t) for t in intruders)} called collectives on this "
                 f"communicator while thread {threading.current_thread().name!r} was in a call on "
@@ -214,6 +213,10 @@ class _Channel:
         last = self.last
         if last is not None and not last.done():
             last.settled()
+
+
+def _thread_name(ident: int) -> str:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
 
 
 _serial: Engine | None = None
@@ -459,7 +462,7 @@ def _fused_plan(lane: _Lane, channel: _Channel, x: np.ndarray, op: str, algorith
     (a larger or unusual call, or one whose error the general path reports)."""
     key: tuple[Any, ...] = (x.dtype, x.shape, x.strides, op, algorithm, in_place)
     if algorithm == "auto":  # what auto picks can change with these (tests change them)
-        key += (os.environ.get("HPCDL_ALGORITHM_ALLREDUCE"), os.environ.get("HPCDL_TUNING_FILE"))
+        key += settings_key("allreduce")
     try:
         return lane.fused[key]
     except KeyError:
@@ -489,6 +492,18 @@ def _run_now(call: _Call, channel: _Channel, lane: _Lane, number: int) -> Any:
         if fused is not None:
             return fused.run(lane, number, call.site, call.x, call.out is not None)
     return _execute(call, lane, number, *_prepare(call, channel))
+
+
+def _fused_blocking(channel: _Channel, fused: _FusedPlan, x: np.ndarray, in_place: bool) -> Any:
+    """A blocking allreduce on the small-message path: no `_Call`, nothing planned again."""
+    site = _call_site()
+    number = channel.enter()
+    try:
+        channel.drain()
+        result = fused.run(channel.blocking, number, site, x, in_place)
+    finally:
+        channel.leave()
+    return result
 
 
 def _blocking(call: _Call) -> Any:
@@ -551,6 +566,12 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
     4 KiB on the host; tree 2 log2 P alpha + 2 log2 P N beta; halving_doubling
     2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma (docs/algorithms.md).
     """
+    if type(x) is np.ndarray and (out is None or out is x and x.flags.writeable):
+        channel = _channel(comm)
+        if channel.blocking is not channel.background:  # MPI_THREAD_MULTIPLE: on this thread
+            fused = _fused_plan(channel.blocking, channel, x, op, algorithm, out is not None)
+            if fused is not None:
+                return _fused_blocking(channel, fused, x, out is not None)
     return _blocking(_Call("allreduce", x, comm, op, algorithm, out))
 
 
