@@ -126,11 +126,9 @@ def choose(collective: str, nbytes: int, size: int, *, hand_written: bool = Fals
                 f"choose one of {', '.join(sorted(ALGORITHMS[collective]))}"
             )
         return forced
-    decided_as = COLLECTIVES[collective].decided_as or collective
-    chosen = _lookup(setting("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), decided_as, nbytes,
-                     size)
+    chosen = _lookup(setting("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes, size)
     if hand_written and chosen == "mpi":
-        chosen = _lookup(str(BUILTIN_TABLE), decided_as, nbytes, size)
+        chosen = _lookup(str(BUILTIN_TABLE), collective, nbytes, size)
     return chosen
 
 
@@ -150,6 +148,9 @@ def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None
 def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
     table = load_table(path)
     rows = table.get("collectives", {}).get(collective, [])
+    decided_as = COLLECTIVES[collective].decided_as
+    if not rows and decided_as is not None:  # e.g. allgatherv by allgather's rows
+        rows = table.get("collectives", {}).get(decided_as, [])
     chosen = row_choice(rows, nbytes, size)
     if chosen is not None:
         return chosen
