@@ -314,11 +314,11 @@ class DistributedDataParallel(torch.nn.Module):
                         "buckets and needs dense parameters (contiguous, or a permutation such as "
                         "channels_last): make it a Parameter of its own")
             in_place = [self._averaged_in_place(p) for p in params]
-            flat = torch.zeros(sum(p.numel() for p, solo in zip(params, in_place) if not solo),
+            flat = torch.zeros(sum(p.numel() for p, alone in zip(params, in_place) if not alone),
                                dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
-            for p, solo in zip(params, in_place):
-                if solo:
+            for p, alone in zip(params, in_place):
+                if alone:
                     views.append(torch.zeros_like(p))  # the parameter's layout, as autograd's
                     continue
                 # With the parameter's strides (channels_last included), so autograd, whose
@@ -455,8 +455,9 @@ class DistributedDataParallel(torch.nn.Module):
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        solos = [flat_in_memory_order(t) for t, solo in zip(bucket.targets, bucket.in_place)
-                 if solo and t is not None]
+        # in place only where flat_in_memory_order gave a view (`_averaged_in_place`): never None
+        solos: list[torch.Tensor] = [flat_in_memory_order(t) for t, solo  # type: ignore[misc]
+                                     in zip(bucket.targets, bucket.in_place) if solo and t is not None]
         size = self.comm.Get_size()
         # float16 holds at most 65504: a sum of P gradients overflows where their average need
         # not, so each rank divides first and the ranks sum (torch's fp16 hook does the same).

@@ -4,13 +4,8 @@ On Linux with transparent huge pages in "madvise" mode (a common default), NumPy
 for its large arrays, but torch's CPU allocator does so only when `THP_MEM_ALLOC_ENABLE=1` is in the
 environment before its first allocation. Over shared memory Open MPI moves a large message with
 one copy straight from the peer's pages (CMA, `process_vm_readv`), which costs per page, and every
-fold and copy walks the pages too. Measured on the reference machine (2 ranks, 2026-11-22):
-
-- 100 MiB averaged in 8 MiB `iallreduce` calls, the caller waiting on them: 12.5-12.8 ms on
-  huge-page tensors (or NumPy arrays), 33-34 ms on torch tensors in 4 KiB pages;
-- the 25 M-parameter MLP of benchmarks/train_throughput.py, P=2, samples/s, the variable set or
-  not (two interleaved runs each, same code otherwise): no communication +18%, hpcdl +24%,
-  torch's DDP over gloo +13%.
+fold and copy walks the pages too: averaging 100 MiB took 2.7x longer on torch tensors in 4 KiB
+pages than in huge pages (measurements: docs/training.md, "Huge pages").
 
 So `import hpcdl` sets `THP_MEM_ALLOC_ENABLE=1` unless the variable is already set (`0` keeps it
 off), and `DistributedDataParallel` warns, with what to do, when ranks share a host and torch's

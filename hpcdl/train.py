@@ -13,9 +13,7 @@ starts, so a bad option stops all ranks with the same message instead of leaving
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import io
 import json
 import math
 import os
@@ -32,8 +30,9 @@ import collectives
 
 from . import runtime
 from .atomic_file import unwritable_directory, unwritable_file
+from .command import ARGUMENT_ERROR, Command, CommandError, report_failure
 
-ARGUMENT_ERROR = 2  # the exit status argparse uses for bad options
+PROG = "hpcdl train"
 #: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
 #: time limit): the requeue batch template requeues the job when it sees it.
 CHECKPOINTED_ON_SIGNAL = 3
@@ -145,70 +144,26 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
-    """Collective: every rank's errors, tagged with the rank where only some ranks saw them.
-
-    The same list comes back on every rank, so all ranks take the same decision.
-    """
-    per_rank = comm.allgather(errors)
-    everywhere = [e for e in per_rank[0] if all(e in other for other in per_rank)]
-    result = list(everywhere)
-    for r, mine in enumerate(per_rank):
-        result += [f"rank {r}: {e}" for e in mine if e not in everywhere]
-    return result
-
-
-def different_options(args: argparse.Namespace, comm: MPI.Comm) -> list[str]:
-    """Collective: an error naming the ranks whose options differ from rank 0's, or [].
-
-    Ranks started with different command lines (an MPMD launch, a wrapper script that adds
-    options on some nodes) would otherwise train different jobs and wait for each other forever.
-    """
-    options = comm.allgather(sorted(vars(args).items()))
-    odd = [r for r, theirs in enumerate(options) if theirs != options[0]]
-    if not odd:
-        return []
-    mine, theirs = dict(options[0]), dict(options[odd[0]])
-    differing = ", ".join(f"{name.replace('_', '-')} {mine[name]!r} on rank 0, {theirs[name]!r} on "
-                          f"rank {odd[0]}" for name in sorted(mine) if mine[name] != theirs.get(name))
-    return [f"ranks were started with different options ({differing}; ranks differing from rank 0: "
-            f"{', '.join(map(str, odd[:8]))}{' ...' if len(odd) > 8 else ''}); start every rank "
-            "with the same command line"]
-
-
 def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
     """Print `messages` once (on rank 0) and return `status`; every rank calls it alike."""
-    if rank == 0:
-        for message in messages:
-            print(f"hpcdl train: error: {message}", file=sys.stderr)
-        sys.stderr.flush()
-    return status
-
-
-def parse_arguments(argv: list[str], rank: int) -> argparse.Namespace:
-    """`build_parser().parse_args(argv)`, printing only on rank 0.
-
-    On bad syntax argparse prints the usage and exits with status 2, and on --help prints the help
-    and exits with 0. Every rank parses the same `argv`, so every rank exits with the same status;
-    only the text of ranks other than 0 is dropped, which would repeat it once per rank.
-    """
-    parser = build_parser()
-    if rank == 0:
-        return parser.parse_args(argv)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return parser.parse_args(argv)
+    return report_failure(PROG, messages, rank, status)
 
 
 # -- entry point ---------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> int:
-    """Run `hpcdl train` with command-line arguments `argv`; returns the exit status."""
-    topology = runtime.init()
-    args = parse_arguments(argv, topology.rank)
-    comm = MPI.COMM_WORLD
-    errors = agreed_errors(local_argument_errors(args), comm) or different_options(args, comm)
-    if errors:
-        return _fail(errors, topology.rank)
+    """Run `hpcdl train` with command-line arguments `argv`; returns the exit status.
+
+    Rank 0 parses (--help and bad syntax exit every rank alike, printed once), then every rank
+    checks the values it can see and all agree on the verdict before any training starts.
+    """
+    command = Command.world(PROG)
+    topology, comm = runtime.topology(), MPI.COMM_WORLD
+    try:
+        args = command.parse(build_parser().parse_args, argv)
+        command.agree(local_argument_errors(args))
+    except CommandError as exc:
+        return command.fail(exc)
 
     import torch
 

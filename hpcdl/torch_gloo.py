@@ -1,6 +1,6 @@
 """torch.distributed's gloo backend, set up from an MPI job: the peer the benchmarks compare against.
 
-    from benchmarks.torch_gloo import gloo_unavailable_reason, init_torch_distributed
+    from hpcdl.torch_gloo import gloo_unavailable_reason, init_torch_distributed
     init_torch_distributed(MPI.COMM_WORLD)      # collective over the communicator's ranks
 
 Rank and size come from MPI, so the same `mpirun` (or `srun`) that starts the job starts gloo's:
