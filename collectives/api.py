@@ -32,7 +32,7 @@ from typing import Any, Callable, cast
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import Buffer, as_buffer, cuda_aware, device_runtime
+from .buffers import Buffer, as_buffer, device_runtime
 from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError, LocalArgumentError
 from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
@@ -40,7 +40,7 @@ from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, SIGNATURE
 from .plans import Layout, Request
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
 from .select import choose, settings_key
-from .transport import Link, ScratchPool
+from .transport import Link, ScratchPool, cuda_aware
 from .validation import Agreement, Packet, check_choice
 
 _ALGORITHM_CHOICES = {name: {"auto", *table} for name, table in ALGORITHMS.items()}

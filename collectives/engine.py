@@ -165,9 +165,10 @@ class Engine:
     def _loop(self) -> None:
         _current.engine = self
         finished: list[tuple[Handle, Any, BaseException | None]] = []
+        first_finished = 0.0  # when the first of `finished` finished
         while True:
             if finished and (self._queue.empty() or len(finished) >= SETTLE_BATCH
-                             or time.perf_counter() - finished[0][0].finished_at > SETTLE_DELAY_S):
+                             or time.perf_counter() - first_finished > SETTLE_DELAY_S):
                 for handle, result, error in finished:
                     handle._settle(result, error)
                 finished.clear()
@@ -179,10 +180,12 @@ class Engine:
             handle, work = item
             handle.started_at = time.perf_counter()
             if self._broken is not None:
+                handle.finished_at = time.perf_counter()
+                if not finished:
+                    first_finished = handle.finished_at
                 finished.append((handle, None, CommunicationError(
                     f"{handle.name} was not run: an earlier collective failed on this rank "
                     f"({self._broken!r})")))
-                handle.finished_at = time.perf_counter()
                 continue
             try:
                 result, error = work(), None
@@ -192,6 +195,8 @@ class Engine:
                 self._broken = exc
                 result, error = None, exc
             handle.finished_at = time.perf_counter()
+            if not finished:
+                first_finished = handle.finished_at
             finished.append((handle, result, error))
 
 

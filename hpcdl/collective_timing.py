@@ -42,7 +42,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS, CollectiveArgumentError
-from collectives.ops import mpi_datatype
+from collectives.transport import mpi_datatype, mpi_op
 from collectives.partition import partition_counts, partition_offsets
 from collectives.select import choose
 
@@ -365,7 +365,7 @@ class Case:
 
     def _direct(self) -> Runner:
         c, comm, x, out, root = self.collective, self.comm, self.x, self.out, self.root or 0
-        mpi_op = OPS[self.op].mpi_op
+        reduce_op = mpi_op(OPS[self.op])
         if COLLECTIVES[c].reducing:
             dt = mpi_datatype(self.dtype)
             spec_x, spec_out = [x, dt], [out, dt]
@@ -373,14 +373,14 @@ class Case:
             spec_x, spec_out = [x, MPI.BYTE], [out, MPI.BYTE]
         if c == "allreduce":
             if self.in_place:
-                return Runner(lambda: comm.Allreduce(MPI.IN_PLACE, spec_x, mpi_op), x)
-            return Runner(lambda: comm.Allreduce(spec_x, spec_out, mpi_op), out)
+                return Runner(lambda: comm.Allreduce(MPI.IN_PLACE, spec_x, reduce_op), x)
+            return Runner(lambda: comm.Allreduce(spec_x, spec_out, reduce_op), out)
         if c == "reduce_scatter":
             counts = partition_counts(self.count, self.size)
             if self.in_place:  # MPI's in-place form leaves this rank's block at the front of x
                 mine = x[:counts[self.rank]]
-                return Runner(lambda: comm.Reduce_scatter(MPI.IN_PLACE, spec_x, counts, mpi_op), mine)
-            return Runner(lambda: comm.Reduce_scatter(spec_x, spec_out, counts, mpi_op), out)
+                return Runner(lambda: comm.Reduce_scatter(MPI.IN_PLACE, spec_x, counts, reduce_op), mine)
+            return Runner(lambda: comm.Reduce_scatter(spec_x, spec_out, counts, reduce_op), out)
         if c == "allgather":
             if self.in_place:
                 return Runner(lambda: comm.Allgather(MPI.IN_PLACE, spec_out), out)
@@ -388,16 +388,16 @@ class Case:
         if c == "broadcast":
             return Runner(lambda: comm.Bcast(spec_x, root), x)
         if not self.has_output:
-            return Runner(lambda: comm.Reduce(spec_x, None, mpi_op, root), None)
+            return Runner(lambda: comm.Reduce(spec_x, None, reduce_op, root), None)
         if self.in_place:
-            return Runner(lambda: comm.Reduce(MPI.IN_PLACE, spec_x, mpi_op, root), x)
-        return Runner(lambda: comm.Reduce(spec_x, spec_out, mpi_op, root), out)
+            return Runner(lambda: comm.Reduce(MPI.IN_PLACE, spec_x, reduce_op, root), x)
+        return Runner(lambda: comm.Reduce(spec_x, spec_out, reduce_op, root), out)
 
     def _pickled(self) -> Runner:
         """mpi4py's pickle-based call: one Python number per rank up to PICKLE_SCALAR_BYTES of
         input, else the input array (the module docstring says what is checked)."""
         c, comm, x, root = self.collective, self.comm, self.x, self.root or 0
-        op = OPS[self.op].mpi_op
+        op = mpi_op(OPS[self.op])
         scalar = x.nbytes <= PICKLE_SCALAR_BYTES
         if COLLECTIVES[c].reducing and self.op in ("max", "min") and not scalar:
             raise Unsupported(f"mpi4py's pickle-based {self.op} compares whole arrays, not elements")

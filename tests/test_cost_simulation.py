@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collectives import ALGORITHMS, OPS, partition_counts
+from collectives import ALGORITHMS, OPS
 from collectives.partition import PIECEWISE_BYTES, SEGMENT_BYTES, offsets_of, partition_offsets
 
 pytestmark = pytest.mark.timeout(300)
