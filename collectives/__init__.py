@@ -23,7 +23,7 @@ _LAZY = {
                                 "iallgatherv", "iallreduce", "ibroadcast", "ireduce",
                                 "ireduce_scatter", "reduce", "reduce_scatter")},
     "Handle": "engine",
-    "cuda_aware": "buffers",
+    "cuda_aware": "transport",
     "set_device_runtime": "buffers",
 }
 

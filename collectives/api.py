@@ -27,20 +27,20 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import Buffer, as_buffer, cuda_aware, device_runtime
+from .buffers import Buffer, as_buffer, device_runtime
 from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError, LocalArgumentError
 from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, STATUS
-from .plans import Layout, Request, row_major
+from .plans import Layout, Request
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
-from .select import choose
-from .transport import Link, ScratchPool
+from .select import choose, settings_key
+from .transport import Link, ScratchPool, cuda_aware
 from .validation import Agreement, Packet, check_choice
 
 _ALGORITHM_CHOICES = {name: {"auto", *table} for name, table in ALGORITHMS.items()}
@@ -106,13 +106,15 @@ class _Duplicate:
 
     def __init__(self, comm: MPI.Comm, nonblocking: bool) -> None:
         self._lock = threading.Lock()
+        self._parent = comm
+        self._comm: MPI.Comm | None = None
+        self._request: MPI.Request | None = None
         if nonblocking:
             self._comm, self._request = comm.Idup()
-        else:  # below MPI_THREAD_MULTIPLE: made by the engine, the only thread that calls MPI
-            self._comm, self._request = None, None
-            self._parent = comm
+        # else: below MPI_THREAD_MULTIPLE, made by the engine, the only thread that calls MPI
 
     def get(self) -> MPI.Comm:
+        """The duplicate, waiting for its duplication to complete if it has not yet."""
         if self._request is not None or self._comm is None:
             with self._lock:
                 if self._comm is None:
@@ -170,7 +172,7 @@ class _Channel:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.calls = 0  # the number of the last call issued on this communicator
         self.busy = threading.Lock()  # held while a thread issues a call
-        self.issuer = ""  # name of the thread holding `busy`
+        self.issuer = 0  # ident of the thread holding `busy`
         self.intruders: list[str] = []  # threads that called while `busy` was held
         self.last: Handle | None = None  # the last `i*` call issued
         dup = _Duplicate(comm, nonblocking=multiple)
@@ -187,19 +189,18 @@ class _Channel:
             self.intruders.append(me)
             raise ConcurrentUseError(
                 f"thread {me!r} called a collective on a communicator while thread "
-                f"{self.issuer!r} was in a call on it; MPI requires the calls on a communicator to "
-                "come in one order, which two threads cannot keep. Give each thread its own "
-                "communicator (comm.Dup()).")
-        self.issuer = threading.current_thread().name
+                f"{_thread_name(self.issuer)!r} was in a call on it; MPI requires the calls on a "
+                "communicator to come in one order, which two threads cannot keep. Give each "
+                "thread its own communicator (comm.Dup()).")
+        self.issuer = threading.get_ident()
         self.calls += 1
         return self.calls
 
     def leave(self) -> None:
         """End the call `enter` started; raises ConcurrentUseError if another thread intruded."""
-        intruders, self.intruders = self.intruders, []
-        self.issuer = ""
         self.busy.release()
-        if intruders:
+        if self.intruders:
+            intruders, self.intruders = self.intruders, []
             raise ConcurrentUseError(
                 f"thread(s) {', '.join(repr(t) for t in intruders)} called collectives on this "
                 f"communicator while thread {threading.current_thread().name!r} was in a call on "
@@ -212,6 +213,10 @@ class _Channel:
         last = self.last
         if last is not None and not last.done():
             last.settled()
+
+
+def _thread_name(ident: int) -> str:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
 
 
 _serial: Engine | None = None
@@ -251,7 +256,8 @@ def _channel(comm: MPI.Comm | None) -> _Channel:
     target = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(target, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(target).__name__}")
-    channel = target.Get_attr(_CHANNEL_KEYVAL) if target != MPI.COMM_NULL else None
+    channel = cast("_Channel | None",
+                   target.Get_attr(_CHANNEL_KEYVAL) if target != MPI.COMM_NULL else None)
     if channel is None:
         if target == MPI.COMM_NULL:
             raise CollectiveArgumentError("comm is MPI.COMM_NULL: this rank is not in the group; "
@@ -263,7 +269,7 @@ def _channel(comm: MPI.Comm | None) -> _Channel:
                 "ranks of one group; merge the groups with comm.Merge() (an intra-communicator) "
                 "or use mpi4py's own collectives on the inter-communicator")
         with _channel_lock:
-            channel = target.Get_attr(_CHANNEL_KEYVAL)
+            channel = cast("_Channel | None", target.Get_attr(_CHANNEL_KEYVAL))
             if channel is None:
                 channel = _Channel(target, MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
                 target.Set_attr(_CHANNEL_KEYVAL, channel)
@@ -380,6 +386,7 @@ def _execute(call: _Call, lane: _Lane, number: int, plan: _Plan | None, error: s
         described = ALGORITHMS[call.collective][algorithm]
         link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
         work = layout.work
+        assert layout.fill is not None  # a completed layout always places this rank's input
         layout.fill(link, work)
         described.run(link, work, *layout.args)
         if layout.finish is not None:
@@ -423,7 +430,7 @@ class _FusedPlan:
         self.op = OPS[op]
         self.size = size
 
-    def reduce(self, lane: _Lane, number: int, site: tuple[int, str], data: Any) -> np.ndarray:
+    def reduce(self, lane: _Lane, number: int, site: tuple[int, str], data: Any) -> Any:
         """Check the call and reduce `data` (shaped like the payload) over all ranks in the same
         exchange; returns the packet's payload, holding the reduction (before avg's division)."""
         packet = self.packet
@@ -455,7 +462,7 @@ def _fused_plan(lane: _Lane, channel: _Channel, x: np.ndarray, op: str, algorith
     (a larger or unusual call, or one whose error the general path reports)."""
     key: tuple[Any, ...] = (x.dtype, x.shape, x.strides, op, algorithm, in_place)
     if algorithm == "auto":  # what auto picks can change with these (tests change them)
-        key += (os.environ.get("HPCDL_ALGORITHM_ALLREDUCE"), os.environ.get("HPCDL_TUNING_FILE"))
+        key += settings_key("allreduce")
     try:
         return lane.fused[key]
     except KeyError:
@@ -485,6 +492,18 @@ def _run_now(call: _Call, channel: _Channel, lane: _Lane, number: int) -> Any:
         if fused is not None:
             return fused.run(lane, number, call.site, call.x, call.out is not None)
     return _execute(call, lane, number, *_prepare(call, channel))
+
+
+def _fused_blocking(channel: _Channel, fused: _FusedPlan, x: np.ndarray, in_place: bool) -> Any:
+    """A blocking allreduce on the small-message path: no `_Call`, nothing planned again."""
+    site = _call_site()
+    number = channel.enter()
+    try:
+        channel.drain()
+        result = fused.run(channel.blocking, number, site, x, in_place)
+    finally:
+        channel.leave()
+    return result
 
 
 def _blocking(call: _Call) -> Any:
@@ -547,6 +566,12 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
     4 KiB on the host; tree 2 log2 P alpha + 2 log2 P N beta; halving_doubling
     2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma (docs/algorithms.md).
     """
+    if type(x) is np.ndarray and (out is None or out is x and x.flags.writeable):
+        channel = _channel(comm)
+        if channel.blocking is not channel.background:  # MPI_THREAD_MULTIPLE: on this thread
+            fused = _fused_plan(channel.blocking, channel, x, op, algorithm, out is not None)
+            if fused is not None:
+                return _fused_blocking(channel, fused, x, out is not None)
     return _blocking(_Call("allreduce", x, comm, op, algorithm, out))
 
 

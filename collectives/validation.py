@@ -182,7 +182,8 @@ class Agreement:
         table = np.zeros(2 * size, dtype=np.int64)
         table[2 * self.rank:2 * self.rank + 2] = (count, capacity)
         butterfly_allgather(link, table, [2 * r for r in range(size + 1)])
-        counts, capacities = table[0::2].tolist(), table[1::2].tolist()
+        counts: list[int] = table[0::2].tolist()
+        capacities: list[int] = table[1::2].tolist()
         total = sum(counts)
         bad = [r for r, held in enumerate(capacities) if held not in (-1, total)]
         if bad:

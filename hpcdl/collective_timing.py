@@ -42,8 +42,8 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS, CollectiveArgumentError
-from collectives.ops import mpi_datatype
-from collectives.partition import partition_counts, partition_offsets
+from collectives.transport import mpi_datatype, mpi_op
+from collectives.partition import offsets_of, partition_counts, partition_offsets
 from collectives.select import choose
 
 from .agreement import agreed_error
@@ -81,9 +81,11 @@ def size_sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
 
 def element_count(collective: str, nbytes: int, itemsize: int, size: int) -> int:
     """Elements in a row of `nbytes`: at least 1; a multiple of P for the collectives that work
-    on P blocks (reduce_scatter, allgather), as nccl-tests rounds them."""
+    on P equal blocks (reduce_scatter, allgather), as nccl-tests rounds them. allgatherv's ranks
+    contribute `partition_counts(count, P)` elements each: uneven wherever P does not divide it."""
     count = max(1, nbytes // itemsize)
-    if COLLECTIVES[collective].arguments == "offsets":
+    described = COLLECTIVES[collective]
+    if described.arguments == "offsets" and not described.varying_counts:
         count = max(1, count // size) * size
     return count
 
@@ -278,9 +280,15 @@ class Case:
         values = value_table(collective, dtype, op, p)
         m = len(values)
         n_in = count // p if COLLECTIVES[collective].gathers else count
+        self.counts = partition_counts(count, p)  # allgatherv's contributions
+        if COLLECTIVES[collective].varying_counts:
+            n_in = self.counts[r]
         residues = element_residues(n_in, m).astype(np.intp)
         self.pattern = self.space.put(values[(residues + r) % m].astype(self.dtype))
-        if collective == "broadcast":
+        if COLLECTIVES[collective].varying_counts:
+            expected = np.concatenate([values[(element_residues(c, m).astype(np.intp) + q) % m]
+                                       for q, c in enumerate(self.counts)]).astype(self.dtype)
+        elif collective == "broadcast":
             expected = values[(residues + root) % m].astype(self.dtype)
         elif collective == "allgather":
             expected = values[(residues[None, :] + np.arange(p)[:, None]) % m].astype(self.dtype)
@@ -295,6 +303,12 @@ class Case:
 
     def _allocate(self, n_in: int) -> None:
         space, c, dt = self.space, self.collective, self.dtype
+        if COLLECTIVES[c].varying_counts:
+            self.offsets = offsets_of(self.counts)
+            self.out = space.empty(self.offsets[-1], dt)
+            mine = slice(self.offsets[self.rank], self.offsets[self.rank + 1])
+            self.x = self.out[mine] if self.in_place else space.empty(n_in, dt)
+            return
         if c == "allgather":
             self.out = space.empty((self.size, n_in), dt)
             self.x = self.out[self.rank] if self.in_place else space.empty(n_in, dt)
@@ -357,6 +371,8 @@ class Case:
                                                              out=out), out)
         if c == "allgather":
             return Runner(lambda: collectives.allgather(x, comm, algorithm=algorithm, out=out), out)
+        if c == "allgatherv":
+            return Runner(lambda: collectives.allgatherv(x, comm, algorithm=algorithm, out=out), out)
         if c == "broadcast":
             return Runner(lambda: collectives.broadcast(x, root, comm, algorithm=algorithm), x)
         target = out if self.has_output else None
@@ -365,7 +381,7 @@ class Case:
 
     def _direct(self) -> Runner:
         c, comm, x, out, root = self.collective, self.comm, self.x, self.out, self.root or 0
-        mpi_op = OPS[self.op].mpi_op
+        reduce_op = mpi_op(OPS[self.op])
         if COLLECTIVES[c].reducing:
             dt = mpi_datatype(self.dtype)
             spec_x, spec_out = [x, dt], [out, dt]
@@ -373,32 +389,39 @@ class Case:
             spec_x, spec_out = [x, MPI.BYTE], [out, MPI.BYTE]
         if c == "allreduce":
             if self.in_place:
-                return Runner(lambda: comm.Allreduce(MPI.IN_PLACE, spec_x, mpi_op), x)
-            return Runner(lambda: comm.Allreduce(spec_x, spec_out, mpi_op), out)
+                return Runner(lambda: comm.Allreduce(MPI.IN_PLACE, spec_x, reduce_op), x)
+            return Runner(lambda: comm.Allreduce(spec_x, spec_out, reduce_op), out)
         if c == "reduce_scatter":
             counts = partition_counts(self.count, self.size)
             if self.in_place:  # MPI's in-place form leaves this rank's block at the front of x
                 mine = x[:counts[self.rank]]
-                return Runner(lambda: comm.Reduce_scatter(MPI.IN_PLACE, spec_x, counts, mpi_op), mine)
-            return Runner(lambda: comm.Reduce_scatter(spec_x, spec_out, counts, mpi_op), out)
+                return Runner(lambda: comm.Reduce_scatter(MPI.IN_PLACE, spec_x, counts, reduce_op), mine)
+            return Runner(lambda: comm.Reduce_scatter(spec_x, spec_out, counts, reduce_op), out)
         if c == "allgather":
             if self.in_place:
                 return Runner(lambda: comm.Allgather(MPI.IN_PLACE, spec_out), out)
             return Runner(lambda: comm.Allgather(spec_x, spec_out), out)
+        if c == "allgatherv":
+            itemsize = self.dtype.itemsize
+            spec_v = [out, [k * itemsize for k in self.counts],
+                      [o * itemsize for o in self.offsets[:-1]], MPI.BYTE]
+            if self.in_place:
+                return Runner(lambda: comm.Allgatherv(MPI.IN_PLACE, spec_v), out)
+            return Runner(lambda: comm.Allgatherv(spec_x, spec_v), out)
         if c == "broadcast":
             return Runner(lambda: comm.Bcast(spec_x, root), x)
         if not self.has_output:
-            return Runner(lambda: comm.Reduce(spec_x, None, mpi_op, root), None)
+            return Runner(lambda: comm.Reduce(spec_x, None, reduce_op, root), None)
         if self.in_place:
-            return Runner(lambda: comm.Reduce(MPI.IN_PLACE, spec_x, mpi_op, root), x)
-        return Runner(lambda: comm.Reduce(spec_x, spec_out, mpi_op, root), out)
+            return Runner(lambda: comm.Reduce(MPI.IN_PLACE, spec_x, reduce_op, root), x)
+        return Runner(lambda: comm.Reduce(spec_x, spec_out, reduce_op, root), out)
 
     def _pickled(self) -> Runner:
         """mpi4py's pickle-based call: one Python number per rank up to PICKLE_SCALAR_BYTES of
         input, else the input array (the module docstring says what is checked)."""
         c, comm, x, root = self.collective, self.comm, self.x, self.root or 0
-        op = OPS[self.op].mpi_op
-        scalar = x.nbytes <= PICKLE_SCALAR_BYTES
+        op = mpi_op(OPS[self.op])
+        scalar = x.nbytes <= PICKLE_SCALAR_BYTES and c != "allgatherv"  # whose blocks may be empty
         if COLLECTIVES[c].reducing and self.op in ("max", "min") and not scalar:
             raise Unsupported(f"mpi4py's pickle-based {self.op} compares whole arrays, not elements")
         obj: Callable[[], Any] = (lambda: x[0].item()) if scalar else (lambda: x)
@@ -409,12 +432,14 @@ class Case:
         def check(returned: Any) -> int:
             if returned is None:  # a non-root of reduce
                 return 0
+            if c == "allgatherv":  # a list of arrays of different lengths
+                returned = np.concatenate(returned)
             got = np.asarray(returned)  # a number, an array, or allgather's list of either
             return int(np.count_nonzero(got.reshape(expected.shape) != expected))
 
         if c == "allreduce":
             return Runner(lambda: comm.allreduce(obj(), op), None, check)
-        if c == "allgather":
+        if c in ("allgather", "allgatherv"):
             return Runner(lambda: comm.allgather(obj()), None, check)
         if c == "broadcast":
             return Runner(lambda: comm.bcast(obj(), root), None, check)
@@ -479,6 +504,8 @@ def static_unavailable(collective: str, algorithm: str, dtype: str, op: str, in_
             return "gloo's AVG works on floating-point types only"
         if not in_place and collective in ("allreduce", "reduce"):
             return f"torch.distributed's {collective} works in place only"
+        if COLLECTIVES[collective].varying_counts:
+            return "torch.distributed's all_gather takes equal sizes from every rank"
     return None
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import collectives
-from collectives import buffers
+from collectives import buffers, transport
 from collectives.ops import MOVED_DTYPES
 
 # -- the fake GPU -----------------------------------------------------------------------------
@@ -385,7 +385,7 @@ def mpi_reference(comm: Any, local: np.ndarray, op: str) -> np.ndarray | None:
     if local.dtype.name == "bfloat16":
         return None
     result = np.empty_like(local)
-    mpi_op = collectives.OPS[op].mpi_op
+    mpi_op = transport.mpi_op(collectives.OPS[op])
     comm.Allreduce(local, result, op=mpi_op)
     if op == "avg" and comm.Get_size() > 1:
         if result.dtype.kind in "iu":

@@ -663,8 +663,10 @@ def test_allgatherv_at_six_and_seven_ranks(comm: MPI.Comm) -> None:
         "for algorithm in ['auto', *collectives.ALGORITHMS['allgatherv']]:\n"
         "    for counts in ([k % 3 for k in range(p)], [0] * p, [5 * k + 1 for k in range(p)]):\n"
         "        x = np.arange(counts[r], dtype=np.int16) + 100 * r\n"
-        "        want = np.concatenate([np.arange(c, dtype=np.int16) + 100 * k for k, c in enumerate(counts)])\n"
-        "        assert np.array_equal(collectives.allgatherv(x, algorithm=algorithm), want), (algorithm, counts)\n"
+        "        want = np.concatenate([np.arange(c, dtype=np.int16) + 100 * k\n"
+        "                               for k, c in enumerate(counts)])\n"
+        "        got = collectives.allgatherv(x, algorithm=algorithm)\n"
+        "        assert np.array_equal(got, want), (algorithm, counts)\n"
         "print('ok', r)\n")
     from run import mpi_environment  # the settings tests/run.py gives its own jobs
 
