@@ -39,7 +39,7 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, cast
 
 import numpy as np
 import torch
@@ -70,7 +70,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     def write(f: BinaryIO) -> None:
         f.write(_MAGIC + b"0" * 64 + b"\n")  # the digest is known only at the end
         hashed = _HashingWriter(f)
-        torch.save(obj, hashed)
+        torch.save(obj, cast(BinaryIO, hashed))  # a file-like object: write() and flush()
         f.seek(len(_MAGIC))
         f.write(hashed.sha256.hexdigest().encode())
 
@@ -176,7 +176,8 @@ def prune_checkpoints(directory: str | os.PathLike[str], keep: int,
 
 def rng_state() -> dict[str, Any]:
     """This process's torch, NumPy and Python RNG states, as tensors and plain values."""
-    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = cast(
+        "tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)),

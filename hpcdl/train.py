@@ -273,7 +273,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                 print(f"hpcdl train: warning: --resume: skipping {bad.name}: it {why}"
                       + (f"; resuming from {path.name} instead" if path is not None else ""),
                       file=sys.stderr, flush=True)
-        if path is None:
+        if path is None or checkpoint is None:
             return _fail([f"--resume: no complete checkpoint in {args.checkpoint_dir}"
                           + (f" ({len(skipped)} unusable, see above)" if skipped else "")
                           + "; run once without --resume to create one"], rank)
