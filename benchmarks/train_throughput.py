@@ -10,7 +10,7 @@ Every mode runs in this one invocation on the same ranks:
   hpcdl        hpcdl.DistributedDataParallel, buckets reduced during backward
   hpcdl-nolap  the same with overlap=False (all buckets after backward)
   torch-ddp    torch.nn.parallel.DistributedDataParallel, gloo backend (torch.distributed set up
-               from our MPI rank and size by benchmarks/torch_gloo.py)
+               from our MPI rank and size by hpcdl/torch_gloo.py)
 Models: "cnn" (2 conv + 2 fc, 1.2 M params, 1x28x28 input) and "mlp" (784-4096-4096-1280-10,
 25.3 M params, communication-heavy). Batch 32 per rank, synthetic data, SGD with momentum;
 torch uses one thread per rank when P > 1. Each measurement: warm-up steps, a barrier, timed
@@ -33,7 +33,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hpcdl
-from benchmarks.torch_gloo import init_torch_distributed
+from hpcdl.torch_gloo import init_torch_distributed
 
 MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp")
 

@@ -19,11 +19,11 @@ from .partition import partition_counts
 from .registry import ALGORITHMS, COLLECTIVES
 
 _LAZY = {
-    **{name: "api" for name in ("allgather", "allreduce", "broadcast", "iallgather", "iallreduce",
-                                "ibroadcast", "ireduce", "ireduce_scatter", "reduce",
-                                "reduce_scatter")},
+    **{name: "api" for name in ("allgather", "allgatherv", "allreduce", "broadcast", "iallgather",
+                                "iallgatherv", "iallreduce", "ibroadcast", "ireduce",
+                                "ireduce_scatter", "reduce", "reduce_scatter")},
     "Handle": "engine",
-    "cuda_aware": "buffers",
+    "cuda_aware": "transport",
     "set_device_runtime": "buffers",
 }
 

@@ -1,17 +1,18 @@
 """Public collectives: blocking functions and their non-blocking `i*` twins.
 
 Blocking calls run on the caller's thread; `i*` calls queue to their communicator's communication
-thread (`engine.py`) and return a `Handle` at once. Each runs on a private duplicate of `comm`
-(one for blocking calls, one for the communication thread), so its messages never match the
-caller's own. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go through the
+thread (`engine.py`) and return a `Handle` at once. All of them run on one private duplicate of
+`comm`, so their messages never match the caller's own, and in the order they were issued, as MPI
+orders the collectives of a communicator: a blocking call first waits for the `i*` calls issued
+before it. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go through the
 communication thread too, so only one thread ever calls MPI.
 
 Every call checks its arguments on every rank together (`validation.py`) before moving data,
-along with its call number on the communicator, so ranks that are out of step are told so.
-Results are written in place when `out` is the input (or for `broadcast`), else into `out`, else
-into a new array on the input's device.
+along with where the caller's program made it and its call number on the communicator, so a rank
+that skipped or added a call is told so instead of pairing the wrong calls. Results are written in
+place when `out` is the input (or for `broadcast`), else into `out`, else into a new array on the
+input's device.
 
-A blocking pairs only with the same blocking call on the other ranks, never with an `i*` twin.
 Calls on one communicator must come from one thread at a time: a call made while another thread's
 call on the same communicator is under way raises `ConcurrentUseError` on both threads.
 
@@ -27,20 +28,20 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import Buffer, as_buffer, cuda_aware, device_runtime
+from .buffers import Buffer, as_buffer, device_runtime
 from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError, LocalArgumentError
 from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, STATUS
-from .plans import Layout, Request, row_major
+from .plans import Layout, Request
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
-from .select import choose
-from .transport import Link, ScratchPool
+from .select import choose, settings_key
+from .transport import Link, ScratchPool, cuda_aware
 from .validation import Agreement, Packet, check_choice
 
 _ALGORITHM_CHOICES = {name: {"auto", *table} for name, table in ALGORITHMS.items()}
@@ -92,7 +93,7 @@ class _Plan:
     """A call whose local arguments passed: what to run, on which working array."""
 
     algorithm: str
-    signature: list[int]  # without the call number
+    signature: list[int]  # without the call site and number
     source: Buffer
     layout: Layout
 
@@ -106,13 +107,15 @@ class _Duplicate:
 
     def __init__(self, comm: MPI.Comm, nonblocking: bool) -> None:
         self._lock = threading.Lock()
+        self._parent = comm
+        self._comm: MPI.Comm | None = None
+        self._request: MPI.Request | None = None
         if nonblocking:
             self._comm, self._request = comm.Idup()
-        else:  # below MPI_THREAD_MULTIPLE: made by the engine, the only thread that calls MPI
-            self._comm, self._request = None, None
-            self._parent = comm
+        # else: below MPI_THREAD_MULTIPLE, made by the engine, the only thread that calls MPI
 
     def get(self) -> MPI.Comm:
+        """The duplicate, waiting for its duplication to complete if it has not yet."""
         if self._request is not None or self._comm is None:
             with self._lock:
                 if self._comm is None:
@@ -170,7 +173,7 @@ class _Channel:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.calls = 0  # the number of the last call issued on this communicator
         self.busy = threading.Lock()  # held while a thread issues a call
-        self.issuer = ""  # name of the thread holding `busy`
+        self.issuer = 0  # ident of the thread holding `busy`
         self.intruders: list[str] = []  # threads that called while `busy` was held
         self.last: Handle | None = None  # the last `i*` call issued
         dup = _Duplicate(comm, nonblocking=multiple)
@@ -187,19 +190,18 @@ class _Channel:
             self.intruders.append(me)
             raise ConcurrentUseError(
                 f"thread {me!r} called a collective on a communicator while thread "
-                f"{self.issuer!r} was in a call on it; MPI requires the calls on a communicator to "
-                "come in one order, which two threads cannot keep. Give each thread its own "
-                "communicator (comm.Dup()).")
-        self.issuer = threading.current_thread().name
+                f"{_thread_name(self.issuer)!r} was in a call on it; MPI requires the calls on a "
+                "communicator to come in one order, which two threads cannot keep. Give each "
+                "thread its own communicator (comm.Dup()).")
+        self.issuer = threading.get_ident()
         self.calls += 1
         return self.calls
 
     def leave(self) -> None:
         """End the call `enter` started; raises ConcurrentUseError if another thread intruded."""
-        intruders, self.intruders = self.intruders, []
-        self.issuer = ""
         self.busy.release()
-        if intruders:
+        if self.intruders:
+            intruders, self.intruders = self.intruders, []
             raise ConcurrentUseError(
                 f"thread(s) {', '.join(repr(t) for t in intruders)} called collectives on this "
                 f"communicator while thread {threading.current_thread().name!r} was in a call on "
@@ -212,6 +214,10 @@ class _Channel:
         last = self.last
         if last is not None and not last.done():
             last.settled()
+
+
+def _thread_name(ident: int) -> str:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
 
 
 _serial: Engine | None = None
@@ -243,15 +249,16 @@ _world: _Channel | None = None
 def _channel(comm: MPI.Comm | None) -> _Channel:
     """The channel of `comm` (None: MPI.COMM_WORLD), made at its first use."""
     global _world
-    if _world is not None and comm is None:
-        return _world
     if MPI.Is_finalized():
         raise RuntimeError("MPI has been finalized: no collective can run any more (call "
                            "collectives before MPI.Finalize, or before hpcdl shuts MPI down at exit)")
+    if _world is not None and comm is None:
+        return _world
     target = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(target, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(target).__name__}")
-    channel = target.Get_attr(_CHANNEL_KEYVAL) if target != MPI.COMM_NULL else None
+    channel = cast("_Channel | None",
+                   target.Get_attr(_CHANNEL_KEYVAL) if target != MPI.COMM_NULL else None)
     if channel is None:
         if target == MPI.COMM_NULL:
             raise CollectiveArgumentError("comm is MPI.COMM_NULL: this rank is not in the group; "
@@ -263,7 +270,7 @@ def _channel(comm: MPI.Comm | None) -> _Channel:
                 "ranks of one group; merge the groups with comm.Merge() (an intra-communicator) "
                 "or use mpi4py's own collectives on the inter-communicator")
         with _channel_lock:
-            channel = target.Get_attr(_CHANNEL_KEYVAL)
+            channel = cast("_Channel | None", target.Get_attr(_CHANNEL_KEYVAL))
             if channel is None:
                 channel = _Channel(target, MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
                 target.Set_attr(_CHANNEL_KEYVAL, channel)
@@ -304,6 +311,15 @@ def _plan(call: _Call, rank: int, size: int) -> _Plan:
     n = src.count
     algorithm = call.algorithm
     hand_written = collective.reducing and dtype == "bfloat16"
+    if collective.varying_counts:  # counts differ between ranks: auto decides after exchanging them
+        signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES.get(algorithm, 0), 0,
+                     DTYPE_CODES[dtype], -1, 0,
+                     PLACEMENTS["device memory" if src.on_device else "host memory"]]
+        if out is not None and not getattr(out.array.flags, "writeable", True):
+            raise LocalArgumentError("out is read-only, but the result is written into it")
+        layout = collective.plan(Request(src, out, call.x, call.out, in_place, OPS[call.op], rank,
+                                         size, 0))
+        return _Plan(algorithm, signature, src, layout)
     if algorithm == "auto":
         try:  # an override or tuning file that only this rank sees must fail every rank together
             algorithm = choose(call.collective, n * src.dtype.itemsize, size, hand_written=hand_written)
@@ -360,12 +376,28 @@ def _execute(call: _Call, lane: _Lane, number: int, plan: _Plan | None, error: s
         signature = [COLLECTIVE_CODES[call.collective]] + [0] * (SIGNATURE_FIELDS - 3) + [site, number]
         lane.agreement.check(call.collective, signature, error, where)
         raise AssertionError("unreachable: the check raises on every rank")  # pragma: no cover
-    src, layout = plan.source, plan.layout
-    described = ALGORITHMS[call.collective][plan.algorithm]
+    src, layout, algorithm = plan.source, plan.layout, plan.algorithm
+    if layout.complete is not None:  # the ranks' counts differ: exchange them, then lay out
+        lane.agreement.check(call.collective, [*plan.signature, site, number], error, where)
+        counts = lane.agreement.counts(call.collective, src.count, layout.capacity)
+        if algorithm == "auto":  # the same total everywhere, so the same choice everywhere
+            total = sum(counts) * src.dtype.itemsize
+            algorithm = choose(call.collective, total // len(counts), len(counts))
+        layout = layout.complete(counts)
+        described = ALGORITHMS[call.collective][algorithm]
+        link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
+        work = layout.work
+        assert layout.fill is not None  # a completed layout always places this rank's input
+        layout.fill(link, work)
+        described.run(link, work, *layout.args)
+        if layout.finish is not None:
+            layout.finish(link, work)
+        return layout.result
+    described = ALGORITHMS[call.collective][algorithm]
     link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
     work = layout.work if layout.work is not None else \
         lane.scratch.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
-    rides = _rides_in_check(call.collective, plan.algorithm, src.on_device,
+    rides = _rides_in_check(call.collective, algorithm, src.on_device,
                             src.count * src.dtype.itemsize)
     if rides:  # the data goes with the check: fill first, then one exchange does both
         if layout.fill is not None:
@@ -399,7 +431,7 @@ class _FusedPlan:
         self.op = OPS[op]
         self.size = size
 
-    def reduce(self, lane: _Lane, number: int, site: tuple[int, str], data: Any) -> np.ndarray:
+    def reduce(self, lane: _Lane, number: int, site: tuple[int, str], data: Any) -> Any:
         """Check the call and reduce `data` (shaped like the payload) over all ranks in the same
         exchange; returns the packet's payload, holding the reduction (before avg's division)."""
         packet = self.packet
@@ -431,7 +463,7 @@ def _fused_plan(lane: _Lane, channel: _Channel, x: np.ndarray, op: str, algorith
     (a larger or unusual call, or one whose error the general path reports)."""
     key: tuple[Any, ...] = (x.dtype, x.shape, x.strides, op, algorithm, in_place)
     if algorithm == "auto":  # what auto picks can change with these (tests change them)
-        key += (os.environ.get("HPCDL_ALGORITHM_ALLREDUCE"), os.environ.get("HPCDL_TUNING_FILE"))
+        key += settings_key("allreduce")
     try:
         return lane.fused[key]
     except KeyError:
@@ -461,6 +493,18 @@ def _run_now(call: _Call, channel: _Channel, lane: _Lane, number: int) -> Any:
         if fused is not None:
             return fused.run(lane, number, call.site, call.x, call.out is not None)
     return _execute(call, lane, number, *_prepare(call, channel))
+
+
+def _fused_blocking(channel: _Channel, fused: _FusedPlan, x: np.ndarray, in_place: bool) -> Any:
+    """A blocking allreduce on the small-message path: no `_Call`, nothing planned again."""
+    site = _call_site()
+    number = channel.enter()
+    try:
+        channel.drain()
+        result = fused.run(channel.blocking, number, site, x, in_place)
+    finally:
+        channel.leave()
+    return result
 
 
 def _blocking(call: _Call) -> Any:
@@ -523,6 +567,12 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
     4 KiB on the host; tree 2 log2 P alpha + 2 log2 P N beta; halving_doubling
     2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma (docs/algorithms.md).
     """
+    if type(x) is np.ndarray and (out is None or out is x and x.flags.writeable):
+        channel = _channel(comm)
+        if channel.blocking is not channel.background:  # MPI_THREAD_MULTIPLE: on this thread
+            fused = _fused_plan(channel.blocking, channel, x, op, algorithm, out is not None)
+            if fused is not None:
+                return _fused_blocking(channel, fused, x, out is not None)
     return _blocking(_Call("allreduce", x, comm, op, algorithm, out))
 
 
@@ -566,6 +616,19 @@ def reduce(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, op: str = "su
     return _blocking(_Call("reduce", x, comm, op, algorithm, out, root))
 
 
+def allgatherv(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto",
+               out: Any = None) -> Any:
+    """Gather every rank's flattened `x` (counts may differ, zero included; one dtype everywhere)
+    into a 1-D array, in rank order, on every rank; or into `out`, of the total's element count.
+
+    The ranks first exchange their counts (an all-gather of 16 bytes per rank after the argument
+    check), then `auto` picks by the total size. Algorithms: ring ((P-1) alpha + (P-1)/P N beta
+    with N the gathered bytes, the largest block setting each step), butterfly (recursive
+    doubling, log2 P alpha + (P-1)/P N beta, non-powers of two folded), mpi (Allgatherv).
+    """
+    return _blocking(_Call("allgatherv", x, comm, "sum", algorithm, out))
+
+
 def iallreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorithm: str = "auto",
                out: Any = None) -> Handle:
     """Non-blocking `allreduce`: queued to the communication thread; `wait()` returns the result.
@@ -585,6 +648,12 @@ def iallgather(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto",
                out: Any = None) -> Handle:
     """Non-blocking `allgather`; `wait()` returns the gathered array."""
     return _submit(_Call("allgather", x, comm, "sum", algorithm, out))
+
+
+def iallgatherv(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto",
+                out: Any = None) -> Handle:
+    """Non-blocking `allgatherv`; `wait()` returns the gathered 1-D array."""
+    return _submit(_Call("allgatherv", x, comm, "sum", algorithm, out))
 
 
 def ireduce(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, op: str = "sum",

@@ -5,16 +5,12 @@ zero-copy NumPy views. Device arrays (CuPy, anything exposing `__cuda_array_inte
 CUDA) become zero-copy arrays of the current *device runtime* (CuPy by default), whose array module
 also does the reduction arithmetic, so sums run where the data lives.
 
-Whether MPI may read device memory directly ("CUDA-aware") decides how bytes move; see
-`collectives.transport`. Tests swap in a device runtime over host memory
+Whether MPI may read device memory directly ("CUDA-aware", `transport.cuda_aware`) decides how
+bytes move; this module starts no MPI. Tests swap in a device runtime over host memory
 (`set_device_runtime`), so every device code path runs on machines without a GPU.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-import subprocess
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -73,7 +69,8 @@ class CupyRuntime:
         return arr
 
     def pinned_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
-        return self._cupyx.empty_pinned((count,), dtype=dtype)
+        pinned: np.ndarray = self._cupyx.empty_pinned((count,), dtype=dtype)
+        return pinned
 
     def copy_to_host(self, src: Any, dst: np.ndarray) -> None:
         src.get(out=dst)
@@ -107,46 +104,6 @@ def device_runtime() -> DeviceRuntime:
     return _runtime
 
 
-@functools.lru_cache(maxsize=1)
-def _detected_cuda_aware() -> bool:
-    """Ask the MPI library whether it reads device memory itself.
-
-    Open MPI exports MPIX_Query_cuda_support(); MPI 4.1 libraries list "cuda" in the
-    mpi_memory_alloc_kinds info key. Anything else is treated as host-only, which is always safe.
-    """
-    from mpi4py import MPI
-
-    kinds = MPI.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
-    if "cuda" in kinds:
-        return True
-    for lib in _mpi_library_paths():
-        try:
-            query = getattr(ctypes.CDLL(lib), "MPIX_Query_cuda_support")
-        except (OSError, AttributeError):
-            continue
-        return bool(query())
-    return False
-
-
-def _mpi_library_paths() -> list[str]:
-    from mpi4py import MPI
-
-    try:
-        out = subprocess.run(["ldd", MPI.__file__], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.split("=>")[1].split()[0] for line in out.splitlines()
-            if "libmpi" in line and "=>" in line and len(line.split("=>")[1].split()) > 1]
-
-
-def cuda_aware() -> bool:
-    """Whether MPI may be handed device pointers. `HPCDL_CUDA_AWARE=0|1` overrides detection."""
-    forced = os.environ.get("HPCDL_CUDA_AWARE")
-    if forced is not None:
-        return forced.strip().lower() in ("1", "true", "yes", "on")
-    return _detected_cuda_aware()
-
-
 @dataclass
 class Buffer:
     """A caller's array as the collectives see it: a flat, contiguous, zero-copy 1-D view."""
@@ -162,7 +119,8 @@ class Buffer:
 
     @property
     def dtype(self) -> np.dtype:
-        return self.flat.dtype
+        dtype: np.dtype = self.flat.dtype
+        return dtype
 
     @property
     def count(self) -> int:

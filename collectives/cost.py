@@ -16,7 +16,7 @@ call's critical path and follow the implementations, not the textbook (docs/cost
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from .packet import HEADER_BYTES
 from .partition import PIECEWISE_BYTES, SEGMENT_BYTES, pieces_of
@@ -47,9 +47,9 @@ class Cost:
 
     def seconds(self, params: Any) -> float:
         """Time of these counts under `cost_model.ModelParams`, without the per-call overhead."""
-        return (self.messages * params.alpha + self.wire_bytes * params.beta
-                + self.pairwise_bytes * params.pairwise
-                + (self.reduced_bytes + self.copied_bytes) * params.gamma)
+        return float(self.messages * params.alpha + self.wire_bytes * params.beta
+                     + self.pairwise_bytes * params.pairwise
+                     + (self.reduced_bytes + self.copied_bytes) * params.gamma)
 
 
 NOTHING = Cost()

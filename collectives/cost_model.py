@@ -101,8 +101,8 @@ class ModelParams:
         if missing:
             raise ValueError(f"model lacks {', '.join(missing)} (seconds per message, per byte on "
                              "the wire, per byte reduced)")
-        return cls(*(data[k] for k in ("alpha", "beta", "gamma")), data.get("overhead", 0.0),
-                   data.get("beta_pairwise"))
+        return cls(alpha=data["alpha"], beta=data["beta"], gamma=data["gamma"],
+                   overhead=data.get("overhead", 0.0), beta_pairwise=data.get("beta_pairwise"))
 
     def as_dict(self) -> dict[str, float]:
         values = {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,

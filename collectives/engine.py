@@ -31,6 +31,13 @@ from .errors import CollectiveArgumentError, CommunicationError
 
 _current = threading.local()  # .engine: the Engine whose thread this is
 
+#: Handles finished while more calls wait in the queue are settled together, up to this many or
+#: this long after the first of them finished: every settle wakes the thread waiting on it, and a
+#: caller waiting on a thousand small handles in turn would otherwise trade the GIL with the
+#: communication thread a thousand times. A lone call (an empty queue) is settled at once.
+SETTLE_BATCH = 64
+SETTLE_DELAY_S = 200e-6
+
 
 class Handle:
     """An outstanding non-blocking collective.
@@ -96,7 +103,6 @@ class Handle:
             self._block(None)
 
     def _settle(self, result: Any, error: BaseException | None) -> None:
-        self.finished_at = time.perf_counter()
         self._result, self._error = result, error
         self._done = True
         self._lock.release()
@@ -158,26 +164,40 @@ class Engine:
 
     def _loop(self) -> None:
         _current.engine = self
+        finished: list[tuple[Handle, Any, BaseException | None]] = []
+        first_finished = 0.0  # when the first of `finished` finished
         while True:
+            if finished and (self._queue.empty() or len(finished) >= SETTLE_BATCH
+                             or time.perf_counter() - first_finished > SETTLE_DELAY_S):
+                for handle, result, error in finished:
+                    handle._settle(result, error)
+                finished.clear()
             item = self._queue.get()
             if item is None:
+                for handle, result, error in finished:
+                    handle._settle(result, error)
                 return
             handle, work = item
             handle.started_at = time.perf_counter()
             if self._broken is not None:
-                handle._settle(None, CommunicationError(
+                handle.finished_at = time.perf_counter()
+                if not finished:
+                    first_finished = handle.finished_at
+                finished.append((handle, None, CommunicationError(
                     f"{handle.name} was not run: an earlier collective failed on this rank "
-                    f"({self._broken!r})"))
+                    f"({self._broken!r})")))
                 continue
             try:
-                result = work()
+                result, error = work(), None
             except CollectiveArgumentError as exc:  # raised on every rank alike: keep going
-                handle._settle(None, exc)
+                result, error = None, exc
             except BaseException as exc:  # noqa: BLE001 - delivered to the caller at wait()
                 self._broken = exc
-                handle._settle(None, exc)
-            else:
-                handle._settle(result, None)
+                result, error = None, exc
+            handle.finished_at = time.perf_counter()
+            if not finished:
+                first_finished = handle.finished_at
+            finished.append((handle, result, error))
 
 
 _ENGINES: list[Engine] = []

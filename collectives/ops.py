@@ -48,18 +48,11 @@ class ReduceOp:
     code: int
     #: name of the array-module ufunc that combines two operands (xp.add, xp.maximum, ...)
     ufunc: str
-    #: name of its MPI twin (MPI.SUM, ...), looked up when first used so importing this table
-    #: starts no MPI (the cost model and `hpcdl tune --predict` read it)
+    #: name of its MPI twin (MPI.SUM, ...; `transport.mpi_op`): this table starts no MPI, since the
+    #: cost model and `hpcdl tune --predict` read it
     mpi_name: str
     #: divide the combined result by the number of ranks at the end
     divide_by_size: bool = False
-
-    @property
-    def mpi_op(self) -> Any:
-        """The MPI library's op, for the `mpi` algorithm."""
-        from mpi4py import MPI
-
-        return getattr(MPI, self.mpi_name)
 
     def combine(self, xp: Any, dst: Any, src: Any) -> None:
         """dst <- dst (op) src, elementwise, in place, on the arrays' own device."""
@@ -105,14 +98,3 @@ def dtype_name(dtype: Any, *, moved_only: bool = False) -> str | None:
     except TypeError:
         return None
     return _NAME_OF.get(dtype) or (_MOVED_NAME_OF.get(dtype) if moved_only else None)
-
-
-def mpi_datatype(dtype: np.dtype) -> Any:
-    """The MPI datatype of a supported dtype, for the MPI-library baseline only."""
-    from mpi4py import MPI
-
-    if dtype.name == "bfloat16":
-        raise TypeError("the MPI library has no bfloat16 reductions; use a hand-written algorithm")
-    # The predefined type: predefined ops (MPI_SUM, ...) reject duplicated or derived types.
-    return MPI.Datatype.fromcode(dtype.char)
-

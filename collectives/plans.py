@@ -20,7 +20,7 @@ from .buffers import Buffer, flat_view
 from .cost import NOTHING, Cost, largest_block
 from .errors import LocalArgumentError
 from .ops import ReduceOp
-from .partition import partition_offsets
+from .partition import offsets_of, partition_offsets
 
 if TYPE_CHECKING:
     from .transport import Link
@@ -35,6 +35,11 @@ class Layout:
     `work`: the flat array the algorithm runs in place on, or None for scratch of the input's size;
     `fill` puts the input into it before the algorithm, `finish` completes the call after it (avg's
     division, copying a block out); `args` are the algorithm's arguments after the buffer.
+
+    A collective whose ranks contribute different counts (`Collective.varying_counts`) cannot lay
+    out its buffers alone: its planner returns a Layout whose `complete(counts)` gives the real one
+    once the ranks have exchanged their counts, and whose `capacity` is the element count of `out`
+    (-1 without one), checked against the total on every rank.
     """
 
     result: Any  # what the caller gets back
@@ -42,6 +47,8 @@ class Layout:
     fill: Step | None
     finish: Step | None
     args: tuple[Any, ...]
+    complete: Callable[[list[int]], Layout] | None = None
+    capacity: int = -1
 
 
 @dataclass
@@ -190,6 +197,34 @@ def plan_allgather(r: Request) -> Layout:
                       _copy_back(out.array), (offsets,))
     return Layout(result, out.flat if out is not None else result.reshape(-1), place_input, None,
                   (offsets,))
+
+
+def plan_allgatherv(r: Request) -> Layout:
+    """Allgatherv: every rank's flattened x, in rank order, in one 1-D array (or `out`), once the
+    ranks know each other's counts."""
+    src, out, rank = r.src, r.out, r.rank
+    if out is not None:
+        if out.dtype != src.dtype:
+            raise LocalArgumentError(f"out has dtype {out.dtype}, but the input has {src.dtype}")
+        if out.on_device != src.on_device:
+            raise LocalArgumentError("out and the input must both be on the host or both on the device")
+    logical = src.array.reshape(-1)  # row-major, whatever the input's layout (a copy only if F-order)
+
+    def complete(counts: list[int]) -> Layout:
+        offsets = offsets_of(counts)
+        total = offsets[-1]
+        result = r.out_object if out is not None else src.xp.empty((total,), dtype=src.dtype)
+
+        def place_input(link: Link, work: Any) -> None:
+            link.copy(work[offsets[rank]:offsets[rank + 1]], logical)
+
+        if out is not None and not row_major(out.array):
+            return Layout(result, src.xp.empty((total,), dtype=src.dtype), place_input,
+                          _copy_back(out.array), (offsets,))
+        return Layout(result, out.flat if out is not None else result, place_input, None,
+                      (offsets,))
+
+    return Layout(None, None, None, None, (), complete, out.count if out is not None else -1)
 
 
 # -- what these copies cost, as the cost model counts them -----------------------------------------

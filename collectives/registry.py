@@ -14,6 +14,7 @@ Run signatures, all in place on a flat working array `buf` (`Collective.argument
   allgather(link, buf, offsets)         rank r's block r spreads to every rank
   broadcast(link, buf, root)            the root's `buf` spreads to every rank
   reduce(link, buf, root)               the root ends with the reduction
+  allgatherv(link, buf, offsets)        as allgather, with blocks of any sizes (zero included)
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class Collective:
     take after the buffer. `gathers`: nccl-tests counts its whole (gathered) output, P times the
     array a rank passes. `bus_factor(P)`: nccl-tests' busbw = factor x bytes / time. `plan` lays out
     a call's buffers (`plans.py`); `copies` prices what it copies around the algorithm.
+    `varying_counts`: ranks may pass different element counts, which they exchange after the
+    argument check (so `auto` decides then, from the total). `decided_as`: the collective whose
+    decision-table rows `auto` reads when a table has none of its own.
     """
 
     name: str
@@ -49,6 +53,8 @@ class Collective:
     plan: Callable[[plans.Request], plans.Layout]
     copies: Callable[[int, int, int], Cost]
     gathers: bool = False
+    varying_counts: bool = False
+    decided_as: str | None = None
 
 
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
@@ -61,6 +67,8 @@ COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
     Collective("broadcast", False, True, "root", lambda p: 1.0, plans.plan_broadcast,
                plans.no_copies),
     Collective("reduce", True, True, "root", lambda p: 1.0, plans.plan_reduce, plans.reduce_copies),
+    Collective("allgatherv", False, False, "offsets", lambda p: (p - 1) / p, plans.plan_allgatherv,
+               plans.no_copies, gathers=True, varying_counts=True, decided_as="allgather"),
 )}
 
 

@@ -21,10 +21,34 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .registry import ALGORITHMS
 from .cost_model import ModelParams, best, model_bytes
+from .registry import ALGORITHMS, COLLECTIVES
 
 BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")
+
+# os.environ.get encodes the name on every call (about 250 ns); `auto`'s settings are read on every
+# small call, so they are looked up in the mapping's own encoded store, which CPython keeps in step
+# with every change made through os.environ on POSIX (the only platform MPI jobs run on here).
+_ENCODED = getattr(os.environ, "_data", None)
+
+
+def setting(name: str) -> str | None:
+    """The environment variable `name`, read as cheaply as the platform allows."""
+    if _ENCODED is None or os.name != "posix":
+        return os.environ.get(name)
+    value = _ENCODED.get(name.encode())
+    return None if value is None else os.fsdecode(value)
+
+
+def settings_key(collective: str) -> tuple[Any, Any]:
+    """What `auto`'s choice for `collective` depends on besides the call: its override and the
+    tuning file (raw values, for cache keys; about 100 ns)."""
+    if _ENCODED is None or os.name != "posix":
+        return setting(f"HPCDL_ALGORITHM_{collective.upper()}"), setting("HPCDL_TUNING_FILE")
+    return _ENCODED.get(_OVERRIDE_KEYS[collective]), _ENCODED.get(b"HPCDL_TUNING_FILE")
+
+
+_OVERRIDE_KEYS = {name: f"HPCDL_ALGORITHM_{name.upper()}".encode() for name in COLLECTIVES}
 
 
 @functools.lru_cache(maxsize=8)
@@ -94,7 +118,7 @@ def choose(collective: str, nbytes: int, size: int, *, hand_written: bool = Fals
     file picks "mpi", the built-in table, which only holds hand-written algorithms, decides. An
     explicit HPCDL_ALGORITHM_* override is the user's own choice and is kept.
     """
-    forced = os.environ.get(f"HPCDL_ALGORITHM_{collective.upper()}")
+    forced = setting(f"HPCDL_ALGORITHM_{collective.upper()}")
     if forced:
         if forced not in ALGORITHMS[collective]:
             raise ValueError(
@@ -102,8 +126,7 @@ def choose(collective: str, nbytes: int, size: int, *, hand_written: bool = Fals
                 f"choose one of {', '.join(sorted(ALGORITHMS[collective]))}"
             )
         return forced
-    chosen = _lookup(os.environ.get("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes,
-                     size)
+    chosen = _lookup(setting("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes, size)
     if hand_written and chosen == "mpi":
         chosen = _lookup(str(BUILTIN_TABLE), collective, nbytes, size)
     return chosen
@@ -116,8 +139,8 @@ def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None
         if row["min_ranks"] <= size <= row.get("max_ranks", size):
             for limit, name in row["by_bytes"]:
                 if limit is None or nbytes <= limit:
-                    return name
-            return row["by_bytes"][-1][1]
+                    return str(name)
+            return str(row["by_bytes"][-1][1])
     return None
 
 
@@ -125,6 +148,9 @@ def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None
 def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
     table = load_table(path)
     rows = table.get("collectives", {}).get(collective, [])
+    decided_as = COLLECTIVES[collective].decided_as
+    if not rows and decided_as is not None:  # e.g. allgatherv by allgather's rows
+        rows = table.get("collectives", {}).get(decided_as, [])
     chosen = row_choice(rows, nbytes, size)
     if chosen is not None:
         return chosen

@@ -14,6 +14,10 @@ Messages are typed as bytes, so every dtype (float16 and bfloat16 included) move
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+import subprocess
 import time
 from typing import Any, Callable
 
@@ -45,6 +49,56 @@ def complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool])
         tests += 1
         if tests > SPIN_TESTS and patient():
             time.sleep(POLL_SLEEP_S)
+
+
+@functools.lru_cache(maxsize=1)
+def _detected_cuda_aware() -> bool:
+    """Ask the MPI library whether it reads device memory itself.
+
+    Open MPI exports MPIX_Query_cuda_support(); MPI 4.1 libraries list "cuda" in the
+    mpi_memory_alloc_kinds info key. Anything else is treated as host-only, which is always safe.
+    """
+    kinds = MPI.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
+    if "cuda" in kinds:
+        return True
+    for lib in _mpi_library_paths():
+        try:
+            query = ctypes.CDLL(lib).MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        return bool(query())
+    return False
+
+
+def _mpi_library_paths() -> list[str]:
+    try:
+        out = subprocess.run(["ldd", MPI.__file__], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split("=>")[1].split()[0] for line in out.splitlines()
+            if "libmpi" in line and "=>" in line and len(line.split("=>")[1].split()) > 1]
+
+
+def cuda_aware() -> bool:
+    """Whether MPI may be handed device pointers. `HPCDL_CUDA_AWARE=0|1` overrides detection."""
+    forced = os.environ.get("HPCDL_CUDA_AWARE")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "true", "yes", "on")
+    return _detected_cuda_aware()
+
+
+def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
+    """The MPI datatype of a supported dtype, for the MPI-library baseline only."""
+    if dtype.name == "bfloat16":
+        raise TypeError("the MPI library has no bfloat16 reductions; use a hand-written algorithm")
+    # The predefined type: predefined ops (MPI_SUM, ...) reject duplicated or derived types.
+    return MPI.Datatype.fromcode(dtype.char)
+
+
+def mpi_op(op: ReduceOp) -> MPI.Op:
+    """The MPI library's twin of `op` (MPI.SUM, ...), for the MPI-library baseline only."""
+    op_: MPI.Op = getattr(MPI, op.mpi_name)
+    return op_
 
 
 class ScratchPool:
@@ -99,6 +153,11 @@ class Link:
     communicator; the engine gives each call its own.
     """
 
+    #: the MPI module, for the `mpi` algorithm (which calls the library's own collective); the
+    #: hand-written ones only send, receive and combine through the Link
+    mpi = MPI
+    mpi_datatype = staticmethod(mpi_datatype)
+
     def __init__(self, comm: MPI.Comm, op: ReduceOp, xp: Any, *, on_device: bool,
                  cuda_aware: bool, runtime: DeviceRuntime | None, scratch: ScratchPool,
                  tag: int = 0, patient: Callable[[], bool] | None = None,
@@ -122,6 +181,11 @@ class Link:
         self._scratch = scratch
         self._staging_slot = 0
 
+    @property
+    def mpi_op(self) -> MPI.Op:
+        """The MPI library's twin of this collective's op (`mpi` algorithm only)."""
+        return mpi_op(self.op)
+
     # -- memory -----------------------------------------------------------------------------
 
     def scratch(self, count: int, dtype: np.dtype, slot: int = 0) -> Any:
@@ -133,7 +197,9 @@ class Link:
 
     def _pinned(self, count: int, dtype: np.dtype, slot: tuple[Any, ...]) -> np.ndarray:
         assert self.runtime is not None
-        return self._scratch.get(self.runtime.pinned_empty, ("pinned",) + slot, count, dtype)
+        pinned: np.ndarray = self._scratch.get(self.runtime.pinned_empty, ("pinned",) + slot, count,
+                                               dtype)
+        return pinned
 
     # -- arithmetic ---------------------------------------------------------------------------
 

@@ -95,6 +95,7 @@ class Agreement:
                 self.peers.append(fold.real_rank(fold.newrank ^ mask))
                 mask <<= 1
         self.packet = Packet()  # for checks that carry no payload
+        self._link: Link | None = None  # for the exchanges after a check (counts, diagnosis)
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -163,6 +164,35 @@ class Agreement:
         if not self.exchange(packet):
             raise self.failure(collective, signature, error, site)
 
+    def link(self) -> Link:
+        """A host Link on the check's tag, for what follows a check on every rank alike."""
+        if self._link is None:
+            self._link = Link(self.comm, OPS["sum"], np, on_device=False, cuda_aware=False,
+                              runtime=None, scratch=ScratchPool(), tag=CHECK_TAG, patient=self.patient)
+        return self._link
+
+    def counts(self, collective: str, count: int, capacity: int) -> list[int]:
+        """Collective, after a check that passed: every rank's element count, for collectives whose
+        ranks contribute different counts. `capacity`: the element count of this rank's `out`, or
+        -1; if some rank's cannot hold the total, every rank raises CollectiveArgumentError.
+
+        Cost: an all-gather of 16 bytes per rank (butterfly: log2 P messages, +2 for the fold).
+        """
+        link, size = self.link(), self.size
+        table = np.zeros(2 * size, dtype=np.int64)
+        table[2 * self.rank:2 * self.rank + 2] = (count, capacity)
+        butterfly_allgather(link, table, [2 * r for r in range(size + 1)])
+        counts: list[int] = table[0::2].tolist()
+        capacities: list[int] = table[1::2].tolist()
+        total = sum(counts)
+        bad = [r for r, held in enumerate(capacities) if held not in (-1, total)]
+        if bad:
+            held = ", ".join(f"{capacities[r]} on rank {r}" for r in bad[:8])
+            raise CollectiveArgumentError(
+                f"{collective}: out must hold the {total} gathered elements, but holds {held}; "
+                f"pass an out of {total} elements, or none")
+        return counts
+
     # -- the error path: who is wrong, and why -------------------------------------------------
 
     def failure(self, collective: str, signature: list[int], error: str | None, site: str
@@ -173,8 +203,7 @@ class Agreement:
         cost nothing in normal operation.
         """
         size, width = self.size, SIGNATURE_FIELDS + 1
-        link = Link(self.comm, OPS["sum"], np, on_device=False, cuda_aware=False, runtime=None,
-                    scratch=ScratchPool(), tag=CHECK_TAG, patient=self.patient)
+        link = self.link()
         table = np.zeros(width * size, dtype=np.int64)
         table[width * self.rank:width * (self.rank + 1)] = [*signature, 1 if error else 0]
         butterfly_allgather(link, table, [width * r for r in range(size + 1)])

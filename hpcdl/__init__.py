@@ -5,9 +5,6 @@ from .memory import request_huge_pages
 
 request_huge_pages()  # before torch's first allocation, wherever hpcdl is imported first
 
-from .runtime import (Topology, abort, init, local_rank, local_size, rank, size,  # noqa: E402
-                      thread_level, topology)
-
 _COLLECTIVES = ("allgather", "allreduce", "average", "broadcast", "iallgather", "iallreduce",
                 "ibroadcast", "ireduce", "ireduce_scatter", "reduce", "reduce_scatter")
 
@@ -17,8 +14,12 @@ __all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "ProcessGri
 __version__ = "0.1.0"
 
 
-#: Names imported on first use, so `import hpcdl` (the runtime, `hpcdl info`) never imports torch.
+#: Names imported on first use, so `import hpcdl` never imports torch, nor starts MPI (the runtime
+#: imports mpi4py.MPI, which initializes it) before a program asks for it: `hpcdl tune --predict`
+#: and `hpcdl slurm render` run on a login node without an MPI job.
 _LAZY = {
+    **{name: ".runtime" for name in ("Topology", "abort", "init", "local_rank", "local_size", "rank",
+                                     "size", "thread_level", "topology")},
     "DistributedDataParallel": ".ddp",
     "LocalSGD": ".local_sgd",
     "ParameterServer": ".parameter_server",

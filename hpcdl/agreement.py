@@ -7,9 +7,10 @@ or per failure, never per step) gives every rank the same verdict and the same m
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mpi4py import MPI
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 
 def agreed_error(error: str | None, comm: MPI.Comm) -> str | None:
@@ -19,6 +20,14 @@ def agreed_error(error: str | None, comm: MPI.Comm) -> str | None:
     tagged with its rank in `comm`.
     """
     return _message(comm.allgather(([] if error is None else [error], {})))
+
+
+def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
+    """Collective: every rank's `errors` as one list, the same on every rank (empty if none).
+
+    An error every rank saw appears once; one that only some ranks saw is tagged with their ranks.
+    """
+    return _verdict(comm.allgather((list(errors), {})))
 
 
 def raise_together(error: str | None, comm: MPI.Comm, exc_type: type[Exception] = ValueError) -> None:
@@ -47,7 +56,13 @@ def check_same(what: str, values: dict[str, Any], comm: MPI.Comm) -> None:
 
 
 def _message(per_rank: list[tuple[list[str], dict[str, Any]]]) -> str | None:
-    """The verdict on every rank's (errors, arguments): None if all is well."""
+    """The verdict on every rank's (errors, arguments) in one message: None if all is well."""
+    messages = _verdict(per_rank)
+    return "; ".join(messages) if messages else None
+
+
+def _verdict(per_rank: list[tuple[list[str], dict[str, Any]]]) -> list[str]:
+    """The verdict on every rank's (errors, arguments), one message per problem."""
     everywhere = [e for e in per_rank[0][0] if all(e in mine for mine, _ in per_rank)]
     messages = list(everywhere)
     for e in dict.fromkeys(e for mine, _ in per_rank for e in mine if e not in everywhere):
@@ -63,4 +78,4 @@ def _message(per_rank: list[tuple[list[str], dict[str, Any]]]) -> str | None:
             messages.append(f"ranks were given different arguments ({details}); every rank must "
                             "pass the same arguments")
             break
-    return "; ".join(messages) if messages else None
+    return messages

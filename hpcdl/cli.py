@@ -17,7 +17,7 @@ import sys
 SUBCOMMANDS = {
     "info": ("hpcdl.info", "print the MPI/GPU environment as every rank sees it"),
     "train": ("hpcdl.train", "train a model with synchronous data-parallel SGD"),
-    "bench": ("benchmarks.microbench", "time every collective algorithm over a size sweep"),
+    "bench": ("hpcdl.bench", "time every collective algorithm over a size sweep"),
     "tune": ("hpcdl.tune", "measure alpha/beta/gamma, write a tuning file for auto; or --predict"),
     "slurm": ("hpcdl.slurm", "render SLURM batch scripts from the slurm/ templates"),
 }

@@ -44,9 +44,9 @@ weight decay leave it alone (this costs one small allreduce of a used-flag per p
 step). Without the option, the step still completes its communication the same way (so no rank
 is left waiting) and then raises RuntimeError naming the parameters.
 
-A reduction still waiting after STALL_WARNING_S seconds warns, naming the bucket (a rank that
-skipped a batch or raised inside a step leaves its peers waiting); `timeout=` turns the wait into
-a TimeoutError after that many seconds.
+A reduction still waiting after STALL_WARNING_S seconds (or $HPCDL_STALL_WARNING_S) warns, naming
+the bucket (a rank that skipped a batch or raised inside a step leaves its peers waiting);
+`timeout=` turns the wait into a TimeoutError after that many seconds (hpcdl/stall.py).
 
 Buffers (batch-norm running statistics): independent per rank by default. `sync_buffers()`, and
 every training-mode forward when `broadcast_buffers=True`, AVERAGE floating-point buffers over
@@ -72,7 +72,7 @@ from mpi4py import MPI
 import collectives
 from collectives import Handle
 
-from . import runtime
+from . import runtime, stall
 from .memory import small_pages_warning
 from .tensors import as_array, flat_in_memory_order
 from .timeline import Timeline
@@ -90,8 +90,9 @@ CHUNK_BYTES = 8 * _MB
 #: every step when the loop zeroes gradients with set_to_none=True, torch's default.
 IN_PLACE_BYTES = 1 * _MB
 COMPRESSIONS = (None, "fp16")
-#: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket.
-STALL_WARNING_S = 60.0
+#: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket
+#: (HPCDL_STALL_WARNING_S, when set, overrides it: hpcdl/stall.py).
+STALL_WARNING_S = stall.DEFAULT_WARNING_S
 
 #: The wrapper in charge of each module's gradients; building a new one around a module detaches
 #: the old one (its hooks would otherwise go on reducing every backward).
@@ -314,11 +315,11 @@ class DistributedDataParallel(torch.nn.Module):
                         "buckets and needs dense parameters (contiguous, or a permutation such as "
                         "channels_last): make it a Parameter of its own")
             in_place = [self._averaged_in_place(p) for p in params]
-            flat = torch.zeros(sum(p.numel() for p, solo in zip(params, in_place) if not solo),
+            flat = torch.zeros(sum(p.numel() for p, alone in zip(params, in_place) if not alone),
                                dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
-            for p, solo in zip(params, in_place):
-                if solo:
+            for p, alone in zip(params, in_place):
+                if alone:
                     views.append(torch.zeros_like(p))  # the parameter's layout, as autograd's
                     continue
                 # With the parameter's strides (channels_last included), so autograd, whose
@@ -455,8 +456,9 @@ class DistributedDataParallel(torch.nn.Module):
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        solos = [flat_in_memory_order(t) for t, solo in zip(bucket.targets, bucket.in_place)
-                 if solo and t is not None]
+        # in place only where flat_in_memory_order gave a view (`_averaged_in_place`): never None
+        solos: list[torch.Tensor] = [flat_in_memory_order(t) for t, solo  # type: ignore[misc]
+                                     in zip(bucket.targets, bucket.in_place) if solo and t is not None]
         size = self.comm.Get_size()
         # float16 holds at most 65504: a sum of P gradients overflows where their average need
         # not, so each rank divides first and the ranks sum (torch's fp16 hook does the same).
@@ -571,28 +573,13 @@ class DistributedDataParallel(torch.nn.Module):
             raise error
 
     def _wait(self, handle: Handle, bucket: _Bucket, started: float) -> None:
-        warned = False
-        while True:
-            waited = time.monotonic() - started
-            limits = [] if warned else [STALL_WARNING_S - waited]
-            if self.timeout is not None:
-                limits.append(self.timeout - waited)
-            try:
-                handle.wait(max(0.0, min(limits)) if limits else None)
-                return
-            except TimeoutError:
-                waited = time.monotonic() - started
-                stalled = (f"rank {self.comm.Get_rank()}: the reduction of bucket {bucket.index} "
-                           f"({', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''}) "
-                           f"has waited {waited:.1f} s for the other ranks. Every rank must run "
-                           "the same sequence of forward and backward passes: a rank that skipped "
-                           "a batch, ran an extra backward or failed inside a step leaves its "
-                           "peers waiting here.")
-                if self.timeout is not None and waited >= self.timeout:
-                    raise TimeoutError(stalled) from None
-                if not warned:
-                    warnings.warn(stalled, RuntimeWarning, stacklevel=4)
-                    warned = True
+        names = f"{', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''}"
+        stall.wait_for(handle, f"the reduction of bucket {bucket.index} ({names})",
+                       rank=self.comm.Get_rank(), started=started, timeout=self.timeout,
+                       warn_after=stall.warning_seconds(STALL_WARNING_S), stacklevel=4,
+                       advice="Every rank must run the same sequence of forward and backward "
+                              "passes: a rank that skipped a batch, ran an extra backward or failed "
+                              "inside a step leaves its peers waiting here.")
 
     def _reset_step(self) -> None:
         for bucket in self._buckets:

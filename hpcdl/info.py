@@ -23,7 +23,8 @@ import mpi4py
 import collectives
 
 from . import __version__
-from .runtime import MPI, init, thread_level
+from .command import Command
+from .runtime import MPI, init, mpi_library, thread_level
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,6 @@ def gpu_names() -> tuple[str, ...]:
 
 def _decode(name: bytes | str) -> str:
     return name.decode(errors="replace") if isinstance(name, bytes) else name
-
-
-def mpi_library() -> str:
-    """The first line of MPI_Get_library_version (the rest is build detail)."""
-    text = MPI.Get_library_version().replace("\0", "").strip()
-    return text.splitlines()[0].strip() if text else "unknown"
 
 
 def gather_rows(comm: MPI.Comm = MPI.COMM_WORLD) -> list[RankRow] | None:
@@ -123,8 +118,9 @@ def main(argv: list[str]) -> int:
     """Entry point of `hpcdl info`: gather every rank's row; rank 0 prints the report."""
     parser = argparse.ArgumentParser(prog="hpcdl info", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.parse_args(argv)
-    rows = gather_rows()
+    rows = gather_rows()  # first: it looks for GPUs before MPI starts (see there)
+    command = Command.world("hpcdl info")
+    command.parse(parser.parse_args, argv)
     if rows is not None:
-        print(format_report(rows), flush=True)
+        command.say(format_report(rows))
     return 0

@@ -4,13 +4,8 @@ On Linux with transparent huge pages in "madvise" mode (a common default), NumPy
 for its large arrays, but torch's CPU allocator does so only when `THP_MEM_ALLOC_ENABLE=1` is in the
 environment before its first allocation. Over shared memory Open MPI moves a large message with
 one copy straight from the peer's pages (CMA, `process_vm_readv`), which costs per page, and every
-fold and copy walks the pages too. Measured on the reference machine (2 ranks, 2026-11-22):
-
-- 100 MiB averaged in 8 MiB `iallreduce` calls, the caller waiting on them: 12.5-12.8 ms on
-  huge-page tensors (or NumPy arrays), 33-34 ms on torch tensors in 4 KiB pages;
-- the 25 M-parameter MLP of benchmarks/train_throughput.py, P=2, samples/s, the variable set or
-  not (two interleaved runs each, same code otherwise): no communication +18%, hpcdl +24%,
-  torch's DDP over gloo +13%.
+fold and copy walks the pages too: averaging 100 MiB took 2.7x longer on torch tensors in 4 KiB
+pages than in huge pages (measurements: docs/training.md, "Huge pages").
 
 So `import hpcdl` sets `THP_MEM_ALLOC_ENABLE=1` unless the variable is already set (`0` keeps it
 off), and `DistributedDataParallel` warns, with what to do, when ranks share a host and torch's
@@ -84,3 +79,32 @@ def small_pages_warning() -> str | None:
             "and averaging gradients over shared memory runs about 2.5x slower (hpcdl.memory); "
             f"import hpcdl before creating any tensor, or `export {ENV}=1` before starting "
             f"Python ({ENV}=0 silences this)")
+
+
+def available_bytes() -> int | None:
+    """Memory this process could still allocate: Linux's MemAvailable, lowered to what is left
+    under the container's cgroup limit (v2 `memory.max`, v1 `memory.limit_in_bytes`) if there is
+    one. None where /proc/meminfo cannot be read (not Linux).
+
+    For checks up front ("this needs 40 GiB, 12 GiB are available"), not for planning to the
+    byte: other processes allocate and free meanwhile.
+    """
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead
+            available = min(available, max(0, int(limit) - usage))
+    return available

@@ -108,3 +108,30 @@ def build_model(name: str, *, in_channels: int, image_size: int, num_classes: in
     if name == "resnet":
         return ResNet(in_channels, num_classes, image_size=image_size)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+def training_step_bytes(name: str, *, in_channels: int, image_size: int, num_classes: int,
+                        batch_size: int) -> int:
+    """About the least memory one data-parallel SGD step of model `name` takes on a float32 batch
+    of `batch_size` x `in_channels` x `image_size`^2, in bytes: parameters three times (weights,
+    gradients, DistributedDataParallel's bucket copy), the input batch, and every layer's output
+    (kept for backward). Nothing is allocated: the model runs on torch's "meta" device, which
+    computes shapes only, so this answers for sizes that could never be allocated.
+    """
+    with torch.device("meta"):
+        model = build_model(name, in_channels=in_channels, image_size=image_size, num_classes=num_classes)
+        batch = torch.empty(batch_size, in_channels, image_size, image_size)
+    outputs = [0]
+
+    def count(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        outputs[0] += output.numel() * output.element_size()
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    hooks = [m.register_forward_hook(count) for m in leaves]
+    try:
+        model(batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 3 * parameters + batch.numel() * batch.element_size() + outputs[0]

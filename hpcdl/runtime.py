@@ -161,6 +161,12 @@ def local_size() -> int:
     return topology().local_size
 
 
+def mpi_library() -> str:
+    """The first line of MPI_Get_library_version (the rest is build detail)."""
+    text = MPI.Get_library_version().replace("\0", "").strip()
+    return text.splitlines()[0].strip() if text else "unknown"
+
+
 def thread_level() -> str:
     """The thread level MPI granted: single, funneled, serialized or multiple."""
     return THREAD_LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))

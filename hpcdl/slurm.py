@@ -10,7 +10,9 @@
 Arguments after `--` go to the program the template runs (`hpcdl train`, or `hpcdl bench`).
 The srun `--mpi` type defaults to the one that matches the MPI library mpi4py loads here (pmix for
 Open MPI, pmi2 for MPICH and its derivatives); render on the cluster's login node, in the same
-environment the job will use. Templates are Jinja2 files, `slurm/<name>.sbatch.j2`.
+environment the job will use. Templates are Jinja2 files, `slurm/<name>.sbatch.j2` in a checkout;
+a wheel ships them inside the package (`hpcdl/slurm_templates/`, copied there by setup.py), so
+`hpcdl slurm render` works after a plain `pip install`. slurm/README.md is the guide to them.
 """
 from __future__ import annotations
 
@@ -21,11 +23,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .command import Command, CommandError
 from .launch import SRUN_MPI_TYPE, mpi_family
 
-#: Where the templates live: the checkout's slurm/ directory (the package is used from a checkout
-#: with `pip install -e`).
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "slurm"
+PROG = "hpcdl slurm"
+#: The templates shipped in an installed wheel, else the checkout's slurm/ (an editable install or
+#: PYTHONPATH): one set of files, kept where users read and edit them.
+_PACKAGED = Path(__file__).resolve().parent / "slurm_templates"
+TEMPLATE_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "slurm"
 TEMPLATE_SUFFIX = ".sbatch.j2"
 
 
@@ -75,18 +80,19 @@ def slurm_time_seconds(text: str) -> int | None:
                          "hours:minutes:seconds, days-hours, days-hours:minutes or "
                          "days-hours:minutes:seconds (e.g. 30, 1:30:00, 2-00:00:00)")
     f = {k: int(v) if v is not None else None for k, v in match.groupdict().items()}
+    given = {k: v for k, v in f.items() if v is not None}  # the regex pairs its groups: all or none
     for unit, value, limit in (("hours", f["dh"], 24), ("minutes", f["dm"], 60), ("seconds", f["ds"], 60),
                                ("seconds", f["s2"], 60), ("minutes", f["m3"], 60), ("seconds", f["s3"], 60)):
         if value is not None and value >= limit:
             raise ValueError(f"--time {text!r}: {unit} must be below {limit}, got {value}")
-    if f["days"] is not None:
-        seconds = ((f["days"] * 24 + f["dh"]) * 60 + (f["dm"] or 0)) * 60 + (f["ds"] or 0)
-    elif f["m"] is not None:
-        seconds = f["m"] * 60
-    elif f["m2"] is not None:
-        seconds = f["m2"] * 60 + f["s2"]
+    if "days" in given:
+        seconds = ((given["days"] * 24 + given["dh"]) * 60 + given.get("dm", 0)) * 60 + given.get("ds", 0)
+    elif "m" in given:
+        seconds = given["m"] * 60
+    elif "m2" in given:
+        seconds = given["m2"] * 60 + given["s2"]
     else:
-        seconds = (f["h3"] * 60 + f["m3"]) * 60 + f["s3"]
+        seconds = (given["h3"] * 60 + given["m3"]) * 60 + given["s3"]
     if seconds == 0:
         raise ValueError(f"--time {text!r} is zero; give the job some time")
     return seconds
@@ -254,17 +260,13 @@ def render(name: str, values: dict[str, object], directory: Path = TEMPLATE_DIR)
     return script if script.endswith("\n") else script + "\n"
 
 
-def _fail(messages: list[str]) -> int:
-    for message in messages:
-        print(f"hpcdl slurm: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str]) -> int:
-    """Entry point of `hpcdl slurm`; returns the exit status (2 for bad arguments)."""
+    """Entry point of `hpcdl slurm` (one process, no MPI job); returns the exit status (2 for bad
+    arguments)."""
+    command = Command(PROG)
     # Everything after the first `--` belongs to the program the template runs, untouched.
     split = argv.index("--") if "--" in argv else len(argv)
-    args = build_parser().parse_args(argv[:split])
+    args = command.parse(build_parser().parse_args, argv[:split])
     args.program_args = argv[split + 1:]
     known = available_templates()
     if args.command == "list":
@@ -272,25 +274,27 @@ def main(argv: list[str]) -> int:
         for name in known:
             print(f"{name:<{width}}  {TEMPLATES[name].description}")
         return 0
-    errors = render_errors(args, known)
-    if errors:
-        return _fail(errors)
-    family = loaded_mpi_family()
-    if args.launcher == "srun" and args.mpi == "auto" and family is None:
-        return _fail(["cannot tell which srun --mpi type this MPI library needs; give --mpi pmix "
-                      "(Open MPI) or --mpi pmi2 (MPICH and derivatives)"])
-    script = render(args.template, template_values(args, family))
-    if args.output:
-        output = Path(args.output)
-        try:
-            output.write_text(script)
-            if output.is_file():  # not /dev/null or a pipe: those keep their modes
-                output.chmod(0o755)
-        except OSError as exc:
-            return _fail([f"-o {args.output}: cannot write the script ({exc.strerror or exc})"])
-    else:
+    try:
+        command.agree(render_errors(args, known))
+        family = loaded_mpi_family()
+        if args.launcher == "srun" and args.mpi == "auto" and family is None:
+            raise CommandError("cannot tell which srun --mpi type this MPI library needs; give --mpi "
+                               "pmix (Open MPI) or --mpi pmi2 (MPICH and derivatives)")
+        script = render(args.template, template_values(args, family))
+        if args.output:
+            output = Path(args.output)
+            try:
+                output.write_text(script)
+                if output.is_file():  # not /dev/null or a pipe: those keep their modes
+                    output.chmod(0o755)
+            except OSError as exc:
+                raise CommandError(f"-o {args.output}: cannot write the script "
+                                   f"({exc.strerror or exc})") from exc
+    except CommandError as exc:
+        return command.fail(exc)
+    if not args.output:
         sys.stdout.write(script)
     if args.log_dir and not Path(args.log_dir).is_dir():
-        print(f"hpcdl slurm: note: create the log directory before submitting: mkdir -p {args.log_dir}",
+        print(f"{PROG}: note: create the log directory before submitting: mkdir -p {args.log_dir}",
               file=sys.stderr)
     return 0

@@ -20,7 +20,7 @@ import torch
 try:
     import ml_dtypes
 except ImportError:  # pragma: no cover - depends on the environment
-    ml_dtypes = None
+    ml_dtypes = None  # type: ignore[assignment]
 
 
 def as_array(tensor: torch.Tensor) -> Any:

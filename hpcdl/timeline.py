@@ -81,7 +81,7 @@ class Timeline:
             mine = list(self.events)
             dropped = self.dropped
         gathered = self.comm.gather((mine, dropped), root=0)
-        if self.rank != 0:
+        if self.rank != 0 or gathered is None:
             return None
         events: list[dict[str, Any]] = []
         for rank, (rank_events, _) in enumerate(gathered):

@@ -48,8 +48,8 @@ from collectives import Handle
 
 from . import runtime
 from .alltoall import exchange_counts, pairwise_alltoall
-from .launch import store_host
 from .tensors import as_array, collective_array, refusal
+from .torch_gloo import mpi_store
 
 BACKEND = "hpcdl"
 
@@ -593,31 +593,6 @@ def register() -> None:
 
 
 register()
-
-
-def mpi_store(comm: MPI.Comm, timeout: timedelta) -> dist.Store:
-    """Collective: a TCPStore on rank 0 of `comm` that every rank joins, its address sent by MPI.
-
-    Rank 0 opens it on a port the operating system picks (so concurrent jobs never collide) at the
-    address `launch.store_host` gives. A failure on rank 0 is raised on every rank.
-    """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    hosts = comm.allgather(MPI.Get_processor_name())
-    store: Any = None
-    address: tuple[str, int] | str | None = None
-    if rank == 0:
-        try:
-            host = store_host(len(set(hosts)) == 1)
-            store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
-            address = (host, store.port)
-        except Exception as exc:  # noqa: BLE001 - sent to every rank, which all raise it
-            address = f"rank 0 could not open a torch.distributed store: {exc}"
-    address = comm.bcast(address, root=0)
-    if isinstance(address, str):
-        raise RuntimeError(address)
-    if rank != 0:
-        store = dist.TCPStore(address[0], address[1], size, False, timeout=timeout)
-    return store
 
 
 def init_torch_distributed(comm: MPI.Comm | None = None, *, backend: str = BACKEND,

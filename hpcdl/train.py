@@ -13,12 +13,9 @@ starts, so a bad option stops all ranks with the same message instead of leaving
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import io
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -30,10 +27,11 @@ from mpi4py import MPI
 
 import collectives
 
-from . import runtime
-from .atomic_file import unwritable_directory, unwritable_file
+from . import runtime, stall
+from .atomic_file import unwritable_directory, unwritable_file, write_atomically
+from .command import ARGUMENT_ERROR, Command, CommandError, report_failure
 
-ARGUMENT_ERROR = 2  # the exit status argparse uses for bad options
+PROG = "hpcdl train"
 #: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
 #: time limit): the requeue batch template requeues the job when it sees it.
 CHECKPOINTED_ON_SIGNAL = 3
@@ -41,7 +39,12 @@ CHECKPOINTED_ON_SIGNAL = 3
 DIVERGED = 4
 #: Checkpoints kept in --checkpoint-dir: the newest by step number, whichever run wrote them.
 KEEP_CHECKPOINTS = 3
+DEFAULT_WARMUP_EPOCHS = 2.0
 METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+#: What the stall warnings of `hpcdl train` advise (hpcdl/stall.py).
+STALL_ADVICE = ("A rank that is frozen (SIGSTOP, a debugger), swapping, much slower than the others, "
+                "or stuck elsewhere leaves its peers waiting here; training goes on once it catches up. "
+                "See docs/troubleshooting.md.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--reference-batch", type=int, default=32,
                      help="global batch the base rate is meant for; the rate used is "
                           "lr * global batch / reference batch (default 32)")
-    opt.add_argument("--warmup-epochs", type=float, default=2.0,
-                     help="epochs of linear warm-up from the base to the scaled rate (default 2)")
+    opt.add_argument("--warmup-epochs", type=float, default=None,
+                     help="epochs of linear warm-up from the base to the scaled rate, at most "
+                          f"--epochs (default {DEFAULT_WARMUP_EPOCHS:g}, or --epochs if fewer)")
     comm = parser.add_argument_group("communication")
     comm.add_argument("--algorithm", choices=("auto", *collectives.ALGORITHMS["allreduce"]),
                       default="auto", help="allreduce algorithm for the gradient buckets")
@@ -84,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the newest complete checkpoint in --checkpoint-dir")
     state.add_argument("--metrics", metavar="PATH",
                        help="write per-epoch metrics to PATH (.csv, or .jsonl/.json for JSON lines): "
-                            "a fresh run truncates PATH, --resume appends to it")
+                            "a fresh run truncates PATH, --resume appends to it (after the rows of "
+                            "the epochs its checkpoint finished; later rows are dropped)")
     state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
                        help="for testing resume: stop abruptly after STEPS steps in total, as if "
                             "killed (no final checkpoint)")
@@ -97,8 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- argument checks, agreed by all ranks --------------------------------------------------------
 
-def local_argument_errors(args: argparse.Namespace) -> list[str]:
-    """Every problem with `args` this rank can see (values, paths); empty if none."""
+#: More epochs than any run could finish; far more would overflow torch's schedulers, which count
+#: steps in floating point.
+MAX_EPOCHS = 10 ** 9
+#: Seeds go to torch.manual_seed (plus the rank, and the epoch for the sampler), which takes 64 bits.
+SEEDS = range(-2**63, 2**63)
+
+
+def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1) -> list[str]:
+    """Every problem with `args` this rank can see (values, paths, memory); empty if none.
+
+    Values that would overflow or exhaust memory later (after minutes of start-up, as a traceback
+    or an abort) are refused here: `ranks_on_host` ranks share this host's memory.
+    """
     errors = []
     positive = [("--epochs", args.epochs), ("--batch-size", args.batch_size),
                 ("--reference-batch", args.reference_batch)]
@@ -108,8 +124,19 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
     errors += [f"{flag} must be at least 1, got {value}" for flag, value in positive if value < 1]
     if not (args.lr > 0 and math.isfinite(args.lr)):
         errors.append(f"--lr must be a positive number, got {args.lr}")
-    if not (args.warmup_epochs >= 0 and math.isfinite(args.warmup_epochs)):
+    if args.warmup_epochs is None:
+        pass  # the default: fits any --epochs
+    elif not (args.warmup_epochs >= 0 and math.isfinite(args.warmup_epochs)):
         errors.append(f"--warmup-epochs must be zero or more, got {args.warmup_epochs}")
+    elif args.epochs >= 1 and args.warmup_epochs > args.epochs:
+        errors.append(f"--warmup-epochs {args.warmup_epochs:g} is longer than the whole run (--epochs "
+                      f"{args.epochs}); use at most {args.epochs} (and fewer, or the rate never reaches "
+                      "its scaled value)")
+    if args.epochs > MAX_EPOCHS:
+        errors.append(f"--epochs must be at most {MAX_EPOCHS:,}, got {args.epochs} (the learning-rate "
+                      "schedule counts steps in floating point)")
+    if args.seed not in SEEDS:
+        errors.append(f"--seed must be a 64-bit integer (-2**63 to 2**63-1), got {args.seed}")
     if not (args.bucket_cap_mb > 0 and math.isfinite(args.bucket_cap_mb)):
         errors.append(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
     if args.checkpoint_every < 0:
@@ -121,6 +148,14 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
             errors.append(f"--image-size must be at least 8, got {args.image_size}")
         if args.num_warmup_batches < 0:
             errors.append(f"--num-warmup-batches must be 0 or more, got {args.num_warmup_batches}")
+        # timeit counts its loop in a C integer
+        errors += [f"{flag} must be at most {sys.maxsize}, got {value}" for flag, value in
+                   (("--num-warmup-batches", args.num_warmup_batches),
+                    ("--num-batches-per-iter", args.num_batches_per_iter)) if value > sys.maxsize]
+        if args.image_size >= 8 and args.batch_size >= 1 and not errors:
+            problem = synthetic_memory_problem(args, ranks_on_host)
+            if problem:
+                errors.append(problem)
         for flag, used in (("--checkpoint-dir", args.checkpoint_dir), ("--resume", args.resume),
                            ("--metrics", args.metrics), ("--stop-after-steps", args.stop_after_steps)):
             if used:
@@ -142,73 +177,60 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
         problem = None if path is None else unwritable_file(Path(path))
         if problem:
             errors.append(f"{flag} {path}: {problem}")
+    try:
+        stall.warning_seconds()
+    except ValueError as exc:
+        errors.append(str(exc))
     return errors
 
 
-def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
-    """Collective: every rank's errors, tagged with the rank where only some ranks saw them.
+def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int) -> str | None:
+    """Why the --synthetic benchmark's model and batch cannot fit in this host's memory, or None.
 
-    The same list comes back on every rank, so all ranks take the same decision.
+    The need is a lower bound (`models.training_step_bytes`, computed without allocating), so a
+    refusal is certain; the memory is what the host has available, shared by its ranks.
     """
-    per_rank = comm.allgather(errors)
-    everywhere = [e for e in per_rank[0] if all(e in other for other in per_rank)]
-    result = list(everywhere)
-    for r, mine in enumerate(per_rank):
-        result += [f"rank {r}: {e}" for e in mine if e not in everywhere]
-    return result
+    from .memory import available_bytes
+    from .models import training_step_bytes
 
-
-def different_options(args: argparse.Namespace, comm: MPI.Comm) -> list[str]:
-    """Collective: an error naming the ranks whose options differ from rank 0's, or [].
-
-    Ranks started with different command lines (an MPMD launch, a wrapper script that adds
-    options on some nodes) would otherwise train different jobs and wait for each other forever.
-    """
-    options = comm.allgather(sorted(vars(args).items()))
-    odd = [r for r, theirs in enumerate(options) if theirs != options[0]]
-    if not odd:
-        return []
-    mine, theirs = dict(options[0]), dict(options[odd[0]])
-    differing = ", ".join(f"{name.replace('_', '-')} {mine[name]!r} on rank 0, {theirs[name]!r} on "
-                          f"rank {odd[0]}" for name in sorted(mine) if mine[name] != theirs.get(name))
-    return [f"ranks were started with different options ({differing}; ranks differing from rank 0: "
-            f"{', '.join(map(str, odd[:8]))}{' ...' if len(odd) > 8 else ''}); start every rank "
-            "with the same command line"]
+    available = available_bytes()
+    if available is None:
+        return None
+    model = args.model or "resnet"
+    need = training_step_bytes(model, in_channels=3, image_size=args.image_size, num_classes=1000,
+                               batch_size=args.batch_size)
+    share = available // max(1, ranks_on_host)
+    if need <= share:
+        return None
+    gib = 2 ** 30
+    return (f"--synthetic --model {model} --image-size {args.image_size} --batch-size {args.batch_size} "
+            f"needs at least {need / gib:,.1f} GiB per rank, and this host has {available / gib:,.1f} GiB "
+            f"available for its {ranks_on_host} rank(s) ({share / gib:,.1f} GiB each); use a smaller "
+            "--image-size or --batch-size")
 
 
 def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
     """Print `messages` once (on rank 0) and return `status`; every rank calls it alike."""
-    if rank == 0:
-        for message in messages:
-            print(f"hpcdl train: error: {message}", file=sys.stderr)
-        sys.stderr.flush()
-    return status
-
-
-def parse_arguments(argv: list[str], rank: int) -> argparse.Namespace:
-    """`build_parser().parse_args(argv)`, printing only on rank 0.
-
-    On bad syntax argparse prints the usage and exits with status 2, and on --help prints the help
-    and exits with 0. Every rank parses the same `argv`, so every rank exits with the same status;
-    only the text of ranks other than 0 is dropped, which would repeat it once per rank.
-    """
-    parser = build_parser()
-    if rank == 0:
-        return parser.parse_args(argv)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return parser.parse_args(argv)
+    return report_failure(PROG, messages, rank, status)
 
 
 # -- entry point ---------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> int:
-    """Run `hpcdl train` with command-line arguments `argv`; returns the exit status."""
-    topology = runtime.init()
-    args = parse_arguments(argv, topology.rank)
-    comm = MPI.COMM_WORLD
-    errors = agreed_errors(local_argument_errors(args), comm) or different_options(args, comm)
-    if errors:
-        return _fail(errors, topology.rank)
+    """Run `hpcdl train` with command-line arguments `argv`; returns the exit status.
+
+    Rank 0 parses (--help and bad syntax exit every rank alike, printed once), then every rank
+    checks the values it can see and all agree on the verdict before any training starts.
+    """
+    command = Command.world(PROG)
+    topology, comm = runtime.topology(), MPI.COMM_WORLD
+    try:
+        args = command.parse(build_parser().parse_args, argv)
+        command.agree(local_argument_errors(args, topology.local_size))
+    except CommandError as exc:
+        return command.fail(exc)
+    if args.warmup_epochs is None:
+        args.warmup_epochs = min(DEFAULT_WARMUP_EPOCHS, args.epochs)
 
     import torch
 
@@ -230,8 +252,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    from .checkpoint import (find_resume_checkpoint, list_checkpoints, load_checkpoint, restore_rank_state,
-                             save_checkpoint)
+    from .checkpoint import list_checkpoints, load_resume_checkpoint, restore_rank_state, save_checkpoint
     from .data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
     from .ddp import DistributedDataParallel
     from .models import build_model
@@ -243,11 +264,19 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
 
     checkpoint = None
     if args.resume:
-        path = find_resume_checkpoint(args.checkpoint_dir, comm)
-        if path is None:
-            return _fail([f"--resume: no complete checkpoint in {args.checkpoint_dir}; "
-                          "run once without --resume to create one"], rank)
-        checkpoint = load_checkpoint(path)  # every rank reads the same file: same verdicts below
+        # Every rank reads the checkpoint and the ranks agree on each file's verdict: all of them
+        # resume from the same one, and take the same decisions below.
+        path, checkpoint, skipped = load_resume_checkpoint(args.checkpoint_dir, comm,
+                                                           problem=not_a_training_checkpoint)
+        if rank == 0:
+            for bad, why in skipped:
+                print(f"hpcdl train: warning: --resume: skipping {bad.name}: it {why}"
+                      + (f"; resuming from {path.name} instead" if path is not None else ""),
+                      file=sys.stderr, flush=True)
+        if path is None or checkpoint is None:
+            return _fail([f"--resume: no complete checkpoint in {args.checkpoint_dir}"
+                          + (f" ({len(skipped)} unusable, see above)" if skipped else "")
+                          + "; run once without --resume to create one"], rank)
         differences = [f"{k} {checkpoint['job'].get(k)!r} (this run: {v!r})"
                        for k, v in job.items() if checkpoint["job"].get(k) != v]
         if differences:
@@ -280,6 +309,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     total_steps = steps_per_epoch * args.epochs
     global_batch = args.batch_size * size
     lr = scaled_learning_rate(args.lr, global_batch, args.reference_batch)
+    if not math.isfinite(lr):
+        return _fail([scaled_rate_error(args, global_batch)], rank)
     warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     start_factor = warmup_start_factor(global_batch, args.reference_batch)
@@ -319,7 +350,12 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         save_checkpoint(args.checkpoint_dir, state, step=step, comm=comm, keep=KEEP_CHECKPOINTS,
                         rank_state={"buffers": dict(model.named_buffers()), "epoch_sums": sums})
 
-    metrics = MetricsLog(args.metrics, append=args.resume) if rank == 0 and args.metrics else None
+    metrics = None
+    if rank == 0 and args.metrics:
+        # Resuming: only the rows of epochs the checkpoint has finished are kept; the others (of a
+        # crash after a row but before its checkpoint, or of a fallback to an older checkpoint)
+        # are about to be trained and written again.
+        metrics = MetricsLog(args.metrics, after_epoch=None if checkpoint is None else checkpoint["epoch"])
     stop_request = StopRequest() if args.checkpoint_dir else None
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"training {args.model} on digits ({len(train_set)} train / {len(test_set)} held out) on "
@@ -367,7 +403,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         # A run stopped by a signal after the epoch's last batch has not reported the epoch yet: with
         # no batch left, the checkpoint's sums alone make its summary.
         elapsed = time.perf_counter() - started
-        totals = collectives.allreduce(np.array([local_loss, local_samples, elapsed]), comm, op="sum")
+        totals = sum_over_ranks(np.array([local_loss, local_samples, elapsed]), comm,
+                                f"the sums of epoch {epoch + 1}'s loss, samples and time")
         epoch += 1
         done_in_epoch = 0
         if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
@@ -385,7 +422,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                                "--warmup-epochs. No checkpoint was written at this epoch's end")],
                              rank, DIVERGED)
             throughput = totals[1] / (totals[2] / size)  # samples of all ranks / mean rank time
-            test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
+            test_loss, accuracy = evaluate(model, test_set, rank, size, comm, f"after epoch {epoch}")
             say(f"epoch {epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
                 f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  "
                 f"lr {scheduler.get_last_lr()[0]:.4g}", flush=True)
@@ -397,7 +434,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         if args.checkpoint_dir:
             checkpoint_now(epoch, 0, (0.0, 0, 0.0))
 
-    test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
+    test_loss, accuracy = evaluate(model, test_set, rank, size, comm, "at the end")
     say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {step} steps", flush=True)
     if metrics is not None:
         metrics.close()
@@ -456,15 +493,42 @@ class StopRequest:
     def agreed(self, comm: MPI.Comm) -> bool:
         """Collective: True on every rank once any rank has received a stop signal."""
         self._flag[0] = self.received
-        collectives.allreduce(self._flag, comm, op="max", out=self._flag)
+        handle = collectives.iallreduce(self._flag, comm, op="max", out=self._flag)
+        stall.wait_for(handle, "the per-step stop-signal check (SIGUSR1/SIGTERM, with --checkpoint-dir)",
+                       rank=comm.Get_rank(), advice=STALL_ADVICE, stacklevel=2)
         if self._flag[0] and not self.received:
             self.received = int(self._flag[0])
         return bool(self._flag[0])
 
 
-def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm) -> tuple[float, float]:
+def sum_over_ranks(values: np.ndarray, comm: MPI.Comm, what: str) -> np.ndarray:
+    """Collective: the sum of `values` over ranks, warning (hpcdl/stall.py) while a rank is
+    missing; `what` names the sums in the warning."""
+    handle = collectives.iallreduce(values, comm, op="sum")
+    return stall.wait_for(handle, what, rank=comm.Get_rank(), advice=STALL_ADVICE, stacklevel=2)
+
+
+def scaled_rate_error(args: argparse.Namespace, global_batch: int) -> str:
+    """The message for a learning rate that the linear scaling rule makes infinite."""
+    return (f"--lr {args.lr:g} scaled by the linear scaling rule (x global batch {global_batch} / "
+            f"--reference-batch {args.reference_batch}) is not a finite number; lower --lr or raise "
+            "--reference-batch")
+
+
+def not_a_training_checkpoint(checkpoint: Any) -> str | None:
+    """Why a verified checkpoint file cannot be resumed by `hpcdl train`, or None."""
+    needed = ("model", "optimizer", "scheduler", "epoch", "batches_done", "step", "job", "ranks")
+    missing = [k for k in needed if not isinstance(checkpoint, dict) or k not in checkpoint]
+    if missing or not isinstance(checkpoint["job"], dict) or not isinstance(checkpoint["ranks"], list):
+        return (f"is not a checkpoint of hpcdl train (it holds no {', '.join(missing) or 'job or ranks'} "
+                "entries that hpcdl train writes): another program's, or a library user's save_checkpoint")
+    return None
+
+
+def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm, when: str = ""
+             ) -> tuple[float, float]:
     """Collective: (mean loss, accuracy) over all of `dataset`; rank r scores samples r, r+P, ...
-    and the sums meet in one allreduce of three float64s."""
+    and the sums meet in one allreduce of three float64s (`when` names it in stall warnings)."""
     import torch
     import torch.nn.functional as F
 
@@ -476,19 +540,56 @@ def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm) -> 
         loss = F.cross_entropy(logits, y[rank::size], reduction="sum").item()
         correct = (logits.argmax(dim=1) == y[rank::size]).sum().item()
     model.train(was_training)
-    sums = collectives.allreduce(np.array([loss, correct, len(y[rank::size])], dtype=np.float64),
-                                 comm, op="sum")
+    sums = sum_over_ranks(np.array([loss, correct, len(y[rank::size])], dtype=np.float64), comm,
+                          f"the held-out evaluation {when}".rstrip())
     return float(sums[0] / sums[2]), float(sums[1] / sums[2])
 
 
 class MetricsLog:
-    """Per-epoch rows appended to a CSV or JSON-lines file (format from the extension); rank 0."""
+    """Per-epoch rows appended to a CSV or JSON-lines file (format from the extension); rank 0.
 
-    def __init__(self, path: str, *, append: bool) -> None:
+    A fresh run (`after_epoch=None`) truncates the file. A resumed run keeps the rows of epochs up
+    to `after_epoch`, the last one its checkpoint has finished, and drops the rest (rewriting the
+    file atomically), so that the file and the checkpoint agree whatever happened in between:
+    the row of an epoch is written before that epoch's checkpoint, and a crash in that write, or
+    a resume that falls back to an older checkpoint, would otherwise leave rows that the resumed
+    run writes a second time.
+    """
+
+    def __init__(self, path: str, *, after_epoch: int | None) -> None:
         self.format = METRICS_FORMATS[Path(path).suffix.lower()]
-        fresh = not append or not os.path.exists(path) or os.path.getsize(path) == 0
-        self.file: TextIO = open(path, "w" if fresh else "a", newline="")
-        self.header_written = not fresh
+        kept = [] if after_epoch is None else self._rows_through(path, after_epoch)
+        if after_epoch is not None:
+            write_atomically(path, lambda f: f.writelines(line.encode() for line in kept))
+        self.file: TextIO = open(path, "w" if after_epoch is None else "a", newline="")
+        self.header_written = bool(kept) and self.format == "csv"
+
+    def _rows_through(self, path: str, last_epoch: int) -> list[str]:
+        """The lines of `path` (CSV: with its header) up to the last row of epoch `last_epoch`;
+        a row that does not parse (the torn end of an interrupted write) ends them."""
+        try:
+            with open(path, newline="") as f:
+                lines = f.read().splitlines(keepends=True)
+        except FileNotFoundError:
+            return []
+        kept = []
+        epoch_column = None
+        for line in lines:
+            try:
+                if self.format == "jsonl":
+                    epoch = int(json.loads(line)["epoch"])
+                elif epoch_column is None:  # the header
+                    epoch_column = next(csv.reader([line])).index("epoch")
+                    kept.append(line)
+                    continue
+                else:
+                    epoch = int(next(csv.reader([line]))[epoch_column])
+            except (ValueError, KeyError, IndexError, TypeError, StopIteration):
+                break
+            if epoch > last_epoch or not line.endswith("\n"):
+                break
+            kept.append(line)
+        return kept if self.format == "jsonl" or len(kept) > 1 else []
 
     def write(self, row: dict[str, Any]) -> None:
         """Append one row (the keys of the first row are the CSV columns) and flush it."""
@@ -553,7 +654,8 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
         rates.append(args.batch_size * args.num_batches_per_iter / seconds)
         say(f"Iter #{i}: {rates[-1]:.1f} img/sec per rank", flush=True)
     # Every rank's rates, not only rank 0's: oversubscribed ranks can run at different speeds.
-    all_rates = collectives.allgather(np.array(rates), comm)
+    all_rates = stall.wait_for(collectives.iallgather(np.array(rates), comm),
+                               "the gather of every rank's images/s", rank=rank, advice=STALL_ADVICE)
     per_rank = all_rates.mean(axis=1)
     mean, spread = float(all_rates.mean()), float(1.96 * all_rates.std())
     say(f"Img/sec per rank: {mean:.1f} +-{spread:.1f}")

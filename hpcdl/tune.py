@@ -25,133 +25,42 @@ import argparse
 import datetime
 import json
 import math
-import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from .atomic_file import unwritable_file, write_atomically
+import collectives
 
-#: Collectives `hpcdl tune` covers, in the order it prints them.
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+from .atomic_file import unwritable_file, write_atomically
+from .command import Command, CommandError
+from .units import (human_bytes, human_seconds, parse_bandwidth, parse_bytes, parse_count,
+                    parse_duration, positive)
+
+PROG = "hpcdl tune"
+#: Collectives `hpcdl tune` covers, in the order it prints them (the registry's).
+COLLECTIVES = tuple(collectives.COLLECTIVES)
 #: A measured algorithm replaces the current choice only when faster by more than this fraction.
 HYSTERESIS = 0.05
 #: Per-size budget of the sweep: at most this many bytes moved per algorithm and size.
 SWEEP_BYTES = 128 << 20
 
-#: Defaults for --predict where no tuning file is given, measured on the project's reference
-#: machine (2 cores, shared memory, Open MPI 5.0.11 PyPI wheel, 2026-11-22, shared with other
-#: jobs) with `collectives.calibrate` (docs/cost_model.md): gamma is the slope of folding sums in
-#: 512 KiB pieces over 256 KiB-64 MiB buffers (float32 0.02 ns/B in cache to 0.1 streaming with
-#: two ranks at once; NumPy's float16 add and ml_dtypes' bfloat16 add are scalar loops); overhead
-#: is a 4-byte allreduce call (13 µs) minus its messages; the software latency is an 8-byte
-#: exchange through `transport.Link` on shared memory (Python plus MPI per message), to which a
-#: cluster's wire latency adds.
+#: Defaults for --predict where no tuning file is given: `collectives.calibrate` on the reference
+#: machine (how, and what each number is: docs/design.md, "Facts that shaped the design"). The
+#: software latency is this package's Python and MPI cost per message; a cluster's wire adds to it.
 DEFAULT_GAMMA = {"float32": 0.05e-9, "float16": 5.3e-9, "bfloat16": 2.0e-9}
 DEFAULT_OVERHEAD = 11e-6
 DEFAULT_SOFTWARE_LATENCY = 1.5e-6
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-# -- units ---------------------------------------------------------------------------------------
-
-_NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
-_SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_BINARY = {"ki": 2.0 ** 10, "mi": 2.0 ** 20, "gi": 2.0 ** 30, "ti": 2.0 ** 40}
-
-
-def parse_bandwidth(text: str) -> float:
-    """Bytes per second from e.g. "100gbit", "25Gbit/s", "10Gbps", "12.5GB/s", "800Mb/s".
-
-    A lower-case b or "bit" means bits, an upper-case B or "byte" bytes; prefixes k, M, G, T are
-    decimal, Ki, Mi, Gi, Ti binary. The unit is required.
-    """
-    body = re.sub(r"(/s|ps)$", "", text.strip())
-    match = re.fullmatch(_NUMBER + r"\s*([kKmMgGtT]i?)?(bits?|bytes?|b|B)", body)
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"cannot read {text!r} as a bandwidth; write a number and a unit, e.g. 100gbit, "
-            "25Gbit/s, 10Gbps, 12.5GB/s (b/bit: bits, B/byte: bytes)")
-    value, prefix, unit = float(match[1]), (match[2] or "").lower(), match[3]
-    scale = _BINARY[prefix] if prefix.endswith("i") else _SI[prefix]
-    bytes_per_s = value * scale / (8 if unit.startswith("bit") or unit == "b" else 1)
-    if bytes_per_s <= 0:
-        raise argparse.ArgumentTypeError(f"bandwidth {text!r} must be above zero")
-    return bytes_per_s
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from e.g. "2us", "2µs", "1.5ms", "0.05ns", "1s". The unit is required."""
-    units = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9}
-    match = re.fullmatch(_NUMBER + r"\s*(s|ms|us|µs|μs|ns)", text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"cannot read {text!r} as a time; write a number and a unit: s, ms, us, ns "
-            "(e.g. 2us, 1.5ms)")
-    return float(match[1]) * units[match[2]]
-
-
-def parse_count(text: str) -> int:
-    """A positive count from e.g. "25e6", "25M", "1.3B", "350k" (K, M, G or B, T: powers of 1000)."""
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
-    match = re.fullmatch(_NUMBER + r"\s*([kKmMgGbBtT]?)", text.strip())
-    if not match or float(match[1]) * scale[match[2].lower()] < 1:
-        raise argparse.ArgumentTypeError(
-            f"cannot read {text!r} as a count of parameters; write e.g. 25e6, 25M, 1.3B, 350k")
-    return int(round(float(match[1]) * scale[match[2].lower()]))
-
-
-def parse_bytes(text: str) -> int:
-    """Bytes from e.g. "8", "64K", "32M", "1G", "1.5K", "4KB", "4KiB" (binary prefixes, as
-    nccl-tests reads them): a whole number of at least 1, so a size sweep always advances.
-    `hpcdl tune` and `hpcdl bench` read their -b/-e with it."""
-    match = re.fullmatch(_NUMBER + r"\s*([kKmMgG]?)i?[bB]?", text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 8, 64K, 32M, 1G")
-    value = float(match[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match[2].lower()]
-    if value != int(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number of bytes >= 1")
-    return int(value)
-
-
-def positive(kind: type) -> Any:
-    """An argparse type: a number of `kind` above zero."""
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be above zero")
-        return value
-
-    return convert
-
-
-def human_bytes(n: float) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            value = n / (1 << shift)
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def human_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"
-
-
 # -- command line ----------------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The checked options; argparse's exit (status 2, message on stderr) where they are wrong."""
     parser = argparse.ArgumentParser(
-        prog="hpcdl tune", description=__doc__.split("\n\n")[0],
+        prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Measure under mpirun: `mpirun -n P hpcdl tune -o tuning.json`. "
                "Predict on one process: `hpcdl tune --predict --nodes N --link BW --latency T "
@@ -215,25 +124,86 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
-    if args.predict:
-        return run_predict(args)
-    return run_tune(args, argv)
+    """`hpcdl tune`: 0 when done (and every measured result was right), 1 otherwise, 2 for bad
+    arguments. --predict plans on one process and starts no MPI; measuring is collective."""
+    if "--predict" in argv:  # spelled out (allow_abbrev=False): decided before MPI starts
+        command = Command(PROG)
+        try:
+            return run_predict(command.parse(parse_args, argv))
+        except CommandError as exc:
+            return command.fail(exc)
+    command = Command.world(PROG)
+    try:
+        args = command.parse(parse_args, argv)
+        if command.size < 2:
+            raise CommandError("hpcdl tune measures messages between ranks: run it under "
+                               "`mpirun -n 2` or more (or plan without measuring: "
+                               "`hpcdl tune --predict ...`)")
+        # The file is written after minutes of measuring: a path that cannot take it fails now.
+        problem = command.decide(unwritable_file(args.output, create_parent=True)
+                                 if command.rank == 0 else None)
+        if problem:
+            raise CommandError(f"-o {args.output}: {problem}")
+    except CommandError as exc:
+        return command.fail(exc)
+    return run_tune(args, argv, command)
 
 
 # -- predicting ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Buckets:
+    """A step's gradient buckets, in closed form (a trillion parameters are a few numbers, not a
+    list): `full` buckets of `cap` bytes, then one of `rest` bytes if `rest`."""
+
+    cap: int
+    full: int
+    rest: int
+
+    @classmethod
+    def of(cls, parameters: int, itemsize: int, bucket_mb: float) -> "Buckets":
+        """Full buckets of `bucket_mb` MiB (whole elements), then the remainder."""
+        total = parameters * itemsize
+        cap = max(int(bucket_mb * (1 << 20)) // itemsize * itemsize, itemsize)
+        full, rest = divmod(total, cap)
+        return cls(cap, full, rest)
+
+    @property
+    def count(self) -> int:
+        return self.full + (1 if self.rest else 0)
+
+    @property
+    def total(self) -> int:
+        return self.full * self.cap + self.rest
+
+    def sizes(self) -> list[int]:
+        """The distinct bucket sizes, largest first."""
+        return ([self.cap] if self.full else []) + ([self.rest] if self.rest else [])
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Predicted communication of one training step for one algorithm."""
+    """Predicted communication of one training step for one algorithm: one allreduce per bucket,
+    `full_s` for each full bucket and `rest_s` for the last, smaller one (if any)."""
 
     algorithm: str
-    bucket_seconds: list[float]  # one allreduce per bucket, in order
+    buckets: Buckets
+    full_s: float
+    rest_s: float
     compute_s: float
 
     @property
+    def first_s(self) -> float:
+        """The first (largest) bucket's allreduce."""
+        return self.full_s if self.buckets.full else self.rest_s
+
+    @property
+    def last_s(self) -> float:
+        return self.rest_s if self.buckets.rest else self.full_s
+
+    @property
     def total_s(self) -> float:
-        return sum(self.bucket_seconds)
+        return self.buckets.full * self.full_s + (self.rest_s if self.buckets.rest else 0.0)
 
     @property
     def efficiency_no_overlap(self) -> float:
@@ -243,16 +213,8 @@ class Plan:
     def efficiency_overlap(self) -> float:
         # Every bucket but the last runs while compute does (from the start of the step, at
         # best); the last is ready only when compute ends.
-        earlier = sum(self.bucket_seconds[:-1])
-        return self.compute_s / (max(self.compute_s, earlier) + self.bucket_seconds[-1])
-
-
-def bucket_sizes(parameters: int, itemsize: int, bucket_mb: float) -> list[int]:
-    """Bytes of each gradient bucket: full buckets of `bucket_mb` MiB, then the remainder."""
-    total = parameters * itemsize
-    cap = max(int(bucket_mb * (1 << 20)) // itemsize * itemsize, itemsize)
-    full, rest = divmod(total, cap)
-    return [cap] * full + ([rest] if rest else [])
+        earlier = self.total_s - self.last_s
+        return self.compute_s / (max(self.compute_s, earlier) + self.last_s)
 
 
 def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
@@ -266,21 +228,24 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
         try:
             base = model_params(args.tuning_file)  # reads and checks the whole file
         except ValueError as exc:
-            raise SystemExit(f"hpcdl tune: {exc}") from None
+            raise CommandError(str(exc)) from None
         if base is None:
-            raise SystemExit(f"hpcdl tune: {args.tuning_file} has no \"model\"; write one with "
-                             "`mpirun -n P hpcdl tune -o FILE`")
+            raise CommandError(f"{args.tuning_file} has no \"model\"; write one with "
+                               "`mpirun -n P hpcdl tune -o FILE`")
     software = args.software_latency if args.software_latency is not None else DEFAULT_SOFTWARE_LATENCY
+    # parse_args made sure: without --latency and --link there is a tuning file with a model
     if args.latency is not None:
         alpha = args.latency + software
         source["alpha"] = (f"--latency {human_seconds(args.latency)} + software "
                            f"{human_seconds(software)} per message")
     else:
+        assert base is not None
         alpha, source["alpha"] = base.alpha, f"from {args.tuning_file}"
     if args.link is not None:
         beta, source["beta"] = 1.0 / args.link, f"--link {args.link * 8 / 1e9:g} Gbit/s"
         beta_pairwise = None  # a full-duplex link: two-way exchanges at the link rate too
     else:
+        assert base is not None
         beta, source["beta"] = base.beta, f"from {args.tuning_file}"
         beta_pairwise = base.beta_pairwise
     if args.gamma is not None:
@@ -298,18 +263,24 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
 
 
 def plan_step(params: Any, nodes: int, parameters: int, dtype: str, bucket_mb: float,
-              compute_s: float) -> tuple[list[int], list[Plan], list[str]]:
-    """Bucket sizes, a `Plan` per modelled allreduce algorithm plus auto's (last), and auto's
-    pick per bucket (the model's fastest)."""
+              compute_s: float) -> tuple[Buckets, list[Plan], dict[int, str]]:
+    """The buckets, a `Plan` per modelled allreduce algorithm plus auto's (last), and auto's pick
+    per distinct bucket size (the model's fastest). Closed forms: at most two sizes are priced,
+    whatever the number of buckets or ranks."""
     from collectives.cost_model import best, modelled_algorithms, predict
 
     itemsize = ITEMSIZE[dtype]
-    buckets = bucket_sizes(parameters, itemsize, bucket_mb)
-    plans = {a: Plan(a, [predict("allreduce", a, b, nodes, params, itemsize=itemsize) for b in buckets],
-                     compute_s) for a in modelled_algorithms("allreduce")}
-    picks = [best("allreduce", b, nodes, params, itemsize=itemsize) for b in buckets]
-    auto = Plan("auto", [plans[a].bucket_seconds[i] for i, a in enumerate(picks)], compute_s)
-    return buckets, [*plans.values(), auto], picks
+    buckets = Buckets.of(parameters, itemsize, bucket_mb)
+
+    def seconds(algorithm: str, nbytes: int) -> float:
+        return predict("allreduce", algorithm, nbytes, nodes, params, itemsize=itemsize) if nbytes else 0.0
+
+    plans = [Plan(a, buckets, seconds(a, buckets.cap), seconds(a, buckets.rest), compute_s)
+             for a in modelled_algorithms("allreduce")]
+    picks = {b: best("allreduce", b, nodes, params, itemsize=itemsize) for b in buckets.sizes()}
+    auto = Plan("auto", buckets, seconds(picks.get(buckets.cap, "ring"), buckets.cap),
+                seconds(picks.get(buckets.rest, "ring"), buckets.rest), compute_s)
+    return buckets, [*plans, auto], picks
 
 
 def run_predict(args: argparse.Namespace) -> int:
@@ -319,8 +290,8 @@ def run_predict(args: argparse.Namespace) -> int:
                                       args.bucket_mb, compute_s)
     lines = [
         f"hpcdl tune --predict: {args.nodes} ranks, allreduce of {args.model_params:,} {args.dtype} "
-        f"gradients ({human_bytes(sum(buckets))}) per step in {len(buckets)} bucket"
-        f"{'s' if len(buckets) != 1 else ''} of at most {human_bytes(buckets[0])}, "
+        f"gradients ({human_bytes(buckets.total)}) per step in {buckets.count:,} bucket"
+        f"{'s' if buckets.count != 1 else ''} of at most {human_bytes(buckets.sizes()[0])}, "
         f"compute {args.compute_ms:g} ms per step",
         f"  alpha    {params.alpha * 1e6:9.3f} µs per message      ({source['alpha']})",
         f"  beta     {params.beta * 1e9:9.4f} ns per byte         ({source['beta']}; "
@@ -333,7 +304,7 @@ def run_predict(args: argparse.Namespace) -> int:
         f"{'algorithm':<18} {'per bucket':>11} {'per step':>11} {'efficiency':>11} {'overlapped':>11}",
     ]
     for plan in plans:
-        lines.append(f"{plan.algorithm:<18} {human_seconds(plan.bucket_seconds[0]):>11} "
+        lines.append(f"{plan.algorithm:<18} {human_seconds(plan.first_s):>11} "
                      f"{human_seconds(plan.total_s):>11} {plan.efficiency_no_overlap:>10.1%} "
                      f"{plan.efficiency_overlap:>10.1%}")
     lines += [
@@ -346,7 +317,7 @@ def run_predict(args: argparse.Namespace) -> int:
         "starts when compute ends: compute / (max(compute, earlier buckets) + last bucket). An "
         "upper bound: backward is only part of the compute.",
         "auto would pick: " + "; ".join(
-            f"{a} for {human_bytes(b)}" for b, a in dict(zip(buckets, picks)).items())
+            f"{a} for {human_bytes(b)}" for b, a in picks.items())
         + " (the model's fastest; a tuning file's measured rows take precedence at their rank count)",
     ]
     print("\n".join(lines))
@@ -364,7 +335,7 @@ def time_algorithm(collective: str, algorithm: str, nbytes: int, comm: Any, *, i
     when its slowest rank does, which is what the model predicts, and the median, as in the
     calibration, so a burst of load on a shared machine does not decide a row.
     """
-    from benchmarks.microbench import measure
+    from .collective_timing import measure
 
     m = measure(collective, algorithm, nbytes, comm, iterations=iterations, warmup=warmup)
     if m.median_s is None:
@@ -380,8 +351,9 @@ def sweep(collective: str, sizes: list[int], comm: Any, iterations: int) -> list
     order of the algorithms rotates from size to size, so none always runs first on a drifting
     machine. Sizes that round to the same element count are timed once.
     """
-    from benchmarks.collective_timing import element_count
     from collectives.cost_model import modelled_algorithms
+
+    from .collective_timing import element_count
 
     algorithms = modelled_algorithms(collective)
     records: list[dict[str, Any]] = []
@@ -463,7 +435,7 @@ def describe_job(comm: Any, pattern: str, argv: Sequence[str]) -> dict[str, Any]
     """Where and how the model was measured, for the tuning file's `measured_on`."""
     from mpi4py import MPI
 
-    from .info import mpi_library
+    from .runtime import mpi_library
 
     hosts = comm.allgather(MPI.Get_processor_name())
     return {
@@ -519,7 +491,9 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
 
     lines = [f"{'collective':<15}{'bytes':>9} {'algorithm':<22}{'measured':>11}{'predicted':>11}"
              f"{'error':>8}  notes"]
-    errors_large, model_loss, table_loss = [], [], []
+    errors_large: list[tuple[float, str]] = []
+    model_loss: list[tuple[float, str]] = []
+    table_loss: list[tuple[float, str]] = []
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["collective"], r["bytes"]), []).append(r)
@@ -562,29 +536,17 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
     return lines
 
 
-def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def run_tune(args: argparse.Namespace, argv: Sequence[str], command: Command) -> int:
+    """Collective: measure, sweep, write the tuning file (rank 0) and report (rank 0)."""
+    from mpi4py import MPI
+
     from collectives.calibrate import calibrate
 
-    from .runtime import MPI, init
+    from .collective_timing import size_sweep
 
-    init()
     comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size < 2:
-        print("hpcdl tune measures messages between ranks: run it under `mpirun -n 2` or more "
-              "(or plan without measuring: `hpcdl tune --predict ...`)", file=sys.stderr)
-        return 2
-    # The file is written after minutes of measuring: a path that cannot take it fails now.
-    problem = comm.bcast(unwritable_file(args.output, create_parent=True) if rank == 0 else None,
-                         root=0)
-    if problem:
-        if rank == 0:
-            print(f"hpcdl tune: error: -o {args.output}: {problem}", file=sys.stderr)
-        return 2
-
-    def say(text: str = "") -> None:
-        if rank == 0:
-            print(text, flush=True)
+    rank, size = command.rank, command.size
+    say = command.say
 
     say(f"# hpcdl tune: {size} ranks; fitting alpha, beta ({args.p2p}), beta_pairwise, gamma, "
         "overhead")
@@ -601,8 +563,6 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
     say("\n".join(fit_report(calibration)))
     records: list[dict[str, Any]] = []
     if not args.model_only:
-        from benchmarks.microbench import size_sweep
-
         sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
         for collective in args.collectives:
             say(f"# sweeping {collective}: {len(sizes)} sizes, {human_bytes(sizes[0])} to "
@@ -618,10 +578,9 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
             write_atomically(output, lambda f: f.write(text.encode()))
         except OSError as exc:
             error = f"cannot write {output}: {exc}"
-    error = comm.bcast(error, root=0)
+    error = command.decide(error)
     if error:
-        say(f"hpcdl tune: {error}; choose a writable path with -o")
-        return 1
+        return command.fail(CommandError(f"{error}; choose a writable path with -o", status=1))
     if records and document is not None:
         say("\n".join(["", *comparison(records, params, size, document["collectives"])]))
     say(f"\nwrote {output}\nuse it:  export HPCDL_TUNING_FILE={output}")

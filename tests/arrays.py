@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import collectives
-from collectives import buffers
+from collectives import buffers, transport
 from collectives.ops import MOVED_DTYPES
 
 # -- the fake GPU -----------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class FakeCupyArray(FakeDeviceArray):
 def fake_cupy_module() -> Any:
     """A stand-in for the `cupy` module with one visible GPU whose memory is host memory.
 
-    Enough of CuPy for `hpcdl bench --device gpu` (benchmarks/collective_timing.py) and
+    Enough of CuPy for `hpcdl bench --device gpu` (hpcdl/collective_timing.py) and
     `hpcdl.init`'s GPU binding: asarray, empty, count_nonzero, the device count, Device(i).use()
     and the current stream. Install it as `sys.modules["cupy"]` together with a
     `FakeDeviceRuntime`, which serves the collectives.
@@ -385,7 +385,7 @@ def mpi_reference(comm: Any, local: np.ndarray, op: str) -> np.ndarray | None:
     if local.dtype.name == "bfloat16":
         return None
     result = np.empty_like(local)
-    mpi_op = collectives.OPS[op].mpi_op
+    mpi_op = transport.mpi_op(collectives.OPS[op])
     comm.Allreduce(local, result, op=mpi_op)
     if op == "avg" and comm.Get_size() > 1:
         if result.dtype.kind in "iu":

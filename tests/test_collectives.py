@@ -220,6 +220,66 @@ def test_allgather(backend: Backend, algorithm: str, comm: MPI.Comm) -> None:
     check_device_path(backend, comm)
 
 
+# -- allgatherv -----------------------------------------------------------------------------------
+
+def gatherv_counts(size: int) -> list[list[int]]:
+    """Per-rank lengths: growing, zero on every other rank, zero everywhere, one long (pieces)."""
+    return [[r + 1 for r in range(size)], [0 if r % 2 else 2 * r + 1 for r in range(size)],
+            [0] * size, [1 + (PIECEWISE_BYTES // 2 if r == size - 1 else r) for r in range(size)]]
+
+
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS["allgatherv"], "auto"])
+def test_allgatherv(backend: Backend, algorithm: str, comm: MPI.Comm) -> None:
+    """Every rank's flattened input in rank order, with lengths that differ (zero included), every
+    dtype the collectives move, into a new array, an `out` of the total's length (flat or not)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    outcomes = Outcomes(comm)
+    dtypes = [*backend.dtypes, *(sorted(MOVED_DTYPES) if backend.name == "numpy" else [])]
+    for i, (dtype, counts) in enumerate(product(dtypes, gatherv_counts(size))):
+        placement = ("new", "out", "2-D out")[i % 3]
+        label = f"allgatherv({algorithm}, {backend.name}, {dtype}, counts {counts[:6]}, {placement})"
+        inputs = [rank_data(q, counts[q], "int64", seed=i).astype(np.dtype(dtype)) for q in range(size)]
+        want = np.concatenate(inputs)
+        x = backend.make(inputs[rank].reshape(-1, 1) if i % 2 else inputs[rank])  # any shape goes
+        out_shape = (want.size,) if placement == "out" else (1, want.size)
+        out = None if placement == "new" else backend.empty(out_shape, want.dtype)
+        ran, result = run_case(outcomes, label, False,
+                               lambda: collectives.allgatherv(x, algorithm=algorithm, out=out))
+        if not ran:
+            continue
+        got = backend.to_numpy(result)
+        outcomes.expect_equal(label, got.reshape(-1), want)
+        if out is not None:
+            outcomes.expect(label, result is out, "did not return the given out")
+        outcomes.digest(label, got)
+    outcomes.verify()
+
+
+def test_allgatherv_mismatches_raise_on_every_rank(comm: MPI.Comm) -> None:
+    """Ranks that disagree on the dtype, pass an `out` that cannot hold the total, or a reducing
+    dtype mismatch: the same CollectiveArgumentError on every rank, and the next call works."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    messages = []
+    cases = [
+        (np.ones(rank + 1, np.float32 if rank else np.float64), None, "dtype"),
+        (np.ones(2, np.int32), np.empty(2 * size + (1 if rank == size - 1 else 0), np.int32),
+         "out must hold"),
+    ]
+    for x, out, expected in cases:
+        try:
+            collectives.allgatherv(x, out=out)
+            messages.append(f"no error ({expected})")
+        except CollectiveArgumentError as exc:
+            if expected not in str(exc):
+                messages.append(f"expected {expected!r} in {exc}")
+    if size == 1:
+        messages = [m for m in messages if "dtype" not in m]  # one rank agrees with itself
+    after = collectives.allgatherv(np.full(rank, rank, np.int64))
+    want = np.concatenate([np.full(r, r, np.int64) for r in range(size)])
+    ok = not messages and np.array_equal(after, want)
+    assert all_ranks_agree(ok, comm), messages
+
+
 # -- broadcast ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", [*ALGORITHMS["broadcast"], "auto"])
@@ -586,3 +646,34 @@ def test_avg_over_a_power_of_two_is_the_quotient_bit_for_bit(dtype: str) -> None
             want = np.divide(values, np_dtype.type(size))
         same = (got.view(bits) == want.view(bits)) | (np.isnan(got) & np.isnan(want))
         assert same.all(), (size, values[~same][:4], got[~same][:4], want[~same][:4])
+
+
+def test_allgatherv_at_six_and_seven_ranks(comm: MPI.Comm) -> None:
+    """The rank counts the suite's jobs do not reach (6, 7: both folds of the butterfly), as a
+    job of their own started from the one-rank job."""
+    if comm.Get_size() != 1:
+        pytest.skip("starts its own jobs, once, from the one-rank job")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    program = (
+        "import numpy as np, collectives\nfrom mpi4py import MPI\n"
+        "r, p = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()\n"
+        "for algorithm in ['auto', *collectives.ALGORITHMS['allgatherv']]:\n"
+        "    for counts in ([k % 3 for k in range(p)], [0] * p, [5 * k + 1 for k in range(p)]):\n"
+        "        x = np.arange(counts[r], dtype=np.int16) + 100 * r\n"
+        "        want = np.concatenate([np.arange(c, dtype=np.int16) + 100 * k\n"
+        "                               for k, c in enumerate(counts)])\n"
+        "        got = collectives.allgatherv(x, algorithm=algorithm)\n"
+        "        assert np.array_equal(got, want), (algorithm, counts)\n"
+        "print('ok', r)\n")
+    from run import mpi_environment  # the settings tests/run.py gives its own jobs
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(mpi_environment(), PYTHONPATH=str(root))
+    for ranks in (6, 7):
+        done = subprocess.run(["mpirun", "--oversubscribe", "-n", str(ranks), sys.executable, "-c",
+                               program], env=env, capture_output=True, text=True, timeout=100,
+                              cwd=root)
+        assert done.returncode == 0 and done.stdout.count("ok") == ranks, done.stderr[-2000:]

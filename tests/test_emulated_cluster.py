@@ -99,7 +99,8 @@ def up(before: str) -> Iterator[str]:
 def test_up_again_changes_nothing_and_status_lists_hosts(up: str, before: str) -> None:
     status = ok(cluster("status"))
     for i in range(HOSTS):
-        assert re.search(rf"^{PREFIX}-host{i}\s+{re.escape(NET)}\.{i + 1}/24\s+UP\s+{RATE_MBIT}Mbit\s+{RATE_MBIT}Mbit\s*$",
+        assert re.search(rf"^{PREFIX}-host{i}\s+{re.escape(NET)}\.{i + 1}/24\s+UP"
+                         rf"\s+{RATE_MBIT}Mbit\s+{RATE_MBIT}Mbit\s*$",
                          status, re.MULTILINE), status
     again = cluster("up", "--hosts", str(HOSTS), "--rate", f"{RATE_MBIT}mbit")
     ok(again)
@@ -184,7 +185,8 @@ def test_failing_or_hanging_job_ends_with_an_error(up: str) -> None:
     abort = "from mpi4py import MPI; c = MPI.COMM_WORLD; c.Abort(7) if c.Get_rank() == 1 else c.Barrier()"
     result = cluster("run", "--timeout", "60", sys.executable, "-c", abort)
     assert result.returncode == 7, result.stderr
-    hang = "from mpi4py import MPI; import time; c = MPI.COMM_WORLD; time.sleep(600) if c.Get_rank() == 0 else c.Barrier()"
+    hang = ("from mpi4py import MPI; import time; c = MPI.COMM_WORLD; "
+            "time.sleep(600) if c.Get_rank() == 0 else c.Barrier()")
     started = time.perf_counter()
     result = cluster("run", "--timeout", "3", sys.executable, "-c", hang)
     assert result.returncode == 124 and "exceeded --timeout 3 s" in result.stderr, result.stderr

@@ -79,7 +79,7 @@ def test_many_outstanding_handles_match_blocking_results(backend: Backend, comm:
     for in_place in (False, True):
         inputs = [backend.make(host + rank) for *_, host in calls]
         handles = []
-        for (label, ifn, kwargs, _, _), x in zip(calls, inputs):
+        for (_, ifn, kwargs, _, _), x in zip(calls, inputs):
             if in_place and ifn is collectives.iallreduce:
                 kwargs = dict(kwargs, out=x)
             handles.append(ifn(x, **kwargs))

@@ -435,7 +435,7 @@ def test_a_checkpoint_of_another_shard_and_the_wrong_role_are_refused(comm):
 
 def test_staleness_is_counted_for_every_applied_push(comm):
     _needs_workers(comm, 1)
-    size, rank = comm.Get_size(), comm.Get_rank()
+    size = comm.Get_size()
     servers = 1
     workers = size - servers
     net = Mixed()

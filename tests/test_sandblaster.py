@@ -36,7 +36,8 @@ def _digest(module: torch.nn.Module) -> bytes:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in module.parameters())).digest()
 
 
-def _run(net: torch.nn.Module, data, comm: MPI.Comm, steps: int = STEPS, **options) -> tuple[list[float], DistributedLBFGS]:
+def _run(net: torch.nn.Module, data, comm: MPI.Comm, steps: int = STEPS,
+         **options) -> tuple[list[float], DistributedLBFGS]:
     opt = DistributedLBFGS(net, data, torch.nn.functional.mse_loss, comm, **options)
     losses = [opt.step() for _ in range(steps)]
     opt.close()

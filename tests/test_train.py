@@ -135,13 +135,13 @@ def test_bad_arguments_fail_on_every_rank(argv, message, comm, capsys):
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
-def test_unwritable_checkpoint_dir_on_one_rank_stops_all(tmp_path, comm, capsys):
-    # On the last rank the "directory" lies under a regular file: only that rank can see the
-    # problem, yet every rank must stop with it.
-    blocker = tmp_path / "file"
-    blocker.write_text("")
+def test_unwritable_checkpoint_dir_on_one_rank_stops_all(tmp_path, comm, capsys, monkeypatch):
+    # Only the last rank sees the directory as unwritable (as a node whose file system is
+    # mounted read-only would), yet every rank must stop with it.
     last = comm.Get_size() - 1
-    target = blocker / "ckpt" if comm.Get_rank() == last else tmp_path / "ckpt"
+    if comm.Get_rank() == last:
+        monkeypatch.setattr(train, "unwritable_directory", lambda path, create: "cannot write here")
+    target = shared_directory(tmp_path, comm) / "ckpt"
     status = train.main(["--checkpoint-dir", str(target)])
     err = capsys.readouterr().err
     expected = f"rank {last}: --checkpoint-dir" if comm.Get_size() > 1 else "--checkpoint-dir"

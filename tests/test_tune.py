@@ -11,7 +11,7 @@ from mpi4py import MPI
 from collectives import select
 from collectives.cost_model import ModelParams, array_bytes, best, predict
 from conftest import all_ranks_agree, shared_directory
-from hpcdl import tune
+from hpcdl import tune, units
 
 PREDICT = ["--predict", "--nodes", "256", "--link", "100gbit", "--latency", "2us",
            "--model-params", "25e6", "--compute-ms", "120"]
@@ -22,30 +22,30 @@ PREDICT = ["--predict", "--nodes", "256", "--link", "100gbit", "--latency", "2us
     ("800Mb/s", 1e8), ("1GiB/s", 2.0 ** 30), ("1e9 B/s", 1e9), ("100 bits/s", 12.5),
 ])
 def test_bandwidths(text: str, value: float) -> None:
-    assert tune.parse_bandwidth(text) == pytest.approx(value)
+    assert units.parse_bandwidth(text) == pytest.approx(value)
 
 
 @pytest.mark.parametrize("text, value", [
     ("2us", 2e-6), ("2µs", 2e-6), ("1.5ms", 1.5e-3), ("0.05ns", 5e-11), ("1s", 1.0), ("3e-3 s", 3e-3),
 ])
 def test_durations(text: str, value: float) -> None:
-    assert tune.parse_duration(text) == pytest.approx(value)
+    assert units.parse_duration(text) == pytest.approx(value)
 
 
 @pytest.mark.parametrize("text, value", [
     ("25e6", 25_000_000), ("25M", 25_000_000), ("1.3B", 1_300_000_000), ("350k", 350_000), ("7", 7),
 ])
 def test_counts(text: str, value: int) -> None:
-    assert tune.parse_count(text) == value
+    assert units.parse_count(text) == value
 
 
 def test_sizes_read_like_nccl_tests() -> None:
     """-b/-e of both `hpcdl tune` and `hpcdl bench`."""
-    sizes = [tune.parse_bytes(t) for t in ("8", "8K", "64K", "32M", "64M", "1G", "1.5K", "4KB", "4kb")]
+    sizes = [units.parse_bytes(t) for t in ("8", "8K", "64K", "32M", "64M", "1G", "1.5K", "4KB", "4kb")]
     assert sizes == [8, 8192, 65536, 32 << 20, 64 << 20, 1 << 30, 1536, 4096, 4096]
     for bad in ("0", "-8", "1.5", "K", "eight"):
         with pytest.raises(Exception, match="size|whole number"):
-            tune.parse_bytes(bad)
+            units.parse_bytes(bad)
 
 
 @pytest.mark.parametrize("flag, value, message", [
@@ -76,13 +76,28 @@ def test_predict_names_what_is_missing(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_buckets_and_efficiency() -> None:
-    assert tune.bucket_sizes(25_000_000, 4, 25) == [25 << 20] * 3 + [100_000_000 - 3 * (25 << 20)]
-    assert tune.bucket_sizes(1000, 2, 25) == [2000]
-    plan = tune.Plan("x", [1.0, 1.0, 1.0], compute_s=2.0)
+    buckets = tune.Buckets.of(25_000_000, 4, 25)
+    assert (buckets.cap, buckets.full, buckets.rest) == (25 << 20, 3, 100_000_000 - 3 * (25 << 20))
+    assert buckets.count == 4 and buckets.total == 100_000_000
+    assert tune.Buckets.of(1000, 2, 25).sizes() == [2000]
+    three = tune.Buckets(cap=8, full=3, rest=0)
+    plan = tune.Plan("x", three, full_s=1.0, rest_s=0.0, compute_s=2.0)
     assert plan.efficiency_no_overlap == pytest.approx(2 / 5)
     assert plan.efficiency_overlap == pytest.approx(2 / 3)  # max(2, 1 + 1) + 1
-    slow = tune.Plan("x", [2.0, 2.0, 1.0], compute_s=2.0)
+    slow = tune.Plan("x", tune.Buckets(cap=8, full=2, rest=4), full_s=2.0, rest_s=1.0, compute_s=2.0)
     assert slow.efficiency_overlap == pytest.approx(2 / 5)  # earlier buckets outlast compute
+
+
+def test_predict_answers_at_once_for_any_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """Closed forms: a trillion parameters over 65536 ranks prices two bucket sizes, not 150,000
+    buckets (this took 98 s when every bucket was priced)."""
+    import time
+
+    started = time.perf_counter()
+    assert tune.main(["--predict", "--nodes", "65536", "--link", "100gbit", "--latency", "2us",
+                      "--model-params", "1e12", "--compute-ms", "120"]) == 0
+    assert time.perf_counter() - started < 1.0
+    assert "152,588 buckets" in capsys.readouterr().out
 
 
 def test_predict_prints_every_algorithm_and_auto(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,13 +105,14 @@ def test_predict_prints_every_algorithm_and_auto(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     params = ModelParams(2e-6 + tune.DEFAULT_SOFTWARE_LATENCY, 8 / 100e9, tune.DEFAULT_GAMMA["float32"],
                          tune.DEFAULT_OVERHEAD)
-    buckets = tune.bucket_sizes(25_000_000, 4, 25)
+    sizes = tune.Buckets.of(25_000_000, 4, 25)
+    buckets = [sizes.cap] * sizes.full + [sizes.rest]
     assert "256 ranks" in out and "4 buckets" in out
     for algorithm in ("ring", "butterfly", "tree", "halving_doubling"):
         seconds = [predict("allreduce", algorithm, b, 256, params) for b in buckets]
         line = re.search(rf"^{algorithm}\s+(\S+ \S+)\s+(\S+ \S+)\s+([\d.]+)%\s+([\d.]+)%$", out, re.M)
         assert line, f"no line for {algorithm}:\n{out}"
-        assert line[2] == tune.human_seconds(sum(seconds))
+        assert line[2] == units.human_seconds(sum(seconds))
         no_overlap = 0.120 / (0.120 + sum(seconds))
         overlap = 0.120 / (max(0.120, sum(seconds[:-1])) + seconds[-1])
         assert float(line[3]) == pytest.approx(100 * no_overlap, abs=0.051)
@@ -116,9 +132,9 @@ def test_predict_reads_a_tuning_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "50.000 µs per message      (from" in out and "8.0000 ns per byte" in out
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"collectives": {}}))
-    with pytest.raises(SystemExit, match="has no \"model\""):
-        tune.main(["--predict", "--nodes", "4", "--model-params", "1M", "--compute-ms", "10",
-                   "--tuning-file", str(empty)])
+    assert tune.main(["--predict", "--nodes", "4", "--model-params", "1M", "--compute-ms", "10",
+                      "--tuning-file", str(empty)]) == 2
+    assert f"hpcdl tune: error: {empty} has no \"model\"" in capsys.readouterr().err
 
 
 def test_measured_rows_use_the_bytes_choose_sees() -> None:
@@ -245,3 +261,18 @@ def test_comparison_names_the_pick_auto_would_make_on_a_tie() -> None:
     lines = tune.comparison(records, params, 4, {"reduce_scatter": []})
     picked = [line.split()[3] for line in lines[1:3] if "model's pick" in line]
     assert picked == ["ring"], lines
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="one process is enough")
+def test_predict_starts_no_mpi() -> None:
+    """--predict plans on a login node: neither the command nor the cost model imports mpi4py.MPI
+    (whose import initializes MPI)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hpcdl import cli; status = cli.main(['tune', *sys.argv[1:]]); "
+            "print('MPI imported:', 'mpi4py.MPI' in sys.modules); sys.exit(status)")
+    done = subprocess.run([sys.executable, "-c", code, *PREDICT], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "auto would pick" in done.stdout and "MPI imported: False" in done.stdout, done.stdout

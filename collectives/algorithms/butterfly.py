@@ -99,4 +99,6 @@ ALGORITHMS = (
     #: a host allreduce of at most packet.PAYLOAD_BYTES rides inside the argument check itself
     Algorithm("allreduce", "butterfly", butterfly_allreduce, _allreduce_cost, rides_in_check=True),
     Algorithm("allgather", "butterfly", butterfly_allgather, _allgather_cost),
+    # Blocks of any sizes: priced as equal blocks of the same total.
+    Algorithm("allgatherv", "butterfly", butterfly_allgather, _allgather_cost),
 )

@@ -41,8 +41,10 @@ def _halving_reduce_scatter(link: Link, buf: Any, fold: Fold, new: list[int]) ->
         else:
             keep, give = (lo, mid), (mid, hi)
         kept, given = buf[new[keep[0]]:new[keep[1]]], buf[new[give[0]]:new[give[1]]]
-        # The partner's kept and given are my given and kept: both sides count the same pieces.
-        segment, pieces = pieces_of(max(kept.shape[0], given.shape[0]), buf.dtype.itemsize)
+        # Every pair of this round cuts its halves like the round's largest half (the first: the
+        # larger blocks and the folded pairs come first), so the round's messages are alike
+        # everywhere and the cost model's critical path is exact (tests/test_cost_simulation.py).
+        segment, pieces = pieces_of(new[mask] - new[0], buf.dtype.itemsize)
         link.sendrecv_combine(given, peer, kept, peer, segment=segment, pieces=pieces,
                               completes=mask == 1)
         lo, hi = keep

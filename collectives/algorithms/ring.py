@@ -93,4 +93,6 @@ ALGORITHMS = (
     Algorithm("reduce_scatter", "ring", ring_reduce_scatter, reduce_scatter_cost,
               finishes_avg=True),
     Algorithm("allgather", "ring", ring_allgather, _allgather_cost),
+    # Blocks of any sizes: priced as equal blocks of the same total.
+    Algorithm("allgatherv", "ring", ring_allgather, _allgather_cost),
 )

@@ -141,9 +141,14 @@ class DistributedLBFGS:
         state["func_evals"] += 1
         if flat_grad.abs().max() <= self.tolerance_grad:
             return loss
-        d, t = state.get("d"), state.get("t")
-        old_dirs, old_stps, ro = state.get("old_dirs"), state.get("old_stps"), state.get("ro")
-        H_diag, prev_flat_grad = state.get("H_diag"), state.get("prev_flat_grad")
+        # torch.optim.LBFGS's state; absent before the first step (which sets it all)
+        d: Any = state.get("d")
+        t: Any = state.get("t")
+        old_dirs: Any = state.get("old_dirs")
+        old_stps: Any = state.get("old_stps")
+        ro: Any = state.get("ro")
+        H_diag: Any = state.get("H_diag")
+        prev_flat_grad: Any = state.get("prev_flat_grad")
         state["n_iter"] += 1
         if state["n_iter"] == 1:
             d = flat_grad.neg()
@@ -176,7 +181,9 @@ class DistributedLBFGS:
         else:
             prev_flat_grad.copy_(flat_grad)
         state["prev_loss"] = loss
-        t = min(1.0, 1.0 / flat_grad.abs().sum()) * self.lr if state["n_iter"] == 1 else self.lr
+        # as torch.optim.LBFGS computes it (a tensor times lr), so the two stay bitwise equal
+        t = (min(1.0, 1.0 / flat_grad.abs().sum()) * self.lr  # type: ignore[operator]
+             if state["n_iter"] == 1 else self.lr)
         if not flat_grad.dot(d) > -self.tolerance_change:
             self._add_grad(t, d)
         state.update(d=d, t=t, old_dirs=old_dirs, old_stps=old_stps, ro=ro, H_diag=H_diag,
@@ -212,7 +219,7 @@ class DistributedLBFGS:
         waiting: dict[int, torch.Tensor] = {}  # finished out of order, not yet added
         total: torch.Tensor | None = None
         added = 0
-        stats = {"units": self.units, "computed_by": [0] * self._size, "backups_issued": 0,
+        stats: dict[str, Any] = {"units": self.units, "computed_by": [0] * self._size, "backups_issued": 0,
                  "duplicates_dropped": 0}
         done: set[int] = set()
 
@@ -279,6 +286,7 @@ class DistributedLBFGS:
                 continue
             # Nothing to hand out and nothing for the coordinator: wait for a worker.
             finished = MPI.Request.Waitsome([self._busy[w][2] for w in workers])
+            assert finished is not None  # every worker here has its receive posted
             collect([workers[i] for i in finished])
         assert total is not None and added == self.units
         final.copy_(total)
@@ -364,7 +372,7 @@ class DistributedLBFGS:
 def _invalid(settings: dict[str, Any], params: list[torch.nn.Parameter], slowdown: Any) -> str | None:
     """Why these arguments cannot work, or None."""
     def positive_int(value: Any) -> bool:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
     if not positive_int(settings["unit_size"]):
         return f"DistributedLBFGS: unit_size must be a positive integer, got {settings['unit_size']!r}"
@@ -372,7 +380,7 @@ def _invalid(settings: dict[str, Any], params: list[torch.nn.Parameter], slowdow
         return (f"DistributedLBFGS: history_size must be a positive integer, got "
                 f"{settings['history_size']!r}")
     lr = settings["lr"]
-    if not isinstance(lr, numbers.Real) or isinstance(lr, bool) or not lr >= 0:
+    if not isinstance(lr, numbers.Real) or isinstance(lr, bool) or not float(lr) >= 0:
         return f"DistributedLBFGS: lr must be a non-negative number, got {lr!r}"
     if settings["len(dataset)"] is None:
         return "DistributedLBFGS: the dataset must have a length (len(dataset)) and be indexable"
@@ -388,6 +396,6 @@ def _invalid(settings: dict[str, Any], params: list[torch.nn.Parameter], slowdow
     if not dtype.is_floating_point or layout != torch.strided or device != "cpu":
         return (f"DistributedLBFGS: parameters must be dense real floating-point tensors on the CPU, "
                 f"got {dtype} {layout} on {device}")
-    if not isinstance(slowdown, numbers.Real) or isinstance(slowdown, bool) or not slowdown >= 1:
+    if not isinstance(slowdown, numbers.Real) or isinstance(slowdown, bool) or not float(slowdown) >= 1:
         return f"DistributedLBFGS: slowdown must be a number >= 1, got {slowdown!r}"
     return None

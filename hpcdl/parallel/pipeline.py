@@ -132,13 +132,13 @@ class Pipeline(torch.nn.Module):
             raise RuntimeError("Pipeline needs MPI_THREAD_MULTIPLE (MPI granted "
                                f"{runtime.thread_level()}); call hpcdl.init() before anything "
                                "else initializes MPI")
-        self.index = comm.Get_rank()
-        self.num_stages = size
-        self.micro_batches = int(micro_batches)
-        self.loss_fn = loss_fn
-        self.stage = stages[self.index]
-        self.comm = comm
-        self._p2p = comm.Dup()  # our tags never meet the caller's messages
+        self.index: int = comm.Get_rank()
+        self.num_stages: int = size
+        self.micro_batches: int = int(micro_batches)
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = loss_fn
+        self.stage: torch.nn.Module = stages[self.index]
+        self.comm: MPI.Comm = comm
+        self._p2p: MPI.Comm = comm.Dup()  # our tags never meet the caller's messages
         self._grad_requests: list[tuple[MPI.Request, torch.Tensor] | None] = []
         #: on the last stage, the last forward's output per micro-batch (detached); else empty
         self.last_outputs: list[torch.Tensor] = []
@@ -166,6 +166,7 @@ class Pipeline(torch.nn.Module):
         """
         losses, outputs = self._forward(x, target, with_loss=True)
         if self.is_last:
+            assert losses is not None  # the last stage computes it (or _forward raised)
             return losses
         # The loss value every rank reports, plus zero terms whose backward receives the gradient
         # of each micro-batch's output from the right neighbour.
@@ -184,6 +185,7 @@ class Pipeline(torch.nn.Module):
         self._forward(x, None, with_loss=False)
         shape, dtype = self._agreed["output"]
         result = self.output if self.is_last else torch.empty(shape, dtype=getattr(torch, dtype))
+        assert result is not None  # the last stage has its output (or _forward raised)
         if self.num_stages > 1:
             collectives.broadcast(as_array(result), self.num_stages - 1, self.comm)
         return result
@@ -251,7 +253,7 @@ class Pipeline(torch.nn.Module):
                 sends += self._send_activation(k, outputs[k] if error is None else None, wants_grad)
         MPI.Request.Waitall([request for request, _ in sends])
 
-        loss = None
+        loss: Any = None  # the weighted sum of loss terms: a tensor
         status: dict[str, Any] = {}
         if self.is_last and error is None:
             if with_loss:
@@ -260,6 +262,7 @@ class Pipeline(torch.nn.Module):
                 status["loss"] = (float(loss.detach()), str(loss.dtype).removeprefix("torch."))
             else:
                 out = self.output
+                assert out is not None
                 status["output"] = (tuple(out.shape), str(out.dtype).removeprefix("torch."))
         # error "" marks a stage that only saw a failure upstream: the failing stage says why.
         reports = self._p2p.allgather((error, status))

@@ -194,7 +194,7 @@ class ColumnParallelLinear(torch.nn.Module):
         rows = slice(layer.offset, layer.offset + layer.local_out_features)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[rows])
-            if linear.bias is not None:
+            if linear.bias is not None and layer.bias is not None:
                 layer.bias.copy_(linear.bias[rows])
         return layer
 
@@ -266,7 +266,7 @@ class RowParallelLinear(torch.nn.Module):
                     dtype=linear.weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, layer.offset:layer.offset + layer.local_in_features])
-            if linear.bias is not None:
+            if linear.bias is not None and layer.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer
 

@@ -112,7 +112,7 @@ class ShardServer:
 
     def _typed(self, message: torch.Tensor) -> list[torch.Tensor]:
         """The shard's runs inside `message` (header first), as tensors of their dtypes."""
-        return [message[HEADER_BYTES + offset:HEADER_BYTES + offset + length].view(dtype)
+        return [message[HEADER_BYTES + offset:HEADER_BYTES + offset + length].view(dtype)  # type: ignore[call-overload]
                 for dtype, offset, length in self._runs]
 
     # -- the event loop ------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import numpy as np
 
 from .protocol import HISTOGRAM_BINS
@@ -50,6 +52,6 @@ class StalenessLog:
         return {"histogram": self.histogram.tolist(), "count": self.count, "total": self.total,
                 "max": self.max}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.histogram = np.array(state["histogram"], dtype=np.int64)
         self.count, self.total, self.max = int(state["count"]), int(state["total"]), int(state["max"])

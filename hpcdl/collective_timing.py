@@ -1,13 +1,21 @@
 """Timing one collective algorithm at one size on every rank, with its result checked exactly.
 
-    from benchmarks.collective_timing import measure
+    from hpcdl.collective_timing import measure
     m = measure("allreduce", "ring", 1 << 20, MPI.COMM_WORLD, iterations=20, warmup=2)
-    m.avg_s, m.min_s, m.max_s, m.busbw_gbs, m.wrong
+    m.avg_s, m.median_s, m.min_s, m.max_s, m.busbw_gbs, m.wrong
 
-The core of `hpcdl bench` (benchmarks/microbench.py, which re-exports `measure`) and of
-`hpcdl tune`. Algorithms: every one of `collectives.ALGORITHMS[collective]` (`mpi` included),
-`auto`, `direct` (mpi4py's call on the bare communicator: the gap to `mpi` is the API's per-call
-cost) and `gloo` (torch.distributed over gloo, set up from the same MPI ranks, `torch_gloo.py`).
+The core of `hpcdl bench` and `hpcdl tune`. What it times: every algorithm of
+`collectives.ALGORITHMS[collective]` (`mpi` included), and the peers (`PEERS`):
+- `auto`: `algorithm="auto"`, this package's choice;
+- `direct`: mpi4py's buffer call on the bare communicator (`comm.Allreduce(...)`): the MPI
+  library alone, so the gap to `mpi` is this package's per-call cost;
+- `pickle`: mpi4py's pickle-based call on the bare communicator (`comm.allreduce(obj, op)`,
+  `comm.bcast`, `comm.allgather`, `comm.reduce`; it has no reduce_scatter), what a Python user
+  reaches for first. `obj` is one Python number (the input's first element, `x[0].item()`, taken
+  inside the timed call) where a rank's input is at most 8 bytes, as a training loop reduces a
+  loss or a count, and the input array itself (pickled whole) above that; only the elements it
+  carries are checked. Pickled max and min compare whole objects, so on arrays they are n/a;
+- `gloo`: torch.distributed over gloo, set up from the same MPI ranks (`torch_gloo.py`).
 
 - Sizes are bytes as nccl-tests counts them: the per-rank buffer for allreduce, broadcast and
   reduce, the whole input of reduce_scatter, the whole output of allgather (those two rounded
@@ -33,27 +41,20 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import ALGORITHMS, DTYPES, OPS, CollectiveArgumentError
-from collectives.ops import mpi_datatype
-from collectives.partition import partition_counts, partition_offsets
+from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS, CollectiveArgumentError
+from collectives.transport import mpi_datatype, mpi_op
+from collectives.partition import offsets_of, partition_counts, partition_offsets
 from collectives.select import choose
 
+from .agreement import agreed_error
 from .torch_gloo import gloo_unavailable_reason, init_torch_distributed
 
-COLLECTIVES = tuple(ALGORITHMS)
-ROOTED = ("broadcast", "reduce")
-REDUCING = ("allreduce", "reduce_scatter", "reduce")
-AUTO, DIRECT, GLOO = "auto", "direct", "gloo"
-PEERS = (AUTO, DIRECT, GLOO)
-
-#: busbw = factor(P) * algbw, as nccl-tests defines it per collective (doc/PERFORMANCE.md there).
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "allreduce": lambda p: 2 * (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "allgather": lambda p: (p - 1) / p,
-    "broadcast": lambda p: 1.0,
-    "reduce": lambda p: 1.0,
-}
+AUTO, DIRECT, PICKLE, GLOO = "auto", "direct", "pickle", "gloo"
+PEERS = (AUTO, DIRECT, PICKLE, GLOO)
+#: Peers that call MPI (through mpi4py) without this package: the library's own limits apply.
+BARE_MPI = (DIRECT, PICKLE)
+#: The `pickle` peer sends one Python number where a rank's input is at most this many bytes.
+PICKLE_SCALAR_BYTES = 8
 
 #: Largest integer each dtype holds exactly (and so every partial sum below it is exact).
 EXACT_INTEGER = {"float16": 2 ** 11, "bfloat16": 2 ** 8, "float32": 2 ** 24, "float64": 2 ** 53,
@@ -69,18 +70,29 @@ def algorithms_of(collective: str) -> list[str]:
     return [*ALGORITHMS[collective], *PEERS]
 
 
+def size_sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
+    """minbytes, minbytes * factor, ... while <= maxbytes (nccl-tests' -b/-e/-f)."""
+    sizes, n = [], minbytes
+    while n <= maxbytes:
+        sizes.append(n)
+        n *= factor
+    return sizes
+
+
 def element_count(collective: str, nbytes: int, itemsize: int, size: int) -> int:
-    """Elements in a row of `nbytes`: at least 1; a multiple of P for reduce_scatter and
-    allgather (P equal blocks, as nccl-tests rounds them)."""
+    """Elements in a row of `nbytes`: at least 1; a multiple of P for the collectives that work
+    on P equal blocks (reduce_scatter, allgather), as nccl-tests rounds them. allgatherv's ranks
+    contribute `partition_counts(count, P)` elements each: uneven wherever P does not divide it."""
     count = max(1, nbytes // itemsize)
-    if collective in ("allgather", "reduce_scatter"):
+    described = COLLECTIVES[collective]
+    if described.arguments == "offsets" and not described.varying_counts:
         count = max(1, count // size) * size
     return count
 
 
 def bus_factor(collective: str, size: int) -> float:
-    """nccl-tests' bus bandwidth factor: busbw = factor * bytes / time."""
-    return BUS_FACTOR[collective](size)
+    """nccl-tests' bus bandwidth factor: busbw = factor * bytes / time (`collectives.COLLECTIVES`)."""
+    return COLLECTIVES[collective].bus_factor(size)
 
 
 @dataclass
@@ -156,7 +168,7 @@ def value_table(collective: str, dtype: str, op: str, size: int) -> np.ndarray:
     len(f) never divides `size`, else every residue would see the same multiset of values.
     """
     limit = EXACT_INTEGER[dtype]
-    if collective not in REDUCING or op in ("max", "min"):
+    if not COLLECTIVES[collective].reducing or op in ("max", "min"):
         return np.arange(max(8, min(size + 1, limit + 1)))
     if op == "prod":  # at most one rank contributes a 2 at each element
         values = np.ones(size + 1, dtype=np.int64)
@@ -235,10 +247,16 @@ def import_cupy() -> Any:
 @dataclass
 class Runner:
     """One algorithm ready to run on a case's buffers: `call()` once, then `output` holds the
-    result to check (None where this rank has none, e.g. a non-root of reduce)."""
+    result to check (None where this rank has none, e.g. a non-root of reduce). `check`, where
+    the result is what `call` returns instead (the pickle peer), counts its wrong elements."""
 
     call: Callable[[], Any]
     output: Any
+    check: Callable[[Any], int] | None = None
+
+    def wrong(self, case: Case, returned: Any) -> int:
+        """Wrong elements of this rank's result, given what `call()` returned."""
+        return self.check(returned) if self.check is not None else case.count_wrong(self.output)
 
 
 class Case:
@@ -254,17 +272,23 @@ class Case:
         self.collective, self.comm, self.op, self.in_place = collective, comm, op, in_place
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.root = root if collective in ROOTED else None
+        self.root = root if COLLECTIVES[collective].rooted else None
         self.space = ArraySpace(device)
         p, r, itemsize = self.size, self.rank, self.dtype.itemsize
         count = element_count(collective, nbytes, itemsize, p)
         self.count, self.nbytes = count, count * itemsize
         values = value_table(collective, dtype, op, p)
         m = len(values)
-        n_in = count // p if collective == "allgather" else count
+        n_in = count // p if COLLECTIVES[collective].gathers else count
+        self.counts = partition_counts(count, p)  # allgatherv's contributions
+        if COLLECTIVES[collective].varying_counts:
+            n_in = self.counts[r]
         residues = element_residues(n_in, m).astype(np.intp)
         self.pattern = self.space.put(values[(residues + r) % m].astype(self.dtype))
-        if collective == "broadcast":
+        if COLLECTIVES[collective].varying_counts:
+            expected = np.concatenate([values[(element_residues(c, m).astype(np.intp) + q) % m]
+                                       for q, c in enumerate(self.counts)]).astype(self.dtype)
+        elif collective == "broadcast":
             expected = values[(residues + root) % m].astype(self.dtype)
         elif collective == "allgather":
             expected = values[(residues[None, :] + np.arange(p)[:, None]) % m].astype(self.dtype)
@@ -279,6 +303,12 @@ class Case:
 
     def _allocate(self, n_in: int) -> None:
         space, c, dt = self.space, self.collective, self.dtype
+        if COLLECTIVES[c].varying_counts:
+            self.offsets = offsets_of(self.counts)
+            self.out = space.empty(self.offsets[-1], dt)
+            mine = slice(self.offsets[self.rank], self.offsets[self.rank + 1])
+            self.x = self.out[mine] if self.in_place else space.empty(n_in, dt)
+            return
         if c == "allgather":
             self.out = space.empty((self.size, n_in), dt)
             self.x = self.out[self.rank] if self.in_place else space.empty(n_in, dt)
@@ -326,6 +356,8 @@ class Case:
             raise Unsupported(reason)
         if algorithm == DIRECT:
             return self._direct()
+        if algorithm == PICKLE:
+            return self._pickled()
         if algorithm == GLOO:
             return self._gloo()
         return self._ours(algorithm)
@@ -339,6 +371,8 @@ class Case:
                                                              out=out), out)
         if c == "allgather":
             return Runner(lambda: collectives.allgather(x, comm, algorithm=algorithm, out=out), out)
+        if c == "allgatherv":
+            return Runner(lambda: collectives.allgatherv(x, comm, algorithm=algorithm, out=out), out)
         if c == "broadcast":
             return Runner(lambda: collectives.broadcast(x, root, comm, algorithm=algorithm), x)
         target = out if self.has_output else None
@@ -346,34 +380,70 @@ class Case:
                                                  out=target), target)
 
     def _direct(self) -> Runner:
-        c, comm, x, out, root = self.collective, self.comm, self.x, self.out, self.root
-        mpi_op = OPS[self.op].mpi_op
-        if c in REDUCING:
+        c, comm, x, out, root = self.collective, self.comm, self.x, self.out, self.root or 0
+        reduce_op = mpi_op(OPS[self.op])
+        if COLLECTIVES[c].reducing:
             dt = mpi_datatype(self.dtype)
             spec_x, spec_out = [x, dt], [out, dt]
         else:  # nothing is combined: bytes move every dtype, bfloat16 included
             spec_x, spec_out = [x, MPI.BYTE], [out, MPI.BYTE]
         if c == "allreduce":
             if self.in_place:
-                return Runner(lambda: comm.Allreduce(MPI.IN_PLACE, spec_x, mpi_op), x)
-            return Runner(lambda: comm.Allreduce(spec_x, spec_out, mpi_op), out)
+                return Runner(lambda: comm.Allreduce(MPI.IN_PLACE, spec_x, reduce_op), x)
+            return Runner(lambda: comm.Allreduce(spec_x, spec_out, reduce_op), out)
         if c == "reduce_scatter":
             counts = partition_counts(self.count, self.size)
             if self.in_place:  # MPI's in-place form leaves this rank's block at the front of x
                 mine = x[:counts[self.rank]]
-                return Runner(lambda: comm.Reduce_scatter(MPI.IN_PLACE, spec_x, counts, mpi_op), mine)
-            return Runner(lambda: comm.Reduce_scatter(spec_x, spec_out, counts, mpi_op), out)
+                return Runner(lambda: comm.Reduce_scatter(MPI.IN_PLACE, spec_x, counts, reduce_op), mine)
+            return Runner(lambda: comm.Reduce_scatter(spec_x, spec_out, counts, reduce_op), out)
         if c == "allgather":
             if self.in_place:
                 return Runner(lambda: comm.Allgather(MPI.IN_PLACE, spec_out), out)
             return Runner(lambda: comm.Allgather(spec_x, spec_out), out)
+        if c == "allgatherv":
+            itemsize = self.dtype.itemsize
+            spec_v = [out, [k * itemsize for k in self.counts],
+                      [o * itemsize for o in self.offsets[:-1]], MPI.BYTE]
+            if self.in_place:
+                return Runner(lambda: comm.Allgatherv(MPI.IN_PLACE, spec_v), out)
+            return Runner(lambda: comm.Allgatherv(spec_x, spec_v), out)
         if c == "broadcast":
             return Runner(lambda: comm.Bcast(spec_x, root), x)
         if not self.has_output:
-            return Runner(lambda: comm.Reduce(spec_x, None, mpi_op, root), None)
+            return Runner(lambda: comm.Reduce(spec_x, None, reduce_op, root), None)
         if self.in_place:
-            return Runner(lambda: comm.Reduce(MPI.IN_PLACE, spec_x, mpi_op, root), x)
-        return Runner(lambda: comm.Reduce(spec_x, spec_out, mpi_op, root), out)
+            return Runner(lambda: comm.Reduce(MPI.IN_PLACE, spec_x, reduce_op, root), x)
+        return Runner(lambda: comm.Reduce(spec_x, spec_out, reduce_op, root), out)
+
+    def _pickled(self) -> Runner:
+        """mpi4py's pickle-based call: one Python number per rank up to PICKLE_SCALAR_BYTES of
+        input, else the input array (the module docstring says what is checked)."""
+        c, comm, x, root = self.collective, self.comm, self.x, self.root or 0
+        op = mpi_op(OPS[self.op])
+        scalar = x.nbytes <= PICKLE_SCALAR_BYTES and c != "allgatherv"  # whose blocks may be empty
+        if COLLECTIVES[c].reducing and self.op in ("max", "min") and not scalar:
+            raise Unsupported(f"mpi4py's pickle-based {self.op} compares whole arrays, not elements")
+        obj: Callable[[], Any] = (lambda: x[0].item()) if scalar else (lambda: x)
+        expected = self.expected  # host memory: the peer is n/a with --device gpu
+        if scalar:  # only the first element travels (the first of each block, for allgather)
+            expected = expected[:, 0] if c == "allgather" else expected.reshape(-1)[:1]
+
+        def check(returned: Any) -> int:
+            if returned is None:  # a non-root of reduce
+                return 0
+            if c == "allgatherv":  # a list of arrays of different lengths
+                returned = np.concatenate(returned)
+            got = np.asarray(returned)  # a number, an array, or allgather's list of either
+            return int(np.count_nonzero(got.reshape(expected.shape) != expected))
+
+        if c == "allreduce":
+            return Runner(lambda: comm.allreduce(obj(), op), None, check)
+        if c in ("allgather", "allgatherv"):
+            return Runner(lambda: comm.allgather(obj()), None, check)
+        if c == "broadcast":
+            return Runner(lambda: comm.bcast(obj(), root), None, check)
+        return Runner(lambda: comm.reduce(obj(), op, root), None, check)
 
     def _gloo(self) -> Runner:
         import torch.distributed as dist
@@ -413,12 +483,17 @@ def static_unavailable(collective: str, algorithm: str, dtype: str, op: str, in_
 
     Anything else an algorithm refuses shows up when its first (checked) call raises.
     """
-    reducing = collective in REDUCING
+    reducing = COLLECTIVES[collective].reducing
     if algorithm in ("mpi", DIRECT) and reducing and dtype == "bfloat16":
         return "the MPI library cannot reduce bfloat16"
+    if algorithm in BARE_MPI and reducing and op == "avg":
+        return "MPI has no avg operation"
+    if algorithm == PICKLE:
+        if collective == "reduce_scatter":
+            return "mpi4py has no pickle-based reduce_scatter"
+        if device == "gpu":
+            return "the pickle-based calls take host objects (NumPy arrays, Python numbers)"
     if algorithm == DIRECT:
-        if reducing and op == "avg":
-            return "MPI has no avg operation"
         if device == "gpu" and not collectives.cuda_aware():
             return "this MPI is not CUDA-aware, so it cannot take device buffers (mpi stages them)"
     if algorithm == GLOO:
@@ -429,17 +504,9 @@ def static_unavailable(collective: str, algorithm: str, dtype: str, op: str, in_
             return "gloo's AVG works on floating-point types only"
         if not in_place and collective in ("allreduce", "reduce"):
             return f"torch.distributed's {collective} works in place only"
+        if COLLECTIVES[collective].varying_counts:
+            return "torch.distributed's all_gather takes equal sizes from every rank"
     return None
-
-
-def agree(comm: MPI.Comm, error: str | None) -> str | None:
-    """Collective: the first rank's error (naming the rank when not all share it), or None."""
-    errors = comm.allgather(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if not failed:
-        return None
-    rank, message = failed[0]
-    return message if len(failed) == len(errors) else f"rank {rank}: {message}"
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -449,13 +516,13 @@ def _first_call(case: Case, runner: Runner) -> tuple[int, str | None]:
     case.fill()
     case.comm.Barrier()
     try:
-        runner.call()
+        returned = runner.call()
         case.space.synchronize()
     except (CollectiveArgumentError, TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
         # Arguments are the same on every rank, so every rank refuses together (the collectives'
         # check makes sure of it for this package's calls); nobody is left waiting.
         return 0, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return case.count_wrong(runner.output), None
+    return runner.wrong(case, returned), None
 
 
 def run_interleaved(case: Case, algorithms: Sequence[str], *, iterations: int, warmup: int,
@@ -479,17 +546,17 @@ def run_interleaved(case: Case, algorithms: Sequence[str], *, iterations: int, w
         except Unsupported as exc:
             reason = str(exc)
         # Agree before the first call: a rank that skipped it would leave the others waiting.
-        reason = agree(comm, reason)
+        reason = agreed_error(reason, comm)
         if reason is None and a == GLOO:
             try:
                 init_torch_distributed(comm)  # collective, once per process
             except (RuntimeError, ValueError) as exc:  # e.g. a bad GLOO_SOCKET_IFNAME: gloo is n/a
                 reason = str(exc)
-            reason = agree(comm, reason)
+            reason = agreed_error(reason, comm)
         if reason is None:
             wrong[a], error = _first_call(case, runners[a])
             checked[a] = 1 if case.has_output and error is None else 0
-            reason = agree(comm, error)
+            reason = agreed_error(error, comm)
         if reason is not None:
             unavailable[a] = reason
             runners.pop(a, None)
@@ -513,11 +580,11 @@ def run_interleaved(case: Case, algorithms: Sequence[str], *, iterations: int, w
                     case.fill()
                 comm.Barrier()
                 start = clock()
-                run.call()
+                returned = run.call()
                 case.space.synchronize()
                 times[a][i] = clock() - start
                 if check_every and case.has_output:
-                    wrong[a] += case.count_wrong(run.output)
+                    wrong[a] += run.wrong(case, returned)
                     checked[a] += 1
         done += share
     return _summarize(case, algorithms, times, wrong, checked, unavailable, iterations, warmup)
@@ -541,8 +608,10 @@ def _summarize(case: Case, algorithms: Sequence[str], times: dict[str, np.ndarra
     factor = bus_factor(case.collective, p)
     results = []
     for j, a in enumerate(algorithms):
-        common = dict(collective=case.collective, algorithm=a, nbytes=case.nbytes, count=case.count,
-                      dtype=case.dtype_name, op=case.op if case.collective in REDUCING else "none",
+        common: dict[str, Any] = dict(collective=case.collective, algorithm=a, nbytes=case.nbytes,
+                                      count=case.count,
+                      dtype=case.dtype_name,
+                      op=case.op if COLLECTIVES[case.collective].reducing else "none",
                       root=case.root, in_place=case.in_place, ranks=p, iterations=iterations,
                       warmup=warmup, wrong=int(counts[j, 0]), checked=int(counts[j, 1]))
         if a == AUTO:
@@ -571,7 +640,7 @@ def measure(collective: str, algorithm: str, nbytes: int, comm: MPI.Comm, *, ite
     every timed call too (OSU's -c). Where the algorithm cannot run this combination the result
     has `unavailable` set and no times. Cost: 1 + warmup + iterations calls, a barrier before each.
     """
-    if collective not in ALGORITHMS:
+    if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
     if algorithm not in algorithms_of(collective):
         raise ValueError(f"{collective} has no algorithm {algorithm!r}; choose one of "

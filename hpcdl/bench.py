@@ -6,10 +6,11 @@
 
 Options follow OSU Micro-Benchmarks and nccl-tests (-b/-e/-f sizes, -n/-w iterations,
 -d datatype, -o op, -c check every call). Each row is one (size, placement, algorithm), measured
-by `collective_timing.run_interleaved` (what the columns mean is documented there): the
-collective's hand-written algorithms, `mpi`, `auto` (its choice in brackets), `direct` and
-`gloo`, all on the same ranks, taking turns in --rounds rounds at each size so a slow drift of a
-shared machine favours none. The `predicted` column is the alpha-beta-gamma model's time
+by `collective_timing.run_interleaved` (what the rows and columns mean is documented there): the
+collective's hand-written algorithms, `mpi`, `auto` (its choice in brackets), and the peers
+`direct` (mpi4py's buffer call), `pickle` (mpi4py's pickle-based call) and `gloo`, all on the
+same ranks, taking turns in --rounds rounds at each size so a slow drift of a shared machine
+favours none. The `predicted` column is the alpha-beta-gamma model's time
 (`collectives.cost_model`, parameters from --tuning-file or HPCDL_TUNING_FILE as `hpcdl tune`
 writes them) with its error relative to the measured average. Rank 0 prints the table (and writes
 --csv, --json, --plot); any wrong element makes the exit status 1, bad arguments 2.
@@ -34,30 +35,22 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-import hpcdl
-from collectives import ALGORITHMS, DTYPES, OPS
+from collectives import COLLECTIVES, DTYPES, OPS
 from collectives.cost_model import ModelParams, predict
 from collectives.select import model_params
-from hpcdl.atomic_file import unwritable_file
-from hpcdl.info import mpi_library
-from hpcdl.tune import parse_bytes
 
-from .collective_timing import (AUTO, COLLECTIVES, DIRECT, GLOO, PEERS, PLACEMENTS, Case,
-                                DeviceUnavailable, Measurement, agree, algorithms_of, element_count,
-                                import_cupy, measure, run_interleaved, static_unavailable)
+from . import __version__
+from .atomic_file import unwritable_file
+from .collective_timing import (AUTO, BARE_MPI, GLOO, PEERS, PLACEMENTS, Case, DeviceUnavailable,
+                                Measurement, algorithms_of, element_count, import_cupy,
+                                run_interleaved, size_sweep, static_unavailable)
+from .command import Command, CommandError
+from .runtime import mpi_library
+from .units import parse_bytes
 
-__all__ = ["main", "measure", "Measurement", "sweep"]  # measure: the API `hpcdl tune` uses
+PROG = "hpcdl bench"
 
 # -- the sweep -----------------------------------------------------------------------------------
-
-def size_sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
-    """minbytes, minbytes * factor, ... while <= maxbytes (nccl-tests' -b/-e/-f)."""
-    sizes, n = [], minbytes
-    while n <= maxbytes:
-        sizes.append(n)
-        n *= factor
-    return sizes
-
 
 def default_iterations(nbytes: int) -> int:
     """Timed iterations by size: 200 for small messages, fewer for large ones, at least 10."""
@@ -81,7 +74,7 @@ class Predictor:
         try:  # the same reading and checks as auto's (beta_pairwise included)
             self.params = model_params(tuning_file)
         except ValueError as exc:
-            raise BenchArgumentError(f"bad tuning file: {exc}") from exc
+            raise CommandError(f"bad tuning file: {exc}") from exc
         if self.params is None:
             self.note = f"no model: {tuning_file} has no \"model\" entry"
             return
@@ -93,7 +86,7 @@ class Predictor:
     def seconds(self, m: Measurement) -> float | None:
         """Predicted time of the row's algorithm (auto: of its choice); None where not modelled."""
         algorithm = m.chose if m.algorithm == AUTO else m.algorithm
-        if self.params is None or algorithm in (None, "mpi", DIRECT, GLOO):
+        if self.params is None or algorithm in (None, "mpi", *BARE_MPI, GLOO):
             return None
         try:
             return predict(m.collective, algorithm, m.nbytes, m.ranks, self.params,
@@ -131,10 +124,10 @@ def sweep(args: argparse.Namespace, comm: MPI.Comm, predictor: Predictor,
 # -- output --------------------------------------------------------------------------------------
 
 _COLUMNS = (("size", 11), ("count", 11), ("type", 8), ("redop", 5), ("root", 4), ("place", 5),
-            ("algorithm", 22), ("avg", 10), ("min", 10), ("max", 10), ("algbw", 8), ("busbw", 8),
-            ("#wrong", 7), ("predicted", 10), ("error", 7))
+            ("algorithm", 22), ("avg", 10), ("min", 10), ("max", 10), ("median", 10), ("algbw", 8),
+            ("busbw", 8), ("#wrong", 7), ("predicted", 10), ("error", 7))
 _UNITS = {"size": "(B)", "count": "(elements)", "avg": "(us)", "min": "(us)", "max": "(us)",
-          "algbw": "(GB/s)", "busbw": "(GB/s)", "predicted": "(us)"}
+          "median": "(us)", "algbw": "(GB/s)", "busbw": "(GB/s)", "predicted": "(us)"}
 
 
 def _us(seconds: float | None) -> str:
@@ -162,7 +155,7 @@ def table_row(m: Measurement) -> str:
     error = m.prediction_error
     cells = [str(m.nbytes), str(m.count), m.dtype, m.op, "-" if m.root is None else str(m.root),
              PLACEMENTS[m.in_place], name, _us(m.avg_s), _us(m.min_s), _us(m.max_s),
-             _gbs(m.algbw_gbs), _gbs(m.busbw_gbs), "-" if m.unavailable else str(m.wrong),
+             _us(m.median_s), _gbs(m.algbw_gbs), _gbs(m.busbw_gbs), "-" if m.unavailable else str(m.wrong),
              _us(m.predicted_s) if m.predicted_s is not None else "",
              f"{error:+.0%}" if error is not None else ""]
     return " ".join(f"{c:<{w}}" if i == 6 else f"{c:>{w}}"
@@ -231,7 +224,7 @@ def run_metadata(comm: MPI.Comm, argv: Sequence[str], args: argparse.Namespace) 
         "mpi_library": mpi_library(),
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__, "torch": torch_version,
-        "python": platform.python_version(), "hpcdl": hpcdl.__version__,
+        "python": platform.python_version(), "hpcdl": __version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["hpcdl", "bench", *argv]),
         "device": args.device, "check_every_call": args.check, "rounds": args.rounds,
@@ -256,11 +249,11 @@ def write_json(path: str, metadata: dict[str, Any], results: list[Measurement]) 
 
 
 def import_pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend, or BenchArgumentError naming the extra."""
+    """matplotlib's pyplot on the Agg backend, or CommandError naming the extra."""
     try:
         import matplotlib
     except ImportError as exc:
-        raise BenchArgumentError("--plot needs matplotlib: pip install -e '.[bench]' "
+        raise CommandError("--plot needs matplotlib: pip install -e '.[bench]' "
                                  "(or pip install matplotlib)") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -286,7 +279,7 @@ def write_plot(path: str, results: list[Measurement], title: str) -> None:
             if any(m.busbw_gbs for m in line):
                 bandwidth.plot(sizes, [m.busbw_gbs or math.nan for m in line], style, marker=".",
                                label=label)
-            latency.plot(sizes, [m.avg_s * 1e6 for m in line], style, marker=".", label=label)
+            latency.plot(sizes, [(m.avg_s or math.nan) * 1e6 for m in line], style, marker=".", label=label)
         for ax, what in ((bandwidth, "bus bandwidth (GB/s)"), (latency, "time per call (us)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -311,23 +304,8 @@ def write_plot(path: str, results: list[Measurement], title: str) -> None:
 PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
 
 
-class BenchArgumentError(ValueError):
-    """A bad command line or environment; the message says what to change."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """Raises instead of exiting, so every rank can agree before one of them prints the error."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        raise BenchArgumentError(message)
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
-            super()._print_message(message, file)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hpcdl bench", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                      epilog="Sizes accept K, M, G (powers of 1024). Run under mpirun or srun.")
     parser.add_argument("-C", "--collective", nargs="+", default=["allreduce"], metavar="NAME",
                         help=f"collectives to time: {', '.join(COLLECTIVES)} or all (default allreduce)")
@@ -367,39 +345,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace, size: int) -> None:
-    """Everything wrong with the arguments that every rank sees alike; BenchArgumentError."""
-    chosen = COLLECTIVES if "all" in args.collective else tuple(dict.fromkeys(args.collective))
-    unknown = [c for c in chosen if c not in ALGORITHMS]
+    """Everything wrong with the arguments that every rank sees alike; CommandError."""
+    chosen = tuple(COLLECTIVES) if "all" in args.collective else tuple(dict.fromkeys(args.collective))
+    unknown = [c for c in chosen if c not in COLLECTIVES]
     if unknown:
-        raise BenchArgumentError(f"unknown collective {unknown[0]!r}; choose from "
+        raise CommandError(f"unknown collective {unknown[0]!r}; choose from "
                                  f"{', '.join(COLLECTIVES)} or all")
     args.collective = list(chosen)
     for name in args.algorithms or []:
         lacking = [c for c in chosen if name not in algorithms_of(c)]
         if lacking:
-            raise BenchArgumentError(
+            raise CommandError(
                 f"{lacking[0]} has no algorithm {name!r}; choose from "
                 f"{', '.join(algorithms_of(lacking[0]))}")
     if args.datatype not in DTYPES:
         hint = " (bfloat16 needs ml_dtypes: pip install ml_dtypes)" if args.datatype == "bfloat16" else ""
-        raise BenchArgumentError(f"unknown datatype {args.datatype!r}; choose from "
+        raise CommandError(f"unknown datatype {args.datatype!r}; choose from "
                                  f"{', '.join(DTYPES)}{hint}")
     if args.op not in OPS:
-        raise BenchArgumentError(f"unknown op {args.op!r}; choose from {', '.join(OPS)}")
+        raise CommandError(f"unknown op {args.op!r}; choose from {', '.join(OPS)}")
     if args.minbytes > args.maxbytes:
-        raise BenchArgumentError(f"-b/--minbytes {args.minbytes} is larger than -e/--maxbytes "
+        raise CommandError(f"-b/--minbytes {args.minbytes} is larger than -e/--maxbytes "
                                  f"{args.maxbytes}")
     if args.stepfactor < 2:
-        raise BenchArgumentError(f"-f/--stepfactor must be at least 2, got {args.stepfactor}")
+        raise CommandError(f"-f/--stepfactor must be at least 2, got {args.stepfactor}")
     if args.iters < 0 or (args.warmup_iters is not None and args.warmup_iters < 0) or args.rounds < 1:
-        raise BenchArgumentError("need -n/--iters >= 1 (0: by size), -w/--warmup_iters >= 0 and "
+        raise CommandError("need -n/--iters >= 1 (0: by size), -w/--warmup_iters >= 0 and "
                                  "--rounds >= 1")
     if not 0 <= args.root < size:
-        raise BenchArgumentError(f"-r/--root {args.root} is out of range for {size} ranks "
+        raise CommandError(f"-r/--root {args.root} is out of range for {size} ranks "
                                  f"(0..{size - 1})")
     args.placements = [True] * (args.inplace or not args.out_of_place) + [False] * args.out_of_place
     if args.placements == [False] and chosen == ("broadcast",):
-        raise BenchArgumentError("broadcast works in place only (collectives.broadcast has no out); "
+        raise CommandError("broadcast works in place only (collectives.broadcast has no out); "
                                  "drop --out-of-place")
     for name in args.algorithms or []:  # explicitly asked for: refuse what it cannot do
         for c in chosen:
@@ -408,7 +386,7 @@ def check_args(args: argparse.Namespace, size: int) -> None:
                     continue
                 reason = static_unavailable(c, name, args.datatype, args.op, in_place, args.device)
                 if reason:
-                    raise BenchArgumentError(
+                    raise CommandError(
                         f"-A {name} cannot run {c} {args.datatype} {args.op}"
                         f"{'' if in_place else ' out of place'}: {reason}; drop it or change "
                         "-d/-o/placement")
@@ -416,43 +394,40 @@ def check_args(args: argparse.Namespace, size: int) -> None:
         path = getattr(args, flag)
         problem = unwritable_file(path) if path is not None else None
         if problem:
-            raise BenchArgumentError(f"--{flag} {path}: {problem}")
+            raise CommandError(f"--{flag} {path}: {problem}")
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
-        raise BenchArgumentError(f"--plot {args.plot}: matplotlib writes {', '.join(PLOT_FORMATS)} "
+        raise CommandError(f"--plot {args.plot}: matplotlib writes {', '.join(PLOT_FORMATS)} "
                                  "files; name the file after one of them (e.g. bench.png)")
     if args.algorithms and len(set(args.algorithms)) < len(args.algorithms):
-        raise BenchArgumentError(f"-A {' '.join(args.algorithms)}: an algorithm is named twice")
+        raise CommandError(f"-A {' '.join(args.algorithms)}: an algorithm is named twice")
 
 
 def check_environment(args: argparse.Namespace, rank: int) -> None:
-    """What may differ between ranks (installed packages, GPUs, files): BenchArgumentError."""
+    """What may differ between ranks (installed packages, GPUs, files): CommandError."""
     if args.device == "gpu":
         try:
             import_cupy()
         except DeviceUnavailable as exc:
-            raise BenchArgumentError(str(exc)) from exc
+            raise CommandError(str(exc)) from exc
     if args.plot and rank == 0:
         import_pyplot()
     if args.tuning_file:
         if not Path(args.tuning_file).is_file():
-            raise BenchArgumentError(f"--tuning-file {args.tuning_file} does not exist")
+            raise CommandError(f"--tuning-file {args.tuning_file} does not exist")
         os.environ["HPCDL_TUNING_FILE"] = args.tuning_file  # auto reads the same file
     args.predictor = Predictor(os.environ.get("HPCDL_TUNING_FILE"))
 
 
-def parse_args(argv: Sequence[str], comm: MPI.Comm) -> argparse.Namespace:
-    """Collective: the checked arguments, or BenchArgumentError raised on every rank together."""
-    error = None
-    args = argparse.Namespace()
+def parse_args(command: Command, argv: Sequence[str]) -> argparse.Namespace:
+    """Collective: the checked arguments, or CommandError raised on every rank together."""
+    args = command.parse(build_parser().parse_args, argv)
+    errors: list[str] = []
     try:
-        args = build_parser().parse_args(list(argv))
-        check_args(args, comm.Get_size())
-        check_environment(args, comm.Get_rank())
-    except BenchArgumentError as exc:
-        error = str(exc)
-    agreed = agree(comm, error)
-    if agreed:
-        raise BenchArgumentError(agreed)
+        check_args(args, command.size)
+        check_environment(args, command.rank)
+    except CommandError as exc:
+        errors = exc.messages
+    command.agree(errors)
     return args
 
 
@@ -476,15 +451,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    hpcdl.init()
+    command = Command.world(PROG)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
-        args = parse_args(argv, comm)
-    except BenchArgumentError as exc:
-        if rank == 0:
-            print(f"hpcdl bench: error: {exc}", file=sys.stderr)
-        return 2
+        args = parse_args(command, argv)
+    except CommandError as exc:
+        return command.fail(exc)
     gloo_before = _gloo_initialized()
     metadata = run_metadata(comm, argv, args)
     printing = rank == 0 and not args.quiet
@@ -496,8 +469,8 @@ def _bench(argv: list[str]) -> int:
               f"iterations {args.iters or 'by size (200..10)'}, warm-up "
               f"{args.warmup_iters if args.warmup_iters is not None else 'iterations/10'}, "
               f"{args.rounds} rounds; checked: {'every call' if args.check else 'first call'}")
-        print(f"# time: per-rank average over iterations, then avg/min/max over ranks; "
-              f"predicted: {args.predictor.note}")
+        print(f"# time: per-rank average over iterations, then avg/min/max over ranks; median: "
+              f"over iterations of the slowest rank's time; predicted: {args.predictor.note}")
         if not all(args.placements) and "broadcast" in args.collective:
             print("# broadcast works in place only: timed in place")
     printer = TablePrinter(printing)

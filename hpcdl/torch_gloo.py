@@ -1,6 +1,6 @@
 """torch.distributed's gloo backend, set up from an MPI job: the peer the benchmarks compare against.
 
-    from benchmarks.torch_gloo import gloo_unavailable_reason, init_torch_distributed
+    from hpcdl.torch_gloo import gloo_unavailable_reason, init_torch_distributed
     init_torch_distributed(MPI.COMM_WORLD)      # collective over the communicator's ranks
 
 Rank and size come from MPI, so the same `mpirun` (or `srun`) that starts the job starts gloo's:
@@ -17,9 +17,10 @@ from typing import Any
 
 from mpi4py import MPI
 
-from hpcdl.launch import interface_ipv4, store_host
+from .launch import interface_ipv4, store_host
 
-__all__ = ["advertised_host", "gloo_unavailable_reason", "init_torch_distributed", "interface_ipv4"]
+__all__ = ["advertised_host", "gloo_unavailable_reason", "init_torch_distributed", "interface_ipv4",
+           "mpi_store"]
 
 
 def gloo_unavailable_reason() -> str | None:
@@ -41,21 +42,16 @@ def advertised_host(comm: MPI.Comm) -> str:
     return store_host(len(set(hosts)) == 1)
 
 
-def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 120.0) -> None:
-    """Collective: torch.distributed's default process group over gloo, rank and size from `comm`.
+def mpi_store(comm: MPI.Comm, timeout: timedelta) -> Any:
+    """Collective: a torch.distributed TCPStore on rank 0 of `comm` that every rank joins.
 
-    Idempotent: a second call with a communicator of the same size does nothing. Rank 0's
-    TCPStore picks its own free port, so concurrent jobs on one host never collide.
+    Rank 0 opens it on a port the operating system picks (so concurrent jobs on one host never
+    collide), at `advertised_host`'s address, and sends host:port through MPI. A failure on rank 0
+    is raised on every rank. Also the store of the hpcdl backend (`hpcdl.torch_distributed`).
     """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        if dist.get_world_size() != comm.Get_size():
-            raise RuntimeError(f"torch.distributed is already initialized with {dist.get_world_size()} "
-                               f"ranks, not this communicator's {comm.Get_size()}")
-        return
     rank, size = comm.Get_rank(), comm.Get_size()
-    timeout = timedelta(seconds=timeout_s)
     store: Any = None
     address: tuple[str, int] | str | None = None
     try:  # raises on rank 0 only (after its collective part): the broadcast below carries it
@@ -73,4 +69,22 @@ def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 1
         raise RuntimeError(address)
     if rank != 0:
         store = dist.TCPStore(address[0], address[1], size, False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    return store
+
+
+def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 120.0) -> None:
+    """Collective: torch.distributed's default process group over gloo, rank and size from `comm`.
+
+    Idempotent: a second call with a communicator of the same size does nothing. The store comes
+    from `mpi_store`.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != comm.Get_size():
+            raise RuntimeError(f"torch.distributed is already initialized with {dist.get_world_size()} "
+                               f"ranks, not this communicator's {comm.Get_size()}")
+        return
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", store=mpi_store(comm, timeout), rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), timeout=timeout)

@@ -1,1 +1,0 @@
-"""Benchmarks: `microbench` (the `hpcdl bench` command) and `train_throughput`."""

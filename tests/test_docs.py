@@ -1,0 +1,77 @@
+"""Every relative link in the documentation resolves: the file exists, and an anchor names a heading
+of that file as GitHub renders it. No communication: every rank checks the same files alike."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", ROOT / "slurm" / "README.md", *(ROOT / "docs").glob("*.md"),
+                *(ROOT / "benchmarks").glob("*.md"), *(ROOT / "benchmarks").glob("*/*.md")])
+
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"(?<!!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.MULTILINE)
+
+
+def prose(text: str) -> str:
+    """`text` without code blocks and inline code, where brackets are not links."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a heading: lower case, punctuation dropped (hyphens and underscores
+    kept), spaces to hyphens; link markup leaves its text."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading's anchor in `page`; repeated headings get -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in HEADING.findall(FENCE.sub("", page.read_text())):
+        anchor = github_anchor(heading)
+        count = seen.get(anchor, 0)
+        seen[anchor] = count + 1
+        found.add(anchor if count == 0 else f"{anchor}-{count}")
+    return found
+
+
+def relative_links(page: Path) -> list[str]:
+    return [target for target in LINK.findall(prose(page.read_text()))
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", target)]  # http:, https:, mailto:
+
+
+def test_the_anchor_rule_matches_github() -> None:
+    assert github_anchor("Tuning `auto` for your machine: `hpcdl tune`") == "tuning-auto-for-your-machine-hpcdl-tune"
+    assert github_anchor("How `auto` chooses") == "how-auto-chooses"
+    assert github_anchor("The argument check (`validation.py`)") == "the-argument-check-validationpy"
+    assert github_anchor("Choosing: `best`, decision rows, and `auto`") == "choosing-best-decision-rows-and-auto"
+
+
+def test_links_are_found_outside_code_only(tmp_path: Path) -> None:
+    page = tmp_path / "links.md"
+    page.write_text("see [a](a.md#x) and `[b](b.md)`\n```\n[c](c.md)\n```\n![img](p.png) [d](https://x.org)")
+    assert relative_links(page) == ["a.md#x"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for target in relative_links(page):
+        path, _, anchor = target.partition("#")
+        destination = (page.parent / path).resolve() if path else page
+        if not destination.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and destination.suffix == ".md" and anchor not in anchors(destination):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {destination.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_the_readme_stays_short() -> None:
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 220
