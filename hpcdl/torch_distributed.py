@@ -22,16 +22,16 @@ Order and threads. MPI matches collectives per communicator in issue order, so a
 issues the program's operations on one communicator, in program order, and one completer thread
 per group finishes their futures in that order. Callbacks chained on those futures
 (`fut.then(...)`: torch's comm hooks, PowerSGD) may issue operations of their own and wait for
-them. Those cannot join the program's communicator: a callback runs on the completer thread, or at
-once on the program's thread when `then` finds the future already complete, so where its
-operations would fall among the program's later calls differs from rank to rank. They run at once,
-blocking, on a second communicator of the group instead; callbacks run in the same order on every
-rank (futures complete in issue order, each one's callbacks before the next), and so do they.
-Every callback passed to the futures' `then`/`add_done_callback` is marked as one while it runs
-(`_Future`), whichever thread runs it.
+them, so they always run on the completer thread (`_Future`): when the future completes, or, if
+it already had when `then` was called, as the completer's next item after what the program issued
+before; never on the program's thread, whose later operations would otherwise fall before or
+after the callback's depending on timing. Callbacks thus run in the same order on every rank, and
+their operations run at once, blocking, on a second communicator of the group (waiting for them
+on the completer thread itself would wait forever).
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import weakref
@@ -60,43 +60,12 @@ _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "
 #: `init_torch_distributed` (global rank i of torch.distributed is its rank i) and its algorithms.
 _world: dict[str, Any] = {"comm": None, "algorithms": {}}
 
-_thread = threading.local()  # .callbacks: depth of future callbacks running on this thread
+_thread = threading.local()  # .completer: the _Completer whose thread this is
 
 
 def _in_callback() -> bool:
-    """Whether the calling code runs inside a callback of a group's future (see the docstring)."""
-    return getattr(_thread, "callbacks", 0) > 0
-
-
-class _Future(torch.futures.Future):
-    """A torch Future whose callbacks know they are callbacks (`_in_callback`), on any thread."""
-
-    def then(self, callback: Callable[[torch.futures.Future], Any]) -> _Future:
-        child = _Future()
-
-        def run(parent: torch.futures.Future) -> None:
-            _thread.callbacks = getattr(_thread, "callbacks", 0) + 1
-            try:
-                value = callback(parent)
-            except BaseException as exc:  # noqa: BLE001 - the chained future carries it
-                _thread.callbacks -= 1
-                child.set_exception(exc)
-                return
-            _thread.callbacks -= 1
-            child.set_result(value)
-
-        super().then(run)
-        return child
-
-    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
-        def run(parent: torch.futures.Future) -> None:
-            _thread.callbacks = getattr(_thread, "callbacks", 0) + 1
-            try:
-                callback(parent)
-            finally:
-                _thread.callbacks -= 1
-
-        super().add_done_callback(run)
+    """Whether the calling code runs on a completer thread: inside a future callback."""
+    return getattr(_thread, "completer", None) is not None
 
 
 def _reduce_op(option: Any) -> str:
@@ -108,6 +77,58 @@ def _reduce_op(option: Any) -> str:
     return name
 
 
+class _Future(torch.futures.Future):
+    """A torch Future whose `then`/`add_done_callback` callbacks run on its group's completer
+    thread, whoever registers them and whenever (see the module docstring). C++ callers (DDP's
+    reducer) use it as any torch Future."""
+
+    def __init__(self, completer: _Completer) -> None:
+        super().__init__()
+        self._completer = completer
+        self._lock = threading.Lock()
+        self._finished = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Complete with `value` (or `error`), then run the callbacks registered so far."""
+        if error is None:
+            super().set_result(value)
+        else:
+            super().set_exception(error)
+        with self._lock:
+            self._finished = True
+            callbacks, self._callbacks = self._callbacks, []
+        for run in callbacks:
+            run()
+
+    def _schedule(self, run: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(run)
+                return
+        if self._completer.is_current():
+            run()
+        else:
+            self._completer.add(run)
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> _Future:
+        child = _Future(self._completer)
+
+        def run() -> None:
+            try:
+                value = callback(self)
+            except BaseException as exc:  # noqa: BLE001 - the chained future carries it
+                child._finish(error=exc)
+                return
+            child._finish(value)
+
+        self._schedule(run)
+        return child
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        self._schedule(functools.partial(callback, self))
+
+
 class _Work(dist._Work):
     """An operation of a `ProcessGroupHpcdl`: done when its handles are, then `finish` has run.
 
@@ -115,13 +136,13 @@ class _Work(dist._Work):
     completed (callbacks run) by the group's completer thread, with `result` (the output tensors).
     """
 
-    def __init__(self, handles: list[Handle], result: list[torch.Tensor],
+    def __init__(self, completer: _Completer, handles: list[Handle], result: list[torch.Tensor],
                  finish: Callable[[], None] | None = None, error: BaseException | None = None) -> None:
         super().__init__()
         self._handles = handles
         self._result = result
         self._finish = finish
-        self._future: torch.futures.Future = _Future()
+        self._future = _Future(completer)
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._settled = False
@@ -146,10 +167,7 @@ class _Work(dist._Work):
             self._error, self._settled = error, True
             self._handles = []
         try:
-            if error is None:
-                self._future.set_result(self._result)
-            else:
-                self._future.set_exception(error)
+            self._future._finish(self._result if error is None else None, error)
         finally:
             self._done.set()  # after the future holds its value (and its callbacks have run)
 
@@ -184,6 +202,18 @@ class _Work(dist._Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+def _copy_into(out: torch.Tensor, source: torch.Tensor) -> None:
+    out.copy_(source.view(out.shape))
+
+
+def _all(steps: Sequence[Callable[[], Any]]) -> Callable[[], None]:
+    """One step that runs `steps` in order."""
+    def run() -> None:
+        for step in steps:
+            step()
+    return run
 
 
 class _PointToPointWork(dist._Work):
@@ -226,22 +256,26 @@ class _PointToPointWork(dist._Work):
 
 
 class _Completer:
-    """The thread that completes a group's works, in the order they were issued."""
+    """The thread that completes a group's works in the order they were issued, and runs their
+    futures' callbacks (`_Future`)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Work | Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def add(self, work: _Work) -> None:
+    def is_current(self) -> bool:
+        return getattr(_thread, "completer", None) is self
+
+    def add(self, item: _Work | Callable[[], None]) -> None:
+        """Queue a work to complete, or a callback to run, after everything queued before."""
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, args=(self._queue,),
-                                                    name=self._name, daemon=True)
+                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                     self._thread.start()
-        self._queue.put(work)
+        self._queue.put(item)
 
     def stop(self) -> None:
         with self._lock:
@@ -251,15 +285,16 @@ class _Completer:
             if thread is not threading.current_thread():
                 thread.join()
 
-    @staticmethod
-    def _loop(works: queue.SimpleQueue[_Work | None]) -> None:
-        # Callbacks registered past `_Future` (from C++) also count as callbacks here.
-        _thread.callbacks = 1
+    def _loop(self) -> None:
+        _thread.completer = self
         while True:
-            work = works.get()
-            if work is None:
+            item = self._queue.get()
+            if item is None:
                 return
-            work._complete()
+            if isinstance(item, _Work):
+                item._complete()
+            else:
+                item()
 
 
 class ProcessGroupHpcdl(dist.ProcessGroup):
@@ -273,7 +308,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
     """
 
     def __init__(self, comm: MPI.Comm, algorithms: Mapping[str, str] | None = None) -> None:
-        super().__init__(comm.Get_rank(), comm.Get_size())
+        super().__init__(comm.Get_rank(), comm.Get_size())  # type: ignore[call-arg]  # torch's own tests do
         unknown = sorted(set(algorithms or {}) - set(collectives.ALGORITHMS))
         if unknown:
             raise ValueError(f"algorithms for unknown collectives {unknown}; collectives: "
@@ -340,12 +375,12 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
                     getattr(collectives, name)(*args, comm=self._callback_comm, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - raised from wait(), as for queued work
                 error = exc
-            work = _Work([], result, finish if error is None else None, error)
+            work = _Work(self._completer, [], result, finish if error is None else None, error)
             work._complete()
             return work
         handles = [getattr(collectives, "i" + name)(*args, comm=self._comm, **kwargs)
                    for name, args, kwargs in calls]
-        work = self._last = _Work(handles, result, finish)
+        work = self._last = _Work(self._completer, handles, result, finish)
         self._completer.add(work)
         return work
 
@@ -360,7 +395,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------------------
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:  # type: ignore[override]
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         calls = []
         for tensor in tensors:
@@ -371,12 +406,12 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         return self.allreduce(tensors, opts)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:  # type: ignore[override]
         root = opts.rootRank
         return self._issue([("broadcast", (collective_array(t), root), self._algorithm("broadcast"))
                             for t in tensors], tensors)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:  # type: ignore[override]
         op, root = _reduce_op(opts.reduceOp), opts.rootRank
         calls = []
         for tensor in tensors:
@@ -402,7 +437,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
         return ("allgather", (collective_array(tensor),),
                 {"out": as_array(staging), **self._algorithm("allgather")}), copy_out
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> _Work:
         calls, finishes = [], []
         for outputs, tensor in zip(output_tensors, input_tensors):
@@ -410,7 +445,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
             calls.append(call)
             finishes.append(finish)
         return self._issue(calls, [t for outputs in output_tensors for t in outputs],
-                           lambda: [f() for f in finishes] and None)
+                           _all(finishes))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None) -> _Work:
@@ -433,13 +468,13 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
                           {"out": collective_array(output), **self._algorithm("allgather")}))
         return self._issue(calls, outputs)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> _Work:
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> _Work:
@@ -453,9 +488,9 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
                           {"op": op, "out": collective_array(output), **self._algorithm("reduce_scatter")}))
         return self._issue(calls, outputs)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> _Work:
         flat = []
         for output, inputs in zip(output_tensors, input_tensors):
@@ -465,7 +500,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
             flat.append(torch.cat([t.detach().reshape(-1) for t in inputs]))
         return self.reduce_scatter_single_coalesced(output_tensors, flat, opts)
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: Any) -> _Work:
         root = opts.rootRank
         calls, finishes = [], []
@@ -476,9 +511,9 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
             if self._rank == root:
                 finishes.append(finish)
         return self._issue(calls, [t for outputs in output_tensors for t in outputs],
-                           lambda: [f() for f in finishes] and None)
+                           _all(finishes))
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                 opts: Any) -> _Work:
         root = opts.rootRank
         calls, finishes = [], []
@@ -490,8 +525,8 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
                                       device=output.device)
             calls.append(("broadcast", (as_array(staging), root), self._algorithm("broadcast")))
             block = staging[self._rank * output.numel():(self._rank + 1) * output.numel()]
-            finishes.append(lambda out=output, b=block: out.copy_(b.view(out.shape)))
-        return self._issue(calls, output_tensors, lambda: [f() for f in finishes] and None)
+            finishes.append(functools.partial(_copy_into, output, block))
+        return self._issue(calls, output_tensors, _all(finishes))
 
     # -- all-to-all (hpcdl.alltoall: pairwise exchange over point-to-point) -------------------------
 
@@ -508,7 +543,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
                           counts.recv, comm)
         if finish is not None:
             finish()
-        work = _Work([], result)
+        work = _Work(self._completer, [], result)
         work._complete()
         return work
 
@@ -524,7 +559,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
                  else [output.numel() // self._size] * self._size)
         return self._exchange(input, sends, output, recvs, [output])
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> _Work:
@@ -547,8 +582,9 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
         problem = refusal(tensors[0])
         if problem is not None:
             raise ValueError(problem)
-        if not 0 <= tag <= MPI.COMM_WORLD.Get_attr(MPI.TAG_UB):
-            raise ValueError(f"tag {tag} is outside MPI's range 0..{MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)}")
+        highest = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767  # MPI guarantees at least that
+        if not 0 <= tag <= highest:
+            raise ValueError(f"tag {tag} is outside MPI's range 0..{highest}")
         return [as_array(tensors[0]).reshape(-1).view(np.uint8), MPI.BYTE]
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> _PointToPointWork:  # noqa: N803

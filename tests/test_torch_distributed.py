@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -173,7 +172,7 @@ def test_point_to_point(comm):
         work.wait()
     ok = torch.equal(received, _ints(left, 3, torch.bfloat16))
     if rank == 0:
-        sources = sorted(dist.recv(t := torch.empty(1)) for _ in range(size - 1))
+        sources = sorted(dist.recv(torch.empty(1)) for _ in range(size - 1))
         ok = ok and sources == list(range(1, size))
     else:
         dist.send(torch.tensor([float(rank)]), 0, tag=0)
