@@ -688,7 +688,7 @@ def _bound_device(module: torch.nn.Module, device_ids: Any, output_device: Any,
     bound = runtime.topology().gpu
     devices = {p.device for p in module.parameters()}
     error = None
-    ids = None
+    ids: list[Any] | None = None
     if device_ids is not None:
         ids = [index(d) for d in device_ids]
         if devices and all(d.type == "cpu" for d in devices):
