@@ -9,8 +9,8 @@ from .runtime import (Topology, abort, init, local_rank, local_size, rank, size,
                       thread_level, topology)
 
 __all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "ProcessGrid", "Topology",
-           "abort", "init", "local_rank", "local_size", "optim", "parallel", "rank", "size",
-           "thread_level", "topology"]
+           "abort", "compression", "init", "local_rank", "local_size", "optim", "parallel", "rank",
+           "size", "thread_level", "topology"]
 __version__ = "0.1.0"
 
 
@@ -20,7 +20,8 @@ _LAZY = {
     "LocalSGD": ".local_sgd",
     "ParameterServer": ".parameter_server",
     "ProcessGrid": ".grid",
-    "optim": None,  # subpackages
+    "compression": None,  # subpackages
+    "optim": None,
     "parallel": None,
 }
 

@@ -81,3 +81,13 @@ def flat_in_memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
             return None
         expected *= tensor.shape[dim]
     return tensor.as_strided((tensor.numel(),), (1,))
+
+
+def as_tensor(array: Any) -> torch.Tensor:
+    """A torch tensor over `array`'s memory (NumPy: `torch.from_numpy`; CuPy or any other DLPack
+    producer: `torch.from_dlpack`), e.g. what a collective returned; the inverse of `as_array`."""
+    if isinstance(array, np.ndarray):
+        if ml_dtypes is not None and array.dtype == np.dtype(ml_dtypes.bfloat16):
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
