@@ -4,6 +4,7 @@
     mpirun -n 4 hpcdl train --checkpoint-dir runs/a --checkpoint-every 20
     mpirun -n 4 hpcdl train --checkpoint-dir runs/a --resume     # continue where it stopped
     mpirun -n 4 hpcdl train --synthetic --image-size 64          # images/s, Horovod-style
+    mpirun -n 4 hpcdl train --compression topk:0.01              # DGC: 1 % of the gradient sent
 
 Each rank trains on its `DistributedSampler` shard; `hpcdl.DistributedDataParallel` averages the
 gradients. The learning rate follows the linear scaling rule with gradual warm-up (`schedule.py`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -41,6 +43,8 @@ CHECKPOINTED_ON_SIGNAL = 3
 DIVERGED = 4
 #: Checkpoints kept in --checkpoint-dir: the newest by step number, whichever run wrote them.
 KEEP_CHECKPOINTS = 3
+#: The SGD momentum of `hpcdl train` (with --compression topk, applied by DGC's momentum correction).
+MOMENTUM = 0.9
 METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 
 
@@ -73,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--no-overlap", action="store_true",
                       help="reduce gradients after backward instead of during it")
     comm.add_argument("--timeline", metavar="PATH", help="write a Chrome trace of communication here")
+    comm.add_argument("--compression", default="none", metavar="SCHEME",
+                      help="how gradients travel (docs/compression.md): none (dense average, the "
+                           "default), fp16, bf16, topk:DENSITY (Deep Gradient Compression, e.g. "
+                           "topk:0.01) or threshold:TAU (Strom's threshold quantization)")
+    comm.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
+                      help="with topk: accumulate velocities, DGC's momentum correction with momentum "
+                           f"{MOMENTUM} and masking, the optimizer then applying none (default); "
+                           "--no-momentum-correction leaves the momentum to the optimizer")
     state = parser.add_argument_group("checkpoints and output")
     state.add_argument("--checkpoint-dir", metavar="DIR",
                        help="write checkpoints here at the end of every epoch (rank 0 writes); only "
@@ -142,7 +154,28 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
         problem = None if path is None else unwritable_file(Path(path))
         if problem:
             errors.append(f"{flag} {path}: {problem}")
+    try:
+        gradient_exchange(args)
+    except ValueError as exc:
+        errors.append(f"--compression {args.compression}: {exc}")
+    if args.momentum_correction is not None and not args.compression.startswith("topk:"):
+        errors.append(f"--{'' if args.momentum_correction else 'no-'}momentum-correction applies to "
+                      f"--compression topk:DENSITY only (got --compression {args.compression}); drop it")
     return errors
+
+
+def gradient_exchange(args: argparse.Namespace) -> Any:
+    """The `hpcdl.compression` scheme `--compression` and `--momentum-correction` ask for."""
+    from .compression import from_spec
+
+    return from_spec(args.compression, momentum=MOMENTUM,
+                     momentum_correction=args.momentum_correction is not False)
+
+
+def optimizer_momentum(args: argparse.Namespace) -> float:
+    """SGD's own momentum: none where the exchange applies it (DGC's momentum correction)."""
+    return 0.0 if args.compression.startswith("topk:") and args.momentum_correction is not False \
+        else MOMENTUM
 
 
 def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
@@ -221,7 +254,10 @@ def main(argv: list[str]) -> int:
 
 # -- training on digits --------------------------------------------------------------------------
 
-_TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed")
+_TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed",
+                       "compression", "momentum_correction")
+#: What checkpoints written before an option existed stand for.
+_TRAJECTORY_DEFAULTS = {"compression": "none", "momentum_correction": None}
 
 
 def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
@@ -235,6 +271,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     from .data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
     from .ddp import DistributedDataParallel
     from .models import build_model
+    from .reducer import GradientTraffic
     from .schedule import scaled_learning_rate, warmup_cosine_schedule, warmup_start_factor
 
     rank, size = topology.rank, topology.size
@@ -249,7 +286,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                           "run once without --resume to create one"], rank)
         checkpoint = load_checkpoint(path)  # every rank reads the same file: same verdicts below
         differences = [f"{k} {checkpoint['job'].get(k)!r} (this run: {v!r})"
-                       for k, v in job.items() if checkpoint["job"].get(k) != v]
+                       for k, v in job.items()
+                       if checkpoint["job"].get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
         if differences:
             return _fail([f"--resume: {path} was made with " + ", ".join(differences)
                           + "; resume with the same settings or use a new --checkpoint-dir"], rank)
@@ -281,7 +319,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     global_batch = args.batch_size * size
     lr = scaled_learning_rate(args.lr, global_batch, args.reference_batch)
     warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=optimizer_momentum(args))
     start_factor = warmup_start_factor(global_batch, args.reference_batch)
     scheduler = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
                                        start_factor=start_factor)
@@ -300,7 +338,10 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         epoch, done_in_epoch, step = checkpoint["epoch"], checkpoint["batches_done"], checkpoint["step"]
     ddp = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb,
                                   algorithm=args.algorithm, overlap=not args.no_overlap,
-                                  timeline=args.timeline)
+                                  timeline=args.timeline, compression=gradient_exchange(args))
+    ddp.check_optimizer(optimizer)
+    # This rank's gradient traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
+    traffic_before = GradientTraffic()
     if checkpoint is not None:
         # After DDP's construction-time broadcast: each rank's own buffers and random numbers.
         mine = restore_rank_state(checkpoint, rank)
@@ -309,15 +350,21 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                 buffer.copy_(mine["buffers"][name])
         # Checkpoints written before hpcdl kept the sums have none: the epoch then starts from zero.
         epoch_sums = tuple(mine.get("epoch_sums", epoch_sums))
+        if "compression" in mine:  # error-feedback state (checkpoints of older hpcdl have none)
+            ddp.load_compression_state_dict(mine["compression"])
+            traffic_before = GradientTraffic(*mine["traffic"])
     else:
         torch.manual_seed(args.seed + 1 + rank)  # ranks draw different dropout masks
 
-    def checkpoint_now(epoch_: int, batches_done: int, sums: tuple[float, int, float]) -> None:
+    def checkpoint_now(epoch_: int, batches_done: int, sums: tuple[float, int, float],
+                       traffic: GradientTraffic) -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "epoch": epoch_, "batches_done": batches_done,
                  "job": job}
         save_checkpoint(args.checkpoint_dir, state, step=step, comm=comm, keep=KEEP_CHECKPOINTS,
-                        rank_state={"buffers": dict(model.named_buffers()), "epoch_sums": sums})
+                        rank_state={"buffers": dict(model.named_buffers()), "epoch_sums": sums,
+                                    "compression": ddp.compression_state_dict(),
+                                    "traffic": dataclasses.astuple(traffic)})
 
     metrics = MetricsLog(args.metrics, append=args.resume) if rank == 0 and args.metrics else None
     stop_request = StopRequest() if args.checkpoint_dir else None
@@ -331,6 +378,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     while epoch < args.epochs:
         ddp.train()
         (local_loss, local_samples, seconds_before), epoch_sums = epoch_sums, (0.0, 0, 0.0)
+        traffic_start, traffic_before = ddp.traffic - traffic_before, GradientTraffic()
+        ddp.compression.set_epoch(epoch)  # a per-epoch schedule (DGC's sparsity warm-up)
         bar = tqdm(total=steps_per_epoch, initial=done_in_epoch, disable=rank != 0, leave=False,
                    desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr)
         # Set back by the seconds the resumed run spent on this epoch up to its checkpoint: the
@@ -355,19 +404,24 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             if stop_request is not None and stop_request.agreed(comm):
                 bar.close()
                 checkpoint_now(epoch, batch_index + 1,
-                               (local_loss, local_samples, time.perf_counter() - started))
+                               (local_loss, local_samples, time.perf_counter() - started),
+                               ddp.traffic - traffic_start)
                 say(f"stopping at step {step} on {stop_request.name}: checkpoint written, exit status "
                     f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
                 return CHECKPOINTED_ON_SIGNAL
             if args.checkpoint_every and step % args.checkpoint_every == 0 \
                     and batch_index + 1 < steps_per_epoch:  # the epoch-end checkpoint covers the last
                 checkpoint_now(epoch, batch_index + 1,
-                               (local_loss, local_samples, time.perf_counter() - started))
+                               (local_loss, local_samples, time.perf_counter() - started),
+                               ddp.traffic - traffic_start)
         bar.close()
         # A run stopped by a signal after the epoch's last batch has not reported the epoch yet: with
         # no batch left, the checkpoint's sums alone make its summary.
         elapsed = time.perf_counter() - started
-        totals = collectives.allreduce(np.array([local_loss, local_samples, elapsed]), comm, op="sum")
+        traffic = ddp.traffic - traffic_start
+        totals = collectives.allreduce(np.array([local_loss, local_samples, elapsed, traffic.bytes_sent,
+                                                 traffic.dense_fp32_bytes, traffic.elements_sent,
+                                                 traffic.elements], dtype=np.float64), comm, op="sum")
         epoch += 1
         done_in_epoch = 0
         if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
@@ -386,16 +440,18 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                              rank, DIVERGED)
             throughput = totals[1] / (totals[2] / size)  # samples of all ranks / mean rank time
             test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
+            sent = gradient_report(*totals[3:7], size)
             say(f"epoch {epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
                 f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  "
-                f"lr {scheduler.get_last_lr()[0]:.4g}", flush=True)
+                f"lr {scheduler.get_last_lr()[0]:.4g}  gradients {sent['grad_bytes_per_rank'] / 1e6:.3g} MB"
+                f"/rank = fp32/{sent['grad_ratio']:.3g}", flush=True)
             if metrics is not None:
                 metrics.write({"epoch": epoch, "step": step, "train_loss": train_loss,
                                "test_loss": test_loss, "accuracy": accuracy, "samples_per_s": throughput,
                                "seconds": totals[2] / size, "lr": scheduler.get_last_lr()[0],
-                               "ranks": size})
+                               "ranks": size, **sent})
         if args.checkpoint_dir:
-            checkpoint_now(epoch, 0, (0.0, 0, 0.0))
+            checkpoint_now(epoch, 0, (0.0, 0, 0.0), GradientTraffic())
 
     test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
     say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {step} steps", flush=True)
@@ -405,6 +461,15 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         written = ddp.write_timeline()
         say(f"timeline written to {written}")
     return 0
+
+
+def gradient_report(bytes_sent: float, dense_fp32_bytes: float, elements_sent: float, elements: float,
+                    size: int) -> dict[str, float]:
+    """The per-epoch gradient traffic figures from sums over ranks: bytes a rank sent on average,
+    how many times less that is than dense float32, and the fraction of elements sent."""
+    return {"grad_bytes_per_rank": bytes_sent / size,
+            "grad_ratio": dense_fp32_bytes / bytes_sent if bytes_sent else math.inf,
+            "grad_density": elements_sent / elements if elements else 0.0}
 
 
 def warmup_warning(warmup_steps: int, total_steps: int, scaled_lr: float, start_factor: float) -> str | None:
@@ -528,7 +593,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
     model = build_model(args.model, in_channels=3, image_size=args.image_size, num_classes=1000)
     ddp = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb,
                                   algorithm=args.algorithm, overlap=not args.no_overlap,
-                                  timeline=args.timeline)
+                                  timeline=args.timeline, compression=gradient_exchange(args))
     lr = scaled_learning_rate(args.lr, args.batch_size * size, args.reference_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     torch.manual_seed(args.seed + 1 + rank)
@@ -543,7 +608,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
         f"images 3x{args.image_size}x{args.image_size}")
     say(f"Batch size: {args.batch_size}")
     say(f"Number of ranks: {size}, allreduce algorithm: {args.algorithm}, "
-        f"overlap: {not args.no_overlap}")
+        f"overlap: {not args.no_overlap}, compression: {ddp.compression!r}")
     say("Running warmup...", flush=True)
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)
     say("Running benchmark...", flush=True)

@@ -8,8 +8,11 @@ and hands it back (`finish`: decompress, leave the average in the gradients). Th
 looks at which scheme it holds. Schemes:
 
 - `Average()` (default): dense average, as allreduce; `FP16()`, `BF16()`: sent as 16-bit floats;
+- `TopK(density, momentum, momentum_masking, clip_norm, warmup_epochs)`: Deep Gradient Compression;
+- `Threshold(tau)`: Strom's threshold quantization, one 32-bit word per sent element.
 
-docs/compression.md has the formulas, bytes, and how to write a scheme.
+The sparse two keep error-feedback state per parameter (`ErrorFeedback`) and exchange with
+`collectives.iallgatherv`. docs/compression.md has the formulas, bytes, and how to write a scheme.
 """
 from __future__ import annotations
 
@@ -17,8 +20,13 @@ from typing import Any
 
 from .dense import BF16, FP16, Average, Cast
 from .exchange import GradientExchange, Link
+from .feedback import ErrorFeedback
+from .sparse import SparseExchange
+from .threshold import Threshold
+from .topk import TopK
 
-__all__ = ["Average", "BF16", "Cast", "FP16", "GradientExchange", "Link", "resolve"]
+__all__ = ["Average", "BF16", "Cast", "ErrorFeedback", "FP16", "GradientExchange", "Link",
+           "SparseExchange", "Threshold", "TopK", "from_spec", "resolve"]
 
 #: What the `compression=` strings stand for (the names `hpcdl train --compression` takes too).
 NAMED = {"none": Average, "fp16": FP16, "bf16": BF16}
@@ -36,6 +44,28 @@ def resolve(compression: Any) -> GradientExchange:
             return NAMED[compression]()
         raise NotImplementedError(
             f"compression {compression!r} is not implemented; use None, 'fp16', 'bf16', or a "
-            "scheme from hpcdl.compression such as FP16() or BF16()")
+            "scheme from hpcdl.compression: FP16(), BF16(), TopK(density=...), Threshold(tau=...)")
     raise TypeError(f"compression must be None, 'fp16', 'bf16' or a hpcdl.compression."
                     f"GradientExchange, got {type(compression).__name__}")
+
+
+def from_spec(spec: str, *, momentum: float = 0.9, momentum_correction: bool = True) -> GradientExchange:
+    """The scheme a command-line spec names: none | fp16 | bf16 | topk:DENSITY | threshold:TAU.
+
+    `topk` gets `momentum` as DGC's momentum correction when `momentum_correction` (the optimizer
+    must then have none), else momentum 0 (plain error feedback). Raises ValueError with what to
+    write instead.
+    """
+    name, _, value = spec.partition(":")
+    if name in NAMED and not value:
+        return NAMED[name]()
+    if name in ("topk", "threshold") and value:
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {value!r} is not a number") from None
+        if name == "topk":
+            return TopK(density=number, momentum=momentum if momentum_correction else 0.0)
+        return Threshold(tau=number)
+    raise ValueError(f"unknown compression {spec!r}; use none, fp16, bf16, topk:DENSITY (e.g. "
+                     "topk:0.01) or threshold:TAU (e.g. threshold:0.01)")
