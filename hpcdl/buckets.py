@@ -35,6 +35,7 @@ class Bucket:
     views: list[torch.Tensor]  # params[i].grad's home: inside `flat`, or its own for in-place ones
     flat: torch.Tensor  # the fused (small) parameters' gradients, back to back
     in_place: list[bool]  # exchanged in its own gradient tensor instead of in `flat`
+    numel: int = 0  # gradient elements in the bucket, in-place parameters included
     # -- this step ----------------------------------------------------------------------------
     pending: int = 0
     ready: list[bool] = field(default_factory=list)
@@ -57,10 +58,6 @@ class Bucket:
     def dtype(self) -> torch.dtype:
         return self.flat.dtype
 
-    @property
-    def numel(self) -> int:
-        """Gradient elements in the bucket, in-place parameters included."""
-        return sum(p.numel() for p in self.params)
 
     def flat_gradients(self) -> list[torch.Tensor]:
         """1-D tensors that together cover every gradient element of the bucket exactly once:
@@ -152,6 +149,7 @@ def _bucket(index: int, group: list[tuple[str, torch.nn.Parameter]], in_place_by
         # follow the parameter's layout, accumulates into the view in place.
         views.append(flat.as_strided(p.shape, p.stride(), offset))
         offset += p.numel()
-    bucket = Bucket(index, [n for n, _ in group], params, views, flat, in_place)
+    bucket = Bucket(index, [n for n, _ in group], params, views, flat, in_place,
+                    sum(p.numel() for p in params))
     bucket.reset()
     return bucket

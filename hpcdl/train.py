@@ -82,9 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "default), fp16, bf16, topk:DENSITY (Deep Gradient Compression, e.g. "
                            "topk:0.01) or threshold:TAU (Strom's threshold quantization)")
     comm.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
-                      help="with topk: accumulate velocities, DGC's momentum correction with momentum "
-                           f"{MOMENTUM} and masking, the optimizer then applying none (default); "
-                           "--no-momentum-correction leaves the momentum to the optimizer")
+                      help="with topk or threshold: the exchange accumulates velocities (DGC's "
+                           f"momentum correction, momentum {MOMENTUM}, with masking) and the optimizer "
+                           "applies no momentum; the default for topk, whose sparsity also warms up "
+                           "over --warmup-epochs. --no-momentum-correction (the default for "
+                           "threshold) leaves the momentum to the optimizer")
     state = parser.add_argument_group("checkpoints and output")
     state.add_argument("--checkpoint-dir", metavar="DIR",
                        help="write checkpoints here at the end of every epoch (rank 0 writes); only "
@@ -158,24 +160,37 @@ def local_argument_errors(args: argparse.Namespace) -> list[str]:
         gradient_exchange(args)
     except ValueError as exc:
         errors.append(f"--compression {args.compression}: {exc}")
-    if args.momentum_correction is not None and not args.compression.startswith("topk:"):
+    if args.momentum_correction is not None and not args.compression.startswith(SPARSE):
         errors.append(f"--{'' if args.momentum_correction else 'no-'}momentum-correction applies to "
-                      f"--compression topk:DENSITY only (got --compression {args.compression}); drop it")
+                      f"--compression topk:DENSITY and threshold:TAU only (got --compression "
+                      f"{args.compression}); drop it")
     return errors
 
 
+#: The --compression schemes with error feedback, which can apply the momentum themselves.
+SPARSE = ("topk:", "threshold:")
+
+
+def momentum_correction(args: argparse.Namespace) -> bool:
+    """Whether the exchange applies the momentum (DGC's momentum correction), the optimizer none:
+    --momentum-correction / --no-momentum-correction, by default for topk only."""
+    if args.momentum_correction is None:
+        return args.compression.startswith("topk:")
+    return args.momentum_correction and args.compression.startswith(SPARSE)
+
+
 def gradient_exchange(args: argparse.Namespace) -> Any:
-    """The `hpcdl.compression` scheme `--compression` and `--momentum-correction` ask for."""
+    """The `hpcdl.compression` scheme `--compression` and `--momentum-correction` ask for; topk
+    warms its sparsity up over the learning rate's warm-up epochs (DGC's warm-up training)."""
     from .compression import from_spec
 
-    return from_spec(args.compression, momentum=MOMENTUM,
-                     momentum_correction=args.momentum_correction is not False)
+    return from_spec(args.compression, momentum=MOMENTUM, momentum_correction=momentum_correction(args),
+                     warmup_epochs=math.ceil(args.warmup_epochs) if math.isfinite(args.warmup_epochs) else 0)
 
 
 def optimizer_momentum(args: argparse.Namespace) -> float:
-    """SGD's own momentum: none where the exchange applies it (DGC's momentum correction)."""
-    return 0.0 if args.compression.startswith("topk:") and args.momentum_correction is not False \
-        else MOMENTUM
+    """SGD's own momentum: none where the exchange applies it (momentum correction)."""
+    return 0.0 if momentum_correction(args) else MOMENTUM
 
 
 def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:

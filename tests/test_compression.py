@@ -123,16 +123,18 @@ def _sent_per_parameter(scheme: SparseExchange, payloads, shapes: dict[str, torc
     return sent
 
 
-@pytest.mark.parametrize("scheme", ["threshold", "topk_no_momentum", "topk_momentum"])
+@pytest.mark.parametrize("scheme", ["threshold", "threshold_momentum", "topk_no_momentum",
+                                    "topk_momentum"])
 def test_error_feedback_loses_nothing(comm, monkeypatch, scheme):
     """Integer-valued gradients: everything a rank sent plus its residual is exactly the sum of
     its gradients (DGC: of its momentum-corrected velocities u, masked after each send)."""
     rank = comm.Get_rank()
     make = {"threshold": lambda: Threshold(tau=4.0),
+            "threshold_momentum": lambda: Threshold(tau=4.0, momentum=0.5),
             "topk_no_momentum": lambda: TopK(density=0.1, momentum=0.0),
             "topk_momentum": lambda: TopK(density=0.1, momentum=0.5, momentum_masking=True)}[scheme]
     exchange = make()
-    with_momentum = isinstance(exchange, TopK) and exchange.momentum > 0
+    with_momentum = exchange.memory.momentum > 0  # 0.5 where set
     recorder = _Recorder(monkeypatch)
     model = hpcdl.DistributedDataParallel(_Weights(), comm, compression=exchange,
                                           first_bucket_mb=0.0001, bucket_cap_mb=0.0001)
@@ -324,11 +326,12 @@ SCHEMES = {
     "topk": lambda: TopK(density=0.1, momentum=0.9, clip_norm=1.0),
     "topk_plain": lambda: TopK(density=0.05, momentum=0.0),
     "threshold": lambda: Threshold(tau=0.005),
+    "threshold_corrected": lambda: Threshold(tau=0.01, momentum=0.9),
 }
 
 
 def _optimizer_for(name: str):
-    momentum = 0.0 if name == "topk" else 0.9
+    momentum = 0.0 if name in ("topk", "threshold_corrected") else 0.9  # the scheme applies it
     return lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=momentum)
 
 
@@ -424,7 +427,9 @@ def test_hpcdl_train_resumes_a_compressed_run_exactly(tmp_path, comm):
     metrics = from_rank0(comm, metrics)
     # 8 bytes (index, float32 value) per element sent: the ratio to float32 is 1 / (2 x density)
     ok &= len(metrics[0]) == 2 and metrics[0] == metrics[1]
-    ok &= all(math.isclose(row[4], 1 / (2 * row[5])) and 0.02 <= row[5] < 0.03 for row in metrics[0])
+    # (epoch 1 is the sparsity warm-up's: 25 %, as --warmup-epochs 0.5 rounds up to one epoch)
+    ok &= all(math.isclose(row[4], 1 / (2 * row[5])) for row in metrics[0])
+    ok &= 0.25 <= metrics[0][0][5] < 0.26 and 0.02 <= metrics[0][1][5] < 0.03
     assert all_ranks_agree(ok, comm), metrics
 
 
@@ -496,6 +501,7 @@ def test_timeline_shows_compress_exchange_and_decompress(comm, tmp_path_factory)
     (lambda: Threshold(tau=0), "tau must be a positive finite number"),
     (lambda: Threshold(tau=-1.0), "tau must be a positive finite number"),
     (lambda: Threshold(tau=float("inf")), "tau must be a positive finite number"),
+    (lambda: Threshold(tau=1.0, momentum=-0.5), r"momentum must be in \[0, 1\)"),
 ])
 def test_bad_scheme_arguments(comm, make, message):
     with pytest.raises(ValueError, match=message):
@@ -527,6 +533,10 @@ def test_optimizer_that_applies_momentum_is_refused_with_the_fix(comm):
         with pytest.raises(ValueError, match=f"applies momentum itself .* and {applied}.* momentum=0"):
             model.check_optimizer(opt)
     model.check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # fits
+    strom = hpcdl.DistributedDataParallel(_net(), comm, compression=Threshold(tau=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"SGD\(momentum=0.5\) would apply it a second time.*"
+                                         r"Threshold\(..., momentum=0\)"):
+        strom.check_optimizer(torch.optim.SGD(strom.parameters(), lr=0.1, momentum=0.5))
     # without momentum correction the optimizer's momentum is the momentum
     plain = hpcdl.DistributedDataParallel(_net(), comm, compression=TopK(density=0.1, momentum=0))
     plain.check_optimizer(torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9))
@@ -547,7 +557,10 @@ def test_compression_names(comm):
     assert repr(from_spec("topk:0.01")) == ("TopK(density=0.01, momentum=0.9, momentum_masking=True, "
                                             "clip_norm=None, warmup_epochs=0)")
     assert from_spec("topk:0.01", momentum_correction=False).momentum == 0
-    assert repr(from_spec("threshold:0.5")) == "Threshold(tau=0.5)"
+    assert from_spec("topk:0.01", warmup_epochs=2).warmup_epochs == 2
+    assert repr(from_spec("threshold:0.5", momentum_correction=True)) == (
+        "Threshold(tau=0.5, momentum=0.9, momentum_masking=True)")
+    assert repr(from_spec("threshold:0.5", momentum_correction=False)) == "Threshold(tau=0.5)"
     for spec, message in (("topk", "unknown compression"), ("int8", "unknown compression"),
                           ("topk:x", "'x' is not a number"), ("threshold:0", "tau must be")):
         with pytest.raises(ValueError, match=message):
@@ -559,7 +572,7 @@ def test_compression_names(comm):
     (["--compression", "threshold:-1"], "--compression threshold:-1: Threshold tau must be"),
     (["--compression", "zip"], "--compression zip: unknown compression 'zip'"),
     (["--compression", "fp16", "--momentum-correction"],
-     "--momentum-correction applies to --compression topk:DENSITY only"),
+     "--momentum-correction applies to --compression topk:DENSITY and threshold:TAU only"),
 ])
 def test_hpcdl_train_refuses_bad_compression_on_every_rank(argv, message, comm, capsys):
     status = train.main(argv)

@@ -49,12 +49,13 @@ def resolve(compression: Any) -> GradientExchange:
                     f"GradientExchange, got {type(compression).__name__}")
 
 
-def from_spec(spec: str, *, momentum: float = 0.9, momentum_correction: bool = True) -> GradientExchange:
+def from_spec(spec: str, *, momentum: float = 0.9, momentum_correction: bool = True,
+              warmup_epochs: int = 0) -> GradientExchange:
     """The scheme a command-line spec names: none | fp16 | bf16 | topk:DENSITY | threshold:TAU.
 
-    `topk` gets `momentum` as DGC's momentum correction when `momentum_correction` (the optimizer
-    must then have none), else momentum 0 (plain error feedback). Raises ValueError with what to
-    write instead.
+    With `momentum_correction`, `topk` and `threshold` get `momentum` as DGC's momentum correction
+    (the optimizer must then apply none), else momentum 0 (plain error feedback); `topk` gets
+    `warmup_epochs` of sparsity warm-up. Raises ValueError with what to write instead.
     """
     name, _, value = spec.partition(":")
     if name in NAMED and not value:
@@ -64,8 +65,9 @@ def from_spec(spec: str, *, momentum: float = 0.9, momentum_correction: bool = T
             number = float(value)
         except ValueError:
             raise ValueError(f"{spec!r}: {value!r} is not a number") from None
+        corrected = momentum if momentum_correction else 0.0
         if name == "topk":
-            return TopK(density=number, momentum=momentum if momentum_correction else 0.0)
-        return Threshold(tau=number)
+            return TopK(density=number, momentum=corrected, warmup_epochs=warmup_epochs)
+        return Threshold(tau=number, momentum=corrected)
     raise ValueError(f"unknown compression {spec!r}; use none, fp16, bf16, topk:DENSITY (e.g. "
                      "topk:0.01) or threshold:TAU (e.g. threshold:0.01)")

@@ -11,11 +11,14 @@
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .exchange import GradientExchange, Link
+
+if TYPE_CHECKING:
+    from ..buckets import Bucket
 
 
 def _average(tensors: list[torch.Tensor], dtype: torch.dtype, link: Link) -> None:
@@ -35,7 +38,7 @@ class Average(GradientExchange):
 
     launch_span = finish_span = None  # queueing only: the spans would be noise on the trace
 
-    def launch(self, bucket: Any, link: Link) -> None:
+    def launch(self, bucket: Bucket, link: Link) -> None:
         _average(bucket.flat_gradients(), bucket.dtype, link)
 
 
@@ -47,14 +50,14 @@ class Cast(GradientExchange):
     def __init__(self) -> None:
         self._wires: dict[int, torch.Tensor] = {}  # per bucket index: the reused wire buffer
 
-    def _wire(self, bucket: Any, numel: int) -> torch.Tensor:
+    def _wire(self, bucket: Bucket, numel: int) -> torch.Tensor:
         wire = self._wires.get(bucket.index)
         if wire is None or wire.numel() != numel or wire.device != bucket.flat.device:
             wire = self._wires[bucket.index] = torch.empty(numel, dtype=self.wire_dtype,
                                                            device=bucket.flat.device)
         return wire
 
-    def launch(self, bucket: Any, link: Link) -> Any:
+    def launch(self, bucket: Bucket, link: Link) -> Any:
         tensors = bucket.flat_gradients()
         if not bucket.dtype.is_floating_point or bucket.flat.element_size() <= 2:
             _average(tensors, bucket.dtype, link)
@@ -69,7 +72,7 @@ class Cast(GradientExchange):
         link.allreduce(wire, op="sum" if link.size > 1 else "avg")
         return tensors, wire
 
-    def finish(self, bucket: Any, context: Any) -> None:
+    def finish(self, bucket: Bucket, context: Any) -> None:
         if context is None:
             return
         tensors, wire = context

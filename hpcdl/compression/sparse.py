@@ -113,14 +113,13 @@ class SparseExchange(GradientExchange):
             offset += v.numel()
         indices_, values_ = torch.cat(indices), torch.cat(values)
         link.elements_sent = indices_.numel()
-        handle = link.allgatherv(self.encode(indices_, values_))
-        return handle
+        return link.allgatherv(self.encode(indices_, values_)), link.size
 
     def finish(self, bucket: Bucket, context: Any) -> None:
-        gathered = as_tensor(context.wait())
-        total = self.decode(gathered, bucket.numel, bucket.dtype)
-        if self.size > 1:
-            total.div_(self.size)
+        handle, size = context
+        total = self.decode(as_tensor(handle.wait()), bucket.numel, bucket.dtype)
+        if size > 1:
+            total.div_(size)
         offset = 0
         for name, grad in zip(bucket.names, bucket.gradients):
             n = grad.numel()
@@ -132,6 +131,28 @@ class SparseExchange(GradientExchange):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.memory.load_state_dict(state["error_feedback"])
+
+
+def optimizer_momentum_errors(scheme: SparseExchange, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The error for an optimizer that applies momentum after a scheme that already does
+    (momentum correction, `scheme.memory.momentum` > 0), or []."""
+    if not scheme.memory.momentum:
+        return []
+    kind = type(optimizer).__name__
+    for group in optimizer.param_groups:
+        momentum = group.get("momentum", 0)
+        betas = group.get("betas")
+        if momentum or group.get("nesterov"):
+            applied = f"{kind}(momentum={momentum})"
+        elif betas is not None and betas[0]:
+            applied = f"{kind}(betas={tuple(betas)}), whose first beta is a momentum,"
+        else:
+            continue
+        return [f"{scheme!r} applies momentum itself (DGC's momentum correction), and {applied} "
+                f"would apply it a second time: build the optimizer as torch.optim.SGD with "
+                f"momentum=0 (the same lr and weight_decay), or pass {scheme.scheme}(..., momentum=0) "
+                "to leave momentum to the optimizer (no momentum correction)"]
+    return []
 
 
 def add_in_rank_order(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *,

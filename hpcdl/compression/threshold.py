@@ -7,6 +7,10 @@ Per parameter and step, with threshold tau (`Threshold`):
     send every element with |r| >= tau as sign(r) tau, one quantum per element and step
     r <- r - sign(r) tau  for those            the rest of a large element waits in r
 
+With `momentum=m` (not in Strom's paper: DGC's momentum correction applied to the threshold), r
+accumulates velocities instead (u <- m u + g; r <- r + u), sent entries of u are zeroed with
+`momentum_masking`, and the optimizer must apply no momentum of its own, as for `TopK`.
+
 Each sent element is one 32-bit word: its index in the bucket in bits 0-30, its sign in bit 31
 (set: negative). Payload per rank and step: 4 bytes x elements sent. Decoding counts the signs of
 every rank per element in int32 (integer sums do not depend on their order) and multiplies by tau
@@ -19,7 +23,7 @@ import math
 import torch
 
 from .feedback import ErrorFeedback
-from .sparse import SparseExchange
+from .sparse import SparseExchange, optimizer_momentum_errors
 
 _SIGN_BIT = -2**31  # bit 31 of an int32 word
 _INDEX_BITS = 2**31 - 1
@@ -42,14 +46,24 @@ class Threshold(SparseExchange):
 
     scheme = "Threshold"
 
-    def __init__(self, tau: float) -> None:
+    def __init__(self, tau: float, momentum: float = 0.0, momentum_masking: bool = True) -> None:
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0 or math.isinf(tau):
             raise ValueError(f"Threshold tau must be a positive finite number, got {tau!r}")
-        super().__init__(ErrorFeedback(momentum=0.0))
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ValueError(f"Threshold momentum must be in [0, 1), got {momentum!r}")
+        super().__init__(ErrorFeedback(momentum=float(momentum), masking=bool(momentum_masking)))
         self.tau = float(tau)
+        self.momentum = float(momentum)
+        self.momentum_masking = bool(momentum_masking)
 
     def __repr__(self) -> str:
-        return f"Threshold(tau={self.tau!r})"
+        if not self.momentum:
+            return f"Threshold(tau={self.tau!r})"
+        return (f"Threshold(tau={self.tau!r}, momentum={self.momentum!r}, "
+                f"momentum_masking={self.momentum_masking!r})")
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        return optimizer_momentum_errors(self, optimizer)
 
     def select(self, name: str, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         indices = torch.nonzero(v.abs() >= self.tau).view(-1)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .feedback import ErrorFeedback
-from .sparse import SparseExchange
+from .sparse import SparseExchange, optimizer_momentum_errors
 
 #: DGC's warm-up: epoch e of the warm-up sends at most this to the power e + 1 of the elements.
 WARMUP_BASE = 0.25
@@ -95,23 +95,7 @@ class TopK(SparseExchange):
         return indices, v[indices]
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[str]:
-        if not self.momentum:
-            return []
-        kind = type(optimizer).__name__
-        for group in optimizer.param_groups:
-            momentum = group.get("momentum", 0)
-            betas = group.get("betas")
-            if momentum or group.get("nesterov"):
-                applied = f"{kind}(momentum={momentum})"
-            elif betas is not None and betas[0]:
-                applied = f"{kind}(betas={tuple(betas)}), whose first beta is a momentum,"
-            else:
-                continue
-            return [f"{self!r} applies momentum itself (DGC's momentum correction), and {applied} "
-                    f"would apply it a second time: build the optimizer as torch.optim.SGD with "
-                    f"momentum=0 (the same lr and weight_decay), or pass TopK(momentum=0) to leave "
-                    f"momentum to the optimizer (top-k without momentum correction)"]
-        return []
+        return optimizer_momentum_errors(self, optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "epoch": self.epoch}
