@@ -286,7 +286,6 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     from .data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
     from .ddp import DistributedDataParallel
     from .models import build_model
-    from .reducer import GradientTraffic
     from .schedule import scaled_learning_rate, warmup_cosine_schedule, warmup_start_factor
 
     rank, size = topology.rank, topology.size
@@ -356,7 +355,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                                   timeline=args.timeline, compression=gradient_exchange(args))
     ddp.check_optimizer(optimizer)
     # This rank's gradient traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
-    traffic_before = GradientTraffic()
+    traffic_before: dict[str, Any] = {}
     if checkpoint is not None:
         # After DDP's construction-time broadcast: each rank's own buffers and random numbers.
         mine = restore_rank_state(checkpoint, rank)
@@ -367,19 +366,19 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         epoch_sums = tuple(mine.get("epoch_sums", epoch_sums))
         if "compression" in mine:  # error-feedback state (checkpoints of older hpcdl have none)
             ddp.load_compression_state_dict(mine["compression"])
-            traffic_before = GradientTraffic(*mine["traffic"])
+            traffic_before = mine["traffic"]
     else:
         torch.manual_seed(args.seed + 1 + rank)  # ranks draw different dropout masks
 
     def checkpoint_now(epoch_: int, batches_done: int, sums: tuple[float, int, float],
-                       traffic: GradientTraffic) -> None:
+                       traffic: dict[str, Any]) -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "epoch": epoch_, "batches_done": batches_done,
                  "job": job}
         save_checkpoint(args.checkpoint_dir, state, step=step, comm=comm, keep=KEEP_CHECKPOINTS,
                         rank_state={"buffers": dict(model.named_buffers()), "epoch_sums": sums,
                                     "compression": ddp.compression_state_dict(),
-                                    "traffic": dataclasses.astuple(traffic)})
+                                    "traffic": traffic})
 
     metrics = MetricsLog(args.metrics, append=args.resume) if rank == 0 and args.metrics else None
     stop_request = StopRequest() if args.checkpoint_dir else None
@@ -393,7 +392,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     while epoch < args.epochs:
         ddp.train()
         (local_loss, local_samples, seconds_before), epoch_sums = epoch_sums, (0.0, 0, 0.0)
-        traffic_start, traffic_before = ddp.traffic - traffic_before, GradientTraffic()
+        traffic, traffic_before = EpochTraffic(ddp, **traffic_before), {}
         ddp.compression.set_epoch(epoch)  # a per-epoch schedule (DGC's sparsity warm-up)
         bar = tqdm(total=steps_per_epoch, initial=done_in_epoch, disable=rank != 0, leave=False,
                    desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr)
@@ -408,6 +407,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             loss.backward()
             optimizer.step()
             scheduler.step()
+            traffic.step()
             step += 1
             local_loss += loss.item() * len(indices)
             local_samples += len(indices)
@@ -420,7 +420,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                 bar.close()
                 checkpoint_now(epoch, batch_index + 1,
                                (local_loss, local_samples, time.perf_counter() - started),
-                               ddp.traffic - traffic_start)
+                               traffic.state())
                 say(f"stopping at step {step} on {stop_request.name}: checkpoint written, exit status "
                     f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
                 return CHECKPOINTED_ON_SIGNAL
@@ -428,15 +428,16 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                     and batch_index + 1 < steps_per_epoch:  # the epoch-end checkpoint covers the last
                 checkpoint_now(epoch, batch_index + 1,
                                (local_loss, local_samples, time.perf_counter() - started),
-                               ddp.traffic - traffic_start)
+                               traffic.state())
         bar.close()
         # A run stopped by a signal after the epoch's last batch has not reported the epoch yet: with
         # no batch left, the checkpoint's sums alone make its summary.
         elapsed = time.perf_counter() - started
-        traffic = ddp.traffic - traffic_start
-        totals = collectives.allreduce(np.array([local_loss, local_samples, elapsed, traffic.bytes_sent,
-                                                 traffic.dense_fp32_bytes, traffic.elements_sent,
-                                                 traffic.elements], dtype=np.float64), comm, op="sum")
+        sent = traffic.so_far()
+        totals = collectives.allreduce(np.array([local_loss, local_samples, elapsed, sent.bytes_sent,
+                                                 sent.dense_fp32_bytes, sent.elements_sent,
+                                                 sent.elements], dtype=np.float64), comm, op="sum")
+        densest = collectives.allreduce(np.array([traffic.densest]), comm, op="max")[0]
         epoch += 1
         done_in_epoch = 0
         if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
@@ -455,7 +456,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                              rank, DIVERGED)
             throughput = totals[1] / (totals[2] / size)  # samples of all ranks / mean rank time
             test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
-            sent = gradient_report(*totals[3:7], size)
+            sent = gradient_report(*totals[3:7], size) | {"grad_density_max_step": densest}
             say(f"epoch {epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
                 f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  "
                 f"lr {scheduler.get_last_lr()[0]:.4g}  gradients {sent['grad_bytes_per_rank'] / 1e6:.3g} MB"
@@ -466,7 +467,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                                "seconds": totals[2] / size, "lr": scheduler.get_last_lr()[0],
                                "ranks": size, **sent})
         if args.checkpoint_dir:
-            checkpoint_now(epoch, 0, (0.0, 0, 0.0), GradientTraffic())
+            checkpoint_now(epoch, 0, (0.0, 0, 0.0), {})
 
     test_loss, accuracy = evaluate(model, test_set, rank, size, comm)
     say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {step} steps", flush=True)
@@ -476,6 +477,35 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         written = ddp.write_timeline()
         say(f"timeline written to {written}")
     return 0
+
+
+class EpochTraffic:
+    """This rank's gradient traffic in the epoch under way: the totals so far and the largest
+    fraction of elements it sent in one step; `state()` resumes it (`EpochTraffic(ddp, **state)`)."""
+
+    def __init__(self, ddp: Any, sent: tuple[int, ...] = (), densest: float = 0.0) -> None:
+        from .reducer import GradientTraffic
+
+        self.ddp = ddp
+        self.start = ddp.traffic - GradientTraffic(*sent)  # as if the earlier part ran here
+        self.last = ddp.traffic
+        self.densest = densest
+
+    def step(self) -> None:
+        """After each step: note its fraction of elements sent."""
+        now = self.ddp.traffic
+        this = now - self.last
+        self.last = now
+        if this.elements:
+            self.densest = max(self.densest, this.elements_sent / this.elements)
+
+    def so_far(self) -> Any:
+        """The epoch's `GradientTraffic` so far."""
+        return self.ddp.traffic - self.start
+
+    def state(self) -> dict[str, Any]:
+        """Plain values for a checkpoint."""
+        return {"sent": dataclasses.astuple(self.so_far()), "densest": self.densest}
 
 
 def gradient_report(bytes_sent: float, dense_fp32_bytes: float, elements_sent: float, elements: float,
