@@ -6,8 +6,8 @@ from .memory import request_huge_pages
 request_huge_pages()  # before torch's first allocation, wherever hpcdl is imported first
 
 __all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "ProcessGrid", "Topology",
-           "abort", "init", "local_rank", "local_size", "optim", "parallel", "rank", "size",
-           "thread_level", "topology"]
+           "abort", "compression", "init", "local_rank", "local_size", "optim", "parallel", "rank",
+           "size", "thread_level", "topology"]
 __version__ = "0.1.0"
 
 
@@ -21,7 +21,8 @@ _LAZY = {
     "LocalSGD": ".local_sgd",
     "ParameterServer": ".parameter_server",
     "ProcessGrid": ".grid",
-    "optim": None,  # subpackages
+    "compression": None,  # subpackages
+    "optim": None,
     "parallel": None,
 }
 

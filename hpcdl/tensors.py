@@ -81,3 +81,23 @@ def flat_in_memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
             return None
         expected *= tensor.shape[dim]
     return tensor.as_strided((tensor.numel(),), (1,))
+
+
+def dense_view(tensor: torch.Tensor) -> torch.Tensor:
+    """`flat_in_memory_order` of a tensor known to be dense (one this package allocated, or one
+    checked before); raises ValueError if it is not."""
+    view = flat_in_memory_order(tensor)
+    if view is None:
+        raise ValueError(f"tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()} has "
+                         "gaps or overlaps in memory")
+    return view
+
+
+def as_tensor(array: Any) -> torch.Tensor:
+    """A torch tensor over `array`'s memory (NumPy: `torch.from_numpy`; CuPy or any other DLPack
+    producer: `torch.from_dlpack`), e.g. what a collective returned; the inverse of `as_array`."""
+    if isinstance(array, np.ndarray):
+        if ml_dtypes is not None and array.dtype == np.dtype(ml_dtypes.bfloat16):
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
