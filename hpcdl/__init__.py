@@ -9,8 +9,9 @@ _COLLECTIVES = ("allgather", "allreduce", "average", "broadcast", "iallgather", 
                 "ibroadcast", "ireduce", "ireduce_scatter", "reduce", "reduce_scatter")
 
 __all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "ProcessGrid", "Topology",
-           "abort", "horovod", "init", "init_torch_distributed", "local_rank", "local_size", "optim",
-           "parallel", "rank", "size", "thread_level", "topology", *_COLLECTIVES]
+           "abort", "compression", "horovod", "init", "init_torch_distributed", "local_rank",
+           "local_size", "optim", "parallel", "rank", "size", "thread_level", "topology",
+           *_COLLECTIVES]
 __version__ = "0.1.0"
 
 
@@ -27,7 +28,8 @@ _LAZY = {
     "init_torch_distributed": ".torch_distributed",
     # the collectives on torch tensors (and, untouched, on any array); torch-free for arrays
     **{name: ".torch_collectives" for name in _COLLECTIVES},
-    "horovod": None,  # submodules and subpackages
+    "compression": None,  # submodules and subpackages
+    "horovod": None,
     "optim": None,
     "parallel": None,
 }

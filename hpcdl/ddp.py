@@ -7,28 +7,19 @@
         loss.backward()        # returns once every bucket is averaged
         optimizer.step()
 
-How a step runs (DESIGN.md, "One training step"):
-- Gradients are grouped into fusion buckets in reverse registration order (about the order backward
-  produces them), `first_bucket_mb` for the first bucket and `bucket_cap_mb` for the others; a
-  bucket holds one dtype on one device and whole modules (a layer's weight and bias together,
-  since backward produces them at the same moment). Each bucket owns one flat tensor. A gradient
-  of IN_PLACE_BYTES or more is a bucket of its own (it needs no fusion), so its reduction starts
-  as soon as its layer's backward is done rather than when the later layers fill a shared
-  bucket. After the first synchronized backward the buckets are rebuilt once in the order
-  gradients really became ready (rank 0's order, broadcast), as torch's DDP does.
-- Small gradients live in the bucket: after its gradient is accumulated, `param.grad` is made a
-  view into the bucket's flat tensor (like torch's `gradient_as_bucket_view=True`). If autograd
-  handed a fresh tensor (e.g. after `zero_grad(set_to_none=True)`) it is copied in once, then
-  replaced by the view; later accumulations (no_sync) add into the bucket directly. Gradients of
-  parameters of IN_PLACE_BYTES or more are averaged where autograd left them, never copied.
-  Nothing is written back after the reduction: the averaged values are the gradients.
-- A post-accumulate-grad hook per parameter only marks the gradient ready. When a bucket is
-  complete, and every bucket before it has been launched, it is handed to the communication thread
-  as `collectives.iallreduce(flat, op="avg", out=flat)` (in slices of at most CHUNK_BYTES) while
-  backward goes on. Launching strictly in bucket order means every rank reduces the same buckets
-  in the same order.
-- At the end of backward (an autograd engine callback, as torch's DDP does) the remaining buckets
-  are launched and all are waited for, so `loss.backward(); optimizer.step()` is correct as is.
+How a step runs (DESIGN.md, "One synchronous step, as data"), as torch splits DDP from its
+Reducer and its comm hooks:
+- bucket assignment (`hpcdl/buckets.py`): gradients grouped into fusion buckets in about the order
+  backward produces them, `first_bucket_mb` for the first and `bucket_cap_mb` for the others; a
+  gradient of IN_PLACE_BYTES or more is a bucket of its own, exchanged where autograd left it;
+- the reducer (`hpcdl/reducer.py`): a post-accumulate-grad hook per parameter marks its gradient
+  ready; a complete bucket (every bucket before it launched) goes to the exchange hook, whose
+  collectives run on the communication thread while backward goes on; at the end of backward (an
+  autograd engine callback, as torch's DDP does) the remaining buckets are launched and all are
+  waited for, so `loss.backward(); optimizer.step()` is correct as is;
+- the exchange hook (`hpcdl.compression`, the `compression=` argument): the dense average by
+  default (allreduce in slices of at most CHUNK_BYTES), or fp16/bf16 casting, DGC's top-k, Strom's
+  threshold, or a scheme of your own. This wrapper never looks at which.
 
 Which backward passes communicate: the one after each forward through the wrapper outside
 `no_sync()`, as in torch's DDP. A backward with no forward through the wrapper since the last one
@@ -62,10 +53,8 @@ import os
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -73,8 +62,10 @@ import collectives
 from collectives import Handle
 
 from . import runtime, stall
-from .agreement import raise_together
+from .agreement import raise_together, raise_unless_agreed
+from .compression import GradientExchange, resolve
 from .memory import small_pages_warning
+from .reducer import GradientTraffic, Reducer
 from .tensors import as_array, flat_in_memory_order
 from .timeline import Timeline
 
@@ -90,7 +81,6 @@ CHUNK_BYTES = 8 * _MB
 #: microseconds) it amortizes; a large gradient costs a memory pass to copy (~0.2 ms per MiB here)
 #: every step when the loop zeroes gradients with set_to_none=True, torch's default.
 IN_PLACE_BYTES = 1 * _MB
-COMPRESSIONS = (None, "fp16")
 #: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket
 #: (HPCDL_STALL_WARNING_S, when set, overrides it: hpcdl/stall.py).
 STALL_WARNING_S = stall.DEFAULT_WARNING_S
@@ -116,27 +106,6 @@ _OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[DistributedDataP
     weakref.WeakKeyDictionary()
 
 
-@dataclass
-class _Bucket:
-    """One fusion bucket: a flat gradient tensor, its parameters, and this step's state."""
-
-    index: int
-    names: list[str]
-    params: list[torch.nn.Parameter]
-    views: list[torch.Tensor]  # params[i].grad's home: inside `flat`, or its own for in-place ones
-    flat: torch.Tensor  # the fused (small) parameters' gradients, back to back
-    array: Any  # zero-copy NumPy/CuPy view of `flat`, what the collectives get
-    in_place: list[bool]  # averaged in its own gradient tensor instead of in `flat`
-    wire: torch.Tensor | None = None  # float16 copy sent instead of `flat` when compressing
-    wire_array: Any = None
-    pending: int = 0
-    handles: list[Handle] = field(default_factory=list)  # one per chunk, in order
-    chunk_bytes: list[int] = field(default_factory=list)  # bytes on the wire of each handle
-    targets: list[torch.Tensor | None] = field(default_factory=list)  # in-place gradients this step
-    ready_at: float | None = None
-    ready: list[bool] = field(default_factory=list)
-
-
 class DistributedDataParallel(torch.nn.Module):
     """Wrap `module` so that `loss.backward()` leaves gradients averaged over all ranks of `comm`.
 
@@ -147,10 +116,13 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_cap_mb: capacity of each fusion bucket in MiB (a larger single gradient gets its own).
         first_bucket_mb: capacity of the first bucket, small so communication starts early.
         algorithm: allreduce algorithm for the buckets ("auto", "ring", "butterfly", "tree",
-            "halving_doubling", "mpi").
-        compression: None, or "fp16" to send float32/float64 buckets as float16 (each rank
-            divides by the number of ranks before the float16 sum, as torch's fp16 hook does, so
-            only an average beyond ±65504 overflows; the same holds for float16 parameters).
+            "halving_doubling", "mpi"); sparse schemes use it for their allgatherv where it is
+            one (ring, butterfly, mpi), else auto.
+        compression: how gradients are exchanged (`hpcdl.compression`): None (dense average),
+            "fp16" or "bf16" (sent as 16-bit floats; each rank divides by the number of ranks
+            before the sum, as torch's fp16 hook does, so only an average beyond ±65504 overflows;
+            the same holds for float16 parameters), or a scheme object such as
+            `hpcdl.compression.TopK(density=0.001)` or `Threshold(tau=...)`.
         overlap: reduce buckets as they complete during backward (True), or all after backward
             (False, the baseline for measuring overlap).
         find_unused_parameters: treat parameters without a gradient as zero contributions instead
@@ -173,7 +145,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *,
                  bucket_cap_mb: float = 25, first_bucket_mb: float = 1, algorithm: str = "auto",
-                 compression: str | None = None, overlap: bool = True,
+                 compression: GradientExchange | str | None = None, overlap: bool = True,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = False,
                  timeline: Timeline | str | os.PathLike[str] | None = None,
                  timeout: float | None = None, device_ids: list[int | torch.device] | None = None,
@@ -196,9 +168,7 @@ class DistributedDataParallel(torch.nn.Module):
         if algorithm not in allowed:
             raise ValueError(f"algorithm {algorithm!r} is not an allreduce algorithm; "
                              f"use one of {', '.join(allowed)}")
-        if compression not in COMPRESSIONS:
-            raise NotImplementedError(
-                f"compression {compression!r} is not implemented; use None or 'fp16'")
+        exchange = resolve(compression)
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         for name, sub in module.named_modules():
@@ -220,7 +190,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = bool(static_graph)
         self.algorithm = algorithm
-        self.compression = compression
+        #: the gradient-exchange scheme (a `hpcdl.compression.GradientExchange`)
+        self.compression = exchange
         self.overlap = bool(overlap)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -230,18 +201,17 @@ class DistributedDataParallel(torch.nn.Module):
                             f"{type(timeline).__name__}")
         self.timeline = (timeline if timeline is None or isinstance(timeline, Timeline)
                          else Timeline(timeline, self.comm))
-        #: the finished handles of the last synchronized step, in bucket then chunk order
-        self.last_handles: list[Handle] = []
 
-        self._broadcast_state()
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._index = {id(p): i for i, (_, p) in enumerate(self._named)}
-        self._caps = (bucket_cap_mb * _MB, first_bucket_mb * _MB)
-        self._slot: dict[int, tuple[_Bucket, int]] = {}
-        self._set_buckets(list(reversed(range(len(self._named)))))
-        # The order gradients really became ready in the first synchronized backward; buckets
-        # are rebuilt from it once (rank 0's), as torch's DDP does.
-        self._ready_order: list[int] | None = []
+        # What the scheme finds wrong with these parameters, and a scheme that differs between
+        # ranks, stop every rank here rather than hang or diverge at the first step.
+        raise_unless_agreed("DistributedDataParallel", exchange.setup(self._named, self.comm),
+                            {"compression": repr(exchange)}, self.comm)
+        self._broadcast_state()
+        self._reducer = Reducer(self._named, self.comm, exchange, algorithm=algorithm,
+                                bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                                in_place_bytes=IN_PLACE_BYTES, chunk_bytes=CHUNK_BYTES,
+                                overlap=self.overlap, timeline=self.timeline)
         # Parameters frozen when the wrapper was built get no bucket; if one is unfrozen later,
         # its gradient would silently stay local (warned about once).
         self._frozen_at_build = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -265,9 +235,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._syncing = False  # this backward pass communicates
         self._in_backward = False
         self._used_locally: set[int] = set()  # got a gradient in a no_sync pass since the last sync
-        self._next_launch = 0
         self._backward_started_at: float | None = None
-        self._reset_step()
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -292,100 +260,18 @@ class DistributedDataParallel(torch.nn.Module):
                 else:
                     collectives.broadcast(as_array(flat), 0, self.comm)
 
-    def _set_buckets(self, order: list[int]) -> None:
-        """Bucket the parameters in `order` (indices into self._named); keep current gradients."""
-        self._buckets = self._make_buckets([self._named[i] for i in order], *self._caps)
-        self._slot = {}
-        with torch.no_grad():
-            for bucket in self._buckets:
-                for i, p in enumerate(bucket.params):
-                    self._slot[id(p)] = (bucket, i)
-                    if p.grad is not None:
-                        bucket.views[i].copy_(p.grad)
-                        p.grad = bucket.views[i]
+    @property
+    def _buckets(self) -> list[Any]:
+        return self._reducer.buckets
 
-    def _rebuild_buckets(self) -> None:
-        """Re-bucket by the ready order rank 0 saw (all ranks use the same one)."""
-        assert self._ready_order is not None
-        seen = set(self._ready_order)
-        order = self._ready_order + [i for i in reversed(range(len(self._named))) if i not in seen]
-        self._ready_order = None
-        agreed = np.array(order, dtype=np.int64)
-        collectives.broadcast(agreed, 0, self.comm)
-        self._set_buckets([int(i) for i in agreed])
-        self._reset_step()
-
-    def _make_buckets(self, named: list[tuple[str, torch.nn.Parameter]], cap: float,
-                      first_cap: float) -> list[_Bucket]:
-        # A module's own parameters (a layer's weight and bias) get their gradients from the same
-        # backward node, at the same moment: keep them in one bucket, or a bias would hold the
-        # previous layer's finished bucket back until its own layer's backward is done.
-        units: dict[tuple[str, torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, p in named:
-            units.setdefault((name.rpartition(".")[0], p.dtype, p.device), []).append((name, p))
-        groups: list[list[tuple[str, torch.nn.Parameter]]] = []
-        open_group: list[tuple[str, torch.nn.Parameter]] | None = None  # fusion bucket filling
-        size = 0.0
-        for unit in units.values():
-            fused: list[tuple[str, torch.nn.Parameter]] = []
-            solo: list[tuple[str, torch.nn.Parameter]] = []
-            for item in unit:
-                (solo if self._averaged_in_place(item[1]) else fused).append(item)
-            if fused:
-                nbytes = sum(p.numel() * p.element_size() for _, p in fused)
-                limit = first_cap if len(groups) <= 1 else cap
-                if (open_group is None or size + nbytes > limit
-                        or open_group[0][1].dtype != fused[0][1].dtype
-                        or open_group[0][1].device != fused[0][1].device):
-                    open_group = []
-                    groups.append(open_group)
-                    size = 0.0
-                open_group.extend(fused)
-                size += nbytes
-            # A gradient averaged in place needs no fusion: it is a bucket of its own, launched
-            # the moment its layer's backward is done instead of waiting for the later layers
-            # that would fill a shared bucket. Smaller gradients ready after it start a new
-            # fusion bucket behind it, since buckets launch strictly in order.
-            groups += [[item] for item in solo]
-            if solo:
-                open_group = None
-        buckets = []
-        for index, group in enumerate(groups):
-            params = [p for _, p in group]
-            for name, p in group:
-                if flat_in_memory_order(p) is None:
-                    raise ValueError(
-                        f"parameter {name} (shape {tuple(p.shape)}, strides {p.stride()}) has gaps "
-                        "or overlaps in memory; DistributedDataParallel keeps gradients in flat "
-                        "buckets and needs dense parameters (contiguous, or a permutation such as "
-                        "channels_last): make it a Parameter of its own")
-            in_place = [self._averaged_in_place(p) for p in params]
-            flat = torch.zeros(sum(p.numel() for p, alone in zip(params, in_place) if not alone),
-                               dtype=params[0].dtype, device=params[0].device)
-            views, offset = [], 0
-            for p, alone in zip(params, in_place):
-                if alone:
-                    views.append(torch.zeros_like(p))  # the parameter's layout, as autograd's
-                    continue
-                # With the parameter's strides (channels_last included), so autograd, whose
-                # gradients follow the parameter's layout, accumulates into the view in place.
-                views.append(flat.as_strided(p.shape, p.stride(), offset))
-                offset += p.numel()
-            bucket = _Bucket(index, [n for n, _ in group], params, views, flat, as_array(flat),
-                             in_place)
-            if self.compression == "fp16" and flat.is_floating_point() and flat.element_size() > 2:
-                bucket.wire = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
-                bucket.wire_array = as_array(bucket.wire)
-            buckets.append(bucket)
-        return buckets
-
-    def _averaged_in_place(self, param: torch.nn.Parameter) -> bool:
-        """Whether `param`'s gradient is averaged where autograd left it (see IN_PLACE_BYTES)."""
-        return self.compression is None and param.numel() * param.element_size() >= IN_PLACE_BYTES
+    @property
+    def last_handles(self) -> list[Handle]:
+        """The finished handles of the last synchronized step, in bucket then chunk order."""
+        return self._reducer.last_handles
 
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per bucket, in the order buckets are reduced."""
-        return [list(b.names) for b in self._buckets]
+        return [list(b.names) for b in self._reducer.buckets]
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -397,7 +283,8 @@ class DistributedDataParallel(torch.nn.Module):
         if self._in_backward:  # the last backward raised before its end: finish what it launched
             with contextlib.suppress(Exception):
                 self.synchronize()
-            self._reset_step()
+            self._reducer.reset_step()
+            self._in_backward = False
         if self.broadcast_buffers and self.training:
             self.sync_buffers()
         self._sync_next = self._require_sync
@@ -433,29 +320,20 @@ class DistributedDataParallel(torch.nn.Module):
         self._hooks = []
         self._detached = True
 
-    # -- backward: hooks and buckets -------------------------------------------------------------
+    # -- backward --------------------------------------------------------------------------------
 
     def _mark_ready(self, param: torch.nn.Parameter) -> None:
-        """Post-accumulate-grad hook: put the gradient in its bucket; launch complete buckets."""
+        """Post-accumulate-grad hook: hand the gradient to the reducer (or keep it local)."""
         if not self._in_backward:
             self._begin_backward()
         if param.grad is not None and param.grad.layout != torch.strided:
-            raise RuntimeError(f"parameter {self._named[self._index[id(param)]][0]} got a "
+            raise RuntimeError(f"parameter {self._named[self._reducer.index[id(param)]][0]} got a "
                                f"{param.grad.layout} gradient; DistributedDataParallel averages "
                                "dense gradients only")
         if not self._syncing:
-            self._used_locally.add(self._index[id(param)])
+            self._used_locally.add(self._reducer.index[id(param)])
             return
-        bucket, i = self._slot[id(param)]
-        if self._ready_order is not None and not bucket.ready[i]:
-            self._ready_order.append(self._index[id(param)])
-        if bucket.ready[i]:
-            raise RuntimeError(
-                f"parameter {bucket.names[i]} received its gradient twice in one backward pass; "
-                "DistributedDataParallel supports one gradient per parameter per backward")
-        self._place_gradient(bucket, i)
-        if self.overlap and bucket.pending == 0:
-            self._launch_ready_buckets()
+        self._reducer.mark_ready(param)
 
     def _begin_backward(self) -> None:
         """First hook of a backward pass: take up the forward's decision to communicate."""
@@ -476,99 +354,35 @@ class DistributedDataParallel(torch.nn.Module):
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _place_gradient(self, bucket: _Bucket, i: int) -> None:
-        param, view = bucket.params[i], bucket.views[i]
-        grad = param.grad
-        if (bucket.in_place[i] and grad is not None and grad.layout == torch.strided
-                and grad.dtype == view.dtype and flat_in_memory_order(grad) is not None):
-            bucket.targets[i] = grad  # averaged where it is: no copy
-        else:
-            if grad is None:  # unused this step and nothing accumulated: a zero contribution
-                view.zero_()
-            elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
-            param.grad = view
-            bucket.targets[i] = view
-        bucket.ready[i] = True
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.ready_at = time.perf_counter()
-
-    def _launch_ready_buckets(self) -> None:
-        # Strictly in bucket order, so every rank queues the same collectives in the same order.
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _launch(self, bucket: _Bucket) -> None:
-        # in place only where flat_in_memory_order gave a view (`_averaged_in_place`): never None
-        solos: list[torch.Tensor] = [flat_in_memory_order(t) for t, solo  # type: ignore[misc]
-                                     in zip(bucket.targets, bucket.in_place) if solo and t is not None]
-        size = self.comm.Get_size()
-        # float16 holds at most 65504: a sum of P gradients overflows where their average need
-        # not, so each rank divides first and the ranks sum (torch's fp16 hook does the same).
-        prescale = size > 1 and (bucket.wire is not None or bucket.flat.dtype == torch.float16)
-        if prescale:
-            for t in [bucket.flat, *solos]:
-                t.div_(size)
-        op = "sum" if prescale else "avg"
-        if bucket.wire is not None:
-            bucket.wire.copy_(bucket.flat)
-            arrays = [bucket.wire_array]
-        else:
-            arrays = [bucket.array] if bucket.flat.numel() else []
-            arrays += [as_array(t) for t in solos]
-        if bucket.flat.is_cuda:  # not run here: MPI and the engine's stream must see finished grads
-            torch.cuda.current_stream(bucket.flat.device).synchronize()
-        for array in arrays:
-            step = max(1, CHUNK_BYTES // array.dtype.itemsize)
-            for i in range(0, array.shape[0], step):
-                chunk = array[i:i + step]
-                bucket.handles.append(collectives.iallreduce(
-                    chunk, self.comm, op=op, algorithm=self.algorithm, out=chunk))
-                bucket.chunk_bytes.append(chunk.nbytes)
-
     def _end_of_backward(self) -> None:
         """Autograd callback after the whole backward: finish every bucket, then check."""
         if not self._syncing:
             self._in_backward = False
             return
-        unused = [(b, i) for b in self._buckets for i, ok in enumerate(b.ready) if not ok]
-        missing = [b.names[i] for b, i in unused]
         # Missing gradients are zero contributions in both modes, so this rank launches exactly
         # the buckets its peers launch; only then is the error (if any) raised.
-        had_none = [b.params[i].grad is None for b, i in unused]
-        used = np.ones(len(self._named), dtype=np.int32)
-        for bucket, i in unused:
-            index = self._index[id(bucket.params[i])]
-            used[index] = index in self._used_locally  # accumulated under no_sync: used
-            self._place_gradient(bucket, i)
+        unready = self._reducer.fill_unready(self._used_locally)
         self._used_locally.clear()
         backward_end = time.perf_counter()
-        self._launch_ready_buckets()
+        self._reducer.launch_ready_buckets()
         self.synchronize()
         if self.timeline is not None and self._backward_started_at is not None:
             self.timeline.span("backward", self._backward_started_at, backward_end)
         self._backward_started_at = None
-        if self._ready_order is not None:
-            self._rebuild_buckets()
+        self._reducer.rebuild_buckets()
         self._check_unfrozen()
         if self.find_unused_parameters:
-            # A parameter no rank used keeps no gradient, as in torch's DDP: a zero one would
-            # still be moved by momentum and weight decay. One int32 per parameter, every step.
-            collectives.allreduce(used, self.comm, op="max", out=used)
-            for (bucket, i), none in zip(unused, had_none):
-                if none and not used[self._index[id(bucket.params[i])]]:
-                    bucket.params[i].grad = None
-        elif missing:
-            frozen = [name for (b, i), name in zip(unused, missing) if not b.params[i].requires_grad]
+            self._reducer.drop_unused(unready)
+        elif unready:
+            frozen = [item.name for item in unready if not item.param.requires_grad]
             if frozen:
                 raise RuntimeError(
                     f"these parameters were frozen (requires_grad=False) after "
                     f"DistributedDataParallel was built: {', '.join(frozen)}. Build the wrapper "
                     "again after changing requires_grad, or pass find_unused_parameters=True.")
             raise RuntimeError(
-                f"these parameters received no gradient in this backward pass: {', '.join(missing)}. "
+                f"these parameters received no gradient in this backward pass: "
+                f"{', '.join(item.name for item in unready)}. "
                 "Make every parameter take part in the loss, set requires_grad=False on the "
                 "unused ones (then build the wrapper again), or pass find_unused_parameters=True "
                 "to DistributedDataParallel.")
@@ -584,58 +398,47 @@ class DistributedDataParallel(torch.nn.Module):
     def synchronize(self) -> None:
         """Wait for every launched bucket; afterwards each `param.grad` holds the average.
 
-        Called automatically at the end of backward. Cost: the allreduce of all gradient bytes
-        (see `collectives.allreduce`), less what overlapped with backward. Warns once a wait
-        passes STALL_WARNING_S; raises TimeoutError after `timeout` seconds, leaving the
-        reductions running (calling `synchronize()` again waits for them).
+        Called automatically at the end of backward. Cost: the exchange of all gradient bytes
+        (for the default, see `collectives.allreduce`), less what overlapped with backward. Warns
+        once a wait passes STALL_WARNING_S; raises TimeoutError after `timeout` seconds, leaving
+        the reductions running (calling `synchronize()` again waits for them).
         """
-        handles: list[Handle] = []
-        error: BaseException | None = None
-        started = time.monotonic()
-        for bucket in self._buckets:
-            if not bucket.handles:
-                continue
-            try:
-                for handle in bucket.handles:
-                    self._wait(handle, bucket, started)
-            except TimeoutError:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise the first
-                error = error or exc
-                continue
-            if bucket.wire is not None:
-                bucket.flat.copy_(bucket.wire)
-            if self.timeline is not None:
-                if bucket.ready_at is not None:
-                    self.timeline.instant(f"bucket {bucket.index} ready", bucket.ready_at)
-                for chunk, handle in enumerate(bucket.handles):
-                    self.timeline.handle(f"bucket {bucket.index} allreduce", handle, chunk=chunk,
-                                         bytes=bucket.chunk_bytes[chunk])
-            handles.extend(bucket.handles)
-        self.last_handles = handles
-        self._reset_step()
-        if error is not None:
-            raise error
-
-    def _wait(self, handle: Handle, bucket: _Bucket, started: float) -> None:
-        names = f"{', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''}"
-        stall.wait_for(handle, f"the reduction of bucket {bucket.index} ({names})",
-                       rank=self.comm.Get_rank(), started=started, timeout=self.timeout,
-                       warn_after=stall.warning_seconds(STALL_WARNING_S), stacklevel=4,
-                       advice="Every rank must run the same sequence of forward and backward "
-                              "passes: a rank that skipped a batch, ran an extra backward or failed "
-                              "inside a step leaves its peers waiting here.")
-
-    def _reset_step(self) -> None:
-        for bucket in self._buckets:
-            bucket.ready = [False] * len(bucket.params)
-            bucket.pending = len(bucket.params)
-            bucket.handles = []
-            bucket.chunk_bytes = []
-            bucket.targets = [None] * len(bucket.params)
-            bucket.ready_at = None
-        self._next_launch = 0
+        try:
+            self._reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=self.timeout)
+        except TimeoutError:
+            raise  # the exchanges go on: a second call, or the next forward, finishes them
+        except BaseException:
+            self._in_backward = False
+            raise
         self._in_backward = False
+
+    # -- the exchange scheme's state and the traffic ----------------------------------------------
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Collective: raise ValueError on every rank if `optimizer` does not fit the exchange
+        scheme (e.g. `TopK(momentum=0.9)` applies momentum itself, so the optimizer must not);
+        call it once before training."""
+        raise_unless_agreed("DistributedDataParallel", self.compression.check_optimizer(optimizer),
+                            {}, self.comm)
+
+    def compression_state_dict(self) -> dict[str, Any]:
+        """This rank's exchange-scheme state (error-feedback residuals and velocities per
+        parameter, on the parameters' devices): it differs between ranks, so save every rank's
+        (`hpcdl.checkpoint.save_checkpoint`'s `rank_state`) to resume exactly."""
+        return {"scheme": repr(self.compression), "state": self.compression.state_dict()}
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `compression_state_dict()` returned on this rank."""
+        if state.get("scheme") != repr(self.compression):
+            raise ValueError(f"the saved exchange state is for {state.get('scheme')}, this wrapper "
+                             f"uses {self.compression!r}")
+        self.compression.load_state_dict(state["state"])
+
+    @property
+    def traffic(self) -> GradientTraffic:
+        """What this rank has sent for gradients since the wrapper was built (a snapshot;
+        subtract two for an interval)."""
+        return self._reducer.traffic_snapshot()
 
     # -- buffers and traces ----------------------------------------------------------------------
 

@@ -119,20 +119,6 @@ def collective_array(tensor: torch.Tensor) -> Any:
                              f"{tensor.device} cannot be used: {exc}")
 
 
-def as_tensor(array: Any, like: torch.Tensor) -> torch.Tensor:
-    """A collective's result `array` (NumPy or CuPy, from `as_array`-made input) as a tensor of
-    `like`'s dtype on `like`'s device, sharing the array's memory."""
-    if like.is_cuda:  # not run here (no GPU where this was written)
-        if like.dtype == torch.bfloat16:
-            import cupy
-
-            return torch.from_dlpack(array.view(cupy.int16)).view(torch.bfloat16)
-        return torch.from_dlpack(array)
-    if like.dtype == torch.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The NumPy dtype `as_array` gives for tensors of torch `dtype`."""
     if dtype == torch.bfloat16:
@@ -159,3 +145,26 @@ def flat_in_memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
             return None
         expected *= tensor.shape[dim]
     return tensor.as_strided((tensor.numel(),), (1,))
+
+
+def dense_view(tensor: torch.Tensor) -> torch.Tensor:
+    """`flat_in_memory_order` of a tensor known to be dense (one this package allocated, or one
+    checked before); raises ValueError if it is not."""
+    view = flat_in_memory_order(tensor)
+    if view is None:
+        raise ValueError(f"tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()} has "
+                         "gaps or overlaps in memory")
+    return view
+
+
+def as_tensor(array: Any) -> torch.Tensor:
+    """A torch tensor over `array`'s memory (NumPy: `torch.from_numpy`; CuPy or any other DLPack
+    producer: `torch.from_dlpack`), e.g. what a collective returned; the inverse of `as_array`."""
+    bfloat16 = ml_dtypes is not None and getattr(array, "dtype", None) == np.dtype(ml_dtypes.bfloat16)
+    if isinstance(array, np.ndarray):
+        if bfloat16:
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+    if bfloat16:  # a CuPy bfloat16 array (ml_dtypes): through its int16 bits, as `as_array` made it
+        return torch.from_dlpack(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(array)

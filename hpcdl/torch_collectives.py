@@ -93,7 +93,7 @@ def _converter(x: Any, out: Any) -> Callable[[Any], Any]:
             return None
         if out is not None:
             return out
-        return as_tensor(result, x) if tensor_in else result
+        return as_tensor(result) if tensor_in else result
     return convert
 
 

@@ -4,6 +4,7 @@
     mpirun -n 4 hpcdl train --checkpoint-dir runs/a --checkpoint-every 20
     mpirun -n 4 hpcdl train --checkpoint-dir runs/a --resume     # continue where it stopped
     mpirun -n 4 hpcdl train --synthetic --image-size 64          # images/s, Horovod-style
+    mpirun -n 4 hpcdl train --compression topk:0.01              # DGC: 1 % of the gradient sent
 
 Each rank trains on its `DistributedSampler` shard; `hpcdl.DistributedDataParallel` averages the
 gradients. The learning rate follows the linear scaling rule with gradual warm-up (`schedule.py`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import signal
@@ -40,6 +42,8 @@ DIVERGED = 4
 #: Checkpoints kept in --checkpoint-dir: the newest by step number, whichever run wrote them.
 KEEP_CHECKPOINTS = 3
 DEFAULT_WARMUP_EPOCHS = 2.0
+#: The SGD momentum of `hpcdl train` (with --compression topk, applied by DGC's momentum correction).
+MOMENTUM = 0.9
 METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 #: What the stall warnings of `hpcdl train` advise (hpcdl/stall.py).
 STALL_ADVICE = ("A rank that is frozen (SIGSTOP, a debugger), swapping, much slower than the others, "
@@ -77,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--no-overlap", action="store_true",
                       help="reduce gradients after backward instead of during it")
     comm.add_argument("--timeline", metavar="PATH", help="write a Chrome trace of communication here")
+    comm.add_argument("--compression", default="none", metavar="SCHEME",
+                      help="how gradients travel (docs/compression.md): none (dense average, the "
+                           "default), fp16, bf16, topk:DENSITY (Deep Gradient Compression, e.g. "
+                           "topk:0.01) or threshold:TAU (Strom's threshold quantization)")
+    comm.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
+                      help="with topk or threshold: the exchange accumulates velocities (DGC's "
+                           f"momentum correction, momentum {MOMENTUM}, with masking) and the optimizer "
+                           "applies no momentum; the default for topk, whose sparsity also warms up "
+                           "over --warmup-epochs. --no-momentum-correction (the default for "
+                           "threshold) leaves the momentum to the optimizer")
     state = parser.add_argument_group("checkpoints and output")
     state.add_argument("--checkpoint-dir", metavar="DIR",
                        help="write checkpoints here at the end of every epoch (rank 0 writes); only "
@@ -181,7 +195,43 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1) -> l
         stall.warning_seconds()
     except ValueError as exc:
         errors.append(str(exc))
+    try:
+        gradient_exchange(args)
+    except ValueError as exc:
+        errors.append(f"--compression {args.compression}: {exc}")
+    if args.momentum_correction is not None and not args.compression.startswith(SPARSE):
+        errors.append(f"--{'' if args.momentum_correction else 'no-'}momentum-correction applies to "
+                      f"--compression topk:DENSITY and threshold:TAU only (got --compression "
+                      f"{args.compression}); drop it")
     return errors
+
+
+#: The --compression schemes with error feedback, which can apply the momentum themselves.
+SPARSE = ("topk:", "threshold:")
+
+
+def momentum_correction(args: argparse.Namespace) -> bool:
+    """Whether the exchange applies the momentum (DGC's momentum correction), the optimizer none:
+    --momentum-correction / --no-momentum-correction, by default for topk only."""
+    if args.momentum_correction is None:
+        return args.compression.startswith("topk:")
+    return args.momentum_correction and args.compression.startswith(SPARSE)
+
+
+def gradient_exchange(args: argparse.Namespace) -> Any:
+    """The `hpcdl.compression` scheme `--compression` and `--momentum-correction` ask for; topk
+    warms its sparsity up over the learning rate's warm-up epochs (DGC's warm-up training)."""
+    from .compression import from_spec
+
+    warmup = args.warmup_epochs if args.warmup_epochs is not None else min(DEFAULT_WARMUP_EPOCHS,
+                                                                           args.epochs)
+    return from_spec(args.compression, momentum=MOMENTUM, momentum_correction=momentum_correction(args),
+                     warmup_epochs=math.ceil(warmup) if math.isfinite(warmup) else 0)
+
+
+def optimizer_momentum(args: argparse.Namespace) -> float:
+    """SGD's own momentum: none where the exchange applies it (momentum correction)."""
+    return 0.0 if momentum_correction(args) else MOMENTUM
 
 
 def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int) -> str | None:
@@ -243,7 +293,10 @@ def main(argv: list[str]) -> int:
 
 # -- training on digits --------------------------------------------------------------------------
 
-_TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed")
+_TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed",
+                       "compression", "momentum_correction")
+#: What checkpoints written before an option existed stand for.
+_TRAJECTORY_DEFAULTS = {"compression": "none", "momentum_correction": None}
 
 
 def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
@@ -278,7 +331,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                           + (f" ({len(skipped)} unusable, see above)" if skipped else "")
                           + "; run once without --resume to create one"], rank)
         differences = [f"{k} {checkpoint['job'].get(k)!r} (this run: {v!r})"
-                       for k, v in job.items() if checkpoint["job"].get(k) != v]
+                       for k, v in job.items()
+                       if checkpoint["job"].get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
         if differences:
             return _fail([f"--resume: {path} was made with " + ", ".join(differences)
                           + "; resume with the same settings or use a new --checkpoint-dir"], rank)
@@ -312,7 +366,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     if not math.isfinite(lr):
         return _fail([scaled_rate_error(args, global_batch)], rank)
     warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=optimizer_momentum(args))
     start_factor = warmup_start_factor(global_batch, args.reference_batch)
     scheduler = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
                                        start_factor=start_factor)
@@ -331,7 +385,10 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         epoch, done_in_epoch, step = checkpoint["epoch"], checkpoint["batches_done"], checkpoint["step"]
     ddp = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb,
                                   algorithm=args.algorithm, overlap=not args.no_overlap,
-                                  timeline=args.timeline)
+                                  timeline=args.timeline, compression=gradient_exchange(args))
+    ddp.check_optimizer(optimizer)
+    # This rank's gradient traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
+    traffic_before: dict[str, Any] = {}
     if checkpoint is not None:
         # After DDP's construction-time broadcast: each rank's own buffers and random numbers.
         mine = restore_rank_state(checkpoint, rank)
@@ -340,15 +397,21 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                 buffer.copy_(mine["buffers"][name])
         # Checkpoints written before hpcdl kept the sums have none: the epoch then starts from zero.
         epoch_sums = tuple(mine.get("epoch_sums", epoch_sums))
+        if "compression" in mine:  # error-feedback state (checkpoints of older hpcdl have none)
+            ddp.load_compression_state_dict(mine["compression"])
+            traffic_before = mine["traffic"]
     else:
         torch.manual_seed(args.seed + 1 + rank)  # ranks draw different dropout masks
 
-    def checkpoint_now(epoch_: int, batches_done: int, sums: tuple[float, int, float]) -> None:
+    def checkpoint_now(epoch_: int, batches_done: int, sums: tuple[float, int, float],
+                       traffic: dict[str, Any]) -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "epoch": epoch_, "batches_done": batches_done,
                  "job": job}
         save_checkpoint(args.checkpoint_dir, state, step=step, comm=comm, keep=KEEP_CHECKPOINTS,
-                        rank_state={"buffers": dict(model.named_buffers()), "epoch_sums": sums})
+                        rank_state={"buffers": dict(model.named_buffers()), "epoch_sums": sums,
+                                    "compression": ddp.compression_state_dict(),
+                                    "traffic": traffic})
 
     metrics = None
     if rank == 0 and args.metrics:
@@ -367,6 +430,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     while epoch < args.epochs:
         ddp.train()
         (local_loss, local_samples, seconds_before), epoch_sums = epoch_sums, (0.0, 0, 0.0)
+        traffic, traffic_before = EpochTraffic(ddp, **traffic_before), {}
+        ddp.compression.set_epoch(epoch)  # a per-epoch schedule (DGC's sparsity warm-up)
         bar = tqdm(total=steps_per_epoch, initial=done_in_epoch, disable=rank != 0, leave=False,
                    desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr)
         # Set back by the seconds the resumed run spent on this epoch up to its checkpoint: the
@@ -380,6 +445,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             loss.backward()
             optimizer.step()
             scheduler.step()
+            traffic.step()
             step += 1
             local_loss += loss.item() * len(indices)
             local_samples += len(indices)
@@ -391,20 +457,27 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             if stop_request is not None and stop_request.agreed(comm):
                 bar.close()
                 checkpoint_now(epoch, batch_index + 1,
-                               (local_loss, local_samples, time.perf_counter() - started))
+                               (local_loss, local_samples, time.perf_counter() - started),
+                               traffic.state())
                 say(f"stopping at step {step} on {stop_request.name}: checkpoint written, exit status "
                     f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
                 return CHECKPOINTED_ON_SIGNAL
             if args.checkpoint_every and step % args.checkpoint_every == 0 \
                     and batch_index + 1 < steps_per_epoch:  # the epoch-end checkpoint covers the last
                 checkpoint_now(epoch, batch_index + 1,
-                               (local_loss, local_samples, time.perf_counter() - started))
+                               (local_loss, local_samples, time.perf_counter() - started),
+                               traffic.state())
         bar.close()
         # A run stopped by a signal after the epoch's last batch has not reported the epoch yet: with
         # no batch left, the checkpoint's sums alone make its summary.
         elapsed = time.perf_counter() - started
-        totals = sum_over_ranks(np.array([local_loss, local_samples, elapsed]), comm,
-                                f"the sums of epoch {epoch + 1}'s loss, samples and time")
+        sent = traffic.so_far()
+        totals = reduce_over_ranks(np.array([local_loss, local_samples, elapsed, sent.bytes_sent,
+                                             sent.dense_fp32_bytes, sent.elements_sent, sent.elements],
+                                            dtype=np.float64), comm,
+                                   f"the sums of epoch {epoch + 1}'s loss, samples, time and traffic")
+        densest = reduce_over_ranks(np.array([traffic.densest]), comm,
+                                    f"the densest gradient exchange of epoch {epoch + 1}", op="max")[0]
         epoch += 1
         done_in_epoch = 0
         if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
@@ -423,16 +496,19 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                              rank, DIVERGED)
             throughput = totals[1] / (totals[2] / size)  # samples of all ranks / mean rank time
             test_loss, accuracy = evaluate(model, test_set, rank, size, comm, f"after epoch {epoch}")
+            sent = gradient_report(totals[3], totals[4], totals[5], totals[6], size) \
+                | {"grad_density_max_step": densest}
             say(f"epoch {epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
                 f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  "
-                f"lr {scheduler.get_last_lr()[0]:.4g}", flush=True)
+                f"lr {scheduler.get_last_lr()[0]:.4g}  gradients {sent['grad_bytes_per_rank'] / 1e6:.3g} MB"
+                f"/rank = fp32/{sent['grad_ratio']:.3g}", flush=True)
             if metrics is not None:
                 metrics.write({"epoch": epoch, "step": step, "train_loss": train_loss,
                                "test_loss": test_loss, "accuracy": accuracy, "samples_per_s": throughput,
                                "seconds": totals[2] / size, "lr": scheduler.get_last_lr()[0],
-                               "ranks": size})
+                               "ranks": size, **sent})
         if args.checkpoint_dir:
-            checkpoint_now(epoch, 0, (0.0, 0, 0.0))
+            checkpoint_now(epoch, 0, (0.0, 0, 0.0), {})
 
     test_loss, accuracy = evaluate(model, test_set, rank, size, comm, "at the end")
     say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {step} steps", flush=True)
@@ -442,6 +518,44 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         written = ddp.write_timeline()
         say(f"timeline written to {written}")
     return 0
+
+
+class EpochTraffic:
+    """This rank's gradient traffic in the epoch under way: the totals so far and the largest
+    fraction of elements it sent in one step; `state()` resumes it (`EpochTraffic(ddp, **state)`)."""
+
+    def __init__(self, ddp: Any, sent: tuple[int, ...] = (), densest: float = 0.0) -> None:
+        from .reducer import GradientTraffic
+
+        self.ddp = ddp
+        self.start = ddp.traffic - GradientTraffic(*sent)  # as if the earlier part ran here
+        self.last = ddp.traffic
+        self.densest = densest
+
+    def step(self) -> None:
+        """After each step: note its fraction of elements sent."""
+        now = self.ddp.traffic
+        this = now - self.last
+        self.last = now
+        if this.elements:
+            self.densest = max(self.densest, this.elements_sent / this.elements)
+
+    def so_far(self) -> Any:
+        """The epoch's `GradientTraffic` so far."""
+        return self.ddp.traffic - self.start
+
+    def state(self) -> dict[str, Any]:
+        """Plain values for a checkpoint."""
+        return {"sent": dataclasses.astuple(self.so_far()), "densest": self.densest}
+
+
+def gradient_report(bytes_sent: float, dense_fp32_bytes: float, elements_sent: float, elements: float,
+                    size: int) -> dict[str, float]:
+    """The per-epoch gradient traffic figures from sums over ranks: bytes a rank sent on average,
+    how many times less that is than dense float32, and the fraction of elements sent."""
+    return {"grad_bytes_per_rank": bytes_sent / size,
+            "grad_ratio": dense_fp32_bytes / bytes_sent if bytes_sent else math.inf,
+            "grad_density": elements_sent / elements if elements else 0.0}
 
 
 def warmup_warning(warmup_steps: int, total_steps: int, scaled_lr: float, start_factor: float) -> str | None:
@@ -501,10 +615,10 @@ class StopRequest:
         return bool(self._flag[0])
 
 
-def sum_over_ranks(values: np.ndarray, comm: MPI.Comm, what: str) -> np.ndarray:
-    """Collective: the sum of `values` over ranks, warning (hpcdl/stall.py) while a rank is
-    missing; `what` names the sums in the warning."""
-    handle = collectives.iallreduce(values, comm, op="sum")
+def reduce_over_ranks(values: np.ndarray, comm: MPI.Comm, what: str, op: str = "sum") -> np.ndarray:
+    """Collective: `values` reduced with `op` over ranks, warning (hpcdl/stall.py) while a rank is
+    missing; `what` names them in the warning."""
+    handle = collectives.iallreduce(values, comm, op=op)
     return stall.wait_for(handle, what, rank=comm.Get_rank(), advice=STALL_ADVICE, stacklevel=2)
 
 
@@ -540,7 +654,7 @@ def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm, whe
         loss = F.cross_entropy(logits, y[rank::size], reduction="sum").item()
         correct = (logits.argmax(dim=1) == y[rank::size]).sum().item()
     model.train(was_training)
-    sums = sum_over_ranks(np.array([loss, correct, len(y[rank::size])], dtype=np.float64), comm,
+    sums = reduce_over_ranks(np.array([loss, correct, len(y[rank::size])], dtype=np.float64), comm,
                           f"the held-out evaluation {when}".rstrip())
     return float(sums[0] / sums[2]), float(sums[1] / sums[2])
 
@@ -629,7 +743,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
     model = build_model(args.model, in_channels=3, image_size=args.image_size, num_classes=1000)
     ddp = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb,
                                   algorithm=args.algorithm, overlap=not args.no_overlap,
-                                  timeline=args.timeline)
+                                  timeline=args.timeline, compression=gradient_exchange(args))
     lr = scaled_learning_rate(args.lr, args.batch_size * size, args.reference_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     torch.manual_seed(args.seed + 1 + rank)
@@ -644,7 +758,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
         f"images 3x{args.image_size}x{args.image_size}")
     say(f"Batch size: {args.batch_size}")
     say(f"Number of ranks: {size}, allreduce algorithm: {args.algorithm}, "
-        f"overlap: {not args.no_overlap}")
+        f"overlap: {not args.no_overlap}, compression: {ddp.compression!r}")
     say("Running warmup...", flush=True)
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)
     say("Running benchmark...", flush=True)
