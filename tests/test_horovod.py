@@ -280,3 +280,28 @@ def test_what_hpcdl_does_not_offer_raises_when_used(comm):
         hvd.elastic.TorchState(model=None)
     with pytest.raises(NotImplementedError, match="mpirun -n N"):
         hvd.run(lambda: None, np=2)
+
+
+def test_broadcast_optimizer_state_of_lbfgs(comm):
+    """L-BFGS's state (lists of tensors, counters, Nones) travels too (Horovod refuses it)."""
+    rank = comm.Get_rank()
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, history_size=3)
+    if rank == 0:
+        x, y = torch.randn(8, 3), torch.randn(8, 1)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        for _ in range(2):
+            optimizer.step(closure)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    state = optimizer.state_dict()["state"][0]
+    mine = (state["n_iter"], b"".join(t.numpy().tobytes() for t in state["old_dirs"]),
+            state["d"].numpy().tobytes())
+    assert all_ranks_agree(len(set(comm.allgather(mine))) == 1 and state["n_iter"] > 0, comm)
