@@ -12,8 +12,8 @@ included through its int16 bits) goes to the collectives as a zero-copy array, a
 back as a tensor on the input's device: `out` itself when given, else a tensor sharing the result's
 memory. Anything that is not a tensor (NumPy, CuPy, any array) goes to `collectives` untouched.
 
-A tensor the collectives cannot take (it requires grad, is sparse or not contiguous, or its dtype or
-device is not supported) is refused on every rank of the call with
+A tensor the collectives cannot take (it requires grad outside `torch.no_grad()`, is sparse or not
+contiguous, or its dtype or device is not supported) is refused on every rank of the call with
 `collectives.CollectiveArgumentError`, by the collectives' own cross-rank check
 (`hpcdl.tensors.collective_array`), so a bad tensor on one rank never leaves the others waiting. No
 extra communication is added to a call that passes: the conversions cost a few microseconds.
@@ -66,35 +66,42 @@ def _torch_among(*values: Any) -> Any:
     return None
 
 
+_tensors: Any = None  # hpcdl.tensors, imported with torch on the first tensor
+
+
+def _bridge() -> Any:
+    global _tensors
+    if _tensors is None:
+        from . import tensors
+
+        _tensors = tensors
+    return _tensors
+
+
 def _arrays(x: Any, out: Any) -> tuple[Any, Any]:
     """What the collectives get for `x` and `out`: tensors as arrays (or refusals), the rest as is.
 
     `out is x` stays an identity (the collectives' in-place signal).
     """
-    from .tensors import collective_array
-
-    torch = sys.modules["torch"]
-    ax = collective_array(x) if isinstance(x, torch.Tensor) else x
+    bridge = _bridge()
+    tensor = bridge.torch.Tensor
+    ax = bridge.collective_array(x) if isinstance(x, tensor) else x
     if out is x:
         return ax, ax
-    return ax, collective_array(out) if isinstance(out, torch.Tensor) else out
+    return ax, bridge.collective_array(out) if isinstance(out, tensor) else out
+
+
+def _result(result: Any, x: Any, out: Any) -> Any:
+    """What the caller gets: `out` itself when given, a tensor when `x` is a tensor, None stays
+    None (reduce off the root)."""
+    if result is None or out is not None:
+        return None if result is None else out
+    return _bridge().as_tensor(result) if isinstance(x, _bridge().torch.Tensor) else result
 
 
 def _converter(x: Any, out: Any) -> Callable[[Any], Any]:
-    """How a collective's result becomes what the caller gets: `out` itself when given, a tensor
-    when `x` is a tensor, None stays None (reduce off the root)."""
-    from .tensors import as_tensor
-
-    torch = sys.modules["torch"]
-    tensor_in = isinstance(x, torch.Tensor)
-
-    def convert(result: Any) -> Any:
-        if result is None:
-            return None
-        if out is not None:
-            return out
-        return as_tensor(result) if tensor_in else result
-    return convert
+    """`_result` for a non-blocking call's eventual result."""
+    return lambda result: _result(result, x, out)
 
 
 def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorithm: str = "auto",
@@ -106,7 +113,7 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
     if _torch_among(x, out) is None:
         return collectives.allreduce(x, comm, op=op, algorithm=algorithm, out=out)
     ax, aout = _arrays(x, out)
-    return _converter(x, out)(collectives.allreduce(ax, comm, op=op, algorithm=algorithm, out=aout))
+    return _result(collectives.allreduce(ax, comm, op=op, algorithm=algorithm, out=aout), x, out)
 
 
 def reduce_scatter(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum",
@@ -115,8 +122,7 @@ def reduce_scatter(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum",
     if _torch_among(x, out) is None:
         return collectives.reduce_scatter(x, comm, op=op, algorithm=algorithm, out=out)
     ax, aout = _arrays(x, out)
-    return _converter(x, out)(collectives.reduce_scatter(ax, comm, op=op, algorithm=algorithm,
-                                                         out=aout))
+    return _result(collectives.reduce_scatter(ax, comm, op=op, algorithm=algorithm, out=aout), x, out)
 
 
 def allgather(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto", out: Any = None) -> Any:
@@ -124,7 +130,7 @@ def allgather(x: Any, comm: MPI.Comm | None = None, *, algorithm: str = "auto", 
     if _torch_among(x, out) is None:
         return collectives.allgather(x, comm, algorithm=algorithm, out=out)
     ax, aout = _arrays(x, out)
-    return _converter(x, out)(collectives.allgather(ax, comm, algorithm=algorithm, out=aout))
+    return _result(collectives.allgather(ax, comm, algorithm=algorithm, out=aout), x, out)
 
 
 def broadcast(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, algorithm: str = "auto") -> Any:
@@ -142,8 +148,7 @@ def reduce(x: Any, root: int = 0, comm: MPI.Comm | None = None, *, op: str = "su
     if _torch_among(x, out) is None:
         return collectives.reduce(x, root, comm, op=op, algorithm=algorithm, out=out)
     ax, aout = _arrays(x, out)
-    return _converter(x, out)(collectives.reduce(ax, root, comm, op=op, algorithm=algorithm,
-                                                 out=aout))
+    return _result(collectives.reduce(ax, root, comm, op=op, algorithm=algorithm, out=aout), x, out)
 
 
 def iallreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorithm: str = "auto",

@@ -172,6 +172,11 @@ def test_a_bad_tensor_on_one_rank_is_refused_on_every_rank(comm, kind, collectiv
     if rank != bad_rank and message is not None:
         ok = ok and f"rank {bad_rank}" in message
     assert all_ranks_agree(ok, comm), message
+    if kind == "requires grad":  # under no_grad a tensor that requires grad is fine, as in torch
+        with torch.no_grad():
+            param = torch.ones(4, requires_grad=True)
+            assert hpcdl.allreduce(param, comm, out=param) is param
+        assert all_ranks_agree(bool(torch.equal(param.detach(), torch.full((4,), float(size)))), comm)
     # the communicator is still usable, in step on every rank
     assert hpcdl.allreduce(torch.ones(1), comm).item() == size
 
