@@ -62,7 +62,7 @@ import collectives
 from collectives import Handle
 
 from . import runtime, stall
-from .agreement import raise_unless_agreed
+from .agreement import raise_together, raise_unless_agreed
 from .compression import GradientExchange, resolve
 from .memory import small_pages_warning
 from .reducer import GradientTraffic, Reducer
@@ -84,6 +84,21 @@ IN_PLACE_BYTES = 1 * _MB
 #: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket
 #: (HPCDL_STALL_WARNING_S, when set, overrides it: hpcdl/stall.py).
 STALL_WARNING_S = stall.DEFAULT_WARNING_S
+
+#: torch DDP's other constructor arguments: the value that means what this wrapper does anyway
+#: (accepted), and what to do instead of any other value. `process_group` has no accepted value.
+_TORCH_ONLY: dict[str, tuple[Any, str]] = {
+    "dim": (0, "inputs are never scattered here (one device per rank); drop dim"),
+    "process_group": (None, "pass comm= (an MPI communicator), or use torch's own DDP with "
+                            "hpcdl.init_torch_distributed() for a torch process group"),
+    "check_reduction": (False, "drop check_reduction (deprecated in torch too)"),
+    "init_sync": (True, "parameters are always broadcast from rank 0 at construction"),
+    "skip_all_reduce_unused_params": (False, "use find_unused_parameters=True"),
+    "mixed_precision": (None, "use compression='fp16' (float16 on the wire)"),
+    "device_mesh": (None, "pass comm= (an MPI communicator)"),
+    "delay_all_reduce_named_params": (None, "not offered: every gradient is averaged in backward"),
+    "param_to_hook_all_reduce": (None, "not offered: every gradient is averaged in backward"),
+}
 
 #: The wrapper in charge of each module's gradients; building a new one around a module detaches
 #: the old one (its hooks would otherwise go on reducing every backward).
@@ -116,8 +131,16 @@ class DistributedDataParallel(torch.nn.Module):
         timeline: a `Timeline`, or a path to write a Chrome trace to (call `write_timeline()`).
         timeout: seconds a step may wait for its reductions before backward raises TimeoutError
             (None: wait, warning after STALL_WARNING_S).
+        device_ids, output_device: as torch's DDP, for a module on one GPU: None, or that GPU,
+            which must be the one `hpcdl.init()` bound this rank to (local rank % GPUs); checked
+            on every rank together. Inputs are not moved to it (move them yourself).
+        gradient_as_bucket_view, static_graph: torch's flags, accepted; gradients of parameters
+            under IN_PLACE_BYTES always live in the buckets (torch's True), and the buckets are
+            rebuilt once from the first backward whatever the graph.
 
-    Building a second wrapper around the same module detaches the first (its forward then raises).
+    torch's other arguments are refused by name, with what to use instead (their default values
+    pass). Building a second wrapper around the same module detaches the first (its forward then
+    raises).
     """
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *,
@@ -125,10 +148,19 @@ class DistributedDataParallel(torch.nn.Module):
                  compression: GradientExchange | str | None = None, overlap: bool = True,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = False,
                  timeline: Timeline | str | os.PathLike[str] | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, device_ids: list[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 **torch_options: Any) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(comm, (list, tuple)) and device_ids is None:  # torch's DDP(module, [gpu])
+            comm, device_ids = None, list(comm)
+        if comm is not None and not isinstance(comm, MPI.Comm):
+            raise TypeError(f"comm must be an MPI communicator, got {type(comm).__name__}; pass "
+                            "torch's device_ids= by keyword")
+        _check_torch_options(torch_options)
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
@@ -154,6 +186,9 @@ class DistributedDataParallel(torch.nn.Module):
                 warnings.warn(advice, RuntimeWarning, stacklevel=2)
         self.module = module
         self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.device_ids, self.output_device = _bound_device(module, device_ids, output_device, self.comm)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.static_graph = bool(static_graph)
         self.algorithm = algorithm
         #: the gradient-exchange scheme (a `hpcdl.compression.GradientExchange`)
         self.compression = exchange
@@ -203,6 +238,15 @@ class DistributedDataParallel(torch.nn.Module):
         self._backward_started_at: float | None = None
 
     # -- construction ----------------------------------------------------------------------------
+
+    def broadcast_parameters(self) -> None:
+        """Collective: give every rank rank 0's parameters and buffers, in place.
+
+        For a restore on rank 0 only (a checkpoint read by one rank): call this afterwards, as the
+        constructor did at the start. Optimizer state is not touched: restore it on every rank, or
+        send rank 0's (`hpcdl.horovod.broadcast_optimizer_state`). One broadcast per tensor.
+        """
+        self._broadcast_state()
 
     def _broadcast_state(self) -> None:
         """Give every rank rank 0's parameters and buffers (one broadcast per tensor)."""
@@ -416,6 +460,59 @@ class DistributedDataParallel(torch.nn.Module):
         if self.timeline is None:
             raise RuntimeError("no timeline was requested; pass timeline=PATH to record one")
         return self.timeline.write()
+
+
+def _check_torch_options(options: dict[str, Any]) -> None:
+    """Refuse torch DDP arguments this wrapper cannot honour, by name, saying what to do instead."""
+    unknown = sorted(set(options) - set(_TORCH_ONLY))
+    if unknown:
+        raise TypeError(f"DistributedDataParallel got unexpected arguments {', '.join(unknown)}")
+    for name, value in options.items():
+        default, advice = _TORCH_ONLY[name]
+        if value is not default and value != default:
+            raise ValueError(f"torch DDP's {name}={value!r} is not supported by "
+                             f"hpcdl.DistributedDataParallel: {advice}")
+
+
+def _bound_device(module: torch.nn.Module, device_ids: Any, output_device: Any,
+                  comm: MPI.Comm) -> tuple[list[int] | None, int | None]:
+    """Collective: torch's device_ids/output_device checked against the GPU this rank is bound to
+    (`runtime`); raises ValueError on every rank if any rank's are wrong (GPUs differ per rank, so
+    one rank alone could be wrong). Returns them as GPU indices."""
+    def index(device: Any) -> int | None:
+        if isinstance(device, int) and not isinstance(device, bool):
+            return device
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return device.index if device.index is not None else torch.cuda.current_device()
+        return None
+
+    bound = runtime.topology().gpu
+    devices = {p.device for p in module.parameters()}
+    error = None
+    ids: list[Any] | None = None
+    if device_ids is not None:
+        ids = [index(d) for d in device_ids]
+        if devices and all(d.type == "cpu" for d in devices):
+            error = f"device_ids={list(device_ids)} is for a module on a GPU; this one is on the CPU: pass None"
+        elif len(ids) != 1 or ids[0] is None:
+            error = (f"device_ids={list(device_ids)}: pass one CUDA device (one per rank), or None")
+        elif bound is None:
+            error = f"device_ids={list(device_ids)}, but this rank has no GPU bound (no CUDA found)"
+        elif ids[0] != bound:
+            error = (f"device_ids={list(device_ids)}, but hpcdl.init() bound this rank to cuda:{bound} "
+                     f"(local rank % GPUs): pass device_ids=[{bound}] (hpcdl.topology().gpu)")
+    out = None
+    if error is None and output_device is not None:
+        out = index(output_device)
+        expected = ids[0] if ids else bound
+        if out is None or out != expected:
+            error = (f"output_device={output_device!r} is not this rank's GPU "
+                     f"({'none' if expected is None else f'cuda:{expected}'}); pass "
+                     f"{'None' if expected is None else expected}")
+    raise_together(error, comm, ValueError)
+    return ids, out
 
 
 def _first_tensor_needing_grad(output: Any) -> torch.Tensor | None:
