@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -88,6 +88,33 @@ def element_count(collective: str, nbytes: int, itemsize: int, size: int) -> int
     if described.arguments == "offsets" and not described.varying_counts:
         count = max(1, count // size) * size
     return count
+
+
+def peak_bytes(collective: str, nbytes: int, itemsize: int, size: int, in_place: bool,
+               algorithms: Sequence[str]) -> int:
+    """What a `Case` of this row holds per rank at most, in bytes: its input and output buffers,
+    one copy of the expected result, and what the peers add on top (measured with
+    `/usr/bin/time -f %M` at 256 MiB: the MPI library's staging about half a message more,
+    mpi4py's pickled call four times the message, its pickles and the result it unpickles).
+
+    The hand-written algorithms' scratch is a piece or a block of the message, not counted.
+    """
+    count = element_count(collective, nbytes, itemsize, size)
+    if COLLECTIVES[collective].gathers:  # in place, the input is a block of the output
+        n_in = -(-count // size)
+        buffers, expected = count + (0 if in_place else n_in), count
+    elif collective == "reduce_scatter":  # in place, the output is a block of the input
+        n_in = count
+        buffers, expected = count + (0 if in_place else count // size), count // size
+    else:  # broadcast is in place always
+        n_in = count
+        buffers, expected = count * (1 if in_place or collective == "broadcast" else 2), count
+    extra = 0.0
+    if "pickle" in algorithms:
+        extra = max(extra, 4.0 * n_in)
+    if any(a in algorithms for a in ("mpi", "direct", "auto")):
+        extra = max(extra, 0.5 * n_in)
+    return int((buffers + expected + extra) * itemsize)
 
 
 def bus_factor(collective: str, size: int) -> float:
@@ -150,14 +177,34 @@ class Unsupported(Exception):
 
 # -- exact test data -----------------------------------------------------------------------------
 
-def element_residues(count: int, modulus: int) -> np.ndarray:
-    """A pseudo-random residue in [0, modulus) per element index 0..count-1.
+#: Elements per piece when test data are made or checked: the temporaries of a piece (residues,
+#: int64 values, comparison masks) stay about 5 MiB whatever the message size.
+PIECE_ELEMENTS = 1 << 18
+
+
+def element_residues(count: int, modulus: int, start: int = 0) -> np.ndarray:
+    """A pseudo-random residue in [0, modulus) per element index start..start+count-1.
 
     Knuth's multiplicative hash of the index, so the pattern never repeats with a block length
     and a block that lands in the wrong place is caught.
     """
-    index = np.arange(count, dtype=np.uint32)
+    index = np.arange(start, start + count, dtype=np.uint32)
     return ((index * np.uint32(2654435761)) >> np.uint32(16)) % np.uint32(modulus)
+
+
+def pieces(count: int) -> Iterator[slice]:
+    """Consecutive slices of at most PIECE_ELEMENTS covering 0..count."""
+    for start in range(0, count, PIECE_ELEMENTS):
+        yield slice(start, min(count, start + PIECE_ELEMENTS))
+
+
+def table_into(dest: np.ndarray, table: np.ndarray, shift: int, start: int = 0) -> np.ndarray:
+    """dest[i] = table[(h(start + i) + shift) % len(table)], piece by piece; returns dest."""
+    m = len(table)
+    for piece in pieces(len(dest)):
+        residues = element_residues(piece.stop - piece.start, m, start + piece.start)
+        dest[piece] = table[(residues.astype(np.intp) + shift) % m]
+    return dest
 
 
 def value_table(collective: str, dtype: str, op: str, size: int) -> np.ndarray:
@@ -278,27 +325,34 @@ class Case:
         count = element_count(collective, nbytes, itemsize, p)
         self.count, self.nbytes = count, count * itemsize
         values = value_table(collective, dtype, op, p)
-        m = len(values)
         n_in = count // p if COLLECTIVES[collective].gathers else count
         self.counts = partition_counts(count, p)  # allgatherv's contributions
         if COLLECTIVES[collective].varying_counts:
             n_in = self.counts[r]
-        residues = element_residues(n_in, m).astype(np.intp)
-        self.pattern = self.space.put(values[(residues + r) % m].astype(self.dtype))
+        # Made piece by piece (`table_into`), so the only buffers as large as the message are
+        # the collective's own and one copy of the expected result.
+        self.values, self.n_in = values.astype(self.dtype), n_in
         if COLLECTIVES[collective].varying_counts:
-            expected = np.concatenate([values[(element_residues(c, m).astype(np.intp) + q) % m]
-                                       for q, c in enumerate(self.counts)]).astype(self.dtype)
+            expected = np.empty(count, self.dtype)
+            for q, (start, stop) in enumerate(itertools.pairwise(offsets_of(self.counts))):
+                table_into(expected[start:stop], self.values, q)
         elif collective == "broadcast":
-            expected = values[(residues + root) % m].astype(self.dtype)
+            expected = table_into(np.empty(n_in, self.dtype), self.values, root)
         elif collective == "allgather":
-            expected = values[(residues[None, :] + np.arange(p)[:, None]) % m].astype(self.dtype)
+            expected = np.empty((p, n_in), self.dtype)
+            for q in range(p):
+                table_into(expected[q], self.values, q)
         else:
-            expected = reduced_table(values, self.dtype, op, p)[residues]
+            table = reduced_table(values, self.dtype, op, p)
             if collective == "reduce_scatter":
                 offsets = partition_offsets(count, p)
                 self.block = slice(offsets[r], offsets[r + 1])
-                expected = expected[self.block]
-        self.expected = self.space.put(expected)
+                expected = table_into(np.empty(self.block.stop - self.block.start, self.dtype),
+                                      table, 0, self.block.start)
+            else:
+                expected = table_into(np.empty(n_in, self.dtype), table, 0)
+        self.expected = expected if self.space.xp is np else self.space.put(expected)
+        del expected
         self._allocate(n_in)
 
     def _allocate(self, n_in: int) -> None:
@@ -332,8 +386,12 @@ class Case:
             self.out.fill(POISON)
         if self.collective == "broadcast" and self.rank != self.root:
             self.x.fill(POISON)
+        elif self.space.xp is np:
+            table_into(self.x, self.values, self.rank)
         else:
-            self.x[...] = self.pattern
+            for piece in pieces(self.n_in):
+                self.x[piece] = self.space.put(table_into(
+                    np.empty(piece.stop - piece.start, self.dtype), self.values, self.rank, piece.start))
         self.space.synchronize()  # MPI reads device memory behind CUDA's back
 
     def quiesce(self) -> None:
@@ -346,7 +404,9 @@ class Case:
         """Elements of `output` that differ from the exact result (0 when there is no output)."""
         if output is None:
             return 0
-        return int(self.space.xp.count_nonzero(output.reshape(self.expected.shape) != self.expected))
+        got, want = output.reshape(-1), self.expected.reshape(-1)
+        count_nonzero = self.space.xp.count_nonzero
+        return sum(int(count_nonzero(got[piece] != want[piece])) for piece in pieces(want.size))
 
     def runner(self, algorithm: str) -> Runner:
         """A Runner for `algorithm`, or Unsupported(reason) where it cannot run this case."""
