@@ -328,7 +328,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     steps_per_epoch = batches_per_epoch(sampler, args.batch_size)
     total_steps = steps_per_epoch * args.epochs
     update_batch = plan.update_batch
-    lr = scaled_learning_rate(args.lr, update_batch, args.reference_batch)
+    lr = scaled_learning_rate(args.lr, update_batch, args.reference_batch) * plan.asynchrony
     if not math.isfinite(lr):
         return _fail([scaled_rate_error(args, update_batch)], rank)
     warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
@@ -436,7 +436,8 @@ class Trainer:
         self.say(f"training {args.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
                  f"held out) on {plan.ranks} rank(s) with {plan.name} ({plan.describe()}): batch "
                  f"{args.batch_size} per rank, {plan.update_batch} per update, lr {schedule.lr:g} (base "
-                 f"{args.lr:g} x {plan.update_batch}/{args.reference_batch}), warm-up "
+                 f"{args.lr:g} x {plan.update_batch}/{args.reference_batch}"
+                 + (f" x {plan.asynchrony:.3g} for asynchrony" if plan.asynchrony != 1 else "") + "), warm-up "
                  f"{schedule.warmup_steps} steps, {self.steps_per_epoch} steps per epoch"
                  + (f"; rank {plan.straggler[0]} straggles {plan.straggler[1]:g}x" if plan.straggler else "")
                  + (f"; resuming at epoch {self.epoch + 1}, step {self.step}" if self.resumed else ""),
