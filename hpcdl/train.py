@@ -584,6 +584,11 @@ class Trainer:
         # no batch left, the checkpoint's sums alone make its summary.
         totals = sum_over_ranks(np.array(sums, dtype=np.float64), self.comm,
                                 f"the sums of epoch {self.epoch + 1}'s loss, samples and time")
+        # The epoch's time is its slowest rank's: ranks that run at their own pace (async) finish
+        # at different moments, and the epoch is over only when the last one is.
+        seconds = float(stall.wait_for(collectives.iallreduce(np.array([sums[2]]), self.comm, op="max"),
+                                       f"the maximum of epoch {self.epoch + 1}'s time", rank=self.rank,
+                                       advice=STALL_ADVICE)[0])
         self.epoch += 1
         self.done_in_epoch = 0
         if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
@@ -599,7 +604,7 @@ class Trainer:
                                f"{train_loss}; lower --lr (the scaled rate was {self.schedule.lr:g}) or "
                                "lengthen --warmup-epochs. No checkpoint was written at this epoch's end")],
                              self.rank, DIVERGED)
-            throughput = totals[1] / (totals[2] / self.size)  # samples of all ranks / mean rank time
+            throughput = totals[1] / seconds  # samples of all ranks / the slowest rank's time
             test_loss, accuracy = evaluate(strategy.evaluation_model(), self.test_set, self.rank, self.size,
                                            self.comm, f"after epoch {self.epoch}")
             # After the evaluation's pull: under sync-ps every push of the epoch is applied by then.
@@ -614,7 +619,7 @@ class Trainer:
             if self.metrics is not None:
                 self.metrics.write({
                     "epoch": self.epoch, "step": self.step, "train_loss": train_loss, "test_loss": test_loss,
-                    "accuracy": accuracy, "samples_per_s": throughput, "seconds": totals[2] / self.size,
+                    "accuracy": accuracy, "samples_per_s": throughput, "seconds": seconds,
                     "lr": lr, "ranks": self.plan.ranks, "strategy": self.plan.name, "samples": int(totals[1]),
                     "bytes_sent_per_rank": bytes_per_rank, **staleness_columns(staleness)})
         if args.checkpoint_dir:

@@ -74,7 +74,8 @@ class ShardServer:
     serves every consistency model (under sync, t is the synchronous step).
     `record_events=True` keeps a list of every update and every answered pull in `events`, for
     tests and analysis: ("update", version, [(worker, clock, version of the push, tau, weight)])
-    and ("answer", worker, clock, slowest active clock, version).
+    and ("answer", worker, clock, slowest active clock, version), or "meet" for a pull answered
+    because the progress reached its `until` (see protocol.py).
     """
 
     def __init__(self, comm: MPI.Comm, layout: Layout, index: int, params: Sequence[torch.Tensor],
@@ -255,9 +256,12 @@ class ShardServer:
     def _answer_deferred(self) -> None:
         waiting, self._deferred = self._deferred, []
         for worker, clock, until in waiting:
-            if (until and self.progress >= until) or \
-                    self.consistency.may_answer(clock, self.clocks, self.active, self.version):
+            if self.consistency.may_answer(clock, self.clocks, self.active, self.version):
                 self._send_params(worker, clock)
+            elif until and self.progress >= until:
+                # The worker stops here to meet the others (it takes no step on this answer),
+                # so the answer is no step of the consistency model and outside its bound.
+                self._send_params(worker, clock, meeting=True)
             else:
                 self._deferred.append((worker, clock, until))
 
@@ -266,11 +270,12 @@ class ShardServer:
         """Steps pushed by every worker, summed (as far as this shard has received them)."""
         return sum(self.clocks.values())
 
-    def _send_params(self, worker: int, clock: int) -> None:
+    def _send_params(self, worker: int, clock: int, meeting: bool = False) -> None:
         gap = clock - slowest(self.clocks, self.active, clock)
-        self.max_clock_gap = max(self.max_clock_gap, gap)
+        if not meeting:
+            self.max_clock_gap = max(self.max_clock_gap, gap)
         if self.events is not None:
-            self.events.append(("answer", worker, clock, clock - gap, self.version))
+            self.events.append(("meet" if meeting else "answer", worker, clock, clock - gap, self.version))
         fields = header(self._array)
         if fields[PROGRESS] != self.progress:
             self._finish_sends()  # replies in flight are sent from this same header
