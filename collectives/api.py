@@ -1,17 +1,18 @@
 """Public collectives: blocking functions and their non-blocking `i*` twins.
 
 Blocking calls run on the caller's thread; `i*` calls queue to their communicator's communication
-thread (`engine.py`) and return a `Handle` at once. Each runs on a private duplicate of `comm`
-(one for blocking calls, one for the communication thread), so its messages never match the
-caller's own. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go through the
+thread (`engine.py`) and return a `Handle` at once. All of them run on one private duplicate of
+`comm`, so their messages never match the caller's own, and in the order they were issued, as MPI
+orders the collectives of a communicator: a blocking call first waits for the `i*` calls issued
+before it. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go through the
 communication thread too, so only one thread ever calls MPI.
 
 Every call checks its arguments on every rank together (`validation.py`) before moving data,
-along with its call number on the communicator, so ranks that are out of step are told so.
-Results are written in place when `out` is the input (or for `broadcast`), else into `out`, else
-into a new array on the input's device.
+along with where the caller's program made it and its call number on the communicator, so a rank
+that skipped or added a call is told so instead of pairing the wrong calls. Results are written in
+place when `out` is the input (or for `broadcast`), else into `out`, else into a new array on the
+input's device.
 
-A blocking pairs only with the same blocking call on the other ranks, never with an `i*` twin.
 Calls on one communicator must come from one thread at a time: a call made while another thread's
 call on the same communicator is under way raises `ConcurrentUseError` on both threads.
 
@@ -92,7 +93,7 @@ class _Plan:
     """A call whose local arguments passed: what to run, on which working array."""
 
     algorithm: str
-    signature: list[int]  # without the call number
+    signature: list[int]  # without the call site and number
     source: Buffer
     layout: Layout
 

@@ -6,6 +6,7 @@
     mpirun -n 4 hpcdl train --strategy local-sgd --period 8      # average parameters every 8 steps
     mpirun -n 5 hpcdl train --strategy downpour --servers 1      # async parameter server, 4 workers
     mpirun -n 4 hpcdl train --synthetic --image-size 64          # images/s, Horovod-style
+    mpirun -n 4 hpcdl train --compression topk:0.01              # DGC: 1 % of the gradient sent
 
 Each rank trains on its `DistributedSampler` shard; by default `hpcdl.DistributedDataParallel`
 averages the gradients (the strategies: hpcdl/strategies/, docs/strategies.md). The learning rate
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 import numpy as np
 from mpi4py import MPI
@@ -33,6 +35,7 @@ import collectives
 from . import runtime, stall, strategies
 from .atomic_file import unwritable_directory, unwritable_file, write_atomically
 from .command import ARGUMENT_ERROR, Command, CommandError, report_failure
+from .strategies.options import DEFAULT_WARMUP_EPOCHS, MOMENTUM, compression_errors
 
 if TYPE_CHECKING:
     from .parameter_server import Staleness
@@ -46,7 +49,6 @@ CHECKPOINTED_ON_SIGNAL = 3
 DIVERGED = 4
 #: Checkpoints kept in --checkpoint-dir: the newest by step number, whichever run wrote them.
 KEEP_CHECKPOINTS = 3
-DEFAULT_WARMUP_EPOCHS = 2.0
 METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 #: What the stall warnings of `hpcdl train` advise (hpcdl/stall.py).
 STALL_ADVICE = ("A rank that is frozen (SIGSTOP, a debugger), swapping, much slower than the others, "
@@ -86,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--no-overlap", action="store_true",
                       help="reduce gradients after backward instead of during it")
     comm.add_argument("--timeline", metavar="PATH", help="write a Chrome trace of communication here")
+    comm.add_argument("--compression", default="none", metavar="SCHEME",
+                      help="how gradients travel (docs/compression.md): none (dense average, the "
+                           "default), fp16, bf16, topk:DENSITY (Deep Gradient Compression, e.g. "
+                           "topk:0.01) or threshold:TAU (Strom's threshold quantization)")
+    comm.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
+                      help="with topk or threshold: the exchange accumulates velocities (DGC's "
+                           f"momentum correction, momentum {MOMENTUM}, with masking) and the optimizer "
+                           "applies no momentum; the default for topk, whose sparsity also warms up "
+                           "over --warmup-epochs. --no-momentum-correction (the default for "
+                           "threshold) leaves the momentum to the optimizer")
     state = parser.add_argument_group("checkpoints and output")
     state.add_argument("--checkpoint-dir", metavar="DIR",
                        help="write checkpoints here at the end of every epoch (rank 0 writes); only "
@@ -192,7 +204,7 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
         stall.warning_seconds()
     except ValueError as exc:
         errors.append(str(exc))
-    return errors + strategies.option_errors(args, ranks)
+    return errors + compression_errors(args) + strategies.option_errors(args, ranks)
 
 
 def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int) -> str | None:
@@ -254,9 +266,10 @@ def main(argv: list[str]) -> int:
 
 # -- training on digits --------------------------------------------------------------------------
 
-_TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed")
+_TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed",
+                       "compression", "momentum_correction")
 #: What checkpoints written before an entry of their job existed stand for.
-_TRAJECTORY_DEFAULTS = {"strategy": "allreduce"}
+_TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentum_correction": None}
 
 
 def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
@@ -401,6 +414,10 @@ class Trainer:
         # run reports.
         self.epoch_sums: tuple[float, int, float, int] = (0.0, 0, 0.0, 0)
         self.stream = (0, 0)  # where this rank's batches stand (not lockstep): (round, batch)
+        # The epoch's gradient traffic (strategies whose exchange compresses: allreduce), and this
+        # rank's traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
+        self.traffic: EpochTraffic | None = None
+        self.traffic_before: dict[str, Any] = {}
         if checkpoint is not None:
             self.epoch, self.done_in_epoch = checkpoint["epoch"], checkpoint["batches_done"]
             self.step = self.own_steps = checkpoint["step"]
@@ -414,6 +431,7 @@ class Trainer:
             self.epoch_sums = saved + (0.0, 0, 0.0, 0)[len(saved):]
             self.stream = tuple(mine.get("stream", (self.epoch, self.done_in_epoch)))
             self.own_steps = int(mine.get("own_steps", self.step))
+            self.traffic_before = dict(mine.get("traffic") or {})
         else:
             torch.manual_seed(args.seed + 1 + self.rank)  # ranks draw different dropout masks
         self.straggler = None
@@ -466,7 +484,11 @@ class Trainer:
         x_train, y_train = self.train_set.tensors
         epoch_end = (self.epoch + 1) * self.steps_per_epoch
         strategy.train()
+        strategy.start_epoch(self.epoch)
         (loss_sum, samples, seconds_before, bytes_before), self.epoch_sums = self.epoch_sums, (0.0, 0, 0.0, 0)
+        if strategy.gradient_traffic is not None:
+            self.traffic = EpochTraffic(lambda: strategy.gradient_traffic, **self.traffic_before)
+        self.traffic_before = {}
         bar = tqdm(total=self.steps_per_epoch, initial=self.done_in_epoch, disable=self.rank != 0,
                    leave=False, desc=f"epoch {self.epoch + 1}/{args.epochs}", file=sys.stderr)
         # Set back by what the resumed run spent on this epoch up to its checkpoint: the epoch's
@@ -507,6 +529,8 @@ class Trainer:
             if self.straggler is not None:
                 self.straggler.delay()
             strategy.finish_step()
+            if self.traffic is not None:
+                self.traffic.step()
             self.own_steps += 1
             loss_sum += loss.item() * len(indices)
             samples += len(indices)
@@ -582,13 +606,17 @@ class Trainer:
         args, strategy = self.args, self.strategy
         # A run stopped by a signal after the epoch's last batch has not reported the epoch yet: with
         # no batch left, the checkpoint's sums alone make its summary.
-        totals = sum_over_ranks(np.array(sums, dtype=np.float64), self.comm,
-                                f"the sums of epoch {self.epoch + 1}'s loss, samples and time")
+        traffic, self.traffic = self.traffic, None  # the epoch-end checkpoint has none in progress
+        # Gradient traffic (zeros where the strategy has none, the same on every training rank).
+        sent = traffic.so_far() if traffic is not None else None
+        sent_sums = [sent.bytes_sent, sent.dense_fp32_bytes, sent.elements_sent, sent.elements] if sent else [0] * 4
+        totals = reduce_over_ranks(np.array([*sums, *sent_sums], dtype=np.float64), self.comm,
+                                   f"the sums of epoch {self.epoch + 1}'s loss, samples, time and traffic")
         # The epoch's time is its slowest rank's: ranks that run at their own pace (async) finish
         # at different moments, and the epoch is over only when the last one is.
-        seconds = float(stall.wait_for(collectives.iallreduce(np.array([sums[2]]), self.comm, op="max"),
-                                       f"the maximum of epoch {self.epoch + 1}'s time", rank=self.rank,
-                                       advice=STALL_ADVICE)[0])
+        seconds, densest = reduce_over_ranks(
+            np.array([sums[2], traffic.densest if traffic is not None else 0.0]), self.comm,
+            f"the maximum of epoch {self.epoch + 1}'s time and gradient density", op="max")
         self.epoch += 1
         self.done_in_epoch = 0
         if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
@@ -611,9 +639,16 @@ class Trainer:
             staleness = strategy.staleness() if self.rank == 0 else None
             bytes_per_rank = totals[3] / self.plan.ranks  # servers included: they send what workers receive
             lr = strategy.lr(self.step)
+            gradients: dict[str, float | None] = dict.fromkeys(
+                ("grad_bytes_per_rank", "grad_ratio", "grad_density", "grad_density_max_step"))
+            if traffic is not None:
+                gradients = {**gradient_report(totals[4], totals[5], totals[6], totals[7], self.size),
+                             "grad_density_max_step": float(densest)}
             self.say(f"epoch {self.epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
                      f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  lr {lr:.4g}  "
                      f"sent {bytes_per_rank / 1e6:.3g} MB/rank"
+                     + (f"  gradients {totals[4] / self.size / 1e6:.3g} MB/rank = fp32/"
+                        f"{gradients['grad_ratio']:.3g}" if traffic is not None else "")
                      + (f"  staleness mean {staleness.mean:.2f} max {staleness.max}" if staleness else ""),
                      flush=True)
             if self.metrics is not None:
@@ -621,7 +656,7 @@ class Trainer:
                     "epoch": self.epoch, "step": self.step, "train_loss": train_loss, "test_loss": test_loss,
                     "accuracy": accuracy, "samples_per_s": throughput, "seconds": seconds,
                     "lr": lr, "ranks": self.plan.ranks, "strategy": self.plan.name, "samples": int(totals[1]),
-                    "bytes_sent_per_rank": bytes_per_rank, **staleness_columns(staleness)})
+                    "bytes_sent_per_rank": bytes_per_rank, **gradients, **staleness_columns(staleness)})
         if args.checkpoint_dir:
             self.checkpoint_now(0, (0.0, 0, 0.0, 0))
         return None
@@ -638,6 +673,8 @@ class Trainer:
                       **self.strategy.rank_state()}
         if not self.strategy.lockstep:
             rank_state |= {"stream": self.stream, "own_steps": self.own_steps}
+        if self.traffic is not None:  # inside an epoch (the epoch-end checkpoint has none)
+            rank_state["traffic"] = self.traffic.state()
         save_checkpoint(self.args.checkpoint_dir, state, step=self.step, comm=self.comm, keep=KEEP_CHECKPOINTS,
                         rank_state=rank_state)
 
@@ -650,6 +687,46 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+class EpochTraffic:
+    """This rank's gradient traffic in the epoch under way: the totals so far and the largest
+    fraction of elements it sent in one step; `state()` resumes it (`EpochTraffic(read, **state)`).
+    `read()` gives the running `GradientTraffic` (hpcdl/reducer.py) of the strategy's exchange."""
+
+    def __init__(self, read: Callable[[], Any], sent: tuple[int, ...] = (), densest: float = 0.0) -> None:
+        from .reducer import GradientTraffic
+
+        self.read = read
+        now = read()
+        self.start = now - GradientTraffic(*sent)  # as if the earlier part ran here
+        self.last = now
+        self.densest = densest
+
+    def step(self) -> None:
+        """After each step: note its fraction of elements sent."""
+        now = self.read()
+        this = now - self.last
+        self.last = now
+        if this.elements:
+            self.densest = max(self.densest, this.elements_sent / this.elements)
+
+    def so_far(self) -> Any:
+        """The epoch's `GradientTraffic` so far."""
+        return self.read() - self.start
+
+    def state(self) -> dict[str, Any]:
+        """Plain values for a checkpoint."""
+        return {"sent": dataclasses.astuple(self.so_far()), "densest": self.densest}
+
+
+def gradient_report(bytes_sent: float, dense_fp32_bytes: float, elements_sent: float, elements: float,
+                    size: int) -> dict[str, float]:
+    """The per-epoch gradient traffic figures from sums over ranks: bytes a rank sent on average,
+    how many times less that is than dense float32, and the fraction of elements sent."""
+    return {"grad_bytes_per_rank": bytes_sent / size,
+            "grad_ratio": dense_fp32_bytes / bytes_sent if bytes_sent else math.inf,
+            "grad_density": elements_sent / elements if elements else 0.0}
 
 
 def staleness_columns(staleness: Staleness | None) -> dict[str, Any]:
@@ -721,10 +798,10 @@ class StopRequest:
         return bool(self._flag[0])
 
 
-def sum_over_ranks(values: np.ndarray, comm: MPI.Comm, what: str) -> np.ndarray:
-    """Collective: the sum of `values` over ranks, warning (hpcdl/stall.py) while a rank is
-    missing; `what` names the sums in the warning."""
-    handle = collectives.iallreduce(values, comm, op="sum")
+def reduce_over_ranks(values: np.ndarray, comm: MPI.Comm, what: str, op: str = "sum") -> np.ndarray:
+    """Collective: `values` reduced with `op` over ranks, warning (hpcdl/stall.py) while a rank is
+    missing; `what` names them in the warning."""
+    handle = collectives.iallreduce(values, comm, op=op)
     return stall.wait_for(handle, what, rank=comm.Get_rank(), advice=STALL_ADVICE, stacklevel=2)
 
 
@@ -766,8 +843,8 @@ def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm, whe
         loss = F.cross_entropy(logits, y[rank::size], reduction="sum").item()
         correct = (logits.argmax(dim=1) == y[rank::size]).sum().item()
     model.train(was_training)
-    sums = sum_over_ranks(np.array([loss, correct, len(y[rank::size])], dtype=np.float64), comm,
-                          f"the held-out evaluation {when}".rstrip())
+    sums = reduce_over_ranks(np.array([loss, correct, len(y[rank::size])], dtype=np.float64), comm,
+                             f"the held-out evaluation {when}".rstrip())
     return float(sums[0] / sums[2]), float(sums[1] / sums[2])
 
 
@@ -868,7 +945,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
         f"images 3x{args.image_size}x{args.image_size}")
     say(f"Batch size: {args.batch_size}")
     say(f"Number of ranks: {size}, allreduce algorithm: {args.algorithm}, "
-        f"overlap: {not args.no_overlap}")
+        f"overlap: {not args.no_overlap}, compression: {ddp.compression!r}")
     say("Running warmup...", flush=True)
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)
     say("Running benchmark...", flush=True)

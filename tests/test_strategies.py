@@ -29,7 +29,8 @@ trains = pytest.mark.skipif(SIZE not in (2, 3), reason="trains; N = 2, 3 only (a
 #: The columns every strategy's metrics file has.
 COMMON_COLUMNS = {"epoch", "step", "train_loss", "test_loss", "accuracy", "samples_per_s", "seconds", "lr",
                   "ranks", "strategy", "samples", "bytes_sent_per_rank", "staleness_mean", "staleness_max",
-                  "staleness_histogram"}
+                  "staleness_histogram", "grad_bytes_per_rank", "grad_ratio", "grad_density",
+                  "grad_density_max_step"}
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
@@ -97,8 +98,7 @@ def test_strategy_options_are_checked(argv, ranks, expected):
 
 
 def test_compression_is_refused_with_a_parameter_server():
-    """--compression (another branch's DDP option) applies to allreduce only: the check reads it
-    wherever it exists."""
+    """--compression applies to allreduce only: a push or an average travels dense."""
     args = namespace(["--strategy", "downpour"])
     args.compression = "fp16"
     assert any(e.startswith("--compression applies to --strategy allreduce, not downpour")
@@ -142,6 +142,12 @@ def test_plans_resolve_defaults_and_the_batch_per_update(argv, ranks, update_bat
     (["--strategy", "allreduce", "--period", "3"], "--period applies to --strategy local-sgd, not allreduce"),
     (["--strategy", "sync-ps", "--staleness", "2"], "--staleness applies to --strategy softsync or ssp"),
     (["--straggler", f"{SIZE}:2"], f"--straggler {SIZE}:2: rank {SIZE} does not train"),
+    (["--strategy", "ssp", "--compression", "topk:0.01"],
+     "--compression applies to --strategy allreduce, not ssp; drop it (a parameter server's pushes"),
+    (["--strategy", "local-sgd", "--compression", "fp16"],
+     "--compression applies to --strategy allreduce, not local-sgd"),
+    (["--strategy", "downpour", "--compression", "threshold:0.1", "--no-momentum-correction"],
+     "--momentum-correction applies to --strategy allreduce, not downpour"),
 ])
 def test_bad_strategy_options_stop_every_rank_with_one_message(argv, message, comm, capsys):
     status = train.main(argv)
@@ -184,6 +190,12 @@ def test_every_strategy_learns_and_reports_the_same_columns(strategy, tmp_path, 
         ok &= strategy != "sync-ps" or all(r["staleness_max"] == 0 for r in table)
     else:
         ok &= all(r["staleness_mean"] is None for r in table)
+    # The gradient-exchange columns (--compression): allreduce's dense fp32 average, none elsewhere.
+    if strategy == "allreduce":
+        ok &= all(r["grad_ratio"] == 1.0 and r["grad_density"] == 1.0 and r["grad_bytes_per_rank"] > 0
+                  for r in table)
+    else:
+        ok &= all(r["grad_ratio"] is None and r["grad_bytes_per_rank"] is None for r in table)
     if comm.Get_rank() == 0:
         ok &= out.count("epoch   3/3") == 1 and "sent " in out and f"with {strategy} (" in out
     assert all_ranks_agree(ok, comm), (out, table)

@@ -309,7 +309,7 @@ def test_every_collective_the_trainer_waits_on_warns_when_a_rank_is_late(what, t
         late_call(comm, lambda: request.agreed(comm),
                   "the per-step stop-signal check (SIGUSR1/SIGTERM, with --checkpoint-dir)")
     elif what == "epoch-end sums":
-        late_call(comm, lambda: train.sum_over_ranks(np.ones(3), comm, "the sums of epoch 4's loss"),
+        late_call(comm, lambda: train.reduce_over_ranks(np.ones(3), comm, "the sums of epoch 4's loss"),
                   "the sums of epoch 4's loss")
     elif what == "evaluation":
         _, test_set = load_digits_split()

@@ -13,25 +13,31 @@ import torch
 from mpi4py import MPI
 
 from ..ddp import DistributedDataParallel
+from ..reducer import GradientTraffic
 from .base import Schedule, Strategy
-from .options import MOMENTUM
+from .options import gradient_exchange, optimizer_momentum
 
 #: --bucket-cap-mb's default (torch's DDP's too).
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 def data_parallel(module: torch.nn.Module, comm: MPI.Comm, args: argparse.Namespace) -> DistributedDataParallel:
-    """The `DistributedDataParallel` wrapper `hpcdl train`'s communication options ask for."""
+    """The `DistributedDataParallel` wrapper `hpcdl train`'s communication options ask for
+    (--compression included)."""
     return DistributedDataParallel(module, comm, bucket_cap_mb=args.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
                                    algorithm=args.algorithm, overlap=not args.no_overlap,
-                                   timeline=args.timeline)
+                                   timeline=args.timeline, compression=gradient_exchange(args))
 
 
 class Allreduce(Strategy):
-    """Gradients averaged by DDP during backward; SGD with momentum and the run's schedule.
+    """Gradients averaged by DDP during backward (compressed as --compression says); SGD with
+    momentum (none where DGC's momentum correction applies it) and the run's schedule.
 
-    `bytes_sent`: per step, the gradients' bytes x 2(P-1)/P, what a bandwidth-optimal (ring)
-    allreduce sends per rank: the convention LocalSGD counts in too.
+    `bytes_sent`: per step, the bytes this rank's exchange carries (its gradients' bytes, or the
+    compressed payload: `ddp.traffic`) x 2(P-1)/P, what a bandwidth-optimal (ring) allreduce sends
+    per rank: the convention LocalSGD counts in too. (A sparse scheme's allgather sends its payload
+    to every other rank, (P-1)x rather than 2(P-1)/P x; the metrics' grad_* columns give the payload
+    itself.)
     """
 
     name = "allreduce"
@@ -41,15 +47,21 @@ class Allreduce(Strategy):
                  args: argparse.Namespace) -> None:
         super().__init__(module, comm)
         self.ddp = data_parallel(module, comm, args)
-        self.optimizer = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=MOMENTUM)
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=optimizer_momentum(args))
+        self.ddp.check_optimizer(self.optimizer)  # collective: DGC's momentum correction wants none
         self.scheduler = schedule.for_optimizer(self.optimizer)
         size = comm.Get_size()
-        gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        self._bytes_per_step = gradient_bytes * 2 * (size - 1) // size
-        self.steps = 0
+        self._wire_factor = 2 * (size - 1) / size
 
     def train(self) -> None:
         self.ddp.train()
+
+    def start_epoch(self, epoch: int) -> None:
+        self.ddp.compression.set_epoch(epoch)  # a per-epoch schedule (DGC's sparsity warm-up)
+
+    @property
+    def gradient_traffic(self) -> GradientTraffic:
+        return self.ddp.traffic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ddp(x)
@@ -60,23 +72,28 @@ class Allreduce(Strategy):
     def finish_step(self) -> None:
         self.optimizer.step()
         self.scheduler.step()
-        self.steps += 1
 
     def lr(self, step: float) -> float:
         return float(self.scheduler.get_last_lr()[0])  # the scheduler has taken `step` steps
 
     @property
     def bytes_sent(self) -> int:
-        return self.steps * self._bytes_per_step
+        return int(self.ddp.traffic.bytes_sent * self._wire_factor)
 
     def checkpoint_state(self, step: int) -> dict[str, Any]:
         # Every rank holds the same model and optimizer: rank 0's stand for all.
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
+    def rank_state(self) -> dict[str, Any]:
+        # Error feedback (sparse compression) differs between ranks.
+        return {"compression": self.ddp.compression_state_dict()}
+
     def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
         self.module.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
+        if mine is not None and "compression" in mine:  # checkpoints of older hpcdl have none
+            self.ddp.load_compression_state_dict(mine["compression"])
 
     def write_timeline(self) -> str | None:
         return self.ddp.write_timeline()

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
     from ..parameter_server import Staleness
+    from ..reducer import GradientTraffic
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class Strategy:
         """Put the model in training mode (at each epoch's start)."""
         self.module.train()
 
+    def start_epoch(self, epoch: int) -> None:
+        """Before epoch `epoch` (from 0) starts or resumes: a per-epoch schedule's turn."""
+
     def begin_step(self, until: int = 0) -> bool:
         """Before a step's forward. False: the job's progress (steps pushed by all training ranks,
         summed) has reached `until` > 0, and this rank must not take the step but meet the others.
@@ -108,6 +112,12 @@ class Strategy:
         """Bytes this rank's training put on the wire so far (a parameter server's worker counts the
         servers' replies to it too, so that the sum over training ranks is the job's traffic)."""
         raise NotImplementedError
+
+    @property
+    def gradient_traffic(self) -> GradientTraffic | None:
+        """The running totals of this rank's gradient exchange where the strategy can compress it
+        (allreduce's `DistributedDataParallel.traffic`), else None."""
+        return None
 
     def staleness(self) -> Staleness | None:
         """Rank 0, at an epoch's end: the staleness measured since the last call, or None where

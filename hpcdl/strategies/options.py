@@ -19,6 +19,8 @@ CONSISTENCY = {"downpour": "async", "softsync": "softsync", "ssp": "ssp", "sync-
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adagrad")
 #: The momentum of `hpcdl train`'s SGD, and of the servers' "momentum" optimizer.
 MOMENTUM = 0.9
+#: --warmup-epochs' default (or --epochs if fewer); topk compression warms its sparsity up over it too.
+DEFAULT_WARMUP_EPOCHS = 2.0
 DEFAULT_PERIOD = 8
 DEFAULT_SSP_STALENESS = 3
 
@@ -38,7 +40,10 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "no_overlap": ("allreduce",),
     "timeline": ("allreduce",),
     "compression": ("allreduce",),
+    "momentum_correction": ("allreduce",),
 }
+#: The --compression schemes with error feedback, which can apply the momentum themselves.
+SPARSE = ("topk:", "threshold:")
 
 
 def parse_straggler(text: str) -> tuple[int, float]:
@@ -95,6 +100,8 @@ def given(args: argparse.Namespace, option: str) -> bool:
         return value not in (None, "auto")
     if option == "compression":
         return value not in (None, "none")
+    if option == "momentum_correction":
+        return value is not None  # --no-momentum-correction (False) is given too
     return value is not None and value is not False
 
 
@@ -106,7 +113,7 @@ def option_errors(args: argparse.Namespace, ranks: int) -> list[str]:
         if given(args, option) and strategy not in strategies:
             flag = "--" + option.replace("_", "-")
             errors.append(f"{flag} applies to --strategy {' or '.join(strategies)}, not {strategy}; "
-                          "drop it" + ("" if option != "compression" else
+                          "drop it" + ("" if option not in ("compression", "momentum_correction") else
                                        " (a parameter server's pushes and local SGD's averages are "
                                        "sent uncompressed)"))
     if getattr(args, "synthetic", False) and strategy != "allreduce":
@@ -140,6 +147,46 @@ def option_errors(args: argparse.Namespace, ranks: int) -> list[str]:
             errors.append(f"--straggler {rank}:{factor:g}: the factor must be a number >= 1 (how many "
                           "times longer a step takes)")
     return errors
+
+
+def compression_errors(args: argparse.Namespace) -> list[str]:
+    """What is wrong with --compression and --momentum-correction themselves (their values)."""
+    errors = []
+    try:
+        gradient_exchange(args)
+    except ValueError as exc:
+        errors.append(f"--compression {args.compression}: {exc}")
+    if args.momentum_correction is not None and not args.compression.startswith(SPARSE):
+        errors.append(f"--{'' if args.momentum_correction else 'no-'}momentum-correction applies to "
+                      f"--compression topk:DENSITY and threshold:TAU only (got --compression "
+                      f"{args.compression}); drop it")
+    return errors
+
+
+def momentum_correction(args: argparse.Namespace) -> bool:
+    """Whether the exchange applies the momentum (DGC's momentum correction), the optimizer none:
+    --momentum-correction / --no-momentum-correction, by default for topk only."""
+    if args.momentum_correction is None:
+        return bool(args.compression.startswith("topk:"))
+    return bool(args.momentum_correction and args.compression.startswith(SPARSE))
+
+
+def gradient_exchange(args: argparse.Namespace) -> Any:
+    """The `hpcdl.compression` scheme `--compression` and `--momentum-correction` ask for; topk
+    warms its sparsity up over the learning rate's warm-up epochs (DGC's warm-up training).
+    Raises ValueError for a bad spec."""
+    from ..compression import from_spec  # torch: only once the options are parsed
+
+    warmup = args.warmup_epochs if args.warmup_epochs is not None else min(DEFAULT_WARMUP_EPOCHS,
+                                                                           args.epochs)
+    return from_spec(args.compression, momentum=MOMENTUM, momentum_correction=momentum_correction(args),
+                     warmup_epochs=math.ceil(warmup) if math.isfinite(warmup) else 0)
+
+
+def optimizer_momentum(args: argparse.Namespace) -> float:
+    """SGD's own momentum under --strategy allreduce: none where the exchange applies it (momentum
+    correction)."""
+    return 0.0 if momentum_correction(args) else MOMENTUM
 
 
 @dataclass(frozen=True)
