@@ -1,13 +1,16 @@
-"""`hpcdl train`: synchronous data-parallel SGD over MPI.
+"""`hpcdl train`: data-parallel training over MPI, synchronous allreduce or another strategy.
 
     mpirun -n 4 hpcdl train                       # small CNN on scikit-learn's digits, >= 95 %
     mpirun -n 4 hpcdl train --checkpoint-dir runs/a --checkpoint-every 20
     mpirun -n 4 hpcdl train --checkpoint-dir runs/a --resume     # continue where it stopped
+    mpirun -n 4 hpcdl train --strategy local-sgd --period 8      # average parameters every 8 steps
+    mpirun -n 5 hpcdl train --strategy downpour --servers 1      # async parameter server, 4 workers
     mpirun -n 4 hpcdl train --synthetic --image-size 64          # images/s, Horovod-style
     mpirun -n 4 hpcdl train --compression topk:0.01              # DGC: 1 % of the gradient sent
 
-Each rank trains on its `DistributedSampler` shard; `hpcdl.DistributedDataParallel` averages the
-gradients. The learning rate follows the linear scaling rule with gradual warm-up (`schedule.py`).
+Each rank trains on its `DistributedSampler` shard; by default `hpcdl.DistributedDataParallel`
+averages the gradients (the strategies: hpcdl/strategies/, docs/strategies.md). The learning rate
+follows the linear scaling rule with gradual warm-up (`schedule.py`).
 Every option is checked on every rank, and the ranks agree on the verdict before any training
 starts, so a bad option stops all ranks with the same message instead of leaving some waiting.
 """
@@ -22,16 +25,21 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 import numpy as np
 from mpi4py import MPI
 
 import collectives
 
-from . import runtime, stall
+from . import runtime, stall, strategies
 from .atomic_file import unwritable_directory, unwritable_file, write_atomically
 from .command import ARGUMENT_ERROR, Command, CommandError, report_failure
+from .strategies.options import DEFAULT_WARMUP_EPOCHS, MOMENTUM, compression_errors
+
+if TYPE_CHECKING:
+    from .parameter_server import Staleness
+    from .strategies.base import Schedule, Strategy
 
 PROG = "hpcdl train"
 #: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
@@ -41,9 +49,6 @@ CHECKPOINTED_ON_SIGNAL = 3
 DIVERGED = 4
 #: Checkpoints kept in --checkpoint-dir: the newest by step number, whichever run wrote them.
 KEEP_CHECKPOINTS = 3
-DEFAULT_WARMUP_EPOCHS = 2.0
-#: The SGD momentum of `hpcdl train` (with --compression topk, applied by DGC's momentum correction).
-MOMENTUM = 0.9
 METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 #: What the stall warnings of `hpcdl train` advise (hpcdl/stall.py).
 STALL_ADVICE = ("A rank that is frozen (SIGSTOP, a debugger), swapping, much slower than the others, "
@@ -74,10 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--warmup-epochs", type=float, default=None,
                      help="epochs of linear warm-up from the base to the scaled rate, at most "
                           f"--epochs (default {DEFAULT_WARMUP_EPOCHS:g}, or --epochs if fewer)")
-    comm = parser.add_argument_group("communication")
+    strategies.add_arguments(parser)
+    comm = parser.add_argument_group("communication (allreduce)")
     comm.add_argument("--algorithm", choices=("auto", *collectives.ALGORITHMS["allreduce"]),
                       default="auto", help="allreduce algorithm for the gradient buckets")
-    comm.add_argument("--bucket-cap-mb", type=float, default=25.0, help="fusion bucket size in MiB")
+    comm.add_argument("--bucket-cap-mb", type=float, default=None,
+                      help="fusion bucket size in MiB (default 25)")
     comm.add_argument("--no-overlap", action="store_true",
                       help="reduce gradients after backward instead of during it")
     comm.add_argument("--timeline", metavar="PATH", help="write a Chrome trace of communication here")
@@ -123,11 +130,13 @@ MAX_EPOCHS = 10 ** 9
 SEEDS = range(-2**63, 2**63)
 
 
-def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1) -> list[str]:
-    """Every problem with `args` this rank can see (values, paths, memory); empty if none.
+def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, ranks: int = 1) -> list[str]:
+    """Every problem with `args` this rank can see (values, paths, memory) in a job of `ranks`
+    ranks; empty if none.
 
     Values that would overflow or exhaust memory later (after minutes of start-up, as a traceback
-    or an abort) are refused here: `ranks_on_host` ranks share this host's memory.
+    or an abort) are refused here: `ranks_on_host` ranks share this host's memory. The strategy's
+    options are checked too (hpcdl/strategies/options.py), options of another strategy refused.
     """
     errors = []
     positive = [("--epochs", args.epochs), ("--batch-size", args.batch_size),
@@ -151,7 +160,7 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1) -> l
                       "schedule counts steps in floating point)")
     if args.seed not in SEEDS:
         errors.append(f"--seed must be a 64-bit integer (-2**63 to 2**63-1), got {args.seed}")
-    if not (args.bucket_cap_mb > 0 and math.isfinite(args.bucket_cap_mb)):
+    if args.bucket_cap_mb is not None and not (args.bucket_cap_mb > 0 and math.isfinite(args.bucket_cap_mb)):
         errors.append(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
     if args.checkpoint_every < 0:
         errors.append(f"--checkpoint-every must be 0 (epoch ends only) or more, got {args.checkpoint_every}")
@@ -195,43 +204,7 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1) -> l
         stall.warning_seconds()
     except ValueError as exc:
         errors.append(str(exc))
-    try:
-        gradient_exchange(args)
-    except ValueError as exc:
-        errors.append(f"--compression {args.compression}: {exc}")
-    if args.momentum_correction is not None and not args.compression.startswith(SPARSE):
-        errors.append(f"--{'' if args.momentum_correction else 'no-'}momentum-correction applies to "
-                      f"--compression topk:DENSITY and threshold:TAU only (got --compression "
-                      f"{args.compression}); drop it")
-    return errors
-
-
-#: The --compression schemes with error feedback, which can apply the momentum themselves.
-SPARSE = ("topk:", "threshold:")
-
-
-def momentum_correction(args: argparse.Namespace) -> bool:
-    """Whether the exchange applies the momentum (DGC's momentum correction), the optimizer none:
-    --momentum-correction / --no-momentum-correction, by default for topk only."""
-    if args.momentum_correction is None:
-        return args.compression.startswith("topk:")
-    return args.momentum_correction and args.compression.startswith(SPARSE)
-
-
-def gradient_exchange(args: argparse.Namespace) -> Any:
-    """The `hpcdl.compression` scheme `--compression` and `--momentum-correction` ask for; topk
-    warms its sparsity up over the learning rate's warm-up epochs (DGC's warm-up training)."""
-    from .compression import from_spec
-
-    warmup = args.warmup_epochs if args.warmup_epochs is not None else min(DEFAULT_WARMUP_EPOCHS,
-                                                                           args.epochs)
-    return from_spec(args.compression, momentum=MOMENTUM, momentum_correction=momentum_correction(args),
-                     warmup_epochs=math.ceil(warmup) if math.isfinite(warmup) else 0)
-
-
-def optimizer_momentum(args: argparse.Namespace) -> float:
-    """SGD's own momentum: none where the exchange applies it (momentum correction)."""
-    return 0.0 if momentum_correction(args) else MOMENTUM
+    return errors + compression_errors(args) + strategies.option_errors(args, ranks)
 
 
 def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int) -> str | None:
@@ -276,7 +249,7 @@ def main(argv: list[str]) -> int:
     topology, comm = runtime.topology(), MPI.COMM_WORLD
     try:
         args = command.parse(build_parser().parse_args, argv)
-        command.agree(local_argument_errors(args, topology.local_size))
+        command.agree(local_argument_errors(args, topology.local_size, topology.size))
     except CommandError as exc:
         return command.fail(exc)
     if args.warmup_epochs is None:
@@ -295,32 +268,34 @@ def main(argv: list[str]) -> int:
 
 _TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed",
                        "compression", "momentum_correction")
-#: What checkpoints written before an option existed stand for.
-_TRAJECTORY_DEFAULTS = {"compression": "none", "momentum_correction": None}
+#: What checkpoints written before an entry of their job existed stand for.
+_TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentum_correction": None}
 
 
 def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
-    """Train on digits with checkpoints as requested; print per-epoch metrics on rank 0."""
+    """Train on digits with the chosen strategy and checkpoints as requested; print per-epoch
+    metrics on rank 0. Sets everything up (every rank), then serving ranks serve and training
+    ranks run the `Trainer`; all return the same exit status."""
     import torch
-    import torch.nn.functional as F
-    from tqdm import tqdm
 
-    from .checkpoint import list_checkpoints, load_resume_checkpoint, restore_rank_state, save_checkpoint
-    from .data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
-    from .ddp import DistributedDataParallel
+    from .checkpoint import list_checkpoints, load_resume_checkpoint
+    from .data import batches_per_epoch, load_digits_split, shard_sampler
     from .models import build_model
-    from .schedule import scaled_learning_rate, warmup_cosine_schedule, warmup_start_factor
+    from .schedule import scaled_learning_rate, warmup_start_factor
+    from .strategies.base import Schedule
 
     rank, size = topology.rank, topology.size
     args.model = args.model or "cnn"
-    job = {name: getattr(args, name) for name in _TRAJECTORY_OPTIONS} | {"ranks": size}
+    plan = strategies.plan(args, size)
+    job = {name: getattr(args, name) for name in _TRAJECTORY_OPTIONS} | plan.job | {"ranks": size}
 
     checkpoint = None
     if args.resume:
         # Every rank reads the checkpoint and the ranks agree on each file's verdict: all of them
         # resume from the same one, and take the same decisions below.
-        path, checkpoint, skipped = load_resume_checkpoint(args.checkpoint_dir, comm,
-                                                           problem=not_a_training_checkpoint)
+        path, checkpoint, skipped = load_resume_checkpoint(
+            args.checkpoint_dir, comm,
+            problem=lambda c: not_a_training_checkpoint(c, plan.name, _strategy_keys(plan.name)))
         if rank == 0:
             for bad, why in skipped:
                 print(f"hpcdl train: warning: --resume: skipping {bad.name}: it {why}"
@@ -330,9 +305,10 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             return _fail([f"--resume: no complete checkpoint in {args.checkpoint_dir}"
                           + (f" ({len(skipped)} unusable, see above)" if skipped else "")
                           + "; run once without --resume to create one"], rank)
-        differences = [f"{k} {checkpoint['job'].get(k)!r} (this run: {v!r})"
-                       for k, v in job.items()
-                       if checkpoint["job"].get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
+        made_with = checkpoint["job"]
+        differences = [f"{k} {made_with.get(k, _TRAJECTORY_DEFAULTS.get(k))!r} (this run: {v!r})"
+                       for k, v in job.items() if made_with.get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
+        differences += [f"{k} {v!r} (this run: none)" for k, v in made_with.items() if k not in job]
         if differences:
             return _fail([f"--resume: {path} was made with " + ", ".join(differences)
                           + "; resume with the same settings or use a new --checkpoint-dir"], rank)
@@ -349,192 +325,387 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                            "deleted)")], rank)
 
     train_set, test_set = load_digits_split()
-    x_train, y_train = train_set.tensors
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
-    sampler = shard_sampler(train_set, seed=args.seed)
+    # Only the training ranks (all but a parameter server's servers) share out the data.
+    trainers = plan.trainers
+    sampler = shard_sampler(train_set, seed=args.seed, num_replicas=trainers,
+                            replica_rank=min(rank, trainers - 1))
     if args.batch_size > len(sampler):
         # Every step would take the whole share, so the global batch the rate is scaled for never
         # happens; the same numbers on every rank give the same verdict.
         return _fail([(f"--batch-size {args.batch_size} is more than each rank's share of the training "
-                       f"data ({len(sampler)} of {len(train_set)} samples on {size} rank(s)); use "
-                       f"--batch-size {len(sampler)} or less")], rank)
+                       f"data ({len(sampler)} of {len(train_set)} samples on {trainers} rank(s)"
+                       + (" that train" if plan.servers else "")
+                       + f"); use --batch-size {len(sampler)} or less")], rank)
     steps_per_epoch = batches_per_epoch(sampler, args.batch_size)
     total_steps = steps_per_epoch * args.epochs
-    global_batch = args.batch_size * size
-    lr = scaled_learning_rate(args.lr, global_batch, args.reference_batch)
+    update_batch = plan.update_batch
+    lr = scaled_learning_rate(args.lr, update_batch, args.reference_batch) * plan.asynchrony
     if not math.isfinite(lr):
-        return _fail([scaled_rate_error(args, global_batch)], rank)
+        return _fail([scaled_rate_error(args, update_batch)], rank)
     warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=optimizer_momentum(args))
-    start_factor = warmup_start_factor(global_batch, args.reference_batch)
-    scheduler = warmup_cosine_schedule(optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
-                                       start_factor=start_factor)
+    start_factor = warmup_start_factor(update_batch, args.reference_batch)
+    schedule = Schedule(lr, warmup_steps, total_steps, start_factor)
     warning = warmup_warning(warmup_steps, total_steps, lr, start_factor)
     if warning and rank == 0:
         print(f"hpcdl train: warning: --warmup-epochs {args.warmup_epochs:g} with --epochs {args.epochs}: "
               f"{warning}", file=sys.stderr, flush=True)
-    epoch, done_in_epoch, step = 0, 0, 0
-    # This rank's sums over the epoch's batches so far: loss x samples, samples, seconds. They are
-    # checkpointed, so an epoch resumed midway reports what the uninterrupted run reports.
-    epoch_sums: tuple[float, int, float] = (0.0, 0, 0.0)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        epoch, done_in_epoch, step = checkpoint["epoch"], checkpoint["batches_done"], checkpoint["step"]
-    ddp = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb,
-                                  algorithm=args.algorithm, overlap=not args.no_overlap,
-                                  timeline=args.timeline, compression=gradient_exchange(args))
-    ddp.check_optimizer(optimizer)
-    # This rank's gradient traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
-    traffic_before: dict[str, Any] = {}
-    if checkpoint is not None:
-        # After DDP's construction-time broadcast: each rank's own buffers and random numbers.
-        mine = restore_rank_state(checkpoint, rank)
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                buffer.copy_(mine["buffers"][name])
-        # Checkpoints written before hpcdl kept the sums have none: the epoch then starts from zero.
-        epoch_sums = tuple(mine.get("epoch_sums", epoch_sums))
-        if "compression" in mine:  # error-feedback state (checkpoints of older hpcdl have none)
-            ddp.load_compression_state_dict(mine["compression"])
-            traffic_before = mine["traffic"]
-    else:
-        torch.manual_seed(args.seed + 1 + rank)  # ranks draw different dropout masks
 
-    def checkpoint_now(epoch_: int, batches_done: int, sums: tuple[float, int, float],
-                       traffic: dict[str, Any]) -> None:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "epoch": epoch_, "batches_done": batches_done,
-                 "job": job}
-        save_checkpoint(args.checkpoint_dir, state, step=step, comm=comm, keep=KEEP_CHECKPOINTS,
-                        rank_state={"buffers": dict(model.named_buffers()), "epoch_sums": sums,
-                                    "compression": ddp.compression_state_dict(),
-                                    "traffic": traffic})
+    strategy = strategies.build(plan, model, schedule, comm, args)
+    if not strategy.trains:
+        if checkpoint is not None:
+            strategy.load_state(checkpoint, None)
+        # Signals only stop the training ranks (they checkpoint, the servers with them); here
+        # they are recorded, so that a signal sent to every rank does not end a server first.
+        if args.checkpoint_dir:
+            StopRequest()
+        return strategy.agree_status(strategy.serve())
+    trainer = Trainer(args, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
+                      checkpoint)
+    try:
+        status = trainer.run()
+    finally:
+        strategy.close()
+    return strategy.agree_status(status)
 
-    metrics = None
-    if rank == 0 and args.metrics:
-        # Resuming: only the rows of epochs the checkpoint has finished are kept; the others (of a
-        # crash after a row but before its checkpoint, or of a fallback to an older checkpoint)
-        # are about to be trained and written again.
-        metrics = MetricsLog(args.metrics, after_epoch=None if checkpoint is None else checkpoint["epoch"])
-    stop_request = StopRequest() if args.checkpoint_dir else None
-    say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"training {args.model} on digits ({len(train_set)} train / {len(test_set)} held out) on "
-        f"{size} rank(s): batch {args.batch_size} per rank, global {global_batch}, lr {lr:g} "
-        f"(base {args.lr:g} x {global_batch}/{args.reference_batch}), warm-up {warmup_steps} steps, "
-        f"{steps_per_epoch} steps per epoch"
-        + (f"; resuming at epoch {epoch + 1}, step {step}" if checkpoint is not None else ""), flush=True)
 
-    while epoch < args.epochs:
-        ddp.train()
-        (local_loss, local_samples, seconds_before), epoch_sums = epoch_sums, (0.0, 0, 0.0)
-        traffic, traffic_before = EpochTraffic(ddp, **traffic_before), {}
-        ddp.compression.set_epoch(epoch)  # a per-epoch schedule (DGC's sparsity warm-up)
-        bar = tqdm(total=steps_per_epoch, initial=done_in_epoch, disable=rank != 0, leave=False,
-                   desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr)
-        # Set back by the seconds the resumed run spent on this epoch up to its checkpoint: the
-        # epoch's time (and so its throughput) covers its batches in both runs, not the start-up
+def _strategy_keys(name: str) -> tuple[str, ...]:
+    """The checkpoint entries of strategy `name` (what its `checkpoint_state` writes)."""
+    if name == "allreduce":
+        return ("optimizer", "scheduler")
+    if name == "local-sgd":
+        return ("optimizer", "scheduler", "local_sgd")
+    return ("servers",)
+
+
+class Trainer:
+    """The training loop of `hpcdl train`, the same for every strategy: the data, the epochs,
+    evaluation, the per-epoch lines and metrics file, checkpoints, stop signals and stall
+    warnings (every collective it waits on warns while a rank is missing). The strategy decides
+    how a step combines the ranks' work (hpcdl/strategies/base.py).
+
+    Steps and epochs. A lockstep strategy (allreduce, local-sgd, sync-ps) takes the same steps on
+    every training rank: an epoch is every rank's pass over its shard, `step` counts steps, and
+    stop signals are agreed on after every step. A strategy that is not lockstep (downpour,
+    softsync, ssp) lets each rank run at its own pace through its own shard, round after round;
+    the ranks meet where the servers' count of pushed steps reaches a target (an epoch's end, a
+    --checkpoint-every point, --stop-after-steps), and `step` counts mean steps per training rank
+    (the count at the last meeting). Signals are agreed on at meetings there.
+    """
+
+    def __init__(self, args: argparse.Namespace, strategy: Strategy, plan: strategies.Plan, schedule: Schedule,
+                 data: tuple[Any, Any, Any, int], job: dict[str, Any], checkpoint: dict[str, Any] | None
+                 ) -> None:
+        import torch
+
+        from .checkpoint import restore_rank_state
+        from .strategies.straggler import Straggler
+
+        self.args, self.strategy, self.plan, self.schedule, self.job = args, strategy, plan, schedule, job
+        self.train_set, self.test_set, self.sampler, self.steps_per_epoch = data
+        self.comm = strategy.comm  # the training ranks
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.model = strategy.module
+        self.epoch, self.done_in_epoch, self.step = 0, 0, 0
+        self.own_steps = 0  # this rank's steps (== step when lockstep)
+        # This rank's sums over the epoch's batches so far: loss x samples, samples, seconds, bytes
+        # sent. They are checkpointed, so an epoch resumed midway reports what the uninterrupted
+        # run reports.
+        self.epoch_sums: tuple[float, int, float, int] = (0.0, 0, 0.0, 0)
+        self.stream = (0, 0)  # where this rank's batches stand (not lockstep): (round, batch)
+        # The epoch's gradient traffic (strategies whose exchange compresses: allreduce), and this
+        # rank's traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
+        self.traffic: EpochTraffic | None = None
+        self.traffic_before: dict[str, Any] = {}
+        if checkpoint is not None:
+            self.epoch, self.done_in_epoch = checkpoint["epoch"], checkpoint["batches_done"]
+            self.step = self.own_steps = checkpoint["step"]
+            mine = restore_rank_state(checkpoint, self.rank)  # this rank's random numbers, too
+            strategy.load_state(checkpoint, mine)
+            with torch.no_grad():
+                for name, buffer in self.model.named_buffers():
+                    buffer.copy_(mine["buffers"][name])
+            # Checkpoints written before hpcdl kept the sums (or the bytes) have none: zeros then.
+            saved = tuple(mine.get("epoch_sums", ()))
+            self.epoch_sums = saved + (0.0, 0, 0.0, 0)[len(saved):]
+            self.stream = tuple(mine.get("stream", (self.epoch, self.done_in_epoch)))
+            self.own_steps = int(mine.get("own_steps", self.step))
+            self.traffic_before = dict(mine.get("traffic") or {})
+        else:
+            torch.manual_seed(args.seed + 1 + self.rank)  # ranks draw different dropout masks
+        self.straggler = None
+        if plan.straggler is not None and plan.straggler[0] == self.rank:
+            self.straggler = Straggler(self.model, plan.straggler[1])
+        self.metrics = None
+        if self.rank == 0 and args.metrics:
+            # Resuming: only the rows of epochs the checkpoint has finished are kept; the others (of
+            # a crash after a row but before its checkpoint, or of a fallback to an older
+            # checkpoint) are about to be trained and written again.
+            self.metrics = MetricsLog(args.metrics, after_epoch=None if checkpoint is None else checkpoint["epoch"])
+        self.stop_request = StopRequest() if args.checkpoint_dir else None
+        self.resumed = checkpoint is not None
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train every epoch left; the exit status (0, CHECKPOINTED_ON_SIGNAL or DIVERGED)."""
+        args, plan, schedule = self.args, self.plan, self.schedule
+        self.say(f"training {args.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
+                 f"held out) on {plan.ranks} rank(s) with {plan.name} ({plan.describe()}): batch "
+                 f"{args.batch_size} per rank, {plan.update_batch} per update, lr {schedule.lr:g} (base "
+                 f"{args.lr:g} x {plan.update_batch}/{args.reference_batch}"
+                 + (f" x {plan.asynchrony:.3g} for asynchrony" if plan.asynchrony != 1 else "") + "), warm-up "
+                 f"{schedule.warmup_steps} steps, {self.steps_per_epoch} steps per epoch"
+                 + (f"; rank {plan.straggler[0]} straggles {plan.straggler[1]:g}x" if plan.straggler else "")
+                 + (f"; resuming at epoch {self.epoch + 1}, step {self.step}" if self.resumed else ""),
+                 flush=True)
+        while self.epoch < args.epochs:
+            status = self.run_epoch()
+            if status is not None:
+                self.close_metrics()
+                return status
+        test_loss, accuracy = evaluate(self.strategy.evaluation_model(), self.test_set, self.rank,
+                                       self.size, self.comm, "at the end")
+        self.say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {self.step} steps",
+                 flush=True)
+        self.close_metrics()
+        if args.timeline:
+            written = self.strategy.write_timeline()
+            self.say(f"timeline written to {written}")
+        return 0
+
+    def run_epoch(self) -> int | None:
+        """Train the rest of epoch `self.epoch` and report it; an exit status to stop with, or None."""
+        import torch.nn.functional as F
+        from tqdm import tqdm
+
+        args, strategy, lockstep = self.args, self.strategy, self.strategy.lockstep
+        x_train, y_train = self.train_set.tensors
+        epoch_end = (self.epoch + 1) * self.steps_per_epoch
+        strategy.train()
+        strategy.start_epoch(self.epoch)
+        (loss_sum, samples, seconds_before, bytes_before), self.epoch_sums = self.epoch_sums, (0.0, 0, 0.0, 0)
+        if strategy.gradient_traffic is not None:
+            self.traffic = EpochTraffic(lambda: strategy.gradient_traffic, **self.traffic_before)
+        self.traffic_before = {}
+        bar = tqdm(total=self.steps_per_epoch, initial=self.done_in_epoch, disable=self.rank != 0,
+                   leave=False, desc=f"epoch {self.epoch + 1}/{args.epochs}", file=sys.stderr)
+        # Set back by what the resumed run spent on this epoch up to its checkpoint: the epoch's
+        # time (so its throughput) and bytes cover all its batches in both runs, not the start-up
         # or the time between kill and resume.
         started = time.perf_counter() - seconds_before
-        for batch_index, indices in enumerate(epoch_batches(sampler, args.batch_size, epoch,
-                                                            skip=done_in_epoch), start=done_in_epoch):
-            loss = F.cross_entropy(ddp(x_train[indices]), y_train[indices])
-            optimizer.zero_grad()
+        bytes_start = strategy.bytes_sent - bytes_before
+
+        def sums() -> tuple[float, int, float, int]:
+            return (loss_sum, samples, time.perf_counter() - started, strategy.bytes_sent - bytes_start)
+
+        batches = self.batches()
+        while True:
+            if lockstep:
+                if self.done_in_epoch >= self.steps_per_epoch:
+                    break
+                strategy.begin_step()
+            else:
+                meeting = self.next_meeting(epoch_end)
+                if not strategy.begin_step(meeting * self.size):
+                    # Every rank stops here: the servers have one epoch's (or one checkpoint
+                    # interval's) steps from all training ranks together.
+                    self.done_in_epoch += meeting - self.step
+                    self.step = meeting
+                    if meeting == epoch_end:
+                        break
+                    status = self.meet(sums())
+                    if status is not None:
+                        bar.close()
+                        return status
+                    continue
+            indices = next(batches)
+            if self.straggler is not None:
+                self.straggler.start()
+            loss = F.cross_entropy(strategy.forward(x_train[indices]), y_train[indices])
+            strategy.zero_grad()
             loss.backward()
-            optimizer.step()
-            scheduler.step()
-            traffic.step()
-            step += 1
-            local_loss += loss.item() * len(indices)
-            local_samples += len(indices)
+            if self.straggler is not None:
+                self.straggler.delay()
+            strategy.finish_step()
+            if self.traffic is not None:
+                self.traffic.step()
+            self.own_steps += 1
+            loss_sum += loss.item() * len(indices)
+            samples += len(indices)
             bar.update(1)
-            if args.stop_after_steps is not None and step >= args.stop_after_steps:
+            if not lockstep:
+                self.stream = (self.stream[0], self.stream[1] + 1)
+                continue
+            self.step += 1
+            self.done_in_epoch += 1
+            if args.stop_after_steps is not None and self.step >= args.stop_after_steps:
                 bar.close()
-                say(f"stopping after step {step} (--stop-after-steps), without a final checkpoint")
+                self.say(f"stopping after step {self.step} (--stop-after-steps), without a final checkpoint")
                 return 0
-            if stop_request is not None and stop_request.agreed(comm):
+            if self.stop_request is not None and self.stop_request.agreed(self.comm):
                 bar.close()
-                checkpoint_now(epoch, batch_index + 1,
-                               (local_loss, local_samples, time.perf_counter() - started),
-                               traffic.state())
-                say(f"stopping at step {step} on {stop_request.name}: checkpoint written, exit status "
-                    f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
-                return CHECKPOINTED_ON_SIGNAL
-            if args.checkpoint_every and step % args.checkpoint_every == 0 \
-                    and batch_index + 1 < steps_per_epoch:  # the epoch-end checkpoint covers the last
-                checkpoint_now(epoch, batch_index + 1,
-                               (local_loss, local_samples, time.perf_counter() - started),
-                               traffic.state())
+                return self.stop_on_signal(sums())
+            if args.checkpoint_every and self.step % args.checkpoint_every == 0 \
+                    and self.done_in_epoch < self.steps_per_epoch:  # the epoch-end checkpoint covers the last
+                self.checkpoint_now(self.done_in_epoch, sums())
         bar.close()
+        if not lockstep and self.stop_request is not None and self.stop_request.agreed(self.comm):
+            return self.stop_on_signal(sums())
+        return self.end_epoch(sums())
+
+    def batches(self) -> Iterator[list[int]]:
+        """This rank's index batches from where it stands: the rest of this epoch's shard when
+        lockstep, else its own stream of rounds over its shard (self.stream advances with it)."""
+        from .data import epoch_batches
+
+        if self.strategy.lockstep:
+            return epoch_batches(self.sampler, self.args.batch_size, self.epoch, skip=self.done_in_epoch)
+
+        def rounds() -> Iterator[list[int]]:
+            while True:
+                round_, done = self.stream
+                for batch in epoch_batches(self.sampler, self.args.batch_size, round_, skip=done):
+                    yield batch
+                self.stream = (round_ + 1, 0)
+        return rounds()
+
+    def next_meeting(self, epoch_end: int) -> int:
+        """Not lockstep: the mean step at which the training ranks meet next."""
+        meeting = epoch_end
+        every, stop = self.args.checkpoint_every, self.args.stop_after_steps
+        if every:
+            meeting = min(meeting, (self.step // every + 1) * every)
+        if stop is not None and stop > self.step:
+            meeting = min(meeting, stop)
+        return meeting
+
+    def meet(self, sums: tuple[float, int, float, int]) -> int | None:
+        """Not lockstep, at a meeting inside an epoch: stop (--stop-after-steps, a signal) or
+        checkpoint (--checkpoint-every) as due; an exit status to stop with, or None."""
+        args = self.args
+        if args.stop_after_steps is not None and self.step >= args.stop_after_steps:
+            self.say(f"stopping after step {self.step} (--stop-after-steps), without a final checkpoint")
+            return 0
+        if self.stop_request is not None and self.stop_request.agreed(self.comm):
+            return self.stop_on_signal(sums)
+        if args.checkpoint_every and self.step % args.checkpoint_every == 0:
+            self.checkpoint_now(self.done_in_epoch, sums)
+        return None
+
+    def stop_on_signal(self, sums: tuple[float, int, float, int]) -> int:
+        assert self.stop_request is not None
+        self.checkpoint_now(self.done_in_epoch, sums)
+        self.say(f"stopping at step {self.step} on {self.stop_request.name}: checkpoint written, exit status "
+                 f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
+        return CHECKPOINTED_ON_SIGNAL
+
+    def end_epoch(self, sums: tuple[float, int, float, int]) -> int | None:
+        """Sum up the epoch over the training ranks, evaluate, print, write metrics, checkpoint."""
+        args, strategy = self.args, self.strategy
         # A run stopped by a signal after the epoch's last batch has not reported the epoch yet: with
         # no batch left, the checkpoint's sums alone make its summary.
-        elapsed = time.perf_counter() - started
-        sent = traffic.so_far()
-        totals = reduce_over_ranks(np.array([local_loss, local_samples, elapsed, sent.bytes_sent,
-                                             sent.dense_fp32_bytes, sent.elements_sent, sent.elements],
-                                            dtype=np.float64), comm,
-                                   f"the sums of epoch {epoch + 1}'s loss, samples, time and traffic")
-        densest = reduce_over_ranks(np.array([traffic.densest]), comm,
-                                    f"the densest gradient exchange of epoch {epoch + 1}", op="max")[0]
-        epoch += 1
-        done_in_epoch = 0
+        traffic, self.traffic = self.traffic, None  # the epoch-end checkpoint has none in progress
+        # Gradient traffic (zeros where the strategy has none, the same on every training rank).
+        sent = traffic.so_far() if traffic is not None else None
+        sent_sums = [sent.bytes_sent, sent.dense_fp32_bytes, sent.elements_sent, sent.elements] if sent else [0] * 4
+        totals = reduce_over_ranks(np.array([*sums, *sent_sums], dtype=np.float64), self.comm,
+                                   f"the sums of epoch {self.epoch + 1}'s loss, samples, time and traffic")
+        # The epoch's time is its slowest rank's: ranks that run at their own pace (async) finish
+        # at different moments, and the epoch is over only when the last one is.
+        seconds, densest = reduce_over_ranks(
+            np.array([sums[2], traffic.densest if traffic is not None else 0.0]), self.comm,
+            f"the maximum of epoch {self.epoch + 1}'s time and gradient density", op="max")
+        self.epoch += 1
+        self.done_in_epoch = 0
         if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
-            say(f"epoch {epoch:3d}/{args.epochs}  no summary: resumed at its end from a checkpoint that "
-                "holds no running sums (written by an older hpcdl)", flush=True)
+            self.say(f"epoch {self.epoch:3d}/{args.epochs}  no summary: resumed at its end from a checkpoint "
+                     "that holds no running sums (written by an older hpcdl)", flush=True)
         else:
             train_loss = totals[0] / totals[1]
             if not math.isfinite(train_loss):
                 # A sum with a NaN or infinite term is not finite whatever order the allreduce adds
                 # in (and losses are not negative), so all ranks take this exit together.
-                if metrics is not None:
-                    metrics.close()
-                return _fail([(f"training diverged: the mean training loss of epoch {epoch} is "
-                               f"{train_loss}; lower --lr (the scaled rate was {lr:g}) or lengthen "
-                               "--warmup-epochs. No checkpoint was written at this epoch's end")],
-                             rank, DIVERGED)
-            throughput = totals[1] / (totals[2] / size)  # samples of all ranks / mean rank time
-            test_loss, accuracy = evaluate(model, test_set, rank, size, comm, f"after epoch {epoch}")
-            sent = gradient_report(totals[3], totals[4], totals[5], totals[6], size) \
-                | {"grad_density_max_step": densest}
-            say(f"epoch {epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
-                f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  "
-                f"lr {scheduler.get_last_lr()[0]:.4g}  gradients {sent['grad_bytes_per_rank'] / 1e6:.3g} MB"
-                f"/rank = fp32/{sent['grad_ratio']:.3g}", flush=True)
-            if metrics is not None:
-                metrics.write({"epoch": epoch, "step": step, "train_loss": train_loss,
-                               "test_loss": test_loss, "accuracy": accuracy, "samples_per_s": throughput,
-                               "seconds": totals[2] / size, "lr": scheduler.get_last_lr()[0],
-                               "ranks": size, **sent})
+                self.close_metrics()
+                return _fail([(f"training diverged: the mean training loss of epoch {self.epoch} is "
+                               f"{train_loss}; lower --lr (the scaled rate was {self.schedule.lr:g}) or "
+                               "lengthen --warmup-epochs. No checkpoint was written at this epoch's end")],
+                             self.rank, DIVERGED)
+            throughput = totals[1] / seconds  # samples of all ranks / the slowest rank's time
+            test_loss, accuracy = evaluate(strategy.evaluation_model(), self.test_set, self.rank, self.size,
+                                           self.comm, f"after epoch {self.epoch}")
+            # After the evaluation's pull: under sync-ps every push of the epoch is applied by then.
+            staleness = strategy.staleness() if self.rank == 0 else None
+            bytes_per_rank = totals[3] / self.plan.ranks  # servers included: they send what workers receive
+            lr = strategy.lr(self.step)
+            gradients: dict[str, float | None] = dict.fromkeys(
+                ("grad_bytes_per_rank", "grad_ratio", "grad_density", "grad_density_max_step"))
+            if traffic is not None:
+                gradients = {**gradient_report(totals[4], totals[5], totals[6], totals[7], self.size),
+                             "grad_density_max_step": float(densest)}
+            self.say(f"epoch {self.epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
+                     f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  lr {lr:.4g}  "
+                     f"sent {bytes_per_rank / 1e6:.3g} MB/rank"
+                     + (f"  gradients {totals[4] / self.size / 1e6:.3g} MB/rank = fp32/"
+                        f"{gradients['grad_ratio']:.3g}" if traffic is not None else "")
+                     + (f"  staleness mean {staleness.mean:.2f} max {staleness.max}" if staleness else ""),
+                     flush=True)
+            if self.metrics is not None:
+                self.metrics.write({
+                    "epoch": self.epoch, "step": self.step, "train_loss": train_loss, "test_loss": test_loss,
+                    "accuracy": accuracy, "samples_per_s": throughput, "seconds": seconds,
+                    "lr": lr, "ranks": self.plan.ranks, "strategy": self.plan.name, "samples": int(totals[1]),
+                    "bytes_sent_per_rank": bytes_per_rank, **gradients, **staleness_columns(staleness)})
         if args.checkpoint_dir:
-            checkpoint_now(epoch, 0, (0.0, 0, 0.0), {})
+            self.checkpoint_now(0, (0.0, 0, 0.0, 0))
+        return None
 
-    test_loss, accuracy = evaluate(model, test_set, rank, size, comm, "at the end")
-    say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {step} steps", flush=True)
-    if metrics is not None:
-        metrics.close()
-    if args.timeline:
-        written = ddp.write_timeline()
-        say(f"timeline written to {written}")
-    return 0
+    def checkpoint_now(self, batches_done: int, sums: tuple[float, int, float, int]) -> None:
+        """Collective over the training ranks (and through a parameter server's servers): write
+        checkpoint `self.step` at `batches_done` batches into epoch `self.epoch`."""
+        from .checkpoint import save_checkpoint
+
+        extra = self.strategy.checkpoint_state(self.step)
+        state = {"model": self.model.state_dict(), **extra, "epoch": self.epoch,
+                 "batches_done": batches_done, "job": self.job}
+        rank_state = {"buffers": dict(self.model.named_buffers()), "epoch_sums": sums,
+                      **self.strategy.rank_state()}
+        if not self.strategy.lockstep:
+            rank_state |= {"stream": self.stream, "own_steps": self.own_steps}
+        if self.traffic is not None:  # inside an epoch (the epoch-end checkpoint has none)
+            rank_state["traffic"] = self.traffic.state()
+        save_checkpoint(self.args.checkpoint_dir, state, step=self.step, comm=self.comm, keep=KEEP_CHECKPOINTS,
+                        rank_state=rank_state)
+
+    def say(self, *values: Any, **kwargs: Any) -> None:
+        """print() on rank 0."""
+        if self.rank == 0:
+            print(*values, **kwargs)
+
+    def close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
 
 class EpochTraffic:
     """This rank's gradient traffic in the epoch under way: the totals so far and the largest
-    fraction of elements it sent in one step; `state()` resumes it (`EpochTraffic(ddp, **state)`)."""
+    fraction of elements it sent in one step; `state()` resumes it (`EpochTraffic(read, **state)`).
+    `read()` gives the running `GradientTraffic` (hpcdl/reducer.py) of the strategy's exchange."""
 
-    def __init__(self, ddp: Any, sent: tuple[int, ...] = (), densest: float = 0.0) -> None:
+    def __init__(self, read: Callable[[], Any], sent: tuple[int, ...] = (), densest: float = 0.0) -> None:
         from .reducer import GradientTraffic
 
-        self.ddp = ddp
-        self.start = ddp.traffic - GradientTraffic(*sent)  # as if the earlier part ran here
-        self.last = ddp.traffic
+        self.read = read
+        now = read()
+        self.start = now - GradientTraffic(*sent)  # as if the earlier part ran here
+        self.last = now
         self.densest = densest
 
     def step(self) -> None:
         """After each step: note its fraction of elements sent."""
-        now = self.ddp.traffic
+        now = self.read()
         this = now - self.last
         self.last = now
         if this.elements:
@@ -542,7 +713,7 @@ class EpochTraffic:
 
     def so_far(self) -> Any:
         """The epoch's `GradientTraffic` so far."""
-        return self.ddp.traffic - self.start
+        return self.read() - self.start
 
     def state(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
@@ -556,6 +727,18 @@ def gradient_report(bytes_sent: float, dense_fp32_bytes: float, elements_sent: f
     return {"grad_bytes_per_rank": bytes_sent / size,
             "grad_ratio": dense_fp32_bytes / bytes_sent if bytes_sent else math.inf,
             "grad_density": elements_sent / elements if elements else 0.0}
+
+
+def staleness_columns(staleness: Staleness | None) -> dict[str, Any]:
+    """The metrics file's staleness columns: mean, maximum and histogram (counts of tau = 0, 1, ...,
+    up to the largest seen), all None where the strategy has no staleness."""
+    if staleness is None:
+        return {"staleness_mean": None, "staleness_max": None, "staleness_histogram": None}
+    histogram = list(staleness.histogram)
+    while len(histogram) > 1 and histogram[-1] == 0:
+        histogram.pop()
+    return {"staleness_mean": staleness.mean, "staleness_max": staleness.max,
+            "staleness_histogram": histogram}
 
 
 def warmup_warning(warmup_steps: int, total_steps: int, scaled_lr: float, start_factor: float) -> str | None:
@@ -629,9 +812,15 @@ def scaled_rate_error(args: argparse.Namespace, global_batch: int) -> str:
             "--reference-batch")
 
 
-def not_a_training_checkpoint(checkpoint: Any) -> str | None:
-    """Why a verified checkpoint file cannot be resumed by `hpcdl train`, or None."""
-    needed = ("model", "optimizer", "scheduler", "epoch", "batches_done", "step", "job", "ranks")
+def not_a_training_checkpoint(checkpoint: Any, strategy: str = "allreduce",
+                              strategy_keys: tuple[str, ...] = ("optimizer", "scheduler")) -> str | None:
+    """Why a verified checkpoint file cannot be resumed by `hpcdl train --strategy strategy`
+    (whose checkpoints hold `strategy_keys`), or None. A checkpoint of another strategy is left to
+    the comparison of the job it was made with, which names the difference."""
+    job = checkpoint.get("job") if isinstance(checkpoint, dict) else None
+    made_with = job.get("strategy", _TRAJECTORY_DEFAULTS["strategy"]) if isinstance(job, dict) else strategy
+    needed = ("model", *(strategy_keys if made_with == strategy else ()), "epoch", "batches_done", "step",
+              "job", "ranks")
     missing = [k for k in needed if not isinstance(checkpoint, dict) or k not in checkpoint]
     if missing or not isinstance(checkpoint["job"], dict) or not isinstance(checkpoint["ranks"], list):
         return (f"is not a checkpoint of hpcdl train (it holds no {', '.join(missing) or 'job or ranks'} "
@@ -655,7 +844,7 @@ def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm, whe
         correct = (logits.argmax(dim=1) == y[rank::size]).sum().item()
     model.train(was_training)
     sums = reduce_over_ranks(np.array([loss, correct, len(y[rank::size])], dtype=np.float64), comm,
-                          f"the held-out evaluation {when}".rstrip())
+                             f"the held-out evaluation {when}".rstrip())
     return float(sums[0] / sums[2]), float(sums[1] / sums[2])
 
 
@@ -732,18 +921,16 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
     import torch.nn.functional as F
 
     from .data import synthetic_batch
-    from .ddp import DistributedDataParallel
     from .models import build_model
     from .schedule import scaled_learning_rate
+    from .strategies.allreduce import data_parallel
 
     rank, size = topology.rank, topology.size
     args.model = args.model or "resnet"
     say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     model = build_model(args.model, in_channels=3, image_size=args.image_size, num_classes=1000)
-    ddp = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb,
-                                  algorithm=args.algorithm, overlap=not args.no_overlap,
-                                  timeline=args.timeline, compression=gradient_exchange(args))
+    ddp = data_parallel(model, comm, args)
     lr = scaled_learning_rate(args.lr, args.batch_size * size, args.reference_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     torch.manual_seed(args.seed + 1 + rank)
