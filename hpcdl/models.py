@@ -58,8 +58,11 @@ class HybridDigitsCNN(nn.Module):
 
     The ranks of a model group feed the same batch slice. The features' gradient is summed over the
     group before it reaches the convolutions, so their gradients, and hence their weights, stay the
-    same on the M ranks of a group. Dropout before the first linear layer must draw the same mask
-    on those M ranks: seed torch with the data rank, not the global rank.
+    same on the M ranks of a group. Dropout (before the first linear layer) draws its mask on each
+    rank: each rank's block of that layer's outputs sees its own mask over the features, a
+    different regularizer from one mask for the whole layer, whose gradient is still exact (the
+    group sums the masked input gradients). Without dropout (evaluation, or p = 0) the hybrid
+    computes what the DigitsCNN computes.
 
     Building it is collective over `grid.model`: `cnn` (deep-copied, not changed) is taken from
     model rank 0 of the group, so every rank of a group starts from one model even if the ranks'
@@ -78,6 +81,9 @@ class HybridDigitsCNN(nn.Module):
         self.grid = grid
         self.features = cnn.features
         flatten, dropout, fc1, relu, fc2 = cnn.classifier
+        if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
+            raise TypeError("HybridDigitsCNN: the DigitsCNN's classifier must hold nn.Linear layers "
+                            "at positions 2 and 4")
         self.classifier = nn.Sequential(
             flatten, dropout, ColumnParallelLinear.from_linear(fc1, comm=grid.model, gather_output=False),
             relu, RowParallelLinear.from_linear(fc2, comm=grid.model, input_is_parallel=True))

@@ -150,3 +150,45 @@ def test_hybrid_cnn_with_more_model_ranks_than_hidden_units_is_refused_on_every_
         message = str(exc)
     grid.free()
     assert all_ranks_agree("cannot be split" in message, comm), message
+
+
+# -- hpcdl train --model hybrid-cnn --grid DxM ----------------------------------------------------
+
+def test_train_refuses_a_grid_that_does_not_fit_on_every_rank(comm, capsys):
+    from hpcdl import train
+
+    size = comm.Get_size()
+    status = train.main(["--model", "hybrid-cnn", "--grid", f"{size + 1}x1", "--epochs", "1"])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or (
+        f"--grid {size + 1}x1 needs {size + 1} ranks" in err and f"1x{size}" in err))
+    status = train.main(["--model", "cnn", "--grid", f"1x{size}", "--epochs", "1"])
+    err = capsys.readouterr().err
+    ok = ok and status == 2 and (comm.Get_rank() != 0 or "--grid applies to --model hybrid-cnn only" in err)
+    assert all_ranks_agree(ok, comm), err
+
+
+def test_train_refuses_a_malformed_grid(comm, capsys):
+    from hpcdl import train
+
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--model", "hybrid-cnn", "--grid", "2by2"])
+    err = capsys.readouterr().err
+    ok = exit_.value.code == 2 and (comm.Get_rank() != 0 or "expected DxM" in err)
+    assert all_ranks_agree(ok, comm), err
+
+
+def test_train_hybrid_cnn_learns_digits(comm, capsys):
+    """Three epochs of the hybrid on a 2 x P/2 grid (1 x P for odd P) reach 85 % held out."""
+    from hpcdl import train
+
+    size = comm.Get_size()
+    grid = f"2x{size // 2}" if size % 2 == 0 else f"1x{size}"
+    status = train.main(["--model", "hybrid-cnn", "--grid", grid, "--epochs", "3"])
+    out = capsys.readouterr().out
+    accuracy = None
+    for line in out.splitlines():
+        if line.startswith("final held-out accuracy"):
+            accuracy = float(line.split()[3])
+    ok = status == 0 and (comm.Get_rank() != 0 or (accuracy is not None and accuracy > 0.85))
+    assert all_ranks_agree(ok, comm), out
