@@ -178,7 +178,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{row['mb_sent_per_rank_per_epoch']:.2f} | {stale} | "
             + " ".join(f"{a:.3f}" for a in row["accuracy_per_epoch"]) + " |")
     if result.get("overhead"):
-        lines += ["", "## Per-push overhead of the parameter server (2 ranks, shared memory)", "",
+        lines += ["", f"## Per-push overhead of the parameter server (2 ranks, {result['where']})", "",
                   "Microseconds per pull/push pair (median of rounds), against plain mpi4py messages of "
                   "the same bytes in the same job.", "",
                   "| shard bytes | ParameterServer pull+push | same 3 messages, mpi4py | ping-pong of the "
