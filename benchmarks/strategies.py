@@ -168,16 +168,17 @@ def markdown(result: dict[str, Any]) -> str:
              "| strategy | straggler | final acc. | epochs to 95% | s to 95% | samples/s | vs allreduce | "
              "MB sent/rank/epoch | staleness mean (max) | accuracy per epoch |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    slowed = f"{result['straggler_factor']:g}x"
     for row in result["table"]:
         stale = "-" if row["staleness_mean"] is None else f"{row['staleness_mean']:.2f} ({row['staleness_max']})"
         lines.append(
-            f"| {row['strategy']} | {'2x' if row['condition'] == 'straggler' else 'no'} | "
+            f"| {row['strategy']} | {slowed if row['condition'] == 'straggler' else 'no'} | "
             f"{row['final_accuracy']:.4f} | {cell(row['epochs_to_95'], 'd')} | {cell(row['seconds_to_95'], '.1f')} | "
             f"{row['samples_per_s']:,.0f} | {cell(row.get('samples_per_s_vs_allreduce'), '.2f')}x | "
             f"{row['mb_sent_per_rank_per_epoch']:.2f} | {stale} | "
             + " ".join(f"{a:.3f}" for a in row["accuracy_per_epoch"]) + " |")
     if result.get("overhead"):
-        lines += ["", "## Per-push overhead of the parameter server (2 ranks, shared memory)", "",
+        lines += ["", f"## Per-push overhead of the parameter server (2 ranks, {result['where']})", "",
                   "Microseconds per pull/push pair (median of rounds), against plain mpi4py messages of "
                   "the same bytes in the same job.", "",
                   "| shard bytes | ParameterServer pull+push | same 3 messages, mpi4py | ping-pong of the "
