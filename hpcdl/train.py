@@ -61,8 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcdl train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model and data")
-    model.add_argument("--model", choices=("cnn", "mlp", "resnet"), default=None,
-                       help="network (default: cnn on digits, resnet with --synthetic)")
+    model.add_argument("--model", choices=("cnn", "mlp", "resnet", "hybrid-cnn"), default=None,
+                       help="network (default: cnn on digits, resnet with --synthetic); hybrid-cnn: "
+                            "the cnn with its linear layers split over --grid's model groups")
+    model.add_argument("--grid", type=grid_shape, default=None, metavar="DxM",
+                       help="with --model hybrid-cnn: D data-parallel replicas of the model, each "
+                            "split over M consecutive ranks (D x M = the ranks; default 1xRANKS)")
     model.add_argument("--synthetic", action="store_true",
                        help="benchmark on random ImageNet-shaped data instead of training on digits")
     model.add_argument("--image-size", type=int, default=224,
@@ -128,6 +132,32 @@ def build_parser() -> argparse.ArgumentParser:
 MAX_EPOCHS = 10 ** 9
 #: Seeds go to torch.manual_seed (plus the rank, and the epoch for the sampler), which takes 64 bits.
 SEEDS = range(-2**63, 2**63)
+
+
+def grid_shape(text: str) -> tuple[int, int]:
+    """--grid's syntax: 'DxM', two positive integers."""
+    data, sep, model = text.lower().partition("x")
+    if not (sep and data.isdigit() and model.isdigit() and int(data) > 0 and int(model) > 0):
+        raise argparse.ArgumentTypeError(f"expected DxM, two positive integers (e.g. 2x2), got {text!r}")
+    return int(data), int(model)
+
+
+def hybrid_errors(args: argparse.Namespace, ranks: int) -> list[str]:
+    """What --model hybrid-cnn and --grid cannot be combined with on `ranks` ranks."""
+    if args.model != "hybrid-cnn":
+        return [] if args.grid is None else [f"--grid applies to --model hybrid-cnn only, not to "
+                                             f"--model {args.model or 'cnn'}"]
+    errors = []
+    data, model = args.grid or (1, ranks)
+    if data * model != ranks:
+        fits = ", ".join(f"{d}x{ranks // d}" for d in range(1, ranks + 1) if ranks % d == 0)
+        errors.append(f"--grid {data}x{model} needs {data * model} ranks, but the job has {ranks}; "
+                      f"grids that fit: {fits}")
+    for flag, used in (("--synthetic", args.synthetic), ("--checkpoint-dir", args.checkpoint_dir),
+                       (f"--strategy {args.strategy}", args.strategy != "allreduce")):
+        if used:
+            errors.append(f"--model hybrid-cnn does not support {flag} (docs/model_parallel.md)")
+    return errors
 
 
 def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, ranks: int = 1) -> list[str]:
@@ -204,7 +234,7 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
         stall.warning_seconds()
     except ValueError as exc:
         errors.append(str(exc))
-    return errors + compression_errors(args) + strategies.option_errors(args, ranks)
+    return errors + compression_errors(args) + strategies.option_errors(args, ranks) + hybrid_errors(args, ranks)
 
 
 def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int) -> str | None:
@@ -280,7 +310,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
 
     from .checkpoint import list_checkpoints, load_resume_checkpoint
     from .data import batches_per_epoch, load_digits_split, shard_sampler
-    from .models import build_model
+    from .grid import ProcessGrid
+    from .models import build_hybrid_model, build_model
     from .schedule import scaled_learning_rate, warmup_start_factor
     from .strategies.base import Schedule
 
@@ -326,11 +357,17 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
 
     train_set, test_set = load_digits_split()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
-    # Only the training ranks (all but a parameter server's servers) share out the data.
+    grid = None
+    if args.model == "hybrid-cnn":  # the FC layers split over model groups, data parallel across them
+        grid = ProcessGrid(plan.trainers, plan.model_parallel, comm)
+        model = build_hybrid_model(args.model, grid, in_channels=1, num_classes=10)
+    else:
+        model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
+    # Only the training ranks (all but a parameter server's servers) share out the data; the ranks
+    # of a hybrid model's group (one replica) train on the same batch.
     trainers = plan.trainers
     sampler = shard_sampler(train_set, seed=args.seed, num_replicas=trainers,
-                            replica_rank=min(rank, trainers - 1))
+                            replica_rank=min(rank, trainers - 1) if grid is None else grid.data_rank)
     if args.batch_size > len(sampler):
         # Every step would take the whole share, so the global batch the rate is scaled for never
         # happens; the same numbers on every rank give the same verdict.
@@ -352,7 +389,11 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         print(f"hpcdl train: warning: --warmup-epochs {args.warmup_epochs:g} with --epochs {args.epochs}: "
               f"{warning}", file=sys.stderr, flush=True)
 
-    strategy = strategies.build(plan, model, schedule, comm, args)
+    if grid is not None:
+        from .strategies.hybrid import Hybrid
+        strategy: Strategy = Hybrid(model, comm, schedule, args, grid)
+    else:
+        strategy = strategies.build(plan, model, schedule, comm, args)
     if not strategy.trains:
         if checkpoint is not None:
             strategy.load_state(checkpoint, None)

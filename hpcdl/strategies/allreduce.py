@@ -44,13 +44,16 @@ class Allreduce(Strategy):
     checkpoint_keys = ("optimizer", "scheduler")
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm, schedule: Schedule,
-                 args: argparse.Namespace) -> None:
+                 args: argparse.Namespace, data_comm: MPI.Comm | None = None) -> None:
         super().__init__(module, comm)
-        self.ddp = data_parallel(module, comm, args)
+        # Gradients are averaged over `data_comm` where given (a process grid's column, for a
+        # model split over its row: hpcdl/strategies/hybrid.py), else over every training rank.
+        data_comm = comm if data_comm is None else data_comm
+        self.ddp = data_parallel(module, data_comm, args)
         self.optimizer = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=optimizer_momentum(args))
         self.ddp.check_optimizer(self.optimizer)  # collective: DGC's momentum correction wants none
         self.scheduler = schedule.for_optimizer(self.optimizer)
-        size = comm.Get_size()
+        size = data_comm.Get_size()
         self._wire_factor = 2 * (size - 1) / size
 
     def train(self) -> None:

@@ -195,7 +195,9 @@ class Plan:
 
     `trainers` ranks train (the first ones; with a parameter server the last `servers` ranks
     serve), each on batches of `batch_size`; `update_batch` is how many samples one update of the
-    parameters averages, what the linear scaling rule scales the learning rate by.
+    parameters averages, what the linear scaling rule scales the learning rate by. With a model
+    split over `model_parallel` consecutive ranks (--model hybrid-cnn), each group of that many
+    ranks trains as one replica on one batch: `trainers` counts replicas.
     """
 
     name: str
@@ -211,10 +213,11 @@ class Plan:
     server_optimizer: str = "momentum"
     straggler: tuple[int, float] | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    model_parallel: int = 1
 
     @property
     def trainers(self) -> int:
-        return self.ranks - self.servers
+        return (self.ranks - self.servers) // self.model_parallel
 
     @property
     def consistency(self) -> str | None:
@@ -256,7 +259,9 @@ class Plan:
     def describe(self) -> str:
         """One phrase for the header line of `hpcdl train`."""
         if self.name == "allreduce":
-            return "gradients averaged every step"
+            return "gradients averaged every step" + (
+                f" over {self.trainers} replica(s), each split over {self.model_parallel} ranks"
+                if self.model_parallel > 1 else "")
         if self.name == "local-sgd":
             return (f"parameters averaged every {self.period} steps"
                     + (f" after {self.warmup_steps} synchronous steps" if self.warmup_steps else "")
@@ -284,4 +289,9 @@ def plan(args: argparse.Namespace, ranks: int) -> Plan:
             options["staleness"] = args.staleness or DEFAULT_SSP_STALENESS
         elif name == "softsync":
             options["staleness"] = args.staleness or max(1, (ranks - servers) // 2)
-    return Plan(name, ranks, args.batch_size, straggler=args.straggler, options=options, **options)
+    # --model hybrid-cnn: a replica is a model group of M ranks (--grid DxM, default 1xRANKS)
+    model_parallel = 1
+    if getattr(args, "model", None) == "hybrid-cnn":
+        model_parallel = args.grid[1] if getattr(args, "grid", None) else ranks
+    return Plan(name, ranks, args.batch_size, straggler=args.straggler, options=options,
+                model_parallel=model_parallel, **options)
