@@ -114,6 +114,25 @@ def test_k_steps_equal_ddp_bitwise_and_single_process_training(comm):
     assert all_ranks_agree(ok and _same_on_every_rank(model, comm), comm)
 
 
+def test_reductions_start_in_backward_on_every_kth_pass(comm):
+    """Buckets are launched by the gradient hooks during backward (before step()), and with
+    backward_passes_per_step=2 only in the second pass; step() finishes them."""
+    rank = comm.Get_rank()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=2, **TINY)
+    buckets = optimizer._hvd_reducer.buckets
+    x, y = _batch(rank, 0)
+    F.mse_loss(model(x), y).backward()
+    none_after_first = all(b.link is None for b in buckets)
+    F.mse_loss(model(x), y).backward()
+    all_after_second = len(buckets) > 1 and all(b.link is not None for b in buckets)
+    optimizer.step()
+    ok = none_after_first and all_after_second and _same_on_every_rank(model, comm)
+    assert all_ranks_agree(ok, comm)
+
+
 def test_backward_passes_per_step_2_equals_one_step_over_the_doubled_batch(comm):
     """Two backward passes over halves (each loss halved, as Horovod's ImageNet example divides
     by the number of passes) then one step: one step over the whole, averaged over ranks."""
@@ -130,7 +149,18 @@ def test_backward_passes_per_step_2_equals_one_step_over_the_doubled_batch(comm)
             (F.mse_loss(model(x[half]), y[half]) / 2).backward()
         optimizer.step()
     single = _train_single(size, steps, n=6)
+    reference = _model()  # hpcdl's DDP accumulating the first half under no_sync(): bit for bit
+    ddp = hpcdl.DistributedDataParallel(reference, **TINY)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = _batch(rank, step, n=6)
+        plain.zero_grad()
+        with ddp.no_sync():
+            (F.mse_loss(ddp(x[:3]), y[:3]) / 2).backward()
+        (F.mse_loss(ddp(x[3:]), y[3:]) / 2).backward()
+        plain.step()
     ok = torch.allclose(_flat(model), _flat(single), rtol=0, atol=1e-6)
+    ok = ok and torch.equal(_flat(model), _flat(reference))
     # A third backward pass before step() is more than backward_passes_per_step: Horovod's error.
     x, y = _batch(rank, 99)
     for _ in range(2):
