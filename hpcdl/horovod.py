@@ -959,16 +959,40 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         algorithm, bucket_cap_mb, first_bucket_mb: hpcdl's, as `hpcdl.DistributedDataParallel`'s.
     """
     _check_process_set(process_set)
+    try:  # a wrong argument on one rank only must not leave the others waiting: agreed below
+        exchange = _gradient_exchange(compression, op, gradient_predivide_factor, num_groups, groups)
+        check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm)
+        problem: Exception | None = None
+    except (ValueError, NotImplementedError) as exc:
+        problem = exc
+    reports = _comm().allgather(None if problem is None else (type(problem).__name__, str(problem)))
+    failing = [(r, report) for r, report in enumerate(reports) if report is not None]
+    if failing:  # the first failing rank's error, of its type, on every rank
+        kind, message = failing[0][1]
+        if len(failing) < len(reports):
+            message = f"rank{'s' * (len(failing) > 1)} {', '.join(str(r) for r, _ in failing)}: {message}"
+        raise (NotImplementedError if kind == "NotImplementedError" else ValueError)(message)
+    return distributed_optimizer(
+        optimizer, named_parameters, exchange, backward_passes_per_step=backward_passes_per_step,
+        sparse_as_dense=bool(sparse_as_dense), comm=_comm(),
+        bucket_options={"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
+                        "first_bucket_mb": first_bucket_mb})
+
+
+def _gradient_exchange(compression: type[Compressor], op: int, gradient_predivide_factor: float,
+                       num_groups: int, groups: Any) -> ScaledExchange:
+    """The exchange scheme Horovod's optimizer arguments name; raises ValueError or
+    NotImplementedError (naming the fix) for what is wrong or not offered."""
     if op == Adasum:
         raise _not_offered("DistributedOptimizer(op=hvd.Adasum)",
                            "use op=hvd.Average (the default) or hvd.Sum")
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer reduces with op=hvd.Average or hvd.Sum, got {op!r}")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
     if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be a positive number, got "
                          f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups or groups is not None:
         raise _not_offered("DistributedOptimizer's num_groups/groups",
                            "gradients are fused in buckets of bucket_cap_mb MiB (in backward's "
@@ -981,16 +1005,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         raise ValueError(f"compression must be hvd.Compression.none or hvd.Compression.fp16, got "
                          f"{compression!r}; other schemes: hpcdl.DistributedDataParallel("
                          "compression=...)")
-    check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm)
     # The exchanges average; Sum is the average times the number of ranks (Horovod's Average is
     # its sum times 1/size), and the predivide factor splits the average around the sum.
     postscale = float(size()) if op == Sum else float(gradient_predivide_factor)
-    exchange = ScaledExchange(inner, prescale=1.0 / gradient_predivide_factor, postscale=postscale)
-    return distributed_optimizer(
-        optimizer, named_parameters, exchange, backward_passes_per_step=backward_passes_per_step,
-        sparse_as_dense=bool(sparse_as_dense), comm=_comm(),
-        bucket_options={"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
-                        "first_bucket_mb": first_bucket_mb})
+    return ScaledExchange(inner, prescale=1.0 / gradient_predivide_factor, postscale=postscale)
 
 
 # -- what hpcdl does not offer (raised when used) --------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -77,8 +78,6 @@ class _Synchronizing:
         self._hvd_named = named
         self._hvd_comm = comm
         self._hvd_sparse_as_dense = sparse_as_dense
-        raise_unless_agreed("DistributedOptimizer", exchange.setup(named, comm),
-                            {"compression": repr(exchange)}, comm)
         self._hvd_reducer = build_reducer(named, comm, exchange, overlap=True, timeline=None,
                                           **bucket_options)
         self._hvd_index = {id(p): i for i, (_, p) in enumerate(named)}
@@ -177,7 +176,7 @@ def named_optimizer_parameters(optimizer: torch.optim.Optimizer,
     """The optimizer's parameters that require gradients, with names, in the order they are
     bucketed: `named_parameters`' order when given (checked as Horovod checks it: (name, tensor)
     pairs, unique names, every optimizer parameter named), else the parameter groups' order with
-    Horovod's placeholder names. Raises ValueError (the same on every rank: no communication)."""
+    Horovod's placeholder names. Raises ValueError (no communication)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
         named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
@@ -216,7 +215,24 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _Synchronizing):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain one once")
-    named = named_optimizer_parameters(optimizer, named_parameters)
+    errors = []
+    try:
+        named = named_optimizer_parameters(optimizer, named_parameters)
+    except ValueError as exc:
+        named, errors = [], [str(exc)]
+    if (not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool)
+            or backward_passes_per_step < 1):
+        errors.append(f"backward_passes_per_step must be a positive integer, got "
+                      f"{backward_passes_per_step!r}")
+    # What one rank finds wrong, and parameters or options that differ between ranks (which would
+    # pair different buckets), stop every rank here rather than hang at the first step.
+    errors += exchange.setup(named, comm)
+    layout = hashlib.sha1(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in named]).encode())
+    raise_unless_agreed("DistributedOptimizer", errors, {
+        "parameters": f"{len(named)} tensors, {sum(p.numel() for _, p in named)} elements, "
+                      f"names/shapes/dtypes digest {layout.hexdigest()[:12]}",
+        "compression": repr(exchange), "backward_passes_per_step": backward_passes_per_step,
+        **bucket_options}, comm)
     base = type(optimizer)
     cls = type(base.__name__, (_Synchronizing, base), {"__module__": base.__module__,
                                                         "__doc__": base.__doc__})

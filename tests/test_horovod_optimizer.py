@@ -377,3 +377,31 @@ def test_arguments_checked_as_horovod_checks_them(comm):
         optimizer.step()  # no backward since the last step: nothing to reduce
     ok = all(n.startswith("allreduce.noname.") for b in optimizer.bucket_layout() for n in b)
     assert all_ranks_agree(ok, comm)
+
+
+def test_bad_arguments_on_one_rank_fail_every_rank(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    odd = rank == size - 1
+    model = _model()
+    named = list(model.named_parameters())
+
+    def raised(exc_type: type[Exception], **options) -> str | None:
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+        except exc_type as exc:
+            message: str | None = str(exc)
+        else:
+            message = None
+        return message if all_ranks_agree(message is not None, comm) else None
+
+    message = raised(ValueError, named_parameters=named + [("0.weight", named[2][1])] if odd else named)
+    assert message is not None and "Found duplicates: 0.weight" in message
+    message = raised(NotImplementedError, op=hvd.Adasum if odd else hvd.Average)
+    assert message is not None and "Adasum" in message
+    if size > 1:  # options that differ between ranks would pair different exchanges
+        message = raised(ValueError, backward_passes_per_step=2 if odd else 1)
+        assert message is not None and "backward_passes_per_step" in message
+        message = raised(ValueError, named_parameters=named[:-2] + named[-1:] + named[-2:-1]
+                         if odd else named)
+        assert message is not None and "different arguments (parameters" in message
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size  # still in step
