@@ -161,13 +161,7 @@ class DistributedDataParallel(torch.nn.Module):
             raise TypeError(f"comm must be an MPI communicator, got {type(comm).__name__}; pass "
                             "torch's device_ids= by keyword")
         _check_torch_options(torch_options)
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
-        allowed = ["auto", *collectives.ALGORITHMS["allreduce"]]
-        if algorithm not in allowed:
-            raise ValueError(f"algorithm {algorithm!r} is not an allreduce algorithm; "
-                             f"use one of {', '.join(allowed)}")
+        check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm)
         exchange = resolve(compression)
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
@@ -208,10 +202,9 @@ class DistributedDataParallel(torch.nn.Module):
         raise_unless_agreed("DistributedDataParallel", exchange.setup(self._named, self.comm),
                             {"compression": repr(exchange)}, self.comm)
         self._broadcast_state()
-        self._reducer = Reducer(self._named, self.comm, exchange, algorithm=algorithm,
-                                bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
-                                in_place_bytes=IN_PLACE_BYTES, chunk_bytes=CHUNK_BYTES,
-                                overlap=self.overlap, timeline=self.timeline)
+        self._reducer = build_reducer(self._named, self.comm, exchange, algorithm=algorithm,
+                                      bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                                      overlap=self.overlap, timeline=self.timeline)
         # Parameters frozen when the wrapper was built get no bucket; if one is unfrozen later,
         # its gradient would silently stay local (warned about once).
         self._frozen_at_build = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -222,11 +215,7 @@ class DistributedDataParallel(torch.nn.Module):
             previous()._detach()  # type: ignore[union-attr]
         _OWNERS[module] = weakref.ref(self)
         self._detached = False
-        # The hooks hold the wrapper weakly: the parameters outlive a discarded wrapper, and a
-        # strong reference would keep it (and its reductions) alive behind the user's back.
-        hook = _weak_hook(weakref.ref(self))
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in self._named]
-        weakref.finalize(self, _remove_hooks, list(self._hooks))
+        self._hooks = register_ready_hooks(self, "_mark_ready", [p for _, p in self._named])
         self._require_sync = True  # flipped by no_sync()
         # Set by forward (unless in no_sync) and used up by the next backward, as torch's DDP
         # prepares exactly one backward per forward.
@@ -462,6 +451,38 @@ class DistributedDataParallel(torch.nn.Module):
         return self.timeline.write()
 
 
+def check_bucket_options(bucket_cap_mb: float, first_bucket_mb: float, algorithm: str) -> None:
+    """Raise ValueError for bucket capacities that are not positive MiB, or an unknown allreduce
+    algorithm (the same on every rank: no communication)."""
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+    allowed = ["auto", *collectives.ALGORITHMS["allreduce"]]
+    if algorithm not in allowed:
+        raise ValueError(f"algorithm {algorithm!r} is not an allreduce algorithm; "
+                         f"use one of {', '.join(allowed)}")
+
+
+def build_reducer(named: list[tuple[str, torch.nn.Parameter]], comm: MPI.Comm,
+                  exchange: GradientExchange, *, algorithm: str, bucket_cap_mb: float,
+                  first_bucket_mb: float, overlap: bool, timeline: Timeline | None) -> Reducer:
+    """The reducer for `named`'s gradients, with this module's in-place and slicing thresholds
+    (shared by DistributedDataParallel and hpcdl.horovod.DistributedOptimizer)."""
+    return Reducer(named, comm, exchange, algorithm=algorithm, bucket_cap_mb=bucket_cap_mb,
+                   first_bucket_mb=first_bucket_mb, in_place_bytes=IN_PLACE_BYTES,
+                   chunk_bytes=CHUNK_BYTES, overlap=overlap, timeline=timeline)
+
+
+def register_ready_hooks(owner: Any, method: str, params: list[torch.nn.Parameter]) -> list[Any]:
+    """A post-accumulate-grad hook on each parameter calling `owner.<method>(param)`; removed when
+    `owner` is collected. The hooks hold `owner` weakly: the parameters outlive a discarded
+    owner, and a strong reference would keep it (and its reductions) alive behind the user's back."""
+    hook = _weak_hook(weakref.ref(owner), method)
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    weakref.finalize(owner, _remove_hooks, list(handles))
+    return handles
+
+
 def _check_torch_options(options: dict[str, Any]) -> None:
     """Refuse torch DDP arguments this wrapper cannot honour, by name, saying what to do instead."""
     unknown = sorted(set(options) - set(_TORCH_ONLY))
@@ -528,11 +549,11 @@ def _first_tensor_needing_grad(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _weak_hook(wrapper: weakref.ref[DistributedDataParallel]) -> Any:
+def _weak_hook(owner: weakref.ref[Any], method: str) -> Any:
     def mark_ready(param: torch.nn.Parameter) -> None:
-        alive = wrapper()
+        alive = owner()
         if alive is not None:
-            alive._mark_ready(param)
+            getattr(alive, method)(param)
     return mark_ready
 
 

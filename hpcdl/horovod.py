@@ -18,7 +18,8 @@ collectives are differentiable as Horovod's are.
 What hpcdl does not offer raises NotImplementedError naming what to use instead, only when used:
 the Adasum reduction, process sets other than the global one, elastic training, the timeline
 (`hpcdl.DistributedDataParallel(timeline=...)` records one), SyncBatchNorm, sparse allreduce,
-`horovod.run`; and, until it is built on hpcdl's DDP machinery, `DistributedOptimizer`.
+`horovod.run`. `DistributedOptimizer` reduces gradients on hpcdl's DDP machinery (buckets filled
+by backward, overlap, the communication thread: `hpcdl/horovod_optimizer.py`).
 Differences: `join()` is a synchronization point that returns the rank that arrived last, but ranks
 must have made the same collective calls before it (Horovod lets joined ranks take part in the
 others' allreduces with zeros); ranks must issue collectives in the same order (Horovod negotiates
@@ -39,6 +40,10 @@ import collectives
 
 from . import runtime
 from .alltoall import exchange_counts, pairwise_alltoall
+from .compression import FP16
+from .compression import Average as DenseAverage
+from .ddp import check_bucket_options
+from .horovod_optimizer import ScaledExchange, distributed_optimizer
 from .tensors import RefusedTensor, as_array, collective_array, flat_in_memory_order, refusal
 
 # Horovod's reduction op values (horovod/common/message.h).
@@ -920,20 +925,93 @@ def join(device: int = -1) -> int:
     return int(np.argmax(times))
 
 
-# -- what hpcdl does not offer (raised when used) --------------------------------------------------
+# -- DistributedOptimizer -------------------------------------------------------------------------
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable[Any] | None = None,  # noqa: N802
                          compression: type[Compressor] = Compression.none,
                          backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> Any:
-    raise NotImplementedError(
-        "hpcdl.horovod.DistributedOptimizer is coming (built on hpcdl's DDP buckets, overlap and "
-        "communication thread); until then wrap the model instead: "
-        "model = hpcdl.DistributedDataParallel(model) and keep the plain optimizer "
-        "(docs/coming_from_horovod_ddp.md)")
+                         process_set: ProcessSet = global_process_set, *,
+                         algorithm: str = "auto", bucket_cap_mb: float = 25,
+                         first_bucket_mb: float = 1) -> Any:
+    """Wrap `optimizer` so that its step() first reduces the gradients over ranks (Horovod's).
 
+    Returns an optimizer of the same class over the same parameter groups. Each parameter's
+    gradient is reduced as backward produces it, in buckets, on hpcdl's DDP machinery
+    (`hpcdl/horovod_optimizer.py`); `step()` waits for the reductions, then steps.
+    `synchronize()` waits without stepping (then step inside `skip_synchronize()`, e.g. after
+    clipping the reduced gradients); `zero_grad()` while reductions are under way raises.
+
+    Args:
+        named_parameters: `model.named_parameters()`: names must be unique and cover every
+            parameter of the optimizer; they fix the bucket order (backward's, reversed), as the
+            DDP wrapper's order.
+        compression: `Compression.none`, or `Compression.fp16` (float16 on the wire, as
+            `hpcdl.compression.FP16`).
+        backward_passes_per_step: reduce at every k-th backward pass; the passes between
+            accumulate locally (scale the loss by 1/k for the mean over the k passes).
+        op: `Average` (default) or `Sum`; `Adasum` is not offered.
+        gradient_predivide_factor: with op=Average, gradients are divided by this before the
+            sum and by size/factor after it.
+        num_groups, groups: Horovod's fusion groups; not offered (buckets are sized by
+            bucket_cap_mb instead). sparse_as_dense: turn sparse gradients dense (else refused).
+        algorithm, bucket_cap_mb, first_bucket_mb: hpcdl's, as `hpcdl.DistributedDataParallel`'s.
+    """
+    _check_process_set(process_set)
+    try:  # a wrong argument on one rank only must not leave the others waiting: agreed below
+        exchange = _gradient_exchange(compression, op, gradient_predivide_factor, num_groups, groups)
+        check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm)
+        problem: Exception | None = None
+    except (ValueError, NotImplementedError) as exc:
+        problem = exc
+    reports = _comm().allgather(None if problem is None else (type(problem).__name__, str(problem)))
+    failing = [(r, report) for r, report in enumerate(reports) if report is not None]
+    if failing:  # the first failing rank's error, of its type, on every rank
+        kind, message = failing[0][1]
+        if len(failing) < len(reports):
+            message = f"rank{'s' * (len(failing) > 1)} {', '.join(str(r) for r, _ in failing)}: {message}"
+        raise (NotImplementedError if kind == "NotImplementedError" else ValueError)(message)
+    return distributed_optimizer(
+        optimizer, named_parameters, exchange, backward_passes_per_step=backward_passes_per_step,
+        sparse_as_dense=bool(sparse_as_dense), comm=_comm(),
+        bucket_options={"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
+                        "first_bucket_mb": first_bucket_mb})
+
+
+def _gradient_exchange(compression: type[Compressor], op: int, gradient_predivide_factor: float,
+                       num_groups: int, groups: Any) -> ScaledExchange:
+    """The exchange scheme Horovod's optimizer arguments name; raises ValueError or
+    NotImplementedError (naming the fix) for what is wrong or not offered."""
+    if op == Adasum:
+        raise _not_offered("DistributedOptimizer(op=hvd.Adasum)",
+                           "use op=hvd.Average (the default) or hvd.Sum")
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer reduces with op=hvd.Average or hvd.Sum, got {op!r}")
+    if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be a positive number, got "
+                         f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups or groups is not None:
+        raise _not_offered("DistributedOptimizer's num_groups/groups",
+                           "gradients are fused in buckets of bucket_cap_mb MiB (in backward's "
+                           "order); pass bucket_cap_mb= to change their size")
+    if compression is Compression.none:
+        inner: Any = DenseAverage()
+    elif compression is Compression.fp16:
+        inner = FP16()
+    else:
+        raise ValueError(f"compression must be hvd.Compression.none or hvd.Compression.fp16, got "
+                         f"{compression!r}; other schemes: hpcdl.DistributedDataParallel("
+                         "compression=...)")
+    # The exchanges average; Sum is the average times the number of ranks (Horovod's Average is
+    # its sum times 1/size), and the predivide factor splits the average around the sum.
+    postscale = float(size()) if op == Sum else float(gradient_predivide_factor)
+    return ScaledExchange(inner, prescale=1.0 / gradient_predivide_factor, postscale=postscale)
+
+
+# -- what hpcdl does not offer (raised when used) --------------------------------------------------
 
 class SyncBatchNorm(torch.nn.Module):
     """Not offered: raises NotImplementedError when built."""

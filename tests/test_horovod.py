@@ -264,8 +264,9 @@ def test_what_hpcdl_does_not_offer_raises_when_used(comm):
         hvd.add_process_set([0])
     with pytest.raises(NotImplementedError, match="process sets"):
         hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
-    with pytest.raises(NotImplementedError, match="coming"):
-        hvd.DistributedOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    with pytest.raises(NotImplementedError, match="Adasum.*use op=hvd.Average"):
+        hvd.DistributedOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+                                 op=hvd.Adasum)
     with pytest.raises(NotImplementedError, match="torch.nn.SyncBatchNorm"):
         hvd.SyncBatchNorm(4)
     with pytest.raises(NotImplementedError, match="timeline=PATH"):
