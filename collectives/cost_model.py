@@ -235,7 +235,7 @@ def cost(collective: str, algorithm: str, nbytes: int, size: int, *, itemsize: i
         assert ranks_per_host is not None
         checked = check(size) if hosts == 1 else check(size).across_hosts()
         return checked + described.composed_cost(n, size, itemsize, ranks_per_host,
-                                                 _picker(params, itemsize)) + copies
+                                                 picker(params, itemsize)) + copies
     if described.rides_in_check and nbytes <= PAYLOAD_BYTES:
         counts = check(size, nbytes)
     else:
@@ -262,8 +262,9 @@ def best_part(collective: str, nbytes: int, size: int, params: ModelParams, *,
     return next(a for a in candidates if times[a] <= fastest * (1 + _TIE))
 
 
-def _picker(params: ModelParams, itemsize: int) -> Pick:
-    """The `Pick` the cost model prices a composed algorithm with: `best_part` at each level."""
+def picker(params: ModelParams, itemsize: int = 4) -> Pick:
+    """The `Pick` the cost model prices a composed algorithm with: `best_part` at each level's
+    parameters (`ModelParams.level`), as `select.choose_level` picks under a tuning file's model."""
     def pick(collective: str, nbytes: int, size: int, level: str) -> Algorithm:
         return ALGORITHMS[collective][best_part(collective, nbytes, size, params.level(level),
                                                 itemsize=itemsize)]
