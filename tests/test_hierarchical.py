@@ -219,3 +219,26 @@ def test_parts_without_a_model_follow_the_tables(tuning_file: Any) -> None:
     assert part.name == select._lookup(str(select.BUILTIN_TABLE), "allreduce", 1 << 20, 4)
     with pytest.raises(ValueError, match="unknown level"):
         select.choose_level("allreduce", 8, 4, "rack")
+
+
+def test_calibration_measures_within_and_between_hosts(on_hosts: Any, comm: MPI.Comm) -> None:
+    """Two per host: from 3 ranks the job spans hosts with several ranks on one, so the fit has
+    two levels (ranks_per_host 2, the *_inter parameters from one rank per host); on one host,
+    or one rank per host, one level as before. Every rank ends with the same model."""
+    from collectives.calibrate import calibrate
+
+    size = comm.Get_size()
+    if size < 2:
+        pytest.skip("calibration measures between ranks")
+    for hosts, two_level in (([r // 2 for r in range(size)], size >= 3), ([0] * size, False),
+                             (list(range(size)), False)):
+        placed = on_hosts(comm, hosts)
+        calibration = calibrate(placed, p2p_sizes=(8, 64 << 10, 256 << 10),
+                                reduction_sizes=(256 << 10, 1 << 20), iterations=3)
+        params = calibration.params
+        ok = (params.two_level == two_level and params.beta > 0
+              and bool(calibration.inter_point_to_point) == two_level
+              and (not two_level or (params.ranks_per_host == 2 and params.beta_across > 0
+                                     and len(calibration.inter_pairwise) == 3)))
+        same = comm.allgather(params.as_dict())
+        assert all_ranks_agree(ok and all(p == same[0] for p in same), comm), (hosts, params)
