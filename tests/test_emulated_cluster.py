@@ -5,8 +5,9 @@ the root namespace's interfaces, addresses and routes alone; `status` lists ever
 one rank on each host (its own hostname, no node shared with another rank, TCP only) and passes the
 variables programs need, or with --ranks-per-host K K consecutive ranks on each host, sharing
 memory, across which a hierarchical allreduce is exact; HTB holds each link to its rate in both
-directions (two senders into one host share that host's port); a failing or hanging job ends with an error instead of stalling;
-two clusters with different prefixes coexist; `down` removes everything and may be repeated.
+directions (two senders into one host share that host's port); a failing or hanging job ends
+with an error instead of stalling; two clusters with different prefixes coexist; `down` removes
+everything and may be repeated.
 
 Runs only in the one-rank job of tests/run.py (`run` starts its own ranks) and as root; where
 namespaces cannot be made (the script exits 3) the module skips. Every cluster here has a prefix
