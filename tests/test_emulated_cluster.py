@@ -173,7 +173,8 @@ def test_run_puts_several_ranks_on_each_host_sharing_memory(up: str) -> None:
     for rank, row in enumerate(rows):
         assert row[:-1] == [str(rank), str(2 * HOSTS), f"{PREFIX}-host{rank // 2}", "2",
                             str(rank % 2), "tcp,sm,self", "2", "True"], out
-    assert int(rows[1][-1]) > 10 * RATE_MBIT, f"rank 0 to 1 on one host: {rows[1][-1]} Mbit/s"
+    # The link carries at most RATE_MBIT: anything well above it went through memory.
+    assert int(rows[1][-1]) > 3 * RATE_MBIT, f"rank 0 to 1 on one host: {rows[1][-1]} Mbit/s"
     refused = cluster("run", "--ranks-per-host", "0", "true")
     assert refused.returncode == 2 and "give a number from 1 to 64" in refused.stderr, refused.stderr
 
