@@ -11,6 +11,9 @@ Every mode runs in this one invocation on the same ranks:
   hpcdl-nolap  the same with overlap=False (all buckets after backward)
   torch-ddp    torch.nn.parallel.DistributedDataParallel, gloo backend (torch.distributed set up
                from our MPI rank and size by hpcdl/torch_gloo.py)
+  torch-ddp-hpcdl  torch's DistributedDataParallel over the "hpcdl" torch.distributed backend
+               (hpcdl/torch_distributed.py: a process group of all ranks on hpcdl's collectives,
+               --algorithm for its allreduce)
 Models: "cnn" (2 conv + 2 fc, 1.2 M params, 1x28x28 input) and "mlp" (784-4096-4096-1280-10,
 25.3 M params, communication-heavy). Batch 32 per rank, synthetic data, SGD with momentum;
 torch uses one thread per rank when P > 1. Each measurement: warm-up steps, a barrier, timed
@@ -35,7 +38,7 @@ from torch import nn
 import hpcdl
 from hpcdl.torch_gloo import init_torch_distributed
 
-MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp")
+MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
 
 
 def small_cnn() -> nn.Module:
@@ -56,22 +59,25 @@ MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": small_cnn, "mlp": heavy_mlp
 
 
 def wrap(mode: str, net: nn.Module, comm: MPI.Comm, args: argparse.Namespace,
-         timeline: str | None) -> nn.Module:
+         timeline: str | None, hpcdl_group: dist.ProcessGroup | None = None) -> nn.Module:
     if mode == "local":
         return net
     if mode == "torch-ddp":
         return nn.parallel.DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb)
+    if mode == "torch-ddp-hpcdl":
+        return nn.parallel.DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb,
+                                                   process_group=hpcdl_group)
     return hpcdl.DistributedDataParallel(
         net, comm, bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
         algorithm=args.algorithm, overlap=(mode == "hpcdl"), timeline=timeline)
 
 
 def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace,
-            timeline: str | None = None) -> float:
+            timeline: str | None = None, hpcdl_group: dist.ProcessGroup | None = None) -> float:
     """Samples/s in total for one (model, mode): warm-up, then timed steps, slowest rank counts."""
     torch.manual_seed(0)
     net = MODELS[model_name]()
-    model = wrap(mode, net, comm, args, timeline)
+    model = wrap(mode, net, comm, args, timeline, hpcdl_group)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(args.batch, 1, 28, 28, generator=gen)
@@ -116,15 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     size = comm.Get_size()
     if size > 1:
         torch.set_num_threads(1)  # ranks share the cores; more threads only contend
-    if "torch-ddp" in args.modes:
-        init_torch_distributed(comm)
+    hpcdl_group = None
+    if "torch-ddp" in args.modes or "torch-ddp-hpcdl" in args.modes:
+        init_torch_distributed(comm)  # gloo's default group; its store serves the hpcdl group too
+    if "torch-ddp-hpcdl" in args.modes:
+        hpcdl_group = dist.new_group(backend="hpcdl", pg_options={"allreduce": args.algorithm})
 
     results: dict[str, dict[str, float]] = {}
     for model_name in args.models:
         rounds: dict[str, list[float]] = {mode: [] for mode in args.modes}
         for _ in range(args.rounds):
             for mode in args.modes:
-                rounds[mode].append(measure(model_name, mode, comm, args))
+                rounds[mode].append(measure(model_name, mode, comm, args, hpcdl_group=hpcdl_group))
         if args.timeline and "hpcdl" in args.modes:
             root, ext = os.path.splitext(args.timeline)
             measure(model_name, "hpcdl", comm, args, timeline=f"{root}.{model_name}{ext or '.json'}")

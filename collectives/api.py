@@ -1,17 +1,18 @@
 """Public collectives: blocking functions and their non-blocking `i*` twins.
 
 Blocking calls run on the caller's thread; `i*` calls queue to their communicator's communication
-thread (`engine.py`) and return a `Handle` at once. Each runs on a private duplicate of `comm`
-(one for blocking calls, one for the communication thread), so its messages never match the
-caller's own. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go through the
+thread (`engine.py`) and return a `Handle` at once. All of them run on one private duplicate of
+`comm`, so their messages never match the caller's own, and in the order they were issued, as MPI
+orders the collectives of a communicator: a blocking call first waits for the `i*` calls issued
+before it. Where MPI gives less than MPI_THREAD_MULTIPLE, blocking calls go through the
 communication thread too, so only one thread ever calls MPI.
 
 Every call checks its arguments on every rank together (`validation.py`) before moving data,
-along with its call number on the communicator, so ranks that are out of step are told so.
-Results are written in place when `out` is the input (or for `broadcast`), else into `out`, else
-into a new array on the input's device.
+along with where the caller's program made it and its call number on the communicator, so a rank
+that skipped or added a call is told so instead of pairing the wrong calls. Results are written in
+place when `out` is the input (or for `broadcast`), else into `out`, else into a new array on the
+input's device.
 
-A blocking pairs only with the same blocking call on the other ranks, never with an `i*` twin.
 Calls on one communicator must come from one thread at a time: a call made while another thread's
 call on the same communicator is under way raises `ConcurrentUseError` on both threads.
 
@@ -92,7 +93,7 @@ class _Plan:
     """A call whose local arguments passed: what to run, on which working array."""
 
     algorithm: str
-    signature: list[int]  # without the call number
+    signature: list[int]  # without the call site and number
     source: Buffer
     layout: Layout
 
@@ -446,15 +447,23 @@ class _FusedPlan:
         return packet.payload
 
     def run(self, lane: _Lane, number: int, site: tuple[int, str], x: np.ndarray,
-            in_place: bool) -> Any:
-        """The whole call for a C-ordered host array `x`."""
+            out: np.ndarray | None) -> Any:
+        """The whole call for a C-ordered host array `x`, into `out` (`x` itself, another array
+        like `x`, or None for a new one)."""
         result = self.reduce(lane, number, site, x)
         if self.op.divide_by_size:
             self.op.finalize(np, result, self.size)
-        if in_place:
-            np.copyto(x, result)
-            return x
+        if out is not None:  # any overlap with x is harmless: x was copied into the packet
+            np.copyto(out, result)
+            return out
         return result.copy()
+
+
+def _fused_out(x: np.ndarray, out: Any) -> bool:
+    """Whether `out` suits the small-message path: None, `x` itself, or a writable C-ordered host
+    array of `x`'s shape and dtype (anything else takes the general path, which checks it)."""
+    return out is None or (type(out) is np.ndarray and out.flags.writeable and (
+        out is x or (out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous)))
 
 
 def _fused_plan(lane: _Lane, channel: _Channel, x: np.ndarray, op: str, algorithm: str,
@@ -487,21 +496,20 @@ def _fused_plan(lane: _Lane, channel: _Channel, x: np.ndarray, op: str, algorith
 
 def _run_now(call: _Call, channel: _Channel, lane: _Lane, number: int) -> Any:
     """Run `call` on the current thread, on `lane`."""
-    if call.collective == "allreduce" and type(call.x) is np.ndarray and (
-            call.out is None or (call.out is call.x and call.x.flags.writeable)):
-        fused = _fused_plan(lane, channel, call.x, call.op, call.algorithm, call.out is not None)
+    if call.collective == "allreduce" and type(call.x) is np.ndarray and _fused_out(call.x, call.out):
+        fused = _fused_plan(lane, channel, call.x, call.op, call.algorithm, call.out is call.x)
         if fused is not None:
-            return fused.run(lane, number, call.site, call.x, call.out is not None)
+            return fused.run(lane, number, call.site, call.x, call.out)
     return _execute(call, lane, number, *_prepare(call, channel))
 
 
-def _fused_blocking(channel: _Channel, fused: _FusedPlan, x: np.ndarray, in_place: bool) -> Any:
+def _fused_blocking(channel: _Channel, fused: _FusedPlan, x: np.ndarray, out: np.ndarray | None) -> Any:
     """A blocking allreduce on the small-message path: no `_Call`, nothing planned again."""
     site = _call_site()
     number = channel.enter()
     try:
         channel.drain()
-        result = fused.run(channel.blocking, number, site, x, in_place)
+        result = fused.run(channel.blocking, number, site, x, out)
     finally:
         channel.leave()
     return result
@@ -531,13 +539,12 @@ def _queue(call: _Call, channel: _Channel, number: int) -> Handle:
     lane = channel.background
     if lane is channel.blocking:  # serialized: the engine plans too, as only it may call MPI
         return channel.engine.submit(call.collective, lambda: _run_now(call, channel, lane, number))
-    if call.collective == "allreduce" and type(call.x) is np.ndarray and (
-            call.out is None or (call.out is call.x and call.x.flags.writeable)):
-        fused = _fused_plan(lane, channel, call.x, call.op, call.algorithm, call.out is not None)
+    if call.collective == "allreduce" and type(call.x) is np.ndarray and _fused_out(call.x, call.out):
+        fused = _fused_plan(lane, channel, call.x, call.op, call.algorithm, call.out is call.x)
         if fused is not None:
-            x, in_place, site = call.x, call.out is not None, call.site
+            x, out, site = call.x, call.out, call.site
             return channel.engine.submit(call.collective,
-                                         lambda: fused.run(lane, number, site, x, in_place))
+                                         lambda: fused.run(lane, number, site, x, out))
     # Buffer wrapping happens here, in the caller's program order and stream context; only the
     # communication is left to the engine.
     plan, error = _prepare(call, channel)
@@ -569,12 +576,12 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
     2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma; hierarchical: a reduce within each
     host, an allreduce among one rank per host, a broadcast within each host (docs/algorithms.md).
     """
-    if type(x) is np.ndarray and (out is None or out is x and x.flags.writeable):
+    if type(x) is np.ndarray and _fused_out(x, out):
         channel = _channel(comm)
         if channel.blocking is not channel.background:  # MPI_THREAD_MULTIPLE: on this thread
-            fused = _fused_plan(channel.blocking, channel, x, op, algorithm, out is not None)
+            fused = _fused_plan(channel.blocking, channel, x, op, algorithm, out is x)
             if fused is not None:
-                return _fused_blocking(channel, fused, x, out is not None)
+                return _fused_blocking(channel, fused, x, out)
     return _blocking(_Call("allreduce", x, comm, op, algorithm, out))
 
 

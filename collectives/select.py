@@ -63,6 +63,9 @@ def load_table(path: str) -> dict[str, Any]:
         table = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read decision table {path}: {exc}") from exc
+    except RecursionError as exc:  # json recurses per nesting level; no tuning file nests deep
+        raise ValueError(f"cannot read decision table {path}: nested too deeply to be one "
+                         "(`hpcdl tune -o FILE` writes tuning files)") from exc
     if not isinstance(table, dict):
         raise ValueError(f"{path}: expected a JSON object with \"collectives\" (and optionally "
                          "\"model\"), got " + type(table).__name__)

@@ -5,9 +5,13 @@ from .memory import request_huge_pages
 
 request_huge_pages()  # before torch's first allocation, wherever hpcdl is imported first
 
+_COLLECTIVES = ("allgather", "allreduce", "average", "broadcast", "iallgather", "iallreduce",
+                "ibroadcast", "ireduce", "ireduce_scatter", "reduce", "reduce_scatter")
+
 __all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "ProcessGrid", "Topology",
-           "abort", "init", "local_rank", "local_size", "optim", "parallel", "rank", "size",
-           "thread_level", "topology"]
+           "abort", "compression", "horovod", "init", "init_torch_distributed", "local_rank",
+           "local_size", "optim", "parallel", "rank", "size", "thread_level", "topology",
+           *_COLLECTIVES]
 __version__ = "0.1.0"
 
 
@@ -21,7 +25,12 @@ _LAZY = {
     "LocalSGD": ".local_sgd",
     "ParameterServer": ".parameter_server",
     "ProcessGrid": ".grid",
-    "optim": None,  # subpackages
+    "init_torch_distributed": ".torch_distributed",
+    # the collectives on torch tensors (and, untouched, on any array); torch-free for arrays
+    **{name: ".torch_collectives" for name in _COLLECTIVES},
+    "compression": None,  # submodules and subpackages
+    "horovod": None,
+    "optim": None,
     "parallel": None,
 }
 

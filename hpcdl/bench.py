@@ -41,11 +41,13 @@ from collectives.select import model_params
 
 from . import __version__
 from .atomic_file import unwritable_file
-from .collective_timing import (AUTO, BARE_MPI, GLOO, PEERS, PLACEMENTS, Case, DeviceUnavailable,
-                                Measurement, algorithms_of, element_count, import_cupy,
-                                run_interleaved, size_sweep, static_unavailable)
+from .collective_timing import (AUTO, BARE_MPI, DIRECT, GLOO, PEERS, PICKLE, PLACEMENTS, Case,
+                                DeviceUnavailable, Measurement, algorithms_of, element_count,
+                                import_cupy, peak_bytes, run_interleaved, size_sweep,
+                                static_unavailable)
 from .command import Command, CommandError
-from .runtime import mpi_library
+from .memory import available_bytes
+from .runtime import local_size, mpi_library
 from .units import parse_bytes
 
 PROG = "hpcdl bench"
@@ -407,8 +409,35 @@ def check_args(args: argparse.Namespace, size: int) -> None:
         raise CommandError(f"-A {' '.join(args.algorithms)}: an algorithm is named twice")
 
 
-def check_environment(args: argparse.Namespace, rank: int) -> None:
-    """What may differ between ranks (installed packages, GPUs, files): CommandError."""
+def memory_problem(args: argparse.Namespace, size: int, ranks_on_host: int) -> str | None:
+    """Why the sweep's largest row cannot fit in this host's memory, or None: `peak_bytes` per rank
+    for every ranks on this host, against what the host has available (`hpcdl.memory`)."""
+    if args.device != "cpu":  # GPU memory: CuPy raises its own OutOfMemoryError, on one rank
+        return None
+    available = available_bytes()
+    if available is None:
+        return None
+    itemsize = DTYPES[args.datatype].itemsize
+    algorithms = args.algorithms or [AUTO, DIRECT, PICKLE, GLOO]  # the default times every peer
+    need, row = max((peak_bytes(c, args.maxbytes, itemsize, size, in_place, algorithms), c)
+                    for c in args.collective for in_place in args.placements)
+    share = available // max(1, ranks_on_host)
+    if need <= share:
+        return None
+    gib = 2 ** 30
+    return (f"-e/--maxbytes {args.maxbytes}: {row} at that size needs about {need / gib:,.2f} GiB "
+            f"per rank (its buffers, the expected result{', the pickled peer' if 'pickle' in algorithms else ''}), "
+            f"and this host has {available / gib:,.2f} GiB available for its {ranks_on_host} rank(s) "
+            f"({share / gib:,.2f} GiB each); lower -e/--maxbytes"
+            f"{' or leave out pickle (-A)' if 'pickle' in algorithms else ''}, or run fewer ranks per host")
+
+
+def check_environment(args: argparse.Namespace, rank: int, ranks_on_host: int = 1,
+                      size: int = 1) -> None:
+    """What may differ between ranks (installed packages, GPUs, files, memory): CommandError."""
+    problem = memory_problem(args, size, ranks_on_host)
+    if problem:
+        raise CommandError(problem)
     if args.device == "gpu":
         try:
             import_cupy()
@@ -429,7 +458,7 @@ def parse_args(command: Command, argv: Sequence[str]) -> argparse.Namespace:
     errors: list[str] = []
     try:
         check_args(args, command.size)
-        check_environment(args, command.rank)
+        check_environment(args, command.rank, local_size(), command.size)
     except CommandError as exc:
         errors = exc.messages
     command.agree(errors)

@@ -1,7 +1,7 @@
 """`hpcdl` command: a thin dispatcher; each subcommand lives in its own module with its own parser.
 
     hpcdl info               MPI library, thread level, CUDA-awareness, GPUs, ranks per host
-    hpcdl train [options]    data-parallel training (the README's main job)
+    hpcdl train [options]    data-parallel training (the README's main job), --strategy ...
     hpcdl bench [options]    collective microbenchmarks (OSU / nccl-tests conventions)
     hpcdl tune [options]     fit the alpha-beta-gamma cost model, write a tuning file; --predict
     hpcdl slurm ...          render SLURM batch scripts
@@ -16,7 +16,7 @@ import sys
 
 SUBCOMMANDS = {
     "info": ("hpcdl.info", "print the MPI/GPU environment as every rank sees it"),
-    "train": ("hpcdl.train", "train a model with synchronous data-parallel SGD"),
+    "train": ("hpcdl.train", "train a model data-parallel: allreduce, local SGD or a parameter server"),
     "bench": ("hpcdl.bench", "time every collective algorithm over a size sweep"),
     "tune": ("hpcdl.tune", "measure alpha/beta/gamma, write a tuning file for auto; or --predict"),
     "slurm": ("hpcdl.slurm", "render SLURM batch scripts from the slurm/ templates"),

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -43,7 +43,7 @@ from mpi4py import MPI
 import collectives
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS, CollectiveArgumentError
 from collectives.transport import mpi_datatype, mpi_op
-from collectives.partition import partition_counts, partition_offsets
+from collectives.partition import offsets_of, partition_counts, partition_offsets
 from collectives.select import choose
 
 from .agreement import agreed_error
@@ -81,11 +81,40 @@ def size_sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
 
 def element_count(collective: str, nbytes: int, itemsize: int, size: int) -> int:
     """Elements in a row of `nbytes`: at least 1; a multiple of P for the collectives that work
-    on P blocks (reduce_scatter, allgather), as nccl-tests rounds them."""
+    on P equal blocks (reduce_scatter, allgather), as nccl-tests rounds them. allgatherv's ranks
+    contribute `partition_counts(count, P)` elements each: uneven wherever P does not divide it."""
     count = max(1, nbytes // itemsize)
-    if COLLECTIVES[collective].arguments == "offsets":
+    described = COLLECTIVES[collective]
+    if described.arguments == "offsets" and not described.varying_counts:
         count = max(1, count // size) * size
     return count
+
+
+def peak_bytes(collective: str, nbytes: int, itemsize: int, size: int, in_place: bool,
+               algorithms: Sequence[str]) -> int:
+    """What a `Case` of this row holds per rank at most, in bytes: its input and output buffers,
+    one copy of the expected result, and what the peers add on top (measured with
+    `/usr/bin/time -f %M` at 256 MiB: the MPI library's staging about half a message more,
+    mpi4py's pickled call four times the message, its pickles and the result it unpickles).
+
+    The hand-written algorithms' scratch is a piece or a block of the message, not counted.
+    """
+    count = element_count(collective, nbytes, itemsize, size)
+    if COLLECTIVES[collective].gathers:  # in place, the input is a block of the output
+        n_in = -(-count // size)
+        buffers, expected = count + (0 if in_place else n_in), count
+    elif collective == "reduce_scatter":  # in place, the output is a block of the input
+        n_in = count
+        buffers, expected = count + (0 if in_place else count // size), count // size
+    else:  # broadcast is in place always
+        n_in = count
+        buffers, expected = count * (1 if in_place or collective == "broadcast" else 2), count
+    extra = 0.0
+    if "pickle" in algorithms:
+        extra = max(extra, 4.0 * n_in)
+    if any(a in algorithms for a in ("mpi", "direct", "auto")):
+        extra = max(extra, 0.5 * n_in)
+    return int((buffers + expected + extra) * itemsize)
 
 
 def bus_factor(collective: str, size: int) -> float:
@@ -148,14 +177,34 @@ class Unsupported(Exception):
 
 # -- exact test data -----------------------------------------------------------------------------
 
-def element_residues(count: int, modulus: int) -> np.ndarray:
-    """A pseudo-random residue in [0, modulus) per element index 0..count-1.
+#: Elements per piece when test data are made or checked: the temporaries of a piece (residues,
+#: int64 values, comparison masks) stay about 5 MiB whatever the message size.
+PIECE_ELEMENTS = 1 << 18
+
+
+def element_residues(count: int, modulus: int, start: int = 0) -> np.ndarray:
+    """A pseudo-random residue in [0, modulus) per element index start..start+count-1.
 
     Knuth's multiplicative hash of the index, so the pattern never repeats with a block length
     and a block that lands in the wrong place is caught.
     """
-    index = np.arange(count, dtype=np.uint32)
+    index = np.arange(start, start + count, dtype=np.uint32)
     return ((index * np.uint32(2654435761)) >> np.uint32(16)) % np.uint32(modulus)
+
+
+def pieces(count: int) -> Iterator[slice]:
+    """Consecutive slices of at most PIECE_ELEMENTS covering 0..count."""
+    for start in range(0, count, PIECE_ELEMENTS):
+        yield slice(start, min(count, start + PIECE_ELEMENTS))
+
+
+def table_into(dest: np.ndarray, table: np.ndarray, shift: int, start: int = 0) -> np.ndarray:
+    """dest[i] = table[(h(start + i) + shift) % len(table)], piece by piece; returns dest."""
+    m = len(table)
+    for piece in pieces(len(dest)):
+        residues = element_residues(piece.stop - piece.start, m, start + piece.start)
+        dest[piece] = table[(residues.astype(np.intp) + shift) % m]
+    return dest
 
 
 def value_table(collective: str, dtype: str, op: str, size: int) -> np.ndarray:
@@ -276,25 +325,44 @@ class Case:
         count = element_count(collective, nbytes, itemsize, p)
         self.count, self.nbytes = count, count * itemsize
         values = value_table(collective, dtype, op, p)
-        m = len(values)
         n_in = count // p if COLLECTIVES[collective].gathers else count
-        residues = element_residues(n_in, m).astype(np.intp)
-        self.pattern = self.space.put(values[(residues + r) % m].astype(self.dtype))
-        if collective == "broadcast":
-            expected = values[(residues + root) % m].astype(self.dtype)
+        self.counts = partition_counts(count, p)  # allgatherv's contributions
+        if COLLECTIVES[collective].varying_counts:
+            n_in = self.counts[r]
+        # Made piece by piece (`table_into`), so the only buffers as large as the message are
+        # the collective's own and one copy of the expected result.
+        self.values, self.n_in = values.astype(self.dtype), n_in
+        if COLLECTIVES[collective].varying_counts:
+            expected = np.empty(count, self.dtype)
+            for q, (start, stop) in enumerate(itertools.pairwise(offsets_of(self.counts))):
+                table_into(expected[start:stop], self.values, q)
+        elif collective == "broadcast":
+            expected = table_into(np.empty(n_in, self.dtype), self.values, root)
         elif collective == "allgather":
-            expected = values[(residues[None, :] + np.arange(p)[:, None]) % m].astype(self.dtype)
+            expected = np.empty((p, n_in), self.dtype)
+            for q in range(p):
+                table_into(expected[q], self.values, q)
         else:
-            expected = reduced_table(values, self.dtype, op, p)[residues]
+            table = reduced_table(values, self.dtype, op, p)
             if collective == "reduce_scatter":
                 offsets = partition_offsets(count, p)
                 self.block = slice(offsets[r], offsets[r + 1])
-                expected = expected[self.block]
-        self.expected = self.space.put(expected)
+                expected = table_into(np.empty(self.block.stop - self.block.start, self.dtype),
+                                      table, 0, self.block.start)
+            else:
+                expected = table_into(np.empty(n_in, self.dtype), table, 0)
+        self.expected = expected if self.space.xp is np else self.space.put(expected)
+        del expected
         self._allocate(n_in)
 
     def _allocate(self, n_in: int) -> None:
         space, c, dt = self.space, self.collective, self.dtype
+        if COLLECTIVES[c].varying_counts:
+            self.offsets = offsets_of(self.counts)
+            self.out = space.empty(self.offsets[-1], dt)
+            mine = slice(self.offsets[self.rank], self.offsets[self.rank + 1])
+            self.x = self.out[mine] if self.in_place else space.empty(n_in, dt)
+            return
         if c == "allgather":
             self.out = space.empty((self.size, n_in), dt)
             self.x = self.out[self.rank] if self.in_place else space.empty(n_in, dt)
@@ -318,8 +386,12 @@ class Case:
             self.out.fill(POISON)
         if self.collective == "broadcast" and self.rank != self.root:
             self.x.fill(POISON)
+        elif self.space.xp is np:
+            table_into(self.x, self.values, self.rank)
         else:
-            self.x[...] = self.pattern
+            for piece in pieces(self.n_in):
+                self.x[piece] = self.space.put(table_into(
+                    np.empty(piece.stop - piece.start, self.dtype), self.values, self.rank, piece.start))
         self.space.synchronize()  # MPI reads device memory behind CUDA's back
 
     def quiesce(self) -> None:
@@ -332,7 +404,9 @@ class Case:
         """Elements of `output` that differ from the exact result (0 when there is no output)."""
         if output is None:
             return 0
-        return int(self.space.xp.count_nonzero(output.reshape(self.expected.shape) != self.expected))
+        got, want = output.reshape(-1), self.expected.reshape(-1)
+        count_nonzero = self.space.xp.count_nonzero
+        return sum(int(count_nonzero(got[piece] != want[piece])) for piece in pieces(want.size))
 
     def runner(self, algorithm: str) -> Runner:
         """A Runner for `algorithm`, or Unsupported(reason) where it cannot run this case."""
@@ -357,6 +431,8 @@ class Case:
                                                              out=out), out)
         if c == "allgather":
             return Runner(lambda: collectives.allgather(x, comm, algorithm=algorithm, out=out), out)
+        if c == "allgatherv":
+            return Runner(lambda: collectives.allgatherv(x, comm, algorithm=algorithm, out=out), out)
         if c == "broadcast":
             return Runner(lambda: collectives.broadcast(x, root, comm, algorithm=algorithm), x)
         target = out if self.has_output else None
@@ -385,6 +461,13 @@ class Case:
             if self.in_place:
                 return Runner(lambda: comm.Allgather(MPI.IN_PLACE, spec_out), out)
             return Runner(lambda: comm.Allgather(spec_x, spec_out), out)
+        if c == "allgatherv":
+            itemsize = self.dtype.itemsize
+            spec_v = [out, [k * itemsize for k in self.counts],
+                      [o * itemsize for o in self.offsets[:-1]], MPI.BYTE]
+            if self.in_place:
+                return Runner(lambda: comm.Allgatherv(MPI.IN_PLACE, spec_v), out)
+            return Runner(lambda: comm.Allgatherv(spec_x, spec_v), out)
         if c == "broadcast":
             return Runner(lambda: comm.Bcast(spec_x, root), x)
         if not self.has_output:
@@ -398,7 +481,7 @@ class Case:
         input, else the input array (the module docstring says what is checked)."""
         c, comm, x, root = self.collective, self.comm, self.x, self.root or 0
         op = mpi_op(OPS[self.op])
-        scalar = x.nbytes <= PICKLE_SCALAR_BYTES
+        scalar = x.nbytes <= PICKLE_SCALAR_BYTES and c != "allgatherv"  # whose blocks may be empty
         if COLLECTIVES[c].reducing and self.op in ("max", "min") and not scalar:
             raise Unsupported(f"mpi4py's pickle-based {self.op} compares whole arrays, not elements")
         obj: Callable[[], Any] = (lambda: x[0].item()) if scalar else (lambda: x)
@@ -409,12 +492,14 @@ class Case:
         def check(returned: Any) -> int:
             if returned is None:  # a non-root of reduce
                 return 0
+            if c == "allgatherv":  # a list of arrays of different lengths
+                returned = np.concatenate(returned)
             got = np.asarray(returned)  # a number, an array, or allgather's list of either
             return int(np.count_nonzero(got.reshape(expected.shape) != expected))
 
         if c == "allreduce":
             return Runner(lambda: comm.allreduce(obj(), op), None, check)
-        if c == "allgather":
+        if c in ("allgather", "allgatherv"):
             return Runner(lambda: comm.allgather(obj()), None, check)
         if c == "broadcast":
             return Runner(lambda: comm.bcast(obj(), root), None, check)
@@ -479,6 +564,8 @@ def static_unavailable(collective: str, algorithm: str, dtype: str, op: str, in_
             return "gloo's AVG works on floating-point types only"
         if not in_place and collective in ("allreduce", "reduce"):
             return f"torch.distributed's {collective} works in place only"
+        if COLLECTIVES[collective].varying_counts:
+            return "torch.distributed's all_gather takes equal sizes from every rank"
     return None
 
 

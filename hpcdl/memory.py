@@ -79,3 +79,32 @@ def small_pages_warning() -> str | None:
             "and averaging gradients over shared memory runs about 2.5x slower (hpcdl.memory); "
             f"import hpcdl before creating any tensor, or `export {ENV}=1` before starting "
             f"Python ({ENV}=0 silences this)")
+
+
+def available_bytes() -> int | None:
+    """Memory this process could still allocate: Linux's MemAvailable, lowered to what is left
+    under the container's cgroup limit (v2 `memory.max`, v1 `memory.limit_in_bytes`) if there is
+    one. None where /proc/meminfo cannot be read (not Linux).
+
+    For checks up front ("this needs 40 GiB, 12 GiB are available"), not for planning to the
+    byte: other processes allocate and free meanwhile.
+    """
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead
+            available = min(available, max(0, int(limit) - usage))
+    return available

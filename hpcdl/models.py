@@ -6,8 +6,19 @@ here: a ResNet-style stem, three stages of basic blocks, global average pooling 
 """
 from __future__ import annotations
 
+import copy
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+import collectives
+
+from .parallel import ColumnParallelLinear, RowParallelLinear
+from .tensors import as_array
+
+if TYPE_CHECKING:
+    from .grid import ProcessGrid
 
 
 class DigitsCNN(nn.Module):
@@ -29,6 +40,53 @@ class DigitsCNN(nn.Module):
             nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 4 * 4, 128), nn.ReLU(),
             nn.Linear(128, num_classes),
         )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class HybridDigitsCNN(nn.Module):
+    """A DigitsCNN in the "one weird trick" layout (Krizhevsky 2014) on a D x M `grid`.
+
+    The convolutions are whole on every rank (data parallel); the two linear layers are split over
+    the rank's model group `grid.model` (tensor parallel): the first by output features
+    (`ColumnParallelLinear`, no gather), the second by input features (`RowParallelLinear`), so
+    the classifier communicates once forward (an allreduce of the logits) and once backward (an
+    allreduce of the features' gradient) on `grid.model`. Wrap it in
+    `hpcdl.DistributedDataParallel(model, comm=grid.data)` to average every parameter's gradient
+    (the convolutions' and this rank's FC shards) over the D replicas.
+
+    The ranks of a model group feed the same batch slice. The features' gradient is summed over the
+    group before it reaches the convolutions, so their gradients, and hence their weights, stay the
+    same on the M ranks of a group. Dropout (before the first linear layer) draws its mask on each
+    rank: each rank's block of that layer's outputs sees its own mask over the features, a
+    different regularizer from one mask for the whole layer, whose gradient is still exact (the
+    group sums the masked input gradients). Without dropout (evaluation, or p = 0) the hybrid
+    computes what the DigitsCNN computes.
+
+    Building it is collective over `grid.model`: `cnn` (deep-copied, not changed) is taken from
+    model rank 0 of the group, so every rank of a group starts from one model even if the ranks'
+    copies differ; DDP's constructor then makes the D replicas agree.
+    """
+
+    def __init__(self, cnn: DigitsCNN, grid: ProcessGrid) -> None:
+        super().__init__()
+        if not isinstance(cnn, DigitsCNN):
+            raise TypeError(f"HybridDigitsCNN splits a DigitsCNN, got {type(cnn).__name__}")
+        cnn = copy.deepcopy(cnn)
+        if grid.model_size > 1:
+            with torch.no_grad():
+                for tensor in (*cnn.parameters(), *cnn.buffers()):
+                    collectives.broadcast(as_array(tensor.data), 0, grid.model)
+        self.grid = grid
+        self.features = cnn.features
+        flatten, dropout, fc1, relu, fc2 = cnn.classifier
+        if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
+            raise TypeError("HybridDigitsCNN: the DigitsCNN's classifier must hold nn.Linear layers "
+                            "at positions 2 and 4")
+        self.classifier = nn.Sequential(
+            flatten, dropout, ColumnParallelLinear.from_linear(fc1, comm=grid.model, gather_output=False),
+            relu, RowParallelLinear.from_linear(fc2, comm=grid.model, input_is_parallel=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -97,6 +155,8 @@ class ResNet(nn.Module):
 
 
 MODELS = ("cnn", "mlp", "resnet")
+#: Models built on a process grid (`build_hybrid_model`), not by `build_model`.
+HYBRID_MODELS = ("hybrid-cnn",)
 
 
 def build_model(name: str, *, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
@@ -108,3 +168,37 @@ def build_model(name: str, *, in_channels: int, image_size: int, num_classes: in
     if name == "resnet":
         return ResNet(in_channels, num_classes, image_size=image_size)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+def build_hybrid_model(name: str, grid: ProcessGrid, *, in_channels: int, num_classes: int) -> nn.Module:
+    """Build hybrid model `name` (one of HYBRID_MODELS) on `grid` (collective over `grid.model`)."""
+    if name == "hybrid-cnn":
+        return HybridDigitsCNN(DigitsCNN(in_channels, num_classes), grid)
+    raise ValueError(f"unknown hybrid model {name!r}; choose one of {', '.join(HYBRID_MODELS)}")
+
+
+def training_step_bytes(name: str, *, in_channels: int, image_size: int, num_classes: int,
+                        batch_size: int) -> int:
+    """About the least memory one data-parallel SGD step of model `name` takes on a float32 batch
+    of `batch_size` x `in_channels` x `image_size`^2, in bytes: parameters three times (weights,
+    gradients, DistributedDataParallel's bucket copy), the input batch, and every layer's output
+    (kept for backward). Nothing is allocated: the model runs on torch's "meta" device, which
+    computes shapes only, so this answers for sizes that could never be allocated.
+    """
+    with torch.device("meta"):
+        model = build_model(name, in_channels=in_channels, image_size=image_size, num_classes=num_classes)
+        batch = torch.empty(batch_size, in_channels, image_size, image_size)
+    outputs = [0]
+
+    def count(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        outputs[0] += output.numel() * output.element_size()
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    hooks = [m.register_forward_hook(count) for m in leaves]
+    try:
+        model(batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 3 * parameters + batch.numel() * batch.element_size() + outputs[0]

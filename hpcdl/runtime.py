@@ -6,6 +6,11 @@ finds this rank's place on its host from `Split_type(COMM_TYPE_SHARED)` (launche
 or be absent), binds a GPU when CUDA is present, and installs a hook so that an uncaught exception
 on any rank prints the rank and traceback and aborts the whole job instead of leaving the other
 ranks waiting forever in their next collective.
+
+It also sets what torch code expects from its launcher (as torchrun would): RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT when the user has not chosen them
+(`launch.export_torch_environment`), so `os.environ["LOCAL_RANK"]` and
+`torch.distributed.init_process_group(...)` work under mpirun.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ mpi4py.rc.thread_level = "multiple"
 
 from mpi4py import MPI  # noqa: E402
 
-from .launch import check_launch  # noqa: E402
+from .launch import (check_launch, export_torch_environment, rendezvous_address,  # noqa: E402
+                     torch_environment)
 
 THREAD_LEVEL_NAMES = {
     MPI.THREAD_SINGLE: "single",
@@ -69,16 +75,32 @@ def init(*, abort_on_exception: bool = True) -> Topology:
                 "hpcdl needs 'serialized' or 'multiple'. Call hpcdl.init() before any other code "
                 "initializes MPI, or rebuild mpi4py against an MPI with thread support.")
         world = MPI.COMM_WORLD
-        # srun's N tasks started as N one-rank jobs: stop before any work, naming the fix.
+        # srun's (or torchrun's) N tasks started as N one-rank jobs: stop before any work, naming
+        # the fix.
         check_launch(world.Get_size())
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
         local_rank, local_size = node.Get_rank(), node.Get_size()
         node.Free()
         _topology = Topology(world.Get_rank(), world.Get_size(), local_rank, local_size,
                              MPI.Get_processor_name(), _bind_gpu(local_rank))
+        # Rank 0's store address for torch's env:// rendezvous: one small broadcast.
+        address = world.bcast(rendezvous_address(local_size == world.Get_size())
+                              if world.Get_rank() == 0 else None, root=0)
+        export_torch_environment(torch_environment(world.Get_rank(), world.Get_size(), local_rank,
+                                                   local_size), address)
+        if "torch" in sys.modules:  # then init_process_group("hpcdl") works; never import torch here
+            _register_torch_backend()
         if abort_on_exception:
             install_abort_hook()
         return _topology
+
+
+def _register_torch_backend() -> None:
+    """Make "hpcdl" a torch.distributed backend name (`hpcdl.torch_distributed`)."""
+    try:
+        from . import torch_distributed  # noqa: F401 - registers on import
+    except ImportError:  # a torch build without torch.distributed
+        pass
 
 
 def _bind_gpu(local_rank: int) -> int | None:
@@ -152,8 +174,11 @@ def thread_level() -> str:
 
 def abort(message: str, code: int = 1) -> None:
     """Print `message` tagged with this rank and abort every rank of the job."""
-    sys.stderr.write(f"[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
-    sys.stderr.flush()
+    # To the process's own stderr: torch.distributed's excepthook swaps sys.stderr for a buffer
+    # while the previous hook (ours) runs, and would print it only after the abort.
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(f"[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
+    stream.flush()
     MPI.COMM_WORLD.Abort(code)
 
 

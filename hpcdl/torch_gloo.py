@@ -12,17 +12,15 @@ address rank 0's host name resolves to. torch is imported only here, and only wh
 """
 from __future__ import annotations
 
-import fcntl
-import os
-import socket
-import struct
 from datetime import timedelta
 from typing import Any
 
 from mpi4py import MPI
 
-#: ioctl request that returns an interface's IPv4 address (linux/sockios.h).
-_SIOCGIFADDR = 0x8915
+from .launch import interface_ipv4, store_host
+
+__all__ = ["advertised_host", "gloo_unavailable_reason", "init_torch_distributed", "interface_ipv4",
+           "mpi_store"]
 
 
 def gloo_unavailable_reason() -> str | None:
@@ -36,54 +34,24 @@ def gloo_unavailable_reason() -> str | None:
     return None
 
 
-def interface_ipv4(name: str) -> str:
-    """The IPv4 address of network interface `name` (Linux), e.g. "10.213.0.2" for "eth0".
-
-    Raises ValueError naming the interfaces that exist when `name` has no IPv4 address.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        except OSError as exc:
-            known = ", ".join(n for _, n in socket.if_nameindex())
-            raise ValueError(f"GLOO_SOCKET_IFNAME={name!r}: no IPv4 address on an interface of that "
-                             f"name here ({exc.strerror}); interfaces: {known}") from exc
-    return socket.inet_ntoa(packed[20:24])  # struct ifreq: name[16], then a sockaddr_in
-
-
 def advertised_host(comm: MPI.Comm) -> str:
     """Collective: the address rank 0 tells the other ranks to reach its TCPStore at."""
     hosts = comm.allgather(MPI.Get_processor_name())
     if comm.Get_rank() != 0:
         return ""
-    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
-    if interface:
-        return interface_ipv4(interface)
-    if len(set(hosts)) == 1:
-        return "127.0.0.1"
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError as exc:
-        raise RuntimeError(
-            f"cannot resolve this host's name {socket.gethostname()!r} ({exc}) for torch.distributed's "
-            "store: set GLOO_SOCKET_IFNAME to the network interface the ranks share") from exc
+    return store_host(len(set(hosts)) == 1)
 
 
-def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 120.0) -> None:
-    """Collective: torch.distributed's default process group over gloo, rank and size from `comm`.
+def mpi_store(comm: MPI.Comm, timeout: timedelta) -> Any:
+    """Collective: a torch.distributed TCPStore on rank 0 of `comm` that every rank joins.
 
-    Idempotent: a second call with a communicator of the same size does nothing. Rank 0's
-    TCPStore picks its own free port, so concurrent jobs on one host never collide.
+    Rank 0 opens it on a port the operating system picks (so concurrent jobs on one host never
+    collide), at `advertised_host`'s address, and sends host:port through MPI. A failure on rank 0
+    is raised on every rank. Also the store of the hpcdl backend (`hpcdl.torch_distributed`).
     """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        if dist.get_world_size() != comm.Get_size():
-            raise RuntimeError(f"torch.distributed is already initialized with {dist.get_world_size()} "
-                               f"ranks, not this communicator's {comm.Get_size()}")
-        return
     rank, size = comm.Get_rank(), comm.Get_size()
-    timeout = timedelta(seconds=timeout_s)
     store: Any = None
     address: tuple[str, int] | str | None = None
     try:  # raises on rank 0 only (after its collective part): the broadcast below carries it
@@ -101,4 +69,22 @@ def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 1
         raise RuntimeError(address)
     if rank != 0:
         store = dist.TCPStore(address[0], address[1], size, False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    return store
+
+
+def init_torch_distributed(comm: MPI.Comm = MPI.COMM_WORLD, timeout_s: float = 120.0) -> None:
+    """Collective: torch.distributed's default process group over gloo, rank and size from `comm`.
+
+    Idempotent: a second call with a communicator of the same size does nothing. The store comes
+    from `mpi_store`.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != comm.Get_size():
+            raise RuntimeError(f"torch.distributed is already initialized with {dist.get_world_size()} "
+                               f"ranks, not this communicator's {comm.Get_size()}")
+        return
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", store=mpi_store(comm, timeout), rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), timeout=timeout)

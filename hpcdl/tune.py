@@ -152,16 +152,58 @@ def main(argv: Sequence[str]) -> int:
 # -- predicting ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Buckets:
+    """A step's gradient buckets, in closed form (a trillion parameters are a few numbers, not a
+    list): `full` buckets of `cap` bytes, then one of `rest` bytes if `rest`."""
+
+    cap: int
+    full: int
+    rest: int
+
+    @classmethod
+    def of(cls, parameters: int, itemsize: int, bucket_mb: float) -> "Buckets":
+        """Full buckets of `bucket_mb` MiB (whole elements), then the remainder."""
+        total = parameters * itemsize
+        cap = max(int(bucket_mb * (1 << 20)) // itemsize * itemsize, itemsize)
+        full, rest = divmod(total, cap)
+        return cls(cap, full, rest)
+
+    @property
+    def count(self) -> int:
+        return self.full + (1 if self.rest else 0)
+
+    @property
+    def total(self) -> int:
+        return self.full * self.cap + self.rest
+
+    def sizes(self) -> list[int]:
+        """The distinct bucket sizes, largest first."""
+        return ([self.cap] if self.full else []) + ([self.rest] if self.rest else [])
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Predicted communication of one training step for one algorithm."""
+    """Predicted communication of one training step for one algorithm: one allreduce per bucket,
+    `full_s` for each full bucket and `rest_s` for the last, smaller one (if any)."""
 
     algorithm: str
-    bucket_seconds: list[float]  # one allreduce per bucket, in order
+    buckets: Buckets
+    full_s: float
+    rest_s: float
     compute_s: float
 
     @property
+    def first_s(self) -> float:
+        """The first (largest) bucket's allreduce."""
+        return self.full_s if self.buckets.full else self.rest_s
+
+    @property
+    def last_s(self) -> float:
+        return self.rest_s if self.buckets.rest else self.full_s
+
+    @property
     def total_s(self) -> float:
-        return sum(self.bucket_seconds)
+        return self.buckets.full * self.full_s + (self.rest_s if self.buckets.rest else 0.0)
 
     @property
     def efficiency_no_overlap(self) -> float:
@@ -171,16 +213,8 @@ class Plan:
     def efficiency_overlap(self) -> float:
         # Every bucket but the last runs while compute does (from the start of the step, at
         # best); the last is ready only when compute ends.
-        earlier = sum(self.bucket_seconds[:-1])
-        return self.compute_s / (max(self.compute_s, earlier) + self.bucket_seconds[-1])
-
-
-def bucket_sizes(parameters: int, itemsize: int, bucket_mb: float) -> list[int]:
-    """Bytes of each gradient bucket: full buckets of `bucket_mb` MiB, then the remainder."""
-    total = parameters * itemsize
-    cap = max(int(bucket_mb * (1 << 20)) // itemsize * itemsize, itemsize)
-    full, rest = divmod(total, cap)
-    return [cap] * full + ([rest] if rest else [])
+        earlier = self.total_s - self.last_s
+        return self.compute_s / (max(self.compute_s, earlier) + self.last_s)
 
 
 def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
@@ -238,18 +272,24 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
 
 
 def plan_step(params: Any, nodes: int, parameters: int, dtype: str, bucket_mb: float,
-              compute_s: float) -> tuple[list[int], list[Plan], list[str]]:
-    """Bucket sizes, a `Plan` per modelled allreduce algorithm plus auto's (last), and auto's
-    pick per bucket (the model's fastest)."""
+              compute_s: float) -> tuple[Buckets, list[Plan], dict[int, str]]:
+    """The buckets, a `Plan` per modelled allreduce algorithm plus auto's (last), and auto's pick
+    per distinct bucket size (the model's fastest). Closed forms: at most two sizes are priced,
+    whatever the number of buckets or ranks."""
     from collectives.cost_model import best, modelled_algorithms, predict
 
     itemsize = ITEMSIZE[dtype]
-    buckets = bucket_sizes(parameters, itemsize, bucket_mb)
-    plans = {a: Plan(a, [predict("allreduce", a, b, nodes, params, itemsize=itemsize) for b in buckets],
-                     compute_s) for a in modelled_algorithms("allreduce")}
-    picks = [best("allreduce", b, nodes, params, itemsize=itemsize) for b in buckets]
-    auto = Plan("auto", [plans[a].bucket_seconds[i] for i, a in enumerate(picks)], compute_s)
-    return buckets, [*plans.values(), auto], picks
+    buckets = Buckets.of(parameters, itemsize, bucket_mb)
+
+    def seconds(algorithm: str, nbytes: int) -> float:
+        return predict("allreduce", algorithm, nbytes, nodes, params, itemsize=itemsize) if nbytes else 0.0
+
+    plans = [Plan(a, buckets, seconds(a, buckets.cap), seconds(a, buckets.rest), compute_s)
+             for a in modelled_algorithms("allreduce")]
+    picks = {b: best("allreduce", b, nodes, params, itemsize=itemsize) for b in buckets.sizes()}
+    auto = Plan("auto", buckets, seconds(picks.get(buckets.cap, "ring"), buckets.cap),
+                seconds(picks.get(buckets.rest, "ring"), buckets.rest), compute_s)
+    return buckets, [*plans, auto], picks
 
 
 def _two_level_lines(params: Any, source: dict[str, str], tuning_file: str | None) -> list[str]:
@@ -274,8 +314,8 @@ def run_predict(args: argparse.Namespace) -> int:
                                       args.bucket_mb, compute_s)
     lines = [
         f"hpcdl tune --predict: {args.nodes} ranks, allreduce of {args.model_params:,} {args.dtype} "
-        f"gradients ({human_bytes(sum(buckets))}) per step in {len(buckets)} bucket"
-        f"{'s' if len(buckets) != 1 else ''} of at most {human_bytes(buckets[0])}, "
+        f"gradients ({human_bytes(buckets.total)}) per step in {buckets.count:,} bucket"
+        f"{'s' if buckets.count != 1 else ''} of at most {human_bytes(buckets.sizes()[0])}, "
         f"compute {args.compute_ms:g} ms per step",
         f"  alpha    {params.alpha * 1e6:9.3f} µs per message      ({source['alpha']})",
         f"  beta     {params.beta * 1e9:9.4f} ns per byte         ({source['beta']}; "
@@ -289,7 +329,7 @@ def run_predict(args: argparse.Namespace) -> int:
         f"{'algorithm':<18} {'per bucket':>11} {'per step':>11} {'efficiency':>11} {'overlapped':>11}",
     ]
     for plan in plans:
-        lines.append(f"{plan.algorithm:<18} {human_seconds(plan.bucket_seconds[0]):>11} "
+        lines.append(f"{plan.algorithm:<18} {human_seconds(plan.first_s):>11} "
                      f"{human_seconds(plan.total_s):>11} {plan.efficiency_no_overlap:>10.1%} "
                      f"{plan.efficiency_overlap:>10.1%}")
     lines += [
@@ -302,7 +342,7 @@ def run_predict(args: argparse.Namespace) -> int:
         "starts when compute ends: compute / (max(compute, earlier buckets) + last bucket). An "
         "upper bound: backward is only part of the compute.",
         "auto would pick: " + "; ".join(
-            f"{a} for {human_bytes(b)}" for b, a in dict(zip(buckets, picks)).items())
+            f"{a} for {human_bytes(b)}" for b, a in picks.items())
         + " (the model's fastest; a tuning file's measured rows take precedence at their rank count)",
     ]
     print("\n".join(lines))

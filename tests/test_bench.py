@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ from arrays import BACKENDS, fake_cupy_module
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS
 from conftest import all_ranks_agree, from_rank0, shared_directory
 from hpcdl import bench
-from hpcdl.collective_timing import (EXACT_INTEGER, Measurement, algorithms_of, bus_factor, measure,
-                                     reduced_table, value_table)
+from hpcdl.collective_timing import (EXACT_INTEGER, Case, Measurement, algorithms_of, bus_factor,
+                                     measure, peak_bytes, reduced_table, value_table)
 from hpcdl.torch_gloo import advertised_host, gloo_unavailable_reason, interface_ipv4
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
@@ -279,6 +280,42 @@ if importlib.util.find_spec("cupy") is None:
                                                "your CUDA, e.g. `pip install cupy-cuda12x`"))
 
 
+def test_a_sweep_that_cannot_fit_is_refused_on_every_rank(comm: MPI.Comm,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Memory is checked up front against the largest row, and a rank whose host lacks it stops
+    every rank before anything is allocated (it used to be killed halfway, by the OOM killer)."""
+    last = comm.Get_rank() == comm.Get_size() - 1
+    monkeypatch.setattr(bench, "available_bytes", lambda: (100 if last else 10 ** 6) * 2 ** 20)
+    status = bench.main(["-b", "8", "-e", "64M", "-A", "ring", "pickle", "-n", "1", "--rounds", "1"])
+    err = from_rank0(comm, capsys.readouterr().err)
+    assert status == 2
+    assert "-e/--maxbytes 67108864: allreduce at that size needs about 0.38 GiB per rank" in err, err
+    assert "lower -e/--maxbytes or leave out pickle (-A)" in err, err
+
+
+@pytest.mark.parametrize("collective", list(COLLECTIVES))
+@pytest.mark.parametrize("in_place", [True, False], ids=["inplace", "out-of-place"])
+def test_a_case_allocates_its_buffers_and_one_expected_copy(comm: MPI.Comm, collective: str,
+                                                            in_place: bool) -> None:
+    """Test data are made and checked piece by piece: at 32 MiB a case's peak (traced by
+    tracemalloc, which sees NumPy's allocations) is what `peak_bytes` counts for a hand-written
+    algorithm plus a piece's temporaries, not the 6x of whole-array temporaries."""
+    if collective == "broadcast" and not in_place:
+        pytest.skip("broadcast works in place only")
+    nbytes = 32 * 2 ** 20
+    tracemalloc.start()
+    try:
+        case = Case(collective, nbytes, comm, in_place=in_place)
+        case.fill()
+        case.count_wrong(case.x if collective == "broadcast" else case.out)  # its peak counts
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    need = peak_bytes(collective, nbytes, 4, comm.Get_size(), in_place, ["ring"])
+    assert need >= nbytes and peak <= need + 8 * 2 ** 20, (peak / 2 ** 20, need / 2 ** 20)
+
+
 @pytest.mark.parametrize("cuda_aware", [True, False], ids=["cuda-aware", "staged"])
 def test_device_gpu_over_a_fake_gpu(comm: MPI.Comm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                     cuda_aware: bool) -> None:
@@ -325,7 +362,8 @@ def test_argument_errors(comm: MPI.Comm, capsys: pytest.CaptureFixture[str], arg
     ('{"collectives": {"allreduce": [{"min_ranks": 1, "by_bytes": [[null, "rign"]]}]}}',
      "allreduce has no algorithm 'rign'"),
     ("{not json", "cannot read decision table"),
-], ids=["model", "rows", "json"])
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+], ids=["model", "rows", "json", "nested"])
 def test_a_bad_tuning_file_is_refused_before_measuring(comm: MPI.Comm, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str],

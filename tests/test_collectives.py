@@ -495,6 +495,23 @@ def test_fortran_ordered_input_without_out(collective: str, comm: MPI.Comm) -> N
     outcomes.verify()
 
 
+@pytest.mark.parametrize("count", [5, 4096])  # rides in the check / takes the general path
+def test_allreduce_into_an_out_that_overlaps_x(count: int, comm: MPI.Comm) -> None:
+    """`out` sharing part of `x`'s memory (one buffer, views one element apart) gets the sum of
+    what `x` held before the call, on every rank."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    inputs = [rank_data(q, (count + 1,), "float32") for q in range(size)]
+    buffer = inputs[rank].copy()
+    x, out = buffer[:-1], buffer[1:]
+    outcomes = Outcomes(comm)
+    label = f"allreduce of {count} float32 into an out one element past x"
+    ran, result = run_case(outcomes, label, False, lambda: collectives.allreduce(x, out=out))
+    if ran:
+        outcomes.expect_equal(label, result, reduce_reference([a[:-1] for a in inputs], "sum"))
+        outcomes.expect_equal(label + " (returns out)", np.asarray(result is out), np.asarray(True))
+    outcomes.verify()
+
+
 @pytest.mark.parametrize("collective", list(ALGORITHMS))
 def test_ranks_may_pass_different_layouts(collective: str, comm: MPI.Comm) -> None:
     """Odd ranks pass Fortran-ordered arrays (input and out), even ranks C-ordered ones: element

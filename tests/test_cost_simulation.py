@@ -24,7 +24,8 @@ from mpi4py import MPI
 
 from collectives import ALGORITHMS, OPS
 from collectives.cost_model import ModelParams, picker
-from collectives.partition import PIECEWISE_BYTES, SEGMENT_BYTES, offsets_of, partition_offsets
+from collectives.partition import PIECEWISE_BYTES, SEGMENT_BYTES, cut, offsets_of, partition_offsets
+from collectives.transport import Link
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -87,16 +88,18 @@ class World:
         self.clocks = [0.0] * len(self.hosts)
 
 
-class SimulatedLink:
-    """What the algorithms see of `transport.Link`, for one simulated rank of a communicator
-    (`members`: the world's ranks in it, in order; `comm`: its name, which keeps its messages
-    apart from other communicators')."""
+class SimulatedLink(Link):
+    """`transport.Link` for one simulated rank of a communicator (`members`: the world's ranks in
+    it, in order; `comm`: its name, which keeps its messages apart from other communicators'): its
+    messages, arithmetic, scratch and sub-communicators (`split`) are simulated; what it builds on
+    them (`sendrecv_combine`'s pipelined pieces) is the real code."""
 
     def __init__(self, world: World, members: list[int], index: int, comm: tuple[Any, ...] = (),
-                 choose_level: Any = None) -> None:
+                 choose_level: Any = None) -> None:  # no MPI communicator: nothing of MPI runs
         self.world, self.members, self.rank, self.size = world, members, index, len(members)
         self.me, self.comm, self.choose_level = members[index], comm, choose_level
         self.op, self.xp, self.tag, self.finishes_blocks = OPS["sum"], np, 0, False
+        self.on_device, self.runtime, self.patient = False, None, None
         self._scratch: dict[Any, np.ndarray] = {}
 
     @property
@@ -186,39 +189,11 @@ class SimulatedLink:
         self.wait(self.irecv(view, source))
 
     def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int) -> None:
-        if max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:  # cut into pieces, all posted at once
-            step_s = max(SEGMENT_BYTES // send.dtype.itemsize, 1)
-            step_r = max(SEGMENT_BYTES // recv.dtype.itemsize, 1)
-            pieces_r = [recv[i:i + step_r] for i in range(0, max(recv.shape[0], 1), step_r)] \
-                if recv.nbytes > PIECEWISE_BYTES else [recv]
-            pieces_s = [send[i:i + step_s] for i in range(0, max(send.shape[0], 1), step_s)] \
-                if send.nbytes > PIECEWISE_BYTES else [send]
-            self.wait(*(self.irecv(v, source) for v in pieces_r),
-                      *(self.isend(v, dest) for v in pieces_s))
+        if max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:  # pieces, all posted at once (`cut`)
+            self.wait(*(self.irecv(v, source) for v in cut(recv)), *(self.isend(v, dest) for v in cut(send)))
             return
         pairwise = dest == source  # a plain exchange with one peer, as a single Sendrecv makes
         self.wait(self.irecv(recv, source), self.isend(send, dest, pairwise=pairwise))
-
-    def sendrecv_combine(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, *,
-                         segment: int, pieces: int, completes: bool = False) -> None:
-        if pieces == 1:
-            tmp = self.scratch(recv.shape[0], recv.dtype)
-            self.sendrecv(send, dest, tmp, source)
-            self.combine(recv, tmp)
-            return
-
-        def post(k: int) -> tuple[_Pending, _Pending, np.ndarray]:
-            lo = k * segment
-            tmp = self.scratch(recv[lo:lo + segment].shape[0], recv.dtype, slot=k % 2)
-            return self.irecv(tmp, source), self.isend(send[lo:lo + segment], dest), tmp
-
-        ahead = post(0)
-        for k in range(pieces):
-            incoming, outgoing, tmp = ahead
-            if k + 1 < pieces:
-                ahead = post(k + 1)
-            self.wait(incoming, outgoing)
-            self.combine(recv[k * segment:(k + 1) * segment], tmp)
 
 
 def _arguments(collective: str, n: int, size: int, root: int) -> list[tuple[Any, ...]]:

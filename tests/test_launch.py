@@ -7,15 +7,20 @@ tests/run.py, where the real environment must pass the check too.
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 
+import hpcdl
+from conftest import all_ranks_agree
 from hpcdl import slurm
-from hpcdl.launch import check_launch, launcher_claim, mpi_family
+from hpcdl.launch import (RENDEZVOUS_MARKER, check_launch, export_torch_environment, launcher_claim,
+                          mpi_family, rendezvous_address, torch_environment)
 
 OPEN_MPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
 MPICH = "MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 12:29:21 CST 2024"
@@ -87,6 +92,93 @@ def test_launcher_claim_precedence() -> None:
     claim = launcher_claim({"PMI_SIZE": "8", "SLURM_STEP_NUM_TASKS": "2"})  # Hydra across 2 nodes
     assert claim.launcher == "mpirun"
     assert launcher_claim({"SLURM_NTASKS": "4"}) is None  # allocation only, not a step
+
+
+# -- torch's launchers and the launch facts torch code expects ---------------------------------------
+
+#: What `torchrun --nproc-per-node 2` gives its second worker (torch 2.13).
+TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0", "ROLE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def test_torchrun_of_one_rank_jobs_is_refused_naming_mpirun() -> None:
+    with pytest.raises(RuntimeError, match=r"torchrun started this process as one of 2 "
+                                           r"\(WORLD_SIZE=2\).*size 1.*`mpirun -n 2 python SCRIPT`"):
+        check_launch(1, env=TORCHRUN, library_version=OPEN_MPI)
+    other = {k: v for k, v in TORCHRUN.items() if not k.startswith("TORCHELASTIC")}
+    with pytest.raises(RuntimeError, match=r"^a torch launcher started .*unset WORLD_SIZE"):
+        check_launch(1, env=other, library_version=OPEN_MPI)
+
+
+@pytest.mark.parametrize("env, size", [
+    ({"WORLD_SIZE": "1", "RANK": "0"}, 1),  # torchrun --nproc-per-node 1: one rank, nothing wrong
+    ({"OMPI_COMM_WORLD_SIZE": "3", "WORLD_SIZE": "3", "RANK": "2"}, 3),  # set by hpcdl.init()
+    ({"OMPI_COMM_WORLD_SIZE": "3", "WORLD_SIZE": "1", "RANK": "0"}, 3),  # a parent job's, inherited
+])
+def test_torch_variables_consistent_with_mpi_pass(env: dict[str, str], size: int) -> None:
+    check_launch(size, env=env, library_version=OPEN_MPI)
+
+
+def test_export_sets_the_place_and_keeps_a_users_rendezvous() -> None:
+    env: dict[str, str] = {"RANK": "0", "WORLD_SIZE": "1"}  # inherited from a one-rank parent
+    export_torch_environment(torch_environment(2, 3, 0, 2), ("10.0.0.7", 4242), env)
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.7", "4242")
+    # set by an earlier hpcdl.init() (here, or in the parent job this one inherited it from): replaced
+    export_torch_environment(torch_environment(0, 2, 0, 2), ("10.0.0.8", 5151), env)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.8", "5151")
+    # chosen by the user: kept
+    user = {"MASTER_ADDR": "head", "MASTER_PORT": "6000"}
+    export_torch_environment(torch_environment(0, 2, 0, 2), ("10.0.0.8", 5151), user)
+    assert (user["MASTER_ADDR"], user["MASTER_PORT"]) == ("head", "6000")
+    assert RENDEZVOUS_MARKER not in user
+    nothing: dict[str, str] = {}
+    export_torch_environment(torch_environment(0, 1, 0, 1), None, nothing)  # rank 0 had no address
+    assert "MASTER_ADDR" not in nothing and nothing["WORLD_SIZE"] == "1"
+
+
+def test_rendezvous_address_is_a_free_port_on_loopback_for_one_host() -> None:
+    host, port = rendezvous_address(one_host=True)
+    assert host == "127.0.0.1" and 0 < port < 65536
+
+
+def test_init_sets_what_torchrun_would(comm: MPI.Comm) -> None:
+    topo = hpcdl.init()
+    expected = {"RANK": str(comm.Get_rank()), "WORLD_SIZE": str(comm.Get_size()),
+                "LOCAL_RANK": str(topo.local_rank), "LOCAL_WORLD_SIZE": str(topo.local_size)}
+    got = {k: os.environ.get(k) for k in expected}
+    master = comm.allgather((os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")))
+    ok = got == expected and len(set(master)) == 1 and master[0][1] is not None
+    assert all_ranks_agree(ok, comm), (got, expected, master)
+
+
+TORCHRUN_SCRIPT = """
+import hpcdl
+hpcdl.init()
+print("rank", hpcdl.rank(), "of", hpcdl.size(), "trained alone", flush=True)
+"""
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts its own torchrun; N=1 job only")
+@pytest.mark.timeout(180)
+def test_a_real_torchrun_launch_fails_with_the_fix(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    # Not this test job's own launcher variables: the workers must be what torchrun alone makes.
+    launcher = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HPCDL_RENDEZVOUS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=150)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "trained alone" not in output
+    assert "torchrun started this process as one of 2 (WORLD_SIZE=2)" in output, output
+    assert "mpirun -n 2 python SCRIPT" in output
 
 
 @pytest.mark.parametrize("text, family", [

@@ -76,13 +76,28 @@ def test_predict_names_what_is_missing(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_buckets_and_efficiency() -> None:
-    assert tune.bucket_sizes(25_000_000, 4, 25) == [25 << 20] * 3 + [100_000_000 - 3 * (25 << 20)]
-    assert tune.bucket_sizes(1000, 2, 25) == [2000]
-    plan = tune.Plan("x", [1.0, 1.0, 1.0], compute_s=2.0)
+    buckets = tune.Buckets.of(25_000_000, 4, 25)
+    assert (buckets.cap, buckets.full, buckets.rest) == (25 << 20, 3, 100_000_000 - 3 * (25 << 20))
+    assert buckets.count == 4 and buckets.total == 100_000_000
+    assert tune.Buckets.of(1000, 2, 25).sizes() == [2000]
+    three = tune.Buckets(cap=8, full=3, rest=0)
+    plan = tune.Plan("x", three, full_s=1.0, rest_s=0.0, compute_s=2.0)
     assert plan.efficiency_no_overlap == pytest.approx(2 / 5)
     assert plan.efficiency_overlap == pytest.approx(2 / 3)  # max(2, 1 + 1) + 1
-    slow = tune.Plan("x", [2.0, 2.0, 1.0], compute_s=2.0)
+    slow = tune.Plan("x", tune.Buckets(cap=8, full=2, rest=4), full_s=2.0, rest_s=1.0, compute_s=2.0)
     assert slow.efficiency_overlap == pytest.approx(2 / 5)  # earlier buckets outlast compute
+
+
+def test_predict_answers_at_once_for_any_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """Closed forms: a trillion parameters over 65536 ranks prices two bucket sizes, not 150,000
+    buckets (this took 98 s when every bucket was priced)."""
+    import time
+
+    started = time.perf_counter()
+    assert tune.main(["--predict", "--nodes", "65536", "--link", "100gbit", "--latency", "2us",
+                      "--model-params", "1e12", "--compute-ms", "120"]) == 0
+    assert time.perf_counter() - started < 1.0
+    assert "152,588 buckets" in capsys.readouterr().out
 
 
 def test_predict_prints_every_algorithm_and_auto(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,7 +105,8 @@ def test_predict_prints_every_algorithm_and_auto(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     params = ModelParams(2e-6 + tune.DEFAULT_SOFTWARE_LATENCY, 8 / 100e9, tune.DEFAULT_GAMMA["float32"],
                          tune.DEFAULT_OVERHEAD)
-    buckets = tune.bucket_sizes(25_000_000, 4, 25)
+    sizes = tune.Buckets.of(25_000_000, 4, 25)
+    buckets = [sizes.cap] * sizes.full + [sizes.rest]
     assert "256 ranks" in out and "4 buckets" in out
     for algorithm in ("ring", "butterfly", "tree", "halving_doubling"):
         seconds = [predict("allreduce", algorithm, b, 256, params) for b in buckets]

@@ -30,7 +30,7 @@ from ..agreement import raise_unless_agreed
 from ..fusion import fused_broadcast
 from .consistency import CONSISTENCIES, make_consistency
 from .optimizers import check_optimizer
-from .server import CheckpointHook, ServerStats, ShardServer
+from .server import CheckpointHook, LearningRateSchedule, ServerStats, ShardServer
 from .sharding import plan_layout
 from .staleness import Staleness
 from .worker import WorkerClient
@@ -55,6 +55,9 @@ class ParameterServer:
         timeout: seconds any wait may last (and a server may go without a message) before it
             raises TimeoutError naming what it waited for; None waits for ever.
         record_events: servers keep every update and answered pull in `server.events`.
+        lr_schedule: the servers' learning rate as a function of the workers' mean step (see
+            ShardServer); it replaces `lr` from the first update on. Every rank passes the same
+            function (only whether one is given is compared between ranks).
 
     Roles: `is_server` ranks call `serve()`; workers call `pull()`, `push()`, and `close()` (or use
     `with ps:`), and may call `checkpoint(step)` and `staleness()`. Bytes each rank sent and
@@ -65,7 +68,8 @@ class ParameterServer:
                  consistency: str = "async", s: int | None = None, optimizer: str = "sgd",
                  lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0,
                  n_fetch: int = 1, n_push: int = 1, straggler: tuple[int, float] | None = None,
-                 timeout: float | None = None, record_events: bool = False) -> None:
+                 timeout: float | None = None, record_events: bool = False,
+                 lr_schedule: LearningRateSchedule | None = None) -> None:
         runtime.init()
         comm = comm if comm is not None else MPI.COMM_WORLD
         size = comm.Get_size()
@@ -77,6 +81,7 @@ class ParameterServer:
         given = {"servers": servers, "consistency": consistency, "s": s, "optimizer": optimizer,
                  "lr": lr, "momentum": momentum, "weight_decay": weight_decay, "n_fetch": n_fetch,
                  "n_push": n_push, "straggler": straggler, "timeout": timeout,
+                 "lr_schedule": lr_schedule is not None,
                  "parameters": [(tuple(p.shape), str(p.dtype)) for p in params]}
         raise_unless_agreed("ParameterServer", errors, given, comm)
 
@@ -100,7 +105,7 @@ class ParameterServer:
             self.server = ShardServer(self.comm, self.layout, rank - workers, params,
                                       self.worker_ranks, make_consistency(consistency, s),
                                       (optimizer, options), timeout=timeout,
-                                      record_events=record_events)
+                                      record_events=record_events, lr_schedule=lr_schedule)
         else:
             slowdown = straggler[1] if straggler is not None and straggler[0] == rank else 1.0
             self.worker = WorkerClient(self.comm, self.layout, params, self.server_ranks,
@@ -132,9 +137,10 @@ class ParameterServer:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def pull(self) -> None:
-        """Worker ranks: put the servers' current parameters into the module (see WorkerClient)."""
-        self._role(False, "pull").pull()
+    def pull(self, until: int = 0) -> int:
+        """Worker ranks: put the servers' current parameters into the module; returns the job's
+        progress, the steps all workers have pushed (see WorkerClient.pull, also for `until`)."""
+        return int(self._role(False, "pull").pull(until))
 
     def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """Worker ranks: send the module's gradients (or `grads`) to the servers."""

@@ -6,8 +6,8 @@ values; shard data, where there is any, follows directly (HEADER_BYTES is a mult
 sharding.ALIGN, so the data keeps its alignment).
 
     tag          direction        header                              then               bytes
-    PULL         worker -> server  clock                               -                  32
-    PARAMS       server -> worker  version                             the shard          32 + shard
+    PULL         worker -> server  clock, until                        -                  32
+    PARAMS       server -> worker  version, progress                   the shard          32 + shard
     PUSH         worker -> server  version, clock, steps               gradient of shard  32 + shard
     DONE         worker -> server  clock                               -                  32
     SAVE         worker -> server  step                                -                  32
@@ -20,6 +20,11 @@ sharding.ALIGN, so the data keeps its alignment).
   measures staleness tau = current version - that version when it applies the push.
 - clock: how many steps the worker has pushed (SSP's clock; sync's step).
 - steps: how many local steps a push accumulates (Downpour's n_push).
+- progress: the steps every worker has pushed, summed, as this shard has received them (the job's
+  progress; `hpcdl train` ends its epochs there when workers run at their own pace).
+- until: 0, or the progress at which the pulling worker will stop to meet the others; a pull the
+  consistency model would defer is answered once the shard's progress reaches it, so that no
+  worker waits (SSP) for a straggler that has already stopped there.
 
 A pull costs each worker S messages of 32 bytes out and the model's bytes (plus 32 per server)
 in; a push costs the model's bytes plus 32 per server out. MPI keeps the messages of one sender
@@ -51,7 +56,9 @@ HISTOGRAM_BINS = 64
 
 # Header fields by message.
 CLOCK = 0  # PULL, DONE
+UNTIL = 1  # PULL
 VERSION = 0  # PARAMS, PUSH, SAVED
+PROGRESS = 1  # PARAMS
 PUSH_CLOCK = 1
 PUSH_STEPS = 2
 STEP = 0  # SAVE

@@ -33,15 +33,19 @@ from mpi4py import MPI
 
 from .consistency import Async, Push, slowest
 from .optimizers import make_optimizer
-from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PUSH_CLOCK, PUSH_STEPS,
-                       RESET, STATS_VERSION, STEP, SUM, VERSION, Tag, header, header_message)
+from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK,
+                       PUSH_STEPS, RESET, STATS_VERSION, STEP, SUM, UNTIL, VERSION, Tag, header,
+                       header_message)
 from .sharding import Layout, segments
 from .staleness import Staleness, StalenessLog
 from .waiting import Backoff, wait_all
 
-#: on_checkpoint(step, state): called on each server when every worker asked for checkpoint `step`.
 _TAGS = {int(t) for t in Tag}
+#: on_checkpoint(step, state): called on each server when every worker asked for checkpoint `step`.
 CheckpointHook = Callable[[int, dict[str, Any]], None]
+#: lr_schedule(t): the learning rate of an update made when the workers have pushed t steps each on
+#: average (the steps of the update itself not counted), e.g. hpcdl train's warm-up and cosine decay.
+LearningRateSchedule = Callable[[float], float]
 
 
 @dataclass(frozen=True)
@@ -65,14 +69,19 @@ class ShardServer:
 
     `params` are the model's parameters (their values at construction seed the shard), `dtypes`
     their dtypes; `optimizer` is (name, keyword arguments) for `optimizers.make_optimizer`.
+    `lr_schedule(t)`, if given, sets the optimizer's learning rate before each update, t being
+    (progress - the update's steps) / workers: the mean step of the workers, so that one schedule
+    serves every consistency model (under sync, t is the synchronous step).
     `record_events=True` keeps a list of every update and every answered pull in `events`, for
     tests and analysis: ("update", version, [(worker, clock, version of the push, tau, weight)])
-    and ("answer", worker, clock, slowest active clock, version).
+    and ("answer", worker, clock, slowest active clock, version), or "meet" for a pull answered
+    because the progress reached its `until` (see protocol.py).
     """
 
     def __init__(self, comm: MPI.Comm, layout: Layout, index: int, params: Sequence[torch.Tensor],
                  workers: Sequence[int], consistency: Async, optimizer: tuple[str, dict[str, Any]],
-                 *, timeout: float | None = None, record_events: bool = False) -> None:
+                 *, timeout: float | None = None, record_events: bool = False,
+                 lr_schedule: LearningRateSchedule | None = None) -> None:
         self.comm = comm
         self.layout = layout
         self.shard = layout.shards[index]
@@ -93,13 +102,14 @@ class ShardServer:
         self.values = self._typed(self.message)
         name, options = optimizer
         self.optimizer = make_optimizer(name, self.values, **options)
+        self.lr_schedule = lr_schedule
         self._combined = torch.zeros_like(self.message)
         self.version = 0
         self.workers = list(workers)
         self.clocks = {w: 0 for w in self.workers}
         self.active = set(self.workers)
         self.pending: list[Push] = []
-        self._deferred: list[tuple[int, int]] = []  # (worker, clock) of pulls not yet answered
+        self._deferred: list[tuple[int, int, int]] = []  # (worker, clock, until) of pulls not yet answered
         self._sends: list[tuple[MPI.Request, Any]] = []  # in flight, with the buffer they send
         self._free: list[torch.Tensor] = []  # push buffers to reuse
         self._saves: dict[int, int] = {}  # worker -> step of its SAVE
@@ -169,7 +179,7 @@ class ShardServer:
             self._on_push(Push(source, int(fields[VERSION]), int(fields[PUSH_CLOCK]),
                                int(fields[PUSH_STEPS]), buffer))
         elif tag == Tag.PULL:
-            self._deferred.append((source, int(fields[CLOCK])))
+            self._deferred.append((source, int(fields[CLOCK]), int(fields[UNTIL])))
             self._answer_deferred()
         elif tag == Tag.DONE:
             self.active.discard(source)
@@ -224,6 +234,10 @@ class ShardServer:
                     grad.add_(self._typed(push.message)[i], alpha=weight)
         for value, grad in zip(self.values, grads):
             value.grad = grad
+        if self.lr_schedule is not None:
+            t = (self.progress - sum(p.steps for p in pushes)) / len(self.workers)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_schedule(t)
         self.optimizer.step()
         record = []
         for push, weight in zip(pushes, weights):
@@ -241,17 +255,31 @@ class ShardServer:
 
     def _answer_deferred(self) -> None:
         waiting, self._deferred = self._deferred, []
-        for worker, clock in waiting:
+        for worker, clock, until in waiting:
             if self.consistency.may_answer(clock, self.clocks, self.active, self.version):
                 self._send_params(worker, clock)
+            elif until and self.progress >= until:
+                # The worker stops here to meet the others (it takes no step on this answer),
+                # so the answer is no step of the consistency model and outside its bound.
+                self._send_params(worker, clock, meeting=True)
             else:
-                self._deferred.append((worker, clock))
+                self._deferred.append((worker, clock, until))
 
-    def _send_params(self, worker: int, clock: int) -> None:
+    @property
+    def progress(self) -> int:
+        """Steps pushed by every worker, summed (as far as this shard has received them)."""
+        return sum(self.clocks.values())
+
+    def _send_params(self, worker: int, clock: int, meeting: bool = False) -> None:
         gap = clock - slowest(self.clocks, self.active, clock)
-        self.max_clock_gap = max(self.max_clock_gap, gap)
+        if not meeting:
+            self.max_clock_gap = max(self.max_clock_gap, gap)
         if self.events is not None:
-            self.events.append(("answer", worker, clock, clock - gap, self.version))
+            self.events.append(("meet" if meeting else "answer", worker, clock, clock - gap, self.version))
+        fields = header(self._array)
+        if fields[PROGRESS] != self.progress:
+            self._finish_sends()  # replies in flight are sent from this same header
+            fields[PROGRESS] = self.progress
         self._send(self._array, worker, Tag.PARAMS)
         self.pulls += 1
 

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PUSH_CLOCK, PUSH_STEPS, SUM,
-                       VERSION, Tag, header, header_message)
+from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
+                       SUM, VERSION, Tag, header, header_message)
 from .sharding import Layout
 from .staleness import Staleness, StalenessLog
 from .waiting import wait_all
@@ -57,6 +57,7 @@ class WorkerClient:
                                      pulled[start:stop].view(dtype), pushed[start:stop].view(dtype)))
         self.clock = 0  # steps pushed (or accumulated)
         self.versions = np.zeros(len(self.servers), dtype=np.int64)  # of the last pull, per shard
+        self.progress = 0  # the job's progress at the last pull (the least any shard reported)
         self._push_versions = self.versions.copy()  # of the oldest step accumulated
         self._accumulated = 0
         self._since_fetch: int | None = None  # steps since the last fetch; None: never fetched
@@ -68,18 +69,25 @@ class WorkerClient:
     # -- pull and push -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def pull(self) -> None:
-        """Fetch every shard into the parameters, unless n_fetch says this step keeps them."""
+    def pull(self, until: int = 0) -> int:
+        """Fetch every shard into the parameters, unless n_fetch says this step keeps them.
+
+        Returns the job's progress (steps pushed by all workers, summed) as the servers reported
+        it, the least over shards; a skipped fetch returns the last one. `until` > 0: a pull the
+        consistency model would make wait is answered once the progress reaches `until` (where
+        this worker will stop to meet the others; see protocol.py).
+        """
         self._check_open()
         if self._since_fetch is None or self._since_fetch >= self.n_fetch:
             receives = [self.comm.Irecv([m.numpy(), MPI.BYTE], server, Tag.PARAMS)
                         for m, server in zip(self._pulled, self.servers)]
-            request = header_message(self.clock)
+            request = header_message(self.clock, until)
             sends = [self.comm.Isend([request, MPI.BYTE], server, Tag.PULL) for server in self.servers]
             wait_all(receives + sends, f"pull at clock {self.clock} from servers {self.servers}",
                      self.timeout)
             for k, message in enumerate(self._pulled):
                 self.versions[k] = header(message.numpy())[VERSION]
+            self.progress = int(min(header(m.numpy())[PROGRESS] for m in self._pulled))
             flats = [p.detach().view(-1) for p in self.params]
             for param, start, stop, pulled, _ in self._pieces:
                 flats[param][start:stop].copy_(pulled)
@@ -88,6 +96,7 @@ class WorkerClient:
             self._since_fetch = 0
         self._pulled_since_push = True
         self._step_started = time.perf_counter()
+        return self.progress
 
     @torch.no_grad()
     def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
@@ -200,7 +209,8 @@ class WorkerClient:
                 "push_versions": self._push_versions.tolist(), "accumulated": self._accumulated,
                 "since_fetch": self._since_fetch,
                 "pushed": [m.clone() for m in self._pushed] if self._accumulated else None,
-                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "progress": self.progress}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`. With n_fetch > 1 also restore the module's parameters: between
@@ -214,3 +224,4 @@ class WorkerClient:
                 mine.copy_(saved)
         self._since_fetch = state["since_fetch"]
         self.bytes_sent, self.bytes_received = int(state["bytes_sent"]), int(state["bytes_received"])
+        self.progress = int(state.get("progress", 0))

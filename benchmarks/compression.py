@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Gradient compression: accuracy, bytes per update and time, scheme against scheme.
+
+    mpirun -n 4 python benchmarks/compression.py digits --json out.json --plot out.png
+    mpirun -n 4 python benchmarks/compression.py mlp --epochs 3 --json strom.json --plot strom.png
+    scripts/emulated_cluster.sh run python benchmarks/compression.py throughput --json t.json
+
+Three experiments, each running every scheme in turn in this one invocation on the same ranks:
+
+  digits  `hpcdl train`'s default digits CNN (its defaults: 10 epochs, batch 32 per rank, seed 0),
+          once per `--schemes` entry (`--compression` specs; default none, topk:0.01 and
+          threshold:0.4, the last meant for --momentum-correction), reading each run's per-epoch
+          metrics: held-out accuracy, training seconds, gradient bytes per rank, ratio to float32,
+          fraction of elements sent (per epoch, and in the densest step).
+  mlp     Strom's table in shape: the 25 M-parameter MLP of benchmarks/train_throughput.py
+          (784-4096-4096-1280-10) on the digits, each 8x8 image upscaled bilinearly to 28x28 so it
+          has the MLP's 784 inputs; SGD with momentum 0.9 at a constant --lr, the same seed and
+          data order for every scheme; default schemes none, fp16 and three thresholds. Bytes per
+          update are this rank's gradient payload per step, averaged over ranks and steps.
+  throughput  the same MLP and data: samples/s over --steps timed steps (after 2 untimed), per
+          scheme (default none, fp16, topk:0.001, threshold:0.002), the slowest rank's time.
+
+Momentum: as `hpcdl train`, topk applies DGC's momentum correction (the optimizer none) and
+threshold leaves momentum 0.9 to the optimizer, unless --momentum-correction or
+--no-momentum-correction says otherwise for the sparse schemes.
+
+The JSON holds, per scheme, one row per epoch and the totals, with the command line, rank count
+and the machine's load average; the plot shows held-out accuracy against cumulative training
+seconds (evaluation excluded), one line per scheme (needs matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+import hpcdl
+
+DIGITS_SCHEMES = ["none", "topk:0.01", "threshold:0.4"]
+MLP_SCHEMES = ["none", "fp16", "threshold:0.002", "threshold:0.004", "threshold:0.008"]
+THROUGHPUT_SCHEMES = ["none", "fp16", "topk:0.001", "threshold:0.002"]
+MOMENTUM = 0.9
+
+
+def corrected(scheme: str, args: argparse.Namespace) -> bool:
+    """Whether `scheme` applies the momentum itself (momentum correction), as in `hpcdl train`."""
+    sparse = scheme.startswith(("topk:", "threshold:"))
+    if args.momentum_correction is None:
+        return scheme.startswith("topk:")
+    return sparse and args.momentum_correction
+
+
+def build(scheme: str, args: argparse.Namespace, comm: MPI.Comm):
+    """The heavy MLP wrapped with `scheme`, and its SGD optimizer (checked against the scheme)."""
+    import torch
+
+    from benchmarks.train_throughput import heavy_mlp
+    from hpcdl.compression import from_spec
+
+    torch.manual_seed(args.seed)
+    with_correction = corrected(scheme, args)
+    model = hpcdl.DistributedDataParallel(
+        heavy_mlp(), comm, compression=from_spec(scheme, momentum=MOMENTUM,
+                                                 momentum_correction=with_correction))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr,
+                                momentum=0.0 if with_correction else MOMENTUM)
+    model.check_optimizer(optimizer)
+    return model, optimizer
+
+
+def upscaled_digits():
+    """The digits split with each 8x8 image upscaled bilinearly to 28x28 (the MLP's 784 inputs)."""
+    import torch
+    import torch.nn.functional as F
+
+    from hpcdl.data import load_digits_split
+
+    def upscale(dataset):
+        x, y = dataset.tensors
+        return torch.utils.data.TensorDataset(
+            F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False), y)
+
+    return tuple(upscale(d) for d in load_digits_split())
+
+
+def run_digits(schemes: list[str], extra: list[str], args: argparse.Namespace,
+               comm: MPI.Comm) -> dict[str, dict]:
+    """One `hpcdl train` run per scheme; its metrics rows by scheme."""
+    from hpcdl import train
+
+    runs = {}
+    for scheme in schemes:
+        path = comm.bcast(tempfile.mktemp(suffix=".jsonl") if comm.Get_rank() == 0 else None)
+        flags = [] if args.momentum_correction is None or not scheme.startswith(("topk:", "threshold:")) \
+            else ["--momentum-correction" if args.momentum_correction else "--no-momentum-correction"]
+        status = train.main(["--compression", scheme, "--metrics", path, *flags, *extra])
+        if status != 0:
+            raise SystemExit(f"hpcdl train --compression {scheme} failed with status {status}")
+        rows = None
+        if comm.Get_rank() == 0:
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+            os.unlink(path)
+        rows = comm.bcast(rows)
+        seconds = np.cumsum([r["seconds"] for r in rows])
+        runs[scheme] = {
+            "epochs": [{"epoch": r["epoch"], "accuracy": r["accuracy"], "train_loss": r["train_loss"],
+                        "seconds": float(s), "grad_bytes_per_rank": r["grad_bytes_per_rank"],
+                        "grad_ratio": r["grad_ratio"], "grad_density": r["grad_density"]}
+                       for r, s in zip(rows, seconds)],
+            "final_accuracy": rows[-1]["accuracy"],
+            "momentum_correction": corrected(scheme, args),
+            "grad_ratio": float(np.mean([r["grad_ratio"] for r in rows])),
+            "max_grad_density_per_step": max(r["grad_density_max_step"] for r in rows),
+        }
+    return runs
+
+
+def run_mlp(schemes: list[str], args: argparse.Namespace, comm: MPI.Comm) -> dict[str, dict]:
+    """The heavy MLP on upscaled digits, once per scheme."""
+    import torch
+    import torch.nn.functional as F
+
+    from hpcdl.data import epoch_batches, shard_sampler
+    from hpcdl.train import evaluate
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    train_set, test_set = upscaled_digits()
+    x_train, y_train = train_set.tensors
+    sampler = shard_sampler(train_set, seed=args.seed)
+    runs = {}
+    for scheme in schemes:
+        model, optimizer = build(scheme, args, comm)
+        torch.manual_seed(args.seed + 1 + rank)
+        epochs, seconds = [], 0.0
+        for epoch in range(args.epochs):
+            model.compression.set_epoch(epoch)
+            before = model.traffic
+            comm.Barrier()
+            started = time.perf_counter()
+            for indices in epoch_batches(sampler, args.batch_size, epoch):
+                loss = F.cross_entropy(model(x_train[indices]), y_train[indices])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            seconds += comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
+            traffic = model.traffic - before
+            sent = comm.allreduce(traffic.bytes_sent)
+            sent_elements = comm.allreduce(traffic.elements_sent)
+            steps = traffic.steps
+            _, accuracy = evaluate(model, test_set, rank, size, comm)
+            epochs.append({"epoch": epoch + 1, "accuracy": accuracy, "seconds": seconds,
+                           "bytes_per_update": sent / size / steps,
+                           "grad_ratio": traffic.dense_fp32_bytes * size / sent,
+                           "grad_density": sent_elements / size / traffic.elements})
+            if rank == 0:
+                print(f"{scheme:>18} epoch {epoch + 1}: accuracy {accuracy:.4f}, "
+                      f"{epochs[-1]['bytes_per_update'] / 1e6:.3f} MB per update, "
+                      f"{epochs[-1]['grad_density']:.4%} of elements, {seconds:.1f} s", flush=True)
+        runs[scheme] = {"epochs": epochs, "final_accuracy": epochs[-1]["accuracy"],
+                        "bytes_per_update": float(np.mean([e["bytes_per_update"] for e in epochs])),
+                        "parameters": sum(p.numel() for p in model.parameters()),
+                        "compression": repr(model.compression),
+                        "momentum_correction": corrected(scheme, args)}
+        del model, optimizer
+    return runs
+
+
+def run_throughput(schemes: list[str], args: argparse.Namespace, comm: MPI.Comm) -> dict[str, dict]:
+    """Samples/s of the heavy MLP on upscaled digits batches, per scheme."""
+    import torch.nn.functional as F
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = upscaled_digits()[0].tensors
+    batches = [(x[i:i + args.batch_size], y[i:i + args.batch_size])
+               for i in range(rank * args.batch_size, len(y) - args.batch_size, size * args.batch_size)]
+    runs = {}
+    for scheme in schemes:
+        model, optimizer = build(scheme, args, comm)
+
+        def step(k: int) -> None:
+            data, target = batches[k % len(batches)]
+            loss = F.cross_entropy(model(data), target)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+        for k in range(2):
+            step(k)
+        before = model.traffic
+        comm.Barrier()
+        started = time.perf_counter()
+        for k in range(args.steps):
+            step(k)
+        seconds = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
+        traffic = model.traffic - before
+        runs[scheme] = {"samples_per_s": size * args.batch_size * args.steps / seconds,
+                        "seconds_per_step": seconds / args.steps,
+                        "bytes_per_update": comm.allreduce(traffic.bytes_sent) / size / args.steps,
+                        "compression": repr(model.compression)}
+        if rank == 0:
+            print(f"{scheme:>18}: {runs[scheme]['samples_per_s']:.1f} samples/s, "
+                  f"{runs[scheme]['seconds_per_step']:.2f} s per step, "
+                  f"{runs[scheme]['bytes_per_update'] / 1e6:.3f} MB per update", flush=True)
+    return runs
+
+
+def plot(runs: dict[str, dict], title: str, path: str) -> None:
+    """Held-out accuracy against cumulative training seconds, one line per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for scheme, run in runs.items():
+        label = scheme + (" (momentum correction)" if run.get("momentum_correction") else "")
+        ax.plot([e["seconds"] for e in run["epochs"]], [e["accuracy"] for e in run["epochs"]],
+                marker="o", label=label)
+    ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("experiment", choices=("digits", "mlp", "throughput"))
+    parser.add_argument("--schemes", nargs="+", help="--compression specs (default: per experiment)")
+    parser.add_argument("--epochs", type=int, help="digits: hpcdl train's default; mlp: 3")
+    parser.add_argument("--batch-size", type=int, default=32, help="mlp: samples per rank per step")
+    parser.add_argument("--lr", type=float, default=0.02, help="mlp: SGD learning rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=5, help="throughput: timed steps per scheme")
+    parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
+                        help="for the sparse schemes (default: topk yes, threshold no)")
+    parser.add_argument("--json", help="write the results here (rank 0)")
+    parser.add_argument("--plot", help="write the accuracy-against-time plot here (rank 0, PNG)")
+    args = parser.parse_args(argv)
+
+    topology = hpcdl.init()
+    comm = MPI.COMM_WORLD
+    import torch
+
+    if topology.size > 1:
+        torch.set_num_threads(1)  # ranks share the cores
+    load_before = os.getloadavg()
+    if args.experiment == "digits":
+        extra = ["--seed", str(args.seed)] + (["--epochs", str(args.epochs)] if args.epochs else [])
+        runs = run_digits(args.schemes or DIGITS_SCHEMES, extra, args, comm)
+        title = f"digits CNN, {topology.size} ranks"
+    elif args.experiment == "throughput":
+        runs = run_throughput(args.schemes or THROUGHPUT_SCHEMES, args, comm)
+        title = ""
+    else:
+        args.epochs = args.epochs or 3
+        runs = run_mlp(args.schemes or MLP_SCHEMES, args, comm)
+        title = f"25 M-parameter MLP on upscaled digits, {topology.size} ranks"
+    if topology.rank == 0:
+        result = {"experiment": args.experiment, "ranks": topology.size,
+                  "command": "mpirun -n {} python benchmarks/compression.py {}".format(
+                      topology.size, " ".join(sys.argv[1:] if argv is None else argv)),
+                  "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                  "args": vars(args), "runs": runs}
+        print(json.dumps({s: {k: v for k, v in r.items() if k != "epochs"} for s, r in runs.items()},
+                         indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        if args.plot and args.experiment != "throughput":
+            plot(runs, title, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
