@@ -10,6 +10,12 @@ from typing import Any, Callable
 
 from .cost import Cost
 
+#: Picks the algorithm of one part of a composed algorithm (`Algorithm.composed_cost`):
+#: (collective, nbytes per rank, ranks, level) -> a single-communicator `Algorithm`, where level is
+#: "node" (ranks of one host) or "leaders" (one rank per host). Every rank of a part must get the
+#: same answer.
+Pick = Callable[[str, int, int, str], "Algorithm"]
+
 
 @dataclass(frozen=True)
 class Algorithm:
@@ -24,6 +30,12 @@ class Algorithm:
     (`transport.Link.finishes_blocks`), while the block is still in cache. `rides_in_check`: a host
     call of at most `packet.PAYLOAD_BYTES` travels inside the argument check's own exchanges
     (`validation.py`) instead of running `run` afterwards.
+
+    A composed algorithm (`hierarchical`) runs other algorithms on sub-communicators
+    (`transport.Link.split`), the ones `Link.choose_level` picks; its `cost` is None and
+    `composed_cost(n, size, itemsize, ranks_per_host, pick)` gives its counts for `size` ranks
+    packed `ranks_per_host` to a host in rank order (the last host may hold fewer), its parts
+    picked by `pick` as `Link.choose_level` picks them.
     """
 
     collective: str
@@ -32,6 +44,12 @@ class Algorithm:
     cost: Callable[[int, int, int], Cost] | None
     finishes_avg: bool = False
     rides_in_check: bool = False
+    composed_cost: Callable[[int, int, int, int, Pick], Cost] | None = None
+
+    @property
+    def modelled(self) -> bool:
+        """Whether the cost model describes it (all but the MPI library's own)."""
+        return self.cost is not None or self.composed_cost is not None
 
     def __call__(self, link: Any, buf: Any, *args: Any) -> None:
         self.run(link, buf, *args)

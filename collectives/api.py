@@ -40,7 +40,7 @@ from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, STATUS
 from .plans import Layout, Request
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
-from .select import choose, settings_key
+from .select import choose, choose_level, settings_key
 from .transport import Link, ScratchPool, cuda_aware
 from .validation import Agreement, Packet, check_choice
 
@@ -154,7 +154,8 @@ class _Lane:
         if link is None or link.runtime is not runtime:  # a runtime swapped in since
             link = self._links[key] = Link(
                 self._dup.get(), OPS[op], src.xp, on_device=src.on_device, cuda_aware=aware,
-                runtime=runtime, scratch=self.scratch, patient=self.patient, finishes_blocks=finishes)
+                runtime=runtime, scratch=self.scratch, patient=self.patient, finishes_blocks=finishes,
+                choose_level=choose_level)
         link.tag = tag
         return link
 
@@ -567,11 +568,13 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
               out: Any = None) -> Any:
     """Reduce `x` elementwise over all ranks; every rank gets the result.
 
-    `out=x` reduces in place. Algorithms: ring, butterfly, tree, halving_doubling, mpi, auto.
+    `out=x` reduces in place. Algorithms: ring, butterfly, tree, halving_doubling, hierarchical,
+    mpi, auto.
     Cost (N bytes, P ranks): ring 2(P-1) alpha + 2(P-1)/P N beta + (P-1)/P N gamma;
     butterfly log2 P (alpha + N beta + N gamma), in the argument check's own messages up to
     4 KiB on the host; tree 2 log2 P alpha + 2 log2 P N beta; halving_doubling
-    2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma (docs/algorithms.md).
+    2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma; hierarchical: a reduce within each
+    host, an allreduce among one rank per host, a broadcast within each host (docs/algorithms.md).
     """
     if type(x) is np.ndarray and _fused_out(x, out):
         channel = _channel(comm)

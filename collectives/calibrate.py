@@ -10,11 +10,17 @@ starts after a barrier and is timed alone on every rank; a point's time is the m
 operations of the slowest rank's time (a collective ends when its slowest rank does; the median,
 so a burst of load on a shared machine moves the fit little). `fit` takes the slope from the
 largest sizes and the intercept from the latency-bound ones.
+
+Two levels: where the ranks span several hosts and some host holds several ranks, messages are
+measured within the hosts (every host at once, the slowest host's time per size) for alpha, beta
+and beta_pairwise, and between one rank per host (the others waiting) for alpha_inter,
+beta_inter and beta_pairwise_inter; ranks_per_host is the fullest host's count
+(`cost_model.ModelParams`). Otherwise one level, over all ranks, as before.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -24,7 +30,7 @@ from .api import allreduce
 from .cost_model import ModelParams, cost
 from .ops import DTYPES, OPS
 from .partition import PIECEWISE_BYTES, pieces_of
-from .transport import Link, ScratchPool
+from .transport import Link, ScratchPool, host_communicator
 
 #: Message sizes for alpha and beta: from latency-bound to well past one pipelined piece. 1 MiB
 #: is the largest message sent whole (`transport.PIECEWISE_BYTES`): beta_pairwise's line ends there.
@@ -51,6 +57,9 @@ class Calibration:
     pairwise: list[tuple[int, float]]  # gave beta_pairwise
     reduction: list[tuple[int, float]]
     call_seconds: float  # one tiny allreduce through the API
+    # two levels: point_to_point and pairwise are then within hosts, these between them
+    inter_point_to_point: list[tuple[int, float]] = field(default_factory=list)
+    inter_pairwise: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _iterations_for(nbytes: int, iterations: int) -> int:
@@ -202,7 +211,7 @@ def measure_call_overhead(comm: MPI.Comm, params: ModelParams, iterations: int =
 
     _call_times(comm, call, 10)  # warm-up: communicator duplicates, caches
     seconds = _typical(comm, _call_times(comm, call, iterations * repeats))
-    messages = cost("allreduce", "butterfly", x.nbytes, comm.Get_size()).seconds(params)
+    messages = cost("allreduce", "butterfly", x.nbytes, comm.Get_size(), params=params).seconds(params)
     return max(seconds - messages, 0.0), seconds
 
 
@@ -249,6 +258,60 @@ def pairwise_slope(points: Sequence[tuple[float, float]]) -> float | None:
     return fit(whole)[1] if len({n for n, _ in whole}) >= 2 else None
 
 
+@dataclass(frozen=True)
+class HostLayout:
+    """Where the ranks of a communicator sit: `hosts` (how many), `ranks_per_host` (the fullest
+    host's count), and this rank's `node` (its host's ranks) and `leaders` (the lowest rank of
+    every host; COMM_NULL on the other ranks) communicators, which the caller frees (`free`)."""
+
+    hosts: int
+    ranks_per_host: int
+    node: MPI.Comm
+    leaders: MPI.Comm
+
+    @property
+    def two_level(self) -> bool:
+        """Whether messages within and between hosts can both be measured."""
+        return self.hosts > 1 and self.ranks_per_host > 1
+
+    def free(self) -> None:
+        for sub in (self.node, self.leaders):
+            if sub != MPI.COMM_NULL:
+                sub.Free()
+
+
+def host_layout(comm: MPI.Comm) -> HostLayout:
+    """Collective: how the ranks of `comm` sit on hosts (`transport.host_communicator`)."""
+    node = host_communicator(comm)
+    leader = node.Get_rank() == 0
+    leaders = comm.Split(0 if leader else MPI.UNDEFINED, comm.Get_rank())
+    hosts = comm.allreduce(int(leader), MPI.SUM)
+    ranks_per_host = comm.allreduce(node.Get_size(), MPI.MAX)
+    return HostLayout(hosts, ranks_per_host, node, leaders)
+
+
+def _slowest_host(comm: MPI.Comm, node: MPI.Comm, measure: Callable[[MPI.Comm], list[tuple[int, float]]],
+                  sizes: Sequence[int]) -> list[tuple[int, float]]:
+    """Collective: `measure(node)` on every host of two ranks or more at once; per size the
+    slowest host's time, on every rank."""
+    mine = np.zeros(len(sizes))
+    if node.Get_size() > 1:
+        points = dict(measure(node))
+        mine = np.array([points[n] for n in sizes])
+    slowest = np.empty_like(mine)
+    comm.Allreduce(mine, slowest, MPI.MAX)
+    return [(n, float(t)) for n, t in zip(sizes, slowest)]
+
+
+def _between_hosts(comm: MPI.Comm, leaders: MPI.Comm,
+                   measure: Callable[[MPI.Comm], list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """Collective: `measure(leaders)` on one rank per host while the others wait; the result on
+    every rank (rank 0 is always the lowest rank of its host, so a leader)."""
+    points = measure(leaders) if leaders != MPI.COMM_NULL else None
+    result: list[tuple[int, float]] = comm.bcast(points, root=0)
+    return result
+
+
 def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
               reduction_sizes: Iterable[int] = DEFAULT_REDUCTION_SIZES, iterations: int = 50,
               pattern: str = "exchange", dtype: str = "float32", op: str = "sum") -> Calibration:
@@ -261,12 +324,36 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
     a ring is a pairwise exchange, so beta and beta_pairwise measure the same); beta_pairwise:
     slope of the "pairwise" times of whole messages (`pairwise_slope`); gamma: slope of the
     reduction times (all ranks fold at once, slowest rank per size, so every rank fits the same
-    model); overhead: see `measure_call_overhead`.
+    model); overhead: see `measure_call_overhead`. Where the ranks span several hosts and some
+    host holds several ranks (`host_layout`), two levels: the point-to-point patterns run within
+    every host at once (the slowest host's time per size) for alpha, beta, beta_pairwise, and
+    among one rank per host for alpha_inter, beta_inter, beta_pairwise_inter.
     """
-    p2p = measure_point_to_point(comm, p2p_sizes, iterations, pattern=pattern)
+    sizes = sorted(set(p2p_sizes))
+    layout = host_layout(comm)
+    try:
+        inter_p2p: list[tuple[int, float]] = []
+        inter_pairwise: list[tuple[int, float]] = []
+        if layout.two_level:
+            def within(c: MPI.Comm, kind: str) -> list[tuple[int, float]]:
+                return measure_point_to_point(c, sizes, iterations, pattern=kind)
+
+            p2p = _slowest_host(comm, layout.node, lambda c: within(c, pattern), sizes)
+            pairwise = _slowest_host(comm, layout.node, lambda c: within(c, "pairwise"), sizes)
+            inter_p2p = _between_hosts(comm, layout.leaders, lambda c: within(c, pattern))
+            inter_pairwise = _between_hosts(comm, layout.leaders, lambda c: within(c, "pairwise"))
+        else:
+            p2p = measure_point_to_point(comm, sizes, iterations, pattern=pattern)
+            pairwise = measure_point_to_point(comm, sizes, iterations, pattern="pairwise")
+    finally:
+        layout.free()
     alpha, beta = fit(p2p)
-    pairwise = measure_point_to_point(comm, p2p_sizes, iterations, pattern="pairwise")
     beta_pairwise = pairwise_slope(pairwise)
+    two_level: dict[str, Any] = {}
+    if inter_p2p:
+        alpha_inter, beta_inter = fit(inter_p2p)
+        two_level = {"ranks_per_host": layout.ranks_per_host, "alpha_inter": alpha_inter,
+                     "beta_inter": beta_inter, "beta_pairwise_inter": pairwise_slope(inter_pairwise)}
     # Every rank folds at the same time, as in a collective (ranks of a host share its memory
     # bandwidth and cores); each size's time is the slowest rank's.
     comm.Barrier()
@@ -275,6 +362,7 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
     comm.Allreduce(np.array([t for _, t in mine]), slowest, MPI.MAX)
     reduction = [(n, float(t)) for (n, _), t in zip(mine, slowest)]
     gamma = fit(reduction)[1]
-    params = ModelParams(alpha, beta, gamma, beta_pairwise=beta_pairwise)
+    params = ModelParams(alpha, beta, gamma, beta_pairwise=beta_pairwise, **two_level)
     overhead, call = measure_call_overhead(comm, params, 4 * iterations)  # small: cheap, noisy
-    return Calibration(replace(params, overhead=overhead), pattern, p2p, pairwise, reduction, call)
+    return Calibration(replace(params, overhead=overhead), pattern, p2p, pairwise, reduction, call,
+                       inter_p2p, inter_pairwise)

@@ -11,7 +11,9 @@ call's critical path and follow the implementations, not the textbook (docs/cost
 - a plain exchange in which two ranks send each other one message at once is priced at
   beta_pairwise (Open MPI over TCP ran such an exchange at about half the link rate);
 - non-powers of two fold in and out (`algorithms/fold.py`), on the critical path;
-- binomial trees take ceil(log2 P) rounds of whole buffers.
+- binomial trees take ceil(log2 P) rounds of whole buffers;
+- messages between hosts are counted apart (`Cost.across_hosts`), priced at the inter-host alpha
+  and betas of a two-level model (`cost_model.ModelParams`).
 """
 from __future__ import annotations
 
@@ -26,30 +28,48 @@ from .partition import PIECEWISE_BYTES, SEGMENT_BYTES, pieces_of
 class Cost:
     """What a call does on its critical path: messages, bytes sent (priced at beta, or at
     beta_pairwise when two ranks exchange a plain message with each other), bytes combined and
-    bytes copied."""
+    bytes copied; and the messages and bytes of it that cross between hosts (`inter_*`, priced at
+    the inter-host parameters of a two-level model, at the others in a one-level one)."""
 
     messages: float = 0
     wire_bytes: float = 0
     reduced_bytes: float = 0
     copied_bytes: float = 0
     pairwise_bytes: float = 0
+    inter_messages: float = 0
+    inter_wire_bytes: float = 0
+    inter_pairwise_bytes: float = 0
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.messages + other.messages, self.wire_bytes + other.wire_bytes,
                     self.reduced_bytes + other.reduced_bytes, self.copied_bytes + other.copied_bytes,
-                    self.pairwise_bytes + other.pairwise_bytes)
+                    self.pairwise_bytes + other.pairwise_bytes,
+                    self.inter_messages + other.inter_messages,
+                    self.inter_wire_bytes + other.inter_wire_bytes,
+                    self.inter_pairwise_bytes + other.inter_pairwise_bytes)
 
     def __mul__(self, k: float) -> "Cost":
         return Cost(k * self.messages, k * self.wire_bytes, k * self.reduced_bytes,
-                    k * self.copied_bytes, k * self.pairwise_bytes)
+                    k * self.copied_bytes, k * self.pairwise_bytes, k * self.inter_messages,
+                    k * self.inter_wire_bytes, k * self.inter_pairwise_bytes)
 
     __rmul__ = __mul__
+
+    def across_hosts(self) -> "Cost":
+        """The same counts with every message crossing between hosts (combining and copying stay
+        local)."""
+        return Cost(0, 0, self.reduced_bytes, self.copied_bytes, 0,
+                    self.messages + self.inter_messages, self.wire_bytes + self.inter_wire_bytes,
+                    self.pairwise_bytes + self.inter_pairwise_bytes)
 
     def seconds(self, params: Any) -> float:
         """Time of these counts under `cost_model.ModelParams`, without the per-call overhead."""
         return float(self.messages * params.alpha + self.wire_bytes * params.beta
                      + self.pairwise_bytes * params.pairwise
-                     + (self.reduced_bytes + self.copied_bytes) * params.gamma)
+                     + (self.reduced_bytes + self.copied_bytes) * params.gamma
+                     + self.inter_messages * params.alpha_across
+                     + self.inter_wire_bytes * params.beta_across
+                     + self.inter_pairwise_bytes * params.pairwise_across)
 
 
 NOTHING = Cost()

@@ -37,6 +37,13 @@ The counts follow the implementations in `algorithms/`, not the textbook, where 
   (`out=x`), and allgather's input to be its block of the output (nccl-tests' in place), as
   training and the benchmarks call them: placing it is then no copy.
 
+Two levels (`ModelParams.ranks_per_host`): messages between hosts cost alpha_inter and
+beta_inter (`Cost.inter_*`). The composed `hierarchical` allreduce is priced part by part, each
+part the algorithm `best_part` picks for its level, as the algorithm itself picks it at run time
+(`select.choose_level`); a single-communicator algorithm on several hosts, and the argument
+check, have every message priced as crossing hosts (exact for a ring on host-major ranks, whose
+every step has a message between hosts; see docs/cost_model.md for the others).
+
 Sizes follow nccl-tests: `nbytes` is the per-rank buffer for allreduce, broadcast and reduce, the
 whole input for reduce_scatter and the whole (gathered) output for allgather. `select.choose` sees
 the bytes of the array the caller passes, which for allgather is 1/P of that: `model_bytes`
@@ -52,9 +59,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from .algorithm import Algorithm, Pick
 from .cost import Cost, check
 from .packet import PAYLOAD_BYTES
-from .registry import ALGORITHMS, COLLECTIVES, modelled
+from .registry import ALGORITHMS, COLLECTIVES, modelled, single_communicator
 
 #: The MPI library's own algorithm: not modelled (its choice is the library's, not ours).
 UNMODELLED = "mpi"
@@ -72,6 +80,13 @@ class ModelParams:
     Open MPI's TCP transport such an exchange of a large message ran at about half the link rate
     (17 ns/B against 10 ns/B for a ring step on the emulated 1 Gbit/s cluster), while pipelined
     pieces (`sendrecv_combine`) and messages to distinct peers ran at the link rate.
+
+    Two levels: with `ranks_per_host` K set, the model describes hosts of K ranks, the ranks of a
+    job packed K to a host in rank order (P ranks on ceil(P/K) hosts, the last one holding what
+    is left); alpha, beta and beta_pairwise are then the prices
+    within a host and `alpha_inter`, `beta_inter`, `beta_pairwise_inter` (None: `beta_inter`) the
+    prices of a message between hosts. Without it (None, the default) there is one level: every
+    message costs alpha and beta, as if all ranks shared one host, or all had one each.
     """
 
     alpha: float  # per message
@@ -79,20 +94,75 @@ class ModelParams:
     gamma: float  # per byte combined (or copied) locally
     overhead: float = 0.0  # per call, outside its messages
     beta_pairwise: float | None = None  # per byte of a plain two-way exchange with one peer
+    ranks_per_host: int | None = None  # two levels: ranks per host; None: one level
+    alpha_inter: float | None = None  # per message between hosts
+    beta_inter: float | None = None  # per byte between hosts
+    beta_pairwise_inter: float | None = None  # per byte of a plain two-way exchange between hosts
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma", "overhead", "beta_pairwise"):
+        for name in ("alpha", "beta", "gamma", "overhead", "beta_pairwise", "alpha_inter",
+                     "beta_inter", "beta_pairwise_inter"):
             value = getattr(self, name)
-            if name == "beta_pairwise" and value is None:
+            if value is None and name not in ("alpha", "beta", "gamma", "overhead"):
                 continue
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not math.isfinite(value) or value < 0):
                 raise ValueError(f"model parameter {name} must be a finite number >= 0, got {value!r}")
+        k = self.ranks_per_host
+        inter = {"alpha_inter": self.alpha_inter, "beta_inter": self.beta_inter,
+                 "beta_pairwise_inter": self.beta_pairwise_inter}
+        if k is None:
+            given = [name for name, value in inter.items() if value is not None]
+            if given:
+                raise ValueError(f"model parameters {', '.join(given)} describe messages between "
+                                 "hosts and need ranks_per_host (ranks per host) too")
+            return
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"model parameter ranks_per_host must be an integer >= 1, got {k!r}")
+        missing = [name for name in ("alpha_inter", "beta_inter") if inter[name] is None]
+        if missing:
+            raise ValueError(f"a two-level model (ranks_per_host {k}) lacks {', '.join(missing)} "
+                             "(seconds per message and per byte between hosts)")
 
     @property
     def pairwise(self) -> float:
         """Seconds per byte of a plain two-way exchange (`beta_pairwise`, else `beta`)."""
         return self.beta if self.beta_pairwise is None else self.beta_pairwise
+
+    @property
+    def two_level(self) -> bool:
+        return self.ranks_per_host is not None
+
+    @property
+    def alpha_across(self) -> float:
+        """Seconds per message between hosts (`alpha` in a one-level model)."""
+        return self.alpha if self.alpha_inter is None else self.alpha_inter
+
+    @property
+    def beta_across(self) -> float:
+        """Seconds per byte between hosts (`beta` in a one-level model)."""
+        return self.beta if self.beta_inter is None else self.beta_inter
+
+    @property
+    def pairwise_across(self) -> float:
+        """Seconds per byte of a plain two-way exchange between hosts."""
+        if not self.two_level:
+            return self.pairwise
+        return self.beta_across if self.beta_pairwise_inter is None else self.beta_pairwise_inter
+
+    def hosts(self, size: int) -> int:
+        """The hosts `size` ranks span: ceil(size / ranks_per_host), 1 in a one-level model."""
+        return 1 if self.ranks_per_host is None else -(-size // self.ranks_per_host)
+
+    def level(self, name: str) -> "ModelParams":
+        """A one-level model of one level: "node", messages within a host, or "leaders",
+        messages between hosts (one rank per host)."""
+        if name not in LEVELS:
+            raise ValueError(f"unknown level {name!r}; choose one of {', '.join(LEVELS)}")
+        if name == "node":
+            return ModelParams(self.alpha, self.beta, self.gamma, self.overhead, self.beta_pairwise)
+        return ModelParams(self.alpha_across, self.beta_across, self.gamma, self.overhead,
+                           self.pairwise_across if self.two_level else self.beta_pairwise)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "ModelParams":
@@ -102,15 +172,24 @@ class ModelParams:
             raise ValueError(f"model lacks {', '.join(missing)} (seconds per message, per byte on "
                              "the wire, per byte reduced)")
         return cls(alpha=data["alpha"], beta=data["beta"], gamma=data["gamma"],
-                   overhead=data.get("overhead", 0.0), beta_pairwise=data.get("beta_pairwise"))
+                   overhead=data.get("overhead", 0.0), beta_pairwise=data.get("beta_pairwise"),
+                   ranks_per_host=data.get("ranks_per_host"), alpha_inter=data.get("alpha_inter"),
+                   beta_inter=data.get("beta_inter"),
+                   beta_pairwise_inter=data.get("beta_pairwise_inter"))
 
     def as_dict(self) -> dict[str, float]:
         values = {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
                   "overhead": self.overhead}
-        if self.beta_pairwise is not None:
-            values["beta_pairwise"] = self.beta_pairwise
+        for name in ("beta_pairwise", "ranks_per_host", "alpha_inter", "beta_inter",
+                     "beta_pairwise_inter"):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
         return values
 
+
+#: The levels of a two-level model, as `ModelParams.level` and `Link.choose_level` name them.
+LEVELS = ("node", "leaders")
 
 
 def modelled_algorithms(collective: str) -> list[str]:
@@ -118,12 +197,17 @@ def modelled_algorithms(collective: str) -> list[str]:
     return modelled(collective)
 
 
-def cost(collective: str, algorithm: str, nbytes: int, size: int, *, itemsize: int = 4) -> Cost:
+def cost(collective: str, algorithm: str, nbytes: int, size: int, *, itemsize: int = 4,
+         params: ModelParams | None = None) -> Cost:
     """Critical-path counts of one call: the argument check, the algorithm, the API's copies.
 
     `nbytes` as in nccl-tests (per-rank buffer; whole input of reduce_scatter; whole output of
     allgather); `itemsize` sets the element count, which decides block and piece boundaries.
-    Raises ValueError for `mpi` (not modelled) and for unknown names.
+    `params`: a two-level model places the ranks on hosts (`ModelParams.ranks_per_host`) and picks
+    the parts of a composed algorithm (`best_part`); a single-communicator algorithm spanning
+    several hosts has all its messages counted as crossing them (docs/cost_model.md, "Two
+    levels"). Without it, or with a one-level model, all ranks share one host. Raises ValueError
+    for `mpi` (not modelled), for unknown names, and for a composed algorithm without `params`.
     """
     if algorithm == UNMODELLED:
         raise ValueError(f"{collective} algorithm 'mpi' is the MPI library's own collective, which "
@@ -141,11 +225,50 @@ def cost(collective: str, algorithm: str, nbytes: int, size: int, *, itemsize: i
     copies = COLLECTIVES[collective].copies(n, size, itemsize)
     if size == 1:  # every algorithm returns at once; the check exchanges nothing
         return copies
+    hosts = params.hosts(size) if params is not None else 1
     described = ALGORITHMS[collective][algorithm]
+    if described.composed_cost is not None:
+        if params is None:
+            raise ValueError(f"{collective} {algorithm} runs the algorithms the model picks for its "
+                             "parts: give params (a ModelParams) to count it")
+        ranks_per_host = size if hosts == 1 else params.ranks_per_host
+        assert ranks_per_host is not None
+        checked = check(size) if hosts == 1 else check(size).across_hosts()
+        return checked + described.composed_cost(n, size, itemsize, ranks_per_host,
+                                                 picker(params, itemsize)) + copies
     if described.rides_in_check and nbytes <= PAYLOAD_BYTES:
-        return check(size, nbytes) + copies
-    assert described.cost is not None
-    return check(size) + described.cost(n, size, itemsize) + copies
+        counts = check(size, nbytes)
+    else:
+        assert described.cost is not None
+        counts = check(size) + described.cost(n, size, itemsize)
+    return (counts if hosts == 1 else counts.across_hosts()) + copies
+
+
+def best_part(collective: str, nbytes: int, size: int, params: ModelParams, *,
+              itemsize: int = 4) -> str:
+    """The single-communicator algorithm predicted fastest for one part of a composed algorithm:
+    its own counts (no argument check, no copies, no riding in the check: a part runs inside a
+    call) priced under `params`, one level. Ties: the earlier one in the registry order."""
+    candidates = single_communicator(collective)
+    if size <= 1:
+        return candidates[0]
+    n = nbytes // itemsize
+    times = {}
+    for name in candidates:
+        part = ALGORITHMS[collective][name].cost
+        assert part is not None
+        times[name] = part(n, size, itemsize).seconds(params)
+    fastest = min(times.values())
+    return next(a for a in candidates if times[a] <= fastest * (1 + _TIE))
+
+
+def picker(params: ModelParams, itemsize: int = 4) -> Pick:
+    """The `Pick` the cost model prices a composed algorithm with: `best_part` at each level's
+    parameters (`ModelParams.level`), as `select.choose_level` picks under a tuning file's model."""
+    def pick(collective: str, nbytes: int, size: int, level: str) -> Algorithm:
+        return ALGORITHMS[collective][best_part(collective, nbytes, size, params.level(level),
+                                                itemsize=itemsize)]
+    return pick
 
 
 def predict(collective: str, algorithm: str, nbytes: int, size: int, params: ModelParams, *,
@@ -154,7 +277,8 @@ def predict(collective: str, algorithm: str, nbytes: int, size: int, params: Mod
 
     Raises ValueError for `mpi`: the model does not describe the MPI library's own collective.
     """
-    return params.overhead + cost(collective, algorithm, nbytes, size, itemsize=itemsize).seconds(params)
+    counts = cost(collective, algorithm, nbytes, size, itemsize=itemsize, params=params)
+    return params.overhead + counts.seconds(params)
 
 
 def best(collective: str, nbytes: int, size: int, params: ModelParams,

@@ -23,12 +23,14 @@ from typing import Callable
 
 from . import plans
 from .algorithm import Algorithm
-from .algorithms import (butterfly, halving_doubling, mpi, reduce_scatter_gather, ring,
-                         scatter_allgather, tree)
+from .algorithms import (butterfly, halving_doubling, hierarchical, mpi, reduce_scatter_gather,
+                         ring, scatter_allgather, tree)
 from .cost import Cost
 
+# Composed algorithms (hierarchical) after the ones they are made of: on an exact tie, as on one
+# host, where hierarchical runs the flat algorithm it picked, the cost model prefers the flat one.
 _ALGORITHM_MODULES = (ring, butterfly, tree, halving_doubling, scatter_allgather,
-                      reduce_scatter_gather, mpi)
+                      reduce_scatter_gather, hierarchical, mpi)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,14 @@ def algorithm(collective: str, name: str) -> Algorithm:
 
 def modelled(collective: str) -> list[str]:
     """The algorithms of `collective` the cost model describes (all but the MPI library's own)."""
+    if collective not in ALGORITHMS:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(ALGORITHMS)}")
+    return [name for name, a in ALGORITHMS[collective].items() if a.modelled]
+
+
+def single_communicator(collective: str) -> list[str]:
+    """The modelled algorithms of `collective` that run on the whole communicator at once (all
+    but the MPI library's own and the composed ones): what a part of a composed one may be."""
     if collective not in ALGORITHMS:
         raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(ALGORITHMS)}")
     return [name for name, a in ALGORITHMS[collective].items() if a.cost is not None]

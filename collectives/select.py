@@ -12,6 +12,10 @@ the repo (`decision_table.json`). Users override it, in order of precedence:
 Every rank must see the same overrides: the choice is cross-checked between ranks on every call.
 Each (collective, bytes, ranks) is decided once per process and cached: `choose` is on every
 call's path.
+
+`choose_level` picks the parts of a hierarchical call (within a host, across hosts): the model's
+fastest single-communicator algorithm for the level where the tuning file has a model, else the
+table's row.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .cost_model import ModelParams, best, model_bytes
-from .registry import ALGORITHMS, COLLECTIVES
+from .algorithm import Algorithm
+from .cost_model import LEVELS, ModelParams, best, best_part, model_bytes
+from .registry import ALGORITHMS, COLLECTIVES, single_communicator
 
 BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")
 
@@ -164,3 +169,36 @@ def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
     if path != builtin:  # a table that leaves this case open, without a model: the built-in one
         return _lookup(builtin, collective, nbytes, size)  # decides (as Open MPI's rules files do)
     raise ValueError(f"{path} has no row for {collective} at {size} ranks")
+
+
+def choose_level(collective: str, nbytes: int, size: int, level: str) -> Algorithm:
+    """The single-communicator algorithm for one part of a composed call (`hierarchical`):
+    `collective` on `nbytes` bytes per rank over `size` ranks at `level` ("node": within a host,
+    "leaders": one rank per host).
+
+    With a tuning file whose model is two-level, the model's fastest at the level's parameters
+    (`cost_model.best_part`, as the cost model prices the composed call); with a one-level model,
+    its fastest at its parameters; without a model, the decision table's row for `size` ranks
+    (the tuning file's if it names a single-communicator algorithm there, else the built-in
+    table's). The HPCDL_ALGORITHM_* overrides name what `auto` runs for a whole call and do not
+    apply to parts. Every rank of a part must see the same tuning file, as for `choose`. Cached.
+    """
+    return ALGORITHMS[collective][_level_lookup(setting("HPCDL_TUNING_FILE") or "", collective,
+                                                nbytes, size, level)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _level_lookup(path: str, collective: str, nbytes: int, size: int, level: str) -> str:
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level!r}; choose one of {', '.join(LEVELS)}")
+    params = model_params(path) if path else None
+    if params is not None:
+        return best_part(collective, nbytes, size, params.level(level))
+    single = single_communicator(collective)
+    chosen = _lookup(path, collective, nbytes, size) if path else None
+    if chosen not in single:
+        chosen = _lookup(str(BUILTIN_TABLE), collective, nbytes, size)
+    if chosen not in single:
+        raise ValueError(f"{BUILTIN_TABLE} names {chosen!r} for {collective} at {size} ranks, "
+                         "which is not a single-communicator algorithm")
+    return chosen

@@ -19,7 +19,7 @@ import functools
 import os
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -146,6 +146,38 @@ class Pending:
         self.request, self.landing = request, landing
 
 
+def host_communicator(comm: MPI.Comm) -> MPI.Comm:
+    """Collective: the ranks of `comm` on this rank's host (MPI's shared-memory communicator), in
+    `comm`'s rank order. Tests replace it to lay ranks out on pretend hosts."""
+    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+
+
+class _Hosts:
+    """The sub-communicators of one communicator for composed algorithms: `node`, this rank's
+    host, and `leaders`, the lowest rank of every host (COMM_NULL on the other ranks)."""
+
+    __slots__ = ("node", "leaders")
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.node = host_communicator(comm)
+        leader = self.node.Get_rank() == 0
+        self.leaders = comm.Split(0 if leader else MPI.UNDEFINED, comm.Get_rank())
+
+    def free(self) -> None:
+        for sub in (self.node, self.leaders):
+            if sub != MPI.COMM_NULL:
+                sub.Free()
+
+
+def _free_hosts(comm: MPI.Comm, keyval: int, hosts: _Hosts) -> None:
+    hosts.free()  # the communicator they were split from is being freed
+
+
+# Kept on the communicator as an MPI attribute, so every Link on it (both lanes of a channel, every
+# op) shares one pair, and it goes away with the communicator.
+_HOSTS_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_hosts)
+
+
 class Link:
     """One collective's view of its communicator: who I am, whom I talk to, and how.
 
@@ -161,8 +193,12 @@ class Link:
     def __init__(self, comm: MPI.Comm, op: ReduceOp, xp: Any, *, on_device: bool,
                  cuda_aware: bool, runtime: DeviceRuntime | None, scratch: ScratchPool,
                  tag: int = 0, patient: Callable[[], bool] | None = None,
-                 finishes_blocks: bool = False) -> None:
+                 finishes_blocks: bool = False,
+                 choose_level: Callable[[str, int, int, str], Any] | None = None) -> None:
         self.comm = comm
+        #: (collective, nbytes, ranks, level) -> the `Algorithm` of one part of a composed
+        #: algorithm (`select.choose_level`); None where no composed algorithm runs
+        self.choose_level = choose_level
         #: the algorithm applies the op's final step (avg's division) itself, in the combine that
         #: completes each block (`sendrecv_combine(..., completes=True)`); set by the caller only
         #: for algorithms listed in `algorithms.FINISH_IN_LAST_COMBINE`
@@ -180,6 +216,36 @@ class Link:
         self.runtime = runtime
         self._scratch = scratch
         self._staging_slot = 0
+        self._splits: dict[str, Link | None] = {}
+
+    # -- sub-communicators -----------------------------------------------------------------------
+
+    def split(self, kind: str) -> Link | None:
+        """A Link on a sub-communicator: "node", the ranks on this rank's host; "leaders", the
+        lowest rank of every host (None on the other ranks). Ranks keep their order.
+
+        Collective the first time on a communicator: both are made at once, by every rank at its
+        first call of either kind (call it on every rank, before any branch that only some ranks
+        take), and kept with the communicator (freed with it) for every Link on it. The sub-Link
+        works like this one (op, device, scratch, patience) on this call's tag, and leaves avg's
+        division to the caller.
+        """
+        if kind not in ("node", "leaders"):
+            raise ValueError(f"unknown split {kind!r}; choose node or leaders")
+        if kind not in self._splits:
+            hosts = cast("_Hosts | None", self.comm.Get_attr(_HOSTS_KEYVAL))
+            if hosts is None:
+                hosts = _Hosts(self.comm)
+                self.comm.Set_attr(_HOSTS_KEYVAL, hosts)
+            for name, sub in (("node", hosts.node), ("leaders", hosts.leaders)):
+                self._splits[name] = None if sub == MPI.COMM_NULL else Link(
+                    sub, self.op, self.xp, on_device=self.on_device, cuda_aware=not self._staged,
+                    runtime=self.runtime, scratch=self._scratch, patient=self.patient,
+                    choose_level=self.choose_level)
+        link = self._splits[kind]
+        if link is not None:
+            link.tag, link.patient = self.tag, self.patient
+        return link
 
     @property
     def mpi_op(self) -> MPI.Op:

@@ -84,6 +84,11 @@ class Predictor:
                      f"beta {self.params.beta * 1e9:.3f} ns/B, beta_pairwise "
                      f"{self.params.pairwise * 1e9:.3f} ns/B, gamma {self.params.gamma * 1e9:.3f} "
                      f"ns/B, overhead {self.params.overhead * 1e6:.2f} us")
+        if self.params.two_level:
+            self.note += (f"; between hosts of {self.params.ranks_per_host} ranks: alpha "
+                          f"{self.params.alpha_across * 1e6:.2f} us, beta "
+                          f"{self.params.beta_across * 1e9:.3f} ns/B, beta_pairwise "
+                          f"{self.params.pairwise_across * 1e9:.3f} ns/B")
 
     def seconds(self, m: Measurement) -> float | None:
         """Predicted time of the row's algorithm (auto: of its choice); None where not modelled."""

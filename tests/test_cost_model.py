@@ -195,6 +195,37 @@ def test_model_params_are_checked() -> None:
         ModelParams(1e-6, 1e-9, 1e-10, beta_pairwise=float("nan"))
 
 
+def test_two_level_params_are_checked_and_price_messages_between_hosts() -> None:
+    two = ModelParams(1e-6, 1e-10, 1e-10, 5e-6, beta_pairwise=2e-10, ranks_per_host=4,
+                      alpha_inter=3e-5, beta_inter=8e-9)
+    assert ModelParams.from_mapping(two.as_dict()) == two
+    assert two.pairwise_across == 8e-9 and two.hosts(9) == 3 and CLUSTER.hosts(9) == 1
+    assert two.level("node") == ModelParams(1e-6, 1e-10, 1e-10, 5e-6, beta_pairwise=2e-10)
+    assert two.level("leaders") == ModelParams(3e-5, 8e-9, 1e-10, 5e-6, beta_pairwise=8e-9)
+    counts = Cost(2, 100, 10, 0, 50) + Cost(3, 1000, 0, 0, 200).across_hosts()
+    assert counts == Cost(2, 100, 10, 0, 50, 3, 1000, 200)
+    assert counts.seconds(two) == pytest.approx(2e-6 + 100e-10 + 50 * 2e-10 + 10e-10
+                                                + 3 * 3e-5 + 1200 * 8e-9)
+    # One level: the counts between hosts cost what the others do.
+    assert counts.seconds(CLUSTER) == pytest.approx(Cost(5, 1100, 10, 0, 250).seconds(CLUSTER))
+    with pytest.raises(ValueError, match="need ranks_per_host"):
+        ModelParams(1e-6, 1e-9, 1e-10, alpha_inter=1e-5)
+    with pytest.raises(ValueError, match="lacks beta_inter"):
+        ModelParams(1e-6, 1e-9, 1e-10, ranks_per_host=2, alpha_inter=1e-5)
+    with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
+        ModelParams(1e-6, 1e-9, 1e-10, ranks_per_host=0, alpha_inter=1e-5, beta_inter=1e-9)
+    with pytest.raises(ValueError, match="unknown level"):
+        two.level("rack")
+
+
+def test_flat_algorithms_on_several_hosts_cross_them_with_every_message() -> None:
+    two = ModelParams(1e-6, 1e-10, 1e-10, ranks_per_host=2, alpha_inter=3e-5, beta_inter=8e-9)
+    assert cost("allreduce", "ring", 4096, 4, params=two) == cost("allreduce", "ring", 4096, 4).across_hosts()
+    assert cost("allreduce", "ring", 4096, 2, params=two) == cost("allreduce", "ring", 4096, 2)
+    with pytest.raises(ValueError, match="give params"):
+        cost("allreduce", "hierarchical", 4096, 4)
+
+
 # -- tuning files and auto ------------------------------------------------------------------------
 
 @pytest.fixture

@@ -3,9 +3,11 @@
 Checked from the outside, as a user would: `up` twice changes nothing the second time and leaves
 the root namespace's interfaces, addresses and routes alone; `status` lists every host; `run` puts
 one rank on each host (its own hostname, no node shared with another rank, TCP only) and passes the
-variables programs need; HTB holds each link to its rate in both directions (two senders into one
-host share that host's port); a failing or hanging job ends with an error instead of stalling;
-two clusters with different prefixes coexist; `down` removes everything and may be repeated.
+variables programs need, or with --ranks-per-host K K consecutive ranks on each host, sharing
+memory, across which a hierarchical allreduce is exact; HTB holds each link to its rate in both
+directions (two senders into one host share that host's port); a failing or hanging job ends
+with an error instead of stalling; two clusters with different prefixes coexist; `down` removes
+everything and may be repeated.
 
 Runs only in the one-rank job of tests/run.py (`run` starts its own ranks) and as root; where
 namespaces cannot be made (the script exits 3) the module skips. Every cluster here has a prefix
@@ -128,6 +130,53 @@ def test_run_puts_one_rank_on_each_host_over_tcp(up: str) -> None:
     out = ok(cluster("run", "-n", "2", "--timeout", "60", sys.executable, "-c", program))
     assert sorted(line.split()[3] for line in out.splitlines() if line.startswith("RANK ")) \
         == [f"{PREFIX}-host0", f"{PREFIX}-host1"], out
+
+
+HOST_PROGRAM = """
+import os, sys, time
+import numpy as np
+from mpi4py import MPI
+import collectives
+c = MPI.COMM_WORLD
+rank, size = c.Get_rank(), c.Get_size()
+node = c.Split_type(MPI.COMM_TYPE_SHARED)
+# 8 MiB from rank 0 to rank 1, which share host 0: through memory, far above the link rate
+buf = np.ones(8 << 20, np.uint8)
+c.Barrier()
+start = time.perf_counter()
+if rank == 0:
+    c.Send(buf, 1)
+elif rank == 1:
+    c.Recv(buf, 0)
+mbit = buf.nbytes * 8 / (time.perf_counter() - start) / 1e6 if rank == 1 else 0.0
+x = (np.arange(1031) % 13 + rank).astype(np.float32)
+got = collectives.allreduce(x, algorithm="hierarchical")
+want = sum((np.arange(1031) % 13 + q).astype(np.float32) for q in range(size))
+print("RANK", rank, size, MPI.Get_processor_name(), node.Get_size(), node.Get_rank(),
+      os.environ.get("OMPI_MCA_btl"), os.environ.get("HPCDL_EMULATED_RANKS_PER_HOST"),
+      bool(np.array_equal(got, want)), round(mbit), flush=True)
+"""
+
+
+def test_run_puts_several_ranks_on_each_host_sharing_memory(up: str) -> None:
+    """--ranks-per-host 2: ranks 2i and 2i+1 on host i, sharing memory (a message between them
+    moves far faster than the link allows), TCP between hosts; a hierarchical allreduce across
+    them is exact on every rank."""
+    env = dict(script_env(), PYTHONPATH=str(ROOT))
+    result = subprocess.run(["bash", str(SCRIPT), "run", "--ranks-per-host", "2", "--timeout", "90",
+                             sys.executable, "-c", HOST_PROGRAM], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=110)
+    out = ok(result)
+    rows = sorted((line.split()[1:] for line in out.splitlines() if line.startswith("RANK ")),
+                  key=lambda row: int(row[0]))
+    assert len(rows) == 2 * HOSTS, out + result.stderr
+    for rank, row in enumerate(rows):
+        assert row[:-1] == [str(rank), str(2 * HOSTS), f"{PREFIX}-host{rank // 2}", "2",
+                            str(rank % 2), "tcp,sm,self", "2", "True"], out
+    # The link carries at most RATE_MBIT: anything well above it went through memory.
+    assert int(rows[1][-1]) > 3 * RATE_MBIT, f"rank 0 to 1 on one host: {rows[1][-1]} Mbit/s"
+    refused = cluster("run", "--ranks-per-host", "0", "true")
+    assert refused.returncode == 2 and "give a number from 1 to 64" in refused.stderr, refused.stderr
 
 
 RECEIVER = """

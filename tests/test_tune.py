@@ -137,6 +137,27 @@ def test_predict_reads_a_tuning_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert f"hpcdl tune: error: {empty} has no \"model\"" in capsys.readouterr().err
 
 
+def test_predict_with_a_two_level_file_sets_the_network_between_hosts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A two-level file's --predict keeps its hosts; --link and --latency replace the prices between
+    hosts only, and hierarchical is priced and picked with them."""
+    path = tmp_path / "two-level.json"
+    model = {"alpha": 5e-6, "beta": 0.1e-9, "gamma": 1e-10, "overhead": 20e-6, "ranks_per_host": 4,
+             "alpha_inter": 30e-6, "beta_inter": 8e-9}
+    path.write_text(json.dumps({"model": model}))
+    args = ["--predict", "--nodes", "16", "--model-params", "25M", "--compute-ms", "10",
+            "--tuning-file", str(path)]
+    assert tune.main(args) == 0
+    out = capsys.readouterr().out
+    assert "4 ranks per host" in out and "30.000 µs per message" in out, out
+    assert re.search(r"^hierarchical\s", out, re.M) and "auto would pick: hierarchical" in out, out
+    assert tune.main([*args, "--link", "100gbit", "--latency", "2us"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"alpha\s+5.000 µs per message\s+\(from", out), out  # within hosts: kept
+    assert re.search(r"alpha_inter\s+3.500 µs per message \(--latency", out), out
+    assert re.search(r"beta_inter\s+0.0800 ns per byte\s+\(--link 100 Gbit/s", out), out
+
+
 def test_measured_rows_use_the_bytes_choose_sees() -> None:
     records = [{"collective": "allgather", "bytes": b, "algorithm": a, "seconds": t, "valid": True}
                for b, a, t in ((4096, "ring", 1.0), (4096, "butterfly", 2.0),
