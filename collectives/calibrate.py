@@ -30,7 +30,8 @@ from .api import allreduce
 from .cost_model import ModelParams, cost
 from .ops import DTYPES, OPS
 from .partition import PIECEWISE_BYTES, pieces_of
-from .transport import Link, ScratchPool, host_communicator
+from . import transport
+from .transport import Link, ScratchPool
 
 #: Message sizes for alpha and beta: from latency-bound to well past one pipelined piece. 1 MiB
 #: is the largest message sent whole (`transport.PIECEWISE_BYTES`): beta_pairwise's line ends there.
@@ -282,7 +283,7 @@ class HostLayout:
 
 def host_layout(comm: MPI.Comm) -> HostLayout:
     """Collective: how the ranks of `comm` sit on hosts (`transport.host_communicator`)."""
-    node = host_communicator(comm)
+    node = transport.host_communicator(comm)  # looked up per call: one placement for all
     leader = node.Get_rank() == 0
     leaders = comm.Split(0 if leader else MPI.UNDEFINED, comm.Get_rank())
     hosts = comm.allreduce(int(leader), MPI.SUM)

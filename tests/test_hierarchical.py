@@ -20,7 +20,6 @@ from mpi4py import MPI
 
 import collectives
 from arrays import Backend, Outcomes, backend_fixture, backend_params, rank_data, reduce_reference
-from collectives import calibrate as calibrate_module
 from collectives import select, transport
 from collectives.cost_model import ModelParams, best, best_part, decision_rows, predict
 from conftest import all_ranks_agree
@@ -54,9 +53,6 @@ def on_hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[MPI.Comm, li
         return comm.Split(hosts[comm.Get_rank()], comm.Get_rank())
 
     monkeypatch.setattr(transport, "host_communicator", host_communicator)
-    # calibrate binds the name at import, which may come before this fixture (another test
-    # module imports it first): replace its binding too
-    monkeypatch.setattr(calibrate_module, "host_communicator", host_communicator)
 
     def place(comm: MPI.Comm, hosts: list[int]) -> MPI.Comm:
         layout[comm.Get_size()] = hosts
