@@ -46,7 +46,7 @@ from .collective_timing import (AUTO, BARE_MPI, DIRECT, GLOO, PEERS, PICKLE, PLA
                                 import_cupy, peak_bytes, run_interleaved, size_sweep,
                                 static_unavailable)
 from .command import Command, CommandError
-from .memory import available_bytes
+from .memory import shortfall
 from .runtime import local_size, mpi_library
 from .units import parse_bytes
 
@@ -414,22 +414,17 @@ def memory_problem(args: argparse.Namespace, size: int, ranks_on_host: int) -> s
     for every ranks on this host, against what the host has available (`hpcdl.memory`)."""
     if args.device != "cpu":  # GPU memory: CuPy raises its own OutOfMemoryError, on one rank
         return None
-    available = available_bytes()
-    if available is None:
-        return None
     itemsize = DTYPES[args.datatype].itemsize
     algorithms = args.algorithms or [AUTO, DIRECT, PICKLE, GLOO]  # the default times every peer
     need, row = max((peak_bytes(c, args.maxbytes, itemsize, size, in_place, algorithms), c)
                     for c in args.collective for in_place in args.placements)
-    share = available // max(1, ranks_on_host)
-    if need <= share:
+    lacking = shortfall(need, ranks_on_host)
+    if lacking is None:
         return None
-    gib = 2 ** 30
-    return (f"-e/--maxbytes {args.maxbytes}: {row} at that size needs about {need / gib:,.2f} GiB "
-            f"per rank (its buffers, the expected result{', the pickled peer' if 'pickle' in algorithms else ''}), "
-            f"and this host has {available / gib:,.2f} GiB available for its {ranks_on_host} rank(s) "
-            f"({share / gib:,.2f} GiB each); lower -e/--maxbytes"
-            f"{' or leave out pickle (-A)' if 'pickle' in algorithms else ''}, or run fewer ranks per host")
+    pickled = "pickle" in algorithms
+    return (f"-e/--maxbytes {args.maxbytes}: {row} at that size needs about {lacking} for its "
+            f"buffers and the expected result{' and the pickled peer' if pickled else ''}; lower "
+            f"-e/--maxbytes{' or leave out pickle (-A)' if pickled else ''}, or run fewer ranks per host")
 
 
 def check_environment(args: argparse.Namespace, rank: int, ranks_on_host: int = 1,

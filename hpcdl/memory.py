@@ -108,3 +108,18 @@ def available_bytes() -> int | None:
         if limit.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead
             available = min(available, max(0, int(limit) - usage))
     return available
+
+
+def shortfall(need: int, ranks_on_host: int) -> str | None:
+    """None if `need` bytes per rank fit in this host's available memory shared by its
+    `ranks_on_host` ranks; else the words for a refusal: "about N GiB per rank, and this host
+    has ..." (also None where the available memory is unknown)."""
+    available = available_bytes()
+    if available is None:
+        return None
+    share = available // max(1, ranks_on_host)
+    if need <= share:
+        return None
+    gib = 2 ** 30
+    return (f"{need / gib:,.2f} GiB per rank, and this host has {available / gib:,.2f} GiB available "
+            f"for its {ranks_on_host} rank(s) ({share / gib:,.2f} GiB each)")

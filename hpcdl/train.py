@@ -243,23 +243,17 @@ def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int) -> st
     The need is a lower bound (`models.training_step_bytes`, computed without allocating), so a
     refusal is certain; the memory is what the host has available, shared by its ranks.
     """
-    from .memory import available_bytes
+    from .memory import shortfall
     from .models import training_step_bytes
 
-    available = available_bytes()
-    if available is None:
-        return None
     model = args.model or "resnet"
     need = training_step_bytes(model, in_channels=3, image_size=args.image_size, num_classes=1000,
                                batch_size=args.batch_size)
-    share = available // max(1, ranks_on_host)
-    if need <= share:
+    lacking = shortfall(need, ranks_on_host)
+    if lacking is None:
         return None
-    gib = 2 ** 30
     return (f"--synthetic --model {model} --image-size {args.image_size} --batch-size {args.batch_size} "
-            f"needs at least {need / gib:,.1f} GiB per rank, and this host has {available / gib:,.1f} GiB "
-            f"available for its {ranks_on_host} rank(s) ({share / gib:,.1f} GiB each); use a smaller "
-            "--image-size or --batch-size")
+            f"needs at least {lacking}; use a smaller --image-size or --batch-size")
 
 
 def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:

@@ -51,3 +51,17 @@ def from_rank0(comm: MPI.Comm, value: Any) -> Any:
 def shared_directory(tmp_path: Path, comm: MPI.Comm) -> Path:
     """A directory every rank sees: rank 0's tmp_path (one host, one file system)."""
     return Path(comm.bcast(str(tmp_path), root=0))
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """True if two loaded checkpoints (nested dicts, lists, tensors, numbers) are equal, tensors
+    bit for bit (torch is imported only by the tests that pass tensors)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import hpcdl.memory
 import hpcdl.runtime
 from arrays import BACKENDS, fake_cupy_module
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS
@@ -286,7 +287,7 @@ def test_a_sweep_that_cannot_fit_is_refused_on_every_rank(comm: MPI.Comm,
     """Memory is checked up front against the largest row, and a rank whose host lacks it stops
     every rank before anything is allocated (it used to be killed halfway, by the OOM killer)."""
     last = comm.Get_rank() == comm.Get_size() - 1
-    monkeypatch.setattr(bench, "available_bytes", lambda: (100 if last else 10 ** 6) * 2 ** 20)
+    monkeypatch.setattr(hpcdl.memory, "available_bytes", lambda: (100 if last else 10 ** 6) * 2 ** 20)
     status = bench.main(["-b", "8", "-e", "64M", "-A", "ring", "pickle", "-n", "1", "--rounds", "1"])
     err = from_rank0(comm, capsys.readouterr().err)
     assert status == 2

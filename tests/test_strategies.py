@@ -17,7 +17,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import all_ranks_agree, from_rank0, shared_directory
+from conftest import all_ranks_agree, from_rank0, same_state, shared_directory
 from hpcdl import train
 from hpcdl.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from hpcdl.strategies import STRATEGIES, option_errors, plan
@@ -35,17 +35,6 @@ COMMON_COLUMNS = {"epoch", "step", "train_loss", "test_loss", "accuracy", "sampl
 
 def rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def same_state(a: Any, b: Any) -> bool:
-    """True if two loaded checkpoints are equal, tensors bit for bit."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
-    return a == b
 
 
 # -- the learning-rate schedule the servers follow --------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from conftest import all_ranks_agree, shared_directory
+from conftest import all_ranks_agree, same_state, shared_directory
 from hpcdl import checkpoint as ckpt
 from hpcdl import train
 from hpcdl.data import load_digits_split
@@ -39,18 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SIZE = MPI.COMM_WORLD.Get_size()
 at_most_3_ranks = pytest.mark.skipif(SIZE > 3, reason="trains; N <= 3 is enough")
 own_job = pytest.mark.skipif(SIZE not in (2, 3), reason="launches its own mpirun of N ranks; N = 2, 3")
-
-
-def same_state(a: Any, b: Any) -> bool:
-    """True if two loaded checkpoints (nested dicts, lists, tensors, numbers) are equal, tensors
-    bit for bit."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
-    return a == b
 
 
 def flipped(data: bytes, bit: int) -> bytes:
