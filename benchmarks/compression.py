@@ -61,7 +61,7 @@ def build(scheme: str, args: argparse.Namespace, comm: MPI.Comm):
     """The heavy MLP wrapped with `scheme`, and its SGD optimizer (checked against the scheme)."""
     import torch
 
-    from benchmarks.train_throughput import heavy_mlp
+    from hpcdl.models import heavy_mlp
     from hpcdl.compression import from_spec
 
     torch.manual_seed(args.seed)

@@ -36,6 +36,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hpcdl
+from hpcdl.models import heavy_mlp
 from hpcdl.torch_gloo import init_torch_distributed
 
 MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
@@ -46,13 +47,6 @@ def small_cnn() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(), nn.Linear(128, 10))
-
-
-def heavy_mlp() -> nn.Module:
-    """784-4096-4096-1280-10: 25,263,370 parameters, little compute per byte of gradient."""
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-        nn.Linear(4096, 1280), nn.ReLU(), nn.Linear(1280, 10))
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": small_cnn, "mlp": heavy_mlp}

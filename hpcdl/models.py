@@ -154,6 +154,14 @@ class ResNet(nn.Module):
         return self.head(self.stages(self.stem(x)))
 
 
+def heavy_mlp() -> nn.Module:
+    """784-4096-4096-1280-10 on 1x28x28 input: 25,263,370 parameters, little compute per byte of
+    gradient (Strom's 14.6 M-parameter model, in size); the benchmarks' communication-bound model."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+        nn.Linear(4096, 1280), nn.ReLU(), nn.Linear(1280, 10))
+
+
 MODELS = ("cnn", "mlp", "resnet")
 #: Models built on a process grid (`build_hybrid_model`), not by `build_model`.
 HYBRID_MODELS = ("hybrid-cnn",)

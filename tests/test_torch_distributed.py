@@ -23,6 +23,7 @@ from mpi4py import MPI
 import collectives
 import hpcdl
 from conftest import all_ranks_agree
+from hpcdl.models import heavy_mlp
 from hpcdl.torch_distributed import ProcessGroupHpcdl
 
 pytestmark = pytest.mark.mpi
@@ -256,19 +257,13 @@ def test_torch_ddp_over_hpcdl_matches_gloo(comm, gloo_group):
     assert all_ranks_agree(difference <= 1e-6 and same_everywhere, comm), difference
 
 
-def _mlp_25m() -> torch.nn.Module:
-    """benchmarks/train_throughput.py's MLP: 784-4096-4096-1280-10, 25 M parameters."""
-    torch.manual_seed(0)
-    nn = torch.nn
-    return nn.Sequential(nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-                         nn.Linear(4096, 1280), nn.ReLU(), nn.Linear(1280, 10))
-
-
 def _fsdp_losses(comm: MPI.Comm, mesh=None, big: bool = False) -> list[float]:
     from torch.distributed.fsdp import fully_shard
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    net = _mlp_25m() if big else _net()
+    if big:
+        torch.manual_seed(0)
+    net = heavy_mlp() if big else _net()
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
