@@ -134,7 +134,7 @@ def test_example_trains_as_under_ddp_with_identical_ranks(script: str, ranks: in
         assert horovod[rank]["accuracy"] == ddp[rank]["accuracy"]
 
 
-@pytest.mark.parametrize("ranks", (2, 3))
+@pytest.mark.parametrize("ranks", (3,))  # one rank count: each is two more launches of the example
 def test_imagenet_example_resumes_from_its_checkpoint_with_identical_ranks(ranks: int, runs: Any,
                                                                            tmp_path: Path) -> None:
     """Stopped after 2 of 3 epochs, then started again: rank 0 finds checkpoint-2, the example
