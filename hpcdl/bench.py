@@ -46,7 +46,7 @@ from .collective_timing import (AUTO, BARE_MPI, DIRECT, GLOO, PEERS, PICKLE, PLA
                                 import_cupy, peak_bytes, run_interleaved, size_sweep,
                                 static_unavailable)
 from .command import Command, CommandError
-from .memory import shortfall
+from .memory import host_available_bytes, shortfall
 from .runtime import local_size, mpi_library
 from .units import parse_bytes
 
@@ -409,7 +409,8 @@ def check_args(args: argparse.Namespace, size: int) -> None:
         raise CommandError(f"-A {' '.join(args.algorithms)}: an algorithm is named twice")
 
 
-def memory_problem(args: argparse.Namespace, size: int, ranks_on_host: int) -> str | None:
+def memory_problem(args: argparse.Namespace, size: int, ranks_on_host: int,
+                   available: int | None) -> str | None:
     """Why the sweep's largest row cannot fit in this host's memory, or None: `peak_bytes` per rank
     for every ranks on this host, against what the host has available (`hpcdl.memory`)."""
     if args.device != "cpu":  # GPU memory: CuPy raises its own OutOfMemoryError, on one rank
@@ -418,7 +419,7 @@ def memory_problem(args: argparse.Namespace, size: int, ranks_on_host: int) -> s
     algorithms = args.algorithms or [AUTO, DIRECT, PICKLE, GLOO]  # the default times every peer
     need, row = max((peak_bytes(c, args.maxbytes, itemsize, size, in_place, algorithms), c)
                     for c in args.collective for in_place in args.placements)
-    lacking = shortfall(need, ranks_on_host)
+    lacking = shortfall(need, ranks_on_host, available)
     if lacking is None:
         return None
     pickled = "pickle" in algorithms
@@ -428,9 +429,10 @@ def memory_problem(args: argparse.Namespace, size: int, ranks_on_host: int) -> s
 
 
 def check_environment(args: argparse.Namespace, rank: int, ranks_on_host: int = 1,
-                      size: int = 1) -> None:
-    """What may differ between ranks (installed packages, GPUs, files, memory): CommandError."""
-    problem = memory_problem(args, size, ranks_on_host)
+                      size: int = 1, available: int | None = None) -> None:
+    """What may differ between ranks (installed packages, GPUs, files, memory): CommandError.
+    `available`: the host's available memory (`memory.host_available_bytes`), None: unchecked."""
+    problem = memory_problem(args, size, ranks_on_host, available)
     if problem:
         raise CommandError(problem)
     if args.device == "gpu":
@@ -450,10 +452,11 @@ def check_environment(args: argparse.Namespace, rank: int, ranks_on_host: int = 
 def parse_args(command: Command, argv: Sequence[str]) -> argparse.Namespace:
     """Collective: the checked arguments, or CommandError raised on every rank together."""
     args = command.parse(build_parser().parse_args, argv)
+    available = host_available_bytes()  # every rank: collective over each host
     errors: list[str] = []
     try:
         check_args(args, command.size)
-        check_environment(args, command.rank, local_size(), command.size)
+        check_environment(args, command.rank, local_size(), command.size, available)
     except CommandError as exc:
         errors = exc.messages
     command.agree(errors)

@@ -695,6 +695,9 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         items = sorted(params.items())
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    _agree_on_layout("broadcast_parameters", [
+        (name if name is not None else f"tensor {i}", tuple(t.shape), str(t.dtype))
+        for i, (name, t) in enumerate(items)], root_rank)
     handles = []
     copies = []
     for _, tensor in items:
@@ -717,6 +720,44 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             data.copy_(flat.view(data.shape))
 
 
+def _agree_on_layout(what: str, layout: list[tuple[Any, ...]], root_rank: int,
+                     extra: dict[str, Any] | None = None) -> None:
+    """Collective: raise CollectiveArgumentError on every rank unless every rank passes the root's
+    tensors (names, shapes, dtypes) and `extra`; the message names the first difference.
+
+    Without it a rank with one tensor more would wait for a broadcast no other rank makes. One
+    allgather of the names and shapes: broadcasts of parameters are rare (start, resume).
+    """
+    comm = _comm()
+    everyone = comm.allgather((layout, extra or {}))
+    if not 0 <= root_rank < len(everyone):
+        return  # the broadcasts refuse a bad root on every rank, naming it
+    root_layout, root_extra = everyone[root_rank]
+    for rank, (mine, mine_extra) in enumerate(everyone):
+        problem = None
+        for key in sorted(set(root_extra) | set(mine_extra)):
+            if root_extra.get(key) != mine_extra.get(key):
+                problem = f"{key} {root_extra.get(key)!r} on the root, {mine_extra.get(key)!r} on rank {rank}"
+                break
+        if problem is None and mine != root_layout:
+            names, root_names = [t[0] for t in mine], [t[0] for t in root_layout]
+            only_root = [n for n in root_names if n not in names]
+            only_mine = [n for n in names if n not in root_names]
+            if only_root or only_mine:
+                problem = (f"rank {rank} lacks {only_root[:3]} and has {only_mine[:3]} beyond the "
+                           f"root's {len(root_layout)} tensors")
+            else:
+                theirs = {t[0]: t[1:] for t in root_layout}
+                differing = [t for t in mine if theirs[t[0]] != t[1:]]
+                problem = (f"{differing[0][0]!r} is {theirs[differing[0][0]]} on the root and "
+                           f"{differing[0][1:]} on rank {rank} (shape, dtype)" if differing
+                           else f"rank {rank} passes the root's tensors in another order")
+        if problem is not None:
+            raise collectives.CollectiveArgumentError(
+                f"{what}: the ranks differ: {problem}; pass the same model and "
+                f"optimizer on every rank (root_rank={root_rank})")
+
+
 class _TensorSpec:
     """A tensor's place in a broadcast state dict: its shape, dtype and device."""
 
@@ -735,6 +776,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     """
     comm = _comm()
     tensors: list[torch.Tensor] = []
+    # The root's state is loaded into every rank's optimizer: the same class and parameter
+    # groups everywhere, or load_state_dict would mix them silently (SGD given Adam's betas).
+    groups = [sorted(k for k in group if k != "params") + [len(group["params"])]
+              for group in optimizer.param_groups]
+    _agree_on_layout("broadcast_optimizer_state", [], root_rank,
+                     {"optimizer": type(optimizer).__name__, "param groups": groups})
 
     def strip(value: Any) -> Any:
         if isinstance(value, torch.Tensor):

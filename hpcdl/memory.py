@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 #: The variable torch's CPU allocator reads, once, at its first allocation.
 ENV = "THP_MEM_ALLOC_ENABLE"
@@ -110,11 +111,27 @@ def available_bytes() -> int | None:
     return available
 
 
-def shortfall(need: int, ranks_on_host: int) -> str | None:
-    """None if `need` bytes per rank fit in this host's available memory shared by its
-    `ranks_on_host` ranks; else the words for a refusal: "about N GiB per rank, and this host
-    has ..." (also None where the available memory is unknown)."""
-    available = available_bytes()
+def host_available_bytes(comm: Any = None) -> int | None:
+    """Collective over `comm` (default MPI.COMM_WORLD): the least `available_bytes()` that the
+    ranks of this host read, the same on each of them, so a refusal quoting it reads alike on
+    every rank (each rank's own reading differs by what was allocated meanwhile). None where
+    unknown."""
+    from mpi4py import MPI
+
+    mine = available_bytes()
+    node = (comm or MPI.COMM_WORLD).Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        least = node.allreduce(-1 if mine is None else mine, op=MPI.MIN)
+    finally:
+        node.Free()
+    return None if least < 0 else least
+
+
+def shortfall(need: int, ranks_on_host: int, available: int | None) -> str | None:
+    """None if `need` bytes per rank fit in `available` bytes (`host_available_bytes`) shared by
+    the host's `ranks_on_host` ranks, or if `available` is None (unknown); else the words for a
+    refusal, "N GiB per rank, and this host has ... available for its k rank(s) (... each)".
+    """
     if available is None:
         return None
     share = available // max(1, ranks_on_host)

@@ -35,6 +35,7 @@ import collectives
 from . import runtime, stall, strategies
 from .atomic_file import unwritable_directory, unwritable_file, write_atomically
 from .command import ARGUMENT_ERROR, Command, CommandError, report_failure
+from .memory import host_available_bytes
 from .strategies.options import DEFAULT_WARMUP_EPOCHS, MOMENTUM, compression_errors
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "lr * global batch / reference batch (default 32)")
     opt.add_argument("--warmup-epochs", type=float, default=None,
                      help="epochs of linear warm-up from the base to the scaled rate, at most "
-                          f"--epochs (default {DEFAULT_WARMUP_EPOCHS:g}, or --epochs if fewer)")
+                          f"--epochs (default {DEFAULT_WARMUP_EPOCHS:g}, or half of --epochs if fewer)")
     strategies.add_arguments(parser)
     comm = parser.add_argument_group("communication (allreduce)")
     comm.add_argument("--algorithm", choices=("auto", *collectives.ALGORITHMS["allreduce"]),
@@ -160,13 +161,16 @@ def hybrid_errors(args: argparse.Namespace, ranks: int) -> list[str]:
     return errors
 
 
-def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, ranks: int = 1) -> list[str]:
+def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, ranks: int = 1,
+                          available: int | None = None) -> list[str]:
     """Every problem with `args` this rank can see (values, paths, memory) in a job of `ranks`
     ranks; empty if none.
 
     Values that would overflow or exhaust memory later (after minutes of start-up, as a traceback
     or an abort) are refused here: `ranks_on_host` ranks share this host's memory. The strategy's
     options are checked too (hpcdl/strategies/options.py), options of another strategy refused.
+    `available`: the host's available memory (`memory.host_available_bytes`, the same on its
+    ranks); None skips the memory checks.
     """
     errors = []
     positive = [("--epochs", args.epochs), ("--batch-size", args.batch_size),
@@ -206,7 +210,7 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
                    (("--num-warmup-batches", args.num_warmup_batches),
                     ("--num-batches-per-iter", args.num_batches_per_iter)) if value > sys.maxsize]
         if args.image_size >= 8 and args.batch_size >= 1 and not errors:
-            problem = synthetic_memory_problem(args, ranks_on_host)
+            problem = synthetic_memory_problem(args, ranks_on_host, available)
             if problem:
                 errors.append(problem)
         for flag, used in (("--checkpoint-dir", args.checkpoint_dir), ("--resume", args.resume),
@@ -237,7 +241,8 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
     return errors + compression_errors(args) + strategies.option_errors(args, ranks) + hybrid_errors(args, ranks)
 
 
-def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int) -> str | None:
+def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int,
+                             available: int | None) -> str | None:
     """Why the --synthetic benchmark's model and batch cannot fit in this host's memory, or None.
 
     The need is a lower bound (`models.training_step_bytes`, computed without allocating), so a
@@ -249,7 +254,7 @@ def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int) -> st
     model = args.model or "resnet"
     need = training_step_bytes(model, in_channels=3, image_size=args.image_size, num_classes=1000,
                                batch_size=args.batch_size)
-    lacking = shortfall(need, ranks_on_host)
+    lacking = shortfall(need, ranks_on_host, available)
     if lacking is None:
         return None
     return (f"--synthetic --model {model} --image-size {args.image_size} --batch-size {args.batch_size} "
@@ -273,11 +278,12 @@ def main(argv: list[str]) -> int:
     topology, comm = runtime.topology(), MPI.COMM_WORLD
     try:
         args = command.parse(build_parser().parse_args, argv)
-        command.agree(local_argument_errors(args, topology.local_size, topology.size))
+        available = host_available_bytes()  # every rank: collective over each host
+        command.agree(local_argument_errors(args, topology.local_size, topology.size, available))
     except CommandError as exc:
         return command.fail(exc)
-    if args.warmup_epochs is None:
-        args.warmup_epochs = min(DEFAULT_WARMUP_EPOCHS, args.epochs)
+    if args.warmup_epochs is None:  # at most half the run: the rate peaks, then decays
+        args.warmup_epochs = min(DEFAULT_WARMUP_EPOCHS, args.epochs / 2)
 
     import torch
 

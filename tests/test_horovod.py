@@ -307,3 +307,42 @@ def test_broadcast_optimizer_state_of_lbfgs(comm):
     mine = (state["n_iter"], b"".join(t.numpy().tobytes() for t in state["old_dirs"]),
             state["d"].numpy().tobytes())
     assert all_ranks_agree(len(set(comm.allgather(mine))) == 1 and state["n_iter"] > 0, comm)
+
+
+def _raised(call) -> str:
+    """The CollectiveArgumentError's message `call` raised on this rank, or '' if none."""
+    try:
+        call()
+    except collectives.CollectiveArgumentError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("mismatch", ["extra", "shape"])
+def test_broadcast_parameters_of_different_models_fails_every_rank(comm, mismatch):
+    """A rank with one tensor more (or of another shape) used to wait for a broadcast no other rank
+    made: now every rank raises, naming the tensor, and the ranks stay in step."""
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    state = torch.nn.Linear(4, 3).state_dict()
+    if rank == last and last > 0:
+        if mismatch == "extra":
+            state["extra"] = torch.zeros(2)
+        else:
+            state["bias"] = torch.zeros(5)
+    message = _raised(lambda: hvd.broadcast_parameters(state, root_rank=0))
+    wanted = {"extra": "['extra'] beyond the root's 2 tensors",
+              "shape": "'bias' is ((3,), 'torch.float32') on the root"}[mismatch]
+    ok = (wanted in message and "broadcast_parameters" in message) if last > 0 else message == ""
+    after = hvd.allreduce(torch.ones(1), op=hvd.Sum)  # still in step
+    assert all_ranks_agree(ok and after.item() == comm.Get_size(), comm), message
+
+
+def test_broadcast_optimizer_state_of_another_optimizer_fails_every_rank(comm):
+    """Root's Adam state loaded into another rank's SGD would mix their options silently."""
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    model = torch.nn.Linear(4, 3)
+    kind = torch.optim.SGD if rank == last and last > 0 else torch.optim.Adam
+    optimizer = kind(model.parameters(), lr=0.1)
+    message = _raised(lambda: hvd.broadcast_optimizer_state(optimizer, root_rank=0))
+    ok = ("optimizer 'Adam' on the root, 'SGD' on rank" in message) if last > 0 else message == ""
+    assert all_ranks_agree(ok, comm), message

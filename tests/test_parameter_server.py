@@ -167,6 +167,9 @@ def test_pulls_return_the_updates_applied(comm, consistency):
                                    timeout=TIMEOUT)
         initial = _params(net)
         problems: list[str] = []
+        # async applies a push at once: a worker's first pull must come before any worker's push
+        # for it to show the initial parameters, so the workers wait for each other in between
+        workers = comm.Split(int(ps.is_server), comm.Get_rank())
         if ps.is_server:
             ps.serve()
         else:
@@ -174,10 +177,12 @@ def test_pulls_return_the_updates_applied(comm, consistency):
                 ps.pull()
                 if not all(torch.equal(p, q) for p, q in zip(_params(net), initial)):
                     problems.append("the first pull did not return the initial parameters")
+                workers.Barrier()
                 ps.push([torch.full_like(p, 2.0 ** comm.Get_rank()) for p in net.parameters()])
                 ps.pull()
             problems += _applied_pushes(ps, net, initial, comm.Get_rank(), size - servers,
                                         consistency)
+        workers.Free()
         assert all_ranks_agree(not problems, comm), f"servers={servers}: {problems}"
 
 

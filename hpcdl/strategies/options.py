@@ -19,7 +19,7 @@ CONSISTENCY = {"downpour": "async", "softsync": "softsync", "ssp": "ssp", "sync-
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adagrad")
 #: The momentum of `hpcdl train`'s SGD, and of the servers' "momentum" optimizer.
 MOMENTUM = 0.9
-#: --warmup-epochs' default (or --epochs if fewer); topk compression warms its sparsity up over it too.
+#: --warmup-epochs' default (or half of --epochs if fewer); topk compression warms its sparsity up over it too.
 DEFAULT_WARMUP_EPOCHS = 2.0
 DEFAULT_PERIOD = 8
 DEFAULT_SSP_STALENESS = 3
