@@ -67,22 +67,51 @@ def rank_command(out: Path, pytest_args: list[str], timeout: int) -> list[str]:
     return ["sh", "-c", line]
 
 
+def own_job_environment(**extra: str) -> dict[str, str]:
+    """`mpi_environment()` without the variables of the MPI (or SLURM) job a test runs in, so that
+    an mpirun it launches starts a job of its own; `extra` added."""
+    settings = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_mpi_yield_when_idle",
+                "PRTE_MCA_rmaps_default_mapping_policy")
+    env = {k: v for k, v in mpi_environment().items()
+           if k in settings or not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_"))}
+    return {**env, **extra}
+
+
+def stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    """SIGTERM to a launched mpirun (it then stops every rank), SIGKILL if it is still there 15 s
+    later."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_own_job(command: list[str], timeout: float, env: dict[str, str] | None = None,
+                cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run an mpirun command (from a test) to its end, output captured; on timeout `stop` it and
+    raise TimeoutExpired."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env or own_job_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, None)
+
+
 def run_job(cmd: list[str], env: dict[str, str], timeout: float) -> int:
     """Run one mpirun job to its end; its exit status.
 
-    On timeout (TimeoutExpired is re-raised) or interruption mpirun gets SIGTERM, on which it stops
-    every rank, and SIGKILL only if it is still there 15 s later.
+    On timeout (TimeoutExpired is re-raised) or interruption mpirun is `stop`ped.
     """
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     try:
         return proc.wait(timeout=timeout)
     except (subprocess.TimeoutExpired, KeyboardInterrupt):
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         raise
 
 

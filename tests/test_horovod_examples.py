@@ -19,8 +19,6 @@ runs this module.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from run import mpi_environment  # the settings tests/run.py gives its own jobs
+from run import own_job_environment, run_own_job  # launching jobs of its own
 
 if MPI.COMM_WORLD.Get_size() != 1:
     pytest.skip("launches its own mpirun jobs of 1, 2 and 3 ranks: the one-rank job is enough",
@@ -53,17 +51,6 @@ SCRIPTS: dict[str, tuple[list[str], float]] = {
 RANK_COUNTS = (1, 2, 3)
 
 
-def own_job_environment() -> dict[str, str]:
-    """tests/run.py's settings, without the variables of the MPI job this test runs in (a nested
-    mpirun must start a job of its own), with this checkout first on PYTHONPATH."""
-    settings = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_mpi_yield_when_idle",
-                "PRTE_MCA_rmaps_default_mapping_policy")
-    env = {k: v for k, v in mpi_environment().items()
-           if k in settings or not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
-
-
 def run_example(script: str, ranks: int, workdir: Path, extra: list[str]) -> list[dict[str, Any]]:
     """Run one example under `mpirun -n ranks` in `workdir`; every rank's result file, by rank.
     On timeout mpirun gets SIGTERM (it stops its ranks), SIGKILL 15 s later."""
@@ -71,18 +58,10 @@ def run_example(script: str, ranks: int, workdir: Path, extra: list[str]) -> lis
     result = workdir / "result"
     command = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, str(EXAMPLES / script),
                *SCRIPTS[script][0], "--result-file", str(result), *extra]
-    proc = subprocess.Popen(command, cwd=workdir, env=own_job_environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        raise
+    # this checkout first on PYTHONPATH: the scripts import their support module by path
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    proc = run_own_job(command, RUN_TIMEOUT, own_job_environment(PYTHONPATH=path), cwd=workdir)
+    out = proc.stdout
     assert proc.returncode == 0, f"{' '.join(command)} exited {proc.returncode}:\n{out[-4000:]}"
     return [torch.load(f"{result}.{r}", weights_only=True) for r in range(ranks)]
 

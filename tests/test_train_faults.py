@@ -33,7 +33,7 @@ from hpcdl import checkpoint as ckpt
 from hpcdl import train
 from hpcdl.data import load_digits_split
 from hpcdl.models import build_model
-from run import mpi_environment  # the settings tests/run.py gives its own jobs
+from run import own_job_environment, run_own_job, stop  # launching jobs of its own
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -138,39 +138,6 @@ CRASH_IN_FIRST_EPOCH_END_WRITE = """
     checkpoint.atomic_save = save_or_crash
     sys.exit(cli.main(sys.argv[1:]))
 """
-
-
-def own_job_environment(**extra: str) -> dict[str, str]:
-    """tests/run.py's `mpi_environment()` without the variables of the MPI job the tests run in,
-    so that a nested `mpirun` starts a job of its own."""
-    settings = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_mpi_yield_when_idle",
-                "PRTE_MCA_rmaps_default_mapping_policy")
-    env = {k: v for k, v in mpi_environment().items()
-           if k in settings or not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-    return {**env, **extra}
-
-
-def run_own_job(command: list[str], timeout: float, env: dict[str, str] | None = None
-                ) -> subprocess.CompletedProcess[str]:
-    """Run an mpirun command to its end, output captured; on timeout mpirun gets SIGTERM (it
-    then stops its ranks), SIGKILL 15 s later, and TimeoutExpired is raised."""
-    proc = subprocess.Popen(command, cwd=ROOT, env=env or own_job_environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        raise
-    return subprocess.CompletedProcess(command, proc.returncode, out, None)
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def on_rank0(comm: MPI.Comm, work: Callable[[], Any]) -> Any:
