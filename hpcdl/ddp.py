@@ -53,7 +53,7 @@ import os
 import time
 import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from mpi4py import MPI
@@ -66,7 +66,7 @@ from .agreement import raise_together, raise_unless_agreed
 from .compression import GradientExchange, resolve
 from .memory import small_pages_warning
 from .reducer import GradientTraffic, Reducer
-from .tensors import as_array, flat_in_memory_order
+from .tensors import as_array, collective_array, flat_in_memory_order
 from .timeline import Timeline
 
 _MB = 1024 * 1024
@@ -104,6 +104,22 @@ _TORCH_ONLY: dict[str, tuple[Any, str]] = {
 #: the old one (its hooks would otherwise go on reducing every backward).
 _OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[DistributedDataParallel]] = \
     weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def broadcast_in_place(tensors: Iterable[torch.Tensor], comm: MPI.Comm, root: int = 0) -> None:
+    """Collective: overwrite each tensor with the root's, in place, one broadcast per tensor over
+    its own memory (a dense copy where it has gaps or overlaps). A tensor the collectives cannot
+    take is refused on every rank (`tensors.collective_array`)."""
+    for tensor in tensors:
+        data = tensor.detach()
+        flat = flat_in_memory_order(data)
+        if flat is None:  # gaps or overlaps: a dense copy travels, then goes back
+            copy = data.contiguous()
+            collectives.broadcast(collective_array(copy), root, comm)
+            data.copy_(copy)
+        else:
+            collectives.broadcast(collective_array(flat), root, comm)
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -239,15 +255,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _broadcast_state(self) -> None:
         """Give every rank rank 0's parameters and buffers (one broadcast per tensor)."""
-        with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                flat = flat_in_memory_order(tensor.data)
-                if flat is None:  # gaps or overlaps: broadcast a dense copy
-                    copy = tensor.data.contiguous()
-                    collectives.broadcast(as_array(copy), 0, self.comm)
-                    tensor.data.copy_(copy)
-                else:
-                    collectives.broadcast(as_array(flat), 0, self.comm)
+        broadcast_in_place([*self.module.parameters(), *self.module.buffers()], self.comm)
 
     @property
     def _buckets(self) -> list[Any]:

@@ -42,9 +42,9 @@ from . import runtime
 from .alltoall import exchange_counts, pairwise_alltoall
 from .compression import FP16
 from .compression import Average as DenseAverage
-from .ddp import check_bucket_options
+from .ddp import broadcast_in_place, check_bucket_options
 from .horovod_optimizer import ScaledExchange, distributed_optimizer
-from .tensors import RefusedTensor, as_array, collective_array, flat_in_memory_order, refusal
+from .tensors import RefusedTensor, as_array, collective_array, refusal
 
 # Horovod's reduction op values (horovod/common/message.h).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -689,7 +689,8 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Overwrite parameters (or any tensors) with root's, in place.
 
     `params`: `model.state_dict()`, `model.named_parameters()`, `model.parameters()`, or a list
-    or dict of tensors. One non-blocking broadcast per tensor, all waited for.
+    or dict of tensors. One broadcast per tensor (`ddp.broadcast_in_place`), after the ranks
+    agree on the tensors.
     """
     if isinstance(params, dict):
         items = sorted(params.items())
@@ -698,26 +699,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     _agree_on_layout("broadcast_parameters", [
         (name if name is not None else f"tensor {i}", tuple(t.shape), str(t.dtype))
         for i, (name, t) in enumerate(items)], root_rank)
-    handles = []
-    copies = []
-    for _, tensor in items:
-        data = tensor.detach()
-        flat = flat_in_memory_order(data)
-        if flat is None:  # gaps or overlaps: a dense copy travels, then goes back
-            flat = data.contiguous().view(-1)
-            copies.append((data, flat))
-        handles.append(collectives.ibroadcast(collective_array(flat), root_rank, _comm()))
-    errors = []
-    for handle in handles:
-        try:
-            handle.wait()
-        except Exception as exc:  # noqa: BLE001 - every broadcast waited for, the first raised
-            errors.append(exc)
-    if errors:
-        raise errors[0]
-    with torch.no_grad():
-        for data, flat in copies:
-            data.copy_(flat.view(data.shape))
+    broadcast_in_place([tensor for _, tensor in items], _comm(), root_rank)
 
 
 def _agree_on_layout(what: str, layout: list[tuple[Any, ...]], root_rank: int,

@@ -67,6 +67,13 @@ class ScaledExchange(GradientExchange):
         return f"ScaledExchange({self.inner!r}, prescale={self.prescale}, postscale={self.postscale})"
 
 
+def _passes_problem(passes: Any) -> str | None:
+    """What is wrong with a backward_passes_per_step value, or None."""
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        return f"backward_passes_per_step must be a positive integer, got {passes!r}"
+    return None
+
+
 class _Synchronizing:
     """What `distributed_optimizer` adds to an optimizer class (first in the subclass's bases)."""
 
@@ -90,8 +97,9 @@ class _Synchronizing:
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Reduce every `passes`-th backward pass (the ones between accumulate locally)."""
-        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
-            raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes!r}")
+        problem = _passes_problem(passes)
+        if problem:
+            raise ValueError(problem)
         self.backward_passes_per_step = passes
         self._hvd_delay = [passes] * len(self._hvd_named)
 
@@ -220,10 +228,9 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
         named = named_optimizer_parameters(optimizer, named_parameters)
     except ValueError as exc:
         named, errors = [], [str(exc)]
-    if (not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool)
-            or backward_passes_per_step < 1):
-        errors.append(f"backward_passes_per_step must be a positive integer, got "
-                      f"{backward_passes_per_step!r}")
+    problem = _passes_problem(backward_passes_per_step)
+    if problem:
+        errors.append(problem)
     # What one rank finds wrong, and parameters or options that differ between ranks (which would
     # pair different buckets), stop every rank here rather than hang at the first step.
     errors += exchange.setup(named, comm)
