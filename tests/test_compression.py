@@ -627,6 +627,7 @@ def test_benchmark_script_writes_json_and_plot(comm, tmp_path_factory):
     threads = torch.get_num_threads()
     try:
         status = benchmark.main(["digits", "--epochs", "1", "--schemes", "none", "topk:0.05",
+                                 "--seed", "0", "1",
                                  "--json", str(out / "d.json"), "--plot", str(out / "d.png")])
     finally:
         torch.set_num_threads(threads)  # main sets one thread per rank when P > 1
@@ -637,5 +638,9 @@ def test_benchmark_script_writes_json_and_plot(comm, tmp_path_factory):
         runs = report["runs"]
         ok = sorted(runs) == ["none", "topk:0.05"] and runs["none"]["grad_ratio"] == 1.0
         ok &= runs["topk:0.05"]["epochs"][0]["grad_density"] > 0.05  # warm-up epoch: 25 %
+        for run in runs.values():  # one run per seed, and their mean
+            finals = run["final_accuracy_by_seed"]
+            ok &= sorted(finals) == ["0", "1"] and run["epochs"][0]["accuracy_by_seed"] == list(finals.values())
+            ok &= run["final_accuracy"] == pytest.approx(sum(finals.values()) / 2)
         ok &= report["command"].startswith("mpirun -n 2 python benchmarks/compression.py digits")
     assert all_ranks_agree(ok, comm), report
