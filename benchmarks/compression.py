@@ -271,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here (rank 0)")
     parser.add_argument("--plot", help="write the accuracy-against-time plot here (rank 0, PNG)")
     args = parser.parse_args(argv)
-    if args.experiment != "digits" and len(args.seed) > 1:
-        parser.error(f"several seeds are for the digits experiment; {args.experiment} takes one")
+    if len(set(args.seed)) != len(args.seed):
+        parser.error(f"--seed {' '.join(map(str, args.seed))}: each seed once")
     if args.experiment != "digits":
+        if len(args.seed) > 1:
+            parser.error(f"several seeds are for the digits experiment; {args.experiment} takes one")
         args.seed = args.seed[0]
 
     topology = hpcdl.init()
