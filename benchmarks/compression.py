@@ -97,13 +97,12 @@ def upscaled_digits():
     return tuple(upscale(d) for d in load_digits_split())
 
 
-def run_digits(schemes: list[str], extra: list[str], args: argparse.Namespace,
-               comm: MPI.Comm) -> dict[str, dict]:
+def run_digits(schemes: list[str], args: argparse.Namespace, comm: MPI.Comm) -> dict[str, dict]:
     """One `hpcdl train` run per scheme and seed; per scheme, the mean over seeds of each epoch's
     metrics with every seed's accuracy, and the final accuracies."""
     runs = {}
     for scheme in schemes:
-        by_seed = {seed: train_digits(scheme, seed, extra, args, comm) for seed in args.seed}
+        by_seed = {seed: train_digits(scheme, seed, args, comm) for seed in args.seed}
         finals = {seed: rows[-1]["accuracy"] for seed, rows in by_seed.items()}
         epochs = [{"epoch": rows[0]["epoch"], "accuracy_by_seed": [r["accuracy"] for r in rows],
                    **{key: float(np.mean([r[key] for r in rows])) for key in AVERAGED_OVER_SEEDS}}
@@ -124,16 +123,16 @@ def run_digits(schemes: list[str], extra: list[str], args: argparse.Namespace,
     return runs
 
 
-def train_digits(scheme: str, seed: int, extra: list[str], args: argparse.Namespace,
-                 comm: MPI.Comm) -> list[dict]:
-    """`hpcdl train --compression scheme --seed seed`: its metrics rows, training seconds made
-    cumulative."""
+def train_digits(scheme: str, seed: int, args: argparse.Namespace, comm: MPI.Comm) -> list[dict]:
+    """`hpcdl train --compression scheme --seed seed --epochs E`: its metrics rows, training
+    seconds made cumulative."""
     from hpcdl import train
 
     path = comm.bcast(tempfile.mktemp(suffix=".jsonl") if comm.Get_rank() == 0 else None)
     flags = [] if args.momentum_correction is None or not scheme.startswith(("topk:", "threshold:")) \
         else ["--momentum-correction" if args.momentum_correction else "--no-momentum-correction"]
-    status = train.main(["--compression", scheme, "--seed", str(seed), "--metrics", path, *flags, *extra])
+    status = train.main(["--compression", scheme, "--seed", str(seed), "--epochs", str(args.epochs),
+                         "--metrics", path, *flags])
     if status != 0:
         raise SystemExit(f"hpcdl train --compression {scheme} --seed {seed} failed with status {status}")
     rows = None
@@ -287,8 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     if args.experiment == "digits":
         args.epochs = args.epochs or 30
-        extra = ["--epochs", str(args.epochs)]
-        runs = run_digits(args.schemes or DIGITS_SCHEMES, extra, args, comm)
+        runs = run_digits(args.schemes or DIGITS_SCHEMES, args, comm)
         title = f"digits CNN, {topology.size} ranks" + (
             f", mean of {len(args.seed)} seeds" if len(args.seed) > 1 else "")
     elif args.experiment == "throughput":
