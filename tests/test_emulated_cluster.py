@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -268,8 +270,18 @@ def test_second_prefix_coexists_and_down_removes_everything(up: str, before: str
 
 
 def test_not_root_cannot_run_here() -> None:
-    result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                             "bash", str(SCRIPT), "up"], capture_output=True, text=True, timeout=30,
-                            env=script_env(f"hpcdlt{os.getpid()}c"))
+    # The unprivileged user runs a readable copy: a checkout inside a private directory (mktemp
+    # -d, /root) would otherwise fail with bash's "Permission denied" instead of the script's refusal.
+    readable = Path(tempfile.mkdtemp(prefix="hpcdl-notroot-"))
+    try:
+        readable.chmod(0o755)
+        script = readable / SCRIPT.name
+        shutil.copyfile(SCRIPT, script)
+        script.chmod(0o644)
+        result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                 "bash", str(script), "up"], capture_output=True, text=True, timeout=30,
+                                cwd=readable, env=script_env(f"hpcdlt{os.getpid()}c"))
+    finally:
+        shutil.rmtree(readable)
     assert result.returncode == CANNOT_RUN and "need root" in result.stderr, result.stderr
     assert namespaces(f"hpcdlt{os.getpid()}c") == []
