@@ -22,7 +22,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
     from .data import synthetic_batch
     from .models import build_model
     from .schedule import scaled_learning_rate
-    from .strategies.allreduce import Allreduce, data_parallel
+    from .strategies.allreduce import Allreduce, build_optimizer, data_parallel
 
     rank, size = topology.rank, topology.size
     args.model = args.model or "resnet"
@@ -32,7 +32,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
     _, settings = Allreduce.configure(vars(args), size)
     ddp = data_parallel(model, comm, settings)
     lr = scaled_learning_rate(args.lr, args.batch_size * size, args.reference_batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = build_optimizer(ddp, torch.optim.SGD(model.parameters(), lr=lr))
     torch.manual_seed(args.seed + 1 + rank)
     data, target = synthetic_batch(args.batch_size, args.image_size)
 
@@ -45,7 +45,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
         f"images 3x{args.image_size}x{args.image_size}")
     say(f"Batch size: {args.batch_size}")
     say(f"Number of ranks: {size}, allreduce algorithm: {args.algorithm}, "
-        f"overlap: {not args.no_overlap}, compression: {ddp.compression!r}")
+        f"overlap: {not args.no_overlap}, compression: {ddp.compression!r}, shard: {ddp.shard}")
     say("Running warmup...", flush=True)
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)
     say("Running benchmark...", flush=True)
