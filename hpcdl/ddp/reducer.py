@@ -118,7 +118,9 @@ class Reducer:
             for bucket in self.buckets:
                 for i, p in enumerate(bucket.params):
                     self._slot[id(p)] = (bucket, i)
-                    if p.grad is not None:
+                    # An in-place gradient stays where autograd left it: a home of its own
+                    # would hold a second copy of the largest gradients for nothing.
+                    if p.grad is not None and not bucket.in_place[i]:
                         view = bucket.view(i)
                         view.copy_(p.grad)
                         p.grad = view

@@ -106,7 +106,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if optimizer.state:  # an optimizer with state (restored, or stepped) keeps it, sharded
             self.load_state_dict(optimizer.state_dict())
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Collective: step this rank's pieces with their averaged gradients, then start the
         allgathers that bring every rank the others' (the next forward waits for each where it
         needs it). `closure`, if given, runs first (its backward synchronizes)."""

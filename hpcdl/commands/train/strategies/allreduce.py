@@ -224,7 +224,8 @@ class Allreduce(Strategy):
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
         else:  # another number of ranks: this job's learning rates, the saved state
-            rates = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in self.optimizer.param_groups]
+            rates: list[dict[str, Any]] = [{k: g[k] for k in ("lr", "initial_lr") if k in g}
+                                           for g in self.optimizer.param_groups]
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             for group, rate in zip(self.optimizer.param_groups, rates):
                 group.update(rate)
