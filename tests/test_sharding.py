@@ -532,3 +532,55 @@ def test_join_refuses_a_scheme_with_error_feedback(comm):
     model = hpcdl.DistributedDataParallel(_net(), comm, compression=hpcdl.compression.TopK(density=0.5))
     with pytest.raises(ValueError, match="dense exchange"):
         model.join()
+
+
+# -- hpcdl train --shard -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_hpcdl_train_shard_trains_as_unsharded(comm, tmp_path):
+    """An epoch with --shard gives the unsharded run's metrics, and its checkpoint holds the
+    unsharded SGD's state (whole momentum buffers)."""
+    from hpcdl.commands import train
+
+    directory = shared_directory(tmp_path, comm)
+    common = ["--epochs", "1", "--batch-size", "64", "--seed", "5"]
+    rows = {}
+    for shard in (None, "gradients"):
+        name = shard or "none"
+        extra = ["--shard", shard, "--checkpoint-dir", str(directory / name)] if shard else []
+        assert train.main(common + ["--metrics", str(directory / f"{name}.csv"), *extra]) == 0
+        comm.Barrier()
+        import csv
+
+        rows[name] = list(csv.DictReader(open(directory / f"{name}.csv")))[0]
+    saved = load_checkpoint(sorted((directory / "gradients").iterdir())[-1])
+    model = saved["model"]
+    whole = all(state["momentum_buffer"].shape == model[name].shape
+                for name, state in zip(model, (saved["optimizer"]["state"][i] for i in range(len(model)))))
+    same = all(abs(float(rows["none"][k]) - float(rows["gradients"][k])) <= 1e-4 * max(1.0, abs(float(rows["none"][k])))
+               for k in ("train_loss", "test_loss", "accuracy", "lr"))
+    assert all_ranks_agree(whole and same, comm), rows
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun jobs; N = 1 job only")
+def test_hpcdl_train_resumes_on_another_number_of_ranks(tmp_path):
+    """3 ranks stop in epoch 2; 2 ranks resume from the end of epoch 1 (the mid-epoch checkpoints are
+    skipped, saying why), resharding the optimizer state, and finish."""
+    import json
+    import sys
+
+    from run import ROOT, own_job_environment, run_own_job
+
+    common = [sys.executable, "-m", "hpcdl", "train", "--epochs", "2", "--batch-size", "96",
+              "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "m.jsonl")]
+    first = run_own_job(["mpirun", "-n", "3", *common, "--shard", "optimizer", "--checkpoint-every", "2",
+                         "--stop-after-steps", "8"], 300, own_job_environment(PYTHONPATH=str(ROOT)))
+    assert first.returncode == 0, first.stdout
+    second = run_own_job(["mpirun", "-n", "2", *common, "--shard", "gradients", "--resume"], 300,
+                         own_job_environment(PYTHONPATH=str(ROOT)))
+    assert second.returncode == 0, second.stdout
+    assert "in the middle of epoch 2" in second.stdout and "on 2 rank(s)" in second.stdout
+    assert "resuming at epoch 2" in second.stdout
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["ranks"]) for r in rows] == [(1, 3), (2, 2)]
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"], rows

@@ -27,7 +27,6 @@ on the ring, 2(P-1)/P N in all, the same as a ring allreduce of the N gradient b
 """
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
@@ -78,7 +77,6 @@ class BucketShard:
     grad: torch.Tensor  # this rank's block of the averaged gradient
     pieces: list[Piece] = field(default_factory=list)
     gather: Handle | None = None  # the allgather after the step, until waited for
-    gather_started: float | None = None
 
     @property
     def lo(self) -> int:
@@ -184,7 +182,7 @@ class Sharding:
     """The shards of one `DistributedDataParallel` with `shard=`: the exchange its reducer uses,
     each bucket's shard and pieces, and the allgathers of the parameters after each step.
 
-    Collective at construction only through nothing: every rank cuts the same buckets alike.
+    Building it sends nothing: every rank cuts the same buckets alike.
     """
 
     def __init__(self, stage: int, buckets: list[Bucket], index: dict[int, int], comm: MPI.Comm,
@@ -201,7 +199,6 @@ class Sharding:
         self._bucket_of = {id(p): s for b, s in zip(buckets, self.shards) for p in b.params}
         #: a synchronized backward has left gradients in the shards since the last zero_grad()
         self.live = False
-        self.gathers_launched = 0
 
     # -- gradients -------------------------------------------------------------------------------
 
@@ -233,10 +230,8 @@ class Sharding:
         self.wait_all()  # a second step() without forward in between: the last gathers first
         for shard in reversed(self.shards):
             space = as_array(shard.space)
-            shard.gather_started = time.perf_counter()
             shard.gather = collectives.iallgatherv(space[shard.lo:shard.hi], self.comm,
                                                    algorithm=self.algorithm, out=space)
-        self.gathers_launched += 1
 
     def wait_for(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Wait for the allgathers of the buckets holding `params` (a module about to run)."""
@@ -274,12 +269,6 @@ class Sharding:
                 handles.append(sub.register_forward_pre_hook(_waiting_hook(me, own)))
         handles.append(module.register_state_dict_pre_hook(_state_dict_hook(me)))
         return handles
-
-    # -- memory ----------------------------------------------------------------------------------
-
-    def gradient_bytes(self) -> int:
-        """Bytes of the shards' gradient blocks on this rank."""
-        return sum(s.grad.numel() * s.grad.element_size() for s in self.shards)
 
 
 def _waiting_hook(sharding: weakref.ref[Sharding], params: list[torch.nn.Parameter]) -> Any:

@@ -262,6 +262,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._shard_hooks = self._sharding.register_forward_waits(module)
         self._join: Join | None = None
         self._join_average = True  # join(): average over the contributing ranks (else over P)
+        self._join_optimizer: torch.optim.Optimizer | None = None  # join(): stepped by a rank without data
         # Parameters frozen when the wrapper was built get no bucket; if one is unfrozen later,
         # its gradient would silently stay local (warned about once).
         self._frozen_at_build = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
