@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -32,28 +31,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from strategies import load, mpi_environment  # benchmarks/strategies.py: the same job settings
+
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("hpcdl", "hpcdl-stage1", "hpcdl-stage2", "torch-zero-gloo", "fsdp2-hpcdl")
 SHARD = {"hpcdl": None, "hpcdl-stage1": "optimizer", "hpcdl-stage2": "gradients"}
 LR = 1e-4
-
-
-def load() -> str:
-    """`uptime`'s load averages (1, 5, 15 minutes)."""
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def mpi_environment() -> dict[str, str]:
-    """Settings for oversubscribed jobs on a small machine (as tests/run.py gives its jobs)."""
-    env = dict(os.environ)
-    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
-    if os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return env
 
 
 # -- inside the mpirun jobs ------------------------------------------------------------------------
@@ -293,8 +276,9 @@ def main() -> int:
         return 0
 
     common = ["--batch", str(args.batch), "--bucket-cap-mb", str(args.bucket_cap_mb)]
-    result: dict[str, Any] = {"ranks": args.ranks, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-                              "batch": args.batch, "optimizer": f"AdamW(lr={LR})", "model": "heavy_mlp (25,263,370 parameters)"}
+    result: dict[str, Any] = {"ranks": args.ranks, "command": " ".join(sys.argv),
+                              "date": time.strftime("%Y-%m-%d"), "batch": args.batch,
+                              "optimizer": f"AdamW(lr={LR})", "model": "heavy_mlp (25,263,370 parameters)"}
     if not args.no_memory:
         memory = {}
         for mode in args.modes:
@@ -308,19 +292,31 @@ def main() -> int:
     if args.timeline:
         speed_argv += ["--timeline", str(Path(args.timeline).resolve())]
     speed = job(args.ranks, speed_argv, timeout=7200)
-    result["speed"] = {"samples_per_s": {m: statistics.median(v) for m, v in speed["rounds"].items()},
-                       "rounds": speed["rounds"], "load_before_after": speed["load"], "overlap": speed["overlap"]}
+    rounds = speed["rounds"]
+    result["speed"] = {"samples_per_s": {m: statistics.median(v) for m, v in rounds.items()},
+                       "ratios": round_ratios(rounds), "rounds": rounds, "load_before_after": speed["load"],
+                       "overlap": speed["overlap"]}
     print_tables(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
+def round_ratios(rounds: dict[str, list[float]]) -> dict[str, float]:
+    """For each sharded mode against unsharded DDP and against ZeroRedundancyOptimizer: the median
+    over rounds of the ratio of their samples/s in the same round. Modes of one round run close
+    together, so the ratio is steadier than the ratio of medians when the machine's load drifts."""
+    pairs = [(a, b) for a in ("hpcdl-stage1", "hpcdl-stage2") for b in ("hpcdl", "torch-zero-gloo")
+             if a in rounds and b in rounds]
+    return {f"{a}/{b}": statistics.median(x / y for x, y in zip(rounds[a], rounds[b])) for a, b in pairs}
+
+
 def print_tables(result: dict[str, Any]) -> None:
     p = result["ranks"]
     if "memory" in result:
         print(f"\nMemory per rank, P={p}, MiB (max over ranks; {result['optimizer']}, batch {result['batch']}/rank)")
-        print("| mode | parameters | optimizer state | gradients after step | gradients, peak in backward | peak RSS | load |")
+        print("| mode | parameters | optimizer state | gradients after step | gradients, peak in backward "
+              "| peak RSS | load |")
         print("|---|---|---|---|---|---|---|")
         for mode, entry in result["memory"].items():
             rows = entry["ranks"]
@@ -333,13 +329,14 @@ def print_tables(result: dict[str, Any]) -> None:
                   f"{mib(most('peak_rss'))} | {entry['load']} |")
     speed = result["speed"]
     rates = speed["samples_per_s"]
+    ratios = speed["ratios"]
     print(f"\nSamples/s in total, P={p}, median of {len(next(iter(speed['rounds'].values())))} rounds; "
-          f"load before/after {speed['load_before_after']}")
-    print("| " + " | ".join(rates) + " | stage1/DDP | stage2/DDP |")
-    print("|---" * (len(rates) + 2) + "|")
-    base = rates.get("hpcdl")
-    ratios = [f"{rates[m] / base:.2f}" if base and m in rates else "-" for m in ("hpcdl-stage1", "hpcdl-stage2")]
-    print("| " + " | ".join(f"{v:.0f}" for v in rates.values()) + " | " + " | ".join(ratios) + " |")
+          f"load before/after {speed['load_before_after']}; ratios: the median over rounds of the "
+          "ratio within each round")
+    print("| " + " | ".join(rates) + " | " + " | ".join(ratios) + " |")
+    print("|---" * (len(rates) + len(ratios)) + "|")
+    print("| " + " | ".join(f"{v:.0f}" for v in rates.values()) + " | "
+          + " | ".join(f"{v:.2f}" for v in ratios.values()) + " |")
     if speed.get("overlap"):
         print(f"\ntimeline: {speed['overlap']['started_during_backward']} of {speed['overlap']['reduce_scatters']} "
               "reduce-scatters started while backward ran")

@@ -66,6 +66,16 @@ def _identical(t: torch.Tensor, comm: MPI.Comm) -> bool:
     return len(set(comm.allgather(hashlib.sha256(t.numpy().tobytes()).hexdigest()))) == 1
 
 
+def _step(model, opt, step: int, comm: MPI.Comm, *, seed: int = 0, stepper=None) -> None:
+    """One step on this rank's share of step `step`'s batch: zero_grad, backward, then
+    `stepper.step()` (LocalSGD) or the optimizer's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = _data(step, size, seed)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(_mine(x, rank)), _mine(y, rank)).backward()
+    (stepper or opt).step()
+
+
 OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=1e-2),
@@ -75,7 +85,7 @@ OPTIMIZERS = {
 def _train(comm: MPI.Comm, make_opt, *, shard=None, seed=0, steps=STEPS, **options):
     """`steps` steps of DDP (sharded or not); the wrapper, its optimizer, and whether ranks were
     bitwise identical after every step."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     net = _net(seed)
     with torch.no_grad():  # different starting points: the constructor's broadcast fixes them
         for p in net.parameters():
@@ -86,10 +96,7 @@ def _train(comm: MPI.Comm, make_opt, *, shard=None, seed=0, steps=STEPS, **optio
         opt = model.shard_optimizer(opt)
     identical = True
     for step in range(steps):
-        x, y = _data(step, size, seed)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(_mine(x, rank)), _mine(y, rank)).backward()
-        opt.step()
+        _step(model, opt, step, comm, seed=seed)
         model.wait_for_parameters()
         identical &= _identical(_flat(net), comm)
     return model, opt, identical
@@ -143,7 +150,6 @@ def test_no_sync_accumulates_micro_batches(comm, shard):
 
 
 def test_param_groups_and_a_scheduler(comm):
-    rank, size = comm.Get_rank(), comm.Get_size()
     results = []
     for shard in (None, "optimizer"):
         model = hpcdl.DistributedDataParallel(_net(), comm, shard=shard, **SMALL)
@@ -154,10 +160,7 @@ def test_param_groups_and_a_scheduler(comm):
         opt = model.shard_optimizer(opt) if shard else opt
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         for step in range(8):
-            x, y = _data(step, size)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(_mine(x, rank)), _mine(y, rank)).backward()
-            opt.step()
+            _step(model, opt, step, comm)
             scheduler.step()
         model.wait_for_parameters()
         results.append((_flat(model.module), [g["lr"] for g in opt.param_groups]))
@@ -258,10 +261,7 @@ def test_timeline_shows_reduce_scatters_and_allgathers(comm, tmp_path):
     model = hpcdl.DistributedDataParallel(_net(), comm, shard="optimizer", timeline=path, **SMALL)
     opt = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     for step in range(2):
-        x, y = _data(step, size)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(_mine(x, rank)), _mine(y, rank)).backward()
-        opt.step()
+        _step(model, opt, step, comm)
     model.wait_for_parameters()
     written = model.write_timeline()
     ok = True
@@ -304,17 +304,13 @@ def test_optimizers_that_cannot_step_a_shard_are_refused_on_every_rank(comm, mak
 
 
 def test_a_vouched_elementwise_optimizer_steps_shards(comm):
-    rank, size = comm.Get_rank(), comm.Get_size()
     results = []
     for shard in (None, "gradients"):
         model = hpcdl.DistributedDataParallel(_net(), comm, shard=shard, **SMALL)
         opt = _SignSGD(model.parameters(), lr=1e-3)
         opt = model.shard_optimizer(opt, elementwise=True) if shard else opt
         for step in range(3):
-            x, y = _data(step, size)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(_mine(x, rank)), _mine(y, rank)).backward()
-            opt.step()
+            _step(model, opt, step, comm)
         model.wait_for_parameters()
         results.append(_flat(model.module))
     assert all_ranks_agree(torch.equal(results[0], results[1]), comm)
@@ -337,7 +333,6 @@ def test_bad_uses_are_refused(comm):
 
 
 def test_an_optimizer_with_state_is_sharded_with_it(comm):
-    rank, size = comm.Get_rank(), comm.Get_size()
     make_opt = OPTIMIZERS["adamw"]
     plain, plain_opt, _ = _train(comm, make_opt, steps=6)
     # the same 3 steps unsharded, then sharded from the optimizer as it stands
@@ -347,10 +342,7 @@ def test_an_optimizer_with_state_is_sharded_with_it(comm):
         if step == 3:
             model = hpcdl.DistributedDataParallel(model.module, comm, shard="optimizer", **SMALL)
             opt = model.shard_optimizer(opt)
-        x, y = _data(step, size)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(_mine(x, rank)), _mine(y, rank)).backward()
-        opt.step()
+        _step(model, opt, step, comm)
     model.wait_for_parameters()
     error = float((_flat(model.module) - _flat(plain.module)).abs().max())
     assert all_ranks_agree(error <= 1e-6, comm), error
@@ -464,10 +456,7 @@ def test_join_averages_over_the_ranks_with_data(comm, shard):
     opt = model.shard_optimizer(opt) if shard else opt
     with model.join(opt):
         for step in range(_batch_counts(size)[rank]):
-            x, y = _data(step, size)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(_mine(x, rank)), _mine(y, rank)).backward()
-            opt.step()
+            _step(model, opt, step, comm)
     model.wait_for_parameters()
     result = _flat(model.module)
     error = float((result - _union_reference(make_opt, size)).abs().max())
@@ -481,10 +470,7 @@ def test_join_without_the_optimizer_ends_with_the_last_ranks_parameters(comm):
     opt = make_opt(model.parameters())
     with model.join():
         for step in range(_batch_counts(size)[rank]):
-            x, y = _data(step, size)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(_mine(x, rank)), _mine(y, rank)).backward()
-            opt.step()
+            _step(model, opt, step, comm)
     result = _flat(model.module)
     error = float((result - _union_reference(make_opt, size)).abs().max())
     assert all_ranks_agree(error <= 1e-6 and _identical(result, comm), comm), error
@@ -501,10 +487,7 @@ def test_join_with_local_sgd(comm, warmup):
     local = hpcdl.LocalSGD(net, opt, comm, period=1, warmup_steps=100 if warmup else 0)
     with local.join():
         for step in range(_batch_counts(size)[rank]):
-            x, y = _data(step, size)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(net(_mine(x, rank)), _mine(y, rank)).backward()
-            local.step()
+            _step(net, opt, step, comm, stepper=local)
     result = _flat(net)
     error = float((result - _union_reference(make_opt, size)).abs().max())
     assert all_ranks_agree(error <= 1e-6 and _identical(result, comm), comm), error
@@ -519,10 +502,7 @@ def test_join_with_local_sgd_period_3_meets_at_averaging_steps(comm):
     local = hpcdl.LocalSGD(net, opt, comm, period=3)
     with local.join():
         for step in range(_batch_counts(size)[rank]):
-            x, y = _data(step, size)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(net(_mine(x, rank)), _mine(y, rank)).backward()
-            local.step()
+            _step(net, opt, step, comm, stepper=local)
     # the last averaging (after step 6 of the longest rank's 2 + 3 (P-1) % 5 ...) is common
     expected = max(_batch_counts(size)) // 3
     assert all_ranks_agree(local.averagings == expected, comm), (local.averagings, expected)
@@ -584,3 +564,33 @@ def test_hpcdl_train_resumes_on_another_number_of_ranks(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["ranks"]) for r in rows] == [(1, 3), (2, 2)]
     assert rows[-1]["accuracy"] > rows[0]["accuracy"], rows
+
+
+class _WithScalar(torch.nn.Module):
+    """A network with a 0-dimensional parameter (a learned temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _net()
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.body(x) * self.temperature
+
+
+def test_state_dict_round_trip_with_a_scalar_parameter(comm):
+    """A gathered state dict loaded back on the same ranks gives every piece its state again."""
+    rank = comm.Get_rank()
+    torch.manual_seed(0)
+    model = hpcdl.DistributedDataParallel(_WithScalar(), comm, shard="gradients", **SMALL)
+    opt = model.shard_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    for step in range(2):
+        _step(model, opt, step, comm)
+    opt.consolidate_state_dict(to=0)
+    gathered = comm.bcast(opt.state_dict() if rank == 0 else None, root=0)
+    ok = gathered["state"][len(gathered["state"]) - 1]["exp_avg"].shape == ()
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    opt.load_state_dict(gathered)
+    ok &= all(before[id(p)].keys() == s.keys() and all(torch.equal(before[id(p)][k], v) for k, v in s.items())
+              for p, s in opt.state.items())
+    assert all_ranks_agree(ok and len(before) == len(opt.state), comm)

@@ -224,7 +224,10 @@ def _cut(whole: dict[str, Any], piece: Piece) -> dict[str, Any]:
     mine: dict[str, Any] = {}
     owner = piece.owner
     for key, value in whole.items():
-        if isinstance(value, torch.Tensor) and value.shape == owner.shape and value.dim() > 0:
+        # Shaped like the parameter: per element. (A scalar parameter's state is all scalars;
+        # torch's optimizers keep one per-parameter scalar there, the step count.)
+        if isinstance(value, torch.Tensor) and value.shape == owner.shape and (
+                value.dim() > 0 or key != "step"):
             laid_out = torch.empty_like(owner, dtype=value.dtype)  # in the parameter's memory order
             laid_out.copy_(value)
             mine[key] = dense_view(laid_out)[piece.start:piece.stop].clone()
