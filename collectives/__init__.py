@@ -23,6 +23,7 @@ _LAZY = {
                                 "iallgatherv", "iallreduce", "ibroadcast", "ireduce",
                                 "ireduce_scatter", "reduce", "reduce_scatter")},
     "agree_completed": "api",
+    "calls_issued": "api",
     "shrink": "api",
     "Handle": "engine",
     "fault_tolerant": "failures",

@@ -28,7 +28,7 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, Callable, NoReturn, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -245,18 +245,24 @@ class _Channel:
         if last is not None and not last.done():
             last.settled()
 
-    def fail(self, collective: str, number: int, exc: MPI.Exception) -> BaseException:
-        """The error call `number` raises for the MPI error `exc`: `exc` itself unless it reports a
-        process failure under ULFM (`failures.failure_of`), else a ProcessFailure. The first one
+    def refuse(self, collective: str, number: int) -> NoReturn:
+        """Raise what call `number` raises on a communicator a process failure ended."""
+        assert self.failure is not None
+        raise self.failure.error(collective, number, self.completed)
+
+    def fail(self, collective: str, number: int, exc: MPI.Exception) -> NoReturn:
+        """Raise what call `number` raises for the MPI error `exc`: `exc` itself unless it reports
+        a process failure under ULFM (`failures.failure_of`), else a ProcessFailure. The first one
         ends the communicator's collectives (`_end`)."""
         with self._failing:
             if self.failure is None:
                 found = failure_of(self.comm, exc)
                 if found is None:
-                    return exc
+                    raise exc
                 self._end(Failure(*found, "the communicator is revoked"))
-            assert self.failure is not None
-            return self.failure.error(collective, number, self.completed)
+            failure = self.failure
+        assert failure is not None
+        raise failure.error(collective, number, self.completed) from exc
 
     def _end(self, failure: Failure) -> None:
         """Record `failure`, revoke the duplicate and the communicators split from it (so that a
@@ -576,19 +582,17 @@ def _run_now(call: _Call, channel: _Channel, lane: _Lane, number: int) -> Any:
 def _guarded(channel: _Channel, collective: str, number: int, work: Callable[..., Any],
              *args: Any) -> Any:
     """Run call `number` on `channel` (`work(*args)`) and count it completed; raise ProcessFailure
-    at once if a process failure ended the communicator, or if the call runs into one."""
+    at once if a process failure ended the communicator, or if the call runs into one.
+    (`_fused_blocking` does the same inline, to keep the small-message path short.)"""
     if channel.failure is not None:
-        raise channel.failure.error(collective, number, channel.completed)
+        channel.refuse(collective, number)
     try:
         result = work(*args)
     except CollectiveArgumentError:  # refused on every rank alike: the call is over everywhere
         channel.completed = number
         raise
     except MPI.Exception as exc:
-        error = channel.fail(collective, number, exc)
-        if error is exc:
-            raise
-        raise error from exc
+        channel.fail(collective, number, exc)
     channel.completed = number
     return result
 
@@ -599,8 +603,15 @@ def _fused_blocking(channel: _Channel, fused: _FusedPlan, x: np.ndarray, out: np
     number = channel.enter()
     try:
         channel.drain()
-        result = _guarded(channel, "allreduce", number, fused.run, channel.blocking, number, site,
-                          x, out)
+        if channel.failure is not None:
+            channel.refuse("allreduce", number)
+        result = fused.run(channel.blocking, number, site, x, out)
+        channel.completed = number
+    except CollectiveArgumentError:
+        channel.completed = number
+        raise
+    except MPI.Exception as exc:
+        channel.fail("allreduce", number, exc)
     finally:
         channel.leave()
     return result
@@ -822,6 +833,15 @@ def shrink(comm: MPI.Comm | None = None) -> MPI.Comm:
     target = _ulfm_target(comm, "shrink")
     agree_completed(target)
     return target.Shrink()
+
+
+def calls_issued(comm: MPI.Comm | None = None) -> int:
+    """How many collective calls this rank has issued on `comm` (None: MPI.COMM_WORLD), blocking
+    and non-blocking alike: the number of the last one, as `ProcessFailure.call` and
+    `agree_completed` count them (0 before the first). Local: a caller notes it where a unit of
+    its work (a training step) starts, to map the agreed number back to that unit."""
+    channel = _existing_channel(MPI.COMM_WORLD if comm is None else comm)
+    return channel.calls if channel is not None else 0
 
 
 def _ulfm_target(comm: MPI.Comm | None, what: str) -> MPI.Comm:

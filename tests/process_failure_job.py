@@ -178,6 +178,7 @@ def run_round(spec: str, index: int, comm: MPI.Comm, made: int, killer: Killer
             record["next_call"] = "ProcessFailure"
         record["next_call_s"] = time.perf_counter() - started
     record["returned"] = calls.returned
+    record["issued"] = collectives.calls_issued(comm) == calls.made
     if failure is not None:
         killed = killer.stamp(index)
         record.update(raised=True, message=str(failure), ranks=list(failure.ranks),

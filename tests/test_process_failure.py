@@ -74,7 +74,7 @@ def check_rounds(tmp_path: Path, ranks: int, rounds: list[str]) -> list[list[dic
             # named in the communicator's numbering and the world's, consistently
             assert r["ranks"] and set(r["world_ranks"]) <= set(victims), where
             assert [members[k] for k in r["ranks"]] == r["world_ranks"], where
-            assert r["completed"] == r["returned"], where
+            assert r["completed"] == r["returned"] and r["issued"], where
             assert r["detect_s"] is not None and r["detect_s"] < DETECTION_BOUND_S, where
             # after shrink: the old communicator refuses at once, the new one computes exactly
             assert r["old_comm_after"] == "ProcessFailure" and r["old_comm_after_s"] < 1.0, where
