@@ -17,7 +17,7 @@ round left (MPI.COMM_WORLD first):
 
 Every survivor prints one line `RESULT {json}` per round with what it saw (tests parse them), then
 leaves with os._exit: Open MPI 5.0.11's MPI_Finalize sometimes hangs in a job that lost a process
-(2 of 24 runs here; open-mpi/ompi#11404), which is not what these tests are about.
+(docs/failures.md#known-limits), which is not what these tests are about.
 `hierarchical` runs on pretend hosts of two consecutive ranks each.
 """
 from __future__ import annotations
