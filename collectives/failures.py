@@ -31,8 +31,8 @@ from .errors import ProcessFailure
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
 
 #: How long a rank that learned of a failure from a revoked communicator waits to learn which
-#: process failed. Open MPI's runtime tells every process of a death; on the reference machine
-#: that took 0.02-4 ms after the revoke arrived (benchmarks/results/process_failure.md).
+#: process failed. Open MPI's runtime tells every process of a death, in messages that arrive
+#: while the process is inside MPI: a few milliseconds here while probing (docs/failures.md).
 KNOWLEDGE_WAIT_S = 2.0
 
 _TRUE = ("1", "t", "true", "y", "yes", "enabled")  # Open MPI's spellings of a true boolean MCA value

@@ -227,8 +227,8 @@ class Link:
         self._scratch = scratch
         self._staging_slot = 0
         self._splits: dict[str, Link | None] = {}
-        #: messages posted by `isend`/`irecv` and not yet completed by `wait`: settled by a `wait`
-        #: that fails, with the ones it was given (a pipelined step posts its next piece first)
+        #: messages posted and not yet completed by `wait` (a pipelined step posts its next piece
+        #: before waiting for this one): what `abandon` settles after an error
         self._posted: list[Pending] = []
 
     # -- sub-communicators -----------------------------------------------------------------------
