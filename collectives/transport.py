@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .buffers import DeviceRuntime
+from .failures import settle
 from .ops import ReduceOp
 from .partition import PIECEWISE_BYTES, cut
 
@@ -178,6 +179,15 @@ def _free_hosts(comm: MPI.Comm, keyval: int, hosts: _Hosts) -> None:
 _HOSTS_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_hosts)
 
 
+def derived_communicators(comm: MPI.Comm) -> list[MPI.Comm]:
+    """The sub-communicators composed algorithms split from `comm` (`Link.split`), if any: a process
+    failure on `comm` ends them too."""
+    hosts = cast("_Hosts | None", comm.Get_attr(_HOSTS_KEYVAL))
+    if hosts is None:
+        return []
+    return [sub for sub in (hosts.node, hosts.leaders) if sub != MPI.COMM_NULL]
+
+
 class Link:
     """One collective's view of its communicator: who I am, whom I talk to, and how.
 
@@ -217,6 +227,9 @@ class Link:
         self._scratch = scratch
         self._staging_slot = 0
         self._splits: dict[str, Link | None] = {}
+        #: messages posted and not yet completed by `wait` (a pipelined step posts its next piece
+        #: before waiting for this one): what `abandon` settles after an error
+        self._posted: list[Pending] = []
 
     # -- sub-communicators -----------------------------------------------------------------------
 
@@ -333,11 +346,13 @@ class Link:
             if self._staged:  # one staging buffer per message: pieces of it, not a slot each
                 host_send = self.mpi_array(send, recv=False)[0]
                 host_recv, landing = self.mpi_array(recv, send=False)
-                requests = [*(self.comm.Irecv([piece, MPI.BYTE], source, self.tag)
-                              for piece in cut(host_recv)),
-                            *(self.comm.Isend([piece, MPI.BYTE], dest, self.tag)
-                              for piece in cut(host_send))]
-                self.wait(*(Pending(request, None) for request in requests))
+                posted = [*(self._post(Pending(self.comm.Irecv([piece, MPI.BYTE], source,
+                                                               self.tag), None))
+                            for piece in cut(host_recv)),
+                          *(self._post(Pending(self.comm.Isend([piece, MPI.BYTE], dest,
+                                                               self.tag), None))
+                            for piece in cut(host_send))]
+                self.wait(*posted)
                 assert landing is not None
                 landing.land()
                 return
@@ -399,20 +414,47 @@ class Link:
             landing.land()
 
     def isend(self, view: Any, dest: int) -> Pending:
-        return Pending(self.comm.Isend(self._outgoing(view), dest, self.tag), None)
+        return self._post(Pending(self.comm.Isend(self._outgoing(view), dest, self.tag), None))
 
     def irecv(self, view: Any, source: int) -> Pending:
         """Post a receive; its data is in `view` once `wait` has returned for it."""
         incoming, landing = self._incoming(view)
-        return Pending(self.comm.Irecv(incoming, source, self.tag), landing)
+        return self._post(Pending(self.comm.Irecv(incoming, source, self.tag), landing))
+
+    def _post(self, pending: Pending) -> Pending:
+        self._posted.append(pending)
+        return pending
 
     def wait(self, *pending: Pending) -> None:
-        """Complete messages from `isend`/`irecv`; staged receives land on the device here."""
+        """Complete messages from `isend`/`irecv`; staged receives land on the device here.
+
+        If MPI reports an error (under ULFM, a process failure), every message this Link still has
+        outstanding is settled first (`abandon`).
+        """
         requests = [p.request for p in pending]
-        if self.patient:
-            complete_patiently(requests, self.patient)
+        try:
+            if self.patient:
+                complete_patiently(requests, self.patient)
+            else:
+                MPI.Request.Waitall(requests)
+        except MPI.Exception:
+            self.abandon()
+            raise
+        posted = self._posted
+        if len(posted) == len(pending):  # the usual case: everything posted was waited for
+            posted.clear()
         else:
-            MPI.Request.Waitall(requests)
+            for p in pending:
+                posted.remove(p)
         for p in pending:
             if p.landing is not None:
                 p.landing.land()
+
+    def abandon(self) -> None:
+        """After an MPI error: settle (`failures.settle`) every message this Link and its sub-Links
+        still have outstanding, so that none writes into a buffer once the collective has raised."""
+        settle(self.comm, [p.request for p in self._posted])
+        self._posted.clear()
+        for link in self._splits.values():
+            if link is not None:
+                link.abandon()

@@ -5,8 +5,9 @@
 
 The first thing to run on a new machine or allocation: it shows which MPI library mpi4py loaded,
 the thread level it granted (non-blocking collectives need `multiple` or `serialized`), whether
-the collectives will hand device pointers to MPI (CUDA-aware) or stage through host memory, the
-GPUs each host has, and how the launcher placed ranks on hosts. Every rank sends its row to rank 0
+the collectives will hand device pointers to MPI (CUDA-aware) or stage through host memory,
+whether a lost rank is reported to the survivors (ULFM, `mpirun --with-ft ulfm`) or ends the job,
+the GPUs each host has, and how the launcher placed ranks on hosts. Every rank sends its row to rank 0
 (one small `gather`), so a launch that went wrong (e.g. N independent one-rank jobs) shows at once.
 """
 from __future__ import annotations
@@ -97,6 +98,10 @@ def format_report(rows: list[RankRow]) -> str:
         + ("" if levels == ["multiple"] else "  (hpcdl needs multiple or serialized)"),
         f"  CUDA-aware MPI  {'yes' if cuda_aware else 'no'}"
         + (f" (HPCDL_CUDA_AWARE={forced})" if forced is not None else " (detected)"),
+        "  fault tolerance " + (
+            "ULFM: a lost rank raises collectives.ProcessFailure on the survivors"
+            if collectives.fault_tolerant() else
+            "off: a lost rank ends the job (mpirun --with-ft ulfm turns ULFM on; docs/failures.md)"),
         "  GPUs            " + "; ".join(
             f"{host}: {len(names)}" + (f" ({', '.join(names)})" if names else "")
             for host, names in gpus_by_host.items()),
