@@ -40,6 +40,14 @@ def pieces_of(count: int, itemsize: int) -> tuple[int, int]:
     return segment, max(-(-count // segment), 1)
 
 
+def cut_bounds(count: int, itemsize: int) -> list[int]:
+    """Where `cut` cuts a message of `count` elements: piece i is [bounds[i], bounds[i+1])."""
+    if count * itemsize <= PIECEWISE_BYTES:
+        return [0, count]
+    step = max(SEGMENT_BYTES // itemsize, 1)
+    return [*range(0, count, step), count]
+
+
 def cut(view: Any) -> list[Any]:
     """`view` (flat) as pieces of at most SEGMENT_BYTES, or whole if at most PIECEWISE_BYTES.
 
@@ -47,5 +55,15 @@ def cut(view: Any) -> list[Any]:
     """
     if view.nbytes <= PIECEWISE_BYTES:
         return [view]
-    step = max(SEGMENT_BYTES // view.dtype.itemsize, 1)
-    return [view[i:i + step] for i in range(0, max(view.shape[0], 1), step)]
+    bounds = cut_bounds(view.shape[0], view.dtype.itemsize)
+    return [view[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+#: A staged device message (MPI not CUDA-aware) is copied between the device and pinned host
+#: memory in staging pieces of about this many bytes, each made of whole pieces of the message on
+#: the wire, so that the copies of one staging piece overlap the transfer of the next
+#: (`staging.py`). Only the copies are cut this way: the messages on the wire are those of any
+#: other rank, so the size is each rank's own choice (`select.staging_piece`). 2 MiB: four
+#: 512 KiB wire pieces per copy, a copy long enough (tens of microseconds over PCIe) to outweigh
+#: the few microseconds of launching it and polling its event.
+STAGING_PIECE_BYTES = 2 << 20

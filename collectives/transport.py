@@ -7,8 +7,9 @@ decided here, once:
 - host arrays: handed to MPI as they are;
 - device arrays with CUDA-aware MPI: handed to MPI as device buffers, after the device work that
   wrote them has finished (`runtime.synchronize`);
-- device arrays without CUDA-aware MPI: staged through pinned host buffers, one per message slot,
-  so MPI only ever sees host memory while arithmetic stays on the device.
+- device arrays without CUDA-aware MPI: staged through pinned host buffers, so MPI only ever sees
+  host memory while arithmetic stays on the device; large messages pipelined, their copies
+  overlapping their transfer on copy streams of their own (`staging.py`).
 
 Messages are typed as bytes, so every dtype (float16 and bfloat16 included) moves the same way.
 """
@@ -26,7 +27,9 @@ from mpi4py import MPI
 
 from .buffers import DeviceRuntime
 from .ops import ReduceOp
-from .partition import PIECEWISE_BYTES, cut
+from .partition import PIECEWISE_BYTES, cut, cut_bounds
+from .select import staging_piece
+from .staging import Stager
 
 
 #: How a patient link waits: this many back-to-back MPI tests, then a sleep between tests.
@@ -216,6 +219,7 @@ class Link:
         self.runtime = runtime
         self._scratch = scratch
         self._staging_slot = 0
+        self._stager: Stager | None = None
         self._splits: dict[str, Link | None] = {}
 
     # -- sub-communicators -----------------------------------------------------------------------
@@ -266,6 +270,16 @@ class Link:
         pinned: np.ndarray = self._scratch.get(self.runtime.pinned_empty, ("pinned",) + slot, count,
                                                dtype)
         return pinned
+
+    @property
+    def stager(self) -> Stager:
+        """The staged pipeline of this Link's large device messages (staged Links only)."""
+        if self._stager is None:
+            assert self.runtime is not None and self._staged
+            self._stager = Stager(self.runtime,
+                                  lambda slot, nbytes: self._pinned(nbytes, np.dtype(np.uint8), slot),
+                                  lambda count, dtype, slot: self.scratch(count, dtype, slot))
+        return self._stager
 
     # -- arithmetic ---------------------------------------------------------------------------
 
@@ -326,20 +340,13 @@ class Link:
         A large message goes as pieces of SEGMENT_BYTES, all posted at once: over TCP one large
         exchange in both directions moved at about half the link rate, the same bytes in pieces at
         the full rate (see docs/algorithms.md). Both sides cut a message the same way, from its
-        length alone. A staged device message is copied to host memory whole and its host copy
-        cut, so staged exchanges are pipelined too (as the cost model prices them).
+        length alone. A staged device message goes as the same pieces, its copies to and from
+        host memory overlapping their transfer (`staging.Stager`).
         """
         if max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:
-            if self._staged:  # one staging buffer per message: pieces of it, not a slot each
-                host_send = self.mpi_array(send, recv=False)[0]
-                host_recv, landing = self.mpi_array(recv, send=False)
-                requests = [*(self.comm.Irecv([piece, MPI.BYTE], source, self.tag)
-                              for piece in cut(host_recv)),
-                            *(self.comm.Isend([piece, MPI.BYTE], dest, self.tag)
-                              for piece in cut(host_send))]
-                self.wait(*(Pending(request, None) for request in requests))
-                assert landing is not None
-                landing.land()
+            if self._staged:
+                self._staged_exchange(send, dest, cut_bounds(send.shape[0], send.dtype.itemsize),
+                                      recv, source, cut_bounds(recv.shape[0], recv.dtype.itemsize))
                 return
             self.wait(*(self.irecv(piece, source) for piece in cut(recv)),
                       *(self.isend(piece, dest) for piece in cut(send)))
@@ -369,6 +376,18 @@ class Link:
             self.sendrecv(send, dest, tmp, source)
             self.combine(recv, tmp, completes=completes)
             return
+        if self._staged:
+            def fold(dst: Any, src: Any) -> None:  # on the device; the Stager synchronizes
+                self.op.combine(self.xp, dst, src)
+                if completes and self.finishes_blocks:
+                    self.op.finalize(self.xp, dst, self.size)
+
+            def bounds(n: int) -> list[int]:
+                return [min(k * segment, n) for k in range(pieces + 1)]
+
+            self._staged_exchange(send, dest, bounds(send.shape[0]), recv, source,
+                                  bounds(recv.shape[0]), fold)
+            return
 
         def post(k: int) -> tuple[Pending, Pending, Any]:
             lo = k * segment
@@ -382,6 +401,13 @@ class Link:
                 ahead = post(k + 1)
             self.wait(incoming, outgoing)
             self.combine(recv[k * segment:(k + 1) * segment], tmp, completes=completes)
+
+    def _staged_exchange(self, send: Any, dest: int, send_bounds: list[int], recv: Any,
+                         source: int, recv_bounds: list[int], fold: Any = None) -> None:
+        self.stager.exchange(self.comm, self.tag, (send, dest, send_bounds),
+                             (recv, source, recv_bounds),
+                             piece_bytes=staging_piece(max(send.nbytes, recv.nbytes)),
+                             fold=fold, patient=self.patient)
 
     def send(self, view: Any, dest: int) -> None:
         if self.patient:
