@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .packet import HEADER_BYTES
-from .partition import PIECEWISE_BYTES, SEGMENT_BYTES, STAGING_PIECE_BYTES, pieces_of
+from .partition import PIECEWISE_BYTES, SEGMENT_BYTES, default_staging_piece, pieces_of
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def staged_whole(nbytes: float) -> Cost:
 def staged_pipeline(nbytes: float) -> Cost:
     """Staging a message sent in pieces, pipelined (`staging.py`): the first staging piece's copy
     out and the last one's copy in are on the critical path, the rest streams beside the wire."""
-    return Cost(staged_copies=2, staged_bytes=2 * min(nbytes, STAGING_PIECE_BYTES),
+    return Cost(staged_copies=2, staged_bytes=2 * min(nbytes, default_staging_piece(int(nbytes))),
                 streamed_bytes=nbytes)
 
 

@@ -60,10 +60,18 @@ def cut(view: Any) -> list[Any]:
 
 
 #: A staged device message (MPI not CUDA-aware) is copied between the device and pinned host
-#: memory in staging pieces of about this many bytes, each made of whole pieces of the message on
-#: the wire, so that the copies of one staging piece overlap the transfer of the next
+#: memory in staging pieces of at most this many bytes, each made of whole pieces of the message
+#: on the wire, so that the copies of one staging piece overlap the transfer of the next
 #: (`staging.py`). Only the copies are cut this way: the messages on the wire are those of any
 #: other rank, so the size is each rank's own choice (`select.staging_piece`). 2 MiB: four
 #: 512 KiB wire pieces per copy, a copy long enough (tens of microseconds over PCIe) to outweigh
 #: the few microseconds of launching it and polling its event.
 STAGING_PIECE_BYTES = 2 << 20
+
+
+def default_staging_piece(nbytes: int) -> int:
+    """The staging piece of a message of `nbytes` without a setting or a model: a quarter of it,
+    so that at least four pieces overlap, but at least one wire piece and at most
+    STAGING_PIECE_BYTES (a 4 MiB message copied as one 2 MiB piece per ring block at P = 2 would
+    overlap nothing)."""
+    return min(STAGING_PIECE_BYTES, max(SEGMENT_BYTES, nbytes // 4))

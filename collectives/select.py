@@ -18,7 +18,7 @@ fastest single-communicator algorithm for the level where the tuning file has a 
 table's row.
 
 `staging_piece` picks the staged path's copy granularity the same way: `HPCDL_STAGING_PIECE_BYTES`,
-else the tuning file's model where it has copy parameters, else `partition.STAGING_PIECE_BYTES`.
+else the tuning file's model where it has copy parameters, else `partition.default_staging_piece`.
 It is each rank's own choice (the messages on the wire do not depend on it).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 from .algorithm import Algorithm
 from .cost_model import LEVELS, ModelParams, best, best_part, model_bytes
 from .cost_model import staging_piece as model_staging_piece
-from .partition import STAGING_PIECE_BYTES
+from .partition import default_staging_piece
 from .registry import ALGORITHMS, COLLECTIVES, single_communicator
 
 BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")
@@ -216,7 +216,7 @@ def staging_piece(nbytes: int) -> int:
 
     `HPCDL_STAGING_PIECE_BYTES` (an integer, bytes) if set; else the piece the tuning file's model
     predicts fastest (`cost_model.staging_piece`) where it has copy parameters (`hpcdl tune` on
-    device buffers measures them); else `partition.STAGING_PIECE_BYTES`. Cached per setting.
+    device buffers measures them); else `partition.default_staging_piece`. Cached per setting.
     """
     return _staging_piece(setting("HPCDL_STAGING_PIECE_BYTES"), setting("HPCDL_TUNING_FILE"),
                           nbytes)
@@ -236,4 +236,4 @@ def _staging_piece(forced: str | None, path: str | None, nbytes: int) -> int:
     params = model_params(path) if path else None
     if params is not None and params.copy_beta > 0:
         return model_staging_piece(nbytes, params)
-    return STAGING_PIECE_BYTES
+    return default_staging_piece(nbytes)

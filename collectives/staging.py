@@ -208,8 +208,11 @@ class _Incoming(_Message):
 
     def blocker(self) -> tuple[bool, Any]:
         pending = self.posted > self.arrived
-        event = self.events[self.landed] if self.landed < self.arrived else None
-        return pending, event
+        if self.landed >= self.arrived:
+            return pending, None
+        if self.after is not None and not self.after.copied_through(self.landed):
+            return pending, self.after.blocker()[1]  # the copy out this piece waits for
+        return pending, self.events[self.landed]
 
 
 class Stager:

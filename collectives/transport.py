@@ -29,7 +29,7 @@ from .buffers import DeviceRuntime
 from .ops import ReduceOp
 from .partition import PIECEWISE_BYTES, cut, cut_bounds
 from .select import staging_piece
-from .staging import Stager
+from .staging import Fold, Stager
 
 
 #: How a patient link waits: this many back-to-back MPI tests, then a sleep between tests.
@@ -403,7 +403,7 @@ class Link:
             self.combine(recv[k * segment:(k + 1) * segment], tmp, completes=completes)
 
     def _staged_exchange(self, send: Any, dest: int, send_bounds: list[int], recv: Any,
-                         source: int, recv_bounds: list[int], fold: Any = None) -> None:
+                         source: int, recv_bounds: list[int], fold: Fold | None = None) -> None:
         self.stager.exchange(self.comm, self.tag, (send, dest, send_bounds),
                              (recv, source, recv_bounds),
                              piece_bytes=staging_piece(max(send.nbytes, recv.nbytes)),
