@@ -13,19 +13,21 @@ size, taking turns round after round on the same two ranks:
 
 - `exchange`: one staged `Link.sendrecv` between the two ranks (a ring all-gather step), with
   staging piece 0 (`whole`: copy the whole message out, send it, copy it in: what the staged path
-  did before it was pipelined) and with the default piece (`pipelined`); and the wire reference
-  `wire`: on the fake device the pipeline with free copies (the wire and the host's own work,
-  nothing to hide), on the GPU the same exchange between host buffers;
+  did before it was pipelined) and with the default piece (`pipelined`: a quarter of the message,
+  512 KiB to 2 MiB, `partition.default_staging_piece`); and, for each, the wire
+  reference: on the fake device the same variant with free copies (the wire and the host's own
+  work: `wire whole`, `wire piped`), on the GPU the same exchange between host buffers (`wire`);
 - `reduce step`: the same for `Link.sendrecv_combine` (a ring reduce-scatter step, folding on the
   device);
 - `ring allreduce`: `collectives.allreduce(..., algorithm="ring")` of the size, whole against
   pipelined (measured only).
 
-Predicted: the `wire` times fitted as a line (`calibrate.fit`: intercept a, slope b per byte),
-then `a + cost_model.staging_seconds(n, piece, params)` with b as beta and the copies' cost as
-copy_alpha, copy_beta (simulated on the fake device; measured in the same run with
-`calibrate.measure_staging` on the GPU); the ratio whole/pipelined, measured and predicted, is
-what the run is judged by. The fake device's bytes really move (NumPy copies on the host thread),
+Predicted: `cost_model.staging_seconds(n, piece, params)` with the variant's wire reference at
+that size as n * beta and the copies' cost as copy_alpha, copy_beta (simulated on the fake
+device; measured in the same run with `calibrate.measure_staging` on the GPU): whole, the two
+copies and the wire one after another; pipelined, the first copy out and the last copy in
+around the slower of the wire and the copies. The ratio whole/pipelined, measured and predicted,
+is what the run is judged by. The fake device's bytes really move (NumPy copies on the host thread),
 so there every variant also pays host memory bandwidth that a GPU's copy engines would not take.
 """
 from __future__ import annotations
@@ -50,10 +52,11 @@ from collectives.buffers import device_runtime  # noqa: E402
 from collectives.calibrate import fit, measure_staging  # noqa: E402
 from collectives.cost_model import ModelParams, staging_seconds  # noqa: E402
 from collectives.ops import OPS  # noqa: E402
-from collectives.partition import STAGING_PIECE_BYTES, pieces_of  # noqa: E402
+from collectives.partition import default_staging_piece, pieces_of  # noqa: E402
 from collectives.transport import Link, ScratchPool  # noqa: E402
 
-VARIANTS = {"whole": 0, "pipelined": STAGING_PIECE_BYTES}
+#: HPCDL_STAGING_PIECE_BYTES of each variant: 0, copy whole; None, unset (the default piece)
+VARIANTS: dict[str, int | None] = {"whole": 0, "pipelined": None}
 
 
 def timed(comm: MPI.Comm, fn: Callable[[], Any], calls: int) -> list[float]:
@@ -103,8 +106,11 @@ def main() -> None:
                 scratch=ScratchPool(), tag=8)
     times: dict[tuple[str, int, str], list[float]] = {}
 
-    def variant(piece: int, cost: bool) -> None:
-        os.environ["HPCDL_STAGING_PIECE_BYTES"] = str(piece)
+    def variant(piece: int | None, cost: bool) -> None:
+        if piece is None:
+            os.environ.pop("HPCDL_STAGING_PIECE_BYTES", None)
+        else:
+            os.environ["HPCDL_STAGING_PIECE_BYTES"] = str(piece)
         if fake:
             runtime.copy_bandwidth = bandwidth if cost else None
             runtime.copy_latency = latency if cost else 0.0
@@ -137,11 +143,13 @@ def main() -> None:
             allreduce = {"device": lambda: collectives.allreduce(x, algorithm="ring", out=x)}
             operations = {"exchange": exchange, "reduce step": reduce_step, "ring allreduce": allreduce}
             runs = [(op, name, piece, True) for op in operations for name, piece in VARIANTS.items()]
-            runs += [(op, "wire", STAGING_PIECE_BYTES, False) for op in operations
-                     if op != "ring allreduce"]
+            wires = {f"wire {name}": piece for name, piece in VARIANTS.items()} if fake else \
+                {"wire": None}
+            runs += [(op, name, piece, False) for op in operations if op != "ring allreduce"
+                     for name, piece in wires.items()]
 
             def run(op: str, name: str) -> Callable[[], Any]:
-                return operations[op]["host" if name == "wire" and not fake else "device"]
+                return operations[op]["host" if name == "wire" else "device"]
 
             for op, name, piece, cost in runs:  # warm-up: pinned slots, scratch, streams
                 variant(piece, cost)
@@ -158,33 +166,35 @@ def main() -> None:
     median = {key: float(np.median(v)) for key, v in times.items()}
     rows = []
     copies_are = "simulated" if fake else "measured"
-    wire_is = "free copies" if fake else "host buffers"
+    wire_is = "each variant with free copies" if fake else "host buffers"
     lines = [f"# 2 ranks, {args.device} device; copies ({copies_are}) {bandwidth / 1e9:.3g} GB/s + "
              f"{latency * 1e6:.3g} us; wire: {wire_is}; median ms (slowest rank) of {args.rounds} x "
              f"{args.calls} calls; load {load:.2f}",
-             f"{'operation':<15}{'MiB':>5}{'whole':>10}{'pipelined':>11}{'wire':>9}"
-             f"{'ratio':>8}{'predicted':>11}"]
+             f"{'operation':<15}{'MiB':>5}{'whole':>9}{'pipelined':>11}{'wire whole':>12}"
+             f"{'wire piped':>12}{'ratio':>8}{'predicted':>11}"]
     for op in ("exchange", "reduce step", "ring allreduce"):
-        if op != "ring allreduce":
-            wire_a, wire_b = fit([((s << 20), median[(op, s, "wire")]) for s in args.sizes_mib])
-            params = ModelParams(alpha=0.0, beta=wire_b, gamma=0.0, copy_alpha=latency,
-                                 copy_beta=1 / bandwidth)
         for size in args.sizes_mib:
             whole, piped = median[(op, size, "whole")], median[(op, size, "pipelined")]
-            row = {"operation": op, "bytes": size << 20, "whole_s": whole, "pipelined_s": piped,
-                   "ratio": whole / piped}
+            row: dict[str, Any] = {"operation": op, "bytes": size << 20, "whole_s": whole,
+                                   "pipelined_s": piped, "ratio": whole / piped}
             if op != "ring allreduce":
                 nbytes = size << 20
-                predicted = {name: wire_a + staging_seconds(nbytes, piece, params)
-                             for name, piece in VARIANTS.items()}
-                row.update(wire_s=median[(op, size, "wire")],
+                wire = {name: median[(op, size, f"wire {name}" if fake else "wire")]
+                        for name in VARIANTS}
+                predicted = {name: staging_seconds(
+                    nbytes, default_staging_piece(nbytes) if piece is None else piece,
+                    ModelParams(alpha=0.0, beta=wire[name] / nbytes, gamma=0.0,
+                                copy_alpha=latency, copy_beta=1 / bandwidth))
+                    for name, piece in VARIANTS.items()}
+                row.update(wire_whole_s=wire["whole"], wire_pipelined_s=wire["pipelined"],
                            predicted_whole_s=predicted["whole"],
                            predicted_pipelined_s=predicted["pipelined"],
                            predicted_ratio=predicted["whole"] / predicted["pipelined"])
             rows.append(row)
-            wire = f"{row['wire_s'] * 1e3:9.2f}" if "wire_s" in row else f"{'':9}"
+            wires = f"{row['wire_whole_s'] * 1e3:12.2f}{row['wire_pipelined_s'] * 1e3:12.2f}" \
+                if "wire_whole_s" in row else f"{'':24}"
             pred = f"{row['predicted_ratio']:10.2f}x" if "predicted_ratio" in row else ""
-            lines.append(f"{op:<15}{size:>5}{whole * 1e3:10.2f}{piped * 1e3:11.2f}{wire}"
+            lines.append(f"{op:<15}{size:>5}{whole * 1e3:9.2f}{piped * 1e3:11.2f}{wires}"
                          f"{row['ratio']:7.2f}x{pred}")
     print("\n".join(lines))
     if args.json:
@@ -192,7 +202,8 @@ def main() -> None:
             "command": "mpirun -n 2 python benchmarks/staging.py " + " ".join(sys.argv[1:]),
             "device": args.device, "copy_gbps": bandwidth / 1e9, "copy_latency_us": latency * 1e6,
             "copies": copies_are, "wire": wire_is,
-            "staging_piece_bytes": STAGING_PIECE_BYTES, "load_average": load,
+            "staging_pieces": {str(s << 20): default_staging_piece(s << 20) for s in args.sizes_mib},
+            "load_average": load,
             "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1) + "\n")
 
 

@@ -23,7 +23,7 @@ from collectives.cost import check as check_cost
 from collectives.cost_model import (DEFAULT_ROW_SIZES, STAGING_PIECES, Cost, ModelParams, best, cost,
                                     decision_rows, model_bytes, model_crossover, modelled_algorithms,
                                     predict, staging_piece, staging_seconds, thresholds)
-from collectives.partition import SEGMENT_BYTES, STAGING_PIECE_BYTES
+from collectives.partition import SEGMENT_BYTES, STAGING_PIECE_BYTES, default_staging_piece
 from conftest import all_ranks_agree
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -115,13 +115,15 @@ def test_counts_match_hand_computed(case: tuple[str, str, int, int]) -> None:
 
 #: (collective, algorithm, nbytes, P) -> (staged copies, staged bytes, streamed bytes) on the
 #: critical path, float32: a message sent whole is copied out and in whole; one in pieces only
-#: its first staging piece out and its last in (STAGING_PIECE_BYTES, 2 MiB), the rest streams.
+#: its first staging piece out and its last in (a quarter of it, between 512 KiB and 2 MiB:
+#: partition.default_staging_piece), the rest streams.
 STAGING = {
-    # 8 MiB over 2: the 4 MiB reduce step and the 4 MiB gather step are both pipelined
-    ("allreduce", "ring", 8 * MIB, 2): (4, 4 * 2 * MIB, 8 * MIB),
-    # 2 MiB over 2: the 1 MiB block's reduce step is pipelined (2 pieces); the gather step's
-    # 1 MiB message goes whole
-    ("allreduce", "ring", 2 * MIB, 2): (4, 2 * MIB + 2 * MIB, MIB),
+    # 8 MiB over 2: the 4 MiB reduce step and the 4 MiB gather step are both pipelined, in
+    # staging pieces of 1 MiB
+    ("allreduce", "ring", 8 * MIB, 2): (4, 4 * MIB, 8 * MIB),
+    # 2 MiB over 2: the 1 MiB block's reduce step is pipelined (two 512 KiB pieces); the gather
+    # step's 1 MiB message goes whole
+    ("allreduce", "ring", 2 * MIB, 2): (4, MIB + 2 * MIB, MIB),
     # tree over 5: 3 rounds up and 3 down, every message whole
     ("allreduce", "tree", 4096, 5): (12, 12 * 4096, 0),
     # butterfly over 5: fold in and out whole around 2 rounds of 8 KiB, sent whole
@@ -199,7 +201,9 @@ def test_staging_piece_setting_and_tuning_file(tuning_file: Any, monkeypatch: py
     select._staging_piece.cache_clear()
     monkeypatch.delenv("HPCDL_STAGING_PIECE_BYTES", raising=False)
     tuning_file({"model": CLUSTER.as_dict()})  # no copy costs: the default
-    assert select.staging_piece(256 * MIB) == STAGING_PIECE_BYTES
+    assert select.staging_piece(256 * MIB) == STAGING_PIECE_BYTES == default_staging_piece(256 * MIB)
+    assert select.staging_piece(2 * MIB) == SEGMENT_BYTES == default_staging_piece(2 * MIB)
+    assert default_staging_piece(6 * MIB) == 6 * MIB // 4
     costly = dataclasses.replace(CLUSTER, copy_alpha=5e-4, copy_beta=4e-11)
     tuning_file({"model": costly.as_dict()})
     assert select.staging_piece(256 * MIB) == staging_piece(256 * MIB, costly) != STAGING_PIECE_BYTES
