@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent
 class BuildWithTemplates(build_py):
     """Also copy the SLURM templates (slurm/*.j2, where users read and edit them) into the built
     package as hpcdl/slurm_templates/, so `hpcdl slurm render` works from an installed wheel.
-    An editable install reads them from the checkout's slurm/ instead (hpcdl/slurm.py)."""
+    An editable install reads them from the checkout's slurm/ instead (hpcdl/commands/slurm.py)."""
 
     def run(self) -> None:
         super().run()
@@ -51,5 +51,5 @@ setup(
         "bench": ["matplotlib>=3.7"],
         "gpu": ["cupy-cuda12x>=13"],  # the CuPy wheel for CUDA 12; pick cupy-cuda11x etc. to match
     },
-    entry_points={"console_scripts": ["hpcdl=hpcdl.cli:main"]},
+    entry_points={"console_scripts": ["hpcdl=hpcdl.commands.cli:main"]},
 )

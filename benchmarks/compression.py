@@ -68,7 +68,7 @@ def build(scheme: str, args: argparse.Namespace, comm: MPI.Comm):
     """The heavy MLP wrapped with `scheme`, and its SGD optimizer (checked against the scheme)."""
     import torch
 
-    from hpcdl.models import heavy_mlp
+    from hpcdl.commands.train.models import heavy_mlp
     from hpcdl.compression import from_spec
 
     torch.manual_seed(args.seed)
@@ -87,7 +87,7 @@ def upscaled_digits():
     import torch
     import torch.nn.functional as F
 
-    from hpcdl.data import load_digits_split
+    from hpcdl.commands.train.data import load_digits_split
 
     def upscale(dataset):
         x, y = dataset.tensors
@@ -126,7 +126,7 @@ def run_digits(schemes: list[str], args: argparse.Namespace, comm: MPI.Comm) -> 
 def train_digits(scheme: str, seed: int, args: argparse.Namespace, comm: MPI.Comm) -> list[dict]:
     """`hpcdl train --compression scheme --seed seed --epochs E`: its metrics rows, training
     seconds made cumulative."""
-    from hpcdl import train
+    from hpcdl.commands import train
 
     path = comm.bcast(tempfile.mktemp(suffix=".jsonl") if comm.Get_rank() == 0 else None)
     flags = [] if args.momentum_correction is None or not scheme.startswith(("topk:", "threshold:")) \
@@ -150,8 +150,8 @@ def run_mlp(schemes: list[str], args: argparse.Namespace, comm: MPI.Comm) -> dic
     import torch
     import torch.nn.functional as F
 
-    from hpcdl.data import epoch_batches, shard_sampler
-    from hpcdl.train import evaluate
+    from hpcdl.commands.train.data import epoch_batches, shard_sampler
+    from hpcdl.commands.train import evaluate
 
     rank, size = comm.Get_rank(), comm.Get_size()
     train_set, test_set = upscaled_digits()

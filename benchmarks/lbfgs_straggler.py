@@ -48,7 +48,7 @@ from mpi4py import MPI
 
 import collectives
 from hpcdl.optim import DistributedLBFGS
-from hpcdl.tensors import as_array
+from hpcdl.comm.tensors import as_array
 
 
 class StaticSplitLBFGS(DistributedLBFGS):

@@ -95,7 +95,7 @@ def run_one(strategy: str, condition: str, args: argparse.Namespace, work: Path)
     ranks = WORKERS + (1 if strategy in SERVER_STRATEGIES else 0)
     work.mkdir(parents=True, exist_ok=True)
     metrics = work / f"{strategy}-{condition}.jsonl"
-    train = ["hpcdl", "train"] if args.installed else [sys.executable, "-m", "hpcdl.cli", "train"]
+    train = ["hpcdl", "train"] if args.installed else [sys.executable, "-m", "hpcdl", "train"]
     command = [*launcher(ranks, args.emulated), *train, *strategy_options(strategy, args),
                "--epochs", str(args.epochs), "--seed", str(args.seed), "--metrics", str(metrics)]
     if condition == "straggler":

@@ -11,9 +11,9 @@ Every mode runs in this one invocation on the same ranks:
   hpcdl        hpcdl.DistributedDataParallel, buckets reduced during backward
   hpcdl-nolap  the same with overlap=False (all buckets after backward)
   torch-ddp    torch.nn.parallel.DistributedDataParallel, gloo backend (torch.distributed set up
-               from our MPI rank and size by hpcdl/torch_gloo.py)
+               from our MPI rank and size by hpcdl/runtime/rendezvous.py)
   torch-ddp-hpcdl  torch's DistributedDataParallel over the "hpcdl" torch.distributed backend
-               (hpcdl/torch_distributed.py: a process group of all ranks on hpcdl's collectives,
+               (hpcdl/torch_distributed/: a process group of all ranks on hpcdl's collectives,
                --algorithm for its allreduce)
 Models: "cnn" (2 conv + 2 fc, 1.2 M params, 1x28x28 input) and "mlp" (784-4096-4096-1280-10,
 25.3 M params, communication-heavy). Batch 32 per rank, synthetic data, SGD with momentum;
@@ -40,8 +40,8 @@ from mpi4py import MPI
 from torch import nn
 
 import hpcdl
-from hpcdl.models import heavy_mlp
-from hpcdl.torch_gloo import init_torch_distributed
+from hpcdl.commands.train.models import heavy_mlp
+from hpcdl.runtime.rendezvous import init_gloo
 
 MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # ranks share the cores; more threads only contend
     hpcdl_group = None
     if "torch-ddp" in args.modes or "torch-ddp-hpcdl" in args.modes:
-        init_torch_distributed(comm)  # gloo's default group; its store serves the hpcdl group too
+        init_gloo(comm)  # gloo's default group; its store serves the hpcdl group too
     if "torch-ddp-hpcdl" in args.modes:
         hpcdl_group = dist.new_group(backend="hpcdl", pg_options={"allreduce": args.algorithm})
 

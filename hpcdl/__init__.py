@@ -1,7 +1,22 @@
-"""hpcdl: synchronous data-parallel deep learning over MPI, on hand-written collectives."""
-from typing import Any
+"""hpcdl: synchronous data-parallel deep learning over MPI, on hand-written collectives.
 
-from .memory import request_huge_pages
+The layers, each one folder, each importing only those below it (docs/design.md):
+
+    commands/           the `hpcdl` command: train, bench, tune, info, slurm
+    horovod/ torch_distributed/                   front ends: Horovod's API, a torch.distributed backend
+    compression/ local_sgd parameter_server/ parallel/ optim/             the strategies
+    ddp/                DistributedDataParallel: wrapper, reducer, buckets, the exchange-hook contract
+    comm/ runtime/      collectives on tensors; init, launch checks, agreement, stalls, checkpoints
+    collectives         (a package of its own, no torch) the hand-written collectives
+
+This module only offers the public names, imported on first use.
+"""
+from typing import TYPE_CHECKING, Any
+
+from .runtime.memory import request_huge_pages
+
+if TYPE_CHECKING:
+    from .runtime.process import Topology
 
 request_huge_pages()  # before torch's first allocation, wherever hpcdl is imported first
 
@@ -19,20 +34,39 @@ __version__ = "0.1.0"
 #: imports mpi4py.MPI, which initializes it) before a program asks for it: `hpcdl tune --predict`
 #: and `hpcdl slurm render` run on a login node without an MPI job.
 _LAZY = {
-    **{name: ".runtime" for name in ("Topology", "abort", "init", "local_rank", "local_size", "rank",
-                                     "size", "thread_level", "topology")},
+    **{name: ".runtime.process" for name in ("Topology", "abort", "local_rank", "local_size", "rank",
+                                             "size", "thread_level", "topology")},
     "DistributedDataParallel": ".ddp",
     "LocalSGD": ".local_sgd",
     "ParameterServer": ".parameter_server",
-    "ProcessGrid": ".grid",
+    "ProcessGrid": ".parallel",
     "init_torch_distributed": ".torch_distributed",
     # the collectives on torch tensors (and, untouched, on any array); torch-free for arrays
-    **{name: ".torch_collectives" for name in _COLLECTIVES},
+    **{name: ".comm.tensor_collectives" for name in _COLLECTIVES},
     "compression": None,  # submodules and subpackages
     "horovod": None,
     "optim": None,
     "parallel": None,
 }
+
+
+def init(*, abort_on_exception: bool = True) -> "Topology":
+    """Initialize MPI (idempotent) and return this rank's `Topology` (hpcdl/runtime/process.py).
+
+    With torch already imported, "hpcdl" also becomes a torch.distributed backend name, so that
+    `torch.distributed.init_process_group("hpcdl")` works next (hpcdl/torch_distributed/).
+    """
+    import sys
+
+    from .runtime import process
+
+    topology = process.init(abort_on_exception=abort_on_exception)
+    if "torch" in sys.modules:  # never import torch here
+        try:
+            from . import torch_distributed  # noqa: F401 - registers the backend on import
+        except ImportError:  # a torch build without torch.distributed
+            pass
+    return topology
 
 
 def __getattr__(name: str) -> Any:

@@ -156,8 +156,7 @@ rc=$?
 record setup "$([ $rc = 0 ] && echo ok || echo failed)" "$rc" "$start" -
 sed 's/^/   setup: /' "$WORK/setup.log"
 
-CLI=$("$PY" -c "import importlib.util as u; print('hpcdl.commands.cli' if u.find_spec('hpcdl.commands') else 'hpcdl.cli')" 2>/dev/null || echo hpcdl.cli)
-HPCDL=("$PY" "${DEV[@]}" -m "$CLI")
+HPCDL=("$PY" "${DEV[@]}" -m hpcdl)  # the `hpcdl` command of this checkout (no install needed)
 
 # -- the steps (time boxes in seconds add up to 435) ---------------------------------------------
 step environment 15 "$PY" "${DEV[@]}" scripts/gpu_check.py environment --json "$WORK/environment.json"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.atomic_file import write_atomically
+from hpcdl.runtime.atomic_file import write_atomically
 
 
 def test_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`hpcdl bench` (hpcdl/bench.py, collective_timing.py, torch_gloo.py): results checked exactly,
+"""`hpcdl bench` (hpcdl/commands/bench/, timing/, hpcdl/runtime/rendezvous.py): results checked exactly,
 broken algorithms caught, files written, bad arguments refused.
 
 Runs on every rank of `mpirun -n N` (tests/run.py); `main` and `measure` are collective. Sizes
@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import hpcdl.memory
-import hpcdl.runtime
+import hpcdl.runtime.memory
+import hpcdl.runtime.process
 from arrays import BACKENDS, fake_cupy_module
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS
 from conftest import all_ranks_agree, from_rank0, shared_directory
-from hpcdl import bench
-from hpcdl.collective_timing import (EXACT_INTEGER, Case, Measurement, algorithms_of, bus_factor,
-                                     measure, peak_bytes, reduced_table, value_table)
-from hpcdl.torch_gloo import advertised_host, gloo_unavailable_reason, interface_ipv4
+from hpcdl.commands import bench
+from hpcdl.commands.timing import Case, Measurement, algorithms_of, bus_factor, measure, peak_bytes
+from hpcdl.commands.timing.exact import EXACT_INTEGER, reduced_table, value_table
+from hpcdl.runtime.rendezvous import advertised_host, gloo_unavailable_reason, interface_ipv4
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
 
@@ -287,7 +287,7 @@ def test_a_sweep_that_cannot_fit_is_refused_on_every_rank(comm: MPI.Comm,
     """Memory is checked up front against the largest row, and a rank whose host lacks it stops
     every rank before anything is allocated (it used to be killed halfway, by the OOM killer)."""
     last = comm.Get_rank() == comm.Get_size() - 1
-    monkeypatch.setattr(hpcdl.memory, "available_bytes", lambda: (100 if last else 10 ** 6) * 2 ** 20)
+    monkeypatch.setattr(hpcdl.runtime.memory, "available_bytes", lambda: (100 if last else 10 ** 6) * 2 ** 20)
     status = bench.main(["-b", "8", "-e", "64M", "-A", "ring", "pickle", "-n", "1", "--rounds", "1"])
     err = from_rank0(comm, capsys.readouterr().err)
     assert status == 2
@@ -322,7 +322,7 @@ def test_device_gpu_over_a_fake_gpu(comm: MPI.Comm, tmp_path: Path, monkeypatch:
                                     cuda_aware: bool) -> None:
     """--device gpu end to end, on CuPy-like arrays whose memory is host memory (CI has no GPU)."""
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
-    monkeypatch.setattr(hpcdl.runtime, "_topology", None)  # bind "the GPU" afresh, undone after
+    monkeypatch.setattr(hpcdl.runtime.process, "_topology", None)  # bind "the GPU" afresh, undone after
     with BACKENDS[f"fake-device-{'aware' if cuda_aware else 'staged'}"].installed() as runtime:
         status, report = run_json(comm, tmp_path, *TINY, "--device", "gpu", "-C", "all", "-c",
                                   "--inplace", "--out-of-place")

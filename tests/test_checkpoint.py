@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcdl import checkpoint as ckpt
+from hpcdl.runtime import checkpoint as ckpt
 from conftest import all_ranks_agree, shared_directory
 
 

@@ -20,9 +20,10 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
+import hpcdl.ddp.wrapper
 from conftest import all_ranks_agree, from_rank0, shared_directory
-from hpcdl import train
-from hpcdl.compression import (BF16, FP16, Average, GradientExchange, Link, SparseExchange, Threshold,
+from hpcdl.commands import train
+from hpcdl.compression import (BF16, FP16, Average, GradientExchange, ExchangeLink, SparseExchange, Threshold,
                                TopK, from_spec)
 from hpcdl.compression.sparse import add_in_rank_order
 from hpcdl.compression.threshold import decode_signed_indices, encode_signed_indices
@@ -93,7 +94,7 @@ class _Recorder:
         self.payloads: list[tuple[tuple[str, ...], torch.Tensor]] = []
         self._names: tuple[str, ...] = ()
         real_launch = SparseExchange.launch
-        real_allgatherv = Link.allgatherv
+        real_allgatherv = ExchangeLink.allgatherv
         recorder = self
 
         def launch(scheme, bucket, link):
@@ -105,7 +106,7 @@ class _Recorder:
             return real_allgatherv(link, tensor)
 
         monkeypatch.setattr(SparseExchange, "launch", launch)
-        monkeypatch.setattr(Link, "allgatherv", allgatherv)
+        monkeypatch.setattr(ExchangeLink, "allgatherv", allgatherv)
 
 
 def _sent_per_parameter(scheme: SparseExchange, payloads, shapes: dict[str, torch.Size]) -> dict:
@@ -351,7 +352,7 @@ def test_in_place_large_gradients_give_the_same_bits(comm, monkeypatch, name):
     (the sparse schemes select per parameter and gather exactly, so the layout cannot matter)."""
     steps = _batches(comm.Get_size(), 3)
     fused, _ = _train(comm, steps, _optimizer_for(name), compression=SCHEMES[name]())
-    monkeypatch.setattr(hpcdl.ddp, "IN_PLACE_BYTES", 1024)  # 0.weight, 2.weight in place
+    monkeypatch.setattr(hpcdl.ddp.wrapper, "IN_PLACE_BYTES", 1024)  # 0.weight, 2.weight in place
     solo, identical = _train(comm, steps, _optimizer_for(name), compression=SCHEMES[name]())
     assert solo.bucket_layout() != fused.bucket_layout()
     same = all(torch.equal(p, q) for p, q in zip(solo.parameters(), fused.parameters()))
@@ -405,7 +406,7 @@ def test_hpcdl_train_resumes_a_compressed_run_exactly(tmp_path, comm):
     assert train.main(killed + ["--stop-after-steps", str(stop)]) == 0
     assert train.main(killed + ["--resume"]) == 0
     comm.Barrier()
-    from hpcdl.checkpoint import checkpoint_path, load_checkpoint
+    from hpcdl.runtime.checkpoint import checkpoint_path, load_checkpoint
 
     whole = load_checkpoint(checkpoint_path(directory / "whole", 2 * steps_per_epoch))
     resumed = load_checkpoint(checkpoint_path(directory / "killed", 2 * steps_per_epoch))

@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
+import hpcdl.ddp.wrapper
 from conftest import all_ranks_agree
 
 pytestmark = pytest.mark.mpi
@@ -106,7 +107,7 @@ def test_matches_single_process_with_full_batch(comm, optimizer):
 
 
 def test_buckets_reduced_in_chunks(comm, monkeypatch):
-    monkeypatch.setattr(hpcdl.ddp, "CHUNK_BYTES", 256)  # 64 floats: most buckets split
+    monkeypatch.setattr(hpcdl.ddp.wrapper, "CHUNK_BYTES", 256)  # 64 floats: most buckets split
     steps = _batches(comm.Get_size())
     make_opt = OPTIMIZERS["sgd"]
     model, identical = _train(comm, steps, make_opt, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
@@ -349,7 +350,7 @@ def test_a_stalled_reduction_warns_then_times_out(comm, monkeypatch):
     x, y = _batches(size, steps=1)[0]
     model = hpcdl.DistributedDataParallel(_net(), comm)
     torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()  # buckets rebuilt
-    monkeypatch.setattr(hpcdl.ddp, "STALL_WARNING_S", 0.2)
+    monkeypatch.setattr(hpcdl.ddp.wrapper, "STALL_WARNING_S", 0.2)
 
     def step() -> None:
         torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
@@ -471,7 +472,7 @@ def test_buckets_keep_modules_whole_and_follow_ready_order(comm):
 
 def test_large_gradient_is_a_bucket_of_its_own_launched_with_its_layer(comm, monkeypatch):
     # 2.weight (16x32 float32 = 2048 bytes) counts as large: averaged in place, in no fusion bucket
-    monkeypatch.setattr(hpcdl.ddp, "IN_PLACE_BYTES", 2048)
+    monkeypatch.setattr(hpcdl.ddp.wrapper, "IN_PLACE_BYTES", 2048)
     steps = _batches(comm.Get_size())
     make_opt = OPTIMIZERS["momentum_wd"]
     model, identical = _train(comm, steps, make_opt)  # default caps: everything else fits one
@@ -517,13 +518,13 @@ def test_failed_bucket_raises_from_backward_and_the_next_step_works(comm, monkey
             return _FailedHandle()
         return handle
 
-    monkeypatch.setattr(hpcdl.ddp.collectives, "iallreduce", failing_first)
+    monkeypatch.setattr(hpcdl.ddp.wrapper.collectives, "iallreduce", failing_first)
     x, y = steps[0]
     with pytest.raises(collectives.CommunicationError, match="link to rank 1 lost"):
         torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
     # every bucket was still launched and waited for, so the ranks stay in step
     assert launched == len(model.bucket_layout())
-    monkeypatch.setattr(hpcdl.ddp.collectives, "iallreduce", real)
+    monkeypatch.setattr(hpcdl.ddp.wrapper.collectives, "iallreduce", real)
     x, y = steps[1]
     model.zero_grad()
     torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
@@ -589,7 +590,7 @@ def test_bad_arguments(comm):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
 def test_as_array_shares_memory(dtype):
-    from hpcdl.tensors import as_array, numpy_dtype
+    from hpcdl.comm.tensors import as_array, numpy_dtype
 
     tensor = torch.arange(6, dtype=dtype).reshape(2, 3)
     array = as_array(tensor)
@@ -602,11 +603,11 @@ def test_as_array_shares_memory(dtype):
 
 def test_small_pages_are_warned_about_where_ranks_communicate(comm: MPI.Comm,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """DDP passes on `hpcdl.memory.small_pages_warning`'s advice when ranks of one host average
+    """DDP passes on `hpcdl.runtime.memory.small_pages_warning`'s advice when ranks of one host average
     CPU gradients (through each other's memory); a rank alone on its host stays quiet."""
-    import hpcdl.ddp
+    import hpcdl.ddp.wrapper
 
-    monkeypatch.setattr(hpcdl.ddp, "small_pages_warning", lambda: "use huge pages")
+    monkeypatch.setattr(hpcdl.ddp.wrapper, "small_pages_warning", lambda: "use huge pages")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hpcdl.DistributedDataParallel(_net(), comm)

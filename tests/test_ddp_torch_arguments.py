@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import hpcdl
 from conftest import all_ranks_agree
-from hpcdl import runtime
+from hpcdl.runtime import process as runtime
 
 pytestmark = pytest.mark.mpi
 

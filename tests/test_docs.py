@@ -75,3 +75,44 @@ def test_every_relative_link_resolves(page: Path) -> None:
 
 def test_the_readme_stays_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 220
+
+
+# -- the project layout map of docs/design.md ------------------------------------------------------
+
+DESIGN = ROOT / "docs" / "design.md"
+#: The packages whose every module the map must show.
+MAPPED = ("collectives", "hpcdl")
+
+
+def layout_map(text: str) -> set[str]:
+    """The module paths the project layout's block lists: folder lines (`name/`) open a level by
+    their indentation, module lines (`name.py`) name a file in the folder they are indented under."""
+    section = text[text.index("## Project layout"):]
+    block = section[section.index("```") + 3:]
+    block = block[block.index("\n") + 1:block.index("```")]
+    paths, folders = set(), []  # folders: (indent, path) of the open ones
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent, name = len(line) - len(line.lstrip()), line.split()[0]
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        parent = folders[-1][1] if folders else ""
+        if name.endswith("/"):
+            folders.append((indent, parent + name))
+        elif name.endswith(".py"):
+            paths.add(parent + name)
+    return paths
+
+
+def test_the_layout_map_reads_folders_and_modules() -> None:
+    text = "## Project layout\n```\na/        x\n  b.py      y\n  c/        z\n    d.py    w\n  e.py\nf/\n```\n"
+    assert layout_map(text) == {"a/b.py", "a/c/d.py", "a/e.py"}
+
+
+def test_every_module_is_in_the_layout_map_and_nothing_else() -> None:
+    """docs/design.md's project layout names every module of the two packages, and only those."""
+    mapped = {p for p in layout_map(DESIGN.read_text()) if p.startswith(tuple(f"{m}/" for m in MAPPED))}
+    modules = {str(p.relative_to(ROOT)) for m in MAPPED for p in (ROOT / m).rglob("*.py")}
+    assert sorted(modules - mapped) == [], "modules missing from docs/design.md's project layout"
+    assert sorted(mapped - modules) == [], "docs/design.md's project layout names modules that do not exist"

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import hpcdl
 from conftest import all_ranks_agree
-from hpcdl.models import DigitsCNN, HybridDigitsCNN, build_hybrid_model
+from hpcdl.commands.train.models import DigitsCNN, HybridDigitsCNN, build_hybrid_model
 
 pytestmark = pytest.mark.mpi
 
@@ -155,7 +155,7 @@ def test_hybrid_cnn_with_more_model_ranks_than_hidden_units_is_refused_on_every_
 # -- hpcdl train --model hybrid-cnn --grid DxM ----------------------------------------------------
 
 def test_train_refuses_a_grid_that_does_not_fit_on_every_rank(comm, capsys):
-    from hpcdl import train
+    from hpcdl.commands import train
 
     size = comm.Get_size()
     status = train.main(["--model", "hybrid-cnn", "--grid", f"{size + 1}x1", "--epochs", "1"])
@@ -169,7 +169,7 @@ def test_train_refuses_a_grid_that_does_not_fit_on_every_rank(comm, capsys):
 
 
 def test_train_refuses_a_malformed_grid(comm, capsys):
-    from hpcdl import train
+    from hpcdl.commands import train
 
     with pytest.raises(SystemExit) as exit_:
         train.main(["--model", "hybrid-cnn", "--grid", "2by2"])
@@ -180,7 +180,7 @@ def test_train_refuses_a_malformed_grid(comm, capsys):
 
 def test_train_hybrid_cnn_learns_digits(comm, capsys):
     """Three epochs of the hybrid on a 2 x P/2 grid (1 x P for odd P) reach 85 % held out."""
-    from hpcdl import train
+    from hpcdl.commands import train
 
     size = comm.Get_size()
     grid = f"2x{size // 2}" if size % 2 == 0 else f"1x{size}"

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import all_ranks_agree
-from hpcdl import info
+from hpcdl.commands import info
 from run import mpi_environment  # the settings tests/run.py gives its own jobs
 
 ROW = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$", re.MULTILINE)

@@ -1,4 +1,4 @@
-"""Launch safety (`hpcdl.launch.check_launch`) and `hpcdl slurm render`'s checks, without SLURM.
+"""Launch safety (`hpcdl.runtime.launch.check_launch`) and `hpcdl slurm render`'s checks, without SLURM.
 
 The launcher environments below are the ones seen on a real one-node SLURM (tests/test_slurm.py
 runs the real thing): srun's step variables, the pmi2 plugin's PMI_SIZE, Open MPI's mpirun
@@ -18,9 +18,10 @@ from mpi4py import MPI
 
 import hpcdl
 from conftest import all_ranks_agree
-from hpcdl import slurm
-from hpcdl.launch import (RENDEZVOUS_MARKER, check_launch, export_torch_environment, launcher_claim,
-                          mpi_family, rendezvous_address, torch_environment)
+from hpcdl.commands import slurm
+from hpcdl.runtime.launch import check_launch, launcher_claim, mpi_family
+from hpcdl.runtime.rendezvous import (RENDEZVOUS_MARKER, export_torch_environment, rendezvous_address,
+                                      torch_environment)
 
 OPEN_MPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
 MPICH = "MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 12:29:21 CST 2024"

@@ -1,4 +1,4 @@
-"""Transparent huge pages for torch's CPU tensors (hpcdl.memory): reading the kernel's answers, and
+"""Transparent huge pages for torch's CPU tensors (hpcdl.runtime.memory): reading the kernel's answers, and
 `import hpcdl` giving torch huge pages (checked in fresh interpreters, at N=1 only)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from hpcdl import memory
+from hpcdl.runtime import memory
 
 
 def test_kernel_mode_is_the_bracketed_word(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ needs_madvise = pytest.mark.skipif(memory.kernel_mode() != "madvise",
 def test_importing_hpcdl_first_gives_torch_tensors_huge_pages() -> None:
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("one interpreter check is enough: runs at N=1")
-    probe = ("from hpcdl.memory import PROBE_BYTES, huge_page_eligible, small_pages_warning; "
+    probe = ("from hpcdl.runtime.memory import PROBE_BYTES, huge_page_eligible, small_pages_warning; "
              "t = torch.empty(PROBE_BYTES, dtype=torch.uint8); "
              "print(huge_page_eligible(t.data_ptr()), small_pages_warning() is None)")
     assert _fresh_python("import hpcdl, torch; " + probe) == "True True"

@@ -462,7 +462,7 @@ def test_grid_needs_no_torch(comm, tmp_path):
     ok = True
     if comm.Get_rank() == 0:  # a fresh interpreter, started as a one-rank MPI job of its own
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-        code = ("import sys, hpcdl; hpcdl.ProcessGrid; import hpcdl.grid; "
+        code = ("import sys, hpcdl; hpcdl.ProcessGrid; import hpcdl.parallel.grid; "
                 "sys.exit('torch' in sys.modules)")
         ok = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
                             timeout=120).returncode == 0

@@ -85,7 +85,7 @@ def render(template: str, workdir: Path, *options: str, program_args: tuple[str,
     """`hpcdl slurm render` into workdir/<template>.sbatch, logs into workdir/logs."""
     (workdir / "logs").mkdir(exist_ok=True)
     script = workdir / f"{template}.sbatch"
-    cmd = [sys.executable, "-m", "hpcdl.cli", "slurm", "render", template, "--partition", "debug",
+    cmd = [sys.executable, "-m", "hpcdl", "slurm", "render", template, "--partition", "debug",
            "--time", "5", "--log-dir", str(workdir / "logs"), "-o", str(script), *options,
            "--", *program_args]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=job_environment())
@@ -237,7 +237,7 @@ def _srun(cluster: Cluster, mpi: str, *command: str) -> subprocess.CompletedProc
 def test_wrong_srun_mpi_type_is_refused_by_check_launch(cluster: Cluster) -> None:
     # The Open MPI wheel under pmi2 starts two size-1 jobs; check_launch must say so and name pmix.
     result = _srun(cluster, "pmi2", sys.executable, "-c",
-                   "from mpi4py import MPI; from hpcdl.launch import check_launch; "
+                   "from mpi4py import MPI; from hpcdl.runtime.launch import check_launch; "
                    "check_launch(MPI.COMM_WORLD.Get_size()); print('ran as size', MPI.COMM_WORLD.Get_size())")
     assert result.returncode != 0, result.stdout + result.stderr
     assert "ran as size" not in result.stdout, result.stdout

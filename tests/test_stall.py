@@ -1,4 +1,4 @@
-"""hpcdl/stall.py: a wait on a collective warns once a peer is late, naming what it waits for, and
+"""hpcdl/runtime/stall.py: a wait on a collective warns once a peer is late, naming what it waits for, and
 gives up after its timeout; HPCDL_STALL_WARNING_S sets the delay."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import collectives
 from conftest import all_ranks_agree
-from hpcdl import stall
+from hpcdl.runtime import stall
 
 LATE_S = 1.0  # how late the last rank comes: many times the 0.2 s warning delay of these tests
 

@@ -1,7 +1,7 @@
 """`hpcdl train --strategy ...`: every strategy end to end on tiny runs, resume where a strategy is
 deterministic, the options each takes, and bad input refused on every rank.
 
-Like tests/test_train.py, the training tests call `hpcdl.train.main` on every rank of the pytest
+Like tests/test_train.py, the training tests call `hpcdl.commands.train.main` on every rank of the pytest
 job itself (no mpirun of their own). The parameter-server strategies need 2 ranks (1 server, 1
 worker); the training tests run at N = 2 and 3 only, to keep the suite short.
 """
@@ -18,10 +18,10 @@ import torch
 from mpi4py import MPI
 
 from conftest import all_ranks_agree, from_rank0, same_state, shared_directory
-from hpcdl import train
-from hpcdl.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
-from hpcdl.strategies import STRATEGIES, option_errors, plan
-from hpcdl.strategies.base import Schedule
+from hpcdl.commands import train
+from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from hpcdl.commands.train.strategies import STRATEGIES, option_errors, plan
+from hpcdl.commands.train.schedule import Schedule
 
 SIZE = MPI.COMM_WORLD.Get_size()
 SERVER_STRATEGIES = ("downpour", "softsync", "ssp", "sync-ps")
@@ -259,8 +259,33 @@ def test_resume_under_another_strategy_names_the_difference(tmp_path, comm, caps
 
 def test_every_option_of_the_table_exists():
     """APPLIES_TO names real options (or another branch's --compression)."""
-    from hpcdl.strategies import APPLIES_TO
+    from hpcdl.commands.train.strategies import APPLIES_TO
 
     dests = {a.dest for a in train.build_parser()._actions}
     assert set(APPLIES_TO) - dests <= {"compression"}
     assert math.isclose(plan(namespace(["--strategy", "softsync", "--staleness", "2"]), 5).update_batch, 64)
+
+
+def test_the_docs_table_is_the_registry():
+    """docs/strategies.md's option table names, for every option, exactly the strategies the
+    registry says take it ("every one" for the options every strategy takes), and lists every
+    --strategy choice in registry order."""
+    import re
+
+    from hpcdl.commands.train.strategies import APPLIES_TO
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "strategies.md").read_text()
+    table = text[text.index("| option | strategies | meaning |"):].split("\n\n")[0].splitlines()[2:]
+    documented: dict[str, tuple[str, ...]] = {}
+    choices: list[str] = []
+    for row in table:
+        flags, who, meaning = (cell.strip() for cell in row.strip("|").split("|"))
+        for flag in re.findall(r"--(?:\[no-\])?([a-z-]+)", flags):
+            if flag == "strategy":
+                choices = re.findall(r"`([a-z-]+)`", meaning)
+                continue
+            documented[flag.replace("-", "_")] = tuple(STRATEGIES) if who == "every one" else \
+                tuple(name.strip() for name in who.split(","))
+    assert choices == list(STRATEGIES)
+    everyone = {"straggler": tuple(STRATEGIES)}
+    assert documented == {**APPLIES_TO, **everyone}

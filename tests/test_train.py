@@ -1,6 +1,6 @@
 """`hpcdl train` and its parts: LR schedule, data sharding, argument checks, kill-and-resume, digits.
 
-The in-process tests call `hpcdl.train.main` on every rank of the pytest job itself (so they run
+The in-process tests call `hpcdl.commands.train.main` on every rank of the pytest job itself (so they run
 at every N); the end-to-end test launches its own `mpirun` and runs only in the N = 1 job.
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 from mpi4py import MPI
 
 from conftest import all_ranks_agree, from_rank0, shared_directory
-from hpcdl import train
-from hpcdl.checkpoint import atomic_save, checkpoint_path, list_checkpoints, load_checkpoint
-from hpcdl.data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
-from hpcdl.schedule import (expected_learning_rate, scaled_learning_rate, warmup_cosine_schedule,
+from hpcdl.commands import train
+from hpcdl.commands.train import options, run, signals, trainer
+from hpcdl.runtime.checkpoint import atomic_save, checkpoint_path, list_checkpoints, load_checkpoint
+from hpcdl.commands.train.data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
+from hpcdl.commands.train.schedule import (expected_learning_rate, scaled_learning_rate, warmup_cosine_schedule,
                             warmup_start_factor)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +67,11 @@ def test_warmup_schedule_values_per_step(warmup_steps, total_steps, start_factor
 
 
 def test_warmup_as_long_as_the_run_is_described():
-    assert train.warmup_warning(9, 10, 0.4, 0.5) is None  # the peak is reached at the last step
+    assert run.warmup_warning(9, 10, 0.4, 0.5) is None  # the peak is reached at the last step
     # All 4 steps ramping from 0.2: the last one runs at 0.4 * (0.5 + 0.5 * 3 / 4) = 0.35.
     assert "climbs from 0.2 to only 0.35 at the last step, never reaches its peak 0.4, and never " \
-           "decays" in train.warmup_warning(4, 4, 0.4, 0.5)
-    assert "stays at 0.4 throughout and never decays" in train.warmup_warning(4, 4, 0.4, 1.0)
+           "decays" in run.warmup_warning(4, 4, 0.4, 0.5)
+    assert "stays at 0.4 throughout and never decays" in run.warmup_warning(4, 4, 0.4, 1.0)
 
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
@@ -140,7 +141,7 @@ def test_unwritable_checkpoint_dir_on_one_rank_stops_all(tmp_path, comm, capsys,
     # mounted read-only would), yet every rank must stop with it.
     last = comm.Get_size() - 1
     if comm.Get_rank() == last:
-        monkeypatch.setattr(train, "unwritable_directory", lambda path, create: "cannot write here")
+        monkeypatch.setattr(options, "unwritable_directory", lambda path, create: "cannot write here")
     target = shared_directory(tmp_path, comm) / "ckpt"
     status = train.main(["--checkpoint-dir", str(target)])
     err = capsys.readouterr().err
@@ -290,7 +291,7 @@ def same_metrics(expected: Path, got: Path, comm: MPI.Comm, *, epochs: int) -> b
     return from_rank0(comm, ok)
 
 
-class StopAtStep(train.StopRequest):
+class StopAtStep(signals.StopRequest):
     """A stop signal that every rank sees at the same given step: the signal path, made
     deterministic (a real signal cannot be timed to one step)."""
 
@@ -316,7 +317,7 @@ def test_stop_after_an_epochs_last_step_reports_that_epoch_on_resume(tmp_path, c
     assert train.main(common + ["--metrics", str(directory / "whole.jsonl")]) == 0
     stopped = common + ["--checkpoint-dir", str(directory / "ckpt"),
                         "--metrics", str(directory / "stopped.jsonl")]
-    monkeypatch.setattr(train, "StopRequest", lambda: StopAtStep(steps_per_epoch))
+    monkeypatch.setattr(trainer, "StopRequest", lambda: StopAtStep(steps_per_epoch))
     ok = train.main(stopped) == train.CHECKPOINTED_ON_SIGNAL
     monkeypatch.undo()
     capsys.readouterr()
@@ -370,7 +371,7 @@ def launcher_environment() -> dict[str, str]:
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N = 1 job only")
 def test_hpcdl_train_on_four_ranks_reaches_95_percent(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    command = ["mpirun", "-n", "4", sys.executable, "-m", "hpcdl.cli", "train", "--epochs", "6",
+    command = ["mpirun", "-n", "4", sys.executable, "-m", "hpcdl", "train", "--epochs", "6",
                "--metrics", str(metrics)]
     done = subprocess.run(command, cwd=ROOT, env=launcher_environment(), capture_output=True,
                           text=True, timeout=240)

@@ -1,7 +1,7 @@
 """`hpcdl train` under faults: damaged and foreign checkpoints, a crash inside the epoch-end
 checkpoint write, a frozen rank, and option values that would overflow or exhaust memory.
 
-The in-process tests call `hpcdl.train.main` on every rank of the pytest job. The tests that need
+The in-process tests call `hpcdl.commands.train.main` on every rank of the pytest job. The tests that need
 a job to crash or freeze launch their own `mpirun` with as many ranks as the pytest job (N = 2
 and 3), from rank 0 only; the other ranks wait for its verdict without spinning.
 """
@@ -29,10 +29,11 @@ from mpi4py import MPI
 
 import collectives
 from conftest import all_ranks_agree, same_state, shared_directory
-from hpcdl import checkpoint as ckpt
-from hpcdl import train
-from hpcdl.data import load_digits_split
-from hpcdl.models import build_model
+from hpcdl.runtime import checkpoint as ckpt
+from hpcdl.commands import train
+from hpcdl.commands.train import metrics, run, signals, trainer, waiting
+from hpcdl.commands.train.data import load_digits_split
+from hpcdl.commands.train.models import build_model
 from run import own_job_environment, run_own_job, stop  # launching jobs of its own
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,8 +123,8 @@ def test_resume_refuses_a_file_that_is_not_a_training_checkpoint(write, reason, 
 #: disk or a dying file server would make it: rank 0 raises, and hpcdl's abort hook ends the job.
 CRASH_IN_FIRST_EPOCH_END_WRITE = """
     import sys
-    import hpcdl.checkpoint as checkpoint
-    from hpcdl import cli
+    import hpcdl.runtime.checkpoint as checkpoint
+    from hpcdl.commands import cli
 
     real_save = checkpoint.atomic_save
 
@@ -178,7 +179,7 @@ def test_a_crash_in_the_epoch_end_checkpoint_write_leaves_one_metrics_row_per_ep
         crash = run_own_job(mpirun + ["-c", textwrap.dedent(CRASH_IN_FIRST_EPOCH_END_WRITE), "train", *crashed],
                             timeout=240)
         after_crash = [r["epoch"] for r in metric_rows(directory / "m.jsonl")]
-        resume = run_own_job(mpirun + ["-m", "hpcdl.cli", "train", *crashed, "--resume"], timeout=240)
+        resume = run_own_job(mpirun + ["-m", "hpcdl", "train", *crashed, "--resume"], timeout=240)
         return {"crash": (crash.returncode, crash.stdout[-3000:]), "after_crash": after_crash,
                 "resume": (resume.returncode, resume.stdout[-3000:])}
 
@@ -199,7 +200,7 @@ def test_a_resumed_metrics_file_keeps_the_rows_of_the_checkpoint_s_epochs_only(s
     path = tmp_path / f"metrics{suffix}"
 
     def write(rows: list[dict[str, Any]], after_epoch: int | None) -> None:
-        log = train.MetricsLog(str(path), after_epoch=after_epoch)
+        log = metrics.MetricsLog(str(path), after_epoch=after_epoch)
         for row in rows:
             log.write(row)
         log.close()
@@ -247,7 +248,7 @@ def late_call(comm: MPI.Comm, call: Callable[[], Any], waiting_for: str) -> None
 @pytest.fixture
 def signal_handlers():
     """Put SIGUSR1's and SIGTERM's handlers back after a test that made a StopRequest."""
-    saved = {s: signal.getsignal(s) for s in train.StopRequest.SIGNALS}
+    saved = {s: signal.getsignal(s) for s in signals.StopRequest.SIGNALS}
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
@@ -260,17 +261,17 @@ def test_every_collective_the_trainer_waits_on_warns_when_a_rank_is_late(what, t
     monkeypatch.setenv("HPCDL_STALL_WARNING_S", "0.2")
     rank, size = comm.Get_rank(), comm.Get_size()
     if what == "stop-signal check":
-        request = train.StopRequest()
+        request = signals.StopRequest()
         late_call(comm, lambda: request.agreed(comm),
                   "the per-step stop-signal check (SIGUSR1/SIGTERM, with --checkpoint-dir)")
     elif what == "epoch-end sums":
-        late_call(comm, lambda: train.reduce_over_ranks(np.ones(3), comm, "the sums of epoch 4's loss"),
+        late_call(comm, lambda: waiting.reduce_over_ranks(np.ones(3), comm, "the sums of epoch 4's loss"),
                   "the sums of epoch 4's loss")
     elif what == "evaluation":
         _, test_set = load_digits_split()
         torch.manual_seed(0)
         model = build_model("cnn", in_channels=1, image_size=8, num_classes=10)
-        late_call(comm, lambda: train.evaluate(model, test_set, rank, size, comm, "after epoch 2"),
+        late_call(comm, lambda: trainer.evaluate(model, test_set, rank, size, comm, "after epoch 2"),
                   "the held-out evaluation after epoch 2")
     else:
         directory = shared_directory(tmp_path, comm)
@@ -284,7 +285,7 @@ def test_a_frozen_rank_is_warned_about_within_seconds_and_training_finishes_afte
     seconds (HPCDL_STALL_WARNING_S=1), naming what they wait for; after SIGCONT training finishes."""
     directory = shared_directory(tmp_path, comm)
     size = comm.Get_size()
-    train_command = (f"{sys.executable} -m hpcdl.cli train --epochs 6 --batch-size 8 "
+    train_command = (f"{sys.executable} -m hpcdl train --epochs 6 --batch-size 8 "
                      f"--checkpoint-dir {directory / 'ckpt'}")
     # Each rank writes its pid first: `exec` keeps it, so the pid is the training process's.
     command = ["mpirun", "-n", str(size), "sh", "-c",
@@ -381,6 +382,6 @@ def test_the_default_warmup_fits_any_run(epochs, expected, monkeypatch, comm):
     """The default warm-up (2 epochs, or half the run if shorter) is never refused, and never
     covers the whole run (which would warn about an option the user did not give)."""
     seen = []
-    monkeypatch.setattr(train, "run_training", lambda args, topology, comm_: seen.append(args.warmup_epochs) or 0)
+    monkeypatch.setattr(run, "run_training", lambda args, topology, comm_: seen.append(args.warmup_epochs) or 0)
     assert train.main(["--epochs", epochs]) == 0 and seen == [expected]
     assert math.isfinite(seen[0])

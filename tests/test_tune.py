@@ -11,7 +11,9 @@ from mpi4py import MPI
 from collectives import select
 from collectives.cost_model import ModelParams, array_bytes, best, predict
 from conftest import all_ranks_agree, shared_directory
-from hpcdl import tune, units
+from hpcdl.commands import tune, units
+from hpcdl.commands.tune import command, fit
+from hpcdl.commands.tune import predict as prediction
 
 PREDICT = ["--predict", "--nodes", "256", "--link", "100gbit", "--latency", "2us",
            "--model-params", "25e6", "--compute-ms", "120"]
@@ -76,15 +78,16 @@ def test_predict_names_what_is_missing(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_buckets_and_efficiency() -> None:
-    buckets = tune.Buckets.of(25_000_000, 4, 25)
+    buckets = prediction.Buckets.of(25_000_000, 4, 25)
     assert (buckets.cap, buckets.full, buckets.rest) == (25 << 20, 3, 100_000_000 - 3 * (25 << 20))
     assert buckets.count == 4 and buckets.total == 100_000_000
-    assert tune.Buckets.of(1000, 2, 25).sizes() == [2000]
-    three = tune.Buckets(cap=8, full=3, rest=0)
-    plan = tune.Plan("x", three, full_s=1.0, rest_s=0.0, compute_s=2.0)
+    assert prediction.Buckets.of(1000, 2, 25).sizes() == [2000]
+    three = prediction.Buckets(cap=8, full=3, rest=0)
+    plan = prediction.StepPrediction("x", three, full_s=1.0, rest_s=0.0, compute_s=2.0)
     assert plan.efficiency_no_overlap == pytest.approx(2 / 5)
     assert plan.efficiency_overlap == pytest.approx(2 / 3)  # max(2, 1 + 1) + 1
-    slow = tune.Plan("x", tune.Buckets(cap=8, full=2, rest=4), full_s=2.0, rest_s=1.0, compute_s=2.0)
+    slow = prediction.StepPrediction("x", prediction.Buckets(cap=8, full=2, rest=4), full_s=2.0, rest_s=1.0,
+                                     compute_s=2.0)
     assert slow.efficiency_overlap == pytest.approx(2 / 5)  # earlier buckets outlast compute
 
 
@@ -103,9 +106,9 @@ def test_predict_answers_at_once_for_any_size(capsys: pytest.CaptureFixture[str]
 def test_predict_prints_every_algorithm_and_auto(capsys: pytest.CaptureFixture[str]) -> None:
     assert tune.main(PREDICT) == 0
     out = capsys.readouterr().out
-    params = ModelParams(2e-6 + tune.DEFAULT_SOFTWARE_LATENCY, 8 / 100e9, tune.DEFAULT_GAMMA["float32"],
-                         tune.DEFAULT_OVERHEAD)
-    sizes = tune.Buckets.of(25_000_000, 4, 25)
+    params = ModelParams(2e-6 + prediction.DEFAULT_SOFTWARE_LATENCY, 8 / 100e9, prediction.DEFAULT_GAMMA["float32"],
+                         prediction.DEFAULT_OVERHEAD)
+    sizes = prediction.Buckets.of(25_000_000, 4, 25)
     buckets = [sizes.cap] * sizes.full + [sizes.rest]
     assert "256 ranks" in out and "4 buckets" in out
     for algorithm in ("ring", "butterfly", "tree", "halving_doubling"):
@@ -168,7 +171,7 @@ def test_measured_rows_use_the_bytes_choose_sees() -> None:
     # bytes); butterfly's measured win holds up to the largest measured size; the model decides
     # beyond it.
     params = ModelParams(alpha=20e-6, beta=0.1e-9, gamma=0.05e-9, overhead=10e-6)
-    row = tune.measured_row(records, "allgather", 4, params)
+    row = fit.measured_row(records, "allgather", 4, params)
     largest = array_bytes("allgather", 1 << 20, 4)
     assert (row["min_ranks"], row["max_ranks"]) == (4, 4) and row["by_bytes"][0] == [1024, "ring"]
     assert select.row_choice([row], largest, 4) == "butterfly"
@@ -183,7 +186,7 @@ def test_measured_rows_leave_unmeasured_sizes_to_the_model() -> None:
                for b in (1024, 65536) for a, t in (("tree", 1.0), ("ring", 2.0), ("butterfly", 3.0),
                                                    ("halving_doubling", 4.0))]
     params = ModelParams(alpha=20e-6, beta=1e-9, gamma=0.05e-9, overhead=10e-6)
-    row = tune.measured_row(records, "allreduce", 3, params)
+    row = fit.measured_row(records, "allreduce", 3, params)
     assert row["by_bytes"][0] == [65536, "tree"]  # measured: tree up to the largest measured size
     assert select.row_choice([row], 65536, 3) == "tree"
     for nbytes in (1 << 20, 64 << 20):  # beyond it, the model's choice
@@ -207,7 +210,7 @@ def test_model_only_writes_a_valid_tuning_file(comm: MPI.Comm, tmp_path: Path,
         document = json.loads(path.read_text())
         params = ModelParams.from_mapping(document["model"])
         ok = (params.alpha > 0 and params.beta > 0 and document["model"]["measured_on"]["ranks"] == 2
-              and set(document["collectives"]) == set(tune.COLLECTIVES)
+              and set(document["collectives"]) == set(command.COLLECTIVES)
               and select.load_table(str(path)) is not None)
         monkeypatch.setenv("HPCDL_TUNING_FILE", str(path))
         ok = ok and select.choose("allreduce", 8, 2) in ("butterfly", "tree")
@@ -265,10 +268,10 @@ def test_fit_report_prices_piecewise_pairwise_exchanges_at_beta() -> None:
     on_model = [(n, alpha + n * (beta_pairwise if n <= 1 << 20 else beta)) for n in sizes]
     exchange = [(n, alpha + n * beta) for n in sizes]
     params = ModelParams(alpha, beta, 1e-10, beta_pairwise=beta_pairwise)
-    report = tune.fit_report(Calibration(params, "exchange", exchange, on_model, [], 1e-5))
+    report = fit.fit_report(Calibration(params, "exchange", exchange, on_model, [], 1e-5))
     assert not any(line.startswith("warning") for line in report), report
     bumped = [(n, t * (2 if n == 64 << 10 else 1)) for n, t in on_model]
-    report = tune.fit_report(Calibration(params, "exchange", exchange, bumped, [], 1e-5))
+    report = fit.fit_report(Calibration(params, "exchange", exchange, bumped, [], 1e-5))
     assert report[-1].startswith("warning") and "64 KiB pairwise (+100%)" in report[-1], report
 
 
@@ -279,7 +282,7 @@ def test_comparison_names_the_pick_auto_would_make_on_a_tie() -> None:
     records = [{"collective": "reduce_scatter", "bytes": 1 << 20, "algorithm": a, "seconds": 1e-3,
                 "valid": True} for a in ("ring", "halving_doubling")]
     assert best("reduce_scatter", 1 << 20, 4, params) == "ring"
-    lines = tune.comparison(records, params, 4, {"reduce_scatter": []})
+    lines = fit.comparison(records, params, 4, {"reduce_scatter": []})
     picked = [line.split()[3] for line in lines[1:3] if "model's pick" in line]
     assert picked == ["ring"], lines
 

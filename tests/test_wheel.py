@@ -3,12 +3,16 @@ environment, and used from a directory outside the checkout, as after a plain `p
 
 Nothing is downloaded: the wheel is built without build isolation (the setuptools already here),
 installed with --no-index --no-deps, and the environment reuses this interpreter's packages
-(torch, mpi4py, numpy, Open MPI) through --system-site-packages. Runs in the one-rank job only.
+(torch, mpi4py, numpy, Open MPI) through a .pth file naming this interpreter's site-packages.
+Not `--system-site-packages`: from inside a virtual environment that gives the base interpreter's
+packages, not this environment's, so the test would fail in the README's venv. Runs in the
+one-rank job only.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -68,7 +72,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtual environment with the wheel installed, not editable."""
     path = tmp_path_factory.mktemp("venv") / "env"
-    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], cwd=path.parent)
+    run([sys.executable, "-m", "venv", "--without-pip", str(path)], cwd=path.parent)
+    # This interpreter's packages (a system Python's, or its own venv's) behind the new ones: the
+    # venv's site-packages come first on sys.path, a .pth file's entries after them.
+    purelib = run([str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                  cwd=path.parent).stdout.strip()
+    Path(purelib, "hpcdl-test-host-packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     # This interpreter's pip installs into the new environment (--python): no pip to bootstrap.
     run([sys.executable, "-m", "pip", "--python", str(path / "bin" / "python"), "install", "--no-deps",
          "--no-index", "--ignore-installed", str(wheel)], cwd=path.parent)

@@ -5,7 +5,8 @@
 Every scheme is a `GradientExchange`: the wrapper hands it each bucket of gradients on the
 training thread (`launch`: compress and start collectives on the communication thread), waits,
 and hands it back (`finish`: decompress, leave the average in the gradients). The wrapper never
-looks at which scheme it holds. Schemes:
+looks at which scheme it holds. The contract and the dense schemes live with the wrapper
+(hpcdl/ddp/exchange.py, dense.py); the sparse ones here build on it. Schemes:
 
 - `Average()` (default): dense average, as allreduce; `FP16()`, `BF16()`: sent as 16-bit floats;
 - `TopK(density, momentum, momentum_masking, clip_norm, warmup_epochs)`: Deep Gradient Compression;
@@ -16,37 +17,15 @@ The sparse two keep error-feedback state per parameter (`ErrorFeedback`) and exc
 """
 from __future__ import annotations
 
-from typing import Any
-
-from .dense import BF16, FP16, Average, Cast
-from .exchange import GradientExchange, Link
+from ..ddp.dense import BF16, FP16, NAMED, Average, Cast, resolve
+from ..ddp.exchange import ExchangeLink, GradientExchange
 from .feedback import ErrorFeedback
 from .sparse import SparseExchange
 from .threshold import Threshold
 from .topk import TopK
 
-__all__ = ["Average", "BF16", "Cast", "ErrorFeedback", "FP16", "GradientExchange", "Link",
+__all__ = ["Average", "BF16", "Cast", "ErrorFeedback", "ExchangeLink", "FP16", "GradientExchange",
            "SparseExchange", "Threshold", "TopK", "from_spec", "resolve"]
-
-#: What the `compression=` strings stand for (the names `hpcdl train --compression` takes too).
-NAMED = {"none": Average, "fp16": FP16, "bf16": BF16}
-
-
-def resolve(compression: Any) -> GradientExchange:
-    """The scheme `compression` names: None (the dense average), "fp16", "bf16", or a
-    `GradientExchange` itself. Raises NotImplementedError for other strings, TypeError otherwise."""
-    if compression is None:
-        return Average()
-    if isinstance(compression, GradientExchange):
-        return compression
-    if isinstance(compression, str):
-        if compression in NAMED:
-            return NAMED[compression]()
-        raise NotImplementedError(
-            f"compression {compression!r} is not implemented; use None, 'fp16', 'bf16', or a "
-            "scheme from hpcdl.compression: FP16(), BF16(), TopK(density=...), Threshold(tau=...)")
-    raise TypeError(f"compression must be None, 'fp16', 'bf16' or a hpcdl.compression."
-                    f"GradientExchange, got {type(compression).__name__}")
 
 
 def from_spec(spec: str, *, momentum: float = 0.9, momentum_correction: bool = True,

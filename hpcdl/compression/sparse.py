@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from mpi4py import MPI
 
-from ..tensors import as_tensor, dense_view, flat_in_memory_order
-from .exchange import GradientExchange, Link
+from ..comm.tensors import as_tensor, dense_view, flat_in_memory_order
+from ..ddp.exchange import ExchangeLink, GradientExchange
 from .feedback import ErrorFeedback
 
 if TYPE_CHECKING:
-    from ..buckets import Bucket
+    from ..ddp.buckets import Bucket
 
 #: Indices travel in 32 bits (Strom's words in 31): larger buckets are refused.
 MAX_BUCKET_ELEMENTS = 2**31 - 1
@@ -95,7 +95,7 @@ class SparseExchange(GradientExchange):
             self.memory.setup(named_parameters)
         return errors
 
-    def launch(self, bucket: Bucket, link: Link) -> Any:
+    def launch(self, bucket: Bucket, link: ExchangeLink) -> Any:
         if bucket.numel > MAX_BUCKET_ELEMENTS:
             raise ValueError(f"bucket {bucket.index} holds {bucket.numel} elements; {self!r} indexes "
                              f"at most {MAX_BUCKET_ELEMENTS}: lower bucket_cap_mb")

@@ -51,8 +51,8 @@ from mpi4py import MPI
 import collectives
 
 from .. import runtime
-from ..agreement import check_same, raise_together
-from ..tensors import as_array
+from ..runtime.agreement import check_same, raise_together
+from ..comm.tensors import as_array
 
 TAG_TASK, TAG_RESULT, TAG_END = 1, 2, 3
 COORDINATOR = 0

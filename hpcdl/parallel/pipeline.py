@@ -50,9 +50,9 @@ from mpi4py import MPI
 import collectives
 
 from .. import runtime
-from ..agreement import check_same
-from ..grid import ProcessGrid
-from ..tensors import as_array
+from ..runtime.agreement import check_same
+from .grid import ProcessGrid
+from ..comm.tensors import as_array
 
 #: dtypes an activation may have, by their code in the header
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,

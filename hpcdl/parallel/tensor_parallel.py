@@ -36,8 +36,8 @@ from mpi4py import MPI
 
 import collectives
 
-from ..agreement import check_same
-from ..tensors import as_array
+from ..runtime.agreement import check_same
+from ..comm.tensors import as_array
 
 
 def _allreduce_sum(tensor: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
@@ -280,3 +280,20 @@ class RowParallelLinear(torch.nn.Module):
         return (f"in_features={self.in_features} (this rank: {self.offset}.."
                 f"{self.offset + self.local_in_features - 1}), out_features={self.out_features}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+class GroupRows(torch.nn.Module):
+    """`model`, split over `group` (a process grid's model communicator: its parallel layers need
+    the same input on every rank of the group), run on inputs that differ between the group's
+    ranks, as evaluation does: each rank's rows are gathered over the group (any number per rank),
+    the model runs once on all of them on every rank, and each rank gets its own rows' outputs
+    back. Collective over `group`; rows travel pickled (for evaluation's few KiB, not training)."""
+
+    def __init__(self, model: torch.nn.Module, group: MPI.Comm) -> None:
+        super().__init__()
+        self.model, self.group = model, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.group.allgather(x)
+        start = sum(len(part) for part in parts[:self.group.Get_rank()])
+        return self.model(torch.cat(parts))[start:start + len(x)]

@@ -16,9 +16,9 @@ from .consistency import CONSISTENCIES
 from .job import ParameterServer
 from .optimizers import OPTIMIZERS
 from .server import ServerStats, ShardServer
-from .sharding import ALIGN, Layout, Piece, Shard, plan_layout
+from .sharding import ALIGN, ShardLayout, Piece, Shard, plan_layout
 from .staleness import Staleness
 from .worker import WorkerClient
 
-__all__ = ["ALIGN", "CONSISTENCIES", "Layout", "OPTIMIZERS", "ParameterServer", "Piece",
+__all__ = ["ALIGN", "CONSISTENCIES", "ShardLayout", "OPTIMIZERS", "ParameterServer", "Piece",
            "ServerStats", "Shard", "ShardServer", "Staleness", "WorkerClient", "plan_layout"]

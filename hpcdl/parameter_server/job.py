@@ -26,8 +26,8 @@ import torch
 from mpi4py import MPI
 
 from .. import runtime
-from ..agreement import raise_unless_agreed
-from ..fusion import fused_broadcast
+from ..runtime.agreement import raise_unless_agreed
+from ..comm.fusion import fused_broadcast
 from .consistency import CONSISTENCIES, make_consistency
 from .optimizers import check_optimizer
 from .server import CheckpointHook, LearningRateSchedule, ServerStats, ShardServer

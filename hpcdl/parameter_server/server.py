@@ -36,7 +36,7 @@ from .optimizers import make_optimizer
 from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK,
                        PUSH_STEPS, RESET, STATS_VERSION, STEP, SUM, UNTIL, VERSION, Tag, header,
                        header_message)
-from .sharding import Layout, segments
+from .sharding import ShardLayout, segments
 from .staleness import Staleness, StalenessLog
 from .waiting import Backoff, wait_all
 
@@ -78,7 +78,7 @@ class ShardServer:
     because the progress reached its `until` (see protocol.py).
     """
 
-    def __init__(self, comm: MPI.Comm, layout: Layout, index: int, params: Sequence[torch.Tensor],
+    def __init__(self, comm: MPI.Comm, layout: ShardLayout, index: int, params: Sequence[torch.Tensor],
                  workers: Sequence[int], consistency: Async, optimizer: tuple[str, dict[str, Any]],
                  *, timeout: float | None = None, record_events: bool = False,
                  lr_schedule: LearningRateSchedule | None = None) -> None:

@@ -45,7 +45,7 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
     """Where every parameter lies in the flat byte space, and how that space is sharded."""
 
     itemsizes: tuple[int, ...]
@@ -59,7 +59,7 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def plan_layout(numels: Sequence[int], itemsizes: Sequence[int], servers: int) -> Layout:
+def plan_layout(numels: Sequence[int], itemsizes: Sequence[int], servers: int) -> ShardLayout:
     """Lay out parameters of `numels` elements of `itemsizes` bytes and cut them into `servers`
     shards of about nbytes / servers bytes each (some may be empty when the model is tiny)."""
     if len(numels) != len(itemsizes):
@@ -80,7 +80,7 @@ def plan_layout(numels: Sequence[int], itemsizes: Sequence[int], servers: int) -
     shards = tuple(Shard(k, cuts[k], cuts[k + 1],
                          _pieces(cuts[k], cuts[k + 1], numels, itemsizes, offsets))
                    for k in range(servers))
-    return Layout(tuple(itemsizes), tuple(numels), tuple(offsets), end, shards)
+    return ShardLayout(tuple(itemsizes), tuple(numels), tuple(offsets), end, shards)
 
 
 def _pieces(start: int, stop: int, numels: Sequence[int], itemsizes: Sequence[int],
@@ -98,7 +98,7 @@ def _pieces(start: int, stop: int, numels: Sequence[int], itemsizes: Sequence[in
     return tuple(pieces)
 
 
-def segments(layout: Layout, shard: Shard, dtypes: Sequence[object]) -> list[tuple[object, int, int]]:
+def segments(layout: ShardLayout, shard: Shard, dtypes: Sequence[object]) -> list[tuple[object, int, int]]:
     """The shard as (dtype, byte offset, byte length) runs of consecutive pieces of one dtype.
 
     A run spans the padding between its pieces (a whole number of elements: parameters start at

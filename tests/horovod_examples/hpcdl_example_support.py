@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """scikit-learn's digits in [0, 1], (N, 8, 8), split as hpcdl.data.load_digits_split splits."""
+    """scikit-learn's digits in [0, 1], (N, 8, 8), split as hpcdl.commands.train.data.load_digits_split splits."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

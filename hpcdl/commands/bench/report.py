@@ -1,0 +1,198 @@
+"""What `hpcdl bench` writes: the OSU / nccl-tests style table on rank 0, and --csv, --json and
+--plot files."""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+
+from ... import __version__
+from ..timing.measurement import (PEERS, PLACEMENTS, Measurement)
+from ..command import CommandError
+from ...runtime.process import mpi_library
+
+_COLUMNS = (("size", 11), ("count", 11), ("type", 8), ("redop", 5), ("root", 4), ("place", 5),
+            ("algorithm", 22), ("avg", 10), ("min", 10), ("max", 10), ("median", 10), ("algbw", 8),
+            ("busbw", 8), ("#wrong", 7), ("predicted", 10), ("error", 7))
+_UNITS = {"size": "(B)", "count": "(elements)", "avg": "(us)", "min": "(us)", "max": "(us)",
+          "median": "(us)", "algbw": "(GB/s)", "busbw": "(GB/s)", "predicted": "(us)"}
+
+
+def _us(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    us = seconds * 1e6
+    return f"{us:.2f}" if us < 1e4 else f"{us:.0f}"
+
+
+def _gbs(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def table_header(collective: str) -> list[str]:
+    """The two header lines of a collective's table."""
+    names = [f"{name:>{w}}" if i != 6 else f"{name:<{w}}" for i, (name, w) in enumerate(_COLUMNS)]
+    units = [f"{_UNITS.get(name, ''):>{w}}" if i != 6 else " " * w
+             for i, (name, w) in enumerate(_COLUMNS)]
+    return [f"# {collective}", "#" + " ".join(names)[1:], "#" + " ".join(units)[1:]]
+
+
+def table_row(m: Measurement) -> str:
+    """One measurement as a table line (n/a for unavailable ones)."""
+    name = f"{m.algorithm}({m.chose})" if m.chose else m.algorithm
+    error = m.prediction_error
+    cells = [str(m.nbytes), str(m.count), m.dtype, m.op, "-" if m.root is None else str(m.root),
+             PLACEMENTS[m.in_place], name, _us(m.avg_s), _us(m.min_s), _us(m.max_s),
+             _us(m.median_s), _gbs(m.algbw_gbs), _gbs(m.busbw_gbs), "-" if m.unavailable else str(m.wrong),
+             _us(m.predicted_s) if m.predicted_s is not None else "",
+             f"{error:+.0%}" if error is not None else ""]
+    return " ".join(f"{c:<{w}}" if i == 6 else f"{c:>{w}}"
+                    for i, (c, (_, w)) in enumerate(zip(cells, _COLUMNS))).rstrip()
+
+
+def table_footer(rows: list[Measurement]) -> list[str]:
+    """nccl-tests' closing lines, one per algorithm and placement, and why rows are n/a."""
+    lines = []
+    keys = list(dict.fromkeys((m.algorithm, m.in_place) for m in rows))
+    for algorithm, in_place in keys:
+        values = [m.busbw_gbs for m in rows if (m.algorithm, m.in_place) == (algorithm, in_place)
+                  and m.busbw_gbs is not None]
+        if values:
+            where = "" if in_place else ", out of place"
+            lines.append(f"# Avg bus bandwidth : {sum(values) / len(values):.4f} GB/s  "
+                         f"({algorithm}{where})")
+    for reason, names in _reasons(rows).items():
+        lines.append(f"# n/a: {', '.join(names)}: {reason}")
+    return lines
+
+
+def _reasons(rows: list[Measurement]) -> dict[str, list[str]]:
+    reasons: dict[str, list[str]] = {}
+    for m in rows:
+        if m.unavailable and m.algorithm not in reasons.setdefault(m.unavailable, []):
+            reasons[m.unavailable].append(m.algorithm)
+    return reasons
+
+
+class TablePrinter:
+    """Prints each collective's table as its rows arrive, closing it when the next one starts."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.table: list[Measurement] = []  # the rows of the table being printed
+
+    def add(self, rows: list[Measurement]) -> None:
+        """Print `rows` (one case of one collective), after a header where a table starts."""
+        if not self.enabled or not rows:
+            return
+        if self.table and self.table[0].collective != rows[0].collective:
+            self.close()
+        if not self.table:
+            print("\n".join(table_header(rows[0].collective)))
+        self.table.extend(rows)
+        print("\n".join(table_row(m) for m in rows), flush=True)
+
+    def close(self) -> None:
+        """Print the closing lines of the current table, if any."""
+        if self.enabled and self.table:
+            print("\n".join(table_footer(self.table)), flush=True)
+        self.table = []
+
+
+def run_metadata(comm: MPI.Comm, argv: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Collective: what the JSON records about the run (hosts gathered from every rank)."""
+    hosts = comm.allgather(MPI.Get_processor_name())
+    try:  # the installed version, without importing torch
+        torch_version: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    return {
+        "ranks": comm.Get_size(),
+        "hosts": {h: hosts.count(h) for h in dict.fromkeys(hosts)},
+        "mpi_library": mpi_library(),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__, "torch": torch_version,
+        "python": platform.python_version(), "hpcdl": __version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["hpcdl", "bench", *argv]),
+        "device": args.device, "check_every_call": args.check, "rounds": args.rounds,
+        "tuning_file": os.environ.get("HPCDL_TUNING_FILE"),
+    }
+
+
+def write_csv(path: str, results: list[Measurement]) -> None:
+    """One line per measurement, with a header of the field names."""
+    rows = [m.as_row() for m in results]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["collective"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_json(path: str, metadata: dict[str, Any], results: list[Measurement]) -> None:
+    """{"metadata": run metadata, "results": one object per measurement}."""
+    with open(path, "w") as f:
+        json.dump({"metadata": metadata, "results": [m.as_row() for m in results]}, f, indent=1)
+        f.write("\n")
+
+
+def import_pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or CommandError naming the extra."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise CommandError("--plot needs matplotlib: pip install -e '.[bench]' "
+                                 "(or pip install matplotlib)") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plot(path: str, results: list[Measurement], title: str) -> None:
+    """busbw and time against size, log-log, one line per algorithm; a row of panels per collective."""
+    plt = import_pyplot()
+    names = list(dict.fromkeys(m.collective for m in results))
+    fig, axes = plt.subplots(len(names), 2, figsize=(12, 4 * len(names)), squeeze=False)
+    both = len({m.in_place for m in results}) > 1
+    for row, collective in enumerate(names):
+        mine = [m for m in results if m.collective == collective and m.avg_s is not None]
+        bandwidth, latency = axes[row]
+        for algorithm, in_place in dict.fromkeys((m.algorithm, m.in_place) for m in mine):
+            line = sorted((m for m in mine if (m.algorithm, m.in_place) == (algorithm, in_place)),
+                          key=lambda m: m.nbytes)
+            label = algorithm + (" (out of place)" if both and not in_place else "")
+            style = "--" if algorithm in PEERS or algorithm == "mpi" else "-"
+            sizes = [m.nbytes for m in line]
+            if any(m.busbw_gbs for m in line):
+                bandwidth.plot(sizes, [m.busbw_gbs or math.nan for m in line], style, marker=".",
+                               label=label)
+            latency.plot(sizes, [(m.avg_s or math.nan) * 1e6 for m in line], style, marker=".", label=label)
+        for ax, what in ((bandwidth, "bus bandwidth (GB/s)"), (latency, "time per call (us)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("size (bytes)")
+            ax.set_ylabel(what)
+            ax.set_title(f"{collective}: {what.split(' (')[0]}")
+            ax.grid(True, which="both", alpha=0.3)
+        # Bandwidth grows with size and time with it too: their empty corners hold the legend.
+        if bandwidth.get_lines():
+            bandwidth.legend(fontsize="small", loc="lower right")
+        else:
+            latency.legend(fontsize="small", loc="upper left")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+

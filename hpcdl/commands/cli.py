@@ -1,0 +1,48 @@
+"""`hpcdl` command: a thin dispatcher; each subcommand lives in its own module with its own parser.
+
+    hpcdl info               MPI library, thread level, CUDA-awareness, GPUs, ranks per host
+    hpcdl train [options]    data-parallel training (the README's main job), --strategy ...
+    hpcdl bench [options]    collective microbenchmarks (OSU / nccl-tests conventions)
+    hpcdl tune [options]     fit the alpha-beta-gamma cost model, write a tuning file; --predict
+    hpcdl slurm ...          render SLURM batch scripts
+
+Each subcommand (a module or package of hpcdl/commands/) exposes `main(argv: list[str]) -> int`,
+imported only when chosen, so `hpcdl info` never pays for importing torch. `python -m hpcdl` is
+the same command.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "info": ("hpcdl.commands.info", "print the MPI/GPU environment as every rank sees it"),
+    "train": ("hpcdl.commands.train", "train a model data-parallel: allreduce, local SGD or a parameter server"),
+    "bench": ("hpcdl.commands.bench", "time every collective algorithm over a size sweep"),
+    "tune": ("hpcdl.commands.tune", "measure alpha/beta/gamma, write a tuning file for auto; or --predict"),
+    "slurm": ("hpcdl.commands.slurm", "render SLURM batch scripts from the slurm/ templates"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: hpcdl <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`hpcdl <command> --help` describes each command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in SUBCOMMANDS:
+        print(f"hpcdl: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""`hpcdl train`'s entry point and set-up: options agreed, a checkpoint to resume chosen, data,
+model, learning-rate schedule and strategy built; then the servers serve and the trainers train.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+from mpi4py import MPI
+
+from ... import runtime
+from ...runtime.memory import host_available_bytes
+from ..command import ARGUMENT_ERROR, Command, CommandError, report_failure
+from . import strategies
+from .options import KEEP_CHECKPOINTS, build_parser, local_argument_errors
+from .strategies.base import DEFAULT_WARMUP_EPOCHS
+
+PROG = "hpcdl train"
+
+
+def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
+    """Print `messages` once (on rank 0) and return `status`; every rank calls it alike."""
+    return report_failure(PROG, messages, rank, status)
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    """Run `hpcdl train` with command-line arguments `argv`; returns the exit status.
+
+    Rank 0 parses (--help and bad syntax exit every rank alike, printed once), then every rank
+    checks the values it can see and all agree on the verdict before any training starts.
+    """
+    command = Command.world(PROG)
+    topology, comm = runtime.topology(), MPI.COMM_WORLD
+    try:
+        args = command.parse(build_parser().parse_args, argv)
+        available = host_available_bytes()  # every rank: collective over each host
+        command.agree(local_argument_errors(args, topology.local_size, topology.size, available))
+    except CommandError as exc:
+        return command.fail(exc)
+    if args.warmup_epochs is None:  # at most half the run: the rate peaks, then decays
+        args.warmup_epochs = min(DEFAULT_WARMUP_EPOCHS, args.epochs / 2)
+
+    import torch
+
+    if topology.local_size > 1:
+        torch.set_num_threads(1)  # ranks sharing a host would otherwise oversubscribe its cores
+    if args.synthetic:
+        from .synthetic import run_synthetic_benchmark
+
+        return run_synthetic_benchmark(args, topology, comm)
+    return run_training(args, topology, comm)
+
+
+# -- training on digits --------------------------------------------------------------------------
+
+_TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed",
+                       "compression", "momentum_correction")
+#: What checkpoints written before an entry of their job existed stand for.
+_TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentum_correction": None}
+
+
+def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
+    """Train on digits with the chosen strategy and checkpoints as requested; print per-epoch
+    metrics on rank 0. Sets everything up (every rank), then serving ranks serve and training
+    ranks run the `Trainer`; all return the same exit status."""
+    import torch
+
+    from ...parallel import ProcessGrid
+    from ...runtime.checkpoint import list_checkpoints, load_resume_checkpoint
+    from .data import batches_per_epoch, load_digits_split, shard_sampler
+    from .models import build_hybrid_model, build_model
+    from .schedule import Schedule, scaled_learning_rate, warmup_start_factor
+    from .trainer import Trainer
+
+    rank, size = topology.rank, topology.size
+    args.model = args.model or "cnn"
+    plan = strategies.plan(args, size)
+    job = {name: getattr(args, name) for name in _TRAJECTORY_OPTIONS} | plan.job | {"ranks": size}
+
+    checkpoint = None
+    if args.resume:
+        # Every rank reads the checkpoint and the ranks agree on each file's verdict: all of them
+        # resume from the same one, and take the same decisions below.
+        path, checkpoint, skipped = load_resume_checkpoint(
+            args.checkpoint_dir, comm,
+            problem=lambda c: not_a_training_checkpoint(c, plan.name, plan.strategy.checkpoint_keys))
+        if rank == 0:
+            for bad, why in skipped:
+                print(f"hpcdl train: warning: --resume: skipping {bad.name}: it {why}"
+                      + (f"; resuming from {path.name} instead" if path is not None else ""),
+                      file=sys.stderr, flush=True)
+        if path is None or checkpoint is None:
+            return _fail([f"--resume: no complete checkpoint in {args.checkpoint_dir}"
+                          + (f" ({len(skipped)} unusable, see above)" if skipped else "")
+                          + "; run once without --resume to create one"], rank)
+        made_with = checkpoint["job"]
+        differences = [f"{k} {made_with.get(k, _TRAJECTORY_DEFAULTS.get(k))!r} (this run: {v!r})"
+                       for k, v in job.items() if made_with.get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
+        differences += [f"{k} {v!r} (this run: none)" for k, v in made_with.items() if k not in job]
+        if differences:
+            return _fail([f"--resume: {path} was made with " + ", ".join(differences)
+                          + "; resume with the same settings or use a new --checkpoint-dir"], rank)
+    elif args.checkpoint_dir is not None:
+        # Only the newest checkpoints by step number are kept, whichever run wrote them: a fresh run
+        # beside an older run's later steps would delete its own. Rank 0 writes them, so its view
+        # decides, for every rank.
+        newest = comm.bcast(list_checkpoints(args.checkpoint_dir)[-1:] if rank == 0 else None, root=0)
+        if newest:
+            return _fail([(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (newest: "
+                           f"{newest[0][1].name}, step {newest[0][0]}); add --resume to continue that "
+                           "run, or give an empty or new directory (only the newest "
+                           f"{KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's would be "
+                           "deleted)")], rank)
+
+    train_set, test_set = load_digits_split()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    grid = None
+    if args.model == "hybrid-cnn":  # the FC layers split over model groups, data parallel across them
+        grid = ProcessGrid(plan.trainers, plan.model_parallel, comm)
+        model = build_hybrid_model(args.model, grid, in_channels=1, num_classes=10)
+    else:
+        model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
+    # Only the training ranks (all but a parameter server's servers) share out the data; the ranks
+    # of a hybrid model's group (one replica) train on the same batch.
+    trainers = plan.trainers
+    sampler = shard_sampler(train_set, seed=args.seed, num_replicas=trainers,
+                            replica_rank=min(rank, trainers - 1) if grid is None else grid.data_rank)
+    if args.batch_size > len(sampler):
+        # Every step would take the whole share, so the global batch the rate is scaled for never
+        # happens; the same numbers on every rank give the same verdict.
+        return _fail([(f"--batch-size {args.batch_size} is more than each rank's share of the training "
+                       f"data ({len(sampler)} of {len(train_set)} samples on {trainers} rank(s)"
+                       + (" that train" if plan.servers else "")
+                       + f"); use --batch-size {len(sampler)} or less")], rank)
+    steps_per_epoch = batches_per_epoch(sampler, args.batch_size)
+    total_steps = steps_per_epoch * args.epochs
+    update_batch = plan.update_batch
+    lr = scaled_learning_rate(args.lr, update_batch, args.reference_batch) * plan.asynchrony
+    if not math.isfinite(lr):
+        return _fail([scaled_rate_error(args, update_batch)], rank)
+    warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
+    start_factor = warmup_start_factor(update_batch, args.reference_batch)
+    schedule = Schedule(lr, warmup_steps, total_steps, start_factor)
+    warning = warmup_warning(warmup_steps, total_steps, lr, start_factor)
+    if warning and rank == 0:
+        print(f"hpcdl train: warning: --warmup-epochs {args.warmup_epochs:g} with --epochs {args.epochs}: "
+              f"{warning}", file=sys.stderr, flush=True)
+
+    strategy = plan.strategy.build(plan, model, schedule, comm, grid)
+    if not strategy.trains:
+        if checkpoint is not None:
+            strategy.load_state(checkpoint, None)
+        # Signals only stop the training ranks (they checkpoint, the servers with them); here
+        # they are recorded, so that a signal sent to every rank does not end a server first.
+        if args.checkpoint_dir:
+            from .signals import StopRequest
+
+            StopRequest()
+        return strategy.agree_status(strategy.serve())
+    trainer = Trainer(args, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
+                      checkpoint)
+    try:
+        status = trainer.run()
+    finally:
+        strategy.close()
+    return strategy.agree_status(status)
+
+
+def warmup_warning(warmup_steps: int, total_steps: int, scaled_lr: float, start_factor: float) -> str | None:
+    """What a warm-up as long as the whole run does to the learning rate, or None if it is shorter.
+
+    `warmup_cosine_schedule` ramps linearly over `warmup_steps` and decays over the steps after them:
+    when the warm-up covers every step, the scaled rate is never reached and nothing decays.
+    """
+    from .schedule import expected_learning_rate
+
+    if warmup_steps < total_steps:
+        return None
+    if start_factor < 1:
+        last = expected_learning_rate(scaled_lr, total_steps - 1, warmup_steps=warmup_steps,
+                                      total_steps=total_steps, start_factor=start_factor)
+        effect = (f"the learning rate climbs from {scaled_lr * start_factor:g} to only {last:g} at the "
+                  f"last step, never reaches its peak {scaled_lr:g}, and never decays")
+    else:  # the global batch is not larger than the reference batch: the ramp is flat
+        effect = f"the learning rate stays at {scaled_lr:g} throughout and never decays"
+    return (f"the warm-up covers all {total_steps} steps, so {effect}; use fewer --warmup-epochs than "
+            "--epochs")
+
+
+def scaled_rate_error(args: argparse.Namespace, global_batch: int) -> str:
+    """The message for a learning rate that the linear scaling rule makes infinite."""
+    return (f"--lr {args.lr:g} scaled by the linear scaling rule (x global batch {global_batch} / "
+            f"--reference-batch {args.reference_batch}) is not a finite number; lower --lr or raise "
+            "--reference-batch")
+
+
+def not_a_training_checkpoint(checkpoint: Any, strategy: str = "allreduce",
+                              strategy_keys: tuple[str, ...] = ("optimizer", "scheduler")) -> str | None:
+    """Why a verified checkpoint file cannot be resumed by `hpcdl train --strategy strategy`
+    (whose checkpoints hold `strategy_keys`), or None. A checkpoint of another strategy is left to
+    the comparison of the job it was made with, which names the difference."""
+    job = checkpoint.get("job") if isinstance(checkpoint, dict) else None
+    made_with = job.get("strategy", _TRAJECTORY_DEFAULTS["strategy"]) if isinstance(job, dict) else strategy
+    needed = ("model", *(strategy_keys if made_with == strategy else ()), "epoch", "batches_done", "step",
+              "job", "ranks")
+    missing = [k for k in needed if not isinstance(checkpoint, dict) or k not in checkpoint]
+    if missing or not isinstance(checkpoint["job"], dict) or not isinstance(checkpoint["ranks"], list):
+        return (f"is not a checkpoint of hpcdl train (it holds no {', '.join(missing) or 'job or ranks'} "
+                "entries that hpcdl train writes): another program's, or a library user's save_checkpoint")
+    return None

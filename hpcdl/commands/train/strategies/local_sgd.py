@@ -1,0 +1,117 @@
+"""Local SGD / parameter averaging: every rank steps on its own gradients and `hpcdl.LocalSGD`
+averages the parameters every `period` steps (after `warmup_steps` synchronous ones).
+
+Between averagings the ranks' parameters and momentum buffers differ, so each rank checkpoints
+its own, and evaluation averages a copy of the parameters (the training model is left alone, so
+that evaluating does not change the run).
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .base import MOMENTUM, Plan, Strategy
+
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
+
+    from ....parallel import ProcessGrid
+    from ..schedule import Schedule
+
+DEFAULT_PERIOD = 8
+
+
+class LocalSGDStrategy(Strategy):
+    """SGD with momentum and the run's schedule on every rank, averaged by `LocalSGD`."""
+
+    name = "local-sgd"
+    summary = "average parameters every --period steps"
+    options = ("period", "warmup_steps", "average_optimizer_state", "algorithm")
+    checkpoint_keys = ("optimizer", "scheduler", "local_sgd")
+
+    @classmethod
+    def configure(cls, given: Mapping[str, Any], ranks: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        return ({"period": given.get("period") or DEFAULT_PERIOD, "warmup_steps": given.get("warmup_steps") or 0,
+                 "average_optimizer_state": bool(given.get("average_optimizer_state"))},
+                {"algorithm": given.get("algorithm") or "auto"})
+
+    @classmethod
+    def describe(cls, plan: Plan) -> str:
+        options = plan.options
+        return (f"parameters averaged every {options['period']} steps"
+                + (f" after {options['warmup_steps']} synchronous steps" if options["warmup_steps"] else "")
+                + (", momentum too" if options["average_optimizer_state"] else ""))
+
+    @classmethod
+    def build(cls, plan: Plan, module: torch.nn.Module, schedule: Schedule, comm: MPI.Comm,
+              grid: ProcessGrid | None = None) -> Strategy:
+        if grid is not None:
+            raise ValueError("local-sgd does not train a model split over a process grid")
+        return cls(module, comm, schedule, plan)
+
+    def __init__(self, module: torch.nn.Module, comm: MPI.Comm, schedule: Schedule, plan: Plan) -> None:
+        import torch
+
+        from ....local_sgd import LocalSGD
+
+        super().__init__(module, comm)
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=MOMENTUM)
+        self.scheduler = schedule.for_optimizer(self.optimizer)
+        self.algorithm = plan.settings["algorithm"]
+        self.local = LocalSGD(module, self.optimizer, comm, period=plan.options["period"],
+                              warmup_steps=plan.options["warmup_steps"],
+                              average_optimizer_state=plan.options["average_optimizer_state"],
+                              algorithm=self.algorithm)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def finish_step(self) -> None:
+        self.local.step()
+        self.scheduler.step()
+
+    def lr(self, step: float) -> float:
+        return float(self.scheduler.get_last_lr()[0])  # the scheduler has taken `step` steps
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.local.bytes_sent
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the ranks' parameters are equal now (in warm-up, or just averaged)."""
+        local = self.local
+        return local.steps <= local.warmup_steps or (local.steps - local.warmup_steps) % local.period == 0
+
+    def evaluation_model(self) -> torch.nn.Module:
+        if self.in_step:
+            return self.module
+        from ....comm.fusion import fused_average
+
+        averaged = copy.deepcopy(self.module)
+        fused_average(list(averaged.parameters()), self.comm, algorithm=self.algorithm)
+        return averaged
+
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "local_sgd": self.local.state_dict()}
+
+    def rank_state(self) -> dict[str, Any]:
+        return {"parameters": [p.detach().clone() for p in self.module.parameters()],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
+        import torch
+
+        assert mine is not None
+        self.module.load_state_dict(checkpoint["model"])
+        with torch.no_grad():
+            for p, saved in zip(self.module.parameters(), mine["parameters"]):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(mine["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.local.load_state_dict(checkpoint["local_sgd"])
+
+
+STRATEGIES = (LocalSGDStrategy,)

@@ -1,0 +1,296 @@
+"""The training loop of `hpcdl train`, the same for every strategy (strategies/), paced as the
+strategy says (pacing.py): data, epochs, evaluation, the per-epoch lines and metrics file,
+checkpoints, stop signals and stall warnings.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from ..command import report_failure
+from .metrics import EpochTraffic, MetricsLog, gradient_report, staleness_columns
+from .options import KEEP_CHECKPOINTS
+from .pacing import EPOCH_DONE, TAKE_STEP
+from .signals import CHECKPOINTED_ON_SIGNAL, StopRequest
+from .waiting import reduce_over_ranks
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
+    from .strategies import Plan, Strategy
+
+#: Exit status when the training loss stops being a finite number: continuing would only waste time.
+DIVERGED = 4
+#: This rank's sums over an epoch's batches so far: loss x samples, samples, seconds, bytes sent.
+Sums = Tuple[float, int, float, int]
+
+
+class Trainer:
+    """The training loop of `hpcdl train`, the same for every strategy: the data, the epochs,
+    evaluation, the per-epoch lines and metrics file, checkpoints, stop signals and stall
+    warnings (every collective it waits on warns while a rank is missing). The strategy decides
+    how a step combines the ranks' work (strategies/base.py), its pacing where steps and epochs
+    end (pacing.py).
+    """
+
+    def __init__(self, args: argparse.Namespace, strategy: Strategy, plan: Plan, schedule: Schedule,
+                 data: tuple[Any, Any, Any, int], job: dict[str, Any], checkpoint: dict[str, Any] | None
+                 ) -> None:
+        import torch
+
+        from ...runtime.checkpoint import restore_rank_state
+        from .straggler import Straggler
+
+        self.args, self.strategy, self.plan, self.schedule, self.job = args, strategy, plan, schedule, job
+        self.train_set, self.test_set, self.sampler, self.steps_per_epoch = data
+        self.comm = strategy.comm  # the training ranks
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.model = strategy.module
+        self.epoch, self.done_in_epoch, self.step = 0, 0, 0
+        self.own_steps = 0  # this rank's steps (== step when lockstep)
+        mine: dict[str, Any] | None = None
+        # This rank's sums over the epoch's batches so far: loss x samples, samples, seconds, bytes
+        # sent. They are checkpointed, so an epoch resumed midway reports what the uninterrupted
+        # run reports.
+        self.epoch_sums: Sums = (0.0, 0, 0.0, 0)
+        # The epoch's gradient traffic (strategies whose exchange compresses: allreduce), and this
+        # rank's traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
+        self.traffic: EpochTraffic | None = None
+        self.traffic_before: dict[str, Any] = {}
+        if checkpoint is not None:
+            self.epoch, self.done_in_epoch = checkpoint["epoch"], checkpoint["batches_done"]
+            self.step = self.own_steps = checkpoint["step"]
+            mine = restore_rank_state(checkpoint, self.rank)  # this rank's random numbers, too
+            strategy.load_state(checkpoint, mine)
+            with torch.no_grad():
+                for name, buffer in self.model.named_buffers():
+                    buffer.copy_(mine["buffers"][name])
+            # Checkpoints written before hpcdl kept the sums (or the bytes) have none: zeros then.
+            saved = tuple(mine.get("epoch_sums", ()))
+            self.epoch_sums = saved + (0.0, 0, 0.0, 0)[len(saved):]
+            self.own_steps = int(mine.get("own_steps", self.step))
+            self.traffic_before = dict(mine.get("traffic") or {})
+        else:
+            torch.manual_seed(args.seed + 1 + self.rank)  # ranks draw different dropout masks
+        self.straggler = None
+        if plan.straggler is not None and plan.straggler[0] == self.rank:
+            self.straggler = Straggler(self.model, plan.straggler[1])
+        self.metrics = None
+        if self.rank == 0 and args.metrics:
+            # Resuming: only the rows of epochs the checkpoint has finished are kept; the others (of
+            # a crash after a row but before its checkpoint, or of a fallback to an older
+            # checkpoint) are about to be trained and written again.
+            self.metrics = MetricsLog(args.metrics, after_epoch=None if checkpoint is None else checkpoint["epoch"])
+        self.stop_request = StopRequest() if args.checkpoint_dir else None
+        self.resumed = checkpoint is not None
+        self.pacing = strategy.pacing(self, mine)
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train every epoch left; the exit status (0, CHECKPOINTED_ON_SIGNAL or DIVERGED)."""
+        args, plan, schedule = self.args, self.plan, self.schedule
+        self.say(f"training {args.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
+                 f"held out) on {plan.ranks} rank(s) with {plan.name} ({plan.describe()}): batch "
+                 f"{args.batch_size} per rank, {plan.update_batch} per update, lr {schedule.lr:g} (base "
+                 f"{args.lr:g} x {plan.update_batch}/{args.reference_batch}"
+                 + (f" x {plan.asynchrony:.3g} for asynchrony" if plan.asynchrony != 1 else "") + "), warm-up "
+                 f"{schedule.warmup_steps} steps, {self.steps_per_epoch} steps per epoch"
+                 + (f"; rank {plan.straggler[0]} straggles {plan.straggler[1]:g}x" if plan.straggler else "")
+                 + (f"; resuming at epoch {self.epoch + 1}, step {self.step}" if self.resumed else ""),
+                 flush=True)
+        while self.epoch < args.epochs:
+            status = self.run_epoch()
+            if status is not None:
+                self.close_metrics()
+                return status
+        test_loss, accuracy = evaluate(self.strategy.evaluation_model(), self.test_set, self.rank,
+                                       self.size, self.comm, "at the end")
+        self.say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {self.step} steps",
+                 flush=True)
+        self.close_metrics()
+        if args.timeline:
+            written = self.strategy.write_timeline()
+            self.say(f"timeline written to {written}")
+        return 0
+
+    def run_epoch(self) -> int | None:
+        """Train the rest of epoch `self.epoch` and report it; an exit status to stop with, or None."""
+        import torch.nn.functional as F
+        from tqdm import tqdm
+
+        args, strategy = self.args, self.strategy
+        x_train, y_train = self.train_set.tensors
+        epoch_end = (self.epoch + 1) * self.steps_per_epoch
+        strategy.train()
+        strategy.start_epoch(self.epoch)
+        (loss_sum, samples, seconds_before, bytes_before), self.epoch_sums = self.epoch_sums, (0.0, 0, 0.0, 0)
+        if strategy.gradient_traffic is not None:
+            self.traffic = EpochTraffic(lambda: strategy.gradient_traffic, **self.traffic_before)
+        self.traffic_before = {}
+        bar = tqdm(total=self.steps_per_epoch, initial=self.done_in_epoch, disable=self.rank != 0,
+                   leave=False, desc=f"epoch {self.epoch + 1}/{args.epochs}", file=sys.stderr)
+        # Set back by what the resumed run spent on this epoch up to its checkpoint: the epoch's
+        # time (so its throughput) and bytes cover all its batches in both runs, not the start-up
+        # or the time between kill and resume.
+        started = time.perf_counter() - seconds_before
+        bytes_start = strategy.bytes_sent - bytes_before
+
+        def sums() -> Sums:
+            return (loss_sum, samples, time.perf_counter() - started, strategy.bytes_sent - bytes_start)
+
+        batches = self.pacing.batches()
+        with bar:
+            while True:
+                status = self.pacing.before_step(epoch_end, sums)
+                if status == EPOCH_DONE:
+                    break
+                if status != TAKE_STEP:
+                    return status
+                indices = next(batches)
+                if self.straggler is not None:
+                    self.straggler.start()
+                loss = F.cross_entropy(strategy.forward(x_train[indices]), y_train[indices])
+                strategy.zero_grad()
+                loss.backward()
+                if self.straggler is not None:
+                    self.straggler.delay()
+                strategy.finish_step()
+                if self.traffic is not None:
+                    self.traffic.step()
+                self.own_steps += 1
+                loss_sum += loss.item() * len(indices)
+                samples += len(indices)
+                bar.update(1)
+                stop = self.pacing.after_step(sums)
+                if stop is not None:
+                    return stop
+        stop = self.pacing.at_epoch_end(sums)
+        return stop if stop is not None else self.end_epoch(sums())
+
+    def stop_after_steps_reached(self) -> bool:
+        """Whether --stop-after-steps says to stop now (it says so, on rank 0)."""
+        stop = self.args.stop_after_steps
+        if stop is None or self.step < stop:
+            return False
+        self.say(f"stopping after step {self.step} (--stop-after-steps), without a final checkpoint")
+        return True
+
+    def stop_on_signal(self, sums: Sums) -> int:
+        assert self.stop_request is not None
+        self.checkpoint_now(self.done_in_epoch, sums)
+        self.say(f"stopping at step {self.step} on {self.stop_request.name}: checkpoint written, exit status "
+                 f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
+        return CHECKPOINTED_ON_SIGNAL
+
+    def end_epoch(self, sums: Sums) -> int | None:
+        """Sum up the epoch over the training ranks, evaluate, print, write metrics, checkpoint."""
+        args, strategy = self.args, self.strategy
+        # A run stopped by a signal after the epoch's last batch has not reported the epoch yet: with
+        # no batch left, the checkpoint's sums alone make its summary.
+        traffic, self.traffic = self.traffic, None  # the epoch-end checkpoint has none in progress
+        # Gradient traffic (zeros where the strategy has none, the same on every training rank).
+        sent = traffic.so_far() if traffic is not None else None
+        sent_sums = [sent.bytes_sent, sent.dense_fp32_bytes, sent.elements_sent, sent.elements] if sent else [0] * 4
+        totals = reduce_over_ranks(np.array([*sums, *sent_sums], dtype=np.float64), self.comm,
+                                   f"the sums of epoch {self.epoch + 1}'s loss, samples, time and traffic")
+        # The epoch's time is its slowest rank's: ranks that run at their own pace (async) finish
+        # at different moments, and the epoch is over only when the last one is.
+        seconds, densest = reduce_over_ranks(
+            np.array([sums[2], traffic.densest if traffic is not None else 0.0]), self.comm,
+            f"the maximum of epoch {self.epoch + 1}'s time and gradient density", op="max")
+        self.epoch += 1
+        self.done_in_epoch = 0
+        if totals[1] == 0:  # only from a checkpoint without sums (older hpcdl): nothing to report
+            self.say(f"epoch {self.epoch:3d}/{args.epochs}  no summary: resumed at its end from a checkpoint "
+                     "that holds no running sums (written by an older hpcdl)", flush=True)
+        else:
+            train_loss = totals[0] / totals[1]
+            if not math.isfinite(train_loss):
+                # A sum with a NaN or infinite term is not finite whatever order the allreduce adds
+                # in (and losses are not negative), so all ranks take this exit together.
+                self.close_metrics()
+                return report_failure(
+                    "hpcdl train", [f"training diverged: the mean training loss of epoch {self.epoch} is "
+                                    f"{train_loss}; lower --lr (the scaled rate was {self.schedule.lr:g}) or "
+                                    "lengthen --warmup-epochs. No checkpoint was written at this epoch's end"],
+                    self.rank, DIVERGED)
+            throughput = totals[1] / seconds  # samples of all ranks / the slowest rank's time
+            test_loss, accuracy = evaluate(strategy.evaluation_model(), self.test_set, self.rank, self.size,
+                                           self.comm, f"after epoch {self.epoch}")
+            # After the evaluation's pull: under sync-ps every push of the epoch is applied by then.
+            staleness = strategy.staleness() if self.rank == 0 else None
+            bytes_per_rank = totals[3] / self.plan.ranks  # servers included: they send what workers receive
+            lr = strategy.lr(self.step)
+            gradients: dict[str, float | None] = dict.fromkeys(
+                ("grad_bytes_per_rank", "grad_ratio", "grad_density", "grad_density_max_step"))
+            if traffic is not None:
+                gradients = {**gradient_report(totals[4], totals[5], totals[6], totals[7], self.size),
+                             "grad_density_max_step": float(densest)}
+            self.say(f"epoch {self.epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
+                     f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  lr {lr:.4g}  "
+                     f"sent {bytes_per_rank / 1e6:.3g} MB/rank"
+                     + (f"  gradients {totals[4] / self.size / 1e6:.3g} MB/rank = fp32/"
+                        f"{gradients['grad_ratio']:.3g}" if traffic is not None else "")
+                     + (f"  staleness mean {staleness.mean:.2f} max {staleness.max}" if staleness else ""),
+                     flush=True)
+            if self.metrics is not None:
+                self.metrics.write({
+                    "epoch": self.epoch, "step": self.step, "train_loss": train_loss, "test_loss": test_loss,
+                    "accuracy": accuracy, "samples_per_s": throughput, "seconds": seconds,
+                    "lr": lr, "ranks": self.plan.ranks, "strategy": self.plan.name, "samples": int(totals[1]),
+                    "bytes_sent_per_rank": bytes_per_rank, **gradients, **staleness_columns(staleness)})
+        if args.checkpoint_dir:
+            self.checkpoint_now(0, (0.0, 0, 0.0, 0))
+        return None
+
+    def checkpoint_now(self, batches_done: int, sums: Sums) -> None:
+        """Collective over the training ranks (and through a parameter server's servers): write
+        checkpoint `self.step` at `batches_done` batches into epoch `self.epoch`."""
+        from ...runtime.checkpoint import save_checkpoint
+
+        extra = self.strategy.checkpoint_state(self.step)
+        state = {"model": self.model.state_dict(), **extra, "epoch": self.epoch,
+                 "batches_done": batches_done, "job": self.job}
+        rank_state = {"buffers": dict(self.model.named_buffers()), "epoch_sums": sums,
+                      **self.strategy.rank_state()}
+        rank_state |= self.pacing.rank_state()
+        if self.traffic is not None:  # inside an epoch (the epoch-end checkpoint has none)
+            rank_state["traffic"] = self.traffic.state()
+        save_checkpoint(self.args.checkpoint_dir, state, step=self.step, comm=self.comm, keep=KEEP_CHECKPOINTS,
+                        rank_state=rank_state)
+
+    def say(self, *values: Any, **kwargs: Any) -> None:
+        """print() on rank 0."""
+        if self.rank == 0:
+            print(*values, **kwargs)
+
+    def close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+
+def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm, when: str = ""
+             ) -> tuple[float, float]:
+    """Collective: (mean loss, accuracy) over all of `dataset`; rank r scores samples r, r+P, ...
+    and the sums meet in one allreduce of three float64s (`when` names it in stall warnings)."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = dataset.tensors
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(x[rank::size])
+        loss = F.cross_entropy(logits, y[rank::size], reduction="sum").item()
+        correct = (logits.argmax(dim=1) == y[rank::size]).sum().item()
+    model.train(was_training)
+    sums = reduce_over_ranks(np.array([loss, correct, len(y[rank::size])], dtype=np.float64), comm,
+                             f"the held-out evaluation {when}".rstrip())
+    return float(sums[0] / sums[2]), float(sums[1] / sums[2])

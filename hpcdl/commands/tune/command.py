@@ -1,0 +1,112 @@
+"""`hpcdl tune`'s command line: measure (fit.py) under mpirun, or `--predict` (predict.py) on
+one process without MPI."""
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+import collectives
+
+from ...runtime.atomic_file import unwritable_file
+from ..command import Command, CommandError
+from ..units import parse_bandwidth, parse_bytes, parse_count, parse_duration, positive
+from .predict import DEFAULT_SOFTWARE_LATENCY, ITEMSIZE
+
+PROG = "hpcdl tune"
+#: Collectives `hpcdl tune` covers, in the order it prints them (the registry's).
+COLLECTIVES = tuple(collectives.COLLECTIVES)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The checked options; argparse's exit (status 2, message on stderr) where they are wrong."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Measure under mpirun: `mpirun -n P hpcdl tune -o tuning.json`. "
+               "Predict on one process: `hpcdl tune --predict --nodes N --link BW --latency T "
+               "--model-params N --compute-ms MS`.")
+    measure = parser.add_argument_group("measuring (under mpirun)")
+    measure.add_argument("-o", "--output", default="tuning.json", help="tuning file to write")
+    measure.add_argument("-b", "--minbytes", type=parse_bytes, default=8, help="smallest size (default 8)")
+    measure.add_argument("-e", "--maxbytes", type=parse_bytes, default=32 << 20,
+                         help="largest size (default 32M)")
+    measure.add_argument("-f", "--stepfactor", type=positive(int), default=4,
+                         help="size multiplier between sizes (default 4)")
+    measure.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES),
+                         metavar="NAME", help=f"collectives to sweep (default: all: {' '.join(COLLECTIVES)})")
+    measure.add_argument("--model-only", action="store_true",
+                         help="fit the model only; every decision row then comes from the model")
+    measure.add_argument("--iters", type=positive(int), default=50,
+                         help="timed operations per size, in the calibration and per algorithm in "
+                              "the sweep; fewer for large sizes (at most 128 MiB moved, at least 3 "
+                              "in the sweep); default 50")
+    measure.add_argument("--p2p", choices=("exchange", "pingpong"), default="exchange",
+                         help="point-to-point pattern for alpha and beta: all ranks exchange with "
+                              "their ring neighbours at once (default; a ring step) or ping-pong "
+                              "pair by pair; beta_pairwise always comes from a pairwise exchange")
+    predict = parser.add_argument_group("predicting (--predict, one process)")
+    predict.add_argument("--predict", action="store_true", help="plan from the model; no measurement")
+    predict.add_argument("--nodes", type=positive(int), help="ranks in the job, one per node")
+    predict.add_argument("--link", type=parse_bandwidth,
+                         help="per-rank link bandwidth, e.g. 100gbit, 25Gbit/s, 12.5GB/s")
+    predict.add_argument("--latency", type=parse_duration,
+                         help="network latency per message, e.g. 2us (this package's per-message "
+                              "software cost is added: --software-latency)")
+    predict.add_argument("--software-latency", type=parse_duration, default=None,
+                         help=f"Python and MPI cost per message on top of --latency (default "
+                              f"{DEFAULT_SOFTWARE_LATENCY * 1e6:g}us, measured on the reference machine)")
+    predict.add_argument("--model-params", type=parse_count, help="parameters of the model, e.g. 25e6, 25M")
+    predict.add_argument("--compute-ms", type=positive(float),
+                         help="compute time per step (forward + backward)")
+    predict.add_argument("--dtype", choices=sorted(ITEMSIZE), default="float32", help="gradient dtype")
+    predict.add_argument("--gamma", type=parse_duration,
+                         help="reduction time per byte, e.g. 0.05ns (default: --tuning-file's, "
+                              "else measured on the reference machine for --dtype)")
+    predict.add_argument("--tuning-file", help="take alpha, beta, gamma, overhead from this file "
+                                               "(--link, --latency, --gamma override)")
+    predict.add_argument("--bucket-mb", type=positive(float), default=25.0,
+                         help="gradient bucket size in MiB, one allreduce each (default 25)")
+    args = parser.parse_args(list(argv))
+    if args.predict:
+        missing = [f"--{name.replace('_', '-')}" for name in ("nodes", "model_params", "compute_ms")
+                   if getattr(args, name) is None]
+        if args.tuning_file is None:
+            missing += [flag for flag, value in (("--link", args.link), ("--latency", args.latency))
+                        if value is None]
+        if missing:
+            parser.error(f"--predict needs {', '.join(missing)} (--link and --latency may come "
+                         "from --tuning-file instead)")
+    elif not args.minbytes <= args.maxbytes:
+        parser.error(f"-b/--minbytes ({args.minbytes}) must not exceed -e/--maxbytes ({args.maxbytes})")
+    elif args.stepfactor < 2:
+        parser.error("-f/--stepfactor must be at least 2")
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    """`hpcdl tune`: 0 when done (and every measured result was right), 1 otherwise, 2 for bad
+    arguments. --predict plans on one process and starts no MPI; measuring is collective."""
+    from .fit import run_tune
+    from .predict import run_predict
+
+    if "--predict" in argv:  # spelled out (allow_abbrev=False): decided before MPI starts
+        command = Command(PROG)
+        try:
+            return run_predict(command.parse(parse_args, argv))
+        except CommandError as exc:
+            return command.fail(exc)
+    command = Command.world(PROG)
+    try:
+        args = command.parse(parse_args, argv)
+        if command.size < 2:
+            raise CommandError("hpcdl tune measures messages between ranks: run it under "
+                               "`mpirun -n 2` or more (or plan without measuring: "
+                               "`hpcdl tune --predict ...`)")
+        # The file is written after minutes of measuring: a path that cannot take it fails now.
+        problem = command.decide(unwritable_file(args.output, create_parent=True)
+                                 if command.rank == 0 else None)
+        if problem:
+            raise CommandError(f"-o {args.output}: {problem}")
+    except CommandError as exc:
+        return command.fail(exc)
+    return run_tune(args, argv, command)

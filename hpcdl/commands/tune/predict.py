@@ -1,0 +1,220 @@
+"""`hpcdl tune --predict`: one training step's gradient buckets, each one allreduce per
+algorithm, from the alpha-beta-gamma model (a tuning file's, or the reference machine's
+constants), and the resulting scaling efficiency of synchronous SGD (docs/cost_model.md)."""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+from ..command import CommandError
+from ..units import human_bytes, human_seconds
+
+
+#: Defaults for --predict where no tuning file is given: `collectives.calibrate` on the reference
+#: machine (how, and what each number is: docs/design.md, "Facts that shaped the design"). The
+#: software latency is this package's Python and MPI cost per message; a cluster's wire adds to it.
+DEFAULT_GAMMA = {"float32": 0.05e-9, "float16": 5.3e-9, "bfloat16": 2.0e-9}
+DEFAULT_OVERHEAD = 11e-6
+DEFAULT_SOFTWARE_LATENCY = 1.5e-6
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """A step's gradient buckets, in closed form (a trillion parameters are a few numbers, not a
+    list): `full` buckets of `cap` bytes, then one of `rest` bytes if `rest`."""
+
+    cap: int
+    full: int
+    rest: int
+
+    @classmethod
+    def of(cls, parameters: int, itemsize: int, bucket_mb: float) -> "Buckets":
+        """Full buckets of `bucket_mb` MiB (whole elements), then the remainder."""
+        total = parameters * itemsize
+        cap = max(int(bucket_mb * (1 << 20)) // itemsize * itemsize, itemsize)
+        full, rest = divmod(total, cap)
+        return cls(cap, full, rest)
+
+    @property
+    def count(self) -> int:
+        return self.full + (1 if self.rest else 0)
+
+    @property
+    def total(self) -> int:
+        return self.full * self.cap + self.rest
+
+    def sizes(self) -> list[int]:
+        """The distinct bucket sizes, largest first."""
+        return ([self.cap] if self.full else []) + ([self.rest] if self.rest else [])
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted communication of one training step for one algorithm: one allreduce per bucket,
+    `full_s` for each full bucket and `rest_s` for the last, smaller one (if any)."""
+
+    algorithm: str
+    buckets: Buckets
+    full_s: float
+    rest_s: float
+    compute_s: float
+
+    @property
+    def first_s(self) -> float:
+        """The first (largest) bucket's allreduce."""
+        return self.full_s if self.buckets.full else self.rest_s
+
+    @property
+    def last_s(self) -> float:
+        return self.rest_s if self.buckets.rest else self.full_s
+
+    @property
+    def total_s(self) -> float:
+        return self.buckets.full * self.full_s + (self.rest_s if self.buckets.rest else 0.0)
+
+    @property
+    def efficiency_no_overlap(self) -> float:
+        return self.compute_s / (self.compute_s + self.total_s)
+
+    @property
+    def efficiency_overlap(self) -> float:
+        # Every bucket but the last runs while compute does (from the start of the step, at
+        # best); the last is ready only when compute ends.
+        earlier = self.total_s - self.last_s
+        return self.compute_s / (max(self.compute_s, earlier) + self.last_s)
+
+
+def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
+    """The ModelParams for --predict, and where each came from."""
+    from collectives.cost_model import ModelParams
+    from collectives.select import model_params
+
+    source: dict[str, str] = {}
+    base = None
+    if args.tuning_file:
+        try:
+            base = model_params(args.tuning_file)  # reads and checks the whole file
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        if base is None:
+            raise CommandError(f"{args.tuning_file} has no \"model\"; write one with "
+                               "`mpirun -n P hpcdl tune -o FILE`")
+    software = args.software_latency if args.software_latency is not None else DEFAULT_SOFTWARE_LATENCY
+    # parse_args made sure: without --latency and --link there is a tuning file with a model
+    # With a two-level file, --latency and --link describe the network between hosts: they
+    # replace its inter-host alpha and beta, and its values within a host stay.
+    network = "alpha_inter" if base is not None and base.two_level else "alpha"
+    if args.latency is not None:
+        alpha = args.latency + software
+        source[network] = (f"--latency {human_seconds(args.latency)} + software "
+                           f"{human_seconds(software)} per message")
+    else:
+        assert base is not None
+        alpha, source[network] = base.alpha_across, f"from {args.tuning_file}"
+    if args.link is not None:
+        beta, source[network.replace("alpha", "beta")] = (1.0 / args.link,
+                                                          f"--link {args.link * 8 / 1e9:g} Gbit/s")
+        beta_pairwise = None  # a full-duplex link: two-way exchanges at the link rate too
+    else:
+        assert base is not None
+        beta, source[network.replace("alpha", "beta")] = base.beta_across, f"from {args.tuning_file}"
+        beta_pairwise = base.beta_pairwise_inter if base.two_level else base.beta_pairwise
+    if args.gamma is not None:
+        gamma, source["gamma"] = args.gamma, "--gamma"
+    elif base is not None:
+        gamma, source["gamma"] = base.gamma, f"from {args.tuning_file}"
+    else:
+        gamma = DEFAULT_GAMMA[args.dtype]
+        source["gamma"] = f"default for {args.dtype}, measured on the reference machine"
+    if base is not None:
+        overhead, source["overhead"] = base.overhead, f"from {args.tuning_file}"
+    else:
+        overhead, source["overhead"] = DEFAULT_OVERHEAD, "default, measured on the reference machine"
+    if base is not None and base.two_level:
+        source["alpha"] = source["beta"] = f"from {args.tuning_file}"
+        return ModelParams(base.alpha, base.beta, gamma, overhead, base.beta_pairwise,
+                           ranks_per_host=base.ranks_per_host, alpha_inter=alpha, beta_inter=beta,
+                           beta_pairwise_inter=beta_pairwise), source
+    return ModelParams(alpha, beta, gamma, overhead, beta_pairwise), source
+
+
+def plan_step(params: Any, nodes: int, parameters: int, dtype: str, bucket_mb: float,
+              compute_s: float) -> tuple[Buckets, list[StepPrediction], dict[int, str]]:
+    """The buckets, a `StepPrediction` per modelled allreduce algorithm plus auto's (last), and auto's pick
+    per distinct bucket size (the model's fastest). Closed forms: at most two sizes are priced,
+    whatever the number of buckets or ranks."""
+    from collectives.cost_model import best, modelled_algorithms, predict
+
+    itemsize = ITEMSIZE[dtype]
+    buckets = Buckets.of(parameters, itemsize, bucket_mb)
+
+    def seconds(algorithm: str, nbytes: int) -> float:
+        return predict("allreduce", algorithm, nbytes, nodes, params, itemsize=itemsize) if nbytes else 0.0
+
+    plans = [StepPrediction(a, buckets, seconds(a, buckets.cap), seconds(a, buckets.rest), compute_s)
+             for a in modelled_algorithms("allreduce")]
+    picks = {b: best("allreduce", b, nodes, params, itemsize=itemsize) for b in buckets.sizes()}
+    auto = StepPrediction("auto", buckets, seconds(picks.get(buckets.cap, "ring"), buckets.cap),
+                seconds(picks.get(buckets.rest, "ring"), buckets.rest), compute_s)
+    return buckets, [*plans, auto], picks
+
+
+def _two_level_lines(params: Any, source: dict[str, str], tuning_file: str | None) -> list[str]:
+    """--predict's lines for the parameters between hosts of a two-level model (none otherwise)."""
+    if not params.two_level:
+        return []
+    lines = [f"  between hosts ({params.ranks_per_host} ranks per host; alpha and beta above are "
+             "within a host):",
+             f"  alpha_inter {params.alpha_across * 1e6:9.3f} µs per message ({source['alpha_inter']})",
+             f"  beta_inter  {params.beta_across * 1e9:9.4f} ns per byte    ({source['beta_inter']}; "
+             f"{1 / params.beta_across / 1e9 if params.beta_across else math.inf:.3g} GB/s)"]
+    if params.beta_pairwise_inter is not None:
+        lines.append(f"  beta_pairwise_inter {params.beta_pairwise_inter * 1e9:.4f} ns per byte of a "
+                     f"two-way exchange (from {tuning_file})")
+    return lines
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    params, source = predict_params(args)
+    compute_s = args.compute_ms * 1e-3
+    buckets, plans, picks = plan_step(params, args.nodes, args.model_params, args.dtype,
+                                      args.bucket_mb, compute_s)
+    lines = [
+        f"hpcdl tune --predict: {args.nodes} ranks, allreduce of {args.model_params:,} {args.dtype} "
+        f"gradients ({human_bytes(buckets.total)}) per step in {buckets.count:,} bucket"
+        f"{'s' if buckets.count != 1 else ''} of at most {human_bytes(buckets.sizes()[0])}, "
+        f"compute {args.compute_ms:g} ms per step",
+        f"  alpha    {params.alpha * 1e6:9.3f} µs per message      ({source['alpha']})",
+        f"  beta     {params.beta * 1e9:9.4f} ns per byte         ({source['beta']}; "
+        f"{1 / params.beta / 1e9 if params.beta else math.inf:.3g} GB/s)",
+        *([f"  beta_pairwise {params.beta_pairwise * 1e9:.4f} ns per byte of a two-way "
+           f"exchange (from {args.tuning_file})"] if params.beta_pairwise is not None else []),
+        *_two_level_lines(params, source, args.tuning_file),
+        f"  gamma    {params.gamma * 1e9:9.4f} ns per byte reduced ({source['gamma']})",
+        f"  overhead {params.overhead * 1e6:9.3f} µs per call         ({source['overhead']})",
+        "",
+        f"{'algorithm':<18} {'per bucket':>11} {'per step':>11} {'efficiency':>11} {'overlapped':>11}",
+    ]
+    for plan in plans:
+        lines.append(f"{plan.algorithm:<18} {human_seconds(plan.first_s):>11} "
+                     f"{human_seconds(plan.total_s):>11} {plan.efficiency_no_overlap:>10.1%} "
+                     f"{plan.efficiency_overlap:>10.1%}")
+    lines += [
+        "",
+        "per bucket: the first (largest) bucket's allreduce; per step: all buckets, one allreduce "
+        "each, one after another.",
+        "efficiency: compute / (compute + communication), no overlap.",
+        "overlapped: perfect overlap of every bucket but the last: the earlier buckets' allreduces "
+        "run during compute (as if their gradients were ready from the start of the step), the last "
+        "starts when compute ends: compute / (max(compute, earlier buckets) + last bucket). An "
+        "upper bound: backward is only part of the compute.",
+        "auto would pick: " + "; ".join(
+            f"{a} for {human_bytes(b)}" for b, a in picks.items())
+        + " (the model's fastest; a tuning file's measured rows take precedence at their rank count)",
+    ]
+    print("\n".join(lines))
+    return 0

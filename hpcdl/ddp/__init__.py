@@ -1,0 +1,19 @@
+"""Synchronous data parallelism: `DistributedDataParallel`, the wrapper a torch user knows.
+
+    wrapper.py     the module wrapper: forward, no_sync, buffers, the start-up broadcast
+    buckets.py     which gradients travel together, and where they live
+    reducer.py     launches each bucket's exchange during backward, waits, rebuilds buckets
+    exchange.py    the exchange-hook contract (`GradientExchange`) and the collectives a hook may
+                   start for a bucket (`ExchangeLink`)
+    dense.py       the dense hooks: `Average` (the default), `FP16`, `BF16`
+    timeline.py    the Chrome trace of both threads
+
+Schemes that send part of the gradient (top-k, threshold) build on the contract in
+`hpcdl.compression`; this package never imports them.
+"""
+from .dense import BF16, FP16, Average, Cast, resolve
+from .exchange import ExchangeLink, GradientExchange
+from .wrapper import DistributedDataParallel, broadcast_in_place
+
+__all__ = ["Average", "BF16", "Cast", "DistributedDataParallel", "ExchangeLink", "FP16", "GradientExchange",
+           "broadcast_in_place", "resolve"]

@@ -1,0 +1,339 @@
+"""Horovod's DistributedOptimizer on hpcdl's DDP machinery: the optimizer reduces the gradients.
+
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    loss.backward()      # each bucket's reduction starts as soon as its gradients are ready
+    optimizer.step()     # waits for every reduction, then the wrapped optimizer's step
+
+`DistributedOptimizer` maps Horovod's `op=`, `compression=` and `gradient_predivide_factor` to an
+exchange scheme; `distributed_optimizer` returns an optimizer of the same class (a subclass named
+like it, as Horovod's) built on the same parameter groups. The gradients travel as they do under
+`hpcdl.DistributedDataParallel`, with the same pieces:
+- bucket assignment (`hpcdl/ddp/buckets.py`) and the reducer (`hpcdl/ddp/reducer.py`), built by
+  `hpcdl.ddp.wrapper.build_reducer` with DDP's thresholds: a post-accumulate-grad hook per parameter
+  hands its gradient to the reducer, which launches each complete bucket's exchange (in bucket
+  order, on the communication thread) while backward goes on;
+- the exchange scheme (`hpcdl.ddp`'s `Average`, `FP16`), inside `ScaledExchange` for
+  Horovod's pre- and post-scaling (op=Sum, gradient_predivide_factor).
+What differs from the DDP wrapper is when: a parameter's gradient is handed over at its
+`backward_passes_per_step`-th backward since the last step (the others accumulate locally), and
+the wait happens in `synchronize()` (called by `step()`), not at the end of backward. Gradients
+still missing at `synchronize()` (parameters unused in those passes) are sent as zeros, as Horovod
+does, so every rank exchanges the same buckets.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+import torch
+from mpi4py import MPI
+
+from ..ddp.dense import FP16
+from ..ddp.dense import Average as DenseAverage
+from ..ddp.exchange import ExchangeLink, GradientExchange
+from ..ddp.wrapper import STALL_WARNING_S, build_reducer, check_bucket_options, register_ready_hooks
+from ..runtime.agreement import raise_unless_agreed
+from .basics import Adasum, Average, ProcessSet, Sum, _check_process_set, _comm, _not_offered, global_process_set, size
+from .compression import Compression, Compressor
+
+if TYPE_CHECKING:
+    from ..ddp.buckets import Bucket
+
+
+class ScaledExchange(GradientExchange):
+    """`inner`'s exchange with each gradient multiplied by `prescale` before and `postscale`
+    after (Horovod's prescale and postscale factors); factors of 1 cost nothing."""
+
+    def __init__(self, inner: GradientExchange, prescale: float = 1.0, postscale: float = 1.0) -> None:
+        self.inner, self.prescale, self.postscale = inner, float(prescale), float(postscale)
+        self.launch_span, self.finish_span = inner.launch_span, inner.finish_span
+
+    def setup(self, named_parameters: Any, comm: MPI.Comm) -> list[str]:
+        self.size = comm.Get_size()
+        return self.inner.setup(named_parameters, comm)
+
+    def launch(self, bucket: Bucket, link: ExchangeLink) -> Any:
+        if self.prescale != 1.0:
+            for tensor in bucket.flat_gradients():
+                tensor.mul_(self.prescale)
+        return self.inner.launch(bucket, link)
+
+    def finish(self, bucket: Bucket, context: Any) -> None:
+        self.inner.finish(bucket, context)
+        if self.postscale != 1.0:
+            for tensor in bucket.flat_gradients():
+                tensor.mul_(self.postscale)
+
+    def __repr__(self) -> str:
+        return f"ScaledExchange({self.inner!r}, prescale={self.prescale}, postscale={self.postscale})"
+
+
+def _passes_problem(passes: Any) -> str | None:
+    """What is wrong with a backward_passes_per_step value, or None."""
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        return f"backward_passes_per_step must be a positive integer, got {passes!r}"
+    return None
+
+
+class _Synchronizing:
+    """What `distributed_optimizer` adds to an optimizer class (first in the subclass's bases)."""
+
+    _hvd_named: list[tuple[str, torch.nn.Parameter]]
+
+    def _hvd_start(self, named: list[tuple[str, torch.nn.Parameter]], exchange: GradientExchange,
+                   comm: MPI.Comm, backward_passes_per_step: int, sparse_as_dense: bool,
+                   bucket_options: dict[str, Any]) -> None:
+        self._hvd_named = named
+        self._hvd_comm = comm
+        self._hvd_sparse_as_dense = sparse_as_dense
+        self._hvd_reducer = build_reducer(named, comm, exchange, overlap=True, timeline=None,
+                                          **bucket_options)
+        self._hvd_index = {id(p): i for i, (_, p) in enumerate(named)}
+        self.set_backward_passes_per_step(backward_passes_per_step)
+        self._hvd_touched = False  # a hook fired since the last synchronize()
+        self._hvd_marked = False  # a gradient was handed to the reducer since then
+        self._hvd_should_synchronize = True  # flipped by skip_synchronize()
+        self._hvd_synchronized = False  # synchronize() ran since the last step()
+        self._hvd_hooks = register_ready_hooks(self, "_hvd_ready", [p for _, p in named])
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Reduce every `passes`-th backward pass (the ones between accumulate locally)."""
+        problem = _passes_problem(passes)
+        if problem:
+            raise ValueError(problem)
+        self.backward_passes_per_step = passes
+        self._hvd_delay = [passes] * len(self._hvd_named)
+
+    def _hvd_ready(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook: count the pass; on the last one, hand over the gradient."""
+        i = self._hvd_index[id(param)]
+        name = self._hvd_named[i][0]
+        if param.grad is not None and param.grad.layout != torch.strided:
+            if not self._hvd_sparse_as_dense:
+                raise RuntimeError(f"parameter {name} got a {param.grad.layout} gradient; "
+                                   "DistributedOptimizer reduces dense gradients: pass "
+                                   "sparse_as_dense=True, or build the layer with sparse=False")
+            param.grad = param.grad.to_dense()
+        if self._hvd_delay[i] <= 0:
+            raise AssertionError(
+                f"Gradients were computed more than backward_passes_per_step="
+                f"{self.backward_passes_per_step} times before call to step() (parameter {name}). "
+                "Increase backward_passes_per_step to accumulate gradients locally.")
+        self._hvd_touched = True
+        self._hvd_delay[i] -= 1
+        if self._hvd_delay[i] == 0:
+            self._hvd_marked = True
+            self._hvd_reducer.mark_ready(param)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's reduction (launching those of parameters that got no gradient
+        in the passes since the last step, as zeros); afterwards `param.grad` holds the result.
+
+        Collective. A no-op if no backward pass ran since the last call.
+        """
+        if not self._hvd_touched:
+            return
+        reducer = self._hvd_reducer
+        reducer.fill_unready(set())
+        reducer.launch_ready_buckets()
+        try:
+            reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=None)
+        finally:
+            self._hvd_delay = [self.backward_passes_per_step] * len(self._hvd_named)
+            self._hvd_touched = self._hvd_marked = False
+        reducer.rebuild_buckets()
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context `step()` does not synchronize (call `synchronize()` yourself
+        before it, e.g. to clip the reduced gradients)."""
+        self._hvd_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvd_should_synchronize = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Synchronize (unless inside `skip_synchronize()`), then the wrapped optimizer's step."""
+        if self._hvd_should_synchronize:
+            if self._hvd_synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(); use skip_synchronize() "
+                              "around step() when you call synchronize() yourself",
+                              RuntimeWarning, stacklevel=2)
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's zero_grad; refused while a reduction is under way."""
+        if self._hvd_marked:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
+                "a race condition (the gradients are being reduced).")
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def bucket_layout(self) -> list[list[str]]:
+        """Parameter names per bucket, in the order buckets are reduced (as DDP's)."""
+        return [list(b.names) for b in self._hvd_reducer.buckets]
+
+
+def named_optimizer_parameters(optimizer: torch.optim.Optimizer,
+                               named_parameters: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The optimizer's parameters that require gradients, with names, in the order they are
+    bucketed: `named_parameters`' order when given (checked as Horovod checks it: (name, tensor)
+    pairs, unique names, every optimizer parameter named), else the parameter groups' order with
+    Horovod's placeholder names. Raises ValueError (no communication)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
+    else:
+        named = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters()")
+        counts = collections.Counter(name for name, _ in named)
+        duplicates = sorted(name for name, count in counts.items() if count > 1)
+        if duplicates:
+            raise ValueError("Parameter names in named_parameters must be unique. Found "
+                             f"duplicates: {', '.join(duplicates)}")
+        named_ids = {id(p) for _, p in named}
+        unnamed = [p for p in params if id(p) not in named_ids]
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters "
+                             f"were not named ({len(unnamed)} of {len(params)}, shapes "
+                             f"{[tuple(p.shape) for p in unnamed][:5]})")
+        in_optimizer = {id(p) for p in params}
+        named = [(n, p) for n, p in named if id(p) in in_optimizer]
+    unique: dict[int, tuple[str, torch.nn.Parameter]] = {}
+    for name, p in named:
+        unique.setdefault(id(p), (name, p))  # a parameter shared by two names is reduced once
+    return [(n, p) for n, p in unique.values() if p.requires_grad]
+
+
+def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any,
+                          exchange: GradientExchange, *, backward_passes_per_step: int,
+                          sparse_as_dense: bool, comm: MPI.Comm,
+                          bucket_options: dict[str, Any]) -> torch.optim.Optimizer:
+    """An optimizer of `optimizer`'s class over its parameter groups (hyperparameters included;
+    per-parameter state starts empty, as in Horovod) whose step() first waits for the gradients'
+    reduction by `exchange`. See the module docstring."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _Synchronizing):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain one once")
+    errors = []
+    try:
+        named = named_optimizer_parameters(optimizer, named_parameters)
+    except ValueError as exc:
+        named, errors = [], [str(exc)]
+    problem = _passes_problem(backward_passes_per_step)
+    if problem:
+        errors.append(problem)
+    # What one rank finds wrong, and parameters or options that differ between ranks (which would
+    # pair different buckets), stop every rank here rather than hang at the first step.
+    errors += exchange.setup(named, comm)
+    layout = hashlib.sha1(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in named]).encode())
+    raise_unless_agreed("DistributedOptimizer", errors, {
+        "parameters": f"{len(named)} tensors, {sum(p.numel() for _, p in named)} elements, "
+                      f"names/shapes/dtypes digest {layout.hexdigest()[:12]}",
+        "compression": repr(exchange), "backward_passes_per_step": backward_passes_per_step,
+        **bucket_options}, comm)
+    base = type(optimizer)
+    cls = type(base.__name__, (_Synchronizing, base), {"__module__": base.__module__,
+                                                        "__doc__": base.__doc__})
+    wrapped = cls(optimizer.param_groups)
+    wrapped._hvd_start(named, exchange, comm, backward_passes_per_step, sparse_as_dense,
+                       bucket_options)
+    return wrapped
+
+
+# -- DistributedOptimizer -------------------------------------------------------------------------
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable[Any] | None = None,  # noqa: N802
+                         compression: type[Compressor] = Compression.none,
+                         backward_passes_per_step: int = 1, op: int = Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set, *,
+                         algorithm: str = "auto", bucket_cap_mb: float = 25,
+                         first_bucket_mb: float = 1) -> Any:
+    """Wrap `optimizer` so that its step() first reduces the gradients over ranks (Horovod's).
+
+    Returns an optimizer of the same class over the same parameter groups. Each parameter's
+    gradient is reduced as backward produces it, in buckets, on hpcdl's DDP machinery
+    (`distributed_optimizer` below); `step()` waits for the reductions, then steps.
+    `synchronize()` waits without stepping (then step inside `skip_synchronize()`, e.g. after
+    clipping the reduced gradients); `zero_grad()` while reductions are under way raises.
+
+    Args:
+        named_parameters: `model.named_parameters()`: names must be unique and cover every
+            parameter of the optimizer; they fix the bucket order (backward's, reversed), as the
+            DDP wrapper's order.
+        compression: `Compression.none`, or `Compression.fp16` (float16 on the wire, as
+            `hpcdl.compression.FP16`).
+        backward_passes_per_step: reduce at every k-th backward pass; the passes between
+            accumulate locally (scale the loss by 1/k for the mean over the k passes).
+        op: `Average` (default) or `Sum`; `Adasum` is not offered.
+        gradient_predivide_factor: with op=Average, gradients are divided by this before the
+            sum and by size/factor after it.
+        num_groups, groups: Horovod's fusion groups; not offered (buckets are sized by
+            bucket_cap_mb instead). sparse_as_dense: turn sparse gradients dense (else refused).
+        algorithm, bucket_cap_mb, first_bucket_mb: hpcdl's, as `hpcdl.DistributedDataParallel`'s.
+    """
+    _check_process_set(process_set)
+    try:  # a wrong argument on one rank only must not leave the others waiting: agreed below
+        exchange = _gradient_exchange(compression, op, gradient_predivide_factor, num_groups, groups)
+        check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm)
+        problem: Exception | None = None
+    except (ValueError, NotImplementedError) as exc:
+        problem = exc
+    reports = _comm().allgather(None if problem is None else (type(problem).__name__, str(problem)))
+    failing = [(r, report) for r, report in enumerate(reports) if report is not None]
+    if failing:  # the first failing rank's error, of its type, on every rank
+        kind, message = failing[0][1]
+        if len(failing) < len(reports):
+            message = f"rank{'s' * (len(failing) > 1)} {', '.join(str(r) for r, _ in failing)}: {message}"
+        raise (NotImplementedError if kind == "NotImplementedError" else ValueError)(message)
+    return distributed_optimizer(
+        optimizer, named_parameters, exchange, backward_passes_per_step=backward_passes_per_step,
+        sparse_as_dense=bool(sparse_as_dense), comm=_comm(),
+        bucket_options={"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
+                        "first_bucket_mb": first_bucket_mb})
+
+
+def _gradient_exchange(compression: type[Compressor], op: int, gradient_predivide_factor: float,
+                       num_groups: int, groups: Any) -> ScaledExchange:
+    """The exchange scheme Horovod's optimizer arguments name; raises ValueError or
+    NotImplementedError (naming the fix) for what is wrong or not offered."""
+    if op == Adasum:
+        raise _not_offered("DistributedOptimizer(op=hvd.Adasum)",
+                           "use op=hvd.Average (the default) or hvd.Sum")
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer reduces with op=hvd.Average or hvd.Sum, got {op!r}")
+    if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be a positive number, got "
+                         f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups or groups is not None:
+        raise _not_offered("DistributedOptimizer's num_groups/groups",
+                           "gradients are fused in buckets of bucket_cap_mb MiB (in backward's "
+                           "order); pass bucket_cap_mb= to change their size")
+    if compression is Compression.none:
+        inner: Any = DenseAverage()
+    elif compression is Compression.fp16:
+        inner = FP16()
+    else:
+        raise ValueError(f"compression must be hvd.Compression.none or hvd.Compression.fp16, got "
+                         f"{compression!r}; other schemes: hpcdl.DistributedDataParallel("
+                         "compression=...)")
+    # The exchanges average; Sum is the average times the number of ranks (Horovod's Average is
+    # its sum times 1/size), and the predivide factor splits the average around the sum.
+    postscale = float(size()) if op == Sum else float(gradient_predivide_factor)
+    return ScaledExchange(inner, prescale=1.0 / gradient_predivide_factor, postscale=postscale)

@@ -1,0 +1,34 @@
+"""The runtime layer: what every other part of hpcdl stands on, torch-free at import.
+
+    process.py      init(): MPI at the highest thread level, rank/size/local rank, GPU binding,
+                    abort on an uncaught exception (`hpcdl.init`, `hpcdl.rank`, ...)
+    launch.py       refuse a launch that started N one-rank jobs (srun --mpi=pmi2, torchrun)
+    rendezvous.py   what torch's env:// rendezvous needs from MPI ranks; gloo started from them
+    agreement.py    errors every rank raises together
+    stall.py        waits on other ranks that warn while a rank is missing
+    memory.py       transparent huge pages, available memory, shortfall messages
+    atomic_file.py  writes a reader never sees half of
+    checkpoint.py   checkpoints with checksums, written atomically, and resume
+
+Importing this package starts no MPI: `process` (which imports mpi4py.MPI, and so initializes
+MPI) is imported on first use of one of its names.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .process import (Topology, abort, gpu_count, init, install_abort_hook, local_rank, local_size,
+                          mpi_library, rank, size, thread_level, topology)
+
+#: The names of `process` this package offers, imported on first use.
+__all__ = ["Topology", "abort", "gpu_count", "init", "install_abort_hook", "local_rank", "local_size",
+           "mpi_library", "rank", "size", "thread_level", "topology"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import process
+
+        return getattr(process, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,134 @@
+"""Launch safety: refuse to run when the launcher started N processes but MPI sees N jobs of one.
+
+The classic silent failure on a cluster: `srun` with no `--mpi` type, or the wrong one, starts every
+task as its own MPI_COMM_WORLD of size 1. Nothing fails; N copies train the same model side by side
+and write over each other's checkpoints. (Seen here: the PyPI Open MPI wheel under
+`srun --mpi=pmi2` runs N size-1 jobs.) The same happens when the `mpirun` on PATH belongs to a
+different MPI library than the one mpi4py loaded. The launcher always says how many processes it
+started, in its environment; `check_launch` compares that with the size MPI reports.
+
+Which variable is believed, most specific first:
+- `OMPI_COMM_WORLD_SIZE`: Open MPI's mpirun (also inside a SLURM allocation, where SLURM's own
+  variables describe the mpirun daemons, not the ranks);
+- `PMI_SIZE`: a PMI-1/2 launcher, i.e. MPICH's Hydra mpiexec, or `srun --mpi=pmi2`;
+- `SLURM_STEP_NUM_TASKS`, else `SLURM_NTASKS` inside a step (`SLURM_STEP_ID` set): plain `srun`.
+  `SLURM_NTASKS` alone (the batch script itself, not a step) describes the allocation, not this
+  process's job, so a lone `python` in a batch script is not an error;
+- `PMIX_RANK`: a PMIx launcher gave this process a rank; it must lie inside the MPI job.
+
+torch's launchers fail the same way: `torchrun --nproc-per-node N` starts N processes that each
+initialize MPI as a one-rank job. torchrun says so in `WORLD_SIZE` (and marks its workers with
+`TORCHELASTIC_RUN_ID`); a `WORLD_SIZE` above 1 in a one-rank MPI job is refused with the fix named.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+# srun's --mpi plugin per MPI family: what the library's PMI client speaks.
+SRUN_MPI_TYPE = {"Open MPI": "pmix", "MPICH": "pmi2", "Intel MPI": "pmi2", "MVAPICH": "pmi2"}
+
+
+@dataclass(frozen=True)
+class LauncherClaim:
+    """How many processes a launcher says it started, and which variable said so."""
+
+    launcher: str  # "srun" or "mpirun"
+    variable: str
+    tasks: int
+
+
+def _integer(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def launcher_claim(env: Mapping[str, str] | None = None) -> LauncherClaim | None:
+    """The launcher's own count of processes in this job, from `env` (default os.environ)."""
+    env = os.environ if env is None else env
+    slurm_tasks = _integer(env, "SLURM_STEP_NUM_TASKS")
+    slurm_variable = "SLURM_STEP_NUM_TASKS"
+    if slurm_tasks is None and _integer(env, "SLURM_STEP_ID") is not None:
+        slurm_tasks, slurm_variable = _integer(env, "SLURM_NTASKS"), "SLURM_NTASKS"
+    ompi = _integer(env, "OMPI_COMM_WORLD_SIZE")
+    if ompi is not None:
+        return LauncherClaim("mpirun", "OMPI_COMM_WORLD_SIZE", ompi)
+    pmi = _integer(env, "PMI_SIZE")
+    if pmi is not None:
+        # SLURM's pmi2 plugin sets PMI_SIZE to the step's size; Hydra sets it to its own.
+        return LauncherClaim("srun" if pmi == slurm_tasks else "mpirun", "PMI_SIZE", pmi)
+    if slurm_tasks is not None:
+        return LauncherClaim("srun", slurm_variable, slurm_tasks)
+    return None
+
+
+def mpi_family(library_version: str) -> str | None:
+    """'Open MPI', 'MPICH', 'Intel MPI' or 'MVAPICH' from MPI_Get_library_version's text."""
+    text = library_version.lower()
+    for family, marker in (("Intel MPI", "intel(r) mpi"), ("MVAPICH", "mvapich"),
+                           ("Open MPI", "open mpi"), ("MPICH", "mpich")):
+        if marker in text:
+            return family
+    return None
+
+
+def srun_fix(family: str | None) -> str:
+    """The srun option that matches the MPI family, worded for an error message."""
+    if family in SRUN_MPI_TYPE:
+        return (f"this is {family}, so launch with `srun --mpi={SRUN_MPI_TYPE[family]}` "
+                "(`srun --mpi=list` shows the types this SLURM has)")
+    return ("use `srun --mpi=pmix` for Open MPI or `srun --mpi=pmi2` for MPICH and its derivatives "
+            "(`srun --mpi=list` shows the types this SLURM has)")
+
+
+def _library_version() -> str:
+    from mpi4py import MPI
+
+    return MPI.Get_library_version()
+
+
+def check_launch(comm_size: int, env: Mapping[str, str] | None = None,
+                 library_version: str | None = None) -> None:
+    """Raise RuntimeError if the launcher started a different job than MPI reports.
+
+    `comm_size` is MPI_COMM_WORLD's size; `env` defaults to os.environ and `library_version` to
+    MPI.Get_library_version() (both injectable for tests). Purely local: no communication, so it is
+    safe to call before anything else and on a rank that is alone in a broken job.
+    """
+    env = os.environ if env is None else env
+    claim = launcher_claim(env)
+    if claim is not None:
+        if claim.launcher == "srun" and claim.tasks > 1 and comm_size == 1:
+            family = mpi_family(library_version if library_version is not None else _library_version())
+            raise RuntimeError(
+                f"srun started {claim.tasks} tasks in this step ({claim.variable}={claim.tasks}) but MPI "
+                f"reports a job of size 1: every task is running as its own one-rank job. The srun "
+                f"--mpi type must match the MPI library: {srun_fix(family)}. Or launch with the MPI "
+                "library's own mpirun inside the allocation.")
+        if claim.launcher == "mpirun" and claim.tasks != comm_size:
+            library = library_version if library_version is not None else _library_version()
+            raise RuntimeError(
+                f"mpirun started {claim.tasks} processes ({claim.variable}={claim.tasks}) but MPI "
+                f"reports a job of size {comm_size}: the mpirun that launched this process belongs to a "
+                f"different MPI library than the one mpi4py loaded ({library.splitlines()[0].strip()}). "
+                "Use the mpirun of the library mpi4py loaded (with the PyPI Open MPI wheel, the "
+                "`mpirun` installed next to `python`), or install mpi4py against the site MPI "
+                "whose mpirun you use (`pip install --no-binary=mpi4py mpi4py` with its mpicc on PATH).")
+    torch_world = _integer(env, "WORLD_SIZE")
+    if torch_world is not None and torch_world > 1 and comm_size == 1:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "a torch launcher"
+        raise RuntimeError(
+            f"{launcher} started this process as one of {torch_world} (WORLD_SIZE={torch_world}) but "
+            "MPI reports a job of size 1: every process is running as its own one-rank job. hpcdl's "
+            f"ranks are MPI processes: launch with `mpirun -n {torch_world} python SCRIPT` (or srun "
+            "with the --mpi type of your MPI library) instead of torchrun; hpcdl.init() sets RANK, "
+            "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun "
+            "would. If this process is meant to run alone, unset WORLD_SIZE.")
+    pmix_rank = _integer(env, "PMIX_RANK")
+    if pmix_rank is not None and pmix_rank >= comm_size:
+        family = mpi_family(library_version if library_version is not None else _library_version())
+        raise RuntimeError(
+            f"a PMIx launcher gave this process rank {pmix_rank} (PMIX_RANK) but MPI reports a job of "
+            f"size {comm_size}: the MPI library did not join the launcher's job. Under SLURM, "
+            f"{srun_fix(family)}; otherwise use the mpirun of the MPI library mpi4py loaded.")

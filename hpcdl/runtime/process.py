@@ -1,0 +1,192 @@
+"""MPI runtime: initialization, rank and device discovery, and abort-on-error.
+
+`init()` is what every hpcdl entry point calls first. It initializes MPI at the highest thread level
+the library offers (the communication thread needs MPI_THREAD_MULTIPLE, or at least SERIALIZED),
+finds this rank's place on its host from `Split_type(COMM_TYPE_SHARED)` (launcher variables can lie
+or be absent), binds a GPU when CUDA is present, and installs a hook so that an uncaught exception
+on any rank prints the rank and traceback and aborts the whole job instead of leaving the other
+ranks waiting forever in their next collective.
+
+It also sets what torch code expects from its launcher (as torchrun would): RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT when the user has not chosen them
+(`rendezvous.export_torch_environment`), so `os.environ["LOCAL_RANK"]` and
+`torch.distributed.init_process_group(...)` work under mpirun.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import mpi4py
+
+# Ask for MPI_THREAD_MULTIPLE at MPI_Init (mpi4py's default, pinned here in case a site config
+# changed it); Query_thread() then says what the library granted.
+mpi4py.rc.thread_level = "multiple"
+
+from mpi4py import MPI  # noqa: E402
+
+from .launch import check_launch  # noqa: E402
+from .rendezvous import export_torch_environment, rendezvous_address, torch_environment  # noqa: E402
+
+THREAD_LEVEL_NAMES = {
+    MPI.THREAD_SINGLE: "single",
+    MPI.THREAD_FUNNELED: "funneled",
+    MPI.THREAD_SERIALIZED: "serialized",
+    MPI.THREAD_MULTIPLE: "multiple",
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: its rank among all, and among the ranks on its host."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    host: str
+    gpu: int | None  # the CUDA device this rank uses, or None without CUDA
+
+
+_topology: Topology | None = None
+_lock = threading.Lock()
+
+
+def init(*, abort_on_exception: bool = True) -> Topology:
+    """Initialize MPI (idempotent) and return this rank's `Topology`.
+
+    Raises RuntimeError if MPI gives less than MPI_THREAD_SERIALIZED, which non-blocking
+    collectives need.
+    """
+    global _topology
+    with _lock:
+        if _topology is not None:
+            return _topology
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        level = MPI.Query_thread()
+        if level < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                f"MPI was initialized with thread level {THREAD_LEVEL_NAMES.get(level, level)}; "
+                "hpcdl needs 'serialized' or 'multiple'. Call hpcdl.init() before any other code "
+                "initializes MPI, or rebuild mpi4py against an MPI with thread support.")
+        world = MPI.COMM_WORLD
+        # srun's (or torchrun's) N tasks started as N one-rank jobs: stop before any work, naming
+        # the fix.
+        check_launch(world.Get_size())
+        node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+        _topology = Topology(world.Get_rank(), world.Get_size(), local_rank, local_size,
+                             MPI.Get_processor_name(), _bind_gpu(local_rank))
+        # Rank 0's store address for torch's env:// rendezvous: one small broadcast.
+        address = world.bcast(rendezvous_address(local_size == world.Get_size())
+                              if world.Get_rank() == 0 else None, root=0)
+        export_torch_environment(torch_environment(world.Get_rank(), world.Get_size(), local_rank,
+                                                   local_size), address)
+        if abort_on_exception:
+            install_abort_hook()
+        return _topology
+
+
+
+def _bind_gpu(local_rank: int) -> int | None:
+    """Use GPU local_rank % n_gpus, for CuPy and torch alike; None where CUDA is absent."""
+    n_gpus = gpu_count()
+    if n_gpus == 0:
+        return None
+    device = local_rank % n_gpus
+    try:
+        import cupy
+
+        cupy.cuda.Device(device).use()
+    except ImportError:
+        pass
+    if "torch" in sys.modules:  # never import torch just for this
+        torch = sys.modules["torch"]
+        if torch.cuda.is_available():
+            torch.cuda.set_device(device)
+    return device
+
+
+def gpu_count() -> int:
+    """Number of CUDA devices visible to this process (0 without CUDA or without CuPy/torch)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean zero GPUs
+        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return int(torch.cuda.device_count())
+    return 0
+
+
+def topology() -> Topology:
+    """This rank's `Topology`, initializing MPI first if needed."""
+    return _topology or init()
+
+
+def rank() -> int:
+    """Rank of this process in MPI.COMM_WORLD."""
+    return topology().rank
+
+
+def size() -> int:
+    """Number of processes in MPI.COMM_WORLD."""
+    return topology().size
+
+
+def local_rank() -> int:
+    """Rank of this process among the processes on its host (from COMM_TYPE_SHARED)."""
+    return topology().local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return topology().local_size
+
+
+def mpi_library() -> str:
+    """The first line of MPI_Get_library_version (the rest is build detail)."""
+    text = MPI.Get_library_version().replace("\0", "").strip()
+    return text.splitlines()[0].strip() if text else "unknown"
+
+
+def thread_level() -> str:
+    """The thread level MPI granted: single, funneled, serialized or multiple."""
+    return THREAD_LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
+
+
+def abort(message: str, code: int = 1) -> None:
+    """Print `message` tagged with this rank and abort every rank of the job."""
+    # To the process's own stderr: torch.distributed's excepthook swaps sys.stderr for a buffer
+    # while the previous hook (ours) runs, and would print it only after the abort.
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(f"[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
+    stream.flush()
+    MPI.COMM_WORLD.Abort(code)
+
+
+def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
+                       tb: TracebackType | None) -> None:
+    if issubclass(exc_type, KeyboardInterrupt) or MPI.COMM_WORLD.Get_size() == 1:
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    abort("uncaught exception; aborting all ranks\n" + "".join(traceback.format_exception(exc_type, exc, tb)))
+
+
+def _abort_on_uncaught_in_thread(args: Any) -> None:
+    _abort_on_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def install_abort_hook() -> None:
+    """Make an uncaught exception on any rank (any thread) abort the whole job (MPI_Abort)."""
+    sys.excepthook = _abort_on_uncaught
+    threading.excepthook = _abort_on_uncaught_in_thread
+

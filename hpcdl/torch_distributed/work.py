@@ -1,0 +1,224 @@
+"""The work objects of the hpcdl torch.distributed backend, their futures, and the thread that
+completes them in issue order (see the package docstring, "Order and threads")."""
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ..comm.handle import TensorHandle
+
+_thread = threading.local()  # .completer: the Completer whose thread this is
+
+
+def in_callback() -> bool:
+    """Whether the calling code runs on a completer thread: inside a future callback."""
+    return getattr(_thread, "completer", None) is not None
+
+
+class Future(torch.futures.Future):
+    """A torch Future whose `then`/`add_done_callback` callbacks run on its group's completer
+    thread, whoever registers them and whenever (see the module docstring). C++ callers (DDP's
+    reducer) use it as any torch Future."""
+
+    def __init__(self, completer: Completer) -> None:
+        super().__init__()
+        self._completer = completer
+        self._lock = threading.Lock()
+        self._finished = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Complete with `value` (or `error`), then run the callbacks registered so far."""
+        if error is None:
+            super().set_result(value)
+        else:
+            super().set_exception(error)
+        with self._lock:
+            self._finished = True
+            callbacks, self._callbacks = self._callbacks, []
+        for run in callbacks:
+            run()
+
+    def _schedule(self, run: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(run)
+                return
+        if self._completer.is_current():
+            run()
+        else:
+            self._completer.add(run)
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> Future:
+        child = Future(self._completer)
+
+        def run() -> None:
+            try:
+                value = callback(self)
+            except BaseException as exc:  # noqa: BLE001 - the chained future carries it
+                child._finish(error=exc)
+                return
+            child._finish(value)
+
+        self._schedule(run)
+        return child
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        self._schedule(functools.partial(callback, self))
+
+
+class Work(dist.Work):
+    """An operation of a `ProcessGroupHpcdl`: `operation` (its collectives, and what makes the
+    output tensors of their results), or `error` where it failed before starting.
+
+    `wait()` blocks until it is done and raises its error; `get_future()` is a torch Future
+    completed (callbacks run) by the group's completer thread, with `result` (the output tensors).
+    """
+
+    def __init__(self, completer: Completer, operation: TensorHandle, result: list[torch.Tensor],
+                 error: BaseException | None = None) -> None:
+        super().__init__()
+        self._operation: TensorHandle | None = operation
+        self._result = result
+        self._future = Future(completer)
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._settled = False
+        self._error = error
+
+    def _complete(self) -> None:
+        """Wait for the operation, then complete the future (idempotent)."""
+        with self._lock:
+            if self._settled:
+                return
+            error = self._error
+            if error is None and self._operation is not None:
+                try:
+                    self._operation.wait()
+                except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                    error = exc
+            self._error, self._settled, self._operation = error, True, None
+        try:
+            self._future._finish(self._result if error is None else None, error)
+        finally:
+            self._done.set()  # after the future holds its value (and its callbacks have run)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if in_callback():
+            # Waited for inside a callback: the completer would wait for itself. Once settled
+            # the outputs are final, even while the future's own callbacks are still running.
+            self._complete()
+        else:
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+            if not self._done.wait(seconds if seconds else None):
+                raise RuntimeError(f"hpcdl: operation did not finish within {timeout}")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class PointToPointWork(dist.Work):
+    """A send or receive: an MPI request; `wait()` completes it (MPI moves it only then)."""
+
+    def __init__(self, request: MPI.Request, tensors: list[torch.Tensor],
+                 finish: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._request = request
+        self._tensors = tensors
+        self._finish = finish
+        self._status = MPI.Status()
+        self._completed = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self._completed:
+            self._request.Wait(self._status)
+            self._completed = True
+            if self._finish is not None:
+                self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._completed and self._request.Test(self._status):
+            self.wait()
+        return self._completed
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._tensors
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return int(self._status.Get_source())
+
+    source_rank = _source_rank
+
+
+class Completer:
+    """The thread that completes a group's works in the order they were issued, and runs their
+    futures' callbacks (`Future`)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[Work | Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def is_current(self) -> bool:
+        return getattr(_thread, "completer", None) is self
+
+    def add(self, item: Work | Callable[[], None]) -> None:
+        """Queue a work to complete, or a callback to run, after everything queued before."""
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                    self._thread.start()
+        self._queue.put(item)
+
+    def stop(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _loop(self) -> None:
+        _thread.completer = self
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, Work):
+                item._complete()
+            else:
+                item()
