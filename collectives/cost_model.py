@@ -336,15 +336,17 @@ def staging_piece(nbytes: int, params: ModelParams, *, wire_piece: int = SEGMENT
 
 
 def best(collective: str, nbytes: int, size: int, params: ModelParams,
-         algorithms: Iterable[str] | None = None, *, itemsize: int = 4) -> str:
+         algorithms: Iterable[str] | None = None, *, itemsize: int = 4, staged: bool = False) -> str:
     """The modelled algorithm predicted fastest (ties: the earlier one in the registry order).
 
-    `nbytes` as in `predict`; `algorithms` restricts the candidates (default: every modelled one).
+    `nbytes` as in `predict`; `algorithms` restricts the candidates (default: every modelled one);
+    `staged`: priced as a staged device call (`predict`).
     """
     candidates = list(algorithms) if algorithms is not None else modelled_algorithms(collective)
     if not candidates:
         raise ValueError(f"best({collective!r}): no candidate algorithms given")
-    times = {a: predict(collective, a, nbytes, size, params, itemsize=itemsize) for a in candidates}
+    times = {a: predict(collective, a, nbytes, size, params, itemsize=itemsize, staged=staged)
+             for a in candidates}
     fastest = min(times.values())
     # Exact ties (e.g. ring and halving-doubling reduce-scatter at a power of two) must not be
     # decided by rounding: the earlier algorithm wins.

@@ -6,7 +6,7 @@
 #
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
-# timeout_s 540: the steps' time boxes add up to 435 s, and the whole check stops starting steps
+# timeout_s 540: the steps' time boxes add up to 455 s, and the whole check stops starting steps
 # once 470 s have passed (GPU_CHECK_SECONDS), so the report is always written, well inside the
 # 540 s; with a machine's start (1-2 min) that leaves about 4 minutes of a 15-minute lease for a
 # targeted rerun of what failed, e.g.
@@ -28,8 +28,8 @@
 # mpi4py wheel is used only if the image's own mpi4py cannot load it.
 #
 # Steps, each in its own time box (a step that fails or runs out of time is reported and the next
-# one runs): setup, environment, device, tests-p2, tests-p4, bench, staging, train-p1, train-p2,
-# train-accuracy; then the report: $OUT/gpu_check.txt, $OUT/gpu_check.json and every step's log
+# one runs): setup, environment, info, device, tests-p2, tests-p4, tune, bench, staging,
+# train-p1, train-p2, train-accuracy; then the report: $OUT/gpu_check.txt, $OUT/gpu_check.json and every step's log
 # and output in $OUT/gpu_check_logs.tar.gz. $OUT defaults to ./gpu-check-out.
 #
 #   bash scripts/gpu_check.sh [--fake] [--only STEP...] [--out DIR]
@@ -76,17 +76,22 @@ if [ "$FAKE" = 1 ]; then
     TESTS_K="test_one_copy_per_staging_piece or test_fake_device_moves"
     BENCH_SIZES=(-b 8 -e 64K -f 64 -n 2 -w 0 --rounds 1)
     STAGING_SIZES=(--sizes-mib 1 2 --rounds 1 --calls 1)
+    TUNE_ITERS=3
     TRAIN_ARGS=(--models cnn --steps 2 --warmup 1 --rounds 1)
-    ACCURACY_ARGS=(--epochs 1 --stop-after-steps 2)
-    SCALE=5 SLACK=20                    # time boxes divided by SCALE, plus SLACK (a loaded CI)
+    ACCURACY_ARGS=(--epochs 1)
+    ACCURACY_MODELS="cnn"
+    SCALE=1 SLACK=30                    # time boxes divided by SCALE, plus SLACK: starting torch
+                                        # and gloo alone takes 20-30 s on a loaded 2-core CI
 else
     DEV=()
     TORCH_DEVICE=cuda
     TESTS_K="cupy or cuda"
     BENCH_SIZES=(-b 8 -e 256M -f 2 --rounds 2)
     STAGING_SIZES=(--sizes-mib 16 64 256)
+    TUNE_ITERS=20
     TRAIN_ARGS=(--steps 20 --warmup 5 --rounds 2)
     ACCURACY_ARGS=(--epochs 3)
+    ACCURACY_MODELS="cnn mlp"
     SCALE=1 SLACK=0
 fi
 DEADLINE=$(( BEGAN + ${GPU_CHECK_SECONDS:-470} ))  # no step starts that could end after this
@@ -158,20 +163,24 @@ sed 's/^/   setup: /' "$WORK/setup.log"
 
 HPCDL=("$PY" "${DEV[@]}" -m hpcdl)  # the `hpcdl` command of this checkout (no install needed)
 
-# -- the steps (time boxes in seconds add up to 435) ---------------------------------------------
+# -- the steps (time boxes in seconds add up to 455) ---------------------------------------------
 step environment 15 "$PY" "${DEV[@]}" scripts/gpu_check.py environment --json "$WORK/environment.json"
 step info 15 mpirun -n 2 "${HPCDL[@]}" info
 step device 25 "$PY" "${DEV[@]}" scripts/gpu_check.py device --json "$WORK/device.json" \
     $([ "$FAKE" = 1 ] && echo --small)
 TEST_FILES=(tests/test_collectives.py tests/test_nonblocking.py tests/test_staging.py
             tests/test_torch_collectives.py)
-step tests-p2 90 "$PY" tests/run.py -n 2 --no-emulated --timeout 80 -- "${TEST_FILES[@]}" -q \
+step tests-p2 85 "$PY" tests/run.py -n 2 --no-emulated --timeout 80 -- "${TEST_FILES[@]}" -q \
     -k "$TESTS_K"
-step tests-p4 75 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/test_collectives.py \
+step tests-p4 60 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/test_collectives.py \
     tests/test_staging.py -q -k "$TESTS_K"
-step bench 80 mpirun -n 2 "${HPCDL[@]}" bench --device gpu -C allreduce "${BENCH_SIZES[@]}" \
-    --json "$WORK/bench.json"
-step staging 35 mpirun -n 2 "$PY" "${DEV[@]}" benchmarks/staging.py --device gpu \
+step tune 30 mpirun -n 2 "${HPCDL[@]}" tune --device gpu --model-only --iters "$TUNE_ITERS" \
+    -o "$WORK/tuning-gpu.json"
+TUNED=()  # the bench's predicted column, from the model just fitted on this GPU
+[ -f "$WORK/tuning-gpu.json" ] && TUNED=(--tuning-file "$WORK/tuning-gpu.json")
+step bench 70 mpirun -n 2 "${HPCDL[@]}" bench --device gpu -C allreduce "${BENCH_SIZES[@]}" \
+    "${TUNED[@]}" --json "$WORK/bench.json"
+step staging 30 mpirun -n 2 "$PY" "${DEV[@]}" benchmarks/staging.py --device gpu \
     "${STAGING_SIZES[@]}" --json "$WORK/staging.json"
 step train-p1 25 mpirun -n 1 "$PY" benchmarks/train_throughput.py --device "$TORCH_DEVICE" \
     --modes local hpcdl "${TRAIN_ARGS[@]}" --json "$WORK/train-p1.json"
@@ -181,19 +190,15 @@ step train-p2 35 mpirun -n 2 "$PY" benchmarks/train_throughput.py --device "$TOR
 accuracy() {  # accuracy WORK DEVICE HPCDL...: the four trainings one after another
     local work=$1 device=$2 p m
     shift 2
-    for p in 1 2; do for m in cnn mlp; do
+    for p in 1 2; do for m in $ACCURACY_MODELS; do
         mpirun -n $p "$@" train --device "$device" --model $m "${ACCURACY_ARGS[@]}" \
             --metrics "$work/accuracy-p$p-$m.jsonl" || return 1
     done; done
 }
-if "${HPCDL[@]}" train --help 2>/dev/null | grep -q -- "--device"; then
-    export -f accuracy
-    export ACCURACY_ARGS_TEXT="${ACCURACY_ARGS[*]}"
-    step train-accuracy 40 bash -c 'ACCURACY_ARGS=($ACCURACY_ARGS_TEXT); accuracy "$@"' _ \
-        "$WORK" "$TORCH_DEVICE" "${HPCDL[@]}"
-elif wanted train-accuracy; then
-    record train-accuracy not-run - "$(date +%s%N)" - "hpcdl train has no --device option yet"
-fi
+export -f accuracy
+export ACCURACY_ARGS_TEXT="${ACCURACY_ARGS[*]}" ACCURACY_MODELS
+step train-accuracy 60 bash -c 'ACCURACY_ARGS=($ACCURACY_ARGS_TEXT); accuracy "$@"' _ \
+    "$WORK" "$TORCH_DEVICE" "${HPCDL[@]}"
 
 # -- the report ----------------------------------------------------------------------------------
 "$PY" scripts/gpu_check.py report --work "$WORK" --out "$OUT_DIR" $([ "$FAKE" = 1 ] && echo --fake)
