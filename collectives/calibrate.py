@@ -193,15 +193,21 @@ def measure_reduction(sizes: Iterable[int], dtype: str = "float32", op: str = "s
                 reduce_op.combine(np, piece, src[:piece.shape[0]])
 
         fold()  # warm-up: page faults of dst
-        count = _iterations_for(nbytes, iterations)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(count):
-                fold()
-            samples.append((time.perf_counter() - start) / count)
-        points.append((n * dt.itemsize, float(np.median(samples))))
+        points.append((n * dt.itemsize, _local_seconds(fold, nbytes, iterations, repeats)))
     return points
+
+
+def _local_seconds(fn: Callable[[], Any], nbytes: int, iterations: int, repeats: int) -> float:
+    """Seconds per call of `fn` (local work on `nbytes`): the median over `repeats` runs of
+    back-to-back calls, fewer for larger sizes (`_iterations_for`)."""
+    count = _iterations_for(nbytes, iterations)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        samples.append((time.perf_counter() - start) / count)
+    return float(np.median(samples))
 
 
 def measure_staging(runtime: DeviceRuntime, sizes: Iterable[int] = DEFAULT_STAGING_SIZES, *,
@@ -223,14 +229,7 @@ def measure_staging(runtime: DeviceRuntime, sizes: Iterable[int] = DEFAULT_STAGI
             runtime.wait(runtime.record(stream))
 
         round_trip()  # warm-up: first touch of the pinned pages
-        count = _iterations_for(nbytes, iterations)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(count):
-                round_trip()
-            samples.append((time.perf_counter() - start) / count / 2)
-        points.append((nbytes, float(np.median(samples))))
+        points.append((nbytes, _local_seconds(round_trip, nbytes, iterations, repeats) / 2))
     return points
 
 
