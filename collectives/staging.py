@@ -20,7 +20,8 @@ Pinned host slots (DEPTH per message and direction) and device scratch slots for
 reused across calls (the Link's `ScratchPool`): a message's staging piece j waits until piece
 j - DEPTH has left its slot. Each message takes a ring of slots of its own while in flight; a
 ring goes back to the free list only when its message completed, so a failed exchange never lets
-a later one reuse memory that an outstanding MPI request may still write into.
+a later one reuse memory that an outstanding MPI request may still write into. Rings are keyed
+by their Stager too: the Links of one thread share a scratch pool, never a ring.
 
 Nothing waits on the host that need not: copies are polled through their events, together with
 the MPI requests (MPI progresses only while someone calls it); the host blocks on an event only
@@ -30,6 +31,7 @@ soon as its piece has landed; a device scratch slot is reused only after the fol
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Callable
 
@@ -45,6 +47,8 @@ from .buffers import DeviceRuntime
 DEPTH = 8
 
 Fold = Callable[[Any, Any], None]  # fold(dst, src): dst <- dst (op) src, on the device, no sync
+
+_STAGERS = itertools.count()  # a number per Stager, in its slots' keys
 
 
 class _Message:
@@ -198,7 +202,7 @@ class _Incoming(_Message):
     def _scratch(self, j: int) -> Any:
         first, last = self.span(j)
         return self.stager.device_scratch(self.wire[last] - self.wire[first], self.view.dtype,
-                                          ("staging", self.ring, j % DEPTH))
+                                          ("staging", self.stager.number, self.ring, j % DEPTH))
 
     def _landing_done(self, j: int) -> bool:
         if self.after is not None and not self.after.copied_through(j):
@@ -222,6 +226,7 @@ class Stager:
     def __init__(self, runtime: DeviceRuntime, pinned: Callable[[tuple[Any, ...], int], np.ndarray],
                  device_scratch: Callable[[int, np.dtype, Any], Any]) -> None:
         self.runtime = runtime
+        self.number = next(_STAGERS)
         self._pinned = pinned
         self.device_scratch = device_scratch
         self._streams: tuple[Any, Any] | None = None
@@ -250,7 +255,7 @@ class Stager:
 
     def pinned(self, ring: int, slot: int, nbytes: int) -> np.ndarray:
         """Slot `slot` of ring `ring`: pinned host bytes, reused across calls."""
-        return self._pinned(("ring", ring, slot), nbytes)
+        return self._pinned(("ring", self.number, ring, slot), nbytes)
 
     def exchange(self, comm: MPI.Comm, tag: int, send: tuple[Any, int, list[int]] | None,
                  recv: tuple[Any, int, list[int]] | None, *, piece_bytes: int,
