@@ -369,7 +369,7 @@ def test_predict_starts_no_mpi() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from hpcdl import cli; status = cli.main(['tune', *sys.argv[1:]]); "
+    code = ("import sys; from hpcdl.commands import cli; status = cli.main(['tune', *sys.argv[1:]]); "
             "print('MPI imported:', 'mpi4py.MPI' in sys.modules); sys.exit(status)")
     done = subprocess.run([sys.executable, "-c", code, *PREDICT], capture_output=True, text=True,
                           timeout=120)
