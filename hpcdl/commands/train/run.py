@@ -48,11 +48,30 @@ def main(argv: list[str]) -> int:
 
     if topology.local_size > 1:
         torch.set_num_threads(1)  # ranks sharing a host would otherwise oversubscribe its cores
+    try:
+        args.torch_device = torch_device(args.device, topology.local_rank, command)
+    except CommandError as exc:
+        return command.fail(exc)
     if args.synthetic:
         from .synthetic import run_synthetic_benchmark
 
         return run_synthetic_benchmark(args, topology, comm)
     return run_training(args, topology, comm)
+
+
+def torch_device(device: str, local_rank: int, command: Command) -> Any:
+    """Collective: the torch device --device names on this rank (cuda: GPU local_rank modulo the
+    GPUs, made torch's current device); CommandError on every rank if any rank has no GPU."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    command.agree([] if torch.cuda.is_available() else
+                  ["--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
+                   "use --device cpu, or a torch build with CUDA"])
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 # -- training on digits --------------------------------------------------------------------------
@@ -68,6 +87,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     metrics on rank 0. Sets everything up (every rank), then serving ranks serve and training
     ranks run the `Trainer`; all return the same exit status."""
     import torch
+    from torch.utils.data import TensorDataset
 
     from ...parallel import ProcessGrid
     from ...runtime.checkpoint import list_checkpoints, load_resume_checkpoint
@@ -117,6 +137,9 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                            "deleted)")], rank)
 
     train_set, test_set = load_digits_split()
+    if args.torch_device.type != "cpu":  # digits are small: the whole split lives on the GPU
+        train_set, test_set = (TensorDataset(*(t.to(args.torch_device) for t in split.tensors))
+                               for split in (train_set, test_set))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     grid = None
     if args.model == "hybrid-cnn":  # the FC layers split over model groups, data parallel across them
@@ -124,6 +147,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         model = build_hybrid_model(args.model, grid, in_channels=1, num_classes=10)
     else:
         model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
+    model = model.to(args.torch_device)
     # Only the training ranks (all but a parameter server's servers) share out the data; the ranks
     # of a hybrid model's group (one replica) train on the same batch.
     trainers = plan.trainers
