@@ -24,6 +24,7 @@ from typing import Any, Callable, cast
 import numpy as np
 from mpi4py import MPI
 
+from . import inflight
 from .buffers import DeviceRuntime
 from .ops import ReduceOp
 from .partition import PIECEWISE_BYTES, cut
@@ -45,10 +46,14 @@ POLL_SLEEP_S = 50e-6
 
 def complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool]) -> None:
     tests = 0
-    while not MPI.Request.Testall(requests):
-        tests += 1
-        if tests > SPIN_TESTS and patient():
-            time.sleep(POLL_SLEEP_S)
+    try:
+        while not MPI.Request.Testall(requests):
+            tests += 1
+            if tests > SPIN_TESTS and patient():
+                time.sleep(POLL_SLEEP_S)
+    except BaseException:  # an MPI error, an interrupt: the buffers must outlive what is in flight
+        inflight.keep(requests, "a collective's messages")
+        raise
 
 
 @functools.lru_cache(maxsize=1)
@@ -412,7 +417,11 @@ class Link:
         if self.patient:
             complete_patiently(requests, self.patient)
         else:
-            MPI.Request.Waitall(requests)
+            try:
+                MPI.Request.Waitall(requests)
+            except BaseException:
+                inflight.keep(requests, "a collective's messages")
+                raise
         for p in pending:
             if p.landing is not None:
                 p.landing.land()

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives import inflight
+
 from .consistency import Async, Push, slowest
 from .optimizers import make_optimizer
 from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK,
@@ -284,7 +286,11 @@ class ShardServer:
         self.pulls += 1
 
     def _send(self, buffer: np.ndarray, worker: int, tag: Tag) -> None:
-        self._sends.append((self.comm.Isend([buffer, MPI.BYTE], worker, tag), buffer))
+        # Held beyond this server's life: serve() may raise, and the server be dropped, while a
+        # reply is still being read from `buffer`.
+        request = inflight.hold(self, self.comm.Isend([buffer, MPI.BYTE], worker, tag),
+                                f"server {self.shard.index}'s {tag.name} reply")
+        self._sends.append((request, buffer))
         self.bytes_sent += buffer.nbytes
 
     def _reap_sends(self) -> None:

@@ -15,6 +15,8 @@ from typing import Sequence
 
 from mpi4py import MPI
 
+from collectives import inflight
+
 YIELD_S = 200e-6
 IDLE_SLEEP_MIN = 20e-6
 IDLE_SLEEP_MAX = 1e-3
@@ -47,12 +49,20 @@ class Backoff:
 
 
 def wait_all(requests: Sequence[MPI.Request], what: str, timeout: float | None = None) -> None:
-    """Complete every request, sleeping between tests; TimeoutError naming `what` after `timeout` s."""
+    """Complete every request, sleeping between tests; TimeoutError naming `what` after `timeout` s.
+
+    However it ends (the timeout, an interrupt), requests still in flight are left to
+    `collectives.inflight`, which keeps them and their buffers until they complete.
+    """
     backoff = Backoff()
     started = time.monotonic()
     requests = list(requests)
-    while not MPI.Request.Testall(requests):
-        if timeout is not None and time.monotonic() - started > timeout:
-            raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what} did not finish within "
-                               f"{timeout} s")
-        backoff.idle()
+    try:
+        while not MPI.Request.Testall(requests):
+            if timeout is not None and time.monotonic() - started > timeout:
+                raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what} did not finish within "
+                                   f"{timeout} s")
+            backoff.idle()
+    except BaseException:
+        inflight.keep(requests, what)
+        raise

@@ -344,11 +344,13 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
         return [as_array(tensors[0]).reshape(-1).view(np.uint8), MPI.BYTE]
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> PointToPointWork:  # noqa: N803
-        return PointToPointWork(self._p2p_comm.Isend(self._message(tensors, tag), dstRank, tag), tensors)
+        return PointToPointWork(self._p2p_comm.Isend(self._message(tensors, tag), dstRank, tag), tensors,
+                                f"send to rank {dstRank}, tag {tag}")
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> PointToPointWork:  # noqa: N803
-        return PointToPointWork(self._p2p_comm.Irecv(self._message(tensors, tag), srcRank, tag), tensors)
+        return PointToPointWork(self._p2p_comm.Irecv(self._message(tensors, tag), srcRank, tag), tensors,
+                                f"receive from rank {srcRank}, tag {tag}")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> PointToPointWork:
         return PointToPointWork(self._p2p_comm.Irecv(self._message(tensors, tag), MPI.ANY_SOURCE, tag),
-                                 tensors)
+                                tensors, f"receive from any rank, tag {tag}")

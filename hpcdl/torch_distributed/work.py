@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from collectives import inflight
+
 from ..comm.handle import TensorHandle
 
 _thread = threading.local()  # .completer: the Completer whose thread this is
@@ -144,12 +146,16 @@ class Work(dist.Work):
 
 
 class PointToPointWork(dist.Work):
-    """A send or receive: an MPI request; `wait()` completes it (MPI moves it only then)."""
+    """A send or receive: an MPI request; `wait()` completes it (MPI moves it only then).
 
-    def __init__(self, request: MPI.Request, tensors: list[torch.Tensor],
+    A work dropped before it completed (`dist.irecv(t, 1)` never waited for) leaves its request
+    and tensor to `collectives.inflight`, which keeps them until the message has moved.
+    """
+
+    def __init__(self, request: MPI.Request, tensors: list[torch.Tensor], what: str,
                  finish: Callable[[], None] | None = None) -> None:
         super().__init__()
-        self._request = request
+        self._request = inflight.hold(self, request, f"torch.distributed {what}")
         self._tensors = tensors
         self._finish = finish
         self._status = MPI.Status()
