@@ -18,6 +18,7 @@ is still active then (nothing, if the drain did its work).
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import os
 import sys
@@ -322,6 +323,8 @@ def main() -> None:
     once more without the check, leaving its messages in flight, and exit."""
     names = list(CASES) if sys.argv[1] == "all" else sys.argv[1].split(",")
     loops = int(sys.argv[2])
+    # A hang is a failure too: the stacks of every thread, then exit.
+    faulthandler.dump_traceback_later(float(os.environ.get("DROPPED_IN_FLIGHT_TIMEOUT_S", "400")), exit=True)
     hpcdl.init()
     for name in names:
         for _ in range(loops):

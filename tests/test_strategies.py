@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,20 @@ def test_bad_strategy_options_stop_every_rank_with_one_message(argv, message, co
     err = capsys.readouterr().err
     ok = status == train.ARGUMENT_ERROR and (comm.Get_rank() != 0 or (
         err.count(message) == 1 and "Traceback" not in err))
+    ok &= comm.Get_rank() == 0 or err == ""
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+@pytest.mark.skipif(SIZE == 1, reason="a parameter server needs two ranks")
+@pytest.mark.parametrize("option", ["--n-fetch", "--n-push"])
+def test_n_fetch_and_n_push_beyond_an_epoch_are_refused_on_every_rank(option, comm, capsys):
+    """More steps between fetches (or pushes) than a worker takes per epoch: refused before
+    training (with --n-fetch 30 on 5 ranks epoch 2 trained no step; 100000 never ended)."""
+    status = train.main(["--strategy", "downpour", option, "100000", "--epochs", "3"])
+    err = capsys.readouterr().err
+    found = re.search(rf"{option} 100000 is more than the (\d+) steps each worker takes per epoch; "
+                      r"use \1 or less", err)
+    ok = status == train.ARGUMENT_ERROR and (comm.Get_rank() != 0 or (found is not None and err.count(option) == 1))
     ok &= comm.Get_rank() == 0 or err == ""
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 

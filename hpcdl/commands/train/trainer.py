@@ -87,6 +87,8 @@ class Trainer:
             # checkpoint) are about to be trained and written again.
             self.metrics = MetricsLog(args.metrics, after_epoch=None if checkpoint is None else checkpoint["epoch"])
         self.stop_request = StopRequest() if args.checkpoint_dir else None
+        if self.stop_request is not None:
+            self.stop_request.listen(strategy.stop_signal)  # a serving rank's, passed on
         self.resumed = checkpoint is not None
         self.pacing = strategy.pacing(self, mine)
 
