@@ -138,6 +138,10 @@ def test_plans_resolve_defaults_and_the_batch_per_update(argv, ranks, update_bat
      "--compression applies to --strategy allreduce, not local-sgd"),
     (["--strategy", "downpour", "--compression", "threshold:0.1", "--no-momentum-correction"],
      "--momentum-correction applies to --strategy allreduce, not downpour"),
+    (["--compression", "threshold:1e39"], "--compression threshold:1e39: threshold 1e+39 is beyond "
+                                          f"float32's range for {SIZE} rank(s)"),
+    (["--compression", "threshold:1e-50"], "--compression threshold:1e-50: threshold 1e-50 rounds to 0 in "
+                                           "float32"),
 ])
 def test_bad_strategy_options_stop_every_rank_with_one_message(argv, message, comm, capsys):
     status = train.main(argv)
@@ -257,6 +261,17 @@ def test_async_workers_run_at_their_own_pace_and_resume(tmp_path, comm):
     own = [r["own_steps"] for r in end["ranks"]]
     ok &= own[1] > own[0] and end["step"] == 2 * steps_per_epoch and len(end["servers"]) == 1
     assert all_ranks_agree(ok, comm), (table, own)
+
+
+@trains
+def test_a_threshold_that_sends_nothing_is_warned_about(comm, capsys):
+    """threshold:1e30 fits float32 but no residual reaches it: the run cannot learn, and says so
+    after each epoch instead of training on silently (it stayed at 3.9 % accuracy)."""
+    status = train.main(["--compression", "threshold:1e30", "--epochs", "1", "--batch-size", "128"])
+    err = capsys.readouterr().err
+    ok = status == 0 and (comm.Get_rank() != 0 or "epoch 1: --compression threshold:1e30 sent no "
+                          "gradient element" in err)
+    assert all_ranks_agree(ok, comm), err
 
 
 @trains

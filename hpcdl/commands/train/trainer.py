@@ -234,6 +234,10 @@ class Trainer:
             if traffic is not None:
                 gradients = {**gradient_report(totals[4], totals[5], totals[6], totals[7], self.size),
                              "grad_density_max_step": float(densest)}
+                if totals[7] and not totals[6] and self.rank == 0:  # a threshold no residual reached
+                    print(f"hpcdl train: warning: epoch {self.epoch}: --compression {args.compression} "
+                          "sent no gradient element (every residual stayed below the threshold), so "
+                          "the model did not change; use a smaller threshold", file=sys.stderr, flush=True)
             self.say(f"epoch {self.epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
                      f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  lr {lr:.4g}  "
                      f"sent {bytes_per_rank / 1e6:.3g} MB/rank"
