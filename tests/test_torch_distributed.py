@@ -422,6 +422,28 @@ def test_all_to_all_split_sizes_that_do_not_fill_the_tensors_fail_every_rank(com
     assert all_ranks_agree(ok, comm), message
 
 
+def test_new_group_with_different_ranks_on_different_ranks_fails_every_rank(comm, monkeypatch):
+    """Each rank names itself and its right neighbour: every rank's list differs from its
+    neighbour's, and every rank raises instead of hanging in MPI's group creation without a word.
+    The same lists everywhere then make a group as before."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 3:
+        pytest.skip("needs three ranks for every rank to see a list that differs from its own")
+    try:
+        dist.new_group(sorted({rank, (rank + 1) % size}), backend="hpcdl")
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    ok = message is not None and "passed different lists of ranks" in message
+    ok &= f"rank {rank}: {sorted({rank, (rank + 1) % size})}" in (message or "")
+    group = dist.new_group([0, 1], backend="hpcdl")
+    if rank in (0, 1):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        ok &= t.item() == 2
+    assert all_ranks_agree(ok, comm), message
+
+
 # -- init_process_group("hpcdl") after hpcdl.init(), nothing set by hand ---------------------------
 
 PLAIN_INIT = """
