@@ -118,14 +118,14 @@ class NamePairing:
         everyone = wait_for(collectives.iallgather(record, self._comm), what, rank=self._rank,
                             advice="Every rank must make each named call (hvd.*(name=...)).")
         everyone = np.asarray(everyone).reshape(self._size, _FIELDS)
+        for r in range(self._size):  # a duplicate only repeats what is recorded already
+            if everyone[r, _NEW]:
+                self._submitted.setdefault(int(everyone[r, _NEW_KEY]), {})[r] = int(everyone[r, _KIND])
         if everyone[:, _DUPLICATE].any():
             names = self._comm.allgather(new.name if new is not None and record[_DUPLICATE] else None)
             twice = ", ".join(f"rank {r}: {n!r}" for r, n in enumerate(names) if n is not None)
             raise ValueError(f"hvd: a name was submitted again before its first call ran ({twice}); "
                              "give each call in flight its own name")
-        for r in range(self._size):
-            if everyone[r, _NEW]:
-                self._submitted.setdefault(int(everyone[r, _NEW_KEY]), {})[r] = int(everyone[r, _KIND])
         complete = [key for key, ranks in self._submitted.items() if len(ranks) == self._size]
         for key in complete:  # in the order of first submission: the same on every rank
             kinds = self._submitted.pop(key)
@@ -146,7 +146,7 @@ class NamePairing:
         """Every rank waits for a name some rank has not submitted, and none submits: raise on
         every rank, naming them, and forget every name not issued (the API stays usable)."""
         pending = self._comm.allgather(sorted(c.name for c in self._mine.values()))
-        names = {key: c.name for c, key in ((c, _key(c.name)) for c in self._mine.values())}
+        names = {_key(c.name): c.name for c in self._mine.values()}
         waits = []
         for r in range(self._size):
             key = int(everyone[r, _WAIT_KEY])
