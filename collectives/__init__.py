@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import CollectiveArgumentError, CommunicationError, ConcurrentUseError
+from .errors import CollectiveArgumentError, CommunicationError, ConcurrentUseError, ProcessFailure
 from .ops import DTYPES, OPS
 from .partition import partition_counts
 from .registry import ALGORITHMS, COLLECTIVES
@@ -22,14 +22,18 @@ _LAZY = {
     **{name: "api" for name in ("allgather", "allgatherv", "allreduce", "broadcast", "iallgather",
                                 "iallgatherv", "iallreduce", "ibroadcast", "ireduce",
                                 "ireduce_scatter", "reduce", "reduce_scatter")},
+    "agree_completed": "api",
+    "calls_issued": "api",
+    "shrink": "api",
     "Handle": "engine",
+    "fault_tolerant": "failures",
     "cuda_aware": "transport",
     "set_device_runtime": "buffers",
 }
 
 __all__ = [
     "ALGORITHMS", "COLLECTIVES", "DTYPES", "OPS", "CollectiveArgumentError", "CommunicationError",
-    "ConcurrentUseError", "partition_counts", *_LAZY,
+    "ConcurrentUseError", "ProcessFailure", "partition_counts", *_LAZY,
 ]
 
 

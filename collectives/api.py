@@ -28,7 +28,7 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, Callable, NoReturn, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -36,12 +36,13 @@ from mpi4py import MPI
 from .buffers import Buffer, as_buffer, device_runtime
 from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError, LocalArgumentError
+from .failures import Failure, agree_min, failed_ranks, failure_of, fault_tolerant, revoke
 from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, SIGNATURE_FIELDS, STATUS
 from .plans import Layout, Request
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
 from .select import choose, choose_level, settings_key
-from .transport import Link, ScratchPool, cuda_aware
+from .transport import Link, ScratchPool, cuda_aware, derived_communicators
 from .validation import Agreement, Packet, check_choice
 
 _ALGORITHM_CHOICES = {name: {"auto", *table} for name, table in ALGORITHMS.items()}
@@ -125,6 +126,10 @@ class _Duplicate:
                     self._request = None
         return self._comm
 
+    def made(self) -> MPI.Comm | None:
+        """The duplicate if its duplication has completed, else None (without waiting)."""
+        return self._comm if self._request is None else None
+
 
 class _Lane:
     """How one thread talks on a communicator's duplicate (blocking calls on the caller's thread,
@@ -144,6 +149,20 @@ class _Lane:
         if self._agreement is None:
             self._agreement = Agreement(self._dup.get(), patient=self.patient)
         return self._agreement
+
+    def abandon(self) -> None:
+        """After a process failure: settle every message this lane's calls left outstanding."""
+        for link in self._links.values():
+            link.abandon()
+        if self._agreement is not None:
+            self._agreement.abandon()
+
+    def release(self) -> None:
+        """Drop everything planned and allocated for the communicator (it is used no more)."""
+        self.scratch.clear()
+        self.fused.clear()
+        self._links.clear()
+        self._agreement = None
 
     def link(self, op: str, src: Buffer, finishes: bool, tag: int) -> Link:
         """A `Link` for one call, reused across calls alike in op, device and runtime."""
@@ -168,16 +187,26 @@ class _Channel:
     issued, as MPI orders them: a blocking call first waits for the `i*` calls issued before it.
     So the k-th call of every rank meets the k-th call of every other, and a rank that skipped a
     call is found out by the check at the first call that differs (`packet.FIELDS`).
+
+    Under ULFM, the first call to see a process failure revokes the duplicate and everything split
+    from it, so every peer wakes; from then on every call raises `ProcessFailure` (`fail`).
+    Calls complete in the order they were issued, so `completed`, the number of the last call
+    that completed here, says which calls completed on this rank (`agree_completed`).
     """
 
     def __init__(self, comm: MPI.Comm, multiple: bool) -> None:
+        self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.calls = 0  # the number of the last call issued on this communicator
+        self.completed = 0  # the number of the last call completed (or refused on every rank)
+        self.failure: Failure | None = None  # the process failure that ended the collectives
+        self._failing = threading.Lock()  # held while a thread records the failure
+        self.retired = False  # shrink or agree_completed ended it: its thread and memory are gone
         self.busy = threading.Lock()  # held while a thread issues a call
         self.issuer = 0  # ident of the thread holding `busy`
         self.intruders: list[str] = []  # threads that called while `busy` was held
         self.last: Handle | None = None  # the last `i*` call issued
-        dup = _Duplicate(comm, nonblocking=multiple)
+        dup = self.dup = _Duplicate(comm, nonblocking=multiple)
         self.engine = Engine(f"hpcdl-comm-{comm.py2f()}") if multiple else _serial_engine()
         self.background = _Lane(dup, self.engine.nobody_waiting)
         # Below MPI_THREAD_MULTIPLE only the engine may call MPI: blocking calls go through it too.
@@ -215,6 +244,53 @@ class _Channel:
         last = self.last
         if last is not None and not last.done():
             last.settled()
+
+    def refuse(self, collective: str, number: int) -> NoReturn:
+        """Raise what call `number` raises on a communicator a process failure ended."""
+        assert self.failure is not None
+        raise self.failure.error(collective, number, self.completed)
+
+    def fail(self, collective: str, number: int, exc: MPI.Exception) -> NoReturn:
+        """Raise what call `number` raises for the MPI error `exc`: `exc` itself unless it reports
+        a process failure under ULFM (`failures.failure_of`), else a ProcessFailure. The first one
+        ends the communicator's collectives (`_end`)."""
+        with self._failing:
+            if self.failure is None:
+                found = failure_of(self.comm, exc)
+                if found is None:
+                    raise exc
+                self._end(Failure(*found, "the communicator is revoked"))
+            failure = self.failure
+        assert failure is not None
+        raise failure.error(collective, number, self.completed) from exc
+
+    def _end(self, failure: Failure) -> None:
+        """Record `failure`, revoke the duplicate and the communicators split from it (so that a
+        peer waiting on any of them, even on a live rank, wakes with an error), and settle what
+        this rank's calls left outstanding."""
+        self.failure = failure
+        dup = self.dup.made()
+        if dup is not None:
+            revoke([dup, *derived_communicators(dup)])
+        for lane in (self.blocking, self.background):
+            lane.abandon()
+
+    def retire(self) -> None:
+        """End this communicator's collectives for good (`shrink`, `agree_completed`): revoke them
+        if no failure did, let every queued call fail, stop the communication thread and drop what
+        was planned and allocated. Later calls on the communicator raise ProcessFailure."""
+        with self._failing:
+            if self.retired:
+                return
+            self.retired = True
+            if self.failure is None:
+                self._end(Failure(*failed_ranks(self.comm),
+                                  "collectives.shrink or agree_completed retired the communicator"))
+        self.drain()  # the queued calls fail at once: the communicator is revoked
+        if self.engine is not _serial:
+            self.engine.stop()
+        for lane in (self.blocking, self.background):
+            lane.release()
 
 
 def _thread_name(ident: int) -> str:
@@ -503,13 +579,39 @@ def _run_now(call: _Call, channel: _Channel, lane: _Lane, number: int) -> Any:
     return _execute(call, lane, number, *_prepare(call, channel))
 
 
+def _guarded(channel: _Channel, collective: str, number: int, work: Callable[..., Any],
+             *args: Any) -> Any:
+    """Run call `number` on `channel` (`work(*args)`) and count it completed; raise ProcessFailure
+    at once if a process failure ended the communicator, or if the call runs into one.
+    (`_fused_blocking` does the same inline, to keep the small-message path short.)"""
+    if channel.failure is not None:
+        channel.refuse(collective, number)
+    try:
+        result = work(*args)
+    except CollectiveArgumentError:  # refused on every rank alike: the call is over everywhere
+        channel.completed = number
+        raise
+    except MPI.Exception as exc:
+        channel.fail(collective, number, exc)
+    channel.completed = number
+    return result
+
+
 def _fused_blocking(channel: _Channel, fused: _FusedPlan, x: np.ndarray, out: np.ndarray | None) -> Any:
     """A blocking allreduce on the small-message path: no `_Call`, nothing planned again."""
     site = _call_site()
     number = channel.enter()
     try:
         channel.drain()
+        if channel.failure is not None:
+            channel.refuse("allreduce", number)
         result = fused.run(channel.blocking, number, site, x, out)
+        channel.completed = number
+    except CollectiveArgumentError:
+        channel.completed = number
+        raise
+    except MPI.Exception as exc:
+        channel.fail("allreduce", number, exc)
     finally:
         channel.leave()
     return result
@@ -522,7 +624,8 @@ def _blocking(call: _Call) -> Any:
     try:
         if channel.blocking is not channel.background or channel.engine.is_comm_thread():
             channel.drain()
-            result = _run_now(call, channel, channel.blocking, number)
+            result = _guarded(channel, call.collective, number, _run_now, call, channel,
+                              channel.blocking, number)
         else:  # below MPI_THREAD_MULTIPLE only the engine calls MPI
             result = _queue(call, channel, number).wait()
     finally:
@@ -536,19 +639,21 @@ def _queue(call: _Call, channel: _Channel, number: int) -> Handle:
         raise RuntimeError(
             "non-blocking collectives need MPI initialized with at least MPI_THREAD_SERIALIZED; "
             "call hpcdl.init() (or let mpi4py initialize MPI) before anything else initializes it")
-    lane = channel.background
+    lane, name = channel.background, call.collective
     if lane is channel.blocking:  # serialized: the engine plans too, as only it may call MPI
-        return channel.engine.submit(call.collective, lambda: _run_now(call, channel, lane, number))
-    if call.collective == "allreduce" and type(call.x) is np.ndarray and _fused_out(call.x, call.out):
+        return channel.engine.submit(name, lambda: _guarded(channel, name, number, _run_now, call,
+                                                            channel, lane, number))
+    if name == "allreduce" and type(call.x) is np.ndarray and _fused_out(call.x, call.out):
         fused = _fused_plan(lane, channel, call.x, call.op, call.algorithm, call.out is call.x)
         if fused is not None:
             x, out, site = call.x, call.out, call.site
-            return channel.engine.submit(call.collective,
-                                         lambda: fused.run(lane, number, site, x, out))
+            return channel.engine.submit(name, lambda: _guarded(channel, name, number, fused.run,
+                                                                lane, number, site, x, out))
     # Buffer wrapping happens here, in the caller's program order and stream context; only the
     # communication is left to the engine.
     plan, error = _prepare(call, channel)
-    return channel.engine.submit(call.collective, lambda: _execute(call, lane, number, plan, error))
+    return channel.engine.submit(name, lambda: _guarded(channel, name, number, _execute, call, lane,
+                                                        number, plan, error))
 
 
 def _submit(call: _Call) -> Handle:
@@ -675,3 +780,78 @@ def ibroadcast(x: Any, root: int = 0, comm: MPI.Comm | None = None, *,
                algorithm: str = "auto") -> Handle:
     """Non-blocking `broadcast`; `wait()` returns `x`, overwritten with the root's data."""
     return _submit(_Call("broadcast", x, comm, "sum", algorithm, None, root))
+
+
+# -- after a process failure ---------------------------------------------------------------------
+
+# The number agree_completed settled for a communicator, kept on it (it is agreed once: every
+# survivor must make the same collective calls, and a second Agree on one rank only would hang).
+_AGREED_KEYVAL = MPI.Comm.Create_keyval()
+
+
+def agree_completed(comm: MPI.Comm | None = None) -> int:
+    """Collective over the surviving ranks of `comm` (None: MPI.COMM_WORLD), after a
+    `ProcessFailure`: how many calls on `comm` completed on every survivor.
+
+    A communicator's calls are numbered from 1 in issue order, blocking and non-blocking alike,
+    and complete in that order; a failure can reach the ranks at different calls (one rank's
+    allreduce may complete while another's fails), so each survivor's own count can differ. This
+    agrees on their least (ULFM's Agree: the same on every survivor even if more ranks fail
+    meanwhile): calls 1..n completed everywhere; calls after n must be redone on the survivors'
+    communicator, from inputs kept from before them (an in-place call may have overwritten its
+    input on some ranks).
+
+    It ends the communicator's use by the collectives, as `shrink` does (which calls it): queued
+    calls fail, the communication thread stops, and its memory is released. Agreed once per
+    communicator; later calls return the same number without communicating. About 1 ms (13 rounds
+    of Agree; docs/failures.md). Needs a job running under ULFM (`mpirun --with-ft ulfm`).
+    """
+    target = _ulfm_target(comm, "agree_completed")
+    agreed = cast("int | None", target.Get_attr(_AGREED_KEYVAL))
+    if agreed is None:
+        channel = _existing_channel(target)
+        if channel is not None:
+            channel.retire()
+        agreed = agree_min(target, channel.completed if channel is not None else 0)
+        target.Set_attr(_AGREED_KEYVAL, agreed)
+    return agreed
+
+
+def shrink(comm: MPI.Comm | None = None) -> MPI.Comm:
+    """Collective over the surviving ranks of `comm` (None: MPI.COMM_WORLD), after a
+    `ProcessFailure`: a new communicator of the survivors, in `comm`'s rank order.
+
+    First the survivors agree on the calls that completed everywhere (`agree_completed`, then free
+    to ask), which ends `comm`'s use by the collectives: every later call on it raises
+    ProcessFailure. Everything derived from `comm` (its private duplicate, the host and leader
+    communicators of `hierarchical`, the communication thread, cached plans and scratch memory) is
+    dropped; the new communicator gets its own at its first call, for its size (`auto` chooses
+    algorithms for the new rank count). Which ranks failed: those of `comm` missing from the new
+    communicator (`MPI.Group.Difference`). The caller owns the new communicator (`Free` it when
+    done). Needs a job running under ULFM (`mpirun --with-ft ulfm`); see docs/failures.md.
+    """
+    target = _ulfm_target(comm, "shrink")
+    agree_completed(target)
+    return target.Shrink()
+
+
+def calls_issued(comm: MPI.Comm | None = None) -> int:
+    """How many collective calls this rank has issued on `comm` (None: MPI.COMM_WORLD), blocking
+    and non-blocking alike: the number of the last one, as `ProcessFailure.call` and
+    `agree_completed` count them (0 before the first). Local: a caller notes it where a unit of
+    its work (a training step) starts, to map the agreed number back to that unit."""
+    channel = _existing_channel(MPI.COMM_WORLD if comm is None else comm)
+    return channel.calls if channel is not None else 0
+
+
+def _ulfm_target(comm: MPI.Comm | None, what: str) -> MPI.Comm:
+    if not fault_tolerant():
+        raise RuntimeError(
+            f"collectives.{what} needs a job that survives a process failure: launch it with "
+            "`mpirun --with-ft ulfm` (Open MPI with ULFM; see docs/failures.md)")
+    return MPI.COMM_WORLD if comm is None else comm
+
+
+def _existing_channel(comm: MPI.Comm) -> _Channel | None:
+    """The channel of `comm` if collectives were called on it, without making one."""
+    return cast("_Channel | None", comm.Get_attr(_CHANNEL_KEYVAL))

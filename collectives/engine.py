@@ -13,8 +13,10 @@ Where MPI gives less than MPI_THREAD_MULTIPLE, one engine serves every communica
 calls too, so that only one thread ever calls MPI (`api.py`).
 
 A failure inside an engine is delivered to the handle it belongs to. Argument errors are raised
-on every rank alike and leave the engine usable; any other failure means this rank may have left
-its peers mid-collective, so that engine stops: the handle and every later one on it fail with it.
+on every rank alike and leave the engine usable; so does a process failure under ULFM
+(`ProcessFailure`), after which every later call on the communicator raises it at once without
+communicating (`api._guarded`). Any other failure means this rank may have left its peers
+mid-collective, so that engine stops: the handle and every later one on it fail with it.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any, Callable
 # Imported first, so that mpi4py's atexit (which finalizes MPI) runs after ours stops the threads.
 from mpi4py import MPI  # noqa: F401
 
-from .errors import CollectiveArgumentError, CommunicationError
+from .errors import CollectiveArgumentError, CommunicationError, ProcessFailure
 
 _current = threading.local()  # .engine: the Engine whose thread this is
 
@@ -189,7 +191,7 @@ class Engine:
                 continue
             try:
                 result, error = work(), None
-            except CollectiveArgumentError as exc:  # raised on every rank alike: keep going
+            except (CollectiveArgumentError, ProcessFailure) as exc:  # every rank raises it too
                 result, error = None, exc
             except BaseException as exc:  # noqa: BLE001 - delivered to the caller at wait()
                 self._broken = exc

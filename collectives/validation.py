@@ -30,6 +30,7 @@ from .algorithms.butterfly import butterfly_allgather
 from .algorithms.fold import Fold
 from .algorithms.tree import tree_broadcast
 from .errors import CollectiveArgumentError, LocalArgumentError
+from .failures import settle
 from .ops import DTYPE_CODES, OPS
 from .packet import (FIELDS, HEADER_BYTES, LOCAL_ERROR, MISMATCH, PAYLOAD_BYTES, PLACEMENTS,
                      SIGNATURE_FIELDS, STATUS)
@@ -102,21 +103,34 @@ class Agreement:
     def _sendrecv(self, send: np.ndarray, peer: int, recv: np.ndarray) -> None:
         if self.patient is None:
             self.comm.Sendrecv(send, peer, CHECK_TAG, recv, peer, CHECK_TAG)
-        else:
-            complete_patiently([self.comm.Irecv(recv, peer, CHECK_TAG),
-                                self.comm.Isend(send, peer, CHECK_TAG)], self.patient)
+            return
+        requests = [self.comm.Irecv(recv, peer, CHECK_TAG)]
+        try:
+            requests.append(self.comm.Isend(send, peer, CHECK_TAG))
+            complete_patiently(requests, self.patient)
+        except MPI.Exception:  # a process failure: no receive may outlive the call
+            settle(self.comm, requests)
+            raise
 
     def _send(self, send: np.ndarray, peer: int) -> None:
         if self.patient is None:
             self.comm.Send(send, peer, CHECK_TAG)
         else:
-            complete_patiently([self.comm.Isend(send, peer, CHECK_TAG)], self.patient)
+            self._complete(self.comm.Isend(send, peer, CHECK_TAG))
 
     def _recv(self, recv: np.ndarray, peer: int) -> None:
         if self.patient is None:
             self.comm.Recv(recv, peer, CHECK_TAG)
         else:
-            complete_patiently([self.comm.Irecv(recv, peer, CHECK_TAG)], self.patient)
+            self._complete(self.comm.Irecv(recv, peer, CHECK_TAG))
+
+    def _complete(self, request: MPI.Request) -> None:
+        assert self.patient is not None
+        try:
+            complete_patiently([request], self.patient)
+        except MPI.Exception:
+            settle(self.comm, [request])
+            raise
 
     # -- the check ------------------------------------------------------------------------------
 
@@ -163,6 +177,11 @@ class Agreement:
         packet.set_header(signature, error is not None)
         if not self.exchange(packet):
             raise self.failure(collective, signature, error, site)
+
+    def abandon(self) -> None:
+        """After an MPI error: settle what the exchanges after a check left outstanding."""
+        if self._link is not None:
+            self._link.abandon()
 
     def link(self) -> Link:
         """A host Link on the check's tag, for what follows a check on every rank alike."""

@@ -20,7 +20,8 @@ rank has the same number of examples (the mean loss's gradient is the mean of th
 
 Communication: averaging is a fused, chunked `collectives.allreduce(op="avg")` of the parameters
 (and state), one call per dtype and 8 MiB (`hpcdl.comm.fusion`); nothing between averagings. Buffers
-(batch-norm statistics) stay per rank, as in torch's averagers.
+(batch-norm statistics) stay per rank, as in torch's averagers. A rank missing from an averaging
+is warned about (hpcdl/runtime/stall.py, HPCDL_STALL_WARNING_S), as DDP's waits are.
 
 Uneven inputs: inside `join()` (`hpcdl/ddp/join.py`) a rank whose data ran out answers the warm-up
 gradient averages and the parameter averages of the others with zeros, and each average is over
@@ -39,7 +40,14 @@ import collectives
 from . import runtime
 from .comm.fusion import fused_average, fused_broadcast
 from .ddp.join import Join
+from .runtime import stall
 from .runtime.agreement import raise_unless_agreed
+
+
+#: What LocalSGD's stall warning advises.
+STALL_ADVICE = ("A rank that is frozen (SIGSTOP, a debugger), swapping or much slower than the others "
+                "holds up every averaging; training goes on once it catches up. See "
+                "docs/troubleshooting.md.")
 
 
 class LocalSGD:
@@ -126,7 +134,8 @@ class LocalSGD:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        self.bytes_averaged += fused_average(grads, self.comm, algorithm=self.algorithm)
+        self.bytes_averaged += fused_average(grads, self.comm, algorithm=self.algorithm,
+                                             wait=self._waiting("the warm-up's gradient averaging"))
         if scale != 1.0:
             torch._foreach_mul_(grads, scale)
 
@@ -142,7 +151,8 @@ class LocalSGD:
 
     def _average(self, scale: float = 1.0) -> None:
         tensors = self._averaged()
-        self.bytes_averaged += fused_average(tensors, self.comm, algorithm=self.algorithm)
+        self.bytes_averaged += fused_average(tensors, self.comm, algorithm=self.algorithm,
+                                             wait=self._waiting("the averaging of the parameters"))
         if scale != 1.0:
             with torch.no_grad():
                 torch._foreach_mul_(tensors, scale)
@@ -174,6 +184,12 @@ class LocalSGD:
                     tensor.zero_()
                 self._average(scale)
         self.steps += 1
+
+    def _waiting(self, what: str) -> Callable[[collectives.Handle], Any]:
+        """A wait for `what` that warns while a rank is missing (hpcdl/runtime/stall.py)."""
+        rank = self.comm.Get_rank()
+        return lambda handle: stall.wait_for(handle, f"LocalSGD: {what}", rank=rank, advice=STALL_ADVICE,
+                                             stacklevel=4)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The optimizer's floating-point state tensors shaped like their parameter, in a fixed

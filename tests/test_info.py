@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from conftest import all_ranks_agree
 from hpcdl.commands import info
-from run import mpi_environment  # the settings tests/run.py gives its own jobs
+from run import mpi_environment, run_own_job  # the settings tests/run.py gives its own jobs
 
 ROW = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$", re.MULTILINE)
 
@@ -64,6 +64,30 @@ def test_cuda_aware_override_is_reported(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "CUDA-aware MPI  no (HPCDL_CUDA_AWARE=0)" in info.format_report(rows)
 
 
+def test_fault_tolerance_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [info.RankRow("a", 0, 0, 1, None, 10, "multiple", ())]
+    monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "1")  # what mpirun --with-ft ulfm passes
+    assert "fault tolerance ULFM: a lost rank raises" in info.format_report(rows)
+    monkeypatch.delenv("OMPI_MCA_mpi_ft_enable")
+    assert "fault tolerance off: a lost rank ends the job" in info.format_report(rows)
+
+
+def test_device_buffer_path_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA-aware: handed to MPI; else staged, with the staging piece and where it comes from."""
+    rows = [info.RankRow("a", 0, 0, 1, None, 10, "multiple", ())]
+    monkeypatch.delenv("HPCDL_TUNING_FILE", raising=False)
+    monkeypatch.delenv("HPCDL_STAGING_PIECE_BYTES", raising=False)
+    monkeypatch.setenv("HPCDL_CUDA_AWARE", "1")
+    assert "device buffers  handed to MPI as they are (CUDA-aware)" in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_CUDA_AWARE", "0")
+    assert ("device buffers  staged through pinned host memory, pipelined in 2 MiB staging pieces "
+            "at 64 MiB (default: a quarter of a message, 512 KiB to 2 MiB)") in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_STAGING_PIECE_BYTES", "0")
+    assert "copied whole, then sent (HPCDL_STAGING_PIECE_BYTES=0)" in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_STAGING_PIECE_BYTES", "lots")
+    assert "HPCDL_STAGING_PIECE_BYTES='lots' is not a number of bytes" in info.format_report(rows)
+
+
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N=1 job only")
 def test_mpirun_two_ranks_smoke() -> None:
     done = subprocess.run(["mpirun", "-n", "2", "hpcdl", "info"], env=mpi_environment(),
@@ -71,3 +95,11 @@ def test_mpirun_two_ranks_smoke() -> None:
     assert done.returncode == 0, done.stderr
     assert "2 ranks on 1 host" in done.stdout
     assert [int(r[0]) for r in ROW.findall(done.stdout)] == [0, 1]
+    assert "fault tolerance off" in done.stdout
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N=1 job only")
+def test_mpirun_with_ulfm_smoke() -> None:
+    done = run_own_job(["mpirun", "--with-ft", "ulfm", "-n", "2", "hpcdl", "info"], timeout=120)
+    assert done.returncode == 0, done.stdout
+    assert "fault tolerance ULFM" in done.stdout and "2 ranks on 1 host" in done.stdout
