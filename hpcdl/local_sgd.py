@@ -22,6 +22,11 @@ Communication: averaging is a fused, chunked `collectives.allreduce(op="avg")` o
 (and state), one call per dtype and 8 MiB (`hpcdl.comm.fusion`); nothing between averagings. Buffers
 (batch-norm statistics) stay per rank, as in torch's averagers. A rank missing from an averaging
 is warned about (hpcdl/runtime/stall.py, HPCDL_STALL_WARNING_S), as DDP's waits are.
+
+Uneven inputs: inside `join()` (`hpcdl/ddp/join.py`) a rank whose data ran out answers the warm-up
+gradient averages and the parameter averages of the others with zeros, and each average is over
+the ranks that contributed; the rank keeps stepping its optimizer with the averaged gradients of
+warm-up steps, and takes each parameter average.
 """
 from __future__ import annotations
 
@@ -33,9 +38,10 @@ from mpi4py import MPI
 import collectives
 
 from . import runtime
+from .comm.fusion import fused_average, fused_broadcast
+from .ddp.join import Join
 from .runtime import stall
 from .runtime.agreement import raise_unless_agreed
-from .comm.fusion import fused_average, fused_broadcast
 
 
 #: What LocalSGD's stall warning advises.
@@ -86,6 +92,7 @@ class LocalSGD:
         self.steps = 0
         self.averagings = 0
         self.bytes_averaged = 0
+        self._join: Join | None = None
         fused_broadcast([*module.parameters(), *module.buffers()], self.comm, 0)
 
     @property
@@ -104,30 +111,79 @@ class LocalSGD:
         zero and gets the average); afterwards the step is local and every `period`-th local step
         is followed by `average()`. Returns what `optimizer.step(closure)` returns.
         """
+        scale = 1.0
+        if self._join is not None and self._join.inside and self._communicates(self.steps):
+            scale = self.comm.Get_size() / self._join.contributors()
         if self.steps < self.warmup_steps:
-            grads = []
-            for p in self._parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            self.bytes_averaged += fused_average(grads, self.comm, algorithm=self.algorithm,
-                                                 wait=self._waiting("the warm-up's gradient averaging"))
+            self._average_gradients(scale)
             result = self.optimizer.step(closure)
         else:
             result = self.optimizer.step(closure)
-            if (self.steps - self.warmup_steps + 1) % self.period == 0:
-                self.average()
+            if self._communicates(self.steps):
+                self._average(scale)
         self.steps += 1
         return result
 
+    def _communicates(self, step: int) -> bool:
+        """Whether step `step` (from 0) averages: every warm-up step, then every `period`-th."""
+        return step < self.warmup_steps or (step - self.warmup_steps + 1) % self.period == 0
+
+    def _average_gradients(self, scale: float = 1.0) -> None:
+        grads = []
+        for p in self._parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        self.bytes_averaged += fused_average(grads, self.comm, algorithm=self.algorithm,
+                                             wait=self._waiting("the warm-up's gradient averaging"))
+        if scale != 1.0:
+            torch._foreach_mul_(grads, scale)
+
     def average(self) -> None:
         """Collective: average the parameters (and optimizer state if asked) over the ranks now."""
+        self._average()
+
+    def _averaged(self) -> list[torch.Tensor]:
         tensors = self._parameters()
         if self.average_optimizer_state:
             tensors += self.state_tensors()
+        return tensors
+
+    def _average(self, scale: float = 1.0) -> None:
+        tensors = self._averaged()
         self.bytes_averaged += fused_average(tensors, self.comm, algorithm=self.algorithm,
                                              wait=self._waiting("the averaging of the parameters"))
+        if scale != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(tensors, scale)
         self.averagings += 1
+
+    # -- uneven inputs ---------------------------------------------------------------------------
+
+    def join(self) -> Join:
+        """Context for loops over different numbers of batches per rank: a rank whose loop ended
+        contributes zeros to the others' averages until every rank's has, and each average is
+        over the ranks that contributed (see the module docstring). Each step that averages
+        costs one more 4-byte allreduce inside it (`hpcdl/ddp/join.py`)."""
+        self._join = Join(self.comm, self._shadow_step)
+        return self._join
+
+    def _shadow_step(self, contributors: int) -> None:
+        """The others' next averaging step, on a rank without data: zeros in, the average out."""
+        while not self._communicates(self.steps):  # the others' local steps send nothing
+            self.steps += 1
+        scale = self.comm.Get_size() / contributors
+        with torch.no_grad():
+            if self.steps < self.warmup_steps:
+                for p in self._parameters():
+                    p.grad = torch.zeros_like(p)
+                self._average_gradients(scale)
+                self.optimizer.step()
+            else:
+                for tensor in self._averaged():
+                    tensor.zero_()
+                self._average(scale)
+        self.steps += 1
 
     def _waiting(self, what: str) -> Callable[[collectives.Handle], Any]:
         """A wait for `what` that warns while a rank is missing (hpcdl/runtime/stall.py)."""

@@ -157,6 +157,15 @@ def flat_in_memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.as_strided((tensor.numel(),), (1,))
 
 
+def same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` (same shape) are dense and put their elements in memory in the same
+    order, so that `flat_in_memory_order` lines their elements up one to one."""
+    if flat_in_memory_order(a) is None or flat_in_memory_order(b) is None:
+        return False
+    return a.is_contiguous() and b.is_contiguous() or all(
+        a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] != 1)
+
+
 def dense_view(tensor: torch.Tensor) -> torch.Tensor:
     """`flat_in_memory_order` of a tensor known to be dense (one this package allocated, or one
     checked before); raises ValueError if it is not."""

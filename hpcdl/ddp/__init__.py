@@ -7,13 +7,20 @@
                    start for a bucket (`ExchangeLink`)
     dense.py       the dense hooks: `Average` (the default), `FP16`, `BF16`
     timeline.py    the Chrome trace of both threads
+    shards.py      sharding (ZeRO stages 1 and 2): each rank's block of every bucket, the
+                   reduce-scatter exchange, the allgathers of the parameters after the step
+    sharded_optimizer.py   the user's optimizer over this rank's pieces (`ShardedOptimizer`);
+                   gathered state dicts that any number of ranks loads
+    join.py        `join()`: uneven inputs, a rank without data answering with zeros
 
 Schemes that send part of the gradient (top-k, threshold) build on the contract in
 `hpcdl.compression`; this package never imports them.
 """
 from .dense import BF16, FP16, Average, Cast, resolve
 from .exchange import ExchangeLink, GradientExchange
+from .join import Join
+from .sharded_optimizer import ShardedOptimizer
 from .wrapper import DistributedDataParallel, broadcast_in_place
 
 __all__ = ["Average", "BF16", "Cast", "DistributedDataParallel", "ExchangeLink", "FP16", "GradientExchange",
-           "broadcast_in_place", "resolve"]
+           "Join", "ShardedOptimizer", "broadcast_in_place", "resolve"]

@@ -7,9 +7,12 @@
   tensor. A gradient of `in_place_bytes` or more is a bucket of its own (it needs no fusion), so
   its exchange starts as soon as its layer's backward is done rather than when the later layers
   fill a shared bucket.
-- Small gradients live in the bucket: `views[i]` is parameter i's home inside the flat tensor,
+- Small gradients live in the bucket: `view(i)` is parameter i's home inside the flat tensor,
   with the parameter's strides (channels_last included), so autograd accumulates into it in place.
-  Gradients of parameters of `in_place_bytes` or more are exchanged where autograd left them.
+  Gradients of parameters of `in_place_bytes` or more are exchanged where autograd left them (their
+  own home is allocated only for a step that needs it: a missing or unusable gradient).
+- Sharding stage 2 (`hpcdl/ddp/shards.py`) frees a bucket's gradients once they are reduced
+  (`release()`); the storage comes back at the bucket's next gradient.
 
 A `Bucket` also carries the state of the step under way (which gradients are ready, the exchange
 launched for it); the reducer (`hpcdl/ddp/reducer.py`) fills and resets it, and exchange hooks
@@ -32,10 +35,11 @@ class Bucket:
     index: int
     names: list[str]
     params: list[torch.nn.Parameter]
-    views: list[torch.Tensor]  # params[i].grad's home: inside `flat`, or its own for in-place ones
-    flat: torch.Tensor  # the fused (small) parameters' gradients, back to back
+    views: list[torch.Tensor | None]  # params[i].grad's home (None until allocated): `view(i)`
+    flat: torch.Tensor  # the fused (small) parameters' gradients, back to back (empty if released)
     in_place: list[bool]  # exchanged in its own gradient tensor instead of in `flat`
     numel: int = 0  # gradient elements in the bucket, in-place parameters included
+    fused_numel: int = 0  # elements of `flat` when allocated
     # -- this step ----------------------------------------------------------------------------
     pending: int = 0
     ready: list[bool] = field(default_factory=list)
@@ -56,7 +60,45 @@ class Bucket:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.flat.dtype
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter i's gradient home: its view into `flat` (which is allocated, zeroed, if it was
+        released), or for an in-place parameter a zeroed tensor of its own with its layout
+        (allocated on first use: only a step without a usable gradient needs it)."""
+        view = self.views[i]
+        if view is None:
+            if self.in_place[i]:
+                view = self.views[i] = torch.zeros_like(self.params[i])  # the parameter's layout
+            else:
+                self._allocate_flat()
+                view = self.views[i]
+                assert view is not None
+        return view
+
+    def _allocate_flat(self) -> None:
+        self.flat = torch.zeros(self.fused_numel, dtype=self.dtype, device=self.device)
+        offset = 0
+        for i, (p, solo) in enumerate(zip(self.params, self.in_place)):
+            if solo:
+                continue
+            # With the parameter's strides (channels_last included), so autograd, whose gradients
+            # follow the parameter's layout, accumulates into the view in place.
+            self.views[i] = self.flat.as_strided(p.shape, p.stride(), offset)
+            offset += p.numel()
+
+    def release(self) -> None:
+        """Free the gradient storage (sharding stage 2, once the bucket is reduced): every
+        parameter's `.grad` becomes None and the flat tensor is dropped."""
+        for p in self.params:
+            p.grad = None
+        self.views = [None] * len(self.params)
+        self.flat = self.flat.new_empty(0)
+        self.gradients = [None] * len(self.params)
 
 
     def flat_gradients(self) -> list[torch.Tensor]:
@@ -138,18 +180,11 @@ def _bucket(index: int, group: list[tuple[str, torch.nn.Parameter]], in_place_by
                 "buckets and needs dense parameters (contiguous, or a permutation such as "
                 "channels_last): make it a Parameter of its own")
     in_place = [exchanged_in_place(p, in_place_bytes) for p in params]
-    flat = torch.zeros(sum(p.numel() for p, solo in zip(params, in_place) if not solo),
-                       dtype=params[0].dtype, device=params[0].device)
-    views, offset = [], 0
-    for p, solo in zip(params, in_place):
-        if solo:
-            views.append(torch.zeros_like(p))  # the parameter's layout, as autograd's
-            continue
-        # With the parameter's strides (channels_last included), so autograd, whose gradients
-        # follow the parameter's layout, accumulates into the view in place.
-        views.append(flat.as_strided(p.shape, p.stride(), offset))
-        offset += p.numel()
-    bucket = Bucket(index, [n for n, _ in group], params, views, flat, in_place,
-                    sum(p.numel() for p in params))
+    fused = sum(p.numel() for p, solo in zip(params, in_place) if not solo)
+    empty = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
+    bucket = Bucket(index, [n for n, _ in group], params, [None] * len(params), empty, in_place,
+                    sum(p.numel() for p in params), fused)
+    if fused:
+        bucket._allocate_flat()
     bucket.reset()
     return bucket

@@ -42,6 +42,11 @@ class Average(GradientExchange):
         _average(bucket.flat_gradients(), bucket.dtype, link)
 
 
+def narrows(dtype: torch.dtype, wire_dtype: torch.dtype) -> bool:
+    """Whether gradients of `dtype` travel as `wire_dtype` (floating point and wider than it)."""
+    return dtype.is_floating_point and dtype.itemsize > wire_dtype.itemsize
+
+
 class Cast(GradientExchange):
     """Send floating-point buckets wider than `wire_dtype` as `wire_dtype`, averaged, cast back."""
 
@@ -52,14 +57,14 @@ class Cast(GradientExchange):
 
     def _wire(self, bucket: Bucket, numel: int) -> torch.Tensor:
         wire = self._wires.get(bucket.index)
-        if wire is None or wire.numel() != numel or wire.device != bucket.flat.device:
+        if wire is None or wire.numel() != numel or wire.device != bucket.device:
             wire = self._wires[bucket.index] = torch.empty(numel, dtype=self.wire_dtype,
-                                                           device=bucket.flat.device)
+                                                           device=bucket.device)
         return wire
 
     def launch(self, bucket: Bucket, link: ExchangeLink) -> Any:
         tensors = bucket.flat_gradients()
-        if not bucket.dtype.is_floating_point or bucket.flat.element_size() <= 2:
+        if not narrows(bucket.dtype, self.wire_dtype):
             _average(tensors, bucket.dtype, link)
             return None
         wire = self._wire(bucket, sum(t.numel() for t in tensors))

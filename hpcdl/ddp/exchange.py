@@ -8,7 +8,9 @@ The reducer (`hpcdl/ddp/reducer.py`) calls, for each bucket and step, in bucket 
    `launch` returns is handed back to `finish`.
 2. the reducer waits for every handle the link started (with the stall warning and timeout);
 3. `finish(bucket, context)` on the training thread, before `optimizer.step()`: decompress and
-   leave the average over ranks in `bucket.gradients` (each parameter's gradient tensor).
+   leave the average over ranks in `bucket.gradients` (each parameter's gradient tensor), or,
+   for the sharded exchange (`hpcdl/ddp/shards.py`), the average of this rank's shard of the
+   bucket in that shard's gradient.
 
 Contract: every rank must start the same collectives in the same order for a bucket (lengths of an
 allgatherv may differ); `finish` must compute the same bits on every rank from what every rank
@@ -46,7 +48,7 @@ class ExchangeLink:
         self.algorithm = algorithm
         self.chunk_bytes = chunk_bytes
         self.handles: list[Handle] = []
-        self.collectives: list[str] = []  # per handle: "allreduce", "allgatherv"
+        self.collectives: list[str] = []  # per handle: "allreduce", "reduce_scatter", "allgatherv"
         self.handle_bytes: list[int] = []  # per handle: bytes this rank contributed
         self.bytes_sent = 0
         #: gradient elements this rank sent; hooks that send a part set it (None: all of them)
@@ -70,6 +72,16 @@ class ExchangeLink:
             started.append(self._record("allreduce", collectives.iallreduce(
                 chunk, self.comm, op=op, algorithm=self.algorithm, out=chunk), chunk.nbytes))
         return started
+
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: str = "avg") -> Handle:
+        """Reduce the 1-D `tensor` over the ranks and leave this rank's block of the result in `out`
+        (blocks as `collectives.partition.partition_counts(tensor.numel(), P)` cuts them); one
+        handle. Uses the wrapper's algorithm where reduce_scatter has it (ring,
+        halving_doubling, mpi), else auto."""
+        array = as_array(tensor)
+        algorithm = self.algorithm if self.algorithm in collectives.ALGORITHMS["reduce_scatter"] else "auto"
+        return self._record("reduce_scatter", collectives.ireduce_scatter(
+            array, self.comm, op=op, algorithm=algorithm, out=as_array(out)), array.nbytes)
 
     def allgatherv(self, tensor: torch.Tensor) -> Handle:
         """Gather every rank's 1-D `tensor` (lengths may differ, zero included) in rank order;
@@ -107,6 +119,12 @@ class GradientExchange:
 
     def finish(self, bucket: Bucket, context: Any) -> None:
         """After every handle of `link` is done: leave the average in `bucket.gradients`."""
+
+    def scale(self, bucket: Bucket, factor: float) -> None:
+        """Multiply the bucket's averaged gradients by `factor` after `finish` (under `join()`, the
+        average over the ranks that contributed is P / contributors times the average over P)."""
+        for tensor in bucket.flat_gradients():
+            tensor.mul_(factor)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """What is wrong with using `optimizer` after this scheme, or [] (e.g. double momentum)."""

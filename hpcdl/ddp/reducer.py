@@ -18,6 +18,9 @@ launched in bucket order and waited for before the optimizer step.
 - After the first synchronized backward the buckets are rebuilt once in the order gradients
   really became ready (rank 0's order, broadcast), as torch's DDP does.
 - `traffic` counts what this rank sent for gradients, for `hpcdl train`'s per-epoch report.
+- Sharding stage 2 (`release_reduced`): a bucket's gradients are freed as soon as its exchange is
+  done, found by polling the launched buckets' handles at each gradient's hook; `scale` (set for
+  a step under `join()`) multiplies each bucket's average after `finish`.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from collectives import Handle
 from ..runtime import stall
 from .buckets import Bucket, assign_buckets
 from .exchange import ExchangeLink, GradientExchange
-from ..comm.tensors import flat_in_memory_order
+from ..comm.tensors import same_memory_order
 from .timeline import Timeline
 
 _MB = 1024 * 1024
@@ -97,6 +100,11 @@ class Reducer:
         #: the finished handles of the last synchronized step, in bucket then launch order
         self.last_handles: list[Handle] = []
         self.traffic = GradientTraffic()
+        #: free each bucket's gradients once its exchange is done (sharding stage 2)
+        self.release_reduced = False
+        #: what this step's averages are multiplied by (join(): P / contributing ranks)
+        self.scale = 1.0
+        self._next_finish = 0  # buckets before it are finished this step (released early)
 
     # -- bucket assignment -----------------------------------------------------------------------
 
@@ -110,9 +118,12 @@ class Reducer:
             for bucket in self.buckets:
                 for i, p in enumerate(bucket.params):
                     self._slot[id(p)] = (bucket, i)
-                    if p.grad is not None:
-                        bucket.views[i].copy_(p.grad)
-                        p.grad = bucket.views[i]
+                    # An in-place gradient stays where autograd left it: a home of its own
+                    # would hold a second copy of the largest gradients for nothing.
+                    if p.grad is not None and not bucket.in_place[i]:
+                        view = bucket.view(i)
+                        view.copy_(p.grad)
+                        p.grad = view
 
     def rebuild_buckets(self) -> None:
         """Collective, once after the first synchronized backward: re-bucket by the ready order
@@ -141,15 +152,18 @@ class Reducer:
         self.place_gradient(bucket, i)
         if self.overlap and bucket.pending == 0:
             self.launch_ready_buckets()
+        if self.release_reduced:
+            self.finish_reduced()
 
     def place_gradient(self, bucket: Bucket, i: int) -> None:
         """Make parameter i's gradient part of the bucket (a zero contribution if it has none)."""
-        param, view = bucket.params[i], bucket.views[i]
+        param = bucket.params[i]
         grad = param.grad
         if (bucket.in_place[i] and grad is not None and grad.layout == torch.strided
-                and grad.dtype == view.dtype and flat_in_memory_order(grad) is not None):
+                and grad.dtype == param.dtype and same_memory_order(grad, param)):
             bucket.gradients[i] = grad  # exchanged where it is: no copy
         else:
+            view = bucket.view(i)
             if grad is None:  # unused this step and nothing accumulated: a zero contribution
                 view.zero_()
             elif grad.data_ptr() != view.data_ptr():
@@ -174,17 +188,21 @@ class Reducer:
                     self.place_gradient(bucket, i)
         return unready
 
-    def drop_unused(self, unready: list[Unready]) -> None:
+    def drop_unused(self, unready: list[Unready]) -> set[int]:
         """Collective: parameters no rank used since the last synchronized step keep no gradient
         (`grad = None`), as in torch's DDP: a zero one would still be moved by momentum and
-        weight decay. One int32 per parameter, every step."""
+        weight decay. One int32 per parameter, every step. Returns their indices."""
         used = np.ones(len(self.named), dtype=np.int32)
         for item in unready:
             used[self.index[id(item.param)]] = item.used_locally
         collectives.allreduce(used, self.comm, op="max", out=used)
+        dropped = set()
         for item in unready:
-            if item.had_none and not used[self.index[id(item.param)]]:
+            index = self.index[id(item.param)]
+            if item.had_none and not used[index]:
                 item.param.grad = None
+                dropped.add(index)
+        return dropped
 
     def launch_ready_buckets(self) -> None:
         """Launch, strictly in bucket order, every complete bucket not launched yet, so every rank
@@ -209,6 +227,31 @@ class Reducer:
 
     # -- waiting ---------------------------------------------------------------------------------
 
+    def finish_reduced(self) -> None:
+        """Finish (and, `release_reduced`, free), in bucket order, every launched bucket whose
+        collectives are all done; stop at the first that is not."""
+        while self._next_finish < self.next_launch:
+            bucket = self.buckets[self._next_finish]
+            if not all(handle.done() for handle in bucket.handles):
+                return
+            for handle in bucket.handles:
+                handle.wait()  # its error, if any, now: as synchronize() would
+            self._finish(bucket)
+            self._next_finish += 1
+
+    def _finish(self, bucket: Bucket) -> None:
+        """The exchange's `finish` for a bucket whose collectives are done; scaled, released."""
+        if bucket.finished:
+            return
+        begun = time.perf_counter()
+        self.exchange.finish(bucket, bucket.context)
+        if self.scale != 1.0:
+            self.exchange.scale(bucket, self.scale)
+        bucket.finish_span = (begun, time.perf_counter())
+        bucket.finished = True
+        if self.release_reduced:
+            bucket.release()
+
     def synchronize(self, *, stall_warning_s: float, timeout: float | None) -> None:
         """Wait for every launched bucket and finish it; afterwards each `param.grad` holds the
         average. A TimeoutError leaves the exchanges running (calling again waits for them);
@@ -227,15 +270,11 @@ class Reducer:
             except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise the first
                 error = error or exc
                 continue
-            if not bucket.finished:
-                begun = time.perf_counter()
-                try:
-                    self.exchange.finish(bucket, bucket.context)
-                except BaseException as exc:  # noqa: BLE001 - as above
-                    error = error or exc
-                    continue
-                bucket.finish_span = (begun, time.perf_counter())
-                bucket.finished = True
+            try:
+                self._finish(bucket)
+            except BaseException as exc:  # noqa: BLE001 - as above
+                error = error or exc
+                continue
             self._record(bucket)
             handles.extend(bucket.handles)
         self.last_handles = handles
@@ -274,6 +313,8 @@ class Reducer:
         for bucket in self.buckets:
             bucket.reset()
         self.next_launch = 0
+        self._next_finish = 0
+        self.scale = 1.0
 
     def traffic_snapshot(self) -> GradientTraffic:
         """A copy of the running totals."""

@@ -43,6 +43,14 @@ Buffers (batch-norm running statistics): independent per rank by default. `sync_
 every training-mode forward when `broadcast_buffers=True`, AVERAGE floating-point buffers over
 ranks and BROADCAST the others (e.g. `num_batches_tracked`) from rank 0.
 
+Sharding (`shard="optimizer"` or `"gradients"`, ZeRO stages 1 and 2; docs/sharding.md,
+`hpcdl/ddp/shards.py`): buckets are reduce-scattered instead of allreduced, each rank's optimizer
+(`shard_optimizer`) steps its block only, and the parameters are allgathered after the step,
+overlapped with the next forward.
+
+Uneven inputs: inside `join()` a rank whose data ran out keeps answering the others' collectives
+with zeros, and averages are over the ranks that contributed (`hpcdl/ddp/join.py`).
+
 CUDA tensors go to the collectives as CuPy arrays over the same memory (DLPack), after torch's
 current stream is synchronized; this path has not been run (no GPU where it was written).
 """
@@ -64,8 +72,11 @@ from collectives import Handle
 from .. import runtime
 from ..runtime import stall
 from ..runtime.agreement import raise_together, raise_unless_agreed
-from .dense import resolve
+from .dense import Average, Cast, resolve
 from .exchange import GradientExchange
+from .join import Join
+from .sharded_optimizer import ShardedOptimizer, build_sharded_optimizer
+from .shards import STAGES, ShardExchange, Sharding, shard_exchange
 from ..runtime.memory import small_pages_warning
 from .reducer import GradientTraffic, Reducer
 from ..comm.tensors import as_array, collective_array, flat_in_memory_order
@@ -154,7 +165,14 @@ class DistributedDataParallel(torch.nn.Module):
             on every rank together. Inputs are not moved to it (move them yourself).
         gradient_as_bucket_view, static_graph: torch's flags, accepted; gradients of parameters
             under IN_PLACE_BYTES always live in the buckets (torch's True), and the buckets are
-            rebuilt once from the first backward whatever the graph.
+            rebuilt once from the first backward whatever the graph (not when sharded: they
+            keep reverse registration order).
+        shard: None (every rank keeps everything), "optimizer" (ZeRO stage 1: each rank keeps
+            optimizer state for 1/P of the parameters; build the optimizer with
+            `shard_optimizer`) or "gradients" (stage 2: gradients too, freed once reduced).
+            Buckets are reduce-scattered (with `algorithm` where reduce_scatter has it: ring,
+            halving_doubling, mpi; else auto), parameters allgathered after the step
+            (ring, butterfly, mpi; else auto). compression may be None, "fp16" or "bf16".
 
     torch's other arguments are refused by name, with what to use instead (their default values
     pass). Building a second wrapper around the same module detaches the first (its forward then
@@ -169,7 +187,7 @@ class DistributedDataParallel(torch.nn.Module):
                  timeout: float | None = None, device_ids: list[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 **torch_options: Any) -> None:
+                 shard: str | None = None, **torch_options: Any) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -179,8 +197,13 @@ class DistributedDataParallel(torch.nn.Module):
             raise TypeError(f"comm must be an MPI communicator, got {type(comm).__name__}; pass "
                             "torch's device_ids= by keyword")
         _check_torch_options(torch_options)
-        check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm)
+        check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm, sharded=shard is not None)
         exchange = resolve(compression)
+        if shard is not None:
+            if shard not in STAGES:
+                raise ValueError(f"shard must be None, 'optimizer' or 'gradients' (ZeRO stages 1 and "
+                                 f"2), got {shard!r}")
+            exchange = shard_exchange(exchange)
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         for name, sub in module.named_modules():
@@ -218,11 +241,28 @@ class DistributedDataParallel(torch.nn.Module):
         # What the scheme finds wrong with these parameters, and a scheme that differs between
         # ranks, stop every rank here rather than hang or diverge at the first step.
         raise_unless_agreed("DistributedDataParallel", exchange.setup(self._named, self.comm),
-                            {"compression": repr(exchange)}, self.comm)
+                            {"compression": repr(exchange), "shard": shard}, self.comm)
         self._broadcast_state()
         self._reducer = build_reducer(self._named, self.comm, exchange, algorithm=algorithm,
                                       bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                                       overlap=self.overlap, timeline=self.timeline)
+        #: None, "optimizer" or "gradients"
+        self.shard = shard
+        self._sharding: Sharding | None = None
+        self._optimizer: ShardedOptimizer | None = None
+        self._shard_hooks: list[Any] = []
+        if shard is not None:
+            assert isinstance(exchange, ShardExchange)
+            # The shards are cut from these buckets and the optimizer steps pieces of them, so the
+            # buckets are not rebuilt from the first backward's order.
+            self._reducer.ready_order = None
+            self._reducer.release_reduced = STAGES[shard] == 2
+            self._sharding = Sharding(STAGES[shard], self._reducer.buckets, self._reducer.index,
+                                      self.comm, exchange, algorithm=algorithm, timeline=self.timeline)
+            self._shard_hooks = self._sharding.register_forward_waits(module)
+        self._join: Join | None = None
+        self._join_average = True  # join(): average over the contributing ranks (else over P)
+        self._join_optimizer: torch.optim.Optimizer | None = None  # join(): stepped by a rank without data
         # Parameters frozen when the wrapper was built get no bucket; if one is unfrozen later,
         # its gradient would silently stay local (warned about once).
         self._frozen_at_build = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -284,10 +324,18 @@ class DistributedDataParallel(torch.nn.Module):
                 self.synchronize()
             self._reducer.reset_step()
             self._in_backward = False
+        if self._sharding is not None and self._optimizer is None:
+            raise RuntimeError(f"DistributedDataParallel(shard={self.shard!r}) needs its optimizer "
+                               "built by model.shard_optimizer(optimizer): a plain optimizer would "
+                               "step on gradients that are not averaged")
         if self.broadcast_buffers and self.training:
             self.sync_buffers()
         self._sync_next = self._require_sync
         self._forwarded = True
+        if self._join is not None and self._join.inside and self._sync_next and torch.is_grad_enabled():
+            contributors = self._join.contributors()
+            if self._join_average:
+                self._reducer.scale = self.comm.Get_size() / contributors
         started = time.perf_counter()
         output = self.module(*inputs, **kwargs)
         if self.timeline is not None:
@@ -315,9 +363,94 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _detach(self) -> None:
         """Stop managing the module's gradients (a newer wrapper around it took over)."""
-        _remove_hooks(self._hooks)
-        self._hooks = []
+        if self._sharding is not None:
+            self._sharding.wait_all()
+        _remove_hooks(self._hooks + self._shard_hooks)
+        self._hooks = self._shard_hooks = []
         self._detached = True
+
+    # -- sharding --------------------------------------------------------------------------------
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, *,
+                        elementwise: bool = False) -> ShardedOptimizer:
+        """Collective: `optimizer` (built over this model's parameters, any param groups) rebuilt
+        to keep state for this rank's shard only; use the returned optimizer instead of it.
+
+        It must step each element on its own (`hpcdl.ddp.sharded_optimizer.ELEMENTWISE`: SGD,
+        Adam, AdamW, ...; `elementwise=True` vouches for another); LBFGS and the like are refused
+        on every rank with what to use instead. State it already holds is sharded too.
+        """
+        if self._sharding is None:
+            raise RuntimeError("shard_optimizer() needs DistributedDataParallel(shard='optimizer' "
+                               "or 'gradients')")
+        params = {id(p) for _, p in self._named}
+        self._optimizer = build_sharded_optimizer(optimizer, self._sharding, self.comm, params,
+                                                  elementwise)
+        return self._optimizer
+
+    def wait_for_parameters(self) -> None:
+        """Sharded: wait until the allgathers of the last step are done, so every parameter is
+        whole (the next forward, and `state_dict()`, wait by themselves; reading parameters
+        directly right after `optimizer.step()` needs this). Nothing to do otherwise."""
+        if self._sharding is not None:
+            self._sharding.wait_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The module's `zero_grad`, and, when sharded, the shards' gradients too."""
+        super().zero_grad(set_to_none)
+        if self._sharding is not None:
+            self._sharding.zero_grad(set_to_none)
+
+    # -- uneven inputs ---------------------------------------------------------------------------
+
+    def join(self, optimizer: torch.optim.Optimizer | None = None, *,
+             divide_by_initial_world_size: bool = False) -> Join:
+        """Context for loops over different numbers of batches per rank (torch's `join`,
+        Horovod's `hvd.join`): a rank whose loop ended keeps answering the others' gradient
+        exchanges with zeros until every rank's has, and each step averages over the ranks that
+        contributed to it (P / contributors x the average over P; `divide_by_initial_world_size`
+        keeps dividing by P, torch's default).
+
+        A rank that left its loop steps `optimizer` with each average too (a sharded model's own
+        optimizer always: it owns a shard), so its parameters and optimizer state stay those of the
+        others. When every rank has left, unsharded parameters and buffers are broadcast from the
+        rank that took the most steps (as torch does), buffers only when sharded.
+        Each forward with gradients enabled outside `no_sync()` inside the context announces one
+        step: follow it by its backward. Cost: one 4-byte allreduce per step (`hpcdl/ddp/join.py`).
+        """
+        if not isinstance(self.compression, (Average, Cast, ShardExchange)):
+            raise ValueError(f"join() needs a dense exchange (compression None, 'fp16' or 'bf16'); "
+                             f"{self.compression!r} keeps error feedback a rank without data cannot "
+                             "contribute zeros to")
+        self._join_average = not divide_by_initial_world_size
+        self._join_optimizer = optimizer
+        self._join = Join(self.comm, self._shadow_step, self._after_join)
+        return self._join
+
+    def _shadow_step(self, contributors: int) -> None:
+        """One step of the others, on a rank without data: the same collectives, zeros for its
+        gradients, the step (see `join`)."""
+        if self.broadcast_buffers and self.training:
+            self.sync_buffers()
+        for _, p in self._named:
+            p.grad = None  # zero contributions (fill_unready zeroes their homes)
+        self._reducer.reset_step()
+        if self._join_average:
+            self._reducer.scale = self.comm.Get_size() / contributors
+        self._syncing = self._in_backward = True
+        self._end_of_backward(shadow=True)
+        if self._optimizer is not None:
+            self._optimizer.step()
+        elif self._join_optimizer is not None:
+            self._join_optimizer.step()
+
+    def _after_join(self, last: int) -> None:
+        """Every rank has left its loop: the latest state from the rank that took most steps."""
+        if self._sharding is not None:
+            self._sharding.wait_all()
+            broadcast_in_place(list(self.module.buffers()), self.comm, root=last)
+        else:
+            broadcast_in_place([*self.module.parameters(), *self.module.buffers()], self.comm, root=last)
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -338,6 +471,13 @@ class DistributedDataParallel(torch.nn.Module):
         """First hook of a backward pass: take up the forward's decision to communicate."""
         self._in_backward = True
         self._syncing, self._sync_next = self._sync_next, False
+        if self._syncing and self._sharding is not None and self._sharding.stage == 2 and self._sharding.live:
+            self._in_backward = self._syncing = False
+            raise RuntimeError(
+                "a second synchronized backward since the last zero_grad(): with "
+                "shard='gradients' each rank keeps only its shard of the averaged gradients, and "
+                "cannot add another backward's to them; call optimizer.zero_grad() before each "
+                "synchronized backward, and accumulate micro-batches inside model.no_sync()")
         if not self._forwarded and self._require_sync:
             self._warn_once("backward-without-forward", (
                 "a backward pass ran without a forward through DistributedDataParallel since the "
@@ -353,8 +493,9 @@ class DistributedDataParallel(torch.nn.Module):
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _end_of_backward(self) -> None:
-        """Autograd callback after the whole backward: finish every bucket, then check."""
+    def _end_of_backward(self, shadow: bool = False) -> None:
+        """Autograd callback after the whole backward: finish every bucket, then check (`shadow`:
+        a step of the others under join(), where nothing is used and nothing is wrong)."""
         if not self._syncing:
             self._in_backward = False
             return
@@ -370,9 +511,14 @@ class DistributedDataParallel(torch.nn.Module):
         self._backward_started_at = None
         self._reducer.rebuild_buckets()
         self._check_unfrozen()
+        dropped: set[int] = set()
         if self.find_unused_parameters:
-            self._reducer.drop_unused(unready)
-        elif unready:
+            dropped = self._reducer.drop_unused(unready)
+        if self._sharding is not None:
+            self._sharding.attach_gradients(dropped)
+        if shadow or self.find_unused_parameters:
+            return
+        if unready:
             frozen = [item.name for item in unready if not item.param.requires_grad]
             if frozen:
                 raise RuntimeError(
@@ -461,16 +607,19 @@ class DistributedDataParallel(torch.nn.Module):
         return self.timeline.write()
 
 
-def check_bucket_options(bucket_cap_mb: float, first_bucket_mb: float, algorithm: str) -> None:
+def check_bucket_options(bucket_cap_mb: float, first_bucket_mb: float, algorithm: str, *,
+                         sharded: bool = False) -> None:
     """Raise ValueError for bucket capacities that are not positive MiB, or an unknown allreduce
-    algorithm (the same on every rank: no communication)."""
+    algorithm (`sharded`: reduce-scatter or allgatherv algorithm); the same on every rank: no
+    communication."""
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
-    allowed = ["auto", *collectives.ALGORITHMS["allreduce"]]
+    kinds = ("reduce_scatter", "allgatherv") if sharded else ("allreduce",)
+    allowed = ["auto", *dict.fromkeys(a for kind in kinds for a in collectives.ALGORITHMS[kind])]
     if algorithm not in allowed:
-        raise ValueError(f"algorithm {algorithm!r} is not an allreduce algorithm; "
-                         f"use one of {', '.join(allowed)}")
+        raise ValueError(f"algorithm {algorithm!r} is not an {' or '.join(kinds)} algorithm"
+                         f"{' (sharded)' if sharded else ''}; use one of {', '.join(allowed)}")
 
 
 def build_reducer(named: list[tuple[str, torch.nn.Parameter]], comm: MPI.Comm,

@@ -29,6 +29,7 @@ DESCRIPTION = """`hpcdl train`: data-parallel training over MPI, synchronous all
     mpirun -n 5 hpcdl train --strategy downpour --servers 1      # async parameter server, 4 workers
     mpirun -n 4 hpcdl train --synthetic --image-size 64          # images/s, Horovod-style
     mpirun -n 4 hpcdl train --compression topk:0.01              # DGC: 1 % of the gradient sent
+    mpirun -n 4 hpcdl train --shard gradients                    # ZeRO stage 2: state sharded
 
 Each rank trains on its `DistributedSampler` shard; by default `hpcdl.DistributedDataParallel`
 averages the gradients (the other strategies: docs/strategies.md). The learning rate follows the
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how gradients travel (docs/compression.md): none (dense average, the "
                            "default), fp16, bf16, topk:DENSITY (Deep Gradient Compression, e.g. "
                            "topk:0.01) or threshold:TAU (Strom's threshold quantization)")
+    comm.add_argument("--shard", choices=("optimizer", "gradients"), default=None,
+                      help="shard the model state over the ranks (docs/sharding.md): optimizer "
+                           "(ZeRO stage 1: each rank keeps optimizer state for 1/P of the "
+                           "parameters) or gradients (stage 2: the gradients too); gradients are "
+                           "reduce-scattered, parameters allgathered")
     comm.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
                       help="with topk or threshold: the exchange accumulates velocities (DGC's "
                            f"momentum correction, momentum {MOMENTUM}, with masking) and the optimizer "
@@ -144,7 +150,8 @@ def hybrid_errors(args: argparse.Namespace, ranks: int) -> list[str]:
         errors.append(f"--grid {data}x{model} needs {data * model} ranks, but the job has {ranks}; "
                       f"grids that fit: {fits}")
     for flag, used in (("--synthetic", args.synthetic), ("--checkpoint-dir", args.checkpoint_dir),
-                       (f"--strategy {args.strategy}", args.strategy != "allreduce")):
+                       (f"--strategy {args.strategy}", args.strategy != "allreduce"),
+                       (f"--shard {args.shard}", getattr(args, "shard", None) is not None)):
         if used:
             errors.append(f"--model hybrid-cnn does not support {flag} (docs/model_parallel.md)")
     return errors

@@ -107,7 +107,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         # resume from the same one, and take the same decisions below.
         path, checkpoint, skipped = load_resume_checkpoint(
             args.checkpoint_dir, comm,
-            problem=lambda c: not_a_training_checkpoint(c, plan.name, plan.strategy.checkpoint_keys))
+            problem=lambda c: not_a_training_checkpoint(c, plan.name, plan.strategy.checkpoint_keys)
+            or not_resharded_here(c, plan, size))
         if rank == 0:
             for bad, why in skipped:
                 print(f"hpcdl train: warning: --resume: skipping {bad.name}: it {why}"
@@ -117,7 +118,9 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             return _fail([f"--resume: no complete checkpoint in {args.checkpoint_dir}"
                           + (f" ({len(skipped)} unusable, see above)" if skipped else "")
                           + "; run once without --resume to create one"], rank)
-        made_with = checkpoint["job"]
+        made_with = dict(checkpoint["job"])
+        if plan.strategy.reshards and made_with.get("strategy", "allreduce") == plan.name:
+            made_with["ranks"] = size  # another number of ranks reshards (at an epoch's end)
         differences = [f"{k} {made_with.get(k, _TRAJECTORY_DEFAULTS.get(k))!r} (this run: {v!r})"
                        for k, v in job.items() if made_with.get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
         differences += [f"{k} {v!r} (this run: none)" for k, v in made_with.items() if k not in job]
@@ -223,6 +226,18 @@ def scaled_rate_error(args: argparse.Namespace, global_batch: int) -> str:
     return (f"--lr {args.lr:g} scaled by the linear scaling rule (x global batch {global_batch} / "
             f"--reference-batch {args.reference_batch}) is not a finite number; lower --lr or raise "
             "--reference-batch")
+
+
+def not_resharded_here(checkpoint: dict[str, Any], plan: strategies.Plan, ranks: int) -> str | None:
+    """Why a checkpoint of `plan`'s strategy made on another number of ranks cannot be resumed on
+    `ranks` (mid-epoch: the epoch's data was cut for the other number), or None."""
+    made_on = len(checkpoint["ranks"])
+    if made_on == ranks or not plan.strategy.reshards or checkpoint["job"].get("strategy") != plan.name:
+        return None  # the same ranks, or a difference the comparison of the jobs names
+    if checkpoint["batches_done"]:
+        return (f"was made on {made_on} rank(s) in the middle of epoch {checkpoint['epoch'] + 1}, and "
+                f"only a checkpoint from an epoch's end resumes on another number of ranks ({ranks})")
+    return None
 
 
 def not_a_training_checkpoint(checkpoint: Any, strategy: str = "allreduce",

@@ -22,7 +22,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
     from .data import synthetic_batch
     from .models import build_model
     from .schedule import scaled_learning_rate
-    from .strategies.allreduce import Allreduce, data_parallel
+    from .strategies.allreduce import Allreduce, build_optimizer, data_parallel
 
     rank, size = topology.rank, topology.size
     args.model = args.model or "resnet"
@@ -33,7 +33,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
     _, settings = Allreduce.configure(vars(args), size)
     ddp = data_parallel(model, comm, settings)
     lr = scaled_learning_rate(args.lr, args.batch_size * size, args.reference_batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = build_optimizer(ddp, torch.optim.SGD(model.parameters(), lr=lr))
     torch.manual_seed(args.seed + 1 + rank)
     data, target = (t.to(device) for t in synthetic_batch(args.batch_size, args.image_size))
 
@@ -55,7 +55,7 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
         f"images 3x{args.image_size}x{args.image_size}")
     say(f"Batch size: {args.batch_size}, on {device}")
     say(f"Number of ranks: {size}, allreduce algorithm: {args.algorithm}, "
-        f"overlap: {not args.no_overlap}, compression: {ddp.compression!r}")
+        f"overlap: {not args.no_overlap}, compression: {ddp.compression!r}, shard: {ddp.shard}")
     say("Running warmup...", flush=True)
     batches(args.num_warmup_batches)
     say("Running benchmark...", flush=True)

@@ -62,7 +62,17 @@ class Trainer:
         # rank's traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
         self.traffic: EpochTraffic | None = None
         self.traffic_before: dict[str, Any] = {}
-        if checkpoint is not None:
+        if checkpoint is not None and len(checkpoint["ranks"]) != self.size:
+            # Made on another number of ranks, at an epoch's end (run.py checked): the epoch's
+            # steps are this job's, ranks draw their random numbers as at a start, and the
+            # buffers (batch-norm statistics) are rank 0's.
+            self.epoch, self.done_in_epoch = checkpoint["epoch"], 0
+            self.step = self.own_steps = self.epoch * self.steps_per_epoch
+            mine = {"buffers": checkpoint["ranks"][0]["buffers"], "own_steps": self.step}
+            torch.manual_seed(args.seed + 1 + self.rank)
+            strategy.load_state(checkpoint, mine)
+            strategy.resume_at(self.step)
+        elif checkpoint is not None:
             self.epoch, self.done_in_epoch = checkpoint["epoch"], checkpoint["batches_done"]
             self.step = self.own_steps = checkpoint["step"]
             mine = restore_rank_state(checkpoint, self.rank)  # this rank's random numbers, too

@@ -11,11 +11,18 @@ of its M ranks (the mean loss is unchanged; samples/s is M times the number of d
 
 `data_parallel(module, comm, settings)` is the one place where `hpcdl train` builds its DDP
 wrapper from its options (this strategy and the --synthetic benchmark both use it).
+
+--shard optimizer|gradients shards the optimizer state (and the gradients) over the ranks
+(docs/sharding.md): the SGD is rebuilt over this rank's shard (`shard_optimizer`), and checkpoints
+hold the optimizer's state gathered on rank 0 as the unsharded SGD's, so any run, sharded or not,
+resumes from them.
 """
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Any, Mapping
+
+import collectives
 
 from .base import DEFAULT_WARMUP_EPOCHS, MOMENTUM, Plan, Strategy
 
@@ -30,6 +37,10 @@ if TYPE_CHECKING:
 
 #: --bucket-cap-mb's default (torch's DDP's too).
 DEFAULT_BUCKET_CAP_MB = 25.0
+#: The --algorithm values --shard can use: reduce-scatter's, or allgather's (each collective takes
+#: the one named where it has it, else auto).
+SHARDED_ALGORITHMS = tuple(dict.fromkeys([*collectives.ALGORITHMS["reduce_scatter"],
+                                          *collectives.ALGORITHMS["allgatherv"]]))
 #: The --compression schemes with error feedback, which can apply the momentum themselves.
 SPARSE = ("topk:", "threshold:")
 
@@ -61,7 +72,13 @@ def data_parallel(module: torch.nn.Module, comm: MPI.Comm, settings: Mapping[str
 
     return DistributedDataParallel(module, comm, bucket_cap_mb=settings["bucket_cap_mb"],
                                    algorithm=settings["algorithm"], overlap=settings["overlap"],
-                                   timeline=settings["timeline"], compression=gradient_exchange(settings))
+                                   timeline=settings["timeline"], compression=gradient_exchange(settings),
+                                   shard=settings.get("shard"))
+
+
+def build_optimizer(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Collective: `optimizer` as `ddp` needs it: sharded where `ddp` shards (--shard), else itself."""
+    return optimizer if ddp.shard is None else ddp.shard_optimizer(optimizer)
 
 
 class Allreduce(Strategy):
@@ -77,8 +94,12 @@ class Allreduce(Strategy):
 
     name = "allreduce"
     summary = "average gradients every step (DDP; the default)"
-    options = ("algorithm", "bucket_cap_mb", "no_overlap", "timeline", "compression", "momentum_correction")
+    options = ("algorithm", "bucket_cap_mb", "no_overlap", "timeline", "compression", "momentum_correction",
+               "shard")
     checkpoint_keys = ("optimizer", "scheduler")
+    # The model and the optimizer's state (gathered when sharded) are the same on every rank and
+    # do not depend on how many there are.
+    reshards = True
 
     @classmethod
     def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
@@ -94,6 +115,13 @@ class Allreduce(Strategy):
             range_errors = getattr(exchange, "range_errors", None)
             if range_errors is not None:
                 errors += [f"--compression {compression}: {e}" for e in range_errors(torch.float32, ranks)]
+        if given.get("shard") and compression not in ("none", "fp16", "bf16"):
+            errors.append(f"--shard {given['shard']} reduce-scatters dense gradients: use --compression "
+                          f"none, fp16 or bf16, not {compression}")
+        algorithm = given.get("algorithm") or "auto"
+        if given.get("shard") and algorithm not in ("auto", *SHARDED_ALGORITHMS):
+            errors.append(f"--shard {given['shard']}: --algorithm {algorithm} is no reduce-scatter or "
+                          f"allgather algorithm; use auto, {', '.join(SHARDED_ALGORITHMS)}")
         correction = given.get("momentum_correction")
         if correction is not None and not compression.startswith(SPARSE):
             errors.append(f"--{'' if correction else 'no-'}momentum-correction applies to "
@@ -111,13 +139,15 @@ class Allreduce(Strategy):
         return {}, {"algorithm": given.get("algorithm") or "auto",
                     "bucket_cap_mb": given.get("bucket_cap_mb") or DEFAULT_BUCKET_CAP_MB,
                     "overlap": not given.get("no_overlap"), "timeline": given.get("timeline"),
-                    "compression": given.get("compression") or "none",
+                    "compression": given.get("compression") or "none", "shard": given.get("shard"),
                     "momentum_correction": momentum_correction(given),
                     "sparsity_warmup_epochs": math.ceil(warmup) if math.isfinite(warmup) else 0}
 
     @classmethod
     def describe(cls, plan: Plan) -> str:
+        shard = plan.settings.get("shard")
         return "gradients averaged every step" + (
+            f", {shard} sharded over the ranks" if shard else "") + (
             f" over {plan.trainers} replica(s), each split over {plan.model_parallel} ranks"
             if plan.model_parallel > 1 else "")
 
@@ -137,8 +167,9 @@ class Allreduce(Strategy):
         data_comm = comm if grid is None else grid.data
         self.ddp = data_parallel(module, data_comm, plan.settings)
         momentum = 0.0 if plan.settings["momentum_correction"] else MOMENTUM
-        self.optimizer = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=momentum)
-        self.ddp.check_optimizer(self.optimizer)  # collective: DGC's momentum correction wants none
+        sgd = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=momentum)
+        self.ddp.check_optimizer(sgd)  # collective: DGC's momentum correction wants none
+        self.optimizer = build_optimizer(self.ddp, sgd)
         self.scheduler = schedule.for_optimizer(self.optimizer)
         size = data_comm.Get_size()
         self._wire_factor = 2 * (size - 1) / size
@@ -178,8 +209,16 @@ class Allreduce(Strategy):
         return GroupRows(self.module, self.grid.model)
 
     def checkpoint_state(self, step: int) -> dict[str, Any]:
-        # Every rank holds the same model and optimizer: rank 0's stand for all.
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        # Every rank holds the same model and optimizer: rank 0's stand for all. Sharded, the
+        # optimizer's state is gathered there, as the unsharded SGD's.
+        from ....ddp.sharded_optimizer import ShardedOptimizer
+
+        optimizer = self.optimizer
+        if isinstance(optimizer, ShardedOptimizer):
+            optimizer.consolidate_state_dict(to=0)
+            if self.comm.Get_rank() != 0:
+                return {}
+        return {"optimizer": optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def rank_state(self) -> dict[str, Any]:
         # Error feedback (sparse compression) differs between ranks.
@@ -187,10 +226,25 @@ class Allreduce(Strategy):
 
     def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
         self.module.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        if len(checkpoint["ranks"]) == self.comm.Get_size():
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
+        else:  # another number of ranks: this job's learning rates, the saved state
+            rates: list[dict[str, Any]] = [{k: g[k] for k in ("lr", "initial_lr") if k in g}
+                                           for g in self.optimizer.param_groups]
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            for group, rate in zip(self.optimizer.param_groups, rates):
+                group.update(rate)
         if mine is not None and "compression" in mine:  # checkpoints of older hpcdl have none
             self.ddp.load_compression_state_dict(mine["compression"])
+
+    def resume_at(self, step: int) -> None:
+        import warnings
+
+        with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step):
+                self.scheduler.step()
 
     def write_timeline(self) -> str | None:
         return self.ddp.write_timeline()

@@ -9,6 +9,7 @@ The registry (`registry.py`) reads, per strategy class:
     checkpoint_keys      the entries `checkpoint_state()` adds to a checkpoint
     pacing               `Lockstep` (every rank takes the same steps) or `Meetings` (ranks run at
                          their own pace and meet where the job's progress says; pacing.py)
+    reshards             whether its epoch-end checkpoints resume on another number of ranks
     configure()          its options resolved (defaults filled) into the `Plan`
     update_batch(), asynchrony(), describe()     what the trainer prints and scales the rate by
 
@@ -110,6 +111,7 @@ class Strategy:
     options: ClassVar[tuple[str, ...]] = ()
     checkpoint_keys: ClassVar[tuple[str, ...]] = ()
     pacing: ClassVar[type[Pacing]] = Lockstep
+    reshards: ClassVar[bool] = False
 
     @classmethod
     def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
@@ -228,6 +230,10 @@ class Strategy:
 
     def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
         """Restore a checkpoint: `mine` is this rank's `rank_state` (None on a serving rank)."""
+
+    def resume_at(self, step: int) -> None:
+        """After `load_state` of a checkpoint made on another number of ranks (`reshards`): this
+        job's schedule goes on from its own step `step`."""
 
     # -- roles and the end ---------------------------------------------------------------------
 
