@@ -11,6 +11,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ... import runtime
+from ...runtime import recovery as ulfm
 from ...runtime.memory import host_available_bytes
 from ..command import ARGUMENT_ERROR, Command, CommandError, report_failure
 from . import strategies
@@ -35,6 +36,8 @@ def main(argv: list[str]) -> int:
     """
     command = Command.world(PROG)
     topology, comm = runtime.topology(), MPI.COMM_WORLD
+    # A replacement for a lost rank (--respawn) joins the survivors at once: they wait in the merge.
+    joined = ulfm.join()
     try:
         args = command.parse(build_parser().parse_args, argv)
         available = host_available_bytes()  # every rank: collective over each host
@@ -52,6 +55,9 @@ def main(argv: list[str]) -> int:
         from .synthetic import run_synthetic_benchmark
 
         return run_synthetic_benchmark(args, topology, comm)
+    if joined is not None:  # built alone, then in the survivors' place (recovery.py)
+        torch.set_num_threads(joined[1]["torch_threads"])
+        return run_training(args, topology, MPI.COMM_SELF, joined)
     return run_training(args, topology, comm)
 
 
@@ -63,10 +69,16 @@ _TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch",
 _TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentum_correction": None}
 
 
-def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
+def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm,
+                 joined: tuple[MPI.Comm, dict[str, Any]] | None = None) -> int:
     """Train on digits with the chosen strategy and checkpoints as requested; print per-epoch
     metrics on rank 0. Sets everything up (every rank), then serving ranks serve and training
-    ranks run the `Trainer`; all return the same exit status."""
+    ranks run the `Trainer`; all return the same exit status.
+
+    `joined`: in a replacement of a lost rank (--respawn), the communicator it shares with the survivors and what they told it; it builds
+    everything alone (`comm` is MPI.COMM_SELF) for the job's first size, then takes the state of
+    the survivors (recovery.py). A process that lived through a lost rank ends without
+    MPI_Finalize (`runtime.recovery.exit_after_loss`)."""
     import torch
 
     from ...parallel import ProcessGrid
@@ -76,13 +88,16 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     from .schedule import Schedule, scaled_learning_rate, warmup_start_factor
     from .trainer import Trainer
 
-    rank, size = topology.rank, topology.size
+    rank, size = comm.Get_rank(), comm.Get_size()
     args.model = args.model or "cnn"
-    plan = strategies.plan(args, size)
-    job = {name: getattr(args, name) for name in _TRAJECTORY_OPTIONS} | plan.job | {"ranks": size}
+    plan_ranks = size if joined is None else joined[1]["plan_ranks"]
+    plan = strategies.plan(args, plan_ranks)
+    job = {name: getattr(args, name) for name in _TRAJECTORY_OPTIONS} | plan.job | {"ranks": plan_ranks}
 
     checkpoint = None
-    if args.resume:
+    if joined is not None:
+        pass  # the survivors hold the state
+    elif args.resume:
         # Every rank reads the checkpoint and the ranks agree on each file's verdict: all of them
         # resume from the same one, and take the same decisions below.
         path, checkpoint, skipped = load_resume_checkpoint(
@@ -98,6 +113,12 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                           + (f" ({len(skipped)} unusable, see above)" if skipped else "")
                           + "; run once without --resume to create one"], rank)
         made_with = checkpoint["job"]
+        if made_with.get("ranks") != size and plan.strategy.rank_loss_refusal(plan) is None:
+            # A data-parallel run goes on with the data order and global batch of the ranks it
+            # started with, split over however many ranks it is resumed on (recovery.py).
+            plan_ranks = made_with["ranks"]
+            plan = strategies.plan(args, plan_ranks)
+            job = job | plan.job | {"ranks": plan_ranks}
         differences = [f"{k} {made_with.get(k, _TRAJECTORY_DEFAULTS.get(k))!r} (this run: {v!r})"
                        for k, v in job.items() if made_with.get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
         differences += [f"{k} {v!r} (this run: none)" for k, v in made_with.items() if k not in job]
@@ -162,12 +183,17 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             StopRequest()
         return strategy.agree_status(strategy.serve())
     trainer = Trainer(args, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
-                      checkpoint)
+                      checkpoint, replacement=joined is not None)
+    if joined is not None:
+        trainer.recovery.join(joined[0])
     try:
         status = trainer.run()
     finally:
         strategy.close()
-    return strategy.agree_status(status)
+    status = strategy.agree_status(status)
+    if trainer.recovery.lived_through_a_loss():
+        ulfm.exit_after_loss(status)
+    return status
 
 
 def warmup_warning(warmup_steps: int, total_steps: int, scaled_lr: float, start_factor: float) -> str | None:

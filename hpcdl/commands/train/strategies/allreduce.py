@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from ....ddp import DistributedDataParallel, GradientExchange
     from ....ddp.reducer import GradientTraffic
+    from ....ddp.timeline import Timeline
     from ....parallel import ProcessGrid
     from ..schedule import Schedule
 
@@ -133,7 +134,8 @@ class Allreduce(Strategy):
         momentum = 0.0 if plan.settings["momentum_correction"] else MOMENTUM
         self.optimizer = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=momentum)
         self.ddp.check_optimizer(self.optimizer)  # collective: DGC's momentum correction wants none
-        self.scheduler = schedule.for_optimizer(self.optimizer)
+        self.schedule = schedule
+        self.scheduler: Any = schedule.for_optimizer(self.optimizer)
         size = data_comm.Get_size()
         self._wire_factor = 2 * (size - 1) / size
 
@@ -180,14 +182,58 @@ class Allreduce(Strategy):
         return {"compression": self.ddp.compression_state_dict()}
 
     def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
+        from ..schedule import ProgressSchedule
+
         self.module.load_state_dict(checkpoint["model"])
+        # A schedule followed by progress (--keep-rank-batch after a loss) saves its progress;
+        # torch's, its step count. Made before the optimizer's state is loaded: making torch's
+        # sets the rate.
+        progress = "progress" in checkpoint["scheduler"]
+        if progress and not isinstance(self.scheduler, ProgressSchedule):
+            self.scheduler = ProgressSchedule(self.optimizer, self.schedule, 1.0, 0.0)
+        elif not progress and isinstance(self.scheduler, ProgressSchedule):
+            self.scheduler = self.schedule.for_optimizer(self.optimizer)
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
-        if mine is not None and "compression" in mine:  # checkpoints of older hpcdl have none
+        if mine is not None:
+            self.load_rank_state(mine)
+
+    def load_rank_state(self, mine: dict[str, Any]) -> None:
+        if "compression" in mine:  # checkpoints of older hpcdl have none
             self.ddp.load_compression_state_dict(mine["compression"])
+
+    def scale_learning_rate(self, factor: float) -> None:
+        from ..schedule import ProgressSchedule
+
+        progress = (self.scheduler.progress if isinstance(self.scheduler, ProgressSchedule)
+                    else float(self.scheduler.last_epoch))  # torch's: the steps taken
+        self.scheduler = ProgressSchedule(self.optimizer, self.schedule, factor, progress)
 
     def write_timeline(self) -> str | None:
         return self.ddp.write_timeline()
+
+    @classmethod
+    def rank_loss_refusal(cls, plan: Plan) -> str | None:
+        if plan.model_parallel == 1:
+            return None
+        return ("--model hybrid-cnn splits each replica's layers over several ranks, so a lost rank "
+                "takes part of the model with it; going on is offered for data-parallel models")
+
+    def rebind(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self.ddp.rebind(comm)
+        size = comm.Get_size()
+        self._wire_factor = 2 * (size - 1) / size
+
+    def replicated_state(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), **self.checkpoint_state(0)}
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        self.load_state(state, None)
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return self.ddp.timeline
 
 
 STRATEGIES = (Allreduce,)

@@ -1,0 +1,124 @@
+"""`hpcdl train` in a job that loses ranks, for tests/test_train_failures.py.
+
+Run under `mpirun --with-ft ulfm -n K python tests/train_failure_job.py DIR KILL [KILL ...] --
+TRAIN_ARGS`. Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
+themselves in their step number `step` (0-based, counted over the run) at `phase`:
+
+- `backward`: after their first gradient bucket of that step is launched, so buckets are in
+  flight on the other ranks (run with a small --bucket-cap-mb to have several);
+- `optimizer`: inside the step's update (the gradients were averaged on every rank);
+- `checkpoint`: while writing the checkpoint taken after that step (rank 0 writes: it dies
+  with the file half written);
+- `evaluation`: in the epoch-end evaluation after that step (the epoch's last).
+
+Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
+replacement's) with its model, optimizer and scheduler state, and DIR/done-<id> with the exit
+status, so the test can compare the survivors bit for bit. The rest is `hpcdl train` itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from mpi4py import MPI
+
+from hpcdl.commands import train
+from hpcdl.commands.train import trainer as trainer_module
+from hpcdl.commands.train.strategies import allreduce
+from hpcdl.ddp import reducer
+from hpcdl.runtime import checkpoint, world
+
+
+class Killer:
+    """SIGKILLs this process at the chosen phase of the chosen step (after writing the time to
+    DIR/killed-<id>, for the test to measure from)."""
+
+    def __init__(self, directory: Path, kills: list[tuple[str, int, set[int]]]) -> None:
+        self.directory = directory
+        me = MPI.COMM_WORLD.Get_rank() if MPI.Comm.Get_parent() == MPI.COMM_NULL else -1
+        self.mine = {(phase, step) for phase, step, victims in kills if me in victims}
+        self.steps = 0  # updates applied on this rank
+        self.armed_checkpoint = False
+
+    def die_if(self, phase: str) -> None:
+        if (phase, self.steps) in self.mine:
+            (self.directory / f"killed-{world.member()}").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def install(self) -> None:
+        killer = self
+        launch = reducer.Reducer._launch
+
+        def launched(self: Any, bucket: Any) -> None:
+            launch(self, bucket)
+            killer.die_if("backward")
+        reducer.Reducer._launch = launched  # type: ignore[method-assign]
+
+        finish = allreduce.Allreduce.finish_step
+
+        def finished(self: Any) -> None:
+            killer.die_if("optimizer")
+            finish(self)
+            killer.steps += 1
+        allreduce.Allreduce.finish_step = finished  # type: ignore[method-assign]
+
+        save = checkpoint.atomic_save
+
+        def saving(obj: Any, path: Any) -> None:
+            if ("checkpoint", killer.steps - 1) in killer.mine:
+                write = checkpoint._HashingWriter.write
+
+                def half(self: Any, data: bytes) -> int:
+                    written = write(self, data[:len(data) // 2])
+                    self.file.flush()
+                    killer.steps -= 1
+                    killer.die_if("checkpoint")
+                    return written
+                checkpoint._HashingWriter.write = half  # type: ignore[method-assign]
+            save(obj, path)
+        checkpoint.atomic_save = saving
+
+        evaluate = trainer_module.evaluate
+
+        def evaluating(*args: Any, **kwargs: Any) -> Any:
+            killer.die_if("evaluation")
+            return evaluate(*args, **kwargs)
+        trainer_module.evaluate = evaluating
+
+
+def keep_final_state(directory: Path) -> None:
+    """After the run, each process saves what it trained (before it leaves without Finalize)."""
+    run = trainer_module.Trainer.run
+
+    def running(self: Any) -> int:
+        status = run(self)
+        strategy = self.strategy
+        state = {"model": self.model.state_dict(), "optimizer": strategy.optimizer.state_dict(),
+                 "scheduler": strategy.scheduler.state_dict(), "step": self.step, "size": self.size,
+                 "rank": self.rank, "reports": [(r.loss.members, r.steps_lost) for r in self.recovery.reports]}
+        torch.save(state, directory / f"final-{world.member()}.pt")
+        (directory / f"done-{world.member()}").write_text(str(status))
+        return status
+    trainer_module.Trainer.run = running  # type: ignore[method-assign]
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    directory = Path(argv[0])
+    kills = []
+    for spec in argv[1:split]:
+        phase, step, victims = spec.split(":")
+        kills.append((phase, int(step), {int(v) for v in victims.split("+")}))
+    Killer(directory, kills).install()
+    keep_final_state(directory)
+    return train.main(argv[split + 1:])
+
+
+if __name__ == "__main__":
+    status: Callable[[], int] = lambda: main(sys.argv[1:])  # noqa: E731
+    sys.exit(status())
