@@ -2,14 +2,14 @@
 
 Run under `mpirun --with-ft ulfm -n K python tests/train_failure_job.py DIR KILL [KILL ...] --
 TRAIN_ARGS`. Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
-themselves in their step number `step` (0-based, counted over the run) at `phase`:
+themselves at `phase` once they have applied `step` updates:
 
-- `backward`: after their first gradient bucket of that step is launched, so buckets are in
+- `backward`: in the next step, after its first gradient bucket is launched, so buckets are in
   flight on the other ranks (run with a small --bucket-cap-mb to have several);
-- `optimizer`: inside the step's update (the gradients were averaged on every rank);
-- `checkpoint`: while writing the checkpoint taken after that step (rank 0 writes: it dies
-  with the file half written);
-- `evaluation`: in the epoch-end evaluation after that step (the epoch's last).
+- `optimizer`: in the next step's update (its gradients were averaged on every rank);
+- `checkpoint`: while writing the checkpoint taken after that many steps (rank 0 writes: it
+  dies with the file half written);
+- `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last).
 
 Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
 replacement's) with its model, optimizer and scheduler state, and DIR/done-<id> with the exit
@@ -70,13 +70,12 @@ class Killer:
         save = checkpoint.atomic_save
 
         def saving(obj: Any, path: Any) -> None:
-            if ("checkpoint", killer.steps - 1) in killer.mine:
+            if ("checkpoint", killer.steps) in killer.mine:
                 write = checkpoint._HashingWriter.write
 
                 def half(self: Any, data: bytes) -> int:
                     written = write(self, data[:len(data) // 2])
                     self.file.flush()
-                    killer.steps -= 1
                     killer.die_if("checkpoint")
                     return written
                 checkpoint._HashingWriter.write = half  # type: ignore[method-assign]
