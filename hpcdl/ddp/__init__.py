@@ -7,6 +7,7 @@
                    start for a bucket (`ExchangeLink`)
     dense.py       the dense hooks: `Average` (the default), `FP16`, `BF16`
     timeline.py    the Chrome trace of both threads
+    elastic.py     `hpcdl.elastic`: training loops that go on after lost ranks (ULFM)
 
 Schemes that send part of the gradient (top-k, threshold) build on the contract in
 `hpcdl.compression`; this package never imports them.

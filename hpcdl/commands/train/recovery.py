@@ -128,6 +128,8 @@ class Recovery:
         self.plan_ranks = plan_ranks
         self.enabled = collectives.fault_tolerant()
         self.cursor = DataCursor(args.batch_size * plan_ranks)
+        #: an epoch's steps as planned (the schedule counts in them)
+        self.planned_steps = self.steps_in_epoch()
         #: whether the data is split over the ranks now rather than by the sampler's own shards
         self.regrouped = False
         self.members: list[int] = []
@@ -183,6 +185,9 @@ class Recovery:
         from its first sample."""
         self.cursor = DataCursor(self.cursor.global_batch)
         self.unreported = []
+        if self.lr_factor != 1.0:  # the schedule's epochs end where the planned run's do
+            t = self.trainer
+            t.strategy.scale_learning_rate(self.lr_factor, t.epoch * self.planned_steps)
         self.commit()
 
     def batches(self) -> Iterator[list[int]]:
@@ -205,12 +210,13 @@ class Recovery:
         """The job's ranks for the reports: the plan's until ranks were lost or replaced."""
         return self.trainer.size if self.regrouped else self.trainer.plan.ranks
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of a run that lost ranks, so that `--resume` continues it on
-        any number of ranks: the data position and the learning rate's factor."""
+    def checkpoint_state(self, batches_done: int) -> dict[str, Any]:
+        """What a checkpoint at `batches_done` steps into the epoch keeps of a run that lost
+        ranks, so that `--resume` continues it on any number of ranks: the data position and the
+        learning rate's factor."""
         if not self.regrouped:
             return {}
-        cursor = self.cursor
+        cursor = self.cursor if batches_done else DataCursor(self.cursor.global_batch)  # an epoch's end
         return {"elastic": {"cursor": [cursor.global_batch, cursor.since, cursor.offset],
                             "lr_factor": self.lr_factor, "ranks": self.trainer.size}}
 
@@ -398,7 +404,7 @@ class Recovery:
             self.cursor = DataCursor(batch, t.done_in_epoch, self.cursor.offset_at(t.done_in_epoch))
         factor = size / self.plan_ranks
         if factor != self.lr_factor:
-            t.strategy.scale_learning_rate(factor)
+            t.strategy.scale_learning_rate(factor, None)
             self.lr_factor = factor
 
     def _end_job(self, exc: BaseException | None, refusal: str | None) -> None:

@@ -282,7 +282,7 @@ class Trainer:
 
         extra = self.strategy.checkpoint_state(self.step)
         state = {"model": self.model.state_dict(), **extra, "epoch": self.epoch,
-                 "batches_done": batches_done, "job": self.job, **self.recovery.checkpoint_state()}
+                 "batches_done": batches_done, "job": self.job, **self.recovery.checkpoint_state(batches_done)}
         rank_state = {"buffers": dict(self.model.named_buffers()), "epoch_sums": sums,
                       **self.strategy.rank_state()}
         rank_state |= self.pacing.rank_state()

@@ -202,11 +202,12 @@ class Allreduce(Strategy):
         if "compression" in mine:  # checkpoints of older hpcdl have none
             self.ddp.load_compression_state_dict(mine["compression"])
 
-    def scale_learning_rate(self, factor: float) -> None:
+    def scale_learning_rate(self, factor: float, progress: float | None) -> None:
         from ..schedule import ProgressSchedule
 
-        progress = (self.scheduler.progress if isinstance(self.scheduler, ProgressSchedule)
-                    else float(self.scheduler.last_epoch))  # torch's: the steps taken
+        if progress is None:
+            progress = (self.scheduler.progress if isinstance(self.scheduler, ProgressSchedule)
+                        else float(self.scheduler.last_epoch))  # torch's: the steps taken
         self.scheduler = ProgressSchedule(self.optimizer, self.schedule, factor, progress)
 
     def write_timeline(self) -> str | None:

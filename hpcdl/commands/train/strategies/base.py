@@ -255,10 +255,11 @@ class Strategy:
         """Take `replicated_state()` of another rank."""
         raise NotImplementedError
 
-    def scale_learning_rate(self, factor: float) -> None:
+    def scale_learning_rate(self, factor: float, progress: float | None) -> None:
         """From the next step on, steps average `factor` x the planned global batch
         (--keep-rank-batch after a loss): take `factor` x the planned rate, and advance the
-        schedule by `factor` of a planned step per step (`schedule.ProgressSchedule`)."""
+        schedule by `factor` of a planned step per step (`schedule.ProgressSchedule`), from
+        `progress` planned steps (None: from where it stands)."""
         raise NotImplementedError
 
     @property
