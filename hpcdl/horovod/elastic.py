@@ -100,7 +100,7 @@ class TorchState(State):
         super().__init__(respawn=respawn, **objects, **kwargs)
 
 
-class ElasticSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
+class ElasticSampler(torch.utils.data.Sampler[int]):
     """Horovod's `ElasticSampler`: this rank's share of the epoch's samples not processed yet.
 
     Record what was trained (`record_batch(batch_idx, batch_size)` or `record_indices`) and track

@@ -141,15 +141,16 @@ class RespawnError(RuntimeError):
 
 def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None) -> MPI.Comm:
     """Collective over `comm`: start one process per id in `ids`, each running `sys.executable
-    *command` (`own_command()`: this program; it must call `join()` at its start), and return the communicator of `comm`'s
-    ranks followed by the new processes (made the job's, `world.set_world`). Each new process
-    learns its id from `ids`, and gets `info` (rank 0's: what it needs to build its part).
+    *command` (`own_command()`: this program; it must call `join()` at its start), and return
+    the communicator of `comm`'s ranks followed by the new processes (made the job's,
+    `world.set_world`). Each new process learns its id from `ids`, and gets `info` (rank 0's:
+    what it needs to build its part).
 
     MPI_Comm_spawn starts them through the launcher (mpirun's PRRTE); where it cannot, every rank
     raises RespawnError saying why, and `comm` is unchanged.
     """
-    try:
-        intercomm = comm.Spawn(sys.executable, command, maxprocs=len(ids), root=0)
+    try:  # an intra-communicator's Spawn (mpi4py types it on Intracomm)
+        intercomm = comm.Spawn(sys.executable, command, maxprocs=len(ids), root=0)  # type: ignore[attr-defined]
     except MPI.Exception as exc:
         raise RespawnError(
             f"MPI_Comm_spawn could not start {len(ids)} replacement process(es): "

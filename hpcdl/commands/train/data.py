@@ -74,7 +74,7 @@ def epoch_batches(sampler: DistributedSampler, batch_size: int, epoch: int,
     return islice(iter(BatchSampler(sampler, batch_size, drop_last=False)), skip, None)
 
 
-class RankShare(list):  # type: ignore[type-arg]
+class RankShare(list[int]):
     """This rank's part of one step's global batch: sample indices, and the `weight` its mean
     loss is multiplied by so that the ranks' average is the global batch's mean (1.0 where every
     rank has the same number of samples, as without a loss)."""
@@ -91,7 +91,7 @@ def epoch_order(sampler: DistributedSampler, epoch: int) -> list[int]:
     replicas = sampler.num_replicas
     shards = []
     for replica in range(replicas):
-        shard = DistributedSampler(sampler.dataset, num_replicas=replicas, rank=replica,
+        shard: DistributedSampler = DistributedSampler(sampler.dataset, num_replicas=replicas, rank=replica,
                                    shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
         shard.set_epoch(epoch)
         shards.append(list(shard))

@@ -151,7 +151,8 @@ class Recovery:
         if saved is not None:  # a run that had lost ranks (or had replacements) wrote it
             self.cursor = DataCursor(*saved["cursor"])
             self.lr_factor = float(saved["lr_factor"])
-        if saved is not None or (trainer.size != plan_ranks and trainer.strategy.rank_loss_refusal(trainer.plan) is None):
+        other_size = trainer.size != plan_ranks and trainer.strategy.rank_loss_refusal(trainer.plan) is None
+        if saved is not None or other_size:
             self.regrouped = True  # resumed after a loss, or on another number of ranks
             self.rescale(trainer.size)
         # Ids: the ranks mpirun started; replacements get the next ones (and learn the list).
@@ -199,7 +200,7 @@ class Recovery:
         shares = shared_batches(
             t.sampler, t.epoch, global_batch=self.cursor.global_batch, rank=rank, size=size,
             offset=self.cursor.offset_at(t.done_in_epoch))
-        return shares  # type: ignore[return-value]
+        return shares
 
     def steps_in_epoch(self) -> int:
         """How many steps the current epoch takes (more with --keep-rank-batch after a loss)."""

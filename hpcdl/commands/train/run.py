@@ -75,10 +75,10 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     metrics on rank 0. Sets everything up (every rank), then serving ranks serve and training
     ranks run the `Trainer`; all return the same exit status.
 
-    `joined`: in a replacement of a lost rank (--respawn), the communicator it shares with the survivors and what they told it; it builds
-    everything alone (`comm` is MPI.COMM_SELF) for the job's first size, then takes the state of
-    the survivors (recovery.py). A process that lived through a lost rank ends without
-    MPI_Finalize (`runtime.recovery.exit_after_loss`)."""
+    `joined`: in a replacement of a lost rank (--respawn), the communicator it shares with the
+    survivors and what they told it; it builds everything alone (`comm` is MPI.COMM_SELF) for the
+    job's first size, then takes the state of the survivors (recovery.py). A process that lived
+    through a lost rank ends without MPI_Finalize (`runtime.recovery.exit_after_loss`)."""
     import torch
 
     from ...parallel import ProcessGrid
