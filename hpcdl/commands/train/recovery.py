@@ -170,6 +170,10 @@ class Recovery:
         """The trainer's state is settled here (after a step's update, after an epoch's end): a
         loss from now on goes back no further. Keeps this rank's `LocalState` (under ULFM)."""
         self.in_step = False
+        t = self.trainer
+        if self.lr_factor != 1.0 and sums is not None and t.done_in_epoch >= t.steps_per_epoch:
+            # The epoch's last update: the schedule's epochs end where the planned run's do.
+            t.strategy.scale_learning_rate(self.lr_factor, (t.epoch + 1) * self.planned_steps)
         if not self.enabled:
             return
         self.position += 1
@@ -186,9 +190,6 @@ class Recovery:
         from its first sample."""
         self.cursor = DataCursor(self.cursor.global_batch)
         self.unreported = []
-        if self.lr_factor != 1.0:  # the schedule's epochs end where the planned run's do
-            t = self.trainer
-            t.strategy.scale_learning_rate(self.lr_factor, t.epoch * self.planned_steps)
         self.commit()
 
     def batches(self) -> Iterator[list[int]]:
