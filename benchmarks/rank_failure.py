@@ -17,8 +17,8 @@ SIGKILLing itself in backward after `--kill-step` steps, for each way of handlin
 
 Every rank records when each of its updates completed; the victim, when it died. Reported per way
 (medians over repeats, with the range): seconds from the kill to the next update completed on
-every rank, the steps whose work was lost, the ranks training after, and samples/s over the 8
-steps before the kill and 8 steps after the first step back (the global batch / the median step
+every rank, the steps whose work was lost, the ranks training after, and samples/s over the 40
+steps before the kill and 40 steps after the first step back (the global batch / the median step
 time). The load average of the machine is recorded beside every repeat.
 
 `--accuracy-seeds N` adds the accuracy check: N seeds of a full run (10 epochs) undisturbed and N
@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "emulated_cluster.sh"
 VICTIM = 2
-WINDOW = 8  # steps before the kill and after the recovery whose times give samples/s
+WINDOW = 40  # steps before the kill and after the recovery whose times give samples/s
 
 
 # -- the job's side --------------------------------------------------------------------------------
@@ -239,8 +239,8 @@ def main() -> int:
     parser.add_argument("--hosts", action="store_true", help="one rank per emulated host (the cluster must be up)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ways", nargs="+", default=["continue", "respawn", "restart"])
-    parser.add_argument("--kill-step", type=int, default=30)
-    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--kill-step", type=int, default=60)
+    parser.add_argument("--checkpoint-every", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--accuracy-seeds", type=int, default=0)

@@ -216,6 +216,7 @@ class State:
     def reset(self, comm: MPI.Comm, restore: bool) -> None:
         """Collective over `comm`: rebind, go back to this rank's last commit (`restore`), take
         rank 0's state, run the reset callbacks."""
+        ulfm.gather_quietly(comm)  # a replacement may take seconds to start: wait without spinning
         self.rebind(comm)
         if restore:
             self.restore()

@@ -16,7 +16,7 @@ unused: hpcdl matches calls by their order, as MPI does, not by name), `prescale
 collectives are differentiable as Horovod's are.
 
 What hpcdl does not offer raises NotImplementedError naming what to use instead, only when used:
-the Adasum reduction, process sets other than the global one, elastic training, the timeline
+the Adasum reduction, process sets other than the global one, the timeline
 (`hpcdl.DistributedDataParallel(timeline=...)` records one), SyncBatchNorm, sparse allreduce,
 `horovod.run`. `DistributedOptimizer` reduces gradients on hpcdl's DDP machinery (buckets filled
 by backward, overlap, the communication thread: optimizer.py).
@@ -28,7 +28,8 @@ the order by name).
 Split as Horovod's own `horovod.torch` is: basics.py (init, sizes, ranks, the build, process sets,
 the ops), mpi_ops.py (the collectives on tensors and their handles), functions.py (broadcasts of
 models, optimizer states and objects), compression.py, optimizer.py (DistributedOptimizer),
-sync_batch_norm.py and elastic.py (not offered yet); this module only gathers their names.
+sync_batch_norm.py (not offered) and elastic.py (`hvd.elastic` on hpcdl's recovery from lost
+ranks, under `mpirun --with-ft ulfm`); this module only gathers their names.
 """
 from . import elastic
 from .basics import (Adasum, Average, HorovodInternalError, Max, Min, ProcessSet, Product, Sum, add_process_set,

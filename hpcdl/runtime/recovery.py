@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +191,15 @@ def join() -> tuple[MPI.Comm, Any] | None:
     set_member(ids[merged.Get_rank() - (merged.Get_size() - len(ids))])
     set_world(merged)
     return merged, info
+
+
+def gather_quietly(comm: MPI.Comm, poll_s: float = 0.002) -> None:
+    """Collective over `comm`: return once every rank has called it, sleeping between polls (a
+    non-blocking barrier). Ranks that wait for a replacement to start (seconds: Python, torch)
+    leave it the cores, where a blocking wait would spin on them."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll_s)
 
 
 def is_replacement() -> bool:

@@ -321,6 +321,7 @@ class Recovery:
         import torch
 
         t = self.trainer
+        ulfm.gather_quietly(comm)  # a replacement may take seconds to start: wait without spinning
         before = t.comm
         t.rebind(comm)
         if before is not comm:
