@@ -65,14 +65,19 @@ def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
     from hpcdl.runtime import recovery, world
 
     me = MPI.COMM_WORLD.Get_rank() if not recovery.is_replacement() else -1
-    record = open(directory / f"steps-{world.member()}", "a", buffering=1)
+    files: dict[int, Any] = {}  # opened at the first record: a replacement learns its id on joining
+
+    def record(line: str) -> None:
+        if not files:
+            files[0] = open(directory / f"steps-{world.member()}", "a", buffering=1)
+        files[0].write(line)
     done = {"steps": 0}
     finish, launch = allreduce.Allreduce.finish_step, reducer.Reducer._launch
 
     def finished(self: Any) -> None:
         finish(self)
         done["steps"] += 1
-        record.write(f"{time.time()!r} {self.comm.Get_size()}\n")
+        record(f"{time.time()!r} {self.comm.Get_size()}\n")
 
     def launched(self: Any, bucket: Any) -> None:
         launch(self, bucket)
@@ -84,7 +89,7 @@ def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
     recover = Recovery.recover
 
     def recovering(self: Any, exc: Any) -> None:
-        record.write(f"# caught {time.time()!r}\n")  # when this rank learned of the loss
+        record(f"# caught {time.time()!r}\n")  # when this rank learned of the loss
         recover(self, exc)
 
     allreduce.Allreduce.finish_step = finished  # type: ignore[method-assign]

@@ -143,13 +143,13 @@ def test_rank_failure_options_are_checked(argv, message, comm, capsys, monkeypat
 def test_ranks_lost_in_backward_the_update_and_a_checkpoint_write_until_one_is_left(tmp_path):
     """5 ranks: ranks 1 and 2 die together in backward with buckets in flight (after 2 steps),
     rank 3 inside the update of step 5, rank 0 while writing the checkpoint of step 6. The last
-    rank finishes the epoch alone; the checkpoint of step 6 is written again by it; the epoch line
-    and the metrics file name every loss; no loss costs more than one step."""
+    rank finishes the epoch alone; the checkpoint of step 6 is written again by it; the epoch line,
+    the metrics file and the timeline name every loss; no loss costs more than one step."""
     ck = tmp_path / "ck"
     code, out, final = train_losing(
         tmp_path, 5, ["backward:2:1+2", "optimizer:4:3", "checkpoint:6:0"],
         ["--epochs", "1", "--batch-size", "16", "--bucket-cap-mb", "0.05", "--checkpoint-dir", str(ck),
-         "--checkpoint-every", "6", "--metrics", str(tmp_path / "m.jsonl")])
+         "--checkpoint-every", "6", "--metrics", str(tmp_path / "m.jsonl"), "--timeline", str(tmp_path / "t.json")])
     assert code == 0, out[-4000:]
     assert list(final) == [4] and final[4]["size"] == 1 and final[4]["step"] == 18, out[-4000:]
     assert [members for members, _ in final[4]["reports"]] == [(1, 2), (3,), (0,)], final[4]["reports"]
@@ -162,6 +162,11 @@ def test_ranks_lost_in_backward_the_update_and_a_checkpoint_write_until_one_is_l
     rewritten = load_checkpoint(checkpoint_path(ck, 6))  # its first writer died half way
     assert rewritten["step"] == 6 and len(rewritten["ranks"]) == 1 and "elastic" in rewritten
     assert [s for s, _ in list_checkpoints(ck)] == [6, 12, 18]
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]  # the last rank's
+    assert sum(e["name"] == "rank lost" for e in events) == 3
+    assert [e["name"] for e in events if e["name"].startswith("recovery from")] == [
+        "recovery from the loss of ranks 1, 2 of 5", "recovery from the loss of rank 1 (id 3) of 3",
+        "recovery from the loss of rank 0 of 2"]
 
 
 @own_jobs

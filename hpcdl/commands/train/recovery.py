@@ -234,7 +234,7 @@ class Recovery:
     def lived_through_a_loss(self) -> bool:
         """Whether this process was in a job that lost ranks (it must not call MPI_Finalize)."""
         return self.enabled and (bool(self.reports) or ulfm.is_replacement()
-                                 or ulfm.knows_failed(self.trainer.comm))
+                                 or ulfm.knows_failed(self.trainer.comm) or ulfm.knows_failed(MPI.COMM_WORLD))
 
     # -- recovery --------------------------------------------------------------------------------
 
