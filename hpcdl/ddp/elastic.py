@@ -230,16 +230,15 @@ class State:
         if joined is None:
             return False
         comm, info = joined
+        self.comm = comm  # a loss while joining is recovered from on it
         self.members, self.next_member = list(info["members"]), info["next_member"]
-        while True:
-            try:
-                self.reset(comm, restore=False)
-                return True
-            except BaseException as exc:  # noqa: BLE001 - a loss while joining: recover with the others
-                if not ulfm.is_process_failure(exc):
-                    raise
-                self.recover()
-                return True
+        try:
+            self.reset(comm, restore=False)
+        except BaseException as exc:  # noqa: BLE001 - a loss while joining: recover with the others
+            if not ulfm.is_process_failure(exc):
+                raise
+            self.recover()
+        return True
 
 
 def run(func: Callable[..., T]) -> Callable[..., T]:

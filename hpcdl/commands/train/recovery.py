@@ -301,7 +301,9 @@ class Recovery:
         try:
             import torch
 
-            info = {"plan_ranks": self.plan_ranks, "torch_threads": torch.get_num_threads()}
+            t = self.trainer
+            info = {"plan_ranks": self.plan_ranks, "torch_threads": torch.get_num_threads(),
+                    "digits": [tuple(x.numpy() for x in d.tensors) for d in (t.train_set, t.test_set)]}
             merged = ulfm.respawn(survivors, ulfm.own_command(), ids, info)
         except ulfm.RespawnError as exc:
             if survivors.Get_rank() == 0:

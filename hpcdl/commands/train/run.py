@@ -80,6 +80,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     job's first size, then takes the state of the survivors (recovery.py). A process that lived
     through a lost rank ends without MPI_Finalize (`runtime.recovery.exit_after_loss`)."""
     import torch
+    from torch.utils.data import TensorDataset
 
     from ...parallel import ProcessGrid
     from ...runtime.checkpoint import list_checkpoints, load_resume_checkpoint
@@ -137,7 +138,10 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                            f"{KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's would be "
                            "deleted)")], rank)
 
-    train_set, test_set = load_digits_split()
+    if joined is None:
+        train_set, test_set = load_digits_split()
+    else:  # from the survivors: a replacement starts sooner without scikit-learn
+        train_set, test_set = (TensorDataset(*map(torch.from_numpy, pair)) for pair in joined[1]["digits"])
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     grid = None
     if args.model == "hybrid-cnn":  # the FC layers split over model groups, data parallel across them
