@@ -1,7 +1,8 @@
 """Training data and how it is split across ranks.
 
 - `load_digits_split`: scikit-learn's 8x8 digits (ships with scikit-learn, no download), a fixed
-  stratified train/held-out split that every rank computes identically.
+  stratified train/held-out split that every rank computes identically (`hpcdl train` computes
+  it once and sends it, as `dataset_arrays`: importing scikit-learn costs seconds per process).
 - `shard_sampler`: torch's own `DistributedSampler`, fed hpcdl's rank and size instead of a
   torch.distributed process group.
 - `epoch_batches`: the index batches of one epoch on this rank, optionally skipping the first k,
@@ -41,6 +42,12 @@ def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[
     x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
     return (TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
             TensorDataset(torch.from_numpy(x_test), torch.from_numpy(y_test)))
+
+
+def dataset_arrays(datasets: tuple[TensorDataset, ...]) -> list[tuple[np.ndarray, ...]]:
+    """The NumPy arrays of each TensorDataset (what another rank rebuilds them from: they pickle
+    without torch's shared-memory sharing)."""
+    return [tuple(t.numpy() for t in d.tensors) for d in datasets]
 
 
 def shard_sampler(dataset: TensorDataset, *, seed: int, shuffle: bool = True,
