@@ -185,31 +185,34 @@ def test_survivors_end_where_an_undisturbed_run_on_fewer_ranks_ends(tmp_path):
     assert identical(states, "model", "optimizer", "scheduler") and {s["size"] for s in states} == {3}
     assert [r["lost_ranks"] for r in metrics(tmp_path / "m.jsonl")] == ["3", None]
     assert [r["steps_lost"] for r in metrics(tmp_path / "m.jsonl")] == [1, None]
+    runs = []  # both resumes in one job: one start of the ranks
+    (tmp_path / "R").mkdir()
     for step, ranks in ((7, 4), (14, 3)):
         directory = tmp_path / f"from{step}"
         directory.mkdir()
         shutil.copy(checkpoint_path(tmp_path / "F" / "ck", step), checkpoint_path(directory, step))
         assert len(load_checkpoint(checkpoint_path(directory, step))["ranks"]) == ranks
-        code, out = launch(3, ["-m", "hpcdl", "train", *args, "--checkpoint-dir", str(directory), "--resume"],
-                           ulfm=False)
-        assert code == 0, out[-4000:]
-        resumed = load_checkpoint(checkpoint_path(directory, 24))
+        runs += ["--", *args, "--checkpoint-dir", str(directory), "--resume"]
+    code, out = launch(3, [str(TRAIN_JOB), str(tmp_path / "R"), *runs], ulfm=False)
+    assert code == 0, out[-4000:]
+    for step in (7, 14):
+        resumed = load_checkpoint(checkpoint_path(tmp_path / f"from{step}", 24))
         assert all(same_state(resumed[k], states[0][k]) for k in ("model", "optimizer", "scheduler")), step
 
 
 @own_jobs
 def test_respawn_brings_the_job_back_to_its_size(tmp_path):
-    """4 ranks, rank 1 dies in backward after 5 steps, --respawn: a replacement joins, takes the
-    survivors' state and trains; all 4 end bitwise identical, 4 ranks strong."""
-    code, out, final = train_losing(tmp_path, 4, ["backward:5:1"],
+    """3 ranks, rank 1 dies in backward after 5 steps, --respawn: a replacement joins, takes the
+    survivors' state and trains; all 3 end bitwise identical, 3 ranks strong."""
+    code, out, final = train_losing(tmp_path, 3, ["backward:5:1"],
                                     ["--epochs", "1", "--bucket-cap-mb", "0.05", "--respawn",
                                      "--metrics", str(tmp_path / "m.jsonl")])
-    assert code == 0 and sorted(final) == [0, 2, 3, 4], out[-4000:]
+    assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
     states = list(final.values())
-    assert identical(states, "model", "optimizer", "scheduler") and {s["size"] for s in states} == {4}
+    assert identical(states, "model", "optimizer", "scheduler") and {s["size"] for s in states} == {3}
     assert "1 replacement(s) started" in out and "1 replaced" in out, out[-4000:]
     [row] = metrics(tmp_path / "m.jsonl")
-    assert row["ranks"] == 4 and row["lost_ranks"] == "1" and row["steps_lost"] == 1
+    assert row["ranks"] == 3 and row["lost_ranks"] == "1" and row["steps_lost"] == 1
 
 
 @own_jobs
@@ -226,18 +229,47 @@ def test_keep_rank_batch_takes_more_steps_at_a_scaled_rate(tmp_path):
         pytest.approx(2 / 3)
 
 
+def test_only_replicated_data_parallel_runs_go_on_with_other_ranks():
+    """Every strategy but allreduce, and allreduce with a model split over ranks, refuse to go on
+    after a lost rank (the job ends, below), each saying why."""
+    from hpcdl.commands.train import strategies
+    from hpcdl.commands.train.options import build_parser
+
+    def refusal(argv: list[str]) -> str | None:
+        args = build_parser().parse_args(argv)
+        args.model = args.model or "cnn"
+        plan = strategies.plan(args, 2)
+        return plan.strategy.rank_loss_refusal(plan)
+
+    assert refusal([]) is None and refusal(["--compression", "topk:0.01"]) is None
+    assert "--model hybrid-cnn splits each replica's layers" in refusal(["--model", "hybrid-cnn", "--grid", "1x2"])
+    for name in strategies.STRATEGIES:
+        if name != "allreduce":
+            servers = ["--servers", "1"] if "servers" in strategies.STRATEGIES[name].options else []
+            assert f"--strategy {name} keeps state that not every rank holds" in refusal(
+                ["--strategy", name, *servers]), name
+
+
 @own_jobs
 @pytest.mark.parametrize("argv,kill,expected", [
     (["--on-rank-failure", "abort"], "backward:2:1", "rank 1 of 3 failed at step 2 (epoch 1); --on-rank-failure abort"),
-    (["--strategy", "local-sgd"], "evaluation:0:1", "--strategy local-sgd keeps state that not every rank holds"),
+    (["--model", "hybrid-cnn", "--grid", "1x3"], "optimizer:2:1",
+     "rank 1 of 3 failed at step 3 (epoch 1); --model hybrid-cnn splits"),  # its update: no allreduce at 1x3
+    (["--strategy", "downpour", "--servers", "1"], "evaluation:0:0",  # a worker, while the other trains
+     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy downpour keeps state"),
+    (["--strategy", "sync-ps", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
+     "rank 2 of 3 failed at step"),
 ])
 def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
-    """--on-rank-failure abort, and a strategy that cannot go on: every rank ends, exit status
-    5, the lost rank named, how to resume said."""
-    code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", "--checkpoint-dir", str(tmp_path / "ck"),
-                                                          *argv])
+    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; a parameter
+    server losing a worker or its server): every rank ends, exit status 5, the lost rank named
+    in the job's numbering, how to resume said where there are checkpoints; no raw MPI error."""
+    checkpoints = [] if "hybrid-cnn" in argv else ["--checkpoint-dir", str(tmp_path / "ck")]
+    # 3 ranks: when the one survivor of 2 ends the job (MPI_Abort), mpirun's status is 0 (known limits)
+    code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", *checkpoints, *argv])
     assert code == recovery.RANK_LOST and not final, out[-4000:]
-    assert expected in out and "Resume from the newest checkpoint with --resume" in out, out[-4000:]
+    assert expected in out and "MPI_ERR" not in out, out[-4000:]
+    assert ("Resume from the newest checkpoint with --resume" in out) == bool(checkpoints), out[-4000:]
 
 
 # -- a user's loop -----------------------------------------------------------------------------------
@@ -245,13 +277,14 @@ def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
 @own_jobs
 @pytest.mark.parametrize("api,victim,respawn", [("native", 1, False), ("horovod", 0, True)])
 def test_elastic_loop_goes_on_after_a_lost_rank(tmp_path, api, victim, respawn):
-    """A loop on hpcdl.elastic (rank 1 lost) and one on hvd.elastic with an ElasticSampler (rank 0
-    lost, replaced): every process that ends holds the same parameters, on the ranks there are."""
-    code, out = launch(4, [str(ELASTIC_JOB), api, str(tmp_path), "10", str(victim),
+    """3 ranks: a loop on hpcdl.elastic (rank 1 lost) and one on hvd.elastic with an ElasticSampler
+    (rank 0 lost, replaced): every process that ends holds the same parameters, on the ranks there
+    are."""
+    code, out = launch(3, [str(ELASTIC_JOB), api, str(tmp_path), "10", str(victim),
                            *(["respawn"] if respawn else [])])
     final = finals(tmp_path)
     assert code == 0, out[-4000:]
-    assert sorted(final) == [m for m in range(5 if respawn else 4) if m != victim], out[-4000:]
+    assert sorted(final) == [m for m in range(4 if respawn else 3) if m != victim], out[-4000:]
     states = list(final.values())
-    assert identical(states, "model") and {s["size"] for s in states} == {4 if respawn else 3}
-    assert all(s["losses"] == [((victim,), 4 if respawn else 3)] for s in states if s["rank"] < 3)
+    assert identical(states, "model") and {s["size"] for s in states} == {3 if respawn else 2}
+    assert all(s["losses"] == [((victim,), 3 if respawn else 2)] for m, s in final.items() if m < 3)  # survivors

@@ -1,7 +1,8 @@
 """`hpcdl train` in a job that loses ranks, for tests/test_train_failures.py.
 
 Run under `mpirun --with-ft ulfm -n K python tests/train_failure_job.py DIR KILL [KILL ...] --
-TRAIN_ARGS`. Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
+TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the other: one start
+of the ranks for them all). Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
 themselves at `phase` once they have applied `step` updates:
 
 - `backward`: in the next step, after its first gradient bucket is launched, so buckets are in
@@ -9,7 +10,9 @@ themselves at `phase` once they have applied `step` updates:
 - `optimizer`: in the next step's update (its gradients were averaged on every rank);
 - `checkpoint`: while writing the checkpoint taken after that many steps (rank 0 writes: it
   dies with the file half written);
-- `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last).
+- `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last);
+- `after`: that many milliseconds after training (or a parameter server's serving) started on
+  this rank, whatever it is doing then.
 
 Every checkpoint is kept (not only the newest three), for the tests to resume from any.
 Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
@@ -21,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +34,7 @@ from mpi4py import MPI
 
 from hpcdl.commands import train
 from hpcdl.commands.train import trainer as trainer_module
-from hpcdl.commands.train.strategies import allreduce
+from hpcdl.commands.train.strategies import allreduce, parameter_server
 from hpcdl.ddp import reducer
 from hpcdl.runtime import checkpoint, world
 
@@ -48,8 +52,11 @@ class Killer:
 
     def die_if(self, phase: str) -> None:
         if (phase, self.steps) in self.mine:
-            (self.directory / f"killed-{world.member()}").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.die()
+
+    def die(self) -> None:
+        (self.directory / f"killed-{world.member()}").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def install(self) -> None:
         killer = self
@@ -92,6 +99,24 @@ class Killer:
             return evaluate(*args, **kwargs)
         trainer_module.evaluate = evaluating
 
+        def start_timers() -> None:
+            for phase, delay in killer.mine:
+                if phase == "after":
+                    timer = threading.Timer(delay / 1000, killer.die)
+                    timer.daemon = True  # a process that finishes first is not kept waiting
+                    timer.start()
+        run, serve = trainer_module.Trainer.run, parameter_server.ParameterServerStrategy.serve
+
+        def running(self: Any) -> int:
+            start_timers()
+            return run(self)
+
+        def serving(self: Any) -> int:
+            start_timers()
+            return serve(self)
+        trainer_module.Trainer.run = running  # type: ignore[method-assign]
+        parameter_server.ParameterServerStrategy.serve = serving  # type: ignore[method-assign]
+
 
 def keep_final_state(directory: Path) -> None:
     """After the run, each process saves what it trained (before it leaves without Finalize)."""
@@ -118,7 +143,13 @@ def main(argv: list[str]) -> int:
         kills.append((phase, int(step), {int(v) for v in victims.split("+")}))
     Killer(directory, kills).install()
     keep_final_state(directory)
-    return train.main(argv[split + 1:])
+    runs: list[list[str]] = [[]]  # several runs one after the other, separated by `--`
+    for arg in argv[split + 1:]:
+        if arg == "--":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return max(train.main(run) for run in runs)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,20 @@ def knows_failed(comm: MPI.Comm) -> bool:
         group.Free()
 
 
+def failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
+    """The ranks of `comm` this process knows to have failed (local; empty where it knows none
+    or the communicator cannot say)."""
+    try:
+        failed, group = comm.Get_failed(), comm.Get_group()
+    except MPI.Exception:
+        return ()
+    try:
+        return tuple(sorted(r for r in MPI.Group.Translate_ranks(failed, None, group) if r >= 0))
+    finally:
+        failed.Free()
+        group.Free()
+
+
 def revoke(comm: MPI.Comm) -> None:
     """Revoke `comm` itself (the collectives revoke only their private duplicate of it): a rank
     blocked in one of mpi4py's calls on it (a gather of Python objects) wakes with an error."""

@@ -301,9 +301,11 @@ class Recovery:
         try:
             import torch
 
+            from .data import dataset_arrays
+
             t = self.trainer
             info = {"plan_ranks": self.plan_ranks, "torch_threads": torch.get_num_threads(),
-                    "digits": [tuple(x.numpy() for x in d.tensors) for d in (t.train_set, t.test_set)]}
+                    "digits": dataset_arrays((t.train_set, t.test_set))}
             merged = ulfm.respawn(survivors, ulfm.own_command(), ids, info)
         except ulfm.RespawnError as exc:
             if survivors.Get_rank() == 0:
@@ -415,14 +417,8 @@ class Recovery:
     def _end_job(self, exc: BaseException | None, refusal: str | None) -> None:
         """End every rank of the job, naming the lost rank and how to go on."""
         t = self.trainer
-        ranks = tuple(getattr(exc, "ranks", ()) or ())
-        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {t.size}" if ranks else "a rank"
-        resume = (" Resume from the newest checkpoint with --resume." if t.args.checkpoint_dir else "")
-        sys.stderr.write(f"hpcdl train: error: {who} failed at step {t.step} (epoch {t.epoch + 1}); "
-                         f"{refusal or '--on-rank-failure abort'}: the job ends (exit status {RANK_LOST})."
-                         f"{resume} (reported by rank {t.rank})\n")
-        sys.stderr.flush()
-        world.world().Abort(RANK_LOST)
+        end_job(exc, f"at step {t.step} (epoch {t.epoch + 1})", refusal or "--on-rank-failure abort",
+                t.args.checkpoint_dir)
 
     def _local_state(self, sums: Sums | None, checkpoint_due: bool) -> LocalState:
         import torch
@@ -451,6 +447,22 @@ class Recovery:
         return {"lost_ranks": " ".join(str(m) for r in lost for m in r.loss.members) if lost else None,
                 "recovery_s": sum(r.loss.seconds for r in lost) if lost else None,
                 "steps_lost": sum(r.steps_lost for r in lost) if lost else None}
+
+
+def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: str | None) -> None:
+    """End every rank of the job (MPI_Abort with RANK_LOST) after its first lost rank, which it
+    cannot go on without: say which rank was lost (the job's rank: `exc`'s, or those this
+    process knows of; a strategy's sub-communicators number them otherwise), `when`, the
+    `reason` and how to resume."""
+    job = world.world()  # MPI.COMM_WORLD: nothing was shrunk before a loss that ends the job
+    ranks = tuple(getattr(exc, "world_ranks", ()) or ()) or ulfm.failed_ranks(job)
+    who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {job.Get_size()}" if ranks
+           else "a rank")
+    resume = " Resume from the newest checkpoint with --resume." if checkpoint_dir else ""
+    sys.stderr.write(f"hpcdl train: error: {who} failed {when}; {reason}: the job ends (exit status "
+                     f"{RANK_LOST}).{resume} (reported by rank {job.Get_rank()})\n")
+    sys.stderr.flush()
+    job.Abort(RANK_LOST)
 
 
 def _cloned(state: Any) -> Any:

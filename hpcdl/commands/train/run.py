@@ -16,6 +16,7 @@ from ...runtime.memory import host_available_bytes
 from ..command import ARGUMENT_ERROR, Command, CommandError, report_failure
 from . import strategies
 from .options import KEEP_CHECKPOINTS, build_parser, local_argument_errors
+from .recovery import end_job
 from .strategies.base import DEFAULT_WARMUP_EPOCHS
 
 PROG = "hpcdl train"
@@ -84,7 +85,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
 
     from ...parallel import ProcessGrid
     from ...runtime.checkpoint import list_checkpoints, load_resume_checkpoint
-    from .data import batches_per_epoch, load_digits_split, shard_sampler
+    from .data import batches_per_epoch, dataset_arrays, load_digits_split, shard_sampler
     from .models import build_hybrid_model, build_model
     from .schedule import Schedule, scaled_learning_rate, warmup_start_factor
     from .trainer import Trainer
@@ -138,10 +139,11 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                            f"{KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's would be "
                            "deleted)")], rank)
 
-    if joined is None:
-        train_set, test_set = load_digits_split()
-    else:  # from the survivors: a replacement starts sooner without scikit-learn
-        train_set, test_set = (TensorDataset(*map(torch.from_numpy, pair)) for pair in joined[1]["digits"])
+    if joined is not None:  # from the survivors: a replacement starts sooner without scikit-learn
+        arrays = joined[1]["digits"]
+    else:  # importing scikit-learn costs each rank seconds of CPU: rank 0 splits, the others receive
+        arrays = comm.bcast(dataset_arrays(load_digits_split()) if rank == 0 else None, root=0)
+    train_set, test_set = (TensorDataset(*map(torch.from_numpy, pair)) for pair in arrays)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     grid = None
     if args.model == "hybrid-cnn":  # the FC layers split over model groups, data parallel across them
@@ -185,7 +187,16 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             from .signals import StopRequest
 
             StopRequest()
-        return strategy.agree_status(strategy.serve())
+        try:
+            return strategy.agree_status(strategy.serve())
+        except BaseException as exc:
+            # A serving rank has no Trainer to recover with, and what it serves is nobody else's:
+            # a lost rank ends the job with the reason, never a raw MPI error (docs/failures.md).
+            if not ulfm.is_process_failure(exc):
+                raise
+            end_job(exc, "while this rank served its parameter-server shard",
+                    plan.strategy.rank_loss_refusal(plan) or "a lost rank", args.checkpoint_dir)
+            raise
     trainer = Trainer(args, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
                       checkpoint, replacement=joined is not None)
     if joined is not None:
