@@ -4,6 +4,7 @@
     mpirun -n 2 python benchmarks/train_throughput.py
     mpirun -n 4 python benchmarks/train_throughput.py --models mlp --algorithm ring --json out.json
     mpirun -n 2 python benchmarks/train_throughput.py --timeline trace.json   # Perfetto trace of hpcdl
+    mpirun -n 2 python benchmarks/train_throughput.py --device cuda   # on each rank's GPU
 
 Every mode runs in this one invocation on the same ranks:
   local        no gradient communication: the compute-only ceiling
@@ -16,8 +17,11 @@ Every mode runs in this one invocation on the same ranks:
                --algorithm for its allreduce)
 Models: "cnn" (2 conv + 2 fc, 1.2 M params, 1x28x28 input) and "mlp" (784-4096-4096-1280-10,
 25.3 M params, communication-heavy). Batch 32 per rank, synthetic data, SGD with momentum;
-torch uses one thread per rank when P > 1. Each measurement: warm-up steps, a barrier, timed
-steps, a barrier; samples/s in total = P * batch * steps / (slowest rank's time). Modes take turns
+torch uses one thread per rank when P > 1. `--device cuda`: model and data on the GPU `hpcdl.init`
+bound (local rank modulo GPUs), torch's DDP still over gloo (which takes CUDA tensors), hpcdl's
+through the staged path where MPI is not CUDA-aware; each timed span ends with a synchronize.
+Each measurement: warm-up steps, a barrier, timed steps, a barrier; samples/s in total =
+P * batch * steps / (slowest rank's time). Modes take turns
 over --rounds rounds (drift does not favour one mode) and the median round is reported.
 On an oversubscribed machine set OMPI_MCA_mpi_yield_when_idle=1.
 """
@@ -66,16 +70,24 @@ def wrap(mode: str, net: nn.Module, comm: MPI.Comm, args: argparse.Namespace,
         algorithm=args.algorithm, overlap=(mode == "hpcdl"), timeline=timeline)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so a timed span ends when its steps have run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace,
             timeline: str | None = None, hpcdl_group: dist.ProcessGroup | None = None) -> float:
     """Samples/s in total for one (model, mode): warm-up, then timed steps, slowest rank counts."""
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
     torch.manual_seed(0)
-    net = MODELS[model_name]()
+    net = MODELS[model_name]().to(device)
     model = wrap(mode, net, comm, args, timeline, hpcdl_group)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(comm.Get_rank())
-    x = torch.randn(args.batch, 1, 28, 28, generator=gen)
-    y = torch.randint(0, 10, (args.batch,), generator=gen)
+    x = torch.randn(args.batch, 1, 28, 28, generator=gen).to(device)
+    y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
 
     def step() -> None:
         opt.zero_grad()
@@ -84,10 +96,12 @@ def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace
 
     for _ in range(args.warmup):
         step()
+    synchronize(device)
     comm.Barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
+    synchronize(device)
     elapsed = time.perf_counter() - start
     comm.Barrier()
     if timeline is not None:
@@ -108,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-cap-mb", type=float, default=25)
     parser.add_argument("--first-bucket-mb", type=float, default=1)
     parser.add_argument("--timeline", help="write a Chrome trace of one hpcdl (overlap) run here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model and data live (default cpu)")
     parser.add_argument("--json", help="write the results here (rank 0)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU")
 
     topo = hpcdl.init()
     comm = MPI.COMM_WORLD
@@ -135,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         results[model_name].update({f"{mode}_rounds": v for mode, v in rounds.items()})
 
     if topo.rank == 0:
-        print(f"\nP={size}, batch {args.batch}/rank, {args.steps} timed steps, median of "
+        print(f"\nP={size} on {args.device}, batch {args.batch}/rank, {args.steps} timed steps, median of "
               f"{args.rounds} rounds, algorithm={args.algorithm}, bucket {args.bucket_cap_mb} MiB "
               f"(first {args.first_bucket_mb}), torch threads {torch.get_num_threads()}")
         print("| P | model | " + " | ".join(args.modes) + " | hpcdl/DDP | overlap/no-overlap |")

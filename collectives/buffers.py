@@ -23,7 +23,14 @@ _DLPACK_CUDA_HOST = 3
 
 
 class DeviceRuntime(Protocol):
-    """What the collectives need from a GPU array library. `CupyRuntime` is the real one."""
+    """What the collectives need from a GPU array library. `CupyRuntime` is the real one.
+
+    Arithmetic runs on the library's current stream. The staged path (`staging.py`) also copies
+    on streams of its own (`stream`), asynchronously, and orders its work with events: `record`
+    marks what a stream has been given so far, `done` asks whether that has finished, `wait`
+    blocks the host until it has, and `order` makes a stream (None: the current one) wait for it
+    on the device, without blocking the host. A copy without a stream is synchronous.
+    """
 
     xp: Any  # array module that runs elementwise arithmetic on the device
 
@@ -33,8 +40,13 @@ class DeviceRuntime(Protocol):
     def synchronize(self) -> None: ...
     def mpi_buffer(self, arr: Any) -> Any: ...
     def pinned_empty(self, count: int, dtype: np.dtype) -> np.ndarray: ...
-    def copy_to_host(self, src: Any, dst: np.ndarray) -> None: ...
-    def copy_to_device(self, src: np.ndarray, dst: Any) -> None: ...
+    def copy_to_host(self, src: Any, dst: np.ndarray, stream: Any = None) -> None: ...
+    def copy_to_device(self, src: np.ndarray, dst: Any, stream: Any = None) -> None: ...
+    def stream(self) -> Any: ...
+    def record(self, stream: Any) -> Any: ...
+    def done(self, event: Any) -> bool: ...
+    def wait(self, event: Any) -> None: ...
+    def order(self, stream: Any, event: Any) -> None: ...
 
 
 class CupyRuntime:
@@ -72,11 +84,39 @@ class CupyRuntime:
         pinned: np.ndarray = self._cupyx.empty_pinned((count,), dtype=dtype)
         return pinned
 
-    def copy_to_host(self, src: Any, dst: np.ndarray) -> None:
-        src.get(out=dst)
+    def copy_to_host(self, src: Any, dst: np.ndarray, stream: Any = None) -> None:
+        if stream is None:
+            src.get(out=dst)
+        elif src.nbytes:  # raw bytes: every dtype alike, bfloat16 included
+            runtime = self.xp.cuda.runtime
+            runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, src.nbytes,
+                                runtime.memcpyDeviceToHost, stream.ptr)
 
-    def copy_to_device(self, src: np.ndarray, dst: Any) -> None:
-        dst.set(src)
+    def copy_to_device(self, src: np.ndarray, dst: Any, stream: Any = None) -> None:
+        if stream is None:
+            dst.set(src)
+        elif src.nbytes:
+            runtime = self.xp.cuda.runtime
+            runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
+                                runtime.memcpyHostToDevice, stream.ptr)
+
+    def stream(self) -> Any:
+        # non_blocking: staging copies must not wait for (or hold up) the legacy default stream
+        return self.xp.cuda.Stream(non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        event = self.xp.cuda.Event(disable_timing=True)
+        event.record(stream if stream is not None else self.xp.cuda.get_current_stream())
+        return event
+
+    def done(self, event: Any) -> bool:
+        return bool(event.done)
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def order(self, stream: Any, event: Any) -> None:
+        (stream if stream is not None else self.xp.cuda.get_current_stream()).wait_event(event)
 
 
 _runtime: DeviceRuntime | None = None

@@ -11,6 +11,9 @@ operations of the slowest rank's time (a collective ends when its slowest rank d
 so a burst of load on a shared machine moves the fit little). `fit` takes the slope from the
 largest sizes and the intercept from the latency-bound ones.
 
+Staging: given a device runtime, `calibrate` also times copies between device and pinned host
+memory the way the staged path makes them (`measure_staging`), for copy_alpha and copy_beta.
+
 Two levels: where the ranks span several hosts and some host holds several ranks, messages are
 measured within the hosts (every host at once, the slowest host's time per size) for alpha, beta
 and beta_pairwise, and between one rank per host (the others waiting) for alpha_inter,
@@ -27,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .api import allreduce
+from .buffers import DeviceRuntime
 from .cost_model import ModelParams, cost
 from .ops import DTYPES, OPS
 from .partition import PIECEWISE_BYTES, pieces_of
@@ -38,6 +42,8 @@ from .transport import Link, ScratchPool
 DEFAULT_P2P_SIZES = (8, 1 << 10, 8 << 10, 64 << 10, 512 << 10, 1 << 20, 4 << 20)
 #: Buffer sizes for gamma: from cache-resident to streaming through memory.
 DEFAULT_REDUCTION_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+#: Copy sizes for copy_alpha and copy_beta: from one wire piece to many staging pieces.
+DEFAULT_STAGING_SIZES = (64 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20)
 #: At most this many bytes per rank per repeat, so large sizes take fewer iterations.
 _BYTES_PER_REPEAT = 32 << 20
 #: Point-to-point operations timed back to back after each barrier (fewer above _CHAIN_BYTES).
@@ -61,6 +67,7 @@ class Calibration:
     # two levels: point_to_point and pairwise are then within hosts, these between them
     inter_point_to_point: list[tuple[int, float]] = field(default_factory=list)
     inter_pairwise: list[tuple[int, float]] = field(default_factory=list)
+    staging: list[tuple[int, float]] = field(default_factory=list)  # gave copy_alpha, copy_beta
 
 
 def _iterations_for(nbytes: int, iterations: int) -> int:
@@ -186,14 +193,43 @@ def measure_reduction(sizes: Iterable[int], dtype: str = "float32", op: str = "s
                 reduce_op.combine(np, piece, src[:piece.shape[0]])
 
         fold()  # warm-up: page faults of dst
-        count = _iterations_for(nbytes, iterations)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(count):
-                fold()
-            samples.append((time.perf_counter() - start) / count)
-        points.append((n * dt.itemsize, float(np.median(samples))))
+        points.append((n * dt.itemsize, _local_seconds(fold, nbytes, iterations, repeats)))
+    return points
+
+
+def _local_seconds(fn: Callable[[], Any], nbytes: int, iterations: int, repeats: int) -> float:
+    """Seconds per call of `fn` (local work on `nbytes`): the median over `repeats` runs of
+    back-to-back calls, fewer for larger sizes (`_iterations_for`)."""
+    count = _iterations_for(nbytes, iterations)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        samples.append((time.perf_counter() - start) / count)
+    return float(np.median(samples))
+
+
+def measure_staging(runtime: DeviceRuntime, sizes: Iterable[int] = DEFAULT_STAGING_SIZES, *,
+                    iterations: int = 10, repeats: int = 5) -> list[tuple[int, float]]:
+    """Local: (nbytes, seconds of one copy of nbytes between device and pinned host memory).
+
+    As the staged path copies (`staging.py`): on a stream of its own, asynchronously, awaited
+    through an event; each timed operation copies out and back in, and one copy is half of it.
+    """
+    stream = runtime.stream()
+    points = []
+    for nbytes in sorted(set(sizes)):
+        device = runtime.xp.ones(nbytes, dtype=np.uint8)
+        host = runtime.pinned_empty(nbytes, np.dtype(np.uint8))
+
+        def round_trip() -> None:
+            runtime.copy_to_host(device, host, stream)
+            runtime.copy_to_device(host, device, stream)
+            runtime.wait(runtime.record(stream))
+
+        round_trip()  # warm-up: first touch of the pinned pages
+        points.append((nbytes, _local_seconds(round_trip, nbytes, iterations, repeats) / 2))
     return points
 
 
@@ -315,7 +351,9 @@ def _between_hosts(comm: MPI.Comm, leaders: MPI.Comm,
 
 def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
               reduction_sizes: Iterable[int] = DEFAULT_REDUCTION_SIZES, iterations: int = 50,
-              pattern: str = "exchange", dtype: str = "float32", op: str = "sum") -> Calibration:
+              pattern: str = "exchange", dtype: str = "float32", op: str = "sum",
+              runtime: DeviceRuntime | None = None,
+              staging_sizes: Iterable[int] = DEFAULT_STAGING_SIZES) -> Calibration:
     """Collective: measure point-to-point, reduction and call overhead; fit a `ModelParams`.
 
     `iterations`: timed operations per point-to-point size (fewer for large sizes), 4x that many
@@ -325,8 +363,11 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
     a ring is a pairwise exchange, so beta and beta_pairwise measure the same); beta_pairwise:
     slope of the "pairwise" times of whole messages (`pairwise_slope`); gamma: slope of the
     reduction times (all ranks fold at once, slowest rank per size, so every rank fits the same
-    model); overhead: see `measure_call_overhead`. Where the ranks span several hosts and some
-    host holds several ranks (`host_layout`), two levels: the point-to-point patterns run within
+    model); overhead: see `measure_call_overhead`; copy_alpha, copy_beta, with a device
+    `runtime` only: intercept and slope of `measure_staging` (all ranks copy at once, as ranks
+    sharing a host's PCIe links do in a collective; slowest rank per size). Where the ranks span
+    several hosts and some host holds several ranks (`host_layout`), two levels: the
+    point-to-point patterns run within
     every host at once (the slowest host's time per size) for alpha, beta, beta_pairwise, and
     among one rank per host for alpha_inter, beta_inter, beta_pairwise_inter.
     """
@@ -363,7 +404,17 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
     comm.Allreduce(np.array([t for _, t in mine]), slowest, MPI.MAX)
     reduction = [(n, float(t)) for (n, _), t in zip(mine, slowest)]
     gamma = fit(reduction)[1]
-    params = ModelParams(alpha, beta, gamma, beta_pairwise=beta_pairwise, **two_level)
+    staging: list[tuple[int, float]] = []
+    copy_alpha = copy_beta = 0.0
+    if runtime is not None:
+        comm.Barrier()
+        mine = measure_staging(runtime, staging_sizes)
+        slowest = np.empty(len(mine))
+        comm.Allreduce(np.array([t for _, t in mine]), slowest, MPI.MAX)
+        staging = [(n, float(t)) for (n, _), t in zip(mine, slowest)]
+        copy_alpha, copy_beta = fit(staging)
+    params = ModelParams(alpha, beta, gamma, beta_pairwise=beta_pairwise, copy_alpha=copy_alpha,
+                         copy_beta=copy_beta, **two_level)
     overhead, call = measure_call_overhead(comm, params, 4 * iterations)  # small: cheap, noisy
     return Calibration(replace(params, overhead=overhead), pattern, p2p, pairwise, reduction, call,
-                       inter_p2p, inter_pairwise)
+                       inter_p2p, inter_pairwise, staging)

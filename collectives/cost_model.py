@@ -37,6 +37,14 @@ The counts follow the implementations in `algorithms/`, not the textbook, where 
   (`out=x`), and allgather's input to be its block of the output (nccl-tests' in place), as
   training and the benchmarks call them: placing it is then no copy.
 
+Staging (`ModelParams.copy_alpha`, `copy_beta`): device buffers where MPI is not CUDA-aware go
+through pinned host memory (`staging.py`). `predict(..., staged=True)` adds what that costs on the
+critical path: copy_alpha + bytes * copy_beta per copy the call cannot hide (a message sent whole
+is copied out and in; a pipelined one only its first and last staging pieces), and, for the bytes
+of pipelined messages, the copies' excess over the wire, max(copy_beta - beta, 0) per byte.
+`staging_seconds` prices one staged message in pieces of a given size, `staging_piece` picks the
+size (the staged path takes it from a tuning file's model that has copy parameters).
+
 Two levels (`ModelParams.ranks_per_host`): messages between hosts cost alpha_inter and
 beta_inter (`Cost.inter_*`). The composed `hierarchical` allreduce is priced part by part, each
 part the algorithm `best_part` picks for its level, as the algorithm itself picks it at run time
@@ -62,6 +70,7 @@ from typing import Any, Callable, Iterable, Mapping
 from .algorithm import Algorithm, Pick
 from .cost import Cost, check
 from .packet import PAYLOAD_BYTES
+from .partition import SEGMENT_BYTES
 from .registry import ALGORITHMS, COLLECTIVES, modelled, single_communicator
 
 #: The MPI library's own algorithm: not modelled (its choice is the library's, not ours).
@@ -87,6 +96,10 @@ class ModelParams:
     within a host and `alpha_inter`, `beta_inter`, `beta_pairwise_inter` (None: `beta_inter`) the
     prices of a message between hosts. Without it (None, the default) there is one level: every
     message costs alpha and beta, as if all ranks shared one host, or all had one each.
+
+    Staging: `copy_alpha` (per copy between device and pinned host memory, launching and waiting
+    for it included) and `copy_beta` (per byte copied, one way), priced only for staged device
+    calls (`predict(..., staged=True)`); 0 where nothing was measured.
     """
 
     alpha: float  # per message
@@ -98,12 +111,15 @@ class ModelParams:
     alpha_inter: float | None = None  # per message between hosts
     beta_inter: float | None = None  # per byte between hosts
     beta_pairwise_inter: float | None = None  # per byte of a plain two-way exchange between hosts
+    copy_alpha: float = 0.0  # per copy between device and host memory (staged device calls)
+    copy_beta: float = 0.0  # per byte copied between device and host memory
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma", "overhead", "beta_pairwise", "alpha_inter",
-                     "beta_inter", "beta_pairwise_inter"):
+        required = ("alpha", "beta", "gamma", "overhead", "copy_alpha", "copy_beta")
+        for name in (*required, "beta_pairwise", "alpha_inter", "beta_inter",
+                     "beta_pairwise_inter"):
             value = getattr(self, name)
-            if value is None and name not in ("alpha", "beta", "gamma", "overhead"):
+            if value is None and name not in required:
                 continue
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not math.isfinite(value) or value < 0):
@@ -160,9 +176,11 @@ class ModelParams:
         if name not in LEVELS:
             raise ValueError(f"unknown level {name!r}; choose one of {', '.join(LEVELS)}")
         if name == "node":
-            return ModelParams(self.alpha, self.beta, self.gamma, self.overhead, self.beta_pairwise)
+            return ModelParams(self.alpha, self.beta, self.gamma, self.overhead, self.beta_pairwise,
+                               copy_alpha=self.copy_alpha, copy_beta=self.copy_beta)
         return ModelParams(self.alpha_across, self.beta_across, self.gamma, self.overhead,
-                           self.pairwise_across if self.two_level else self.beta_pairwise)
+                           self.pairwise_across if self.two_level else self.beta_pairwise,
+                           copy_alpha=self.copy_alpha, copy_beta=self.copy_beta)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "ModelParams":
@@ -175,11 +193,14 @@ class ModelParams:
                    overhead=data.get("overhead", 0.0), beta_pairwise=data.get("beta_pairwise"),
                    ranks_per_host=data.get("ranks_per_host"), alpha_inter=data.get("alpha_inter"),
                    beta_inter=data.get("beta_inter"),
-                   beta_pairwise_inter=data.get("beta_pairwise_inter"))
+                   beta_pairwise_inter=data.get("beta_pairwise_inter"),
+                   copy_alpha=data.get("copy_alpha", 0.0), copy_beta=data.get("copy_beta", 0.0))
 
     def as_dict(self) -> dict[str, float]:
         values = {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
                   "overhead": self.overhead}
+        if self.copy_alpha or self.copy_beta:
+            values.update(copy_alpha=self.copy_alpha, copy_beta=self.copy_beta)
         for name in ("beta_pairwise", "ranks_per_host", "alpha_inter", "beta_inter",
                      "beta_pairwise_inter"):
             value = getattr(self, name)
@@ -272,25 +293,60 @@ def picker(params: ModelParams, itemsize: int = 4) -> Pick:
 
 
 def predict(collective: str, algorithm: str, nbytes: int, size: int, params: ModelParams, *,
-            itemsize: int = 4) -> float:
-    """Predicted seconds of one call of `algorithm` (see `cost` for the arguments).
+            itemsize: int = 4, staged: bool = False) -> float:
+    """Predicted seconds of one call of `algorithm` (see `cost` for the arguments); `staged`: on
+    device buffers staged through host memory (MPI not CUDA-aware), priced with `copy_alpha` and
+    `copy_beta`.
 
     Raises ValueError for `mpi`: the model does not describe the MPI library's own collective.
     """
     counts = cost(collective, algorithm, nbytes, size, itemsize=itemsize, params=params)
-    return params.overhead + counts.seconds(params)
+    return params.overhead + counts.seconds(params, staged)
+
+
+def staging_seconds(nbytes: int, piece: int, params: ModelParams, *,
+                    wire_piece: int = SEGMENT_BYTES) -> float:
+    """Predicted seconds of one staged message of `nbytes` sent in wire pieces of `wire_piece`
+    bytes and copied in staging pieces of `piece` bytes (0: whole, before anything is sent).
+
+    Three stages per staging piece of s bytes (copy out, wire, copy in), pipelined (`staging.py`):
+    copy c = copy_alpha + s copy_beta, wire w = (s / wire_piece) alpha + s beta; the first piece
+    pays all three, each further one the slowest stage: 2c + w + (pieces - 1) max(c, w).
+    """
+    if nbytes <= 0:
+        return 2 * params.copy_alpha + params.alpha
+    size = nbytes if piece <= 0 else min(nbytes, max(piece // wire_piece, 1) * wire_piece)
+    pieces = -(-nbytes // size)
+    copy = params.copy_alpha + size * params.copy_beta
+    wire = -(-size // wire_piece) * params.alpha + size * params.beta
+    return 2 * copy + wire + (pieces - 1) * max(copy, wire)
+
+
+#: The staging pieces `staging_piece` considers: whole wire pieces, 512 KiB to 64 MiB.
+STAGING_PIECES = tuple(SEGMENT_BYTES << k for k in range(8))
+
+
+def staging_piece(nbytes: int, params: ModelParams, *, wire_piece: int = SEGMENT_BYTES) -> int:
+    """The staging piece (`STAGING_PIECES`) `staging_seconds` predicts fastest for a message of
+    `nbytes` (one at least as large as the message: copy it whole); ties: the smaller piece."""
+    times = {piece: staging_seconds(nbytes, piece, params, wire_piece=wire_piece)
+             for piece in STAGING_PIECES}
+    fastest = min(times.values())
+    return next(p for p in sorted(times) if times[p] <= fastest * (1 + _TIE))
 
 
 def best(collective: str, nbytes: int, size: int, params: ModelParams,
-         algorithms: Iterable[str] | None = None, *, itemsize: int = 4) -> str:
+         algorithms: Iterable[str] | None = None, *, itemsize: int = 4, staged: bool = False) -> str:
     """The modelled algorithm predicted fastest (ties: the earlier one in the registry order).
 
-    `nbytes` as in `predict`; `algorithms` restricts the candidates (default: every modelled one).
+    `nbytes` as in `predict`; `algorithms` restricts the candidates (default: every modelled one);
+    `staged`: priced as a staged device call (`predict`).
     """
     candidates = list(algorithms) if algorithms is not None else modelled_algorithms(collective)
     if not candidates:
         raise ValueError(f"best({collective!r}): no candidate algorithms given")
-    times = {a: predict(collective, a, nbytes, size, params, itemsize=itemsize) for a in candidates}
+    times = {a: predict(collective, a, nbytes, size, params, itemsize=itemsize, staged=staged)
+             for a in candidates}
     fastest = min(times.values())
     # Exact ties (e.g. ring and halving-doubling reduce-scatter at a power of two) must not be
     # decided by rounding: the earlier algorithm wins.

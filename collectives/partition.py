@@ -40,6 +40,14 @@ def pieces_of(count: int, itemsize: int) -> tuple[int, int]:
     return segment, max(-(-count // segment), 1)
 
 
+def cut_bounds(count: int, itemsize: int) -> list[int]:
+    """Where `cut` cuts a message of `count` elements: piece i is [bounds[i], bounds[i+1])."""
+    if count * itemsize <= PIECEWISE_BYTES:
+        return [0, count]
+    step = max(SEGMENT_BYTES // itemsize, 1)
+    return [*range(0, count, step), count]
+
+
 def cut(view: Any) -> list[Any]:
     """`view` (flat) as pieces of at most SEGMENT_BYTES, or whole if at most PIECEWISE_BYTES.
 
@@ -47,5 +55,23 @@ def cut(view: Any) -> list[Any]:
     """
     if view.nbytes <= PIECEWISE_BYTES:
         return [view]
-    step = max(SEGMENT_BYTES // view.dtype.itemsize, 1)
-    return [view[i:i + step] for i in range(0, max(view.shape[0], 1), step)]
+    bounds = cut_bounds(view.shape[0], view.dtype.itemsize)
+    return [view[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+#: A staged device message (MPI not CUDA-aware) is copied between the device and pinned host
+#: memory in staging pieces of at most this many bytes, each made of whole pieces of the message
+#: on the wire, so that the copies of one staging piece overlap the transfer of the next
+#: (`staging.py`). Only the copies are cut this way: the messages on the wire are those of any
+#: other rank, so the size is each rank's own choice (`select.staging_piece`). 2 MiB: four
+#: 512 KiB wire pieces per copy, a copy long enough (tens of microseconds over PCIe) to outweigh
+#: the few microseconds of launching it and polling its event.
+STAGING_PIECE_BYTES = 2 << 20
+
+
+def default_staging_piece(nbytes: int) -> int:
+    """The staging piece of a message of `nbytes` without a setting or a model: a quarter of it,
+    so that at least four pieces overlap, but at least one wire piece and at most
+    STAGING_PIECE_BYTES (a 4 MiB message copied as one 2 MiB piece per ring block at P = 2 would
+    overlap nothing)."""
+    return min(STAGING_PIECE_BYTES, max(SEGMENT_BYTES, nbytes // 4))

@@ -16,6 +16,10 @@ call's path.
 `choose_level` picks the parts of a hierarchical call (within a host, across hosts): the model's
 fastest single-communicator algorithm for the level where the tuning file has a model, else the
 table's row.
+
+`staging_piece` picks the staged path's copy granularity the same way: `HPCDL_STAGING_PIECE_BYTES`,
+else the tuning file's model where it has copy parameters, else `partition.default_staging_piece`.
+It is each rank's own choice (the messages on the wire do not depend on it).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from typing import Any
 
 from .algorithm import Algorithm
 from .cost_model import LEVELS, ModelParams, best, best_part, model_bytes
+from .cost_model import staging_piece as model_staging_piece
+from .partition import default_staging_piece
 from .registry import ALGORITHMS, COLLECTIVES, single_communicator
 
 BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")
@@ -202,3 +208,32 @@ def _level_lookup(path: str, collective: str, nbytes: int, size: int, level: str
         raise ValueError(f"{BUILTIN_TABLE} names {chosen!r} for {collective} at {size} ranks, "
                          "which is not a single-communicator algorithm")
     return chosen
+
+
+def staging_piece(nbytes: int) -> int:
+    """The staging piece, in bytes, of a staged device message of `nbytes` (`staging.py`; 0: copy
+    the whole message before sending any of it, the unpipelined path).
+
+    `HPCDL_STAGING_PIECE_BYTES` (an integer, bytes) if set; else the piece the tuning file's model
+    predicts fastest (`cost_model.staging_piece`) where it has copy parameters (`hpcdl tune` on
+    device buffers measures them); else `partition.default_staging_piece`. Cached per setting.
+    """
+    return _staging_piece(setting("HPCDL_STAGING_PIECE_BYTES"), setting("HPCDL_TUNING_FILE"),
+                          nbytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _staging_piece(forced: str | None, path: str | None, nbytes: int) -> int:
+    if forced is not None and forced.strip():
+        try:
+            piece = int(forced)
+        except ValueError:
+            piece = -1
+        if piece < 0:
+            raise ValueError(f"HPCDL_STAGING_PIECE_BYTES={forced!r} is not a number of bytes >= 0 "
+                             "(0: copy whole messages before sending them)")
+        return piece
+    params = model_params(path) if path else None
+    if params is not None and params.copy_beta > 0:
+        return model_staging_piece(nbytes, params)
+    return default_staging_piece(nbytes)

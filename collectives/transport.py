@@ -7,8 +7,9 @@ decided here, once:
 - host arrays: handed to MPI as they are;
 - device arrays with CUDA-aware MPI: handed to MPI as device buffers, after the device work that
   wrote them has finished (`runtime.synchronize`);
-- device arrays without CUDA-aware MPI: staged through pinned host buffers, one per message slot,
-  so MPI only ever sees host memory while arithmetic stays on the device.
+- device arrays without CUDA-aware MPI: staged through pinned host buffers, so MPI only ever sees
+  host memory while arithmetic stays on the device; large messages pipelined, their copies
+  overlapping their transfer on copy streams of their own (`staging.py`).
 
 Messages are typed as bytes, so every dtype (float16 and bfloat16 included) moves the same way.
 """
@@ -24,12 +25,18 @@ from typing import Any, Callable, cast
 import numpy as np
 from mpi4py import MPI
 
+from . import inflight
 from .buffers import DeviceRuntime
 from .failures import settle
 from .ops import ReduceOp
-from .partition import PIECEWISE_BYTES, cut
+from .partition import PIECEWISE_BYTES, cut, cut_bounds
+from .select import staging_piece
+from .staging import Fold, Stager
 
 
+#: Staging slots of one Link (pinned host copies of whole device messages, outside the pipelined
+#: path) beyond those outstanding messages occupy: consecutive blocking moves rotate through them.
+STAGING_SLOTS = 8
 #: How a patient link waits: this many back-to-back MPI tests, then a sleep between tests.
 #: Blocking in MPI busy-polls a core. On the communication thread that core is the one backward
 #: is computing on, and the peer it waits for is usually still in its own backward, so spinning
@@ -46,10 +53,14 @@ POLL_SLEEP_S = 50e-6
 
 def complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool]) -> None:
     tests = 0
-    while not MPI.Request.Testall(requests):
-        tests += 1
-        if tests > SPIN_TESTS and patient():
-            time.sleep(POLL_SLEEP_S)
+    try:
+        while not MPI.Request.Testall(requests):
+            tests += 1
+            if tests > SPIN_TESTS and patient():
+                time.sleep(POLL_SLEEP_S)
+    except BaseException:  # an MPI error, an interrupt: the buffers must outlive what is in flight
+        inflight.keep(requests, "a collective's messages")
+        raise
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,12 +150,13 @@ class _StagedRecv:
 
 
 class Pending:
-    """An outstanding message of a `Link`, completed by `Link.wait`."""
+    """An outstanding message of a `Link`, completed by `Link.wait`; `slot`: the staging slot its
+    pinned host copy occupies until then (None where it has none)."""
 
-    __slots__ = ("request", "landing")
+    __slots__ = ("request", "landing", "slot")
 
-    def __init__(self, request: MPI.Request, landing: _StagedRecv | None) -> None:
-        self.request, self.landing = request, landing
+    def __init__(self, request: MPI.Request, landing: _StagedRecv | None, slot: int | None = None) -> None:
+        self.request, self.landing, self.slot = request, landing, slot
 
 
 def host_communicator(comm: MPI.Comm) -> MPI.Comm:
@@ -226,6 +238,7 @@ class Link:
         self.runtime = runtime
         self._scratch = scratch
         self._staging_slot = 0
+        self._stager: Stager | None = None
         self._splits: dict[str, Link | None] = {}
         #: messages posted and not yet completed by `wait` (a pipelined step posts its next piece
         #: before waiting for this one): what `abandon` settles after an error
@@ -280,6 +293,16 @@ class Link:
                                                dtype)
         return pinned
 
+    @property
+    def stager(self) -> Stager:
+        """The staged pipeline of this Link's large device messages (staged Links only)."""
+        if self._stager is None:
+            assert self.runtime is not None and self._staged
+            self._stager = Stager(self.runtime,
+                                  lambda slot, nbytes: self._pinned(nbytes, np.dtype(np.uint8), slot),
+                                  lambda count, dtype, slot: self.scratch(count, dtype, slot))
+        return self._stager
+
     # -- arithmetic ---------------------------------------------------------------------------
 
     def combine(self, dst: Any, src: Any, *, completes: bool = False) -> None:
@@ -328,10 +351,22 @@ class Link:
         return [arr, MPI.BYTE], landing
 
     def _next_slot(self) -> tuple[str, int]:
-        # Staging buffers in flight at the same time must be distinct; a collective never has
-        # more than a few messages outstanding, so a small ring of slots is enough.
-        self._staging_slot = (self._staging_slot + 1) % 8
-        return ("staging", self._staging_slot)
+        # Staging buffers in flight at the same time must be distinct: the next slot in rotation
+        # (so a blocking call's send and receive differ) that no posted message still occupies (a
+        # root posts a receive per rank). The ring holds STAGING_SLOTS more than are occupied.
+        busy = {p.slot for p in self._posted if p.slot is not None}
+        size = STAGING_SLOTS + len(busy)
+        slot = self._staging_slot
+        for _ in range(size):
+            slot = (slot + 1) % size
+            if slot not in busy:
+                break
+        self._staging_slot = slot
+        return ("staging", slot)
+
+    def _slot_of_last(self) -> int | None:
+        """The staging slot the last `mpi_array` took, where it took one."""
+        return self._staging_slot if self.on_device and self._staged else None
 
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int) -> None:
         """Send `send` to `dest` while receiving `recv` from `source` (blocking).
@@ -339,22 +374,13 @@ class Link:
         A large message goes as pieces of SEGMENT_BYTES, all posted at once: over TCP one large
         exchange in both directions moved at about half the link rate, the same bytes in pieces at
         the full rate (see docs/algorithms.md). Both sides cut a message the same way, from its
-        length alone. A staged device message is copied to host memory whole and its host copy
-        cut, so staged exchanges are pipelined too (as the cost model prices them).
+        length alone. A staged device message goes as the same pieces, its copies to and from
+        host memory overlapping their transfer (`staging.Stager`).
         """
         if max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:
-            if self._staged:  # one staging buffer per message: pieces of it, not a slot each
-                host_send = self.mpi_array(send, recv=False)[0]
-                host_recv, landing = self.mpi_array(recv, send=False)
-                posted = [*(self._post(Pending(self.comm.Irecv([piece, MPI.BYTE], source,
-                                                               self.tag), None))
-                            for piece in cut(host_recv)),
-                          *(self._post(Pending(self.comm.Isend([piece, MPI.BYTE], dest,
-                                                               self.tag), None))
-                            for piece in cut(host_send))]
-                self.wait(*posted)
-                assert landing is not None
-                landing.land()
+            if self._staged:
+                self._staged_exchange(send, dest, cut_bounds(send.shape[0], send.dtype.itemsize),
+                                      recv, source, cut_bounds(recv.shape[0], recv.dtype.itemsize))
                 return
             self.wait(*(self.irecv(piece, source) for piece in cut(recv)),
                       *(self.isend(piece, dest) for piece in cut(send)))
@@ -384,6 +410,18 @@ class Link:
             self.sendrecv(send, dest, tmp, source)
             self.combine(recv, tmp, completes=completes)
             return
+        if self._staged:
+            def fold(dst: Any, src: Any) -> None:  # on the device; the Stager synchronizes
+                self.op.combine(self.xp, dst, src)
+                if completes and self.finishes_blocks:
+                    self.op.finalize(self.xp, dst, self.size)
+
+            def bounds(n: int) -> list[int]:
+                return [min(k * segment, n) for k in range(pieces + 1)]
+
+            self._staged_exchange(send, dest, bounds(send.shape[0]), recv, source,
+                                  bounds(recv.shape[0]), fold)
+            return
 
         def post(k: int) -> tuple[Pending, Pending, Any]:
             lo = k * segment
@@ -397,6 +435,13 @@ class Link:
                 ahead = post(k + 1)
             self.wait(incoming, outgoing)
             self.combine(recv[k * segment:(k + 1) * segment], tmp, completes=completes)
+
+    def _staged_exchange(self, send: Any, dest: int, send_bounds: list[int], recv: Any,
+                         source: int, recv_bounds: list[int], fold: Fold | None = None) -> None:
+        self.stager.exchange(self.comm, self.tag, (send, dest, send_bounds),
+                             (recv, source, recv_bounds),
+                             piece_bytes=staging_piece(max(send.nbytes, recv.nbytes)),
+                             fold=fold, patient=self.patient)
 
     def send(self, view: Any, dest: int) -> None:
         if self.patient:
@@ -414,12 +459,13 @@ class Link:
             landing.land()
 
     def isend(self, view: Any, dest: int) -> Pending:
-        return self._post(Pending(self.comm.Isend(self._outgoing(view), dest, self.tag), None))
+        outgoing = self._outgoing(view)
+        return self._post(Pending(self.comm.Isend(outgoing, dest, self.tag), None, self._slot_of_last()))
 
     def irecv(self, view: Any, source: int) -> Pending:
         """Post a receive; its data is in `view` once `wait` has returned for it."""
         incoming, landing = self._incoming(view)
-        return self._post(Pending(self.comm.Irecv(incoming, source, self.tag), landing))
+        return self._post(Pending(self.comm.Irecv(incoming, source, self.tag), landing, self._slot_of_last()))
 
     def _post(self, pending: Pending) -> Pending:
         self._posted.append(pending)
@@ -437,8 +483,11 @@ class Link:
                 complete_patiently(requests, self.patient)
             else:
                 MPI.Request.Waitall(requests)
-        except MPI.Exception:
-            self.abandon()
+        except BaseException as exc:
+            if isinstance(exc, MPI.Exception):
+                self.abandon()  # under ULFM: revoked and settled, nothing left in flight
+            # an interrupt, or an error without ULFM: the buffers must outlive what is in flight
+            inflight.keep([p.request for p in self._posted] + requests, "a collective's messages")
             raise
         posted = self._posted
         if len(posted) == len(pending):  # the usual case: everything posted was waited for
@@ -453,7 +502,8 @@ class Link:
     def abandon(self) -> None:
         """After an MPI error: settle (`failures.settle`) every message this Link and its sub-Links
         still have outstanding, so that none writes into a buffer once the collective has raised."""
-        settle(self.comm, [p.request for p in self._posted])
+        staged = self._stager.outstanding() if self._stager is not None else []
+        settle(self.comm, [p.request for p in self._posted] + staged)
         self._posted.clear()
         for link in self._splits.values():
             if link is not None:

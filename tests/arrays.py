@@ -9,15 +9,21 @@ body checks every backend.
   `__cuda_array_interface__` over host memory, served by `FakeDeviceRuntime` (installed with
   `collectives.set_device_runtime`), with MPI treated as CUDA-aware (`HPCDL_CUDA_AWARE=1`: MPI is
   handed interface objects) or not (`HPCDL_CUDA_AWARE=0`: bytes are staged through host copies).
-  The runtime counts its calls, so tests can check that the device path really ran.
+  The runtime counts its calls, so tests can check that the device path really ran. Its streams
+  and events follow CUDA's rules on a simulated clock (`FakeDeviceRuntime`), and a copy may be
+  given a cost in wall time, so the staged pipeline's overlap is measurable without a GPU.
 - `cupy`: real CuPy arrays on a real GPU; unavailable (tests skip) without CuPy or a GPU.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import heapq
+import itertools
 import math
 import os
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -92,17 +98,68 @@ def view_of_interface(iface: dict[str, Any]) -> np.ndarray:
     return np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides)
 
 
+class FakeStream:
+    """A copy stream of the fake device: when the work given to it so far will have finished."""
+
+    __slots__ = ("ready_at",)
+
+    def __init__(self) -> None:
+        self.ready_at = 0.0  # time.perf_counter() seconds
+
+
+@dataclass(frozen=True)
+class FakeEvent:
+    """What a stream had been given when the event was recorded finishes at `at`."""
+
+    at: float
+
+
 @dataclass
 class FakeDeviceRuntime:
     """A `collectives.buffers.DeviceRuntime` whose "device" is host memory and whose xp is NumPy.
 
     `calls` counts every method call by name, so tests can assert which device path ran.
     Setting `fail_copies` makes both staging copies raise (to provoke a communication failure).
+
+    Arithmetic and copies without a stream run at once on the calling thread (the "current
+    stream", which the host therefore never waits for). A copy on a stream (`stream()`) runs as
+    CUDA would run it: after that stream's earlier work and any event the stream was ordered
+    after, for `copy_latency + nbytes / copy_bandwidth` seconds of wall time (0 when
+    `copy_bandwidth` is None), while the host goes on. Its bytes move only once its finishing
+    time has passed and someone asks the runtime (`done`, `wait`), so code that reads a copy's
+    destination without waiting for its event reads stale memory, and the tests catch it. No
+    thread is involved: a stream is a finishing time, an event a time on the same clock.
+    A copy without a stream costs the same wall time, slept on the calling thread.
     """
 
     xp: Any = np
     calls: Counter = field(default_factory=Counter)
     fail_copies: bool = False
+    copy_bandwidth: float | None = None  # bytes per second of a simulated copy; None: no cost
+    copy_latency: float = 0.0  # seconds each simulated copy takes on top (launch, DMA setup)
+    _queued: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list, repr=False)
+    _order: Any = field(default_factory=itertools.count, repr=False)
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
+
+    def _cost(self, nbytes: int) -> float:
+        if self.copy_bandwidth is None:
+            return 0.0
+        return self.copy_latency + nbytes / self.copy_bandwidth
+
+    def _enqueue(self, stream: FakeStream, nbytes: int, move: Callable[[], None]) -> None:
+        with self._lock:
+            start = max(time.perf_counter(), stream.ready_at)
+            stream.ready_at = start + self._cost(nbytes)
+            heapq.heappush(self._queued, (stream.ready_at, next(self._order), move))
+
+    def _advance(self) -> float:
+        """Move the bytes of every copy that has finished by now, in the order they finished;
+        returns that now."""
+        with self._lock:
+            now = time.perf_counter()
+            while self._queued and self._queued[0][0] <= now:
+                heapq.heappop(self._queued)[2]()
+        return now
 
     def from_cuda_array_interface(self, obj: Any) -> np.ndarray:
         self.calls["from_cuda_array_interface"] += 1
@@ -127,17 +184,49 @@ class FakeDeviceRuntime:
         self.calls["pinned_empty"] += 1
         return np.empty(count, dtype=dtype)
 
-    def copy_to_host(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def copy_to_host(self, src: np.ndarray, dst: np.ndarray, stream: Any = None) -> None:
         self.calls["copy_to_host"] += 1
         if self.fail_copies:
             raise RuntimeError("fake device: copy_to_host failed")
-        np.copyto(dst, src)
+        self._copy(src, dst, stream)
 
-    def copy_to_device(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def copy_to_device(self, src: np.ndarray, dst: np.ndarray, stream: Any = None) -> None:
         self.calls["copy_to_device"] += 1
         if self.fail_copies:
             raise RuntimeError("fake device: copy_to_device failed")
-        np.copyto(dst, src)
+        self._copy(src, dst, stream)
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, stream: FakeStream | None) -> None:
+        if src.shape != dst.shape or src.dtype != dst.dtype:  # cudaMemcpy moves bytes, no casts
+            raise ValueError(f"fake device: copy of {src.dtype}{src.shape} into {dst.dtype}{dst.shape}")
+        if stream is None:
+            time.sleep(self._cost(src.nbytes))
+            np.copyto(dst, src)
+        else:
+            self.calls["async_copies"] += 1
+            self._enqueue(stream, src.nbytes, lambda: np.copyto(dst, src))
+
+    def stream(self) -> FakeStream:
+        self.calls["stream"] += 1
+        return FakeStream()
+
+    def record(self, stream: FakeStream | None) -> FakeEvent:
+        # The current stream's work (arithmetic) has run already: its events are in the past.
+        return FakeEvent(time.perf_counter() if stream is None else stream.ready_at)
+
+    def done(self, event: FakeEvent) -> bool:
+        return self._advance() >= event.at
+
+    def wait(self, event: FakeEvent) -> None:
+        self.calls["wait"] += 1
+        time.sleep(max(event.at - time.perf_counter(), 0.0))
+        self._advance()
+
+    def order(self, stream: FakeStream | None, event: FakeEvent) -> None:
+        if stream is None:  # the current stream runs on the host: the host waits
+            self.wait(event)
+        else:
+            stream.ready_at = max(stream.ready_at, event.at)
 
 
 @contextlib.contextmanager
@@ -325,8 +414,20 @@ def _cupy() -> Backend:
     # it says no, which is what the PyPI Open MPI wheel says.
     return Backend("cupy", True, make, to_numpy,
                    lambda: device_runtime_installed(None, None),
-                   dtypes=tuple(d for d in collectives.DTYPES if d != "bfloat16"),
+                   dtypes=tuple(d for d in collectives.DTYPES
+                                if d != "bfloat16" or (reason is None and _cupy_has_bfloat16())),
                    unavailable=reason)
+
+
+def _cupy_has_bfloat16() -> bool:
+    """Whether this CuPy computes in ml_dtypes' bfloat16 (CuPy 14 does, experimentally)."""
+    try:
+        import cupy
+
+        x = cupy.asarray(np.array([1, 2], collectives.DTYPES["bfloat16"]))
+        return bool((cupy.asnumpy(cupy.add(x, x)) == np.array([2, 4], x.dtype)).all())
+    except Exception:  # noqa: BLE001 - no bfloat16 kernels: the backend leaves bfloat16 out
+        return False
 
 
 def backend_params() -> list[Any]:

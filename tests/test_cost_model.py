@@ -7,6 +7,7 @@ run under MPI at N >= 2 and are checked for shape and sanity, not for speed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ import collectives
 from collectives import select
 from collectives.calibrate import fit, measure_point_to_point, measure_reduction, pairwise_slope
 from collectives.cost import check as check_cost
-from collectives.cost_model import (DEFAULT_ROW_SIZES, Cost, ModelParams, best, cost, decision_rows,
-                                    model_bytes, model_crossover, modelled_algorithms, predict,
-                                    thresholds)
+from collectives.cost_model import (DEFAULT_ROW_SIZES, STAGING_PIECES, Cost, ModelParams, best, cost,
+                                    decision_rows, model_bytes, model_crossover, modelled_algorithms,
+                                    predict, staging_piece, staging_seconds, thresholds)
+from collectives.partition import SEGMENT_BYTES, STAGING_PIECE_BYTES, default_staging_piece
 from conftest import all_ranks_agree
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -99,11 +101,117 @@ def test_argument_check_cost(size: int) -> None:
     assert check_cost(size) == Cost(*CHECK[size])
 
 
+def unstaged(counts: Cost) -> Cost:
+    """`counts` without the staging terms (priced only for staged device calls)."""
+    return dataclasses.replace(counts, staged_copies=0, staged_bytes=0, streamed_bytes=0)
+
+
 @pytest.mark.parametrize("case", sorted(HAND_COMPUTED), ids=lambda c: "-".join(map(str, c)))
 def test_counts_match_hand_computed(case: tuple[str, str, int, int]) -> None:
     collective, algorithm, nbytes, size = case
     expected = Cost(*HAND_COMPUTED[case]) + check_cost(size)
-    assert cost(collective, algorithm, nbytes, size) == expected
+    assert unstaged(cost(collective, algorithm, nbytes, size)) == expected
+
+
+#: (collective, algorithm, nbytes, P) -> (staged copies, staged bytes, streamed bytes) on the
+#: critical path, float32: a message sent whole is copied out and in whole; one in pieces only
+#: its first staging piece out and its last in (a quarter of it, between 512 KiB and 2 MiB:
+#: partition.default_staging_piece), the rest streams.
+STAGING = {
+    # 8 MiB over 2: the 4 MiB reduce step and the 4 MiB gather step are both pipelined, in
+    # staging pieces of 1 MiB
+    ("allreduce", "ring", 8 * MIB, 2): (4, 4 * MIB, 8 * MIB),
+    # 2 MiB over 2: the 1 MiB block's reduce step is pipelined (two 512 KiB pieces); the gather
+    # step's 1 MiB message goes whole
+    ("allreduce", "ring", 2 * MIB, 2): (4, MIB + 2 * MIB, MIB),
+    # tree over 5: 3 rounds up and 3 down, every message whole
+    ("allreduce", "tree", 4096, 5): (12, 12 * 4096, 0),
+    # butterfly over 5: fold in and out whole around 2 rounds of 8 KiB, sent whole
+    ("allreduce", "butterfly", 8192, 5): (8, 8 * 8192, 0),
+    # a small host butterfly rides in the check: nothing staged (a device one never rides)
+    ("allreduce", "butterfly", 200, 4): (0, 0, 0),
+    # the root's 2 sends out, relative rank 1's block in; then 3 ring steps of 1 KiB, whole
+    ("broadcast", "scatter_allgather", 4096, 4): (3 + 6, 4096 + 6 * 1024, 0),
+    # ring reduce-scatter (3 steps, whole), then a sender's block out and 3 blocks into the root
+    ("reduce", "reduce_scatter_gather", 4096, 4): (6 + 4, 6 * 1024 + 4096, 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STAGING), ids=lambda c: "-".join(map(str, c)))
+def test_staging_counts_match_hand_computed(case: tuple[str, str, int, int]) -> None:
+    collective, algorithm, nbytes, size = case
+    counts = cost(collective, algorithm, nbytes, size)
+    copies, copied, streamed = STAGING[case]
+    assert (counts.staged_copies, counts.staged_bytes, counts.streamed_bytes) == (copies, copied,
+                                                                                 streamed)
+
+
+def test_staging_is_priced_only_for_staged_calls() -> None:
+    """copy_alpha per copy, copy_beta per staged byte, and the copies' excess over the wire per
+    streamed byte; nothing when the call is not staged."""
+    params = ModelParams(alpha=3.0, beta=5.0, gamma=7.0, overhead=11.0, copy_alpha=17.0,
+                         copy_beta=19.0)
+    key = ("allreduce", "ring", 2 * MIB, 2)
+    host = predict(*key, params)
+    copies, copied, streamed = STAGING[key]
+    assert host == pytest.approx(predict(*key, dataclasses.replace(params, copy_alpha=0.0,
+                                                                   copy_beta=0.0), staged=True))
+    assert predict(*key, params, staged=True) == pytest.approx(
+        host + 17.0 * copies + 19.0 * copied + (19.0 - 5.0) * streamed)
+    # Copies faster than the wire: streamed bytes are hidden entirely.
+    fast = dataclasses.replace(params, copy_beta=2.0)
+    assert predict(*key, fast, staged=True) == pytest.approx(host + 17.0 * copies + 2.0 * copied)
+
+
+def test_staging_seconds_pipelines_three_stages() -> None:
+    """Whole: copy out, wire, copy in, one after another; in pieces: the first piece pays all
+    three stages, every further one only the slowest."""
+    params = ModelParams(alpha=1e-5, beta=1e-10, gamma=0.0, copy_alpha=2e-5, copy_beta=5e-11)
+    n = 64 * MIB
+    copy_whole = 2e-5 + n * 5e-11
+    wire_whole = (n // SEGMENT_BYTES) * 1e-5 + n * 1e-10
+    assert staging_seconds(n, 0, params) == pytest.approx(2 * copy_whole + wire_whole)
+    piece = 2 * MIB
+    copy, wire = 2e-5 + piece * 5e-11, 4 * 1e-5 + piece * 1e-10
+    assert staging_seconds(n, piece, params) == pytest.approx(2 * copy + wire + 31 * max(copy, wire))
+    # A piece is whole wire pieces: a few bytes more are priced as the piece.
+    assert staging_seconds(n, piece + 1000, params) == staging_seconds(n, piece, params)
+    assert staging_seconds(n, piece, params) < staging_seconds(n, 0, params)
+
+
+def test_staging_piece_trades_per_copy_cost_against_the_pipeline_fill() -> None:
+    """Cheap copies: the smallest piece (short fill and drain); costly ones per copy: bigger
+    pieces; always the fastest of STAGING_PIECES (one as large as the message copies it whole)."""
+    cheap = ModelParams(alpha=1e-6, beta=1e-10, gamma=0.0, copy_alpha=1e-7, copy_beta=4e-11)
+    costly = dataclasses.replace(cheap, copy_alpha=5e-4)
+    assert staging_piece(256 * MIB, cheap) == SEGMENT_BYTES
+    assert staging_piece(256 * MIB, costly) > 4 * SEGMENT_BYTES
+    for n in (1, 3 * MIB, 256 * MIB):
+        for params in (cheap, costly):
+            piece = staging_piece(n, params)
+            assert piece in STAGING_PIECES
+            assert staging_seconds(n, piece, params) <= min(staging_seconds(n, p, params)
+                                                             for p in STAGING_PIECES) * (1 + 1e-9)
+
+
+def test_staging_piece_setting_and_tuning_file(tuning_file: Any, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """HPCDL_STAGING_PIECE_BYTES first (0: whole), then a tuning file's model with copy costs,
+    then the default; a bad setting is refused with the variable's name."""
+    select._staging_piece.cache_clear()
+    monkeypatch.delenv("HPCDL_STAGING_PIECE_BYTES", raising=False)
+    tuning_file({"model": CLUSTER.as_dict()})  # no copy costs: the default
+    assert select.staging_piece(256 * MIB) == STAGING_PIECE_BYTES == default_staging_piece(256 * MIB)
+    assert select.staging_piece(2 * MIB) == SEGMENT_BYTES == default_staging_piece(2 * MIB)
+    assert default_staging_piece(6 * MIB) == 6 * MIB // 4
+    costly = dataclasses.replace(CLUSTER, copy_alpha=5e-4, copy_beta=4e-11)
+    tuning_file({"model": costly.as_dict()})
+    assert select.staging_piece(256 * MIB) == staging_piece(256 * MIB, costly) != STAGING_PIECE_BYTES
+    monkeypatch.setenv("HPCDL_STAGING_PIECE_BYTES", "0")
+    assert select.staging_piece(256 * MIB) == 0
+    monkeypatch.setenv("HPCDL_STAGING_PIECE_BYTES", "1M")
+    with pytest.raises(ValueError, match="HPCDL_STAGING_PIECE_BYTES='1M'"):
+        select.staging_piece(256 * MIB)
 
 
 def test_predict_prices_the_counts() -> None:
@@ -191,6 +299,11 @@ def test_model_params_are_checked() -> None:
     assert ModelParams.from_mapping(params.as_dict()) == params
     paired = ModelParams(1e-6, 1e-9, 1e-10, 5e-6, beta_pairwise=2e-9)
     assert ModelParams.from_mapping(paired.as_dict()) == paired and paired.pairwise == 2e-9
+    staged = ModelParams(1e-6, 1e-9, 1e-10, copy_alpha=1e-5, copy_beta=2e-11)
+    assert ModelParams.from_mapping(staged.as_dict()) == staged
+    assert "copy_beta" not in params.as_dict()  # written only where measured
+    with pytest.raises(ValueError, match="copy_beta must be a finite number"):
+        ModelParams(1e-6, 1e-9, 1e-10, copy_beta=-1.0)
     with pytest.raises(ValueError, match="beta_pairwise must be a finite number"):
         ModelParams(1e-6, 1e-9, 1e-10, beta_pairwise=float("nan"))
 

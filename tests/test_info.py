@@ -72,6 +72,22 @@ def test_fault_tolerance_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "fault tolerance off: a lost rank ends the job" in info.format_report(rows)
 
 
+def test_device_buffer_path_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA-aware: handed to MPI; else staged, with the staging piece and where it comes from."""
+    rows = [info.RankRow("a", 0, 0, 1, None, 10, "multiple", ())]
+    monkeypatch.delenv("HPCDL_TUNING_FILE", raising=False)
+    monkeypatch.delenv("HPCDL_STAGING_PIECE_BYTES", raising=False)
+    monkeypatch.setenv("HPCDL_CUDA_AWARE", "1")
+    assert "device buffers  handed to MPI as they are (CUDA-aware)" in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_CUDA_AWARE", "0")
+    assert ("device buffers  staged through pinned host memory, pipelined in 2 MiB staging pieces "
+            "at 64 MiB (default: a quarter of a message, 512 KiB to 2 MiB)") in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_STAGING_PIECE_BYTES", "0")
+    assert "copied whole, then sent (HPCDL_STAGING_PIECE_BYTES=0)" in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_STAGING_PIECE_BYTES", "lots")
+    assert "HPCDL_STAGING_PIECE_BYTES='lots' is not a number of bytes" in info.format_report(rows)
+
+
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N=1 job only")
 def test_mpirun_two_ranks_smoke() -> None:
     done = subprocess.run(["mpirun", "-n", "2", "hpcdl", "info"], env=mpi_environment(),

@@ -1,5 +1,6 @@
 """hpcdl.allreduce & co. on torch tensors: tensors in and out, every dtype the collectives take,
-in place with out=t, the i* twins, hpcdl.average, and bad tensors refused on every rank.
+in place with out=t, the i* twins, hpcdl.average, and bad tensors refused on every rank. The
+front doors run on CPU tensors and, where torch sees a GPU, on CUDA tensors (`-k cuda`).
 
 Test data are small integers (exact in every dtype, bfloat16 included), so results are checked
 exactly against the sums every rank computes itself.
@@ -23,18 +24,29 @@ pytestmark = pytest.mark.mpi
 
 REDUCED = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
 MOVED = [torch.bool, torch.int8, torch.uint8, torch.int16, torch.complex64]
+#: Where the front doors' tensors live: host memory, and this rank's GPU where there is one.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="torch sees no GPU"))]
 
 
-def _data(rank: int, dtype: torch.dtype, shape: tuple[int, ...] = (2, 3)) -> torch.Tensor:
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    if request.param == "cuda":
+        torch.cuda.set_device(hpcdl.local_rank() % torch.cuda.device_count())
+    return request.param
+
+
+def _data(rank: int, dtype: torch.dtype, shape: tuple[int, ...] = (2, 3),
+          device: str = "cpu") -> torch.Tensor:
     """Rank-dependent small integers, exact in every dtype."""
     values = (torch.arange(int(np.prod(shape))).reshape(shape) % 5 + rank + 1)
     if dtype == torch.bool:
-        return values % 2 == 0
-    return values.to(dtype)
+        return (values % 2 == 0).to(device)
+    return values.to(dtype).to(device)
 
 
-def _all(comm: MPI.Comm, dtype: torch.dtype) -> list[torch.Tensor]:
-    return [_data(r, dtype) for r in range(comm.Get_size())]
+def _all(comm: MPI.Comm, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:
+    return [_data(r, dtype, device=device) for r in range(comm.Get_size())]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -43,15 +55,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("dtype", REDUCED, ids=str)
 @pytest.mark.parametrize("op", ["sum", "max", "min", "avg"])
-def test_allreduce_tensor_in_tensor_out(comm, dtype, op):
-    everyone = _all(comm, dtype)
+def test_allreduce_tensor_in_tensor_out(comm, dtype, op, device):
+    everyone = _all(comm, dtype, device)
     expected = {"sum": lambda: torch.stack(everyone).sum(0).to(dtype),
                 "max": lambda: torch.stack(everyone).amax(0),
                 "min": lambda: torch.stack(everyone).amin(0),
                 "avg": lambda: (torch.stack(everyone).sum(0) // comm.Get_size()).to(dtype)
                 if not dtype.is_floating_point else
                 (torch.stack(everyone).double().sum(0) / comm.Get_size()).to(dtype)}[op]()
-    mine = _data(comm.Get_rank(), dtype)
+    mine = _data(comm.Get_rank(), dtype, device=device)
     before = mine.clone()
     got = hpcdl.allreduce(mine, comm, op=op)
     ok = isinstance(got, torch.Tensor) and _same(got, expected) and _same(mine, before)
@@ -64,33 +76,35 @@ def test_allreduce_tensor_in_tensor_out(comm, dtype, op):
 
 
 @pytest.mark.parametrize("dtype", REDUCED + MOVED, ids=str)
-def test_allgather_and_broadcast_move_every_dtype(comm, dtype):
+def test_allgather_and_broadcast_move_every_dtype(comm, dtype, device):
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine = _data(rank, dtype)
+    mine = _data(rank, dtype, device=device)
     got = hpcdl.allgather(mine, comm)
-    ok = _same(got, torch.stack(_all(comm, dtype)))
-    out = torch.empty((size, *mine.shape), dtype=dtype)
+    ok = _same(got, torch.stack(_all(comm, dtype, device)))
+    out = torch.empty((size, *mine.shape), dtype=dtype, device=device)
     ok = ok and hpcdl.allgather(mine, comm, out=out) is out and _same(out, got)
     ok = ok and _same(hpcdl.iallgather(mine, comm).wait(), got)
     root = size - 1
-    target = _data(rank, dtype)
-    ok = ok and hpcdl.broadcast(target, root, comm) is target and _same(target, _data(root, dtype))
-    target = _data(rank, dtype)
+    target = _data(rank, dtype, device=device)
+    ok = ok and hpcdl.broadcast(target, root, comm) is target
+    ok = ok and _same(target, _data(root, dtype, device=device))
+    target = _data(rank, dtype, device=device)
     ok = ok and hpcdl.ibroadcast(target, root, comm).wait() is target
-    ok = ok and _same(target, _data(root, dtype))
+    ok = ok and _same(target, _data(root, dtype, device=device))
     assert all_ranks_agree(ok, comm)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64], ids=str)
-def test_reduce_scatter_and_reduce(comm, dtype):
+def test_reduce_scatter_and_reduce(comm, dtype, device):
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine = _data(rank, dtype, (size * 2 + 1,))  # uneven blocks: the first rank gets one more
-    total = torch.stack([_data(r, dtype, (size * 2 + 1,)) for r in range(size)]).sum(0).to(dtype)
+    shape = (size * 2 + 1,)  # uneven blocks: the first rank gets one more
+    mine = _data(rank, dtype, shape, device)
+    total = torch.stack([_data(r, dtype, shape, device) for r in range(size)]).sum(0).to(dtype)
     counts = collectives.partition_counts(total.numel(), size)
     start = sum(counts[:rank])
     block = total[start:start + counts[rank]]
     ok = _same(hpcdl.reduce_scatter(mine, comm), block)
-    out = torch.empty(counts[rank], dtype=dtype)
+    out = torch.empty(counts[rank], dtype=dtype, device=device)
     ok = ok and hpcdl.ireduce_scatter(mine, comm, out=out).wait() is out and _same(out, block)
     root = size // 2
     got = hpcdl.reduce(mine, root, comm)

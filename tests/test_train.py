@@ -128,11 +128,23 @@ def test_skipping_batches_resumes_the_same_order():
     (["--resume"], "--resume needs --checkpoint-dir DIR"),
     (["--metrics", "out.txt"], "unknown format .txt"),
     (["--synthetic", "--checkpoint-dir", "x"], "--checkpoint-dir applies to training"),
+    (["--device", "cuda", "--strategy", "downpour", "--servers", "1"],
+     "--device cuda trains with allreduce or local-sgd, not --strategy downpour"),
+    (["--device", "cuda", "--model", "hybrid-cnn"], "--device cuda does not take --model hybrid-cnn"),
 ])
 def test_bad_arguments_fail_on_every_rank(argv, message, comm, capsys):
     status = train.main(argv)
     err = capsys.readouterr().err
     ok = status == 2 and (comm.Get_rank() != 0 or message in err)
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
+@pytest.mark.parametrize("synthetic", [[], ["--synthetic"]])
+def test_device_cuda_without_a_gpu_fails_on_every_rank(synthetic, comm, capsys):
+    status = train.main(["--device", "cuda", *synthetic])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or "--device cuda: torch sees no GPU here" in err)
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 

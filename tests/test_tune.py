@@ -140,6 +140,34 @@ def test_predict_reads_a_tuning_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert f"hpcdl tune: error: {empty} has no \"model\"" in capsys.readouterr().err
 
 
+def test_predict_staged_prices_the_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--staged: every algorithm priced with the copies through host memory (from the flags or a
+    tuning file's copy_alpha, copy_beta), slower than unstaged; refused without copy costs."""
+    copies = ["--staged", "--copy-bandwidth", "25GB/s", "--copy-latency", "10us"]
+    assert tune.main(PREDICT + copies) == 0
+    out = capsys.readouterr().out
+    params = ModelParams(2e-6 + prediction.DEFAULT_SOFTWARE_LATENCY, 8 / 100e9,
+                         prediction.DEFAULT_GAMMA["float32"], prediction.DEFAULT_OVERHEAD,
+                         copy_alpha=10e-6, copy_beta=1 / 25e9)
+    staged = predict("allreduce", "ring", 25 << 20, 256, params, staged=True)
+    assert staged > predict("allreduce", "ring", 25 << 20, 256, params)
+    line = re.search(r"^ring\s+(\S+ \S+)\s", out, re.M)
+    assert line and line[1] == units.human_seconds(staged), out
+    assert "copy_beta   0.0400 ns per byte copied  (--copy-bandwidth; 25 GB/s)" in out
+    assert "staging pieces of" in out
+    assert tune.main(PREDICT + ["--staged"]) == 2
+    assert "--staged needs --copy-latency and --copy-bandwidth" in capsys.readouterr().err
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"model": {"alpha": 5e-6, "beta": 1e-10, "gamma": 1e-11,
+                                          "copy_alpha": 2e-5, "copy_beta": 5e-11}}))
+    assert tune.main(["--predict", "--nodes", "8", "--model-params", "1M", "--compute-ms", "10",
+                      "--tuning-file", str(path), "--staged"]) == 0
+    assert "20.000 µs per copy          (from" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tune.main(PREDICT + ["--copy-bandwidth", "25GB/s"])  # without --staged
+    assert "add --staged" in capsys.readouterr().err
+
+
 def test_predict_with_a_two_level_file_sets_the_network_between_hosts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A two-level file's --predict keeps its hosts; --link and --latency replace the prices between
@@ -245,6 +273,53 @@ def test_sweep_writes_measured_rows_first(comm: MPI.Comm, tmp_path: Path,
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 2, reason="one measured run is enough: N = 2")
+def test_device_gpu_measures_the_staged_copies(comm: MPI.Comm, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--device gpu over the fake GPU (staged, copies at 2 GB/s): the model gets copy_alpha and
+    copy_beta, the sweep times device buffers (through the staged pipeline), every result exact."""
+    import sys
+
+    from arrays import BACKENDS, fake_cupy_module
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
+    path = shared_directory(tmp_path, comm) / "gpu.json"
+    with BACKENDS["fake-device-staged"].installed() as runtime:
+        runtime.copy_bandwidth = 2e9
+        rc = tune.main(["-o", str(path), "-b", "2M", "-e", "2M", "--iters", "3",
+                        "--collectives", "allreduce", "--device", "gpu"])
+    out = capsys.readouterr().out
+    ok = rc == 0 and runtime.calls["async_copies"] > 0
+    if ok:
+        document = json.loads(path.read_text())
+        params = ModelParams.from_mapping(document["model"])
+        # at least the simulated cost: the fake's own memcpy of the bytes only adds to it
+        ok = (params.copy_beta >= 0.9 / 2e9 and params.copy_alpha >= 0
+              and len(document["measurements"]["staging"]) > 1
+              and all(r["valid"] for r in document["measurements"]["sweep"]))
+    if comm.Get_rank() == 0:
+        ok = ok and "copy_alpha" in out and "stages device buffers through host memory" in out
+    assert all_ranks_agree(ok), out
+
+
+@pytest.mark.mpi
+def test_device_gpu_without_cupy_is_refused_on_every_rank(comm: MPI.Comm, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    if comm.Get_size() < 2:
+        pytest.skip("tune measures between ranks")
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    status = tune.main(["-o", str(shared_directory(tmp_path, comm) / "t.json"), "--device", "gpu"])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or "--device gpu needs CuPy" in err)
+    assert all_ranks_agree(ok, comm), err
+
+
+@pytest.mark.mpi
 def test_an_output_that_cannot_be_written_is_refused_before_measuring(comm: MPI.Comm, tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]
                                                                       ) -> None:
@@ -294,7 +369,7 @@ def test_predict_starts_no_mpi() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from hpcdl import cli; status = cli.main(['tune', *sys.argv[1:]]); "
+    code = ("import sys; from hpcdl.commands import cli; status = cli.main(['tune', *sys.argv[1:]]); "
             "print('MPI imported:', 'mpi4py.MPI' in sys.modules); sys.exit(status)")
     done = subprocess.run([sys.executable, "-c", code, *PREDICT], capture_output=True, text=True,
                           timeout=120)

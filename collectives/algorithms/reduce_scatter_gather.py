@@ -35,7 +35,9 @@ def reduce_scatter_gather_reduce(link: Link, buf: Any, root: int) -> None:
 
 def _reduce_cost(n: int, size: int, itemsize: int) -> Cost:
     # The root (rank 0) posts P-1 receives at once: one message each, all through its own link.
-    gather = Cost(size - 1, (n - largest_block(n, size)) * itemsize)
+    # Staged: a sender copies its block out, the root copies the P-1 blocks in one by one.
+    gather = Cost(size - 1, (n - largest_block(n, size)) * itemsize, staged_copies=size,
+                  staged_bytes=n * itemsize)
     return reduce_scatter_cost(n, size, itemsize) + gather
 
 

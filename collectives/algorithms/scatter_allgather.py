@@ -49,7 +49,9 @@ def _broadcast_cost(n: int, size: int, itemsize: int) -> Cost:
     largest = largest_block(n, size)
     # Binomial scatter: relative rank 1 is served last by the root, after all its sends, which
     # carry everything but the root's own block; every other rank's path is a subset of that.
-    scatter = Cost(tree_rounds(size), (n - largest) * itemsize)
+    # Staged: the root copies out each of its sends, relative rank 1 copies its blocks in.
+    scatter = Cost(tree_rounds(size), (n - largest) * itemsize,
+                   staged_copies=tree_rounds(size) + 1, staged_bytes=n * itemsize)
     return scatter + allgather_blocks_cost(largest, size, itemsize)
 
 

@@ -68,7 +68,7 @@ def tree_allreduce(link: Link, buf: Any) -> None:
 
 def _reduce_cost(n: int, size: int, itemsize: int) -> Cost:
     nbytes = n * itemsize
-    return tree_rounds(size) * Cost(1, nbytes, nbytes)
+    return tree_rounds(size) * (message(nbytes) + Cost(reduced_bytes=nbytes))
 
 
 def _broadcast_cost(n: int, size: int, itemsize: int) -> Cost:

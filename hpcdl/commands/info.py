@@ -5,9 +5,10 @@
 
 The first thing to run on a new machine or allocation: it shows which MPI library mpi4py loaded,
 the thread level it granted (non-blocking collectives need `multiple` or `serialized`), whether
-the collectives will hand device pointers to MPI (CUDA-aware) or stage through host memory,
-whether a lost rank is reported to the survivors (ULFM, `mpirun --with-ft ulfm`) or ends the job,
-the GPUs each host has, and how the launcher placed ranks on hosts. Every rank sends its row to rank 0
+the collectives will hand device pointers to MPI (CUDA-aware) or stage through host memory (and in
+which staging pieces the staged pipeline copies), whether a lost rank is reported to the survivors
+(ULFM, `mpirun --with-ft ulfm`) or ends the job, the GPUs each host has, and how the launcher placed
+ranks on hosts. Every rank sends its row to rank 0
 (one small `gather`), so a launch that went wrong (e.g. N independent one-rank jobs) shows at once.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import mpi4py
 
 import collectives
+from collectives import select
 
 from .. import __version__
 from .command import Command
@@ -70,6 +72,30 @@ def _decode(name: bytes | str) -> str:
     return name.decode(errors="replace") if isinstance(name, bytes) else name
 
 
+def device_buffers(cuda_aware: bool) -> str:
+    """How the collectives move device buffers here: handed to MPI, or staged through pinned host
+    memory in staging pieces (collectives/staging.py), and where the piece size comes from."""
+    if cuda_aware:
+        return "handed to MPI as they are (CUDA-aware)"
+    forced = os.environ.get("HPCDL_STAGING_PIECE_BYTES")
+    example = 64 << 20
+    tuning = os.environ.get("HPCDL_TUNING_FILE")
+    try:
+        piece = select.staging_piece(example)
+        model = select.model_params(tuning) if tuning else None
+    except ValueError as exc:  # a bad setting or file: say so here, every collective would raise it
+        return f"staged through pinned host memory; {exc}"
+    if forced is not None and forced.strip():
+        source = f"HPCDL_STAGING_PIECE_BYTES={forced}"
+    elif model is not None and model.copy_beta > 0:
+        source = f"the copy costs in {tuning}"
+    else:
+        source = "default: a quarter of a message, 512 KiB to 2 MiB"
+    how = "copied whole, then sent" if piece == 0 else \
+        f"pipelined in {piece / (1 << 20):g} MiB staging pieces at 64 MiB"
+    return f"staged through pinned host memory, {how} ({source})"
+
+
 def gather_rows(comm: MPI.Comm = MPI.COMM_WORLD) -> list[RankRow] | None:
     """Collective: every rank's `RankRow`, in rank order, on rank 0; None on the other ranks."""
     # Look for GPUs before init(), so that a torch import here lets init() bind the device too.
@@ -98,6 +124,7 @@ def format_report(rows: list[RankRow]) -> str:
         + ("" if levels == ["multiple"] else "  (hpcdl needs multiple or serialized)"),
         f"  CUDA-aware MPI  {'yes' if cuda_aware else 'no'}"
         + (f" (HPCDL_CUDA_AWARE={forced})" if forced is not None else " (detected)"),
+        f"  device buffers  {device_buffers(cuda_aware)}",
         "  fault tolerance " + (
             "ULFM: a lost rank raises collectives.ProcessFailure on the survivors"
             if collectives.fault_tolerant() else

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 from mpi4py import MPI
 
-from collectives import COLLECTIVES, DTYPES, OPS
+from collectives import COLLECTIVES, DTYPES, OPS, cuda_aware
 from collectives.cost_model import ModelParams, predict
 from collectives.select import model_params
 
@@ -59,7 +59,9 @@ def default_warmup(iterations: int) -> int:
 class Predictor:
     """The cost model's predicted time per row, when a model is available."""
 
-    def __init__(self, tuning_file: str | None) -> None:
+    def __init__(self, tuning_file: str | None, staged: bool = False) -> None:
+        #: the rows are device buffers staged through host memory: priced with the copy terms
+        self.staged = staged
         self.params: ModelParams | None = None
         self.note = ("no model: give --tuning-file or set HPCDL_TUNING_FILE to a file written by "
                      "`hpcdl tune`")
@@ -81,6 +83,11 @@ class Predictor:
                           f"{self.params.alpha_across * 1e6:.2f} us, beta "
                           f"{self.params.beta_across * 1e9:.3f} ns/B, beta_pairwise "
                           f"{self.params.pairwise_across * 1e9:.3f} ns/B")
+        if staged:
+            self.note += (f"; staged device buffers: copy_alpha {self.params.copy_alpha * 1e6:.2f} us, "
+                          f"copy_beta {self.params.copy_beta * 1e9:.4f} ns/B"
+                          + ("" if self.params.copy_beta else " (not measured: `hpcdl tune --device "
+                             "gpu` measures them)"))
 
     def seconds(self, m: Measurement) -> float | None:
         """Predicted time of the row's algorithm (auto: of its choice); None where not modelled."""
@@ -89,7 +96,7 @@ class Predictor:
             return None
         try:
             return predict(m.collective, algorithm, m.nbytes, m.ranks, self.params,
-                           itemsize=DTYPES[m.dtype].itemsize)
+                           itemsize=DTYPES[m.dtype].itemsize, staged=self.staged)
         except ValueError:  # an algorithm the model does not describe
             return None
 
@@ -261,7 +268,8 @@ def check_environment(args: argparse.Namespace, rank: int, ranks_on_host: int = 
         if not Path(args.tuning_file).is_file():
             raise CommandError(f"--tuning-file {args.tuning_file} does not exist")
         os.environ["HPCDL_TUNING_FILE"] = args.tuning_file  # auto reads the same file
-    args.predictor = Predictor(os.environ.get("HPCDL_TUNING_FILE"))
+    args.predictor = Predictor(os.environ.get("HPCDL_TUNING_FILE"),
+                               staged=args.device == "gpu" and not cuda_aware())
 
 
 def parse_args(command: Command, argv: Sequence[str]) -> argparse.Namespace:

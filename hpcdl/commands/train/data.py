@@ -47,7 +47,7 @@ def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[
 def dataset_arrays(datasets: tuple[TensorDataset, ...]) -> list[tuple[np.ndarray, ...]]:
     """The NumPy arrays of each TensorDataset (what another rank rebuilds them from: they pickle
     without torch's shared-memory sharing)."""
-    return [tuple(t.numpy() for t in d.tensors) for d in datasets]
+    return [tuple(t.cpu().numpy() for t in d.tensors) for d in datasets]
 
 
 def shard_sampler(dataset: TensorDataset, *, seed: int, shuffle: bool = True,

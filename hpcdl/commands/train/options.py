@@ -40,6 +40,12 @@ linear scaling rule with gradual warm-up. Bad options stop every rank with one m
 KEEP_CHECKPOINTS = 3
 
 
+#: --device's choices; CUDA_STRATEGIES: the strategies that train on it (the parameter server's
+#: shards live in host memory, as NumPy arrays on the servers).
+DEVICES = ("cpu", "cuda")
+CUDA_STRATEGIES = ("allreduce", "local-sgd")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `hpcdl train` option parser (syntax and choices only; values are checked afterwards)."""
     parser = argparse.ArgumentParser(
@@ -51,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--grid", type=grid_shape, default=None, metavar="DxM",
                        help="with --model hybrid-cnn: D data-parallel replicas of the model, each "
                             "split over M consecutive ranks (D x M = the ranks; default 1xRANKS)")
+    model.add_argument("--device", choices=DEVICES, default="cpu",
+                       help="where the model and the data live: cpu (default), or cuda: this rank's "
+                            "GPU (local rank modulo the GPUs); the allreduce and local-sgd strategies")
     model.add_argument("--synthetic", action="store_true",
                        help="benchmark on random ImageNet-shaped data instead of training on digits")
     model.add_argument("--image-size", type=int, default=224,
@@ -235,6 +244,14 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
         stall.warning_seconds()
     except ValueError as exc:
         errors.append(str(exc))
+    if args.device == "cuda":
+        if args.strategy not in CUDA_STRATEGIES:
+            errors.append(f"--device cuda trains with {' or '.join(CUDA_STRATEGIES)}, not "
+                          f"--strategy {args.strategy} (its servers keep the parameters in host "
+                          "memory); use --device cpu")
+        if args.model == "hybrid-cnn":
+            errors.append("--device cuda does not take --model hybrid-cnn (its model-parallel layers "
+                          "run on the CPU); use --device cpu")
     return errors + strategies.option_errors(args, ranks) + hybrid_errors(args, ranks)
 
 

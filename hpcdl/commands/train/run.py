@@ -52,6 +52,10 @@ def main(argv: list[str]) -> int:
 
     if topology.local_size > 1:
         torch.set_num_threads(1)  # ranks sharing a host would otherwise oversubscribe its cores
+    try:
+        args.torch_device = torch_device(args.device, topology.local_rank, command)
+    except CommandError as exc:
+        return command.fail(exc)
     if args.synthetic:
         from .synthetic import run_synthetic_benchmark
 
@@ -60,6 +64,21 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(joined[1]["torch_threads"])
         return run_training(args, topology, MPI.COMM_SELF, joined)
     return run_training(args, topology, comm)
+
+
+def torch_device(device: str, local_rank: int, command: Command) -> Any:
+    """Collective: the torch device --device names on this rank (cuda: GPU local_rank modulo the
+    GPUs, made torch's current device); CommandError on every rank if any rank has no GPU."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    command.agree([] if torch.cuda.is_available() else
+                  ["--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
+                   "use --device cpu, or a torch build with CUDA"])
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 # -- training on digits --------------------------------------------------------------------------
@@ -144,6 +163,9 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     else:  # importing scikit-learn costs each rank seconds of CPU: rank 0 splits, the others receive
         arrays = comm.bcast(dataset_arrays(load_digits_split()) if rank == 0 else None, root=0)
     train_set, test_set = (TensorDataset(*map(torch.from_numpy, pair)) for pair in arrays)
+    if args.torch_device.type != "cpu":  # digits are small: the whole split lives on the GPU
+        train_set, test_set = (TensorDataset(*(t.to(args.torch_device) for t in split.tensors))
+                               for split in (train_set, test_set))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     grid = None
     if args.model == "hybrid-cnn":  # the FC layers split over model groups, data parallel across them
@@ -151,6 +173,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         model = build_hybrid_model(args.model, grid, in_channels=1, num_classes=10)
     else:
         model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
+    model = model.to(args.torch_device)
     # Only the training ranks (all but a parameter server's servers) share out the data; the ranks
     # of a hybrid model's group (one replica) train on the same batch.
     trainers = plan.trainers
@@ -164,6 +187,9 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                        + (" that train" if plan.servers else "")
                        + f"); use --batch-size {len(sampler)} or less")], rank)
     steps_per_epoch = batches_per_epoch(sampler, args.batch_size)
+    problems = plan.strategy.epoch_errors(plan, steps_per_epoch)
+    if problems:  # the same numbers on every rank: the same verdict
+        return _fail(problems, rank)
     total_steps = steps_per_epoch * args.epochs
     update_batch = plan.update_batch
     lr = scaled_learning_rate(args.lr, update_batch, args.reference_batch) * plan.asynchrony
@@ -181,12 +207,12 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     if not strategy.trains:
         if checkpoint is not None:
             strategy.load_state(checkpoint, None)
-        # Signals only stop the training ranks (they checkpoint, the servers with them); here
-        # they are recorded, so that a signal sent to every rank does not end a server first.
+        # Signals stop the training ranks (they checkpoint, the servers with them): one received
+        # here is passed on to them, and a signal sent to every rank does not end a server first.
         if args.checkpoint_dir:
             from .signals import StopRequest
 
-            StopRequest()
+            StopRequest(relay=strategy.request_stop)
         try:
             return strategy.agree_status(strategy.serve())
         except BaseException as exc:

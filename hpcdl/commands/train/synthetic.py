@@ -14,7 +14,7 @@ from .waiting import STALL_ADVICE
 
 def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
     """Horovod's pytorch_synthetic_benchmark.py: images/s per rank and in total on random data."""
-    import timeit
+    import time
 
     import torch
     import torch.nn.functional as F
@@ -28,30 +28,40 @@ def run_synthetic_benchmark(args: argparse.Namespace, topology: runtime.Topology
     args.model = args.model or "resnet"
     say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
-    model = build_model(args.model, in_channels=3, image_size=args.image_size, num_classes=1000)
+    device = args.torch_device
+    model = build_model(args.model, in_channels=3, image_size=args.image_size, num_classes=1000).to(device)
     _, settings = Allreduce.configure(vars(args), size)
     ddp = data_parallel(model, comm, settings)
     lr = scaled_learning_rate(args.lr, args.batch_size * size, args.reference_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     torch.manual_seed(args.seed + 1 + rank)
-    data, target = synthetic_batch(args.batch_size, args.image_size)
+    data, target = (t.to(device) for t in synthetic_batch(args.batch_size, args.image_size))
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
         F.cross_entropy(ddp(data), target).backward()
         optimizer.step()
 
+    def batches(number: int) -> float:
+        """Seconds of `number` steps, to the end of the GPU's work."""
+        start = time.perf_counter()
+        for _ in range(number):
+            benchmark_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
     say(f"Model: {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters), "
         f"images 3x{args.image_size}x{args.image_size}")
-    say(f"Batch size: {args.batch_size}")
+    say(f"Batch size: {args.batch_size}, on {device}")
     say(f"Number of ranks: {size}, allreduce algorithm: {args.algorithm}, "
         f"overlap: {not args.no_overlap}, compression: {ddp.compression!r}")
     say("Running warmup...", flush=True)
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    batches(args.num_warmup_batches)
     say("Running benchmark...", flush=True)
     rates = []
     for i in range(args.num_iters):
-        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        seconds = batches(args.num_batches_per_iter)
         rates.append(args.batch_size * args.num_batches_per_iter / seconds)
         say(f"Iter #{i}: {rates[-1]:.1f} img/sec per rank", flush=True)
     # Every rank's rates, not only rank 0's: oversubscribed ranks can run at different speeds.

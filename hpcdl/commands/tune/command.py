@@ -40,6 +40,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                          help="timed operations per size, in the calibration and per algorithm in "
                               "the sweep; fewer for large sizes (at most 128 MiB moved, at least 3 "
                               "in the sweep); default 50")
+    measure.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                         help="time the collectives on host buffers (default) or on each rank's "
+                              "GPU (CuPy); gpu also measures the copies of the staged path "
+                              "(copy_alpha, copy_beta) into the model")
     measure.add_argument("--p2p", choices=("exchange", "pingpong"), default="exchange",
                          help="point-to-point pattern for alpha and beta: all ranks exchange with "
                               "their ring neighbours at once (default; a ring step) or ping-pong "
@@ -66,6 +70,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                                "(--link, --latency, --gamma override)")
     predict.add_argument("--bucket-mb", type=positive(float), default=25.0,
                          help="gradient bucket size in MiB, one allreduce each (default 25)")
+    predict.add_argument("--staged", action="store_true",
+                         help="gradients on GPUs whose MPI is not CUDA-aware: price the copies "
+                              "through host memory (--copy-bandwidth, --copy-latency, else the "
+                              "tuning file's copy_alpha, copy_beta)")
+    predict.add_argument("--copy-bandwidth", type=parse_bandwidth,
+                         help="with --staged: device<->host copy bandwidth, e.g. 25GB/s")
+    predict.add_argument("--copy-latency", type=parse_duration,
+                         help="with --staged: time per copy, launch and wait included, e.g. 10us")
     args = parser.parse_args(list(argv))
     if args.predict:
         missing = [f"--{name.replace('_', '-')}" for name in ("nodes", "model_params", "compute_ms")
@@ -76,11 +88,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if missing:
             parser.error(f"--predict needs {', '.join(missing)} (--link and --latency may come "
                          "from --tuning-file instead)")
+        if not args.staged and (args.copy_bandwidth is not None or args.copy_latency is not None):
+            parser.error("--copy-bandwidth and --copy-latency price staged copies: add --staged")
     elif not args.minbytes <= args.maxbytes:
         parser.error(f"-b/--minbytes ({args.minbytes}) must not exceed -e/--maxbytes ({args.maxbytes})")
     elif args.stepfactor < 2:
         parser.error("-f/--stepfactor must be at least 2")
     return args
+
+
+def gpu_unavailable() -> str | None:
+    """Why --device gpu cannot run on this rank (no CuPy, no GPU), or None."""
+    from ..timing.cases import import_cupy
+    from ..timing.measurement import DeviceUnavailable
+
+    try:
+        import_cupy()
+    except DeviceUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def main(argv: Sequence[str]) -> int:
@@ -107,6 +133,8 @@ def main(argv: Sequence[str]) -> int:
                                  if command.rank == 0 else None)
         if problem:
             raise CommandError(f"-o {args.output}: {problem}")
+        if args.device == "gpu":  # CuPy and a GPU on every rank, or one error everywhere
+            command.agree([] if (reason := gpu_unavailable()) is None else [reason])
     except CommandError as exc:
         return command.fail(exc)
     return run_tune(args, argv, command)

@@ -23,7 +23,7 @@ SWEEP_BYTES = 128 << 20
 
 
 def time_algorithm(collective: str, algorithm: str, nbytes: int, comm: Any, *, iterations: int,
-                   warmup: int) -> tuple[float, bool, int]:
+                   warmup: int, device: str = "cpu") -> tuple[float, bool, int]:
     """Collective: (seconds per call, result correct, bytes as nccl-tests counts them).
 
     Times by `hpcdl bench`'s `measure` (a barrier before each call, the first call checked);
@@ -33,15 +33,18 @@ def time_algorithm(collective: str, algorithm: str, nbytes: int, comm: Any, *, i
     """
     from ..timing import measure
 
-    m = measure(collective, algorithm, nbytes, comm, iterations=iterations, warmup=warmup)
+    m = measure(collective, algorithm, nbytes, comm, iterations=iterations, warmup=warmup,
+                device=device)
     if m.median_s is None:
         raise RuntimeError(f"hpcdl tune: {collective} {algorithm} could not run at {nbytes} bytes: "
                            f"{m.unavailable}")
     return m.median_s, m.wrong == 0, m.nbytes
 
 
-def sweep(collective: str, sizes: list[int], comm: Any, iterations: int) -> list[dict[str, Any]]:
-    """Collective: time every modelled algorithm of `collective` at each size.
+def sweep(collective: str, sizes: list[int], comm: Any, iterations: int, device: str = "cpu"
+          ) -> list[dict[str, Any]]:
+    """Collective: time every modelled algorithm of `collective` at each size, on `device`'s
+    buffers.
 
     Iterations shrink with size (at most SWEEP_BYTES per algorithm and size, at least 3); the
     order of the algorithms rotates from size to size, so none always runs first on a drifting
@@ -62,7 +65,7 @@ def sweep(collective: str, sizes: list[int], comm: Any, iterations: int) -> list
         count = max(3, min(iterations, SWEEP_BYTES // max(nbytes, 1)))
         order = algorithms[i % len(algorithms):] + algorithms[:i % len(algorithms)]
         timed = {a: time_algorithm(collective, a, nbytes, comm, iterations=count,
-                                   warmup=max(1, count // 10)) for a in order}
+                                   warmup=max(1, count // 10), device=device) for a in order}
         records += [{"collective": collective, "bytes": actual, "algorithm": a, "seconds": timed[a][0],
                      "valid": timed[a][1]} for a in algorithms]
     return records
@@ -178,6 +181,9 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
                   + ("; two levels: ranks_per_host (the fullest host), alpha, beta, "
                      "beta_pairwise within a host, alpha_inter, beta_inter, beta_pairwise_inter "
                      "between hosts (one rank per host)" if params.two_level else "")
+                  + ("; copy_alpha (s per copy), copy_beta (s per byte) between device and "
+                     "pinned host memory, as the staged path copies, and rows from device "
+                     "buffers" if params.copy_beta > 0 else "")
                   + ". Decision rows: "
                   f"{measured}; other rank counts from the model. Sizes in rows are the bytes "
                   "of the array each rank passes (allgather: one rank's contribution)."),
@@ -190,6 +196,7 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
                 "inter_pairwise": calibration.inter_pairwise}
                if calibration.inter_point_to_point else {}),
             "reduction": calibration.reduction,
+            **({"staging": calibration.staging} if calibration.staging else {}),
             "call_seconds": calibration.call_seconds,
             "sweep": records,
         },
@@ -197,8 +204,9 @@ def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]]
 
 
 def comparison(records: list[dict[str, Any]], params: Any, size: int,
-               table_rows: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Lines: measured vs predicted per collective, size and algorithm, and summary errors."""
+               table_rows: dict[str, list[dict[str, Any]]], staged: bool = False) -> list[str]:
+    """Lines: measured vs predicted per collective, size and algorithm, and summary errors;
+    `staged`: the rows were device buffers staged through host memory, priced so."""
     from collectives.cost_model import array_bytes, best, modelled_algorithms, predict
     from collectives.select import row_choice
 
@@ -212,12 +220,12 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
         groups.setdefault((r["collective"], r["bytes"]), []).append(r)
     for (collective, nbytes), group in groups.items():
         valid = [r for r in group if r["valid"]]
-        predicted = {r["algorithm"]: predict(collective, r["algorithm"], nbytes, size, params)
-                     for r in group}
+        predicted = {r["algorithm"]: predict(collective, r["algorithm"], nbytes, size, params,
+                                             staged=staged) for r in group}
         fastest = min(valid, key=lambda r: r["seconds"]) if valid else None
         # as `auto` decides: cost_model.best, whose exact ties go to the earlier algorithm
         model_pick = best(collective, nbytes, size, params,
-                          [a for a in modelled_algorithms(collective) if a in predicted])
+                          [a for a in modelled_algorithms(collective) if a in predicted], staged=staged)
         table_pick = row_choice(table_rows[collective], array_bytes(collective, nbytes, size), size)
         for r in group:
             error = predicted[r["algorithm"]] / r["seconds"] - 1
@@ -253,6 +261,7 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str], command: Command) ->
     """Collective: measure, sweep, write the tuning file (rank 0) and report (rank 0)."""
     from mpi4py import MPI
 
+    import collectives
     from collectives.calibrate import calibrate
 
     from ..timing import size_sweep
@@ -261,9 +270,15 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str], command: Command) ->
     rank, size = command.rank, command.size
     say = command.say
 
+    runtime = None
+    if args.device == "gpu":  # checked on every rank before: CuPy and a GPU are there
+        from collectives.buffers import device_runtime
+
+        runtime = device_runtime()
+    staged = runtime is not None and not collectives.cuda_aware()
     say(f"# hpcdl tune: {size} ranks; fitting alpha, beta ({args.p2p}), beta_pairwise, gamma, "
-        "overhead")
-    calibration = calibrate(comm, pattern=args.p2p, iterations=args.iters)
+        "overhead" + (", copy_alpha, copy_beta (device <-> pinned host copies)" if runtime else ""))
+    calibration = calibrate(comm, pattern=args.p2p, iterations=args.iters, runtime=runtime)
     params = calibration.params
     if params.two_level:
         say(f"two levels: {params.ranks_per_host} ranks on the fullest host; alpha, beta, "
@@ -282,6 +297,12 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str], command: Command) ->
         f"({1 / params.gamma / 1e9 if params.gamma else math.inf:.3g} GB/s)")
     say(f"overhead {params.overhead * 1e6:10.2f} µs per call  (a 4-byte allreduce took "
         f"{calibration.call_seconds * 1e6:.1f} µs)")
+    if runtime is not None:
+        say(f"copy_alpha {params.copy_alpha * 1e6:8.2f} µs per copy between device and pinned host "
+            f"memory; copy_beta {params.copy_beta * 1e9:.4f} ns per byte "
+            f"({1 / params.copy_beta / 1e9 if params.copy_beta else math.inf:.3g} GB/s); the sweep "
+            + ("stages device buffers through host memory" if staged else
+               "hands device buffers to MPI (CUDA-aware)"))
     say("\n".join(fit_report(calibration)))
     records: list[dict[str, Any]] = []
     if not args.model_only:
@@ -289,7 +310,7 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str], command: Command) ->
         for collective in args.collectives:
             say(f"# sweeping {collective}: {len(sizes)} sizes, {human_bytes(sizes[0])} to "
                 f"{human_bytes(sizes[-1])}")
-            records += sweep(collective, sizes, comm, args.iters)
+            records += sweep(collective, sizes, comm, args.iters, args.device)
     job = describe_job(comm, calibration.pattern, argv)  # collective
     output = Path(args.output).resolve()
     error, document = None, None
@@ -304,6 +325,6 @@ def run_tune(args: argparse.Namespace, argv: Sequence[str], command: Command) ->
     if error:
         return command.fail(CommandError(f"{error}; choose a writable path with -o", status=1))
     if records and document is not None:
-        say("\n".join(["", *comparison(records, params, size, document["collectives"])]))
+        say("\n".join(["", *comparison(records, params, size, document["collectives"], staged)]))
     say(f"\nwrote {output}\nuse it:  export HPCDL_TUNING_FILE={output}")
     return 0 if all(r["valid"] for r in records) else 1

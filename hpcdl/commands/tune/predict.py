@@ -134,30 +134,60 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
         overhead, source["overhead"] = base.overhead, f"from {args.tuning_file}"
     else:
         overhead, source["overhead"] = DEFAULT_OVERHEAD, "default, measured on the reference machine"
+    copy_alpha, copy_beta = staging_params(args, base, source)
     if base is not None and base.two_level:
         source["alpha"] = source["beta"] = f"from {args.tuning_file}"
         return ModelParams(base.alpha, base.beta, gamma, overhead, base.beta_pairwise,
                            ranks_per_host=base.ranks_per_host, alpha_inter=alpha, beta_inter=beta,
-                           beta_pairwise_inter=beta_pairwise), source
-    return ModelParams(alpha, beta, gamma, overhead, beta_pairwise), source
+                           beta_pairwise_inter=beta_pairwise, copy_alpha=copy_alpha,
+                           copy_beta=copy_beta), source
+    return ModelParams(alpha, beta, gamma, overhead, beta_pairwise, copy_alpha=copy_alpha,
+                       copy_beta=copy_beta), source
+
+
+def staging_params(args: argparse.Namespace, base: Any, source: dict[str, str]) -> tuple[float, float]:
+    """(copy_alpha, copy_beta) for --staged: the flags, else the tuning file's; (0, 0) without
+    --staged. CommandError where --staged has neither."""
+    if not args.staged:
+        return 0.0, 0.0
+    measured = base is not None and base.copy_beta > 0
+    given = {"copy_alpha": args.copy_latency,
+             "copy_beta": None if args.copy_bandwidth is None else 1.0 / args.copy_bandwidth}
+    missing = [flag for flag, name in (("--copy-latency", "copy_alpha"),
+                                       ("--copy-bandwidth", "copy_beta")) if given[name] is None]
+    if missing and not measured:
+        raise CommandError(f"--staged needs {' and '.join(missing)} (or a --tuning-file measured "
+                           "with `hpcdl tune --device gpu`, which holds copy_alpha and copy_beta)")
+    values = []
+    for name, flag in (("copy_alpha", "--copy-latency"), ("copy_beta", "--copy-bandwidth")):
+        if given[name] is not None:
+            values.append(float(given[name]))
+            source[name] = flag
+        else:
+            values.append(float(getattr(base, name)))
+            source[name] = f"from {args.tuning_file}"
+    return values[0], values[1]
 
 
 def plan_step(params: Any, nodes: int, parameters: int, dtype: str, bucket_mb: float,
-              compute_s: float) -> tuple[Buckets, list[StepPrediction], dict[int, str]]:
+              compute_s: float, staged: bool = False
+              ) -> tuple[Buckets, list[StepPrediction], dict[int, str]]:
     """The buckets, a `StepPrediction` per modelled allreduce algorithm plus auto's (last), and auto's pick
     per distinct bucket size (the model's fastest). Closed forms: at most two sizes are priced,
-    whatever the number of buckets or ranks."""
+    whatever the number of buckets or ranks. `staged`: device buffers staged through host memory."""
     from collectives.cost_model import best, modelled_algorithms, predict
 
     itemsize = ITEMSIZE[dtype]
     buckets = Buckets.of(parameters, itemsize, bucket_mb)
 
     def seconds(algorithm: str, nbytes: int) -> float:
-        return predict("allreduce", algorithm, nbytes, nodes, params, itemsize=itemsize) if nbytes else 0.0
+        return predict("allreduce", algorithm, nbytes, nodes, params, itemsize=itemsize,
+                       staged=staged) if nbytes else 0.0
 
     plans = [StepPrediction(a, buckets, seconds(a, buckets.cap), seconds(a, buckets.rest), compute_s)
              for a in modelled_algorithms("allreduce")]
-    picks = {b: best("allreduce", b, nodes, params, itemsize=itemsize) for b in buckets.sizes()}
+    picks = {b: best("allreduce", b, nodes, params, itemsize=itemsize, staged=staged)
+             for b in buckets.sizes()}
     auto = StepPrediction("auto", buckets, seconds(picks.get(buckets.cap, "ring"), buckets.cap),
                 seconds(picks.get(buckets.rest, "ring"), buckets.rest), compute_s)
     return buckets, [*plans, auto], picks
@@ -178,11 +208,25 @@ def _two_level_lines(params: Any, source: dict[str, str], tuning_file: str | Non
     return lines
 
 
+def _staging_lines(params: Any, source: dict[str, str], buckets: Buckets, nodes: int) -> list[str]:
+    """--predict --staged's lines: the copy parameters, and the staging piece the model picks for
+    a ring step of the largest bucket."""
+    from collectives.cost_model import staging_piece
+
+    step = -(-buckets.sizes()[0] // nodes)  # a ring step's block
+    piece = staging_piece(step, params)
+    return [f"  copy_alpha {params.copy_alpha * 1e6:7.3f} µs per copy          ({source['copy_alpha']})",
+            f"  copy_beta  {params.copy_beta * 1e9:7.4f} ns per byte copied  ({source['copy_beta']}; "
+            f"{1 / params.copy_beta / 1e9 if params.copy_beta else math.inf:.3g} GB/s)",
+            f"  staged: device buffers copied through pinned host memory, pipelined; a ring step "
+            f"of {human_bytes(step)} in staging pieces of {human_bytes(piece)} (the model's pick)"]
+
+
 def run_predict(args: argparse.Namespace) -> int:
     params, source = predict_params(args)
     compute_s = args.compute_ms * 1e-3
     buckets, plans, picks = plan_step(params, args.nodes, args.model_params, args.dtype,
-                                      args.bucket_mb, compute_s)
+                                      args.bucket_mb, compute_s, args.staged)
     lines = [
         f"hpcdl tune --predict: {args.nodes} ranks, allreduce of {args.model_params:,} {args.dtype} "
         f"gradients ({human_bytes(buckets.total)}) per step in {buckets.count:,} bucket"
@@ -196,6 +240,7 @@ def run_predict(args: argparse.Namespace) -> int:
         *_two_level_lines(params, source, args.tuning_file),
         f"  gamma    {params.gamma * 1e9:9.4f} ns per byte reduced ({source['gamma']})",
         f"  overhead {params.overhead * 1e6:9.3f} µs per call         ({source['overhead']})",
+        *(_staging_lines(params, source, buckets, args.nodes) if args.staged else []),
         "",
         f"{'algorithm':<18} {'per bucket':>11} {'per step':>11} {'efficiency':>11} {'overlapped':>11}",
     ]

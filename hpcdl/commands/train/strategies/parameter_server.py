@@ -225,6 +225,12 @@ class ParameterServerStrategy(Strategy):
         if self.trains:
             self.ps.close()
 
+    def request_stop(self, signum: int) -> None:
+        self.ps.request_stop(signum)  # the workers read it in the answers to their pulls
+
+    def stop_signal(self) -> int:
+        return self.ps.stop_signal
+
     def agree_status(self, status: int) -> int:
         # Servers learn how the workers ended (a diverged run, a stop on a signal).
         import numpy as np
@@ -242,6 +248,14 @@ class Downpour(ParameterServerStrategy):
     summary = "parameter server, asynchronous updates (Downpour SGD)"
     consistency = "async"
     options = ParameterServerStrategy.options + ("n_fetch", "n_push")
+
+    @classmethod
+    def epoch_errors(cls, plan: Plan, steps_per_epoch: int) -> list[str]:
+        # A worker that keeps its parameters (or holds back its gradients) for more than an epoch
+        # trains on one fetch, or shows the servers nothing, for whole epochs.
+        return [f"--{name.replace('_', '-')} {plan.options[name]} is more than the {steps_per_epoch} "
+                f"steps each worker takes per epoch; use {steps_per_epoch} or less"
+                for name in ("n_fetch", "n_push") if plan.options[name] > steps_per_epoch]
 
     @classmethod
     def details(cls, plan: Plan) -> str:
