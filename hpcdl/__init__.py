@@ -24,7 +24,7 @@ _COLLECTIVES = ("allgather", "allreduce", "average", "broadcast", "iallgather", 
                 "ibroadcast", "ireduce", "ireduce_scatter", "reduce", "reduce_scatter")
 
 __all__ = ["DistributedDataParallel", "LocalSGD", "ParameterServer", "ProcessGrid", "Topology",
-           "abort", "compression", "horovod", "init", "init_torch_distributed", "local_rank",
+           "abort", "compression", "elastic", "horovod", "init", "init_torch_distributed", "local_rank",
            "local_size", "optim", "parallel", "rank", "size", "thread_level", "topology",
            *_COLLECTIVES]
 __version__ = "0.1.0"
@@ -43,6 +43,7 @@ _LAZY = {
     "init_torch_distributed": ".torch_distributed",
     # the collectives on torch tensors (and, untouched, on any array); torch-free for arrays
     **{name: ".comm.tensor_collectives" for name in _COLLECTIVES},
+    "elastic": ".ddp.elastic",  # the module itself (hpcdl.elastic.State, hpcdl.elastic.run)
     "compression": None,  # submodules and subpackages
     "horovod": None,
     "optim": None,
@@ -77,4 +78,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY[name]
     if module is None:
         return importlib.import_module(f".{name}", __name__)
+    if module.endswith(f".{name}"):
+        return importlib.import_module(module, __name__)
     return getattr(importlib.import_module(module, __name__), name)

@@ -356,14 +356,6 @@ def test_what_hpcdl_does_not_offer_raises_when_used(comm):
     with pytest.raises(NotImplementedError, match="timeline=PATH"):
         hvd.start_timeline("/tmp/timeline.json")
 
-    @hvd.elastic.run  # the decorator applies at import time; calling the function raises
-    def train(state):
-        return state
-
-    with pytest.raises(NotImplementedError, match="elastic"):
-        train(None)
-    with pytest.raises(NotImplementedError, match="elastic"):
-        hvd.elastic.TorchState(model=None)
     with pytest.raises(NotImplementedError, match="mpirun -n N"):
         hvd.run(lambda: None, np=2)
 

@@ -225,6 +225,9 @@ BASIC = ("--time", "30", "--partition", "batch")
     (("cpu", *BASIC, "--checkpoint-dir", "/scratch/a;b"), "without spaces, quotes or shell operators"),
     (("cpu", *BASIC, "-o", "/nonexistent-dir/job.sbatch"), "-o /nonexistent-dir/job.sbatch: cannot "
                                                            "write the script"),
+    (("cpu", *BASIC, "--fault-tolerant", "--launcher", "srun"), "--fault-tolerant needs --launcher mpirun: a "
+     "job that survives a lost rank runs under ULFM, which Open MPI carries only under its own mpirun"),
+    (("allreduce-sweep", *BASIC, "--fault-tolerant"), "--fault-tolerant applies to the training templates"),
 ])
 def test_render_rejects_bad_input(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
                                   message: str) -> None:
@@ -301,6 +304,23 @@ def test_rendered_scripts(capsys: pytest.CaptureFixture[str], tmp_path: Path, te
         # USR1 goes to the training step's ranks, which checkpoint and exit 3; then it requeues.
         assert "#SBATCH --signal=USR1@" in script and "#SBATCH --signal=B:" not in script
         assert script.index('[ "$status" = 3 ]') < script.index('scontrol requeue "$SLURM_JOB_ID"')
+
+
+@pytest.mark.skipif(slurm.loaded_mpi_family() != "Open MPI", reason="ULFM is Open MPI's")
+@pytest.mark.parametrize("template", ["cpu", "requeue"])
+def test_fault_tolerant_scripts_launch_mpirun_with_ulfm(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                        template: str) -> None:
+    """--fault-tolerant: mpirun --with-ft ulfm (the default launcher then), and SLURM told not to
+    end the job when a node fails; the training options go through."""
+    out_file = tmp_path / "ft.sbatch"
+    status, _, err = render(capsys, template, *BASIC, "--nodes", "2", "--tasks-per-node", "4", "--fault-tolerant",
+                            "-o", str(out_file), "--", "--respawn")
+    assert status == 0, err
+    script = out_file.read_text()
+    assert subprocess.run(["bash", "-n", str(out_file)]).returncode == 0
+    assert script.count('mpirun --with-ft ulfm -n "$SLURM_NTASKS"') == 2 and "srun" not in script.replace(
+        "SRUN_", "").replace("srun no longer", "")
+    assert "\n#SBATCH --no-kill\n" in script and "--respawn" in script
 
 
 def test_render_to_stdout_and_explicit_mpi_type(capsys: pytest.CaptureFixture[str]) -> None:

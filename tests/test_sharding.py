@@ -544,26 +544,29 @@ def test_hpcdl_train_shard_trains_as_unsharded(comm, tmp_path):
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun jobs; N = 1 job only")
 def test_hpcdl_train_resumes_on_another_number_of_ranks(tmp_path):
-    """3 ranks stop in epoch 2; 2 ranks resume from the end of epoch 1 (the mid-epoch checkpoints are
-    skipped, saying why), resharding the optimizer state, and finish."""
+    """2 ranks stop in epoch 1; 3 ranks resume from its mid-epoch checkpoint (more ranks than wrote
+    it: the third starts afresh), resharding the optimizer state, with the data order and global
+    batch of the 2 ranks; the run ends where an undisturbed 2-rank run ends."""
     import json
     import sys
 
     from run import ROOT, own_job_environment, run_own_job
 
-    common = [sys.executable, "-m", "hpcdl", "train", "--model", "mlp", "--epochs", "2", "--batch-size", "96",
-              "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "m.jsonl")]
-    first = run_own_job(["mpirun", "-n", "3", *common, "--shard", "optimizer", "--checkpoint-every", "2",
-                         "--stop-after-steps", "8"], 300, own_job_environment(PYTHONPATH=str(ROOT)))
-    assert first.returncode == 0, first.stdout
-    second = run_own_job(["mpirun", "-n", "2", *common, "--shard", "gradients", "--resume"], 300,
-                         own_job_environment(PYTHONPATH=str(ROOT)))
-    assert second.returncode == 0, second.stdout
-    assert "in the middle of epoch 2" in second.stdout and "on 2 rank(s)" in second.stdout
-    assert "resuming at epoch 2" in second.stdout
-    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r["ranks"]) for r in rows] == [(1, 3), (2, 2)]
-    assert rows[-1]["accuracy"] > rows[0]["accuracy"], rows
+    def train(ranks, directory, *extra):
+        common = [sys.executable, "-m", "hpcdl", "train", "--model", "mlp", "--epochs", "2", "--batch-size", "96",
+                  "--checkpoint-dir", str(tmp_path / directory), "--metrics", str(tmp_path / f"{directory}.jsonl")]
+        job = run_own_job(["mpirun", "-n", str(ranks), *common, *extra], 300,
+                          own_job_environment(PYTHONPATH=str(ROOT)))
+        assert job.returncode == 0, job.stdout
+        return job.stdout, [json.loads(line) for line in (tmp_path / f"{directory}.jsonl").read_text().splitlines()]
+
+    train(2, "ckpt", "--shard", "optimizer", "--checkpoint-every", "2", "--stop-after-steps", "8")
+    out, rows = train(3, "ckpt", "--shard", "gradients", "--resume")
+    assert "on 3 rank(s) (the data split and global batch of 2)" in out and "resuming at epoch 1, step 6" in out
+    _, whole = train(2, "whole", "--shard", "optimizer")
+    assert [(r["epoch"], r["step"], r["ranks"]) for r in rows] == [(1, 8, 3), (2, 16, 3)], rows
+    assert [r["step"] for r in whole] == [8, 16]
+    assert abs(rows[-1]["test_loss"] - whole[-1]["test_loss"]) < 1e-3 * whole[-1]["test_loss"], (rows, whole)
 
 
 class _WithScalar(torch.nn.Module):

@@ -31,7 +31,7 @@ trains = pytest.mark.skipif(SIZE not in (2, 3), reason="trains; N = 2, 3 only (a
 COMMON_COLUMNS = {"epoch", "step", "train_loss", "test_loss", "accuracy", "samples_per_s", "seconds", "lr",
                   "ranks", "strategy", "samples", "bytes_sent_per_rank", "staleness_mean", "staleness_max",
                   "staleness_histogram", "grad_bytes_per_rank", "grad_ratio", "grad_density",
-                  "grad_density_max_step"}
+                  "grad_density_max_step", "lost_ranks", "recovery_s", "steps_lost"}
 
 
 def rows(path: Path) -> list[dict[str, Any]]:

@@ -142,8 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     resources.add_argument("--partition", required=True, help="partition (queue) to submit to")
     resources.add_argument("--account", help="account to charge, where the site needs one")
     launch = render.add_argument_group("launch")
-    launch.add_argument("--launcher", choices=("srun", "mpirun"), default="srun",
-                        help="srun (default), or the MPI library's own mpirun inside the allocation")
+    launch.add_argument("--launcher", choices=("srun", "mpirun"), default=None,
+                        help="srun (default), or the MPI library's own mpirun inside the allocation "
+                             "(the default with --fault-tolerant)")
+    launch.add_argument("--fault-tolerant", action="store_true",
+                        help="training that goes on when ranks die (docs/failures.md#training): "
+                             "mpirun --with-ft ulfm inside the allocation (Open MPI with ULFM; srun "
+                             "cannot carry it) and sbatch --no-kill, so that a failed node does not "
+                             "end the job")
     launch.add_argument("--mpi", choices=("auto", "pmix", "pmi2"), default="auto",
                         help="srun's --mpi type (default auto: pmix for Open MPI, pmi2 for MPICH, "
                              "from the MPI library mpi4py loads here)")
@@ -194,6 +200,7 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
     if args.gpus_per_node > 0 and args.tasks_per_node not in (None, args.gpus_per_node):
         errors.append(f"one rank per GPU: --tasks-per-node {args.tasks_per_node} must equal "
                       f"--gpus-per-node {args.gpus_per_node} (or be left out)")
+    errors += fault_tolerance_errors(args, spec)
     if args.template == "requeue":
         if args.checkpoint_every < 1:
             errors.append(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
@@ -230,6 +237,21 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
     return errors
 
 
+def fault_tolerance_errors(args: argparse.Namespace, spec: TemplateSpec) -> list[str]:
+    """What --fault-tolerant cannot be combined with (srun, a template that does not train)."""
+    if not args.fault_tolerant:
+        return []
+    errors = []
+    if args.launcher == "srun":
+        errors.append("--fault-tolerant needs --launcher mpirun: a job that survives a lost rank runs "
+                      "under ULFM, which Open MPI carries only under its own mpirun (PRRTE); under "
+                      "srun such jobs \"may hang\" (Open MPI's documentation, docs/failures.md#training)")
+    if spec.runs != "train":
+        errors.append(f"--fault-tolerant applies to the training templates, not to {args.template} "
+                      f"(it runs hpcdl {spec.runs})")
+    return errors
+
+
 def template_values(args: argparse.Namespace, family: str | None) -> dict[str, object]:
     """The variables the templates use, from checked arguments."""
     program_args = args.program_args
@@ -243,6 +265,7 @@ def template_values(args: argparse.Namespace, family: str | None) -> dict[str, o
         "cpus_per_task": args.cpus_per_task, "gpus_per_node": args.gpus_per_node, "time": args.time,
         "partition": args.partition, "account": args.account, "log_dir": args.log_dir.rstrip("/") or "/",
         "launcher": args.launcher, "mpi": mpi, "mpi_family": family, "allow_root": args.allow_root,
+        "fault_tolerant": args.fault_tolerant,
         "command": command, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "signal_seconds": args.signal_seconds,
         "exclusive": args.exclusive,
@@ -277,7 +300,11 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         command.agree(render_errors(args, known))
+        args.launcher = args.launcher or ("mpirun" if args.fault_tolerant else "srun")
         family = loaded_mpi_family()
+        if args.fault_tolerant and family != "Open MPI":
+            raise CommandError(f"--fault-tolerant needs Open MPI built with ULFM (mpirun --with-ft "
+                               f"ulfm); mpi4py loads {family or 'an unknown MPI library'} here")
         if args.launcher == "srun" and args.mpi == "auto" and family is None:
             raise CommandError("cannot tell which srun --mpi type this MPI library needs; give --mpi "
                                "pmix (Open MPI) or --mpi pmi2 (MPICH and derivatives)")

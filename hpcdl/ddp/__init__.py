@@ -12,6 +12,7 @@
     sharded_optimizer.py   the user's optimizer over this rank's pieces (`ShardedOptimizer`);
                    gathered state dicts that any number of ranks loads
     join.py        `join()`: uneven inputs, a rank without data answering with zeros
+    elastic.py     `hpcdl.elastic`: training loops that go on after lost ranks (ULFM)
 
 Schemes that send part of the gradient (top-k, threshold) build on the contract in
 `hpcdl.compression`; this package never imports them.

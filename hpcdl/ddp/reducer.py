@@ -308,6 +308,23 @@ class Reducer:
                               "passes: a rank that skipped a batch, ran an extra backward or failed "
                               "inside a step leaves its peers waiting here.")
 
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Collective over `comm`: exchange over its ranks from now on. The step under way (one a
+        process failure interrupted) is dropped once its collectives have ended, so that none
+        writes into a bucket later; every rank takes rank 0's bucket layout (a replacement process
+        has none yet, and survivors may differ on whether the first step rebuilt theirs)."""
+        for bucket in self.buckets:
+            for handle in bucket.handles:
+                handle.settled()  # ended, with a result or an error
+        self.reset_step()
+        self.comm = comm
+        order = np.array([self.index[id(p)] for bucket in self.buckets for p in bucket.params],
+                         dtype=np.int64)
+        collectives.broadcast(order, 0, comm)
+        self.set_buckets([int(i) for i in order])
+        self.ready_order = None
+        self.reset_step()
+
     def reset_step(self) -> None:
         """Forget the step under way (nothing ready, nothing launched)."""
         for bucket in self.buckets:

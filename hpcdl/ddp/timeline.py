@@ -43,6 +43,17 @@ class Timeline:
         self.comm.Barrier()  # a common zero for every rank's stamps
         self.origin = time.perf_counter()
 
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Gather into `comm` from now on (after ranks were lost or replaced): this process keeps
+        its process id in the trace (its rank when the trace began), so its rows stay its own; a
+        replacement process, whose trace began alone, takes its id in the job
+        (`hpcdl.runtime.world.member`)."""
+        from ..runtime.world import member
+
+        if self.comm.Get_size() == 1 and comm.Get_size() > 1:
+            self.rank = member()
+        self.comm = comm
+
     def _us(self, stamp: float) -> float:
         return (stamp - self.origin) * 1e6
 
@@ -80,11 +91,11 @@ class Timeline:
         with self._lock:
             mine = list(self.events)
             dropped = self.dropped
-        gathered = self.comm.gather((mine, dropped), root=0)
-        if self.rank != 0 or gathered is None:
+        gathered = self.comm.gather((self.rank, mine, dropped), root=0)
+        if self.comm.Get_rank() != 0 or gathered is None:
             return None
         events: list[dict[str, Any]] = []
-        for rank, (rank_events, _) in enumerate(gathered):
+        for rank, rank_events, _ in gathered:
             events.append({"name": "process_name", "ph": "M", "pid": rank,
                            "args": {"name": f"rank {rank}"}})
             for tid, label in ((TRAINING_THREAD, "training"), (COMMUNICATION_THREAD, "communication")):
@@ -92,7 +103,7 @@ class Timeline:
                                "args": {"name": label}})
             events.extend(rank_events)
         trace = {"traceEvents": events, "displayTimeUnit": "ms",
-                 "otherData": {"dropped_events": [d for _, d in gathered]}}
+                 "otherData": {"dropped_events": [d for _, _, d in gathered]}}
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)

@@ -312,6 +312,26 @@ class DistributedDataParallel(torch.nn.Module):
         """Parameter names per bucket, in the order buckets are reduced."""
         return [list(b.names) for b in self._reducer.buckets]
 
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Collective over `comm`: average over its ranks from now on, after ranks were lost or
+        replaced (`hpcdl.elastic`, `hpcdl train --on-rank-failure continue`; docs/failures.md).
+
+        The step a process failure interrupted is dropped (its gradients are not averaged; redo
+        it), every rank takes rank 0's bucket layout, and the exchange scheme is set up for the
+        new size and checked to be the same on every rank. Parameters, buffers and the scheme's
+        state (error feedback) are not touched: bring them in line first (data-parallel replicas
+        are identical, so any survivor's parameters are everyone's).
+        """
+        self._reducer.rebind(comm)
+        self.comm = comm
+        raise_unless_agreed("DistributedDataParallel", self.compression.setup(self._named, comm),
+                            {"compression": repr(self.compression)}, comm)
+        if self.timeline is not None:
+            self.timeline.rebind(comm)
+        self._sync_next = self._forwarded = self._syncing = self._in_backward = False
+        self._used_locally.clear()
+        self._backward_started_at = None
+
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ calls pair by order), `prescale_factor` and
 collectives are differentiable as Horovod's are.
 
 What hpcdl does not offer raises NotImplementedError naming what to use instead, only when used:
-the Adasum reduction, process sets other than the global one, elastic training, the timeline
+the Adasum reduction, process sets other than the global one, the timeline
 (`hpcdl.DistributedDataParallel(timeline=...)` records one), SyncBatchNorm, sparse allreduce,
 `horovod.run`. `DistributedOptimizer` reduces gradients on hpcdl's DDP machinery (buckets filled
 by backward, overlap, the communication thread: optimizer.py).
@@ -30,8 +30,9 @@ rank raises ValueError naming who waits for what).
 Split as Horovod's own `horovod.torch` is: basics.py (init, sizes, ranks, the build, process sets,
 the ops), mpi_ops.py (the collectives on tensors and their handles), names.py (named calls paired
 by name), functions.py (broadcasts of models, optimizer states and objects), compression.py,
-optimizer.py (DistributedOptimizer),
-sync_batch_norm.py and elastic.py (not offered yet); this module only gathers their names.
+optimizer.py (DistributedOptimizer), sync_batch_norm.py (not offered) and elastic.py
+(`hvd.elastic` on hpcdl's recovery from lost ranks, under `mpirun --with-ft ulfm`); this module
+only gathers their names.
 """
 from . import elastic
 from .basics import (Adasum, Average, HorovodInternalError, Max, Min, ProcessSet, Product, Sum, add_process_set,

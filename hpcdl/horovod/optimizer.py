@@ -196,6 +196,16 @@ class _Synchronizing:
                 "a race condition (the gradients are being reduced).")
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Collective over `comm`: reduce over its ranks from now on (`hvd.elastic` after ranks
+        were lost or replaced); the reduction a failure interrupted is dropped."""
+        self._hvd_reducer.rebind(comm)
+        self._hvd_reducer.exchange.setup(self._hvd_named, comm)
+        self._hvd_comm = comm
+        self._hvd_delay = [self.backward_passes_per_step] * len(self._hvd_named)
+        self._hvd_touched = self._hvd_marked = self._hvd_synchronized = False
+        self._hvd_problem = None  # an extra backward pass of the dropped step is dropped with it
+
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per bucket, in the order buckets are reduced (as DDP's)."""
         return [list(b.names) for b in self._hvd_reducer.buckets]

@@ -9,6 +9,8 @@
     memory.py       transparent huge pages, available memory, shortfall messages
     atomic_file.py  writes a reader never sees half of
     checkpoint.py   checkpoints with checksums, written atomically, and resume
+    world.py        the job's communicator now: MPI.COMM_WORLD until ranks are lost or replaced
+    recovery.py     going on after lost ranks (ULFM): agree, shrink, respawn, join, share state
 
 Importing this package starts no MPI: `process` (which imports mpi4py.MPI, and so initializes
 MPI) is imported on first use of one of its names.

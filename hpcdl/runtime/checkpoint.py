@@ -209,10 +209,12 @@ def save_checkpoint(directory: str | os.PathLike[str], training_state: dict[str,
     checkpoint `step`, then keeps the `keep` newest checkpoints.
 
     `training_state` (model, optimizer, scheduler, epoch, ...) need only be right on rank 0: ranks
-    hold identical copies in synchronous data-parallel training. Returns the path on every rank.
-    Cost: a one-int32 allreduce (so that a missing rank is reported as a stall, hpcdl/runtime/stall.py,
-    instead of hanging the gather silently), one gather of about 7 KiB (plus `rank_state`) per
-    rank, and rank 0's write.
+    hold identical copies in synchronous data-parallel training. Returns the path on every rank
+    once rank 0 has written it: a rank that dies while writing (under ULFM, docs/failures.md)
+    leaves the others inside this call, so that they write it again rather than go on without it.
+    Cost: a one-int32 allreduce before (so that a missing rank is reported as a stall,
+    hpcdl/runtime/stall.py, instead of hanging the gather silently) and one after, one gather of
+    about 7 KiB (plus `rank_state`) per rank, and rank 0's write.
     """
     stall.barrier(comm, f"checkpoint {step} (the gather of every rank's state)", stacklevel=2)
     states = comm.gather({"rng": rng_state(), **(rank_state or {})}, root=0)
@@ -220,6 +222,7 @@ def save_checkpoint(directory: str | os.PathLike[str], training_state: dict[str,
     if comm.Get_rank() == 0:
         atomic_save({**training_state, "step": step, "ranks": states}, path)
         prune_checkpoints(directory, keep, spare=path)
+    stall.barrier(comm, f"checkpoint {step} (rank 0 writing it)", stacklevel=2)
     return path
 
 

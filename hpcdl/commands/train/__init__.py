@@ -4,6 +4,7 @@
                     schedule, strategy; then the servers serve and the trainers train
     options.py      the parser and the checks of every option's value
     trainer.py      the training loop, the same for every strategy; evaluation
+    recovery.py     --on-rank-failure: commits, recovery after lost ranks, the data split
     pacing.py       lockstep steps, or ranks at their own pace meeting at the job's progress
     strategies/     the registry of strategies and one module per family
     metrics.py      the per-epoch metrics file and gradient-traffic figures

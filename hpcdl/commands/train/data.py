@@ -1,11 +1,15 @@
 """Training data and how it is split across ranks.
 
 - `load_digits_split`: scikit-learn's 8x8 digits (ships with scikit-learn, no download), a fixed
-  stratified train/held-out split that every rank computes identically.
+  stratified train/held-out split that every rank computes identically (`hpcdl train` computes
+  it once and sends it, as `dataset_arrays`: importing scikit-learn costs seconds per process).
 - `shard_sampler`: torch's own `DistributedSampler`, fed hpcdl's rank and size instead of a
   torch.distributed process group.
 - `epoch_batches`: the index batches of one epoch on this rank, optionally skipping the first k,
   which is how a run resumed mid-epoch continues with exactly the batches it had not done.
+- `shared_batches`: the same epoch as global batches split over however many ranks train now,
+  which is how training that lost ranks (`--on-rank-failure continue`) still sees every sample
+  once per epoch.
 - `synthetic_batch`: a random ImageNet-shaped batch for the throughput benchmark.
 """
 from __future__ import annotations
@@ -40,6 +44,12 @@ def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[
             TensorDataset(torch.from_numpy(x_test), torch.from_numpy(y_test)))
 
 
+def dataset_arrays(datasets: tuple[TensorDataset, ...]) -> list[tuple[np.ndarray, ...]]:
+    """The NumPy arrays of each TensorDataset (what another rank rebuilds them from: they pickle
+    without torch's shared-memory sharing)."""
+    return [tuple(t.cpu().numpy() for t in d.tensors) for d in datasets]
+
+
 def shard_sampler(dataset: TensorDataset, *, seed: int, shuffle: bool = True,
                   num_replicas: int | None = None, replica_rank: int | None = None) -> DistributedSampler:
     """torch's `DistributedSampler` over `dataset` for this rank of this MPI job.
@@ -69,6 +79,53 @@ def epoch_batches(sampler: DistributedSampler, batch_size: int, epoch: int,
     """
     sampler.set_epoch(epoch)
     return islice(iter(BatchSampler(sampler, batch_size, drop_last=False)), skip, None)
+
+
+class RankShare(list[int]):
+    """This rank's part of one step's global batch: sample indices, and the `weight` its mean
+    loss is multiplied by so that the ranks' average is the global batch's mean (1.0 where every
+    rank has the same number of samples, as without a loss)."""
+
+    def __init__(self, indices: list[int], weight: float = 1.0) -> None:
+        super().__init__(indices)
+        self.weight = weight
+
+
+def epoch_order(sampler: DistributedSampler, epoch: int) -> list[int]:
+    """Every replica's samples of `epoch` in one list, replica r's i-th at r + P*i (P the
+    sampler's replicas): padded as `DistributedSampler` pads, so step j's samples on all
+    replicas together are the slice [j*B, (j+1)*B) for B = P x the per-replica batch."""
+    replicas = sampler.num_replicas
+    shards = []
+    for replica in range(replicas):
+        shard: DistributedSampler = DistributedSampler(sampler.dataset, num_replicas=replicas, rank=replica,
+                                   shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
+        shard.set_epoch(epoch)
+        shards.append(list(shard))
+    return [shard[i] for i in range(len(shards[0])) for shard in shards]
+
+
+def shared_batches(sampler: DistributedSampler, epoch: int, *, global_batch: int, rank: int, size: int,
+                   offset: int = 0) -> Iterator[RankShare]:
+    """This rank's parts of `epoch`'s global batches of `global_batch` samples, from sample
+    `offset` of the epoch's order (`epoch_order`) on: each global batch is split over the `size`
+    ranks training now by striding (rank r takes every size-th sample from its r-th), so they
+    differ by at most one sample and `RankShare.weight` evens out their losses.
+
+    With the sampler's own replicas and `global_batch` = replicas x batch, rank r's parts are
+    exactly `epoch_batches(sampler, batch, epoch)` of replica r (weight 1.0): the split a job
+    that loses ranks keeps, with fewer ranks taking larger parts of the same global batches.
+    """
+    if size == sampler.num_replicas and rank == sampler.rank and global_batch % size == 0 \
+            and offset % global_batch == 0:
+        for batch in epoch_batches(sampler, global_batch // size, epoch, skip=offset // global_batch):
+            yield RankShare(batch)
+        return
+    order = epoch_order(sampler, epoch)
+    for start in range(offset, len(order), global_batch):
+        step = order[start:start + global_batch]
+        mine = step[rank::size]
+        yield RankShare(mine, len(mine) * size / len(step))
 
 
 def synthetic_batch(batch_size: int, image_size: int, num_classes: int = 1000,

@@ -18,6 +18,7 @@ from ...runtime import stall
 from ...runtime.atomic_file import unwritable_directory, unwritable_file
 from . import strategies
 from .metrics import METRICS_FORMATS
+from .recovery import POLICIES, RANK_LOST
 from .strategies.base import DEFAULT_WARMUP_EPOCHS, MOMENTUM
 
 DESCRIPTION = """`hpcdl train`: data-parallel training over MPI, synchronous allreduce or another strategy.
@@ -116,6 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
                        help="for testing resume: stop abruptly after STEPS steps in total, as if "
                             "killed (no final checkpoint)")
+    lost = parser.add_argument_group(
+        "lost ranks (in a job launched with mpirun --with-ft ulfm; docs/failures.md#training)")
+    lost.add_argument("--on-rank-failure", choices=POLICIES, default=POLICIES[0],
+                      help="continue (the default): the survivors redo the interrupted step and "
+                           "train on, each epoch's data split over the ranks left; abort: the job "
+                           f"ends (exit status {RANK_LOST}), to be resumed from a checkpoint. "
+                           "Without --with-ft a lost rank ends the job whatever this says")
+    lost.add_argument("--respawn", action="store_true",
+                      help="with continue: start a replacement for each lost rank "
+                           "(MPI_Comm_spawn), which takes the state from the survivors, so the job "
+                           "goes back to its size")
+    lost.add_argument("--keep-rank-batch", action="store_true",
+                      help="with continue: keep each rank's --batch-size after a loss (the global "
+                           "batch shrinks, the learning rate with it by the linear scaling rule) "
+                           "instead of the global batch (larger per-rank batches)")
     bench = parser.add_argument_group("synthetic benchmark (with --synthetic)")
     bench.add_argument("--num-warmup-batches", type=int, default=10, help="untimed batches first")
     bench.add_argument("--num-batches-per-iter", type=int, default=10, help="batches per timed iteration")
@@ -230,6 +246,7 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
         problem = None if path is None else unwritable_file(Path(path))
         if problem:
             errors.append(f"{flag} {path}: {problem}")
+    errors += rank_failure_errors(args)
     try:
         stall.warning_seconds()
     except ValueError as exc:
@@ -243,6 +260,20 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
             errors.append("--device cuda does not take --model hybrid-cnn (its model-parallel layers "
                           "run on the CPU); use --device cpu")
     return errors + strategies.option_errors(args, ranks) + hybrid_errors(args, ranks)
+
+
+def rank_failure_errors(args: argparse.Namespace) -> list[str]:
+    """What --on-rank-failure, --respawn and --keep-rank-batch cannot be combined with."""
+    errors = []
+    for flag, used in (("--respawn", args.respawn), ("--keep-rank-batch", args.keep_rank_batch)):
+        if used and args.on_rank_failure != "continue":
+            errors.append(f"{flag} applies to --on-rank-failure continue, not {args.on_rank_failure}")
+    if args.respawn and not collectives.fault_tolerant():
+        errors.append("--respawn needs a job that survives a lost rank: launch it with "
+                      "`mpirun --with-ft ulfm` (srun cannot carry it; docs/failures.md#training)")
+    if args.respawn and args.synthetic:
+        errors.append("--respawn applies to training, not to the --synthetic benchmark; drop it")
+    return errors
 
 
 def synthetic_memory_problem(args: argparse.Namespace, ranks_on_host: int,

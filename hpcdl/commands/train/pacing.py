@@ -56,29 +56,32 @@ class Lockstep(Pacing):
     """Every training rank takes the same steps; signals are agreed on after each."""
 
     def batches(self) -> Iterator[list[int]]:
-        from .data import epoch_batches
-
-        t = self.trainer
-        return epoch_batches(t.sampler, t.args.batch_size, t.epoch, skip=t.done_in_epoch)
+        # The epoch's global batches split over the ranks training now (recovery.py).
+        return self.trainer.recovery.batches()
 
     def before_step(self, epoch_end: int, sums: Callable[[], Sums]) -> int:
         t = self.trainer
         if t.done_in_epoch >= t.steps_per_epoch:
             return EPOCH_DONE
         t.strategy.begin_step()
+        t.recovery.begin_step()
         return TAKE_STEP
 
     def after_step(self, sums: Callable[[], Sums]) -> int | None:
         t = self.trainer
         t.step += 1
         t.done_in_epoch += 1
+        checkpoint = bool(t.args.checkpoint_every and t.step % t.args.checkpoint_every == 0
+                          and t.done_in_epoch < t.steps_per_epoch)  # the epoch-end one covers the last
+        # The update is applied: a rank lost from here on does not take this step back.
+        t.recovery.commit(sums(), checkpoint_due=checkpoint)
         if t.stop_after_steps_reached():
             return 0
         if t.stop_request is not None and t.stop_request.agreed(t.comm):
             return t.stop_on_signal(sums())
-        if t.args.checkpoint_every and t.step % t.args.checkpoint_every == 0 \
-                and t.done_in_epoch < t.steps_per_epoch:  # the epoch-end checkpoint covers the last
+        if checkpoint:
             t.checkpoint_now(t.done_in_epoch, sums())
+            t.recovery.checkpoint_written()
         return None
 
 

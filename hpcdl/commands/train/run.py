@@ -11,10 +11,12 @@ from typing import Any
 from mpi4py import MPI
 
 from ... import runtime
+from ...runtime import recovery as ulfm
 from ...runtime.memory import host_available_bytes
 from ..command import ARGUMENT_ERROR, Command, CommandError, report_failure
 from . import strategies
 from .options import KEEP_CHECKPOINTS, build_parser, local_argument_errors
+from .recovery import end_job
 from .strategies.base import DEFAULT_WARMUP_EPOCHS
 
 PROG = "hpcdl train"
@@ -35,6 +37,8 @@ def main(argv: list[str]) -> int:
     """
     command = Command.world(PROG)
     topology, comm = runtime.topology(), MPI.COMM_WORLD
+    # A replacement for a lost rank (--respawn) joins the survivors at once: they wait in the merge.
+    joined = ulfm.join()
     try:
         args = command.parse(build_parser().parse_args, argv)
         available = host_available_bytes()  # every rank: collective over each host
@@ -56,6 +60,9 @@ def main(argv: list[str]) -> int:
         from .synthetic import run_synthetic_benchmark
 
         return run_synthetic_benchmark(args, topology, comm)
+    if joined is not None:  # built alone, then in the survivors' place (recovery.py)
+        torch.set_num_threads(joined[1]["torch_threads"])
+        return run_training(args, topology, MPI.COMM_SELF, joined)
     return run_training(args, topology, comm)
 
 
@@ -82,33 +89,41 @@ _TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch",
 _TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentum_correction": None}
 
 
-def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm) -> int:
+def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm,
+                 joined: tuple[MPI.Comm, dict[str, Any]] | None = None) -> int:
     """Train on digits with the chosen strategy and checkpoints as requested; print per-epoch
     metrics on rank 0. Sets everything up (every rank), then serving ranks serve and training
-    ranks run the `Trainer`; all return the same exit status."""
+    ranks run the `Trainer`; all return the same exit status.
+
+    `joined`: in a replacement of a lost rank (--respawn), the communicator it shares with the
+    survivors and what they told it; it builds everything alone (`comm` is MPI.COMM_SELF) for the
+    job's first size, then takes the state of the survivors (recovery.py). A process that lived
+    through a lost rank ends without MPI_Finalize (`runtime.recovery.exit_after_loss`)."""
     import torch
     from torch.utils.data import TensorDataset
 
     from ...parallel import ProcessGrid
     from ...runtime.checkpoint import list_checkpoints, load_resume_checkpoint
-    from .data import batches_per_epoch, load_digits_split, shard_sampler
+    from .data import batches_per_epoch, dataset_arrays, load_digits_split, shard_sampler
     from .models import build_hybrid_model, build_model
     from .schedule import Schedule, scaled_learning_rate, warmup_start_factor
     from .trainer import Trainer
 
-    rank, size = topology.rank, topology.size
+    rank, size = comm.Get_rank(), comm.Get_size()
     args.model = args.model or "cnn"
-    plan = strategies.plan(args, size)
-    job = {name: getattr(args, name) for name in _TRAJECTORY_OPTIONS} | plan.job | {"ranks": size}
+    plan_ranks = size if joined is None else joined[1]["plan_ranks"]
+    plan = strategies.plan(args, plan_ranks)
+    job = {name: getattr(args, name) for name in _TRAJECTORY_OPTIONS} | plan.job | {"ranks": plan_ranks}
 
     checkpoint = None
-    if args.resume:
+    if joined is not None:
+        pass  # the survivors hold the state
+    elif args.resume:
         # Every rank reads the checkpoint and the ranks agree on each file's verdict: all of them
         # resume from the same one, and take the same decisions below.
         path, checkpoint, skipped = load_resume_checkpoint(
             args.checkpoint_dir, comm,
-            problem=lambda c: not_a_training_checkpoint(c, plan.name, plan.strategy.checkpoint_keys)
-            or not_resharded_here(c, plan, size))
+            problem=lambda c: not_a_training_checkpoint(c, plan.name, plan.strategy.checkpoint_keys))
         if rank == 0:
             for bad, why in skipped:
                 print(f"hpcdl train: warning: --resume: skipping {bad.name}: it {why}"
@@ -118,9 +133,13 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             return _fail([f"--resume: no complete checkpoint in {args.checkpoint_dir}"
                           + (f" ({len(skipped)} unusable, see above)" if skipped else "")
                           + "; run once without --resume to create one"], rank)
-        made_with = dict(checkpoint["job"])
-        if plan.strategy.reshards and made_with.get("strategy", "allreduce") == plan.name:
-            made_with["ranks"] = size  # another number of ranks reshards (at an epoch's end)
+        made_with = checkpoint["job"]
+        if made_with.get("ranks") != size and plan.strategy.rank_loss_refusal(plan, resume=True) is None:
+            # A data-parallel run goes on with the data order and global batch of the ranks it
+            # started with, split over however many ranks it is resumed on (recovery.py).
+            plan_ranks = made_with["ranks"]
+            plan = strategies.plan(args, plan_ranks)
+            job = job | plan.job | {"ranks": plan_ranks}
         differences = [f"{k} {made_with.get(k, _TRAJECTORY_DEFAULTS.get(k))!r} (this run: {v!r})"
                        for k, v in job.items() if made_with.get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
         differences += [f"{k} {v!r} (this run: none)" for k, v in made_with.items() if k not in job]
@@ -139,7 +158,11 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                            f"{KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's would be "
                            "deleted)")], rank)
 
-    train_set, test_set = load_digits_split()
+    if joined is not None:  # from the survivors: a replacement starts sooner without scikit-learn
+        arrays = joined[1]["digits"]
+    else:  # importing scikit-learn costs each rank seconds of CPU: rank 0 splits, the others receive
+        arrays = comm.bcast(dataset_arrays(load_digits_split()) if rank == 0 else None, root=0)
+    train_set, test_set = (TensorDataset(*map(torch.from_numpy, pair)) for pair in arrays)
     if args.torch_device.type != "cpu":  # digits are small: the whole split lives on the GPU
         train_set, test_set = (TensorDataset(*(t.to(args.torch_device) for t in split.tensors))
                                for split in (train_set, test_set))
@@ -190,14 +213,28 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             from .signals import StopRequest
 
             StopRequest(relay=strategy.request_stop)
-        return strategy.agree_status(strategy.serve())
+        try:
+            return strategy.agree_status(strategy.serve())
+        except BaseException as exc:
+            # A serving rank has no Trainer to recover with, and what it serves is nobody else's:
+            # a lost rank ends the job with the reason, never a raw MPI error (docs/failures.md).
+            if not ulfm.is_process_failure(exc):
+                raise
+            end_job(exc, "while this rank served its parameter-server shard",
+                    plan.strategy.rank_loss_refusal(plan) or "a lost rank", args.checkpoint_dir)
+            raise
     trainer = Trainer(args, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
-                      checkpoint)
+                      checkpoint, replacement=joined is not None)
+    if joined is not None:
+        trainer.recovery.join(joined[0])
     try:
         status = trainer.run()
     finally:
         strategy.close()
-    return strategy.agree_status(status)
+    status = strategy.agree_status(status)
+    if trainer.recovery.lived_through_a_loss():
+        ulfm.exit_after_loss(status)
+    return status
 
 
 def warmup_warning(warmup_steps: int, total_steps: int, scaled_lr: float, start_factor: float) -> str | None:
@@ -226,18 +263,6 @@ def scaled_rate_error(args: argparse.Namespace, global_batch: int) -> str:
     return (f"--lr {args.lr:g} scaled by the linear scaling rule (x global batch {global_batch} / "
             f"--reference-batch {args.reference_batch}) is not a finite number; lower --lr or raise "
             "--reference-batch")
-
-
-def not_resharded_here(checkpoint: dict[str, Any], plan: strategies.Plan, ranks: int) -> str | None:
-    """Why a checkpoint of `plan`'s strategy made on another number of ranks cannot be resumed on
-    `ranks` (mid-epoch: the epoch's data was cut for the other number), or None."""
-    made_on = len(checkpoint["ranks"])
-    if made_on == ranks or not plan.strategy.reshards or checkpoint["job"].get("strategy") != plan.name:
-        return None  # the same ranks, or a difference the comparison of the jobs names
-    if checkpoint["batches_done"]:
-        return (f"was made on {made_on} rank(s) in the middle of epoch {checkpoint['epoch'] + 1}, and "
-                f"only a checkpoint from an epoch's end resumes on another number of ranks ({ranks})")
-    return None
 
 
 def not_a_training_checkpoint(checkpoint: Any, strategy: str = "allreduce",

@@ -82,3 +82,38 @@ class Schedule:
         return expected_learning_rate(self.lr, min(max(step, 0.0), float(self.total_steps)),
                                       warmup_steps=self.warmup_steps, total_steps=self.total_steps,
                                       start_factor=self.start_factor)
+
+
+class ProgressSchedule:
+    """The run's `Schedule` followed by progress instead of by steps, for a global batch other
+    than the one it was planned for (`hpcdl train --keep-rank-batch` after a lost rank): each step
+    advances it by `factor` of the planned steps (its global batch is `factor` x the planned one)
+    and takes `factor` x the schedule's rate there (the linear scaling rule). `progress`: the
+    planned steps already done. Stepped like torch's schedulers: `step()` after each
+    optimizer.step(); its state (`state_dict`) is two numbers."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule, factor: float,
+                 progress: float) -> None:
+        self.optimizer, self.schedule = optimizer, schedule
+        self.factor, self.progress = factor, progress
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.factor * self.schedule.at(self.progress)
+
+    def step(self) -> None:
+        """After a step: advance by `factor` planned steps."""
+        self.progress += self.factor
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        """The rate of the next step, per parameter group (as torch's schedulers report it)."""
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, float]:
+        return {"progress": self.progress, "factor": self.factor}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.progress, self.factor = float(state["progress"]), float(state["factor"])
+        self._apply()

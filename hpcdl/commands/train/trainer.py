@@ -17,6 +17,7 @@ from ..command import report_failure
 from .metrics import EpochTraffic, MetricsLog, gradient_report, staleness_columns
 from .options import KEEP_CHECKPOINTS
 from .pacing import EPOCH_DONE, TAKE_STEP
+from .recovery import Recovery
 from .signals import CHECKPOINTED_ON_SIGNAL, StopRequest
 from .waiting import reduce_over_ranks
 
@@ -39,8 +40,8 @@ class Trainer:
     """
 
     def __init__(self, args: argparse.Namespace, strategy: Strategy, plan: Plan, schedule: Schedule,
-                 data: tuple[Any, Any, Any, int], job: dict[str, Any], checkpoint: dict[str, Any] | None
-                 ) -> None:
+                 data: tuple[Any, Any, Any, int], job: dict[str, Any], checkpoint: dict[str, Any] | None,
+                 replacement: bool = False) -> None:
         import torch
 
         from ...runtime.checkpoint import restore_rank_state
@@ -62,20 +63,15 @@ class Trainer:
         # rank's traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
         self.traffic: EpochTraffic | None = None
         self.traffic_before: dict[str, Any] = {}
-        if checkpoint is not None and len(checkpoint["ranks"]) != self.size:
-            # Made on another number of ranks, at an epoch's end (run.py checked): the epoch's
-            # steps are this job's, ranks draw their random numbers as at a start, and the
-            # buffers (batch-norm statistics) are rank 0's.
-            self.epoch, self.done_in_epoch = checkpoint["epoch"], 0
-            self.step = self.own_steps = self.epoch * self.steps_per_epoch
-            mine = {"buffers": checkpoint["ranks"][0]["buffers"], "own_steps": self.step}
-            torch.manual_seed(args.seed + 1 + self.rank)
-            strategy.load_state(checkpoint, mine)
-            strategy.resume_at(self.step)
-        elif checkpoint is not None:
+        if checkpoint is not None:
             self.epoch, self.done_in_epoch = checkpoint["epoch"], checkpoint["batches_done"]
             self.step = self.own_steps = checkpoint["step"]
-            mine = restore_rank_state(checkpoint, self.rank)  # this rank's random numbers, too
+            if self.rank < len(checkpoint["ranks"]):
+                mine = restore_rank_state(checkpoint, self.rank)  # this rank's random numbers, too
+            else:  # resumed on more ranks than wrote it: a rank with no past, as at a start, has
+                # sent and summed nothing yet; its buffers (batch-norm statistics) are rank 0's
+                torch.manual_seed(args.seed + 1 + self.rank)
+                mine = {"buffers": checkpoint["ranks"][0]["buffers"], "own_steps": self.step}
             strategy.load_state(checkpoint, mine)
             with torch.no_grad():
                 for name, buffer in self.model.named_buffers():
@@ -91,7 +87,7 @@ class Trainer:
         if plan.straggler is not None and plan.straggler[0] == self.rank:
             self.straggler = Straggler(self.model, plan.straggler[1])
         self.metrics = None
-        if self.rank == 0 and args.metrics:
+        if self.rank == 0 and args.metrics and not replacement:  # a replacement is never rank 0
             # Resuming: only the rows of epochs the checkpoint has finished are kept; the others (of
             # a crash after a row but before its checkpoint, or of a fallback to an older
             # checkpoint) are about to be trained and written again.
@@ -101,6 +97,8 @@ class Trainer:
             self.stop_request.listen(strategy.stop_signal)  # a serving rank's, passed on
         self.resumed = checkpoint is not None
         self.pacing = strategy.pacing(self, mine)
+        # Ranks lost under ULFM (--on-rank-failure): commits, recovery, and their reports.
+        self.recovery = Recovery.for_trainer(self, checkpoint)
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -108,7 +106,9 @@ class Trainer:
         """Train every epoch left; the exit status (0, CHECKPOINTED_ON_SIGNAL or DIVERGED)."""
         args, plan, schedule = self.args, self.plan, self.schedule
         self.say(f"training {args.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
-                 f"held out) on {plan.ranks} rank(s) with {plan.name} ({plan.describe()}): batch "
+                 f"held out) on {self.recovery.ranks_now()} rank(s)"
+                 + (f" (the data split and global batch of {plan.ranks})" if self.recovery.regrouped else "")
+                 + f" with {plan.name} ({plan.describe()}): batch "
                  f"{args.batch_size} per rank, {plan.update_batch} per update, lr {schedule.lr:g} (base "
                  f"{args.lr:g} x {plan.update_batch}/{args.reference_batch}"
                  + (f" x {plan.asynchrony:.3g} for asynchrony" if plan.asynchrony != 1 else "") + "), warm-up "
@@ -116,20 +116,37 @@ class Trainer:
                  + (f"; rank {plan.straggler[0]} straggles {plan.straggler[1]:g}x" if plan.straggler else "")
                  + (f"; resuming at epoch {self.epoch + 1}, step {self.step}" if self.resumed else ""),
                  flush=True)
+        while True:  # once, unless ranks are lost (recovery.py)
+            try:
+                status, closing = self.train()
+            except BaseException as exc:
+                if not self.recovery.handles(exc):
+                    raise
+                self.recovery.recover(exc)
+                continue
+            if self.recovery.settled():  # every rank got here
+                break
+            self.recovery.recover(None)
+        if closing:
+            self.say(closing, flush=True)
+        self.close_metrics()
+        return status
+
+    def train(self) -> tuple[int, str | None]:
+        """Train every epoch left and evaluate: the exit status, and what to print at the end."""
+        args = self.args
         while self.epoch < args.epochs:
             status = self.run_epoch()
             if status is not None:
-                self.close_metrics()
-                return status
+                return status, None
+            self.recovery.epoch_done()
         test_loss, accuracy = evaluate(self.strategy.evaluation_model(), self.test_set, self.rank,
                                        self.size, self.comm, "at the end")
-        self.say(f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {self.step} steps",
-                 flush=True)
-        self.close_metrics()
+        closing = f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {self.step} steps"
         if args.timeline:
             written = self.strategy.write_timeline()
-            self.say(f"timeline written to {written}")
-        return 0
+            closing += f"\ntimeline written to {written}"
+        return 0, closing
 
     def run_epoch(self) -> int | None:
         """Train the rest of epoch `self.epoch` and report it; an exit status to stop with, or None."""
@@ -138,6 +155,7 @@ class Trainer:
 
         args, strategy = self.args, self.strategy
         x_train, y_train = self.train_set.tensors
+        self.steps_per_epoch = self.recovery.steps_in_epoch()  # fewer ranks may take more steps
         epoch_end = (self.epoch + 1) * self.steps_per_epoch
         strategy.train()
         strategy.start_epoch(self.epoch)
@@ -168,8 +186,9 @@ class Trainer:
                 if self.straggler is not None:
                     self.straggler.start()
                 loss = F.cross_entropy(strategy.forward(x_train[indices]), y_train[indices])
+                weight = getattr(indices, "weight", 1.0)  # ranks with uneven shares (recovery.py)
                 strategy.zero_grad()
-                loss.backward()
+                (loss * weight if weight != 1.0 else loss).backward()
                 if self.straggler is not None:
                     self.straggler.delay()
                 strategy.finish_step()
@@ -237,7 +256,8 @@ class Trainer:
                                            self.comm, f"after epoch {self.epoch}")
             # After the evaluation's pull: under sync-ps every push of the epoch is applied by then.
             staleness = strategy.staleness() if self.rank == 0 else None
-            bytes_per_rank = totals[3] / self.plan.ranks  # servers included: they send what workers receive
+            ranks = self.recovery.ranks_now()
+            bytes_per_rank = totals[3] / ranks  # servers included: they send what workers receive
             lr = strategy.lr(self.step)
             gradients: dict[str, float | None] = dict.fromkeys(
                 ("grad_bytes_per_rank", "grad_ratio", "grad_density", "grad_density_max_step"))
@@ -253,14 +273,15 @@ class Trainer:
                      f"sent {bytes_per_rank / 1e6:.3g} MB/rank"
                      + (f"  gradients {totals[4] / self.size / 1e6:.3g} MB/rank = fp32/"
                         f"{gradients['grad_ratio']:.3g}" if traffic is not None else "")
-                     + (f"  staleness mean {staleness.mean:.2f} max {staleness.max}" if staleness else ""),
-                     flush=True)
+                     + (f"  staleness mean {staleness.mean:.2f} max {staleness.max}" if staleness else "")
+                     + self.recovery.epoch_note(), flush=True)
             if self.metrics is not None:
                 self.metrics.write({
                     "epoch": self.epoch, "step": self.step, "train_loss": train_loss, "test_loss": test_loss,
                     "accuracy": accuracy, "samples_per_s": throughput, "seconds": seconds,
-                    "lr": lr, "ranks": self.plan.ranks, "strategy": self.plan.name, "samples": int(totals[1]),
-                    "bytes_sent_per_rank": bytes_per_rank, **gradients, **staleness_columns(staleness)})
+                    "lr": lr, "ranks": ranks, "strategy": self.plan.name, "samples": int(totals[1]),
+                    "bytes_sent_per_rank": bytes_per_rank, **gradients, **staleness_columns(staleness),
+                    **self.recovery.epoch_columns()})
         if args.checkpoint_dir:
             self.checkpoint_now(0, (0.0, 0, 0.0, 0))
         return None
@@ -272,7 +293,7 @@ class Trainer:
 
         extra = self.strategy.checkpoint_state(self.step)
         state = {"model": self.model.state_dict(), **extra, "epoch": self.epoch,
-                 "batches_done": batches_done, "job": self.job}
+                 "batches_done": batches_done, "job": self.job, **self.recovery.checkpoint_state(batches_done)}
         rank_state = {"buffers": dict(self.model.named_buffers()), "epoch_sums": sums,
                       **self.strategy.rank_state()}
         rank_state |= self.pacing.rank_state()
@@ -280,6 +301,24 @@ class Trainer:
             rank_state["traffic"] = self.traffic.state()
         save_checkpoint(self.args.checkpoint_dir, state, step=self.step, comm=self.comm, keep=KEEP_CHECKPOINTS,
                         rank_state=rank_state)
+
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Collective over `comm`: train with its ranks from now on (recovery.py)."""
+        self.strategy.rebind(comm)
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def reopen_metrics(self) -> None:
+        """After a recovery: rank 0 (maybe another process than before) keeps the metrics rows
+        of the epochs finished at the state gone back to, and appends to them."""
+        self.close_metrics()
+        if self.rank == 0 and self.args.metrics:
+            self.metrics = MetricsLog(self.args.metrics, after_epoch=self.epoch)
+
+    @property
+    def timeline(self) -> Any:
+        """The strategy's communication timeline (--timeline), or None."""
+        return self.strategy.timeline
 
     def say(self, *values: Any, **kwargs: Any) -> None:
         """print() on rank 0."""

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from ....ddp import DistributedDataParallel, GradientExchange
     from ....ddp.reducer import GradientTraffic
+    from ....ddp.timeline import Timeline
     from ....parallel import ProcessGrid
     from ..schedule import Schedule
 
@@ -97,10 +98,6 @@ class Allreduce(Strategy):
     options = ("algorithm", "bucket_cap_mb", "no_overlap", "timeline", "compression", "momentum_correction",
                "shard")
     checkpoint_keys = ("optimizer", "scheduler")
-    # The model and the optimizer's state (gathered when sharded) are the same on every rank and
-    # do not depend on how many there are.
-    reshards = True
-
     @classmethod
     def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
         compression = given.get("compression") or "none"
@@ -170,7 +167,8 @@ class Allreduce(Strategy):
         sgd = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=momentum)
         self.ddp.check_optimizer(sgd)  # collective: DGC's momentum correction wants none
         self.optimizer = build_optimizer(self.ddp, sgd)
-        self.scheduler = schedule.for_optimizer(self.optimizer)
+        self.schedule = schedule
+        self.scheduler: Any = schedule.for_optimizer(self.optimizer)
         size = data_comm.Get_size()
         self._wire_factor = 2 * (size - 1) / size
 
@@ -225,29 +223,64 @@ class Allreduce(Strategy):
         return {"compression": self.ddp.compression_state_dict()}
 
     def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
+        from ..schedule import ProgressSchedule
+
         self.module.load_state_dict(checkpoint["model"])
-        if len(checkpoint["ranks"]) == self.comm.Get_size():
-            self.optimizer.load_state_dict(checkpoint["optimizer"])
-            self.scheduler.load_state_dict(checkpoint["scheduler"])
-        else:  # another number of ranks: this job's learning rates, the saved state
-            rates: list[dict[str, Any]] = [{k: g[k] for k in ("lr", "initial_lr") if k in g}
-                                           for g in self.optimizer.param_groups]
-            self.optimizer.load_state_dict(checkpoint["optimizer"])
-            for group, rate in zip(self.optimizer.param_groups, rates):
-                group.update(rate)
-        if mine is not None and "compression" in mine:  # checkpoints of older hpcdl have none
+        # A schedule followed by progress (--keep-rank-batch after a loss) saves its progress;
+        # torch's, its step count. Made before the optimizer's state is loaded: making torch's
+        # sets the rate.
+        progress = "progress" in checkpoint["scheduler"]
+        if progress and not isinstance(self.scheduler, ProgressSchedule):
+            self.scheduler = ProgressSchedule(self.optimizer, self.schedule, 1.0, 0.0)
+        elif not progress and isinstance(self.scheduler, ProgressSchedule):
+            self.scheduler = self.schedule.for_optimizer(self.optimizer)
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        if mine is not None:
+            self.load_rank_state(mine)
+
+    def load_rank_state(self, mine: dict[str, Any]) -> None:
+        if "compression" in mine:  # checkpoints of older hpcdl have none
             self.ddp.load_compression_state_dict(mine["compression"])
 
-    def resume_at(self, step: int) -> None:
-        import warnings
+    def scale_learning_rate(self, factor: float, progress: float | None) -> None:
+        from ..schedule import ProgressSchedule
 
-        with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()"
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(step):
-                self.scheduler.step()
+        if progress is None:
+            progress = (self.scheduler.progress if isinstance(self.scheduler, ProgressSchedule)
+                        else float(self.scheduler.last_epoch))  # torch's: the steps taken
+        self.scheduler = ProgressSchedule(self.optimizer, self.schedule, factor, progress)
 
     def write_timeline(self) -> str | None:
         return self.ddp.write_timeline()
+
+    @classmethod
+    def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
+        if plan.settings.get("shard") and not resume:
+            # Its checkpoints hold the state gathered, so a resume on other ranks reshards it.
+            return (f"--shard {plan.settings['shard']} keeps each rank's piece of the optimizer state "
+                    "on that rank alone, so a lost rank takes it with it; resume the job from its "
+                    "newest checkpoint (--resume, on any number of ranks)")
+        if plan.model_parallel == 1:
+            return None
+        return ("--model hybrid-cnn splits each replica's layers over several ranks, so a lost rank "
+                "takes part of the model with it; going on is offered for data-parallel models")
+
+    def rebind(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self.ddp.rebind(comm)
+        size = comm.Get_size()
+        self._wire_factor = 2 * (size - 1) / size
+
+    def replicated_state(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), **self.checkpoint_state(0)}
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        self.load_state(state, None)
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return self.ddp.timeline
 
 
 STRATEGIES = (Allreduce,)

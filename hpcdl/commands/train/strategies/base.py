@@ -9,7 +9,6 @@ The registry (`registry.py`) reads, per strategy class:
     checkpoint_keys      the entries `checkpoint_state()` adds to a checkpoint
     pacing               `Lockstep` (every rank takes the same steps) or `Meetings` (ranks run at
                          their own pace and meet where the job's progress says; pacing.py)
-    reshards             whether its epoch-end checkpoints resume on another number of ranks
     configure()          its options resolved (defaults filled) into the `Plan`
     update_batch(), asynchrony(), describe()     what the trainer prints and scales the rate by
 
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from ....ddp.reducer import GradientTraffic
+    from ....ddp.timeline import Timeline
     from ....parallel import ProcessGrid
     from ....parameter_server import Staleness
     from ..schedule import Schedule
@@ -111,7 +111,6 @@ class Strategy:
     options: ClassVar[tuple[str, ...]] = ()
     checkpoint_keys: ClassVar[tuple[str, ...]] = ()
     pacing: ClassVar[type[Pacing]] = Lockstep
-    reshards: ClassVar[bool] = False
 
     @classmethod
     def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
@@ -231,9 +230,49 @@ class Strategy:
     def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
         """Restore a checkpoint: `mine` is this rank's `rank_state` (None on a serving rank)."""
 
-    def resume_at(self, step: int) -> None:
-        """After `load_state` of a checkpoint made on another number of ranks (`reshards`): this
-        job's schedule goes on from its own step `step`."""
+    def load_rank_state(self, mine: dict[str, Any]) -> None:
+        """Restore what `rank_state()` returned on this rank."""
+
+    # -- lost ranks (--on-rank-failure continue, under ULFM) ---------------------------------------
+
+    @classmethod
+    def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
+        """Why training cannot go on with other ranks than it started with, or None where it
+        can: after a lost rank (--on-rank-failure continue), or in a resume on another number of
+        ranks (`resume`: from a checkpoint, which may gather what a live run keeps spread out).
+        It can where every training rank holds the same state (so the survivors hold all of it),
+        the strategy can `rebind`, and the data order does not depend on the ranks. Others end
+        the job naming the lost rank (docs/failures.md#training)."""
+        return (f"--strategy {cls.name} keeps state that not every rank holds (a server's shard, a "
+                "replica's own progress), so going on with other ranks is offered for --strategy "
+                "allreduce only")
+
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Collective over `comm`: train with its ranks from now on (the survivors of a loss,
+        and any replacements); the step a failure interrupted is dropped."""
+        raise NotImplementedError
+
+    def replicated_state(self) -> dict[str, Any]:
+        """What every training rank holds alike (model, optimizer, schedule), to give a survivor
+        that went one step further, or a replacement, the state to go on from
+        (`load_replicated_state`)."""
+        raise NotImplementedError
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        """Take `replicated_state()` of another rank."""
+        raise NotImplementedError
+
+    def scale_learning_rate(self, factor: float, progress: float | None) -> None:
+        """From the next step on, steps average `factor` x the planned global batch
+        (--keep-rank-batch after a loss): take `factor` x the planned rate, and advance the
+        schedule by `factor` of a planned step per step (`schedule.ProgressSchedule`), from
+        `progress` planned steps (None: from where it stands)."""
+        raise NotImplementedError
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The communication timeline being recorded (--timeline), or None."""
+        return None
 
     # -- roles and the end ---------------------------------------------------------------------
 

@@ -1,0 +1,249 @@
+"""Going on after ranks die: the survivors' side of ULFM, for the training layers to build on.
+
+Under `mpirun --with-ft ulfm` a dead rank makes every survivor's collective raise
+`collectives.ProcessFailure` (docs/failures.md); mpi4py's own calls on a communicator with a dead
+rank raise an MPI error of the same classes. What comes next is the same for every user of it
+(`hpcdl train`, `hpcdl.elastic`, `hpcdl.horovod.elastic`):
+
+1. `settled(comm, ok)`: every survivor learns that something failed. A rank whose calls all
+   completed (one at the end of its work, say) would otherwise never hear of it, and the others
+   would wait for it in step 2. It is ULFM's Agree: the same answer on every survivor, even if
+   more ranks die meanwhile. Ranks that finished their work call it with True; ranks that caught
+   a failure with False; all of them go on to step 2 when any said False.
+2. `shrink_world(comm, members)`: the survivors' communicator (`collectives.shrink`, which also
+   drops what the collectives derived from `comm`), which ranks were lost, and the survivors' ids.
+3. `respawn(comm, count, command, ...)` (optional): `count` new processes started with
+   MPI_Comm_spawn, merged in after the survivors (`Intercomm_merge`); each runs `command` and
+   calls `join()` first.
+4. The caller brings its state in line (data-parallel replicas are identical: one survivor's
+   state, broadcast with `broadcast_bytes`, is everyone's) and goes on.
+
+Everything raised during steps 2-4 by a further failure is a failure too: the caller starts over
+at step 1 on the communicator it has. `exit_after_loss` ends a process that lived through a loss
+without MPI_Finalize, which hangs after a failure with Open MPI 5.0.11 (open-mpi/ompi#11404).
+Torch-free.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+from collectives.failures import FAILURE_CLASSES, agree_min
+
+from .world import set_member, set_world
+
+#: The MPI error classes that say a process died (or a peer revoked the communicator after one did).
+_FAILED = FAILURE_CLASSES | {MPI.ERR_IN_STATUS}
+
+
+def is_process_failure(exc: BaseException) -> bool:
+    """Whether `exc` reports a lost process in a job running under ULFM: a
+    `collectives.ProcessFailure`, or the MPI error of one of mpi4py's own calls (a gather of
+    Python objects, a barrier) on a communicator with a dead or revoked peer."""
+    if isinstance(exc, collectives.ProcessFailure):
+        return True
+    if isinstance(exc, MPI.Exception) and collectives.fault_tolerant():
+        return exc.Get_error_class() in _FAILED
+    return False
+
+
+@dataclass(frozen=True)
+class RankLoss:
+    """Ranks the job lost at once, and what the survivors did about it.
+
+    `ranks`: the lost ranks in the communicator before the loss; `members`: their stable ids
+    (`hpcdl.runtime.world.member`); `size_before`, `size_after`: the ranks before and after
+    (after any replacements joined); `replaced`: how many replacements were started;
+    `detected`: when this rank learned of it (time.time()); `seconds`: how long the agreement,
+    shrink and respawn took here.
+    """
+
+    ranks: tuple[int, ...]
+    members: tuple[int, ...]
+    size_before: int
+    size_after: int
+    replaced: int
+    detected: float
+    seconds: float
+
+    def describe(self) -> str:
+        """'rank 2 of 4' or 'ranks 0, 3 of 4' (ids where they differ from the ranks; a rank of
+        -1 is a replacement lost before it joined)."""
+        who = ", ".join(str(r) if r == m else f"{r} (id {m})" for r, m in zip(self.ranks, self.members))
+        return f"rank{'s' if len(self.ranks) > 1 else ''} {who} of {self.size_before}"
+
+
+def settled(comm: MPI.Comm, ok: bool) -> bool:
+    """Collective over the live ranks of `comm`, revoked or not: whether every one of them passed
+    `ok` True. The same answer on every survivor (ULFM's Agree), even if more ranks die meanwhile.
+    Without ULFM nothing can fail without ending the job: returns `ok` without communicating."""
+    if not collectives.fault_tolerant():
+        return ok
+    return agree_min(comm, 1 if ok else 0) == 1
+
+
+def knows_failed(comm: MPI.Comm) -> bool:
+    """Whether this process knows of a failed process in `comm` (local)."""
+    try:
+        group = comm.Get_failed()
+    except MPI.Exception:
+        return True  # a communicator that cannot even say: something went wrong
+    try:
+        return group.Get_size() > 0
+    finally:
+        group.Free()
+
+
+def failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
+    """The ranks of `comm` this process knows to have failed (local; empty where it knows none
+    or the communicator cannot say)."""
+    try:
+        failed, group = comm.Get_failed(), comm.Get_group()
+    except MPI.Exception:
+        return ()
+    try:
+        return tuple(sorted(r for r in MPI.Group.Translate_ranks(failed, None, group) if r >= 0))
+    finally:
+        failed.Free()
+        group.Free()
+
+
+def revoke(comm: MPI.Comm) -> None:
+    """Revoke `comm` itself (the collectives revoke only their private duplicate of it): a rank
+    blocked in one of mpi4py's calls on it (a gather of Python objects) wakes with an error."""
+    with contextlib.suppress(MPI.Exception):
+        comm.Revoke()
+
+
+def shrink_world(comm: MPI.Comm, members: list[int]) -> tuple[MPI.Comm, tuple[int, ...], list[int]]:
+    """Collective over the survivors of `comm`, after `settled(comm, False)`: the survivors'
+    communicator (made the job's, `world.set_world`), the lost ranks of `comm`, and the survivors'
+    ids (`members[r]` is rank r's). The caller frees `comm` when it is done with it."""
+    revoke(comm)
+    survivors = collectives.shrink(comm)
+    old, new = comm.Get_group(), survivors.Get_group()
+    try:
+        lost_group = MPI.Group.Difference(old, new)
+        try:
+            lost = tuple(sorted(lost_group.Translate_ranks(None, old)))
+        finally:
+            lost_group.Free()
+    finally:
+        old.Free()
+        new.Free()
+    set_world(survivors)
+    return survivors, lost, [m for r, m in enumerate(members) if r not in lost]
+
+
+def free(comm: MPI.Comm) -> None:
+    """Free a communicator the job left behind (never MPI.COMM_WORLD or COMM_SELF)."""
+    if comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
+        with contextlib.suppress(MPI.Exception):
+            comm.Free()
+
+
+class RespawnError(RuntimeError):
+    """Replacement processes could not be started (the launcher cannot spawn, no free slots)."""
+
+
+def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None) -> MPI.Comm:
+    """Collective over `comm`: start one process per id in `ids`, each running `sys.executable
+    *command` (`own_command()`: this program; it must call `join()` at its start), and return
+    the communicator of `comm`'s ranks followed by the new processes (made the job's,
+    `world.set_world`). Each new process learns its id from `ids`, and gets `info` (rank 0's:
+    what it needs to build its part).
+
+    MPI_Comm_spawn starts them through the launcher (mpirun's PRRTE); where it cannot, every rank
+    raises RespawnError saying why, and `comm` is unchanged.
+    """
+    try:  # an intra-communicator's Spawn (mpi4py types it on Intracomm)
+        intercomm = comm.Spawn(sys.executable, command, maxprocs=len(ids), root=0)  # type: ignore[attr-defined]
+    except MPI.Exception as exc:
+        raise RespawnError(
+            f"MPI_Comm_spawn could not start {len(ids)} replacement process(es): "
+            f"{exc.Get_error_string()}. Spawning needs a job started by mpirun (PRRTE) with "
+            "--with-ft ulfm and free slots for the new processes (--oversubscribe, or a host "
+            "list with room)") from exc
+    try:
+        merged = intercomm.Merge(high=False)  # the survivors first, in their order
+    finally:
+        with contextlib.suppress(MPI.Exception):
+            intercomm.Disconnect()
+    merged.bcast((list(ids), info) if merged.Get_rank() == 0 else None, root=0)
+    set_world(merged)
+    return merged
+
+
+def own_command() -> list[str]:
+    """The arguments after `python` that started this process (`-m package ...` for a module
+    run with -m): what a replacement runs (`respawn`)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    return list(sys.argv)
+
+
+def join() -> tuple[MPI.Comm, Any] | None:
+    """In a process `respawn` started: the communicator it shares with the survivors (made the
+    job's, with this process's id recorded) and the survivors' `info`; None in a process mpirun
+    started itself. Collective with the survivors' `respawn`."""
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return None
+    merged = parent.Merge(high=True)
+    with contextlib.suppress(MPI.Exception):
+        parent.Disconnect()
+    ids, info = merged.bcast(None, root=0)
+    set_member(ids[merged.Get_rank() - (merged.Get_size() - len(ids))])
+    set_world(merged)
+    return merged, info
+
+
+def gather_quietly(comm: MPI.Comm, poll_s: float = 0.002) -> None:
+    """Collective over `comm`: return once every rank has called it, sleeping between polls (a
+    non-blocking barrier). Ranks that wait for a replacement to start (seconds: Python, torch)
+    leave it the cores, where a blocking wait would spin on them."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll_s)
+
+
+def is_replacement() -> bool:
+    """Whether this process was started by `respawn` (before or after `join`)."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def broadcast_bytes(comm: MPI.Comm, root: int, payload: bytes | None) -> bytes:
+    """Collective over `comm`: the root's `payload` on every rank (two broadcasts: its length, then
+    its bytes), through the collectives, so a failure raises ProcessFailure on every survivor.
+    A receiving rank's result is new memory: its state is untouched if the broadcast fails."""
+    length = np.array([len(payload) if comm.Get_rank() == root and payload is not None else 0],
+                      dtype=np.int64)
+    collectives.broadcast(length, root, comm)
+    if comm.Get_rank() == root:
+        assert payload is not None
+        data = np.frombuffer(payload, dtype=np.uint8).copy()
+    else:
+        data = np.empty(int(length[0]), dtype=np.uint8)
+    if data.size:
+        collectives.broadcast(data, root, comm)
+    return data.tobytes()
+
+
+def exit_after_loss(status: int) -> None:
+    """End this process with `status` without MPI_Finalize, after flushing its output: in a job
+    that lost a process, Open MPI 5.0.11's MPI_Finalize may wait for ever (open-mpi/ompi#11404;
+    docs/failures.md), and mpirun accepts a survivor that leaves this way."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+

@@ -1,0 +1,290 @@
+"""Training that goes on when ranks die (issue 23, section 2): `hpcdl train --on-rank-failure`,
+`--respawn`, `--keep-rank-batch`, a resume on another number of ranks, and `hpcdl.elastic` /
+`hvd.elastic` in a user's loop.
+
+The job tests launch their own `mpirun --with-ft ulfm` jobs of tests/train_failure_job.py (which
+is `hpcdl train` with ranks that SIGKILL themselves at a chosen phase of a chosen step) or of
+tests/elastic_job.py, so only the one-rank pytest job runs them. The data-split tests run in
+every job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from conftest import same_state
+from hpcdl.commands.train import recovery
+from hpcdl.commands.train.data import epoch_batches, epoch_order, load_digits_split, shard_sampler, shared_batches
+from hpcdl.commands.train.schedule import ProgressSchedule, Schedule
+from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from run import own_job_environment, run_own_job  # launching jobs of its own
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_JOB = ROOT / "tests" / "train_failure_job.py"
+ELASTIC_JOB = ROOT / "tests" / "elastic_job.py"
+#: Seconds one job may take (about 10 s at 4-5 ranks on 2 idle cores; a hang ends here).
+JOB_TIMEOUT = 240
+own_jobs = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
+                              reason="launches its own mpirun jobs: the one-rank job is enough")
+
+
+def launch(ranks: int, program: list[str], ulfm: bool = True) -> tuple[int, str]:
+    """Run `python program...` under mpirun (with ULFM unless told not to); status and output."""
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    command = ["mpirun", *(["--with-ft", "ulfm"] if ulfm else []), "-n", str(ranks), "--oversubscribe",
+               sys.executable, *program]
+    proc = run_own_job(command, JOB_TIMEOUT, own_job_environment(PYTHONPATH=path, HPCDL_STALL_WARNING_S="inf"))
+    return proc.returncode, proc.stdout
+
+
+def train_losing(directory: Path, ranks: int, kills: list[str], args: list[str]) -> tuple[int, str, dict[int, Any]]:
+    """`hpcdl train args` on `ranks` ranks, the `kills` (train_failure_job.py's syntax) happening;
+    its status, output, and each finished process's final state by id."""
+    directory.mkdir(parents=True, exist_ok=True)
+    code, out = launch(ranks, [str(TRAIN_JOB), str(directory), *kills, "--", *args])
+    return code, out, finals(directory)
+
+
+def finals(directory: Path) -> dict[int, Any]:
+    return {int(p.stem.split("-")[1]): torch.load(p, weights_only=False) for p in directory.glob("final-*.pt")}
+
+
+def identical(states: list[dict[str, Any]], *keys: str) -> bool:
+    return all(same_state(states[0][k], s[k]) for s in states for k in keys)
+
+
+def metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- the data split ----------------------------------------------------------------------------------
+
+def test_the_global_batches_of_the_planned_ranks_are_what_each_rank_trained_on():
+    """Split over the ranks the sampler was made for, the global batches give every rank exactly
+    the batches `epoch_batches` gives it (weight 1): an undisturbed run trains as before."""
+    train_set, _ = load_digits_split()
+    for replica in range(3):
+        sampler = shard_sampler(train_set, seed=7, num_replicas=3, replica_rank=replica)
+        expected = list(epoch_batches(sampler, 20, 4))
+        other = shard_sampler(train_set, seed=7, num_replicas=3, replica_rank=(replica + 1) % 3)
+        order = epoch_order(other, 4)
+        slow = [order[s:s + 60][replica::3] for s in range(0, len(order), 60)]  # no fast path
+        fast = list(shared_batches(sampler, 4, global_batch=60, rank=replica, size=3, offset=120))
+        assert slow == expected and [list(b) for b in fast] == expected[2:]
+        assert all(b.weight == 1.0 for b in fast)
+
+
+@pytest.mark.parametrize("survivors", [1, 2, 3])
+def test_after_a_loss_every_sample_of_the_epoch_is_trained_once(survivors):
+    """4 ranks lose some after 5 steps of 128: the rest of the epoch's global batches, split over
+    the survivors, cover the samples not trained yet exactly once, with weights that make the
+    ranks' mean losses average to the global batch's mean."""
+    train_set, _ = load_digits_split()
+    sampler = shard_sampler(train_set, seed=1, num_replicas=4, replica_rank=0)
+    order = epoch_order(sampler, 2)
+    before = [i for r in range(4) for b in list(epoch_batches(
+        shard_sampler(train_set, seed=1, num_replicas=4, replica_rank=r), 32, 2))[:5] for i in b]
+    parts = [list(shared_batches(sampler, 2, global_batch=128, rank=r, size=survivors, offset=640))
+             for r in range(survivors)]
+    after = [i for shares in parts for b in shares for i in b]
+    assert sorted(before + after) == sorted(order)  # DistributedSampler's padding included
+    for step in zip(*parts):  # each rank's mean loss x weight, averaged: the step's mean loss
+        total = sum(len(b) for b in step)
+        assert all(b.weight == pytest.approx(len(b) * survivors / total) for b in step)
+        assert sum(b.weight for b in step) == pytest.approx(survivors)
+
+
+def test_data_cursor_and_progress_schedule():
+    """--keep-rank-batch: a cursor that changes its global batch mid-epoch, and a schedule that
+    follows progress at a factor of the planned rate."""
+    cursor = recovery.DataCursor(96, since=5, offset=640)
+    assert cursor.offset_at(5) == 640 and cursor.offset_at(7) == 832
+    assert cursor.steps_in_epoch(1440) == 5 + 9 and recovery.DataCursor(128).steps_in_epoch(1440) == 12
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    schedule = Schedule(0.4, warmup_steps=4, total_steps=24, start_factor=0.25)
+    progress = ProgressSchedule(optimizer, schedule, 0.75, 5.0)
+    assert progress.get_last_lr() == [pytest.approx(0.75 * schedule.at(5.0))]
+    progress.step()
+    assert progress.get_last_lr() == [pytest.approx(0.75 * schedule.at(5.75))]
+    copy = ProgressSchedule(optimizer, schedule, 1.0, 0.0)
+    copy.load_state_dict(progress.state_dict())
+    assert copy.get_last_lr() == progress.get_last_lr()
+
+
+# -- options ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--respawn"], "--respawn needs a job that survives a lost rank: launch it with `mpirun --with-ft ulfm`"),
+    (["--on-rank-failure", "abort", "--keep-rank-batch"], "--keep-rank-batch applies to --on-rank-failure continue"),
+])
+def test_rank_failure_options_are_checked(argv, message, comm, capsys, monkeypatch):
+    from hpcdl.commands import train
+
+    monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
+    status = train.main(["--epochs", "1", *argv])
+    err = capsys.readouterr().err
+    from conftest import all_ranks_agree
+
+    assert all_ranks_agree(status == 2 and (comm.Get_rank() != 0 or message in err), comm), err
+
+
+# -- hpcdl train in jobs that lose ranks -----------------------------------------------------------
+
+@own_jobs
+def test_ranks_lost_in_backward_the_update_and_a_checkpoint_write_until_one_is_left(tmp_path):
+    """5 ranks: ranks 1 and 2 die together in backward with buckets in flight (after 2 steps),
+    rank 3 inside the update of step 5, rank 0 while writing the checkpoint of step 6. The last
+    rank finishes the epoch alone; the checkpoint of step 6 is written again by it; the epoch line,
+    the metrics file and the timeline name every loss; no loss costs more than one step."""
+    ck = tmp_path / "ck"
+    code, out, final = train_losing(
+        tmp_path, 5, ["backward:2:1+2", "optimizer:4:3", "checkpoint:6:0"],
+        ["--epochs", "1", "--batch-size", "16", "--bucket-cap-mb", "0.05", "--checkpoint-dir", str(ck),
+         "--checkpoint-every", "6", "--metrics", str(tmp_path / "m.jsonl"), "--timeline", str(tmp_path / "t.json")])
+    assert code == 0, out[-4000:]
+    assert list(final) == [4] and final[4]["size"] == 1 and final[4]["step"] == 18, out[-4000:]
+    assert [members for members, _ in final[4]["reports"]] == [(1, 2), (3,), (0,)], final[4]["reports"]
+    assert all(lost <= 1 for _, lost in final[4]["reports"])
+    for text in ("lost ranks 1, 2 of 5", "lost rank 1 (id 3) of 3", "lost rank 0 of 2"):
+        assert text in out, out[-4000:]
+    [row] = metrics(tmp_path / "m.jsonl")
+    assert row["ranks"] == 1 and row["lost_ranks"] == "1 2 3 0" and row["steps_lost"] <= 3, row
+    assert row["recovery_s"] > 0 and row["samples"] > 0
+    rewritten = load_checkpoint(checkpoint_path(ck, 6))  # its first writer died half way
+    assert rewritten["step"] == 6 and len(rewritten["ranks"]) == 1 and "elastic" in rewritten
+    assert [s for s, _ in list_checkpoints(ck)] == [6, 12, 18]
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]  # the last rank's
+    assert sum(e["name"] == "rank lost" for e in events) == 3
+    assert [e["name"] for e in events if e["name"].startswith("recovery from")] == [
+        "recovery from the loss of ranks 1, 2 of 5", "recovery from the loss of rank 1 (id 3) of 3",
+        "recovery from the loss of rank 0 of 2"]
+
+
+@own_jobs
+def test_survivors_end_where_an_undisturbed_run_on_fewer_ranks_ends(tmp_path):
+    """4 ranks, rank 3 dies in backward after 7 steps: the 3 survivors redo step 8 and train on.
+    They end bitwise identical to each other, and to undisturbed 3-rank runs: one resumed from
+    the 4 ranks' checkpoint of step 7 (the same data split), one resumed from the survivors'
+    checkpoint of step 14 (the resume of a shrunk run)."""
+    args = ["--epochs", "2", "--batch-size", "32", "--bucket-cap-mb", "0.05", "--seed", "3",
+            "--checkpoint-every", "7"]
+    code, out, final = train_losing(tmp_path / "F", 4, ["backward:7:3"],
+                                    [*args, "--checkpoint-dir", str(tmp_path / "F" / "ck"),
+                                     "--metrics", str(tmp_path / "m.jsonl")])
+    assert code == 0 and sorted(final) == [0, 1, 2], out[-4000:]
+    states = [final[m] for m in (0, 1, 2)]
+    assert identical(states, "model", "optimizer", "scheduler") and {s["size"] for s in states} == {3}
+    assert [r["lost_ranks"] for r in metrics(tmp_path / "m.jsonl")] == ["3", None]
+    assert [r["steps_lost"] for r in metrics(tmp_path / "m.jsonl")] == [1, None]
+    runs = []  # both resumes in one job: one start of the ranks
+    (tmp_path / "R").mkdir()
+    for step, ranks in ((7, 4), (14, 3)):
+        directory = tmp_path / f"from{step}"
+        directory.mkdir()
+        shutil.copy(checkpoint_path(tmp_path / "F" / "ck", step), checkpoint_path(directory, step))
+        assert len(load_checkpoint(checkpoint_path(directory, step))["ranks"]) == ranks
+        runs += ["--", *args, "--checkpoint-dir", str(directory), "--resume"]
+    code, out = launch(3, [str(TRAIN_JOB), str(tmp_path / "R"), *runs], ulfm=False)
+    assert code == 0, out[-4000:]
+    for step in (7, 14):
+        resumed = load_checkpoint(checkpoint_path(tmp_path / f"from{step}", 24))
+        assert all(same_state(resumed[k], states[0][k]) for k in ("model", "optimizer", "scheduler")), step
+
+
+@own_jobs
+def test_respawn_brings_the_job_back_to_its_size(tmp_path):
+    """3 ranks, rank 1 dies in backward after 5 steps, --respawn: a replacement joins, takes the
+    survivors' state and trains; all 3 end bitwise identical, 3 ranks strong."""
+    code, out, final = train_losing(tmp_path, 3, ["backward:5:1"],
+                                    ["--epochs", "1", "--bucket-cap-mb", "0.05", "--respawn",
+                                     "--metrics", str(tmp_path / "m.jsonl")])
+    assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
+    states = list(final.values())
+    assert identical(states, "model", "optimizer", "scheduler") and {s["size"] for s in states} == {3}
+    assert "1 replacement(s) started" in out and "1 replaced" in out, out[-4000:]
+    [row] = metrics(tmp_path / "m.jsonl")
+    assert row["ranks"] == 3 and row["lost_ranks"] == "1" and row["steps_lost"] == 1
+
+
+@own_jobs
+def test_keep_rank_batch_takes_more_steps_at_a_scaled_rate(tmp_path):
+    """3 ranks, one lost after 4 of 15 steps, --keep-rank-batch: the 2 survivors keep 32 samples
+    each, so the rest of the epoch (1053 samples) takes 17 steps of 64, at 2/3 of the rate."""
+    ck = tmp_path / "ck"
+    code, out, final = train_losing(tmp_path, 3, ["backward:4:2"],
+                                    ["--epochs", "1", "--keep-rank-batch", "--checkpoint-dir", str(ck)])
+    assert code == 0 and sorted(final) == [0, 1], out[-4000:]
+    assert identical(list(final.values()), "model", "optimizer") and final[0]["step"] == 4 + 17
+    end = load_checkpoint(checkpoint_path(ck, 21))
+    assert end["scheduler"] == {"progress": 15.0, "factor": pytest.approx(2 / 3)} and end["elastic"]["lr_factor"] == \
+        pytest.approx(2 / 3)
+
+
+def test_only_replicated_data_parallel_runs_go_on_with_other_ranks():
+    """Every strategy but allreduce, and allreduce with a model split over ranks, refuse to go on
+    after a lost rank (the job ends, below), each saying why."""
+    from hpcdl.commands.train import strategies
+    from hpcdl.commands.train.options import build_parser
+
+    def refusal(argv: list[str]) -> str | None:
+        args = build_parser().parse_args(argv)
+        args.model = args.model or "cnn"
+        plan = strategies.plan(args, 2)
+        return plan.strategy.rank_loss_refusal(plan)
+
+    assert refusal([]) is None and refusal(["--compression", "topk:0.01"]) is None
+    assert "--model hybrid-cnn splits each replica's layers" in refusal(["--model", "hybrid-cnn", "--grid", "1x2"])
+    for name in strategies.STRATEGIES:
+        if name != "allreduce":
+            servers = ["--servers", "1"] if "servers" in strategies.STRATEGIES[name].options else []
+            assert f"--strategy {name} keeps state that not every rank holds" in refusal(
+                ["--strategy", name, *servers]), name
+
+
+@own_jobs
+@pytest.mark.parametrize("argv,kill,expected", [
+    (["--on-rank-failure", "abort"], "backward:2:1", "rank 1 of 3 failed at step 2 (epoch 1); --on-rank-failure abort"),
+    (["--model", "hybrid-cnn", "--grid", "1x3"], "optimizer:2:1",
+     "rank 1 of 3 failed at step 3 (epoch 1); --model hybrid-cnn splits"),  # its update: no allreduce at 1x3
+    (["--strategy", "downpour", "--servers", "1"], "evaluation:0:0",  # a worker, while the other trains
+     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy downpour keeps state"),
+    (["--strategy", "sync-ps", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
+     "rank 2 of 3 failed at step"),
+])
+def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
+    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; a parameter
+    server losing a worker or its server): every rank ends, exit status 5, the lost rank named
+    in the job's numbering, how to resume said where there are checkpoints; no raw MPI error."""
+    checkpoints = [] if "hybrid-cnn" in argv else ["--checkpoint-dir", str(tmp_path / "ck")]
+    # 3 ranks: when the one survivor of 2 ends the job (MPI_Abort), mpirun's status is 0 (known limits)
+    code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", *checkpoints, *argv])
+    assert code == recovery.RANK_LOST and not final, out[-4000:]
+    assert expected in out and "MPI_ERR" not in out, out[-4000:]
+    assert ("Resume from the newest checkpoint with --resume" in out) == bool(checkpoints), out[-4000:]
+
+
+# -- a user's loop -----------------------------------------------------------------------------------
+
+@own_jobs
+@pytest.mark.parametrize("api,victim,respawn", [("native", 1, False), ("horovod", 0, True)])
+def test_elastic_loop_goes_on_after_a_lost_rank(tmp_path, api, victim, respawn):
+    """3 ranks: a loop on hpcdl.elastic (rank 1 lost) and one on hvd.elastic with an ElasticSampler
+    (rank 0 lost, replaced): every process that ends holds the same parameters, on the ranks there
+    are."""
+    code, out = launch(3, [str(ELASTIC_JOB), api, str(tmp_path), "10", str(victim),
+                           *(["respawn"] if respawn else [])])
+    final = finals(tmp_path)
+    assert code == 0, out[-4000:]
+    assert sorted(final) == [m for m in range(4 if respawn else 3) if m != victim], out[-4000:]
+    states = list(final.values())
+    assert identical(states, "model") and {s["size"] for s in states} == {3 if respawn else 2}
+    assert all(s["losses"] == [((victim,), 3 if respawn else 2)] for m, s in final.items() if m < 3)  # survivors

@@ -1,0 +1,157 @@
+"""`hpcdl train` in a job that loses ranks, for tests/test_train_failures.py.
+
+Run under `mpirun --with-ft ulfm -n K python tests/train_failure_job.py DIR KILL [KILL ...] --
+TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the other: one start
+of the ranks for them all). Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
+themselves at `phase` once they have applied `step` updates:
+
+- `backward`: in the next step, after its first gradient bucket is launched, so buckets are in
+  flight on the other ranks (run with a small --bucket-cap-mb to have several);
+- `optimizer`: in the next step's update (its gradients were averaged on every rank);
+- `checkpoint`: while writing the checkpoint taken after that many steps (rank 0 writes: it
+  dies with the file half written);
+- `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last);
+- `after`: that many milliseconds after training (or a parameter server's serving) started on
+  this rank, whatever it is doing then.
+
+Every checkpoint is kept (not only the newest three), for the tests to resume from any.
+Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
+replacement's) with its model, optimizer and scheduler state, and DIR/done-<id> with the exit
+status, so the test can compare the survivors bit for bit. The rest is `hpcdl train` itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from mpi4py import MPI
+
+from hpcdl.commands import train
+from hpcdl.commands.train import trainer as trainer_module
+from hpcdl.commands.train.strategies import allreduce, parameter_server
+from hpcdl.ddp import reducer
+from hpcdl.runtime import checkpoint, world
+
+
+class Killer:
+    """SIGKILLs this process at the chosen phase of the chosen step (after writing the time to
+    DIR/killed-<id>, for the test to measure from)."""
+
+    def __init__(self, directory: Path, kills: list[tuple[str, int, set[int]]]) -> None:
+        self.directory = directory
+        me = MPI.COMM_WORLD.Get_rank() if MPI.Comm.Get_parent() == MPI.COMM_NULL else -1
+        self.mine = {(phase, step) for phase, step, victims in kills if me in victims}
+        self.steps = 0  # updates applied on this rank
+        self.armed_checkpoint = False
+
+    def die_if(self, phase: str) -> None:
+        if (phase, self.steps) in self.mine:
+            self.die()
+
+    def die(self) -> None:
+        (self.directory / f"killed-{world.member()}").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def install(self) -> None:
+        killer = self
+        launch = reducer.Reducer._launch
+
+        def launched(self: Any, bucket: Any) -> None:
+            launch(self, bucket)
+            killer.die_if("backward")
+        reducer.Reducer._launch = launched  # type: ignore[method-assign]
+
+        finish = allreduce.Allreduce.finish_step
+
+        def finished(self: Any) -> None:
+            killer.die_if("optimizer")
+            finish(self)
+            killer.steps += 1
+        allreduce.Allreduce.finish_step = finished  # type: ignore[method-assign]
+
+        save = checkpoint.atomic_save
+
+        def saving(obj: Any, path: Any) -> None:
+            if ("checkpoint", killer.steps) in killer.mine:
+                write = checkpoint._HashingWriter.write
+
+                def half(self: Any, data: bytes) -> int:
+                    written = write(self, data[:len(data) // 2])
+                    self.file.flush()
+                    killer.die_if("checkpoint")
+                    return written
+                checkpoint._HashingWriter.write = half  # type: ignore[method-assign]
+            save(obj, path)
+        checkpoint.atomic_save = saving
+
+        checkpoint.prune_checkpoints = lambda *args, **kwargs: None
+
+        evaluate = trainer_module.evaluate
+
+        def evaluating(*args: Any, **kwargs: Any) -> Any:
+            killer.die_if("evaluation")
+            return evaluate(*args, **kwargs)
+        trainer_module.evaluate = evaluating
+
+        def start_timers() -> None:
+            for phase, delay in killer.mine:
+                if phase == "after":
+                    timer = threading.Timer(delay / 1000, killer.die)
+                    timer.daemon = True  # a process that finishes first is not kept waiting
+                    timer.start()
+        run, serve = trainer_module.Trainer.run, parameter_server.ParameterServerStrategy.serve
+
+        def running(self: Any) -> int:
+            start_timers()
+            return run(self)
+
+        def serving(self: Any) -> int:
+            start_timers()
+            return serve(self)
+        trainer_module.Trainer.run = running  # type: ignore[method-assign]
+        parameter_server.ParameterServerStrategy.serve = serving  # type: ignore[method-assign]
+
+
+def keep_final_state(directory: Path) -> None:
+    """After the run, each process saves what it trained (before it leaves without Finalize)."""
+    run = trainer_module.Trainer.run
+
+    def running(self: Any) -> int:
+        status = run(self)
+        strategy = self.strategy
+        state = {"model": self.model.state_dict(), "optimizer": strategy.optimizer.state_dict(),
+                 "scheduler": strategy.scheduler.state_dict(), "step": self.step, "size": self.size,
+                 "rank": self.rank, "reports": [(r.loss.members, r.steps_lost) for r in self.recovery.reports]}
+        torch.save(state, directory / f"final-{world.member()}.pt")
+        (directory / f"done-{world.member()}").write_text(str(status))
+        return status
+    trainer_module.Trainer.run = running  # type: ignore[method-assign]
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    directory = Path(argv[0])
+    kills = []
+    for spec in argv[1:split]:
+        phase, step, victims = spec.split(":")
+        kills.append((phase, int(step), {int(v) for v in victims.split("+")}))
+    Killer(directory, kills).install()
+    keep_final_state(directory)
+    runs: list[list[str]] = [[]]  # several runs one after the other, separated by `--`
+    for arg in argv[split + 1:]:
+        if arg == "--":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return max(train.main(run) for run in runs)
+
+
+if __name__ == "__main__":
+    status: Callable[[], int] = lambda: main(sys.argv[1:])  # noqa: E731
+    sys.exit(status())
