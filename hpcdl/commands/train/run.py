@@ -136,7 +136,12 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                            f"{KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's would be "
                            "deleted)")], rank)
 
-    train_set, test_set = load_digits_split()
+    if args.emulate_compute:  # nothing reads the data: the digits' sizes, without scikit-learn
+        from .emulation import placeholder_digits
+
+        train_set, test_set = placeholder_digits()
+    else:
+        train_set, test_set = load_digits_split()
     if args.torch_device.type != "cpu":  # digits are small: the whole split lives on the GPU
         train_set, test_set = (TensorDataset(*(t.to(args.torch_device) for t in split.tensors))
                                for split in (train_set, test_set))
@@ -145,6 +150,10 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     if args.model == "hybrid-cnn":  # the FC layers split over model groups, data parallel across them
         grid = ProcessGrid(plan.trainers, plan.model_parallel, comm)
         model = build_hybrid_model(args.model, grid, in_channels=1, num_classes=10)
+    elif args.emulate_compute:  # the real model's parameters, computed on an emulated accelerator
+        from .emulation import emulated_model
+
+        model = emulated_model(args.model, rank, args.layer_time)
     else:
         model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
     model = model.to(args.torch_device)
@@ -190,6 +199,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     try:
         status = trainer.run()
     finally:
+        trainer.compute.close()
         strategy.close()
     return strategy.agree_status(status)
 
