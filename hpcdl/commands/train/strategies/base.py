@@ -54,8 +54,9 @@ class Plan:
     `trainers` ranks train (the first ones; with a parameter server the last `servers` ranks
     serve), each on batches of `batch_size`. With a model split over `model_parallel` consecutive
     ranks (--model hybrid-cnn), each group of that many ranks trains as one replica on one batch:
-    `trainers` counts replicas. `stragglers`: --straggler's (rank, factor) pairs. `options` are the strategy's own options (recorded in checkpoints:
+    `trainers` counts replicas. `options` are the strategy's own options (recorded in checkpoints:
     a resume with others is refused), `settings` how it communicates (free to change on resume).
+    `stragglers`: --straggler's (rank, factor) pairs.
     """
 
     strategy: type[Strategy]
