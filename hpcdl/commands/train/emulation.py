@@ -304,7 +304,13 @@ class EmulatedCompute:
         return 0.0
 
     def evaluate(self, test_set: Any, rank: int, size: int, comm: Any, when: str) -> tuple[None, None]:
-        """No loss or accuracy from emulated compute (nothing collective happens)."""
+        """Collective over `comm`: no loss or accuracy from emulated compute, but the messages of
+        a real evaluation (the strategy's evaluation model, e.g. local SGD's average or a
+        parameter server's pull, and the sums' allreduce), so that both send the same."""
+        from .waiting import reduce_over_ranks
+
+        self.strategy.evaluation_model()
+        reduce_over_ranks(np.zeros(3), comm, f"the held-out evaluation {when}".rstrip())
         return None, None
 
     def close(self) -> None:

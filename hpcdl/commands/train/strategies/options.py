@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: half the workers)")
     group.add_argument("--backup-workers", type=int, metavar="B",
                        help="sync-backup: each update averages the first workers - B pushes of a step "
-                            f"and drops the rest (default {DEFAULT_BACKUP_WORKERS})")
+                            f"and drops the rest (default {DEFAULT_BACKUP_WORKERS}; 0 with one worker)")
     group.add_argument("--n-fetch", type=int, metavar="N",
                        help="downpour: pull the parameters every N steps (default 1)")
     group.add_argument("--n-push", type=int, metavar="N",

@@ -21,8 +21,14 @@ from typing import Any, Mapping
 from .base import Plan
 from .servers import ParameterServerStrategy
 
-#: --backup-workers' default.
+#: --backup-workers' default (0 where there is one worker).
 DEFAULT_BACKUP_WORKERS = 1
+
+
+def backup_workers(given: Mapping[str, Any], workers: int) -> int:
+    """--backup-workers, or its default for `workers` workers."""
+    backups = given.get("backup_workers")
+    return min(DEFAULT_BACKUP_WORKERS, max(workers - 1, 0)) if backups is None else int(backups)
 
 
 class SyncBackup(ParameterServerStrategy):
@@ -37,8 +43,7 @@ class SyncBackup(ParameterServerStrategy):
     def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
         errors = super().option_errors(given, ranks)
         workers = ranks - cls.servers(given)
-        backups = given.get("backup_workers")
-        backups = DEFAULT_BACKUP_WORKERS if backups is None else backups
+        backups = backup_workers(given, workers)
         if not errors and backups >= workers:
             errors.append(f"--backup-workers {backups} leaves no push to wait for among the {workers} "
                           f"worker(s); use 0..{workers - 1}")
@@ -47,8 +52,7 @@ class SyncBackup(ParameterServerStrategy):
     @classmethod
     def configure(cls, given: Mapping[str, Any], ranks: int) -> tuple[dict[str, Any], dict[str, Any]]:
         options, settings = super().configure(given, ranks)
-        backups = given.get("backup_workers")
-        options["backup_workers"] = DEFAULT_BACKUP_WORKERS if backups is None else int(backups)
+        options["backup_workers"] = backup_workers(given, ranks - options["servers"])
         return options, settings
 
     @classmethod
