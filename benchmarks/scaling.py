@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "emulated_cluster.sh"
 MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
-RANKS_PER_HOST = 2
+RANKS_PER_HOST = 2  # --ranks-per-host's default
 
 
 def load() -> str:
@@ -66,17 +66,19 @@ def environment(tuning: Path | None) -> dict[str, str]:
     return env
 
 
-def layout(network: str, ranks: int) -> tuple[int, int]:
-    """(hosts, ranks per host) of P ranks on the emulated cluster."""
-    if ranks == 1:
-        return 1, 1
-    return ranks // RANKS_PER_HOST, RANKS_PER_HOST
+def layout(ranks: int, per_host: int, max_hosts: int) -> tuple[int, int]:
+    """(hosts, ranks per host) of P ranks on the emulated cluster: `per_host` ranks on each host,
+    or more where P / per_host hosts would be more than `max_hosts`."""
+    per_host = min(per_host, ranks)
+    while ranks // per_host > max_hosts:
+        per_host *= 2
+    return ranks // per_host, per_host
 
 
-def launcher(network: str, ranks: int) -> list[str]:
+def launcher(network: str, ranks: int, args: argparse.Namespace) -> list[str]:
     if network == "shm":
         return ["mpirun", "-n", str(ranks)]
-    hosts, per_host = layout(network, ranks)
+    hosts, per_host = layout(ranks, args.ranks_per_host, args.max_hosts)
     return ["bash", str(CLUSTER), "run", "-n", str(hosts), "--ranks-per-host", str(per_host), "--"]
 
 
@@ -102,7 +104,8 @@ def throughput(network: str, ranks: int, args: argparse.Namespace, tuning: Path 
     """One train_throughput.py job: every mode's median samples/s."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tp.json"
-        command = [*launcher(network, ranks), sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"),
+        command = [*launcher(network, ranks, args), sys.executable,
+                   str(ROOT / "benchmarks" / "train_throughput.py"),
                    "--emulate-compute", f"{args.emulate_compute:g}", "--models", args.model,
                    "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--rounds", str(args.rounds), "--modes", *args.modes, "--json", str(out)]
@@ -118,7 +121,7 @@ def throughput(network: str, ranks: int, args: argparse.Namespace, tuning: Path 
 
 def tune(network: str, ranks: int, args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """Fit the cost model at this layout (`hpcdl tune --model-only`)."""
-    command = [*launcher(network, ranks), sys.executable, "-m", "hpcdl", "tune", "--model-only",
+    command = [*launcher(network, ranks, args), sys.executable, "-m", "hpcdl", "tune", "--model-only",
                "-o", str(path), "--iters", str(args.tune_iters)]
     _, info = run(command, None, args.timeout)
     return info
@@ -128,7 +131,7 @@ def predict(ranks: int, args: argparse.Namespace, tuning: Path, timeline: Path) 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "predict.json"
         command = [sys.executable, "-m", "hpcdl", "tune", "--predict", "--nodes", str(ranks),
-                   "--compute-ms", f"{args.emulate_compute:g}", "--timeline", str(timeline),
+                   "--compute-ms", f"{args.emulate_compute:.6g}", "--timeline", str(timeline),
                    "--tuning-file", str(tuning), "--json", str(out)]
         _, info = run(command, None, args.timeout)
         replay = json.loads(out.read_text())["replay"]["auto"]
@@ -145,22 +148,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     timeline = Path(args.timeline) if args.timeline else out.with_name(out.name + "-timeline.json")
     points = []
     if network != "shm":
-        cluster_up(network, max(layout(network, p)[0] for p in args.ranks))
+        cluster_up(network, max(layout(p, args.ranks_per_host, args.max_hosts)[0] for p in args.ranks))
     try:
         if not timeline.exists():  # our own timeline of the emulated model: buckets and ready times
             tuning = out.with_name(f"{out.name}-tuning-p2.json")
-            tune(network, 2, args, tuning)
+            if not tuning.exists():
+                tune(network, 2, args, tuning)
             written = timeline.with_name(f"{timeline.stem}.{args.model}{timeline.suffix}")
             throughput(network, 2, argparse.Namespace(**{**vars(args), "modes": ["local", "hpcdl"], "rounds": 1}),
                        tuning, timeline)
             written.rename(timeline)  # train_throughput.py names it after the model
         for ranks in args.ranks:
             tuning = out.with_name(f"{out.name}-tuning-p{max(ranks, 2)}.json")
-            point: dict[str, Any] = {"ranks": ranks, "layout": layout(network, ranks)}
+            point: dict[str, Any] = {"ranks": ranks, "layout": layout(ranks, args.ranks_per_host, args.max_hosts)}
             if not tuning.exists() or args.retune:
                 point["tune"] = tune(network, max(ranks, 2), args, tuning)
-            point["measured"] = throughput(network, ranks, args, tuning)
-            point["predicted"] = predict(ranks, args, tuning, timeline)
+            at = args
+            if args.step_ratio:  # a step of R x the communication the model predicts at this P
+                communication = predict(ranks, args, tuning, timeline)["communication_s"]
+                at = argparse.Namespace(**{**vars(args), "emulate_compute": args.step_ratio * communication * 1e3})
+            point["emulate_compute_ms"] = at.emulate_compute
+            point["measured"] = throughput(network, ranks, at, tuning)
+            point["predicted"] = predict(ranks, at, tuning, timeline)
             point["tuning_file"] = tuning.name
             m, p = point["measured"]["samples_per_s"], point["predicted"]
             print(f"P={ranks:2d} {network}: " + "  ".join(f"{k} {m[k]:,.0f}" for k in args.modes)
@@ -181,12 +190,13 @@ def report(results: dict[str, Any], out: Path) -> None:
     base = points[0]["measured"]["samples_per_s"]["local"] / points[0]["ranks"]
     lines = [f"EMULATED accelerators: {results['model']}, {results['emulate_compute_ms']:g} ms per step, batch "
              f"{results['batch']} per rank, network {results['network']}, {results['date']}; samples/s, median "
-             f"of {results['rounds']} rounds of {results['steps']} steps; efficiency = samples/s / (P x local "
-             "at P=1); predicted = `hpcdl tune --predict --timeline` with the tuning file fitted at that layout.",
+             f"of {results['rounds']} rounds of {results['steps']} steps; eff. = samples/s / (P x local at P=1); "
+             "vs local: hpcdl / no communication at the same P; on/off: overlap on / off; predicted = "
+             "`hpcdl tune --predict --timeline` with the tuning file fitted at that layout.",
              "",
-             "| P | layout | local | hpcdl | predicted | error | eff. | no overlap | predicted | error | "
-             "torch DDP gloo | torch DDP hpcdl | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| P | layout | step ms | local | hpcdl | predicted | error | eff. | vs local | no overlap | predicted "
+             "| error | on/off | torch DDP gloo | torch DDP hpcdl | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for point in points:
         m, p = point["measured"]["samples_per_s"], point["predicted"]
         hosts, per_host = point["layout"]
@@ -199,10 +209,13 @@ def report(results: dict[str, Any], out: Path) -> None:
         def error(mode: str) -> str:
             return f"{p[mode] / m[mode] - 1:+.0%}" if mode in m else "-"
 
-        lines.append(f"| {point['ranks']} | {where} | {cell('local')} | {cell('hpcdl')} | {p['hpcdl']:,.0f} | "
-                     f"{error('hpcdl')} | {m.get('hpcdl', 0) / (point['ranks'] * base):.0%} | {cell('hpcdl-nolap')} | "
-                     f"{p['hpcdl-nolap']:,.0f} | {error('hpcdl-nolap')} | {cell('torch-ddp')} | "
-                     f"{cell('torch-ddp-hpcdl')} | {point['measured']['load_before']} |")
+        ratio = (lambda a, b: f"{m[a] / m[b]:.2f}" if a in m and b in m else "-")  # noqa: E731
+        lines.append(f"| {point['ranks']} | {where} | {point['emulate_compute_ms']:.0f} | {cell('local')} | "
+                     f"{cell('hpcdl')} | {p['hpcdl']:,.0f} | {error('hpcdl')} | "
+                     f"{m.get('hpcdl', 0) / (point['ranks'] * base):.0%} | {ratio('hpcdl', 'local')} | "
+                     f"{cell('hpcdl-nolap')} | {p['hpcdl-nolap']:,.0f} | {error('hpcdl-nolap')} | "
+                     f"{ratio('hpcdl', 'hpcdl-nolap')} | {cell('torch-ddp')} | {cell('torch-ddp-hpcdl')} | "
+                     f"{point['measured']['load_before']} |")
     lines += ["", "Commands:", ""] + [f"    {p['measured']['command']}" for p in points]
     lines += [f"    {p['predicted']['command']}" for p in points]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -238,6 +251,13 @@ def report(results: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--network", default="shm", help="shm, or a link rate of the emulated cluster (1gbit)")
+    parser.add_argument("--ranks-per-host", type=int, default=RANKS_PER_HOST,
+                        help=f"on the emulated cluster (default {RANKS_PER_HOST}; more where the hosts would "
+                             "be more than --max-hosts)")
+    parser.add_argument("--max-hosts", type=int, default=8)
+    parser.add_argument("--step-ratio", type=float, metavar="R",
+                        help="instead of --emulate-compute at every P: a step of R x the communication "
+                             "the model predicts there (2: communication about half the step)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--emulate-compute", type=float, default=100.0, metavar="MS")
