@@ -75,6 +75,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                               "during backward, from a timeline `hpcdl train --timeline` wrote: the "
                               "step is replayed with them (overlap on and off) instead of uniform "
                               "buckets; --model-params may then be left out")
+    predict.add_argument("--overlap-efficiency", type=float, default=1.0, metavar="E",
+                         help="with --timeline: the share of the overlap the replay finds that training "
+                              "really gets (measured: (step without overlap - step with) / (step without - "
+                              "the replay's step with)); default 1")
     predict.add_argument("--ranks-per-host", type=positive(int),
                          help="ranks share hosts K at a time (in rank order): a two-level model, "
                               "--link and --latency between hosts, --host-link and --host-latency "
@@ -105,6 +109,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                          "from --tuning-file instead)")
         if not args.staged and (args.copy_bandwidth is not None or args.copy_latency is not None):
             parser.error("--copy-bandwidth and --copy-latency price staged copies: add --staged")
+        if not 0 <= args.overlap_efficiency <= 1:
+            parser.error(f"--overlap-efficiency is a share between 0 and 1, got {args.overlap_efficiency:g}")
+        if args.overlap_efficiency != 1 and args.timeline is None:
+            parser.error("--overlap-efficiency scales the overlap a timeline's replay finds: add --timeline")
         if args.ranks_per_host is None and (args.host_link is not None or args.host_latency is not None):
             parser.error("--host-link and --host-latency price messages within a host: add --ranks-per-host K")
         if args.ranks_per_host is not None and args.ranks_per_host > 1 and args.tuning_file is None \
