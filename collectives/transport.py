@@ -25,6 +25,7 @@ from typing import Any, Callable, cast
 import numpy as np
 from mpi4py import MPI
 
+from . import inflight
 from .buffers import DeviceRuntime
 from .failures import settle
 from .ops import ReduceOp
@@ -52,10 +53,14 @@ POLL_SLEEP_S = 50e-6
 
 def complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool]) -> None:
     tests = 0
-    while not MPI.Request.Testall(requests):
-        tests += 1
-        if tests > SPIN_TESTS and patient():
-            time.sleep(POLL_SLEEP_S)
+    try:
+        while not MPI.Request.Testall(requests):
+            tests += 1
+            if tests > SPIN_TESTS and patient():
+                time.sleep(POLL_SLEEP_S)
+    except BaseException:  # an MPI error, an interrupt: the buffers must outlive what is in flight
+        inflight.keep(requests, "a collective's messages")
+        raise
 
 
 @functools.lru_cache(maxsize=1)
@@ -478,8 +483,11 @@ class Link:
                 complete_patiently(requests, self.patient)
             else:
                 MPI.Request.Waitall(requests)
-        except MPI.Exception:
-            self.abandon()
+        except BaseException as exc:
+            if isinstance(exc, MPI.Exception):
+                self.abandon()  # under ULFM: revoked and settled, nothing left in flight
+            # an interrupt, or an error without ULFM: the buffers must outlive what is in flight
+            inflight.keep([p.request for p in self._posted] + requests, "a collective's messages")
             raise
         posted = self._posted
         if len(posted) == len(pending):  # the usual case: everything posted was waited for

@@ -20,7 +20,8 @@ rank has the same number of examples (the mean loss's gradient is the mean of th
 
 Communication: averaging is a fused, chunked `collectives.allreduce(op="avg")` of the parameters
 (and state), one call per dtype and 8 MiB (`hpcdl.comm.fusion`); nothing between averagings. Buffers
-(batch-norm statistics) stay per rank, as in torch's averagers.
+(batch-norm statistics) stay per rank, as in torch's averagers. A rank missing from an averaging
+is warned about (hpcdl/runtime/stall.py, HPCDL_STALL_WARNING_S), as DDP's waits are.
 """
 from __future__ import annotations
 
@@ -32,8 +33,15 @@ from mpi4py import MPI
 import collectives
 
 from . import runtime
+from .runtime import stall
 from .runtime.agreement import raise_unless_agreed
 from .comm.fusion import fused_average, fused_broadcast
+
+
+#: What LocalSGD's stall warning advises.
+STALL_ADVICE = ("A rank that is frozen (SIGSTOP, a debugger), swapping or much slower than the others "
+                "holds up every averaging; training goes on once it catches up. See "
+                "docs/troubleshooting.md.")
 
 
 class LocalSGD:
@@ -102,7 +110,8 @@ class LocalSGD:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-            self.bytes_averaged += fused_average(grads, self.comm, algorithm=self.algorithm)
+            self.bytes_averaged += fused_average(grads, self.comm, algorithm=self.algorithm,
+                                                 wait=self._waiting("the warm-up's gradient averaging"))
             result = self.optimizer.step(closure)
         else:
             result = self.optimizer.step(closure)
@@ -116,8 +125,15 @@ class LocalSGD:
         tensors = self._parameters()
         if self.average_optimizer_state:
             tensors += self.state_tensors()
-        self.bytes_averaged += fused_average(tensors, self.comm, algorithm=self.algorithm)
+        self.bytes_averaged += fused_average(tensors, self.comm, algorithm=self.algorithm,
+                                             wait=self._waiting("the averaging of the parameters"))
         self.averagings += 1
+
+    def _waiting(self, what: str) -> Callable[[collectives.Handle], Any]:
+        """A wait for `what` that warns while a rank is missing (hpcdl/runtime/stall.py)."""
+        rank = self.comm.Get_rank()
+        return lambda handle: stall.wait_for(handle, f"LocalSGD: {what}", rank=rank, advice=STALL_ADVICE,
+                                             stacklevel=4)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The optimizer's floating-point state tensors shaped like their parameter, in a fixed

@@ -527,6 +527,27 @@ def test_compressor_on_sparse_or_integer_gradients_is_refused(comm):
         assert len(errors) == 1 and "parameter counts is torch.int64" in errors[0]
 
 
+@pytest.mark.parametrize("tau", ["1e39", "beyond the ranks' sum", "1e-46"])
+def test_a_threshold_outside_the_gradients_range_is_refused_on_every_rank(comm, tau):
+    """A threshold infinite in float32 (1e39 died with a traceback from inside backward), one
+    whose sum over the ranks overflows, or one that rounds to zero: refused when the wrapper is
+    built, on every rank, before any training; float64 parameters hold what float32 cannot."""
+    size = comm.Get_size()
+    value = {"1e39": 1e39, "1e-46": 1e-46,
+             "beyond the ranks' sum": 1.5 * float(torch.finfo(torch.float32).max) / max(size, 2)}[tau]
+    refused = size > 1 or tau != "beyond the ranks' sum"
+    try:
+        hpcdl.DistributedDataParallel(_net(), comm, compression=Threshold(tau=value))
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    ok = (message is not None and ("float32's range" in message or "rounds to 0" in message)) == refused
+    ok &= len(set(comm.allgather(message))) == 1
+    if tau == "1e39":
+        hpcdl.DistributedDataParallel(_net().double(), comm, compression=Threshold(tau=value))
+    assert all_ranks_agree(ok, comm), message
+
+
 def test_optimizer_that_applies_momentum_is_refused_with_the_fix(comm):
     model = hpcdl.DistributedDataParallel(_net(), comm, compression=TopK(density=0.1, momentum=0.9))
     for opt, applied in ((torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), r"SGD\(momentum=0.9\)"),

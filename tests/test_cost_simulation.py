@@ -100,6 +100,7 @@ class SimulatedLink(Link):
         self.me, self.comm, self.choose_level = members[index], comm, choose_level
         self.op, self.xp, self.tag, self.finishes_blocks = OPS["sum"], np, 0, False
         self.on_device, self.runtime, self.patient = False, None, None
+        self._staged = False  # host buffers: the staged device path never runs here
         self._scratch: dict[Any, np.ndarray] = {}
 
     @property

@@ -92,6 +92,90 @@ def test_allreduce_family(comm, op, reduce):
     assert all_ranks_agree(ok, comm)
 
 
+def _metrics(rank: int) -> dict[str, torch.Tensor]:
+    """A dict of metrics, different per rank: each is averaged by name."""
+    return {"loss": torch.tensor([0.5 + rank]), "lr": torch.tensor([0.1 * (rank + 1)]),
+            "accuracy": torch.tensor([10.0 * rank]), "steps": torch.tensor([3.0])}
+
+
+def _in_rank_order(names: list[str], rank: int) -> list[str]:
+    """The names in an order that differs between ranks, as a set's iteration order does between
+    processes: reversed on odd ranks, rotated by the rank on even ones."""
+    if rank % 2:
+        return names[::-1]
+    return names[rank % len(names):] + names[:rank % len(names)]
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "allreduce_", "grouped", "broadcast", "allgather",
+                                  "reducescatter"])
+def test_named_async_calls_pair_by_name_whatever_the_order(comm, kind):
+    """Horovod pairs named calls by name: started in an order that differs per rank, each result
+    is the one of its name (the wrong pairing gave every rank different values)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    everyone = [_metrics(r) for r in range(size)]
+    names = list(everyone[0])
+    handles, mine = {}, _metrics(rank)
+    for name in _in_rank_order(names, rank):
+        t = mine[name]
+        if kind == "allreduce":
+            handles[name] = hvd.allreduce_async(t, name=name)
+        elif kind == "allreduce_":
+            handles[name] = hvd.allreduce_async_(t, name=name)
+        elif kind == "grouped":
+            handles[name] = hvd.grouped_allreduce_async([t, 2 * t], name=name)
+        elif kind == "broadcast":
+            handles[name] = hvd.broadcast_async(t, size - 1, name=name)
+        elif kind == "allgather":
+            handles[name] = hvd.allgather_async(t, name=name)
+        else:
+            handles[name] = hvd.reducescatter_async(t.repeat(size), name=name, op=hvd.Sum)
+    ok = True
+    for name in _in_rank_order(names, rank + 1):  # synchronized in yet another order
+        got = hvd.synchronize(handles[name])
+        column = torch.stack([m[name] for m in everyone])
+        want = {"allreduce": column.mean(0), "allreduce_": column.mean(0),
+                "broadcast": everyone[size - 1][name], "allgather": column.reshape(-1),
+                "reducescatter": column.sum(0)}.get(kind)
+        if kind == "grouped":
+            ok = ok and torch.allclose(got[0], column.mean(0)) and torch.allclose(got[1], 2 * column.mean(0))
+        else:
+            ok = ok and torch.allclose(got, want)
+    assert all_ranks_agree(ok, comm)
+
+
+def test_blocking_named_calls_in_different_orders_raise_on_every_rank(comm):
+    """A blocking call waits until every rank has made it: named blocking calls in orders that
+    differ can never pair; every rank raises the same error (Horovod stalls), and the API still
+    works afterwards. In the same order they pair at once."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    mine = _metrics(rank)
+    same = {name: hvd.allreduce(mine[name], name=name) for name in mine}
+    ok = all(torch.allclose(same[n], torch.stack([_metrics(r)[n] for r in range(size)]).mean(0))
+             for n in mine)
+    if size > 1:
+        with pytest.raises(ValueError, match="named calls that can never pair") as caught:
+            for name in _in_rank_order(list(mine), rank):
+                hvd.allreduce(mine[name], name=name)
+        messages = comm.allgather(str(caught.value))
+        ok = ok and len(set(messages)) == 1 and "rank 1 waits for" in messages[0]
+    ok = ok and torch.equal(hvd.allreduce(torch.tensor([1.0]), name="after"), torch.tensor([1.0]))
+    assert all_ranks_agree(ok, comm)
+
+
+def test_a_name_used_for_two_collectives_raises_on_every_rank(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        pytest.skip("needs two ranks to disagree")
+    t = torch.tensor([float(rank)])
+    handle = (hvd.allreduce_async(t, name="clash") if rank == 0 else
+              hvd.broadcast_async(t, 0, name="clash"))
+    with pytest.raises(ValueError, match="submitted for different collectives") as caught:
+        hvd.synchronize(handle)
+    ok = len(set(comm.allgather(str(caught.value)))) == 1
+    ok = ok and torch.equal(hvd.allreduce(t, name="clash", op=hvd.Max), torch.tensor([size - 1.0]))
+    assert all_ranks_agree(ok, comm)
+
+
 def test_allreduce_scaling_average_flag_and_compression(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     mine = _mine(rank)

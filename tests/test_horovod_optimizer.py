@@ -167,8 +167,43 @@ def test_backward_passes_per_step_2_equals_one_step_over_the_doubled_batch(comm)
         F.mse_loss(model(x), y).backward()
     with pytest.raises(AssertionError, match="more than backward_passes_per_step"):
         F.mse_loss(model(x), y).backward()
-    optimizer.synchronize()  # the reductions the first two passes started
+    with pytest.raises(AssertionError, match="more than backward_passes_per_step"):
+        optimizer.synchronize()  # completes the reductions the first two passes started
     assert all_ranks_agree(ok and _same_on_every_rank(model, comm), comm)
+
+
+def test_one_extra_backward_on_one_rank_raises_on_every_rank(comm):
+    """backward_passes_per_step=2 and a third backward on one rank only: Horovod's AssertionError
+    there at once, and at step() on every rank (it was raised on that rank only: an abort if
+    uncaught, a hang if caught). The optimizer works on afterwards."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=2, **TINY)
+    x, y = _batch(rank, 0)
+    extra = rank == size - 1
+    for _ in range(2):
+        F.mse_loss(model(x), y).backward()
+    raised_at_backward = False
+    if extra:
+        try:
+            F.mse_loss(model(x), y).backward()
+        except AssertionError:
+            raised_at_backward = True
+    try:
+        optimizer.step()
+        message = None
+    except AssertionError as exc:
+        message = str(exc)
+    who = f"rank {size - 1}: " if size > 1 else ""
+    ok = message is not None and f"{who}Gradients were computed more than" in message
+    ok = ok and raised_at_backward == extra and len(set(comm.allgather(message))) == 1
+    optimizer.zero_grad()
+    for _ in range(2):
+        F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    assert all_ranks_agree(ok and _same_on_every_rank(model, comm), comm), message
 
 
 def _reduced_gradients(comm: MPI.Comm, **options) -> list[torch.Tensor]:

@@ -8,6 +8,8 @@ replicas side by side), so checking needs no extra communication.
 from __future__ import annotations
 
 import copy
+import time
+import warnings
 
 import pytest
 import torch
@@ -220,3 +222,31 @@ def test_different_arguments_and_foreign_optimizer_are_refused(comm):
         hpcdl.LocalSGD(net, foreign, comm)
     with pytest.raises(ValueError, match="module must be a torch.nn.Module"):
         hpcdl.LocalSGD("net", opt, comm)
+
+
+@pytest.mark.parametrize("when", ["averaging", "warm-up"])
+def test_a_late_rank_is_warned_about_while_the_others_average(comm, when, monkeypatch):
+    """The averaging waits on every rank: the others warn, naming it, while one is late
+    (HPCDL_STALL_WARNING_S), as DDP's waits do."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        pytest.skip("needs a rank to wait for")
+    monkeypatch.setenv("HPCDL_STALL_WARNING_S", "0.2")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    local = hpcdl.LocalSGD(net, torch.optim.SGD(net.parameters(), lr=0.1), comm, period=1,
+                           warmup_steps=1 if when == "warm-up" else 0)
+    net(torch.ones(1, 3)).sum().backward()
+    what = "the warm-up's gradient averaging" if when == "warm-up" else "the averaging of the parameters"
+    if rank == size - 1:
+        time.sleep(1.0)
+        local.step()
+        ok = True
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            local.step()
+        ok = any(issubclass(w.category, RuntimeWarning)
+                 and str(w.message).startswith(f"rank {rank}: LocalSGD: {what} has waited ")
+                 for w in caught)
+    assert all_ranks_agree(ok, comm)

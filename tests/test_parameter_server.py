@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -246,6 +247,68 @@ def test_downpour_n_fetch_n_push_with_one_worker(comm):
     else:
         ps.close()  # the other workers take no part
     assert all_ranks_agree(same, comm), "Downpour's n_fetch/n_push differ from the reference"
+
+
+def test_a_skipped_fetch_reports_the_progress_the_servers_have_now(comm):
+    """Downpour's n_fetch: a pull that keeps the parameters but is told where the workers meet
+    (until > 0) must return the servers' progress now, not that of its last fetch (a worker
+    that missed its meeting point ran on into the next epoch, which then trained no step)."""
+    _needs_workers(comm, 1, workers=2)
+    net = Mixed()
+    ps = hpcdl.ParameterServer(net, servers=1, consistency="async", lr=0.1, n_fetch=4,
+                               timeout=TIMEOUT)
+    workers = comm.Get_size() - 1
+    ok = True
+    if ps.is_server:
+        ps.serve()
+    else:
+        with ps:
+            rank = comm.Get_rank()
+            first = ps.pull(until=10 * workers)  # a fetch: nobody has pushed yet
+            _loss(net, *_batch(rank, 0)).backward()
+            ps.push()
+            net.zero_grad()
+            deadline, progress = time.monotonic() + 30, -1
+            while progress < workers and time.monotonic() < deadline:
+                progress = ps.pull(until=10 * workers)  # no fetch (n_fetch 4): the progress alone
+                time.sleep(0.01)
+            ok = first == 0 and progress == workers
+    assert all_ranks_agree(ok, comm), "a skipped fetch reported a stale progress"
+
+
+@pytest.mark.parametrize("wait", ["ssp bound", "sync step", "server"])
+def test_a_wait_on_a_late_rank_warns(comm, wait, monkeypatch):
+    """A worker whose pull SSP's bound or sync's step holds back for a late worker, or that waits
+    for a late server, warns while it waits (HPCDL_STALL_WARNING_S), as the collectives' waits do."""
+    _needs_workers(comm, 1, workers=1 if wait == "server" else 2)
+    monkeypatch.setenv("HPCDL_STALL_WARNING_S", "0.2")
+    consistency = {"ssp bound": "ssp", "sync step": "sync", "server": "async"}[wait]
+    net = Mixed()
+    ps = hpcdl.ParameterServer(net, servers=1, consistency=consistency,
+                               s=1 if consistency == "ssp" else None, timeout=TIMEOUT)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    late = size - 1 if wait == "server" else size - 2  # the server, or the last worker
+    ok = True
+    if ps.is_server:
+        if rank == late:
+            time.sleep(1.0)
+        ps.serve()
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ps:
+                if rank == late:
+                    time.sleep(1.0)
+                for step in range(3 if consistency == "ssp" else 2):  # SSP s=1: the third pull waits
+                    ps.pull()
+                    _loss(net, *_batch(rank, step)).backward()
+                    ps.push()
+                    net.zero_grad()
+        if rank != late:
+            ok = any(issubclass(w.category, RuntimeWarning) and re.match(
+                rf"rank {rank}: pull at clock \d+ from servers \[{size - 1}\] has waited", str(w.message))
+                for w in caught)
+    assert all_ranks_agree(ok, comm)
 
 
 @pytest.mark.parametrize("servers", [1, 2])

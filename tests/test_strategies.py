@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +138,30 @@ def test_plans_resolve_defaults_and_the_batch_per_update(argv, ranks, update_bat
      "--compression applies to --strategy allreduce, not local-sgd"),
     (["--strategy", "downpour", "--compression", "threshold:0.1", "--no-momentum-correction"],
      "--momentum-correction applies to --strategy allreduce, not downpour"),
+    (["--compression", "threshold:1e39"], "--compression threshold:1e39: threshold 1e+39 is beyond "
+                                          f"float32's range for {SIZE} rank(s)"),
+    (["--compression", "threshold:1e-50"], "--compression threshold:1e-50: threshold 1e-50 rounds to 0 in "
+                                           "float32"),
 ])
 def test_bad_strategy_options_stop_every_rank_with_one_message(argv, message, comm, capsys):
     status = train.main(argv)
     err = capsys.readouterr().err
     ok = status == train.ARGUMENT_ERROR and (comm.Get_rank() != 0 or (
         err.count(message) == 1 and "Traceback" not in err))
+    ok &= comm.Get_rank() == 0 or err == ""
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+@pytest.mark.skipif(SIZE == 1, reason="a parameter server needs two ranks")
+@pytest.mark.parametrize("option", ["--n-fetch", "--n-push"])
+def test_n_fetch_and_n_push_beyond_an_epoch_are_refused_on_every_rank(option, comm, capsys):
+    """More steps between fetches (or pushes) than a worker takes per epoch: refused before
+    training (with --n-fetch 30 on 5 ranks epoch 2 trained no step; 100000 never ended)."""
+    status = train.main(["--strategy", "downpour", option, "100000", "--epochs", "3"])
+    err = capsys.readouterr().err
+    found = re.search(rf"{option} 100000 is more than the (\d+) steps each worker takes per epoch; "
+                      r"use \1 or less", err)
+    ok = status == train.ARGUMENT_ERROR and (comm.Get_rank() != 0 or (found is not None and err.count(option) == 1))
     ok &= comm.Get_rank() == 0 or err == ""
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
@@ -242,6 +261,17 @@ def test_async_workers_run_at_their_own_pace_and_resume(tmp_path, comm):
     own = [r["own_steps"] for r in end["ranks"]]
     ok &= own[1] > own[0] and end["step"] == 2 * steps_per_epoch and len(end["servers"]) == 1
     assert all_ranks_agree(ok, comm), (table, own)
+
+
+@trains
+def test_a_threshold_that_sends_nothing_is_warned_about(comm, capsys):
+    """threshold:1e30 fits float32 but no residual reaches it: the run cannot learn, and says so
+    after each epoch instead of training on silently (it stayed at 3.9 % accuracy)."""
+    status = train.main(["--compression", "threshold:1e30", "--epochs", "1", "--batch-size", "128"])
+    err = capsys.readouterr().err
+    ok = status == 0 and (comm.Get_rank() != 0 or "epoch 1: --compression threshold:1e30 sent no "
+                          "gradient element" in err)
+    assert all_ranks_agree(ok, comm), err
 
 
 @trains

@@ -11,6 +11,7 @@ ranks (`new_group(backend="gloo")`, possible because the default store is a real
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -388,6 +389,61 @@ def test_all_to_all_counts_that_disagree_fail_every_rank(comm):
     assert all_ranks_agree(ok, comm), message
 
 
+@pytest.mark.parametrize("case", ["exceed", "short", "output short", "indivisible"])
+def test_all_to_all_split_sizes_that_do_not_fill_the_tensors_fail_every_rank(comm, case):
+    """Split sizes that agree between ranks but do not add up to the tensors' rows are refused on
+    every rank, as gloo refuses them (unchecked, too many rows wrote past the output on some
+    ranks while the others blocked; too few left the output half filled)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    rows = 2 * size
+    send, recv = torch.zeros(rows, 3), torch.empty(rows, 3)
+    splits = [2] * size
+    ins, outs = splits, splits
+    if case == "exceed":
+        ins = outs = [3] * size  # 3 P rows asked of a tensor of 2 P
+    elif case == "short":
+        ins = outs = [1] * size
+    elif case == "output short":
+        recv = torch.empty(rows - 1, 3)
+    else:
+        send, recv, ins, outs = torch.zeros(rows + 1, 3), torch.empty(rows + 1, 3), [], []
+        if size == 1:
+            pytest.skip("every row count divides by one rank")
+    try:
+        dist.all_to_all_single(recv, send, outs, ins)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    same = len(set(comm.allgather(message))) == 1
+    ok = message is not None and same and ("in all" in message or "do not divide" in message)
+    good = torch.empty(rows, 3)
+    dist.all_to_all_single(good, torch.full((rows, 3), float(rank)), splits, splits)
+    ok = ok and torch.equal(good, torch.arange(size).repeat_interleave(2).float()[:, None].expand(rows, 3))
+    assert all_ranks_agree(ok, comm), message
+
+
+def test_new_group_with_different_ranks_on_different_ranks_fails_every_rank(comm, monkeypatch):
+    """Each rank names itself and its right neighbour: every rank's list differs from its
+    neighbour's, and every rank raises instead of hanging in MPI's group creation without a word.
+    The same lists everywhere then make a group as before."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 3:
+        pytest.skip("needs three ranks for every rank to see a list that differs from its own")
+    try:
+        dist.new_group(sorted({rank, (rank + 1) % size}), backend="hpcdl")
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    ok = message is not None and "passed different lists of ranks" in message
+    ok &= f"rank {rank}: {sorted({rank, (rank + 1) % size})}" in (message or "")
+    group = dist.new_group([0, 1], backend="hpcdl")
+    if rank in (0, 1):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        ok &= t.item() == 2
+    assert all_ranks_agree(ok, comm), message
+
+
 # -- init_process_group("hpcdl") after hpcdl.init(), nothing set by hand ---------------------------
 
 PLAIN_INIT = """
@@ -420,3 +476,54 @@ def test_init_process_group_needs_no_master_address(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("ok"))
     assert lines == ["ok hpcdl 0 2 3 [0, 2, 4, 6]", "ok hpcdl 1 2 3 [1, 3, 5, 7]"], done.stdout
+
+
+# -- torch's DDP when a collective fails: a Python exception on every rank -------------------------
+
+DDP_COLLECTIVE_ERROR = """
+import torch, torch.distributed as dist
+import hpcdl
+hpcdl.init_torch_distributed()
+rank = dist.get_rank()
+torch.manual_seed(0)
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+for step in range(2):
+    loss = ddp(torch.randn(8, 4)).sum()
+    if step == 1 and rank == 1:  # an extra operation: DDP's bucket pairs with it on rank 0
+        try:
+            dist.all_reduce(torch.zeros(7))
+        except Exception as exc:
+            print("rank", rank, "all_reduce:", type(exc).__name__, flush=True)
+    try:
+        loss.backward()
+        print("rank", rank, "step", step, "ok", flush=True)
+    except Exception as exc:
+        print("rank", rank, "backward:", type(exc).__name__, str(exc).splitlines()[0], flush=True)
+    if step == 1 and rank == 0:  # pairs with rank 1's bucket: nothing is left waiting
+        try:
+            dist.all_reduce(torch.zeros(7))
+        except Exception as exc:
+            print("rank", rank, "all_reduce:", type(exc).__name__, flush=True)
+t = torch.ones(1)
+dist.all_reduce(t)
+print("rank", rank, "after:", int(t.item()), flush=True)
+"""
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts its own mpirun; N=1 job only")
+def test_a_collective_error_inside_torch_ddp_raises_from_backward_on_every_rank(tmp_path):
+    """DDP's reducer reads a failed bucket future from C++: it must raise there (a Python
+    exception out of backward()), not take the error for the bucket's tensors and crash."""
+    from run import own_job_environment, run_own_job
+
+    script = tmp_path / "ddp_error.py"
+    script.write_text(textwrap.dedent(DDP_COLLECTIVE_ERROR))
+    done = run_own_job(["mpirun", "-n", "2", sys.executable, str(script)], timeout=240,
+                       env=own_job_environment(PYTHONPATH=os.pathsep.join(sys.path)), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout
+    for rank in (0, 1):
+        assert f"rank {rank} step 0 ok" in done.stdout, done.stdout
+        assert re.search(rf"rank {rank} backward: RuntimeError .*CollectiveArgumentError: allreduce: "
+                         "ranks passed different element counts", done.stdout), done.stdout
+        assert f"rank {rank} all_reduce: CollectiveArgumentError" in done.stdout, done.stdout
+        assert f"rank {rank} after: 2" in done.stdout, done.stdout

@@ -328,6 +328,46 @@ def test_a_frozen_rank_is_warned_about_within_seconds_and_training_finishes_afte
     assert outcome["status"] == 0 and outcome["finished"], outcome
 
 
+@own_job
+def test_sigterm_to_a_server_rank_alone_checkpoints_and_stops_the_job(tmp_path, comm):
+    """docs/training.md: one signal to one rank is enough. A server takes no part in the workers'
+    agreement on signals: it passes SIGTERM on in its answers to their pulls, and the job
+    checkpoints and stops with status 3 (the signal was lost: the run went on to its end). N=2
+    runs sync-ps (workers agree after every step), N=3 downpour (they agree where they meet)."""
+    directory = shared_directory(tmp_path, comm)
+    size = comm.Get_size()
+    strategy = "sync-ps" if size == 2 else "downpour"
+    train_command = (f"{sys.executable} -m hpcdl train --strategy {strategy} --epochs 100 "
+                     f"--batch-size 8 --checkpoint-dir {directory / 'ckpt'}")
+    command = ["mpirun", "-n", str(size), "sh", "-c",
+               f'echo $$ > {directory}/rank$OMPI_COMM_WORLD_RANK.pid; exec {train_command}']
+
+    def signal_the_server() -> dict[str, Any]:
+        lines: list[str] = []
+        proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        try:
+            # After the first epoch's line the server is surely serving, its handler installed.
+            if not wait_until(lambda: any("epoch   1/100" in line for line in lines), 180):
+                return {"error": "the first epoch did not end", "output": "".join(lines)[-3000:]}
+            os.kill(int((directory / f"rank{size - 1}.pid").read_text()), signal.SIGTERM)
+            status = proc.wait(timeout=240)
+            reader.join(timeout=10)
+            return {"status": status, "output": "".join(lines)[-3000:],
+                    "checkpoints": [s for s, _ in ckpt.list_checkpoints(directory / "ckpt")]}
+        finally:
+            if proc.poll() is None:
+                stop(proc)
+
+    outcome = on_rank0(comm, signal_the_server)
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    assert outcome["status"] == train.CHECKPOINTED_ON_SIGNAL, outcome
+    assert re.search(r"stopping at step \d+ on SIGTERM: checkpoint written", outcome["output"]), outcome
+    assert outcome["checkpoints"], outcome
+
+
 def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     """Poll `condition` every 0.1 s for up to `seconds`; whether it became true."""
     deadline = time.monotonic() + seconds

@@ -38,34 +38,46 @@ class Counts:
 
 
 def exchange_counts(send_counts: Sequence[int], comm: MPI.Comm, *, dtype: str = "",
-                    recv_counts: Sequence[int] | None = None, error: str | None = None) -> Counts:
+                    recv_counts: Sequence[int] | None = None, error: str | None = None,
+                    send_elements: int | None = None, recv_elements: int | None = None) -> Counts:
     """Collective: every rank's send counts, checked; returns what this rank sends and receives.
 
     `recv_counts`, where the caller already knows them (torch's all_to_all_single), must match what
     the senders send; None: learned from the senders (Horovod's alltoall). `dtype` (a name) must
-    be the same everywhere. `error`: this rank's own problem with its arguments, reported on every
-    rank. One allgather of (error, dtype, counts) per call. Raises ValueError on every rank.
+    be the same everywhere. `send_elements`/`recv_elements`: the sizes of this rank's send and
+    receive buffers, which its counts must fill exactly (counts beyond them would write past the
+    receive buffer or read past the send buffer; counts short of them leave the output half
+    filled), None: not checked. `error`: this rank's own problem with its arguments, reported on
+    every rank. One allgather of (error, dtype, counts, sizes) per call. Raises ValueError on
+    every rank.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     mine = (error, dtype, [int(c) for c in send_counts],
-            None if recv_counts is None else [int(c) for c in recv_counts])
+            None if recv_counts is None else [int(c) for c in recv_counts], send_elements, recv_elements)
     if error is None and len(mine[2]) != size:
         mine = (f"{len(mine[2])} send counts for {size} ranks", *mine[1:])
+    elif error is None and mine[3] is not None and len(mine[3]) != size:
+        mine = (f"{len(mine[3])} receive counts for {size} ranks", *mine[1:])
     everyone = comm.allgather(mine)
     problems = [f"rank {r}: {e}" for r, (e, *_rest) in enumerate(everyone) if e is not None]
     if not problems:
-        dtypes = sorted({d for _, d, _, _ in everyone})
+        dtypes = sorted({d for _, d, *_rest in everyone})
         if len(dtypes) > 1:
             problems.append(f"ranks passed different dtypes ({', '.join(dtypes)})")
-        for r, (_, _, sends, recvs) in enumerate(everyone):
-            if min(sends, default=0) < 0:
-                problems.append(f"rank {r} has a negative count ({sends})")
-            if recvs is None:
+        for r, (_, _, sends, recvs, send_n, recv_n) in enumerate(everyone):
+            if min(sends, default=0) < 0 or min(recvs or [0]) < 0:
+                problems.append(f"rank {r} has a negative count ({sends}, {recvs})")
                 continue
             expected = [everyone[src][2][r] for src in range(size)]
-            if recvs != expected:
+            if send_n is not None and sum(sends) != send_n:
+                problems.append(f"rank {r} sends {sends} elements to ranks 0..{size - 1}, {sum(sends)} "
+                                f"in all, from a tensor of {send_n}")
+            if recvs is not None and recvs != expected:
                 problems.append(f"rank {r} expects {recvs} elements from ranks 0..{size - 1}, but "
                                 f"they send it {expected}")
+            elif recv_n is not None and sum(expected) != recv_n:
+                problems.append(f"rank {r} receives {expected} elements from ranks 0..{size - 1}, "
+                                f"{sum(expected)} in all, into a tensor of {recv_n}")
     if problems:
         raise ValueError("alltoall: " + "; ".join(problems))
     return Counts(tuple(everyone[rank][2]), tuple(everyone[src][2][rank] for src in range(size)))

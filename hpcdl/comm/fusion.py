@@ -9,12 +9,13 @@ collectives' own argument check raises on every rank otherwise.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from mpi4py import MPI
 
 import collectives
+from collectives import Handle
 
 from .tensors import as_array
 
@@ -47,18 +48,23 @@ def _copy_back(flat: torch.Tensor, group: list[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def fused_average(tensors: Iterable[torch.Tensor], comm: MPI.Comm, *,
-                  algorithm: str = "auto") -> int:
+                  algorithm: str = "auto", wait: Callable[[Handle], Any] | None = None) -> int:
     """Average every tensor over the ranks of `comm`, in place; returns the bytes averaged.
 
-    Collective. One `collectives.allreduce(op="avg")` per dtype and CHUNK_BYTES slice. The
-    returned figure is the size N of the fused buffers; an allreduce sends between 2(P-1)/P N
-    (ring, halving-doubling) and log2(P) N (butterfly) bytes per rank for them.
+    Collective. One `collectives.allreduce(op="avg")` per dtype and CHUNK_BYTES slice; with `wait`,
+    `collectives.iallreduce` instead, each handle passed to `wait` (a wait that warns while a rank
+    is missing: hpcdl/runtime/stall.py). The returned figure is the size N of the fused buffers;
+    an allreduce sends between 2(P-1)/P N (ring, halving-doubling) and log2(P) N (butterfly)
+    bytes per rank for them.
     """
     nbytes = 0
     for group in _by_dtype(tensors):
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         for chunk in _chunks(flat):
-            collectives.allreduce(chunk, comm, op="avg", algorithm=algorithm, out=chunk)
+            if wait is None:
+                collectives.allreduce(chunk, comm, op="avg", algorithm=algorithm, out=chunk)
+            else:
+                wait(collectives.iallreduce(chunk, comm, op="avg", algorithm=algorithm, out=chunk))
         _copy_back(flat, group)
         nbytes += flat.numel() * flat.element_size()
     return nbytes

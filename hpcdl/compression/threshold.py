@@ -19,11 +19,15 @@ once, then divides by the number of ranks: every rank gets the same bits.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from .feedback import ErrorFeedback
 from .sparse import SparseExchange, optimizer_momentum_errors
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 _SIGN_BIT = -2**31  # bit 31 of an int32 word
 _INDEX_BITS = 2**31 - 1
@@ -64,6 +68,27 @@ class Threshold(SparseExchange):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> list[str]:
         return optimizer_momentum_errors(self, optimizer)
+
+    def range_errors(self, dtype: torch.dtype, ranks: int) -> list[str]:
+        """What keeps tau from working on gradients of `dtype` averaged over `ranks` ranks, or []:
+        tau itself must be a finite non-zero `dtype` (1e39 is infinite in float32: the quantum
+        became inf and NaN inside backward), and so must `ranks` quanta summed (decoding adds every
+        rank's quantum of an element before dividing by the ranks)."""
+        info, name = torch.finfo(dtype), str(dtype).removeprefix("torch.")
+        as_dtype = float(torch.tensor(self.tau, dtype=dtype))
+        if math.isinf(as_dtype) or ranks * self.tau > info.max:
+            bound = info.max / max(ranks, 1)
+            return [f"threshold {self.tau:g} is beyond {name}'s range for {ranks} rank(s): the sum "
+                    f"of the ranks' quanta would overflow; use a threshold below {bound:.3g} (the "
+                    "gradients' scale: 0.001 to 1 is usual, see docs/compression.md)"]
+        if as_dtype == 0:
+            return [f"threshold {self.tau:g} rounds to 0 in {name}; use at least {info.tiny:.3g}"]
+        return []
+
+    def setup(self, named_parameters: Sequence[tuple[str, torch.Tensor]], comm: MPI.Comm) -> list[str]:
+        errors = super().setup(named_parameters, comm)
+        dtypes = {p.dtype for _, p in named_parameters if p.dtype.is_floating_point}
+        return errors + [e for d in sorted(dtypes, key=str) for e in self.range_errors(d, comm.Get_size())]
 
     def select(self, name: str, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         indices = torch.nonzero(v.abs() >= self.tau).view(-1)

@@ -9,8 +9,9 @@
 
 Launch with `mpirun -n N python script.py` (`horovodrun` is not needed). Every public name of
 `horovod.torch` exists, with Horovod's semantics: reductions average unless `op=` says otherwise,
-tensors go in and come out (out of place unless the name ends in `_`), `name=` is accepted (and
-unused: hpcdl matches calls by their order, as MPI does, not by name), `prescale_factor` and
+tensors go in and come out (out of place unless the name ends in `_`), calls given a `name=` pair
+by name across ranks as Horovod's do, whatever order the ranks make them in (names.py; unnamed
+calls pair by order), `prescale_factor` and
 `postscale_factor` scale before and after the reduction, `*_async` calls return a handle for
 `poll`/`synchronize`, `allgather` takes first dimensions that differ between ranks, the out-of-place
 collectives are differentiable as Horovod's are.
@@ -22,12 +23,14 @@ the Adasum reduction, process sets other than the global one, elastic training, 
 by backward, overlap, the communication thread: optimizer.py).
 Differences: `join()` is a synchronization point that returns the rank that arrived last, but ranks
 must have made the same collective calls before it (Horovod lets joined ranks take part in the
-others' allreduces with zeros); ranks must issue collectives in the same order (Horovod negotiates
-the order by name).
+others' allreduces with zeros); unnamed calls must come in the same order on every rank, and
+blocking named calls too (each waits until every rank has made it; where Horovod stalls, every
+rank raises ValueError naming who waits for what).
 
 Split as Horovod's own `horovod.torch` is: basics.py (init, sizes, ranks, the build, process sets,
-the ops), mpi_ops.py (the collectives on tensors and their handles), functions.py (broadcasts of
-models, optimizer states and objects), compression.py, optimizer.py (DistributedOptimizer),
+the ops), mpi_ops.py (the collectives on tensors and their handles), names.py (named calls paired
+by name), functions.py (broadcasts of models, optimizer states and objects), compression.py,
+optimizer.py (DistributedOptimizer),
 sync_batch_norm.py and elastic.py (not offered yet); this module only gathers their names.
 """
 from . import elastic

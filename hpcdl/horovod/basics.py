@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from mpi4py import MPI
 
 from .. import runtime
+from .names import NamePairing
 
 # Horovod's reduction op values (horovod/common/message.h).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -25,6 +26,7 @@ def _not_offered(what: str, instead: str) -> NotImplementedError:
 
 class _State:
     comm: MPI.Comm | None = None
+    pairing: NamePairing | None = None  # the named calls (names.py)
     local: tuple[int, int] = (0, 1)  # local rank, local size
     cross: tuple[int, int] = (0, 1)  # cross rank, cross size
     homogeneous = True
@@ -60,6 +62,7 @@ def init(comm: MPI.Comm | Sequence[int] | None = None, process_sets: Any = None)
     cross.Free()
     _state.local = (local_rank, local_size)
     _state.homogeneous = len(set(comm.allgather(local_size))) == 1
+    _state.pairing = NamePairing(comm)
     _state.comm = comm
     global_process_set.process_set_id = 0
     global_process_set.ranks = list(range(comm.Get_size()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -20,16 +20,27 @@ from ..comm.tensors import RefusedTensor, as_array, collective_array, refusal
 from .compression import Compression, Compressor
 from .basics import (_OP_NAMES, Adasum, Average, Max, Min, ProcessSet, Product, Sum, _check_process_set, _comm,
                      _not_offered, _state, global_process_set, rank)
+from .names import PairedHandle
 
-
-_pending: dict[int, TensorHandle] = {}
+Pending = TensorHandle | PairedHandle
+_pending: dict[int, Pending] = {}
 _counter = itertools.count(1)
 
 
-def _handle(pending: TensorHandle) -> int:
+def _handle(pending: Pending) -> int:
     handle = next(_counter)
     _pending[handle] = pending
     return handle
+
+
+def _paired(name: str | None, kind: str, start: Callable[[], TensorHandle]) -> Pending:
+    """`start()` now (without a name calls pair by order), or once every rank has submitted the
+    call named `name`, whatever the order of the names (names.py)."""
+    if name is None:
+        return start()
+    _comm()  # refuses before init
+    assert _state.pairing is not None
+    return _state.pairing.submit(name, kind, start)
 
 
 def poll(handle: int) -> bool:
@@ -46,7 +57,7 @@ def synchronize(handle: int) -> Any:
     return None if pending is None else pending.wait()  # None for an unknown handle, as Horovod
 
 
-def _first(pending: TensorHandle) -> TensorHandle:
+def _first(pending: Pending) -> Pending:
     """The same operation, its output the first of the list it made (the single-tensor calls)."""
     return pending.then(lambda outputs: outputs[0])
 
@@ -116,8 +127,10 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
                             process_set: ProcessSet = global_process_set) -> int:
     """Start reducing each of `tensors` (not modified); `synchronize` returns the list of results."""
     _check_process_set(process_set)
-    return _handle(_allreduce_start(list(tensors), _outputs_for(list(tensors)), _op(op, average),
-                                    prescale_factor, postscale_factor))
+    op = _op(op, average)
+    tensors = list(tensors)
+    return _handle(_paired(name, "allreduce", lambda: _allreduce_start(
+        tensors, _outputs_for(tensors), op, prescale_factor, postscale_factor)))
 
 
 def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
@@ -126,8 +139,10 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
                              process_set: ProcessSet = global_process_set) -> int:
     """Start reducing each of `tensors` in place; `synchronize` returns them."""
     _check_process_set(process_set)
-    return _handle(_allreduce_start(list(tensors), list(tensors), _op(op, average), prescale_factor,
-                                    postscale_factor))
+    op = _op(op, average)
+    tensors = list(tensors)
+    return _handle(_paired(name, "allreduce", lambda: _allreduce_start(
+        tensors, tensors, op, prescale_factor, postscale_factor)))
 
 
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
@@ -143,15 +158,15 @@ class _Allreduce(torch.autograd.Function):
     """Differentiable allreduce, as Horovod's: the gradient is reduced the same way."""
 
     @staticmethod
-    def forward(ctx: Any, op: int, prescale_factor: float, postscale_factor: float,
+    def forward(ctx: Any, op: int, prescale_factor: float, postscale_factor: float, name: str | None,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.factors = op, (prescale_factor, postscale_factor)
-        return tuple(_allreduce_start(list(tensors), _outputs_for(list(tensors)), op,
-                                      prescale_factor, postscale_factor).wait())
+        return tuple(_paired(name, "allreduce", lambda: _allreduce_start(
+            list(tensors), _outputs_for(list(tensors)), op, prescale_factor, postscale_factor)).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None, None, *_allreduce_start(list(grads), _outputs_for(list(grads)), ctx.op,
+        return (None, None, None, None, *_allreduce_start(list(grads), _outputs_for(list(grads)), ctx.op,
                                                     *ctx.factors).wait())
 
 
@@ -167,7 +182,7 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
     _check_process_set(process_set)
     op = _op(op, average)
     compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else ((), ())
-    reduced = _Allreduce.apply(op, prescale_factor, postscale_factor, *compressed)
+    reduced = _Allreduce.apply(op, prescale_factor, postscale_factor, name, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
 
 
@@ -256,31 +271,32 @@ class _Allgather(torch.autograd.Function):
     """Differentiable allgather (Horovod's gradient: averaged over ranks, this rank's rows)."""
 
     @staticmethod
-    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, name: str | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.firsts = [t.shape[0] for t in tensors]
-        return tuple(_gather_start(list(tensors)).wait())
+        return tuple(_paired(name, "allgather", lambda: _gather_start(list(tensors))).wait())
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         reduced = grouped_allreduce([g.contiguous() for g in grads], op=Average)
         offsets = _gather_start([torch.tensor([n]) for n in ctx.firsts]).wait()
         me = rank()
-        return tuple(g.narrow(0, int(sizes[:me].sum()), n)
-                     for g, sizes, n in zip(reduced, offsets, ctx.firsts))
+        return (None, *(g.narrow(0, int(sizes[:me].sum()), n)
+                        for g, sizes, n in zip(reduced, offsets, ctx.firsts)))
 
 
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start gathering each of `tensors` along dim 0; `synchronize` returns the list."""
     _check_process_set(process_set)
-    return _handle(_gather_start(list(tensors)))
+    tensors = list(tensors)
+    return _handle(_paired(name, "allgather", lambda: _gather_start(tensors)))
 
 
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Concatenate each of `tensors` over all ranks along dim 0 (first dims may differ)."""
     _check_process_set(process_set)
-    return list(_Allgather.apply(*tensors))
+    return list(_Allgather.apply(name, *tensors))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -312,7 +328,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
                      process_set: ProcessSet = global_process_set) -> int:
     """Start overwriting `tensor` with root's, in place; `synchronize(handle)` returns it."""
     _check_process_set(process_set)
-    return _handle(_broadcast_start(tensor.detach(), root_rank, tensor))
+    return _handle(_paired(name, "broadcast", lambda: _broadcast_start(tensor.detach(), root_rank, tensor)))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -320,11 +336,14 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     """Start broadcasting root's `tensor` into a new tensor; `synchronize` returns it."""
     _check_process_set(process_set)
     problem = _unusable(tensor)
-    if problem is not None:  # every rank raises, through the collective's own check
-        return _handle(TensorHandle([collectives.ibroadcast(RefusedTensor(problem), root_rank, _comm())],
-                                    lambda _: None))
-    output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return _handle(_broadcast_start(output, root_rank, output))
+
+    def start() -> TensorHandle:
+        if problem is not None:  # every rank raises, through the collective's own check
+            return TensorHandle([collectives.ibroadcast(RefusedTensor(problem), root_rank, _comm())],
+                                lambda _: None)
+        output = tensor.detach().clone(memory_format=torch.contiguous_format)
+        return _broadcast_start(output, root_rank, output)
+    return _handle(_paired(name, "broadcast", start))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -337,21 +356,21 @@ class _Broadcast(torch.autograd.Function):
     """Differentiable broadcast (Horovod's gradient: averaged, kept on the root only)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
         ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank))
+        return synchronize(broadcast_async(tensor, root_rank, name))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         reduced = allreduce(grad.contiguous(), op=Average)
-        return (reduced if rank() == ctx.root_rank else reduced * 0), None
+        return (reduced if rank() == ctx.root_rank else reduced * 0), None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Root's `tensor` on every rank, as a new tensor. Differentiable."""
     _check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank)
+    return _Broadcast.apply(tensor, root_rank, name)
 
 
 # -- alltoall, reducescatter -----------------------------------------------------------------------
@@ -381,19 +400,29 @@ def _alltoall_now(tensor: torch.Tensor, splits: Any) -> tuple[torch.Tensor, torc
     return output, torch.tensor([c // max(row, 1) for c in counts.recv], dtype=torch.int32)
 
 
+def _alltoall_paired(name: str | None, tensor: torch.Tensor,
+                     splits: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_alltoall_now`, run once every rank has submitted `name` (at once without a name)."""
+    def start() -> TensorHandle:
+        result = _alltoall_now(tensor, splits)
+        return TensorHandle([], lambda _: result)
+    return _paired(name, "alltoall", start).wait()
+
+
 class _Alltoall(torch.autograd.Function):
     """Differentiable alltoall: the gradient goes back the way the rows came."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        output, received = _alltoall_now(tensor, splits)
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any,
+                name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        output, received = _alltoall_paired(name, tensor, splits)
         ctx.received = received
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> tuple[torch.Tensor, None]:
-        return _alltoall_now(grad.contiguous(), ctx.received)[0], None
+    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> tuple[torch.Tensor, None, None]:
+        return _alltoall_now(grad.contiguous(), ctx.received)[0], None, None
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
@@ -405,7 +434,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     the counts. Differentiable.
     """
     _check_process_set(process_set)
-    output, received = _Alltoall.apply(tensor, splits)
+    output, received = _Alltoall.apply(tensor, splits, name)
     return output if splits is None else (output, received)
 
 
@@ -413,7 +442,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
                    process_set: ProcessSet = global_process_set) -> int:
     """`alltoall`, run at once (the exchange blocks); `synchronize(handle)` returns its result."""
     _check_process_set(process_set)
-    result = _alltoall_now(tensor, splits)
+    result = _alltoall_paired(name, tensor, splits)
     return _handle(TensorHandle([], lambda _: result[0] if splits is None else result))
 
 
@@ -457,7 +486,9 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
     _check_process_set(process_set)
     if op == Adasum:
         raise _not_offered("the Adasum reduction", "use op=hvd.Average (the default) or hvd.Sum")
-    return _handle(_reducescatter_start(list(tensors), op, prescale_factor, postscale_factor))
+    tensors = list(tensors)
+    return _handle(_paired(name, "reducescatter", lambda: _reducescatter_start(
+        tensors, op, prescale_factor, postscale_factor)))
 
 
 def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
@@ -513,4 +544,5 @@ def join(device: int = -1) -> int:
 def shutdown() -> None:
     """Forget the communicator (MPI itself stays up until the program ends) and every handle."""
     _state.comm = None
+    _state.pairing = None
     _pending.clear()

@@ -28,14 +28,18 @@ import hashlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 from mpi4py import MPI
+
+import collectives
 
 from ..ddp.dense import FP16
 from ..ddp.dense import Average as DenseAverage
 from ..ddp.exchange import ExchangeLink, GradientExchange
 from ..ddp.wrapper import STALL_WARNING_S, build_reducer, check_bucket_options, register_ready_hooks
-from ..runtime.agreement import raise_unless_agreed
+from ..runtime.agreement import agreed_error, raise_unless_agreed
+from ..runtime.stall import wait_for, warning_seconds
 from .basics import Adasum, Average, ProcessSet, Sum, _check_process_set, _comm, _not_offered, global_process_set, size
 from .compression import Compression, Compressor
 
@@ -97,6 +101,7 @@ class _Synchronizing:
         self._hvd_marked = False  # a gradient was handed to the reducer since then
         self._hvd_should_synchronize = True  # flipped by skip_synchronize()
         self._hvd_synchronized = False  # synchronize() ran since the last step()
+        self._hvd_problem: str | None = None  # this rank's extra backward pass, told at synchronize()
         self._hvd_hooks = register_ready_hooks(self, "_hvd_ready", [p for _, p in named])
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -118,10 +123,14 @@ class _Synchronizing:
                                    "sparse_as_dense=True, or build the layer with sparse=False")
             param.grad = param.grad.to_dense()
         if self._hvd_delay[i] <= 0:
-            raise AssertionError(
+            # Raised here as Horovod does, and remembered: synchronize() raises it on every rank,
+            # since the others, which made no extra pass, would otherwise go on (or wait) alone.
+            self._hvd_problem = self._hvd_problem or (
                 f"Gradients were computed more than backward_passes_per_step="
                 f"{self.backward_passes_per_step} times before call to step() (parameter {name}). "
                 "Increase backward_passes_per_step to accumulate gradients locally.")
+            self._hvd_touched = True
+            raise AssertionError(self._hvd_problem)
         self._hvd_touched = True
         self._hvd_delay[i] -= 1
         if self._hvd_delay[i] == 0:
@@ -132,19 +141,28 @@ class _Synchronizing:
         """Wait for every gradient's reduction (launching those of parameters that got no gradient
         in the passes since the last step, as zeros); afterwards `param.grad` holds the result.
 
-        Collective. A no-op if no backward pass ran since the last call.
+        Collective. A no-op if no backward pass ran since the last call. A rank that made more
+        backward passes than `backward_passes_per_step` makes every rank raise AssertionError here,
+        after the reductions are complete (one small allreduce per call checks it).
         """
         if not self._hvd_touched:
             return
         reducer = self._hvd_reducer
         reducer.fill_unready(set())
         reducer.launch_ready_buckets()
+        flag = np.array([self._hvd_problem is not None], dtype=np.int32)
+        check = collectives.iallreduce(flag, self._hvd_comm, op="max", out=flag)  # after the buckets
         try:
             reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=None)
         finally:
             self._hvd_delay = [self.backward_passes_per_step] * len(self._hvd_named)
             self._hvd_touched = self._hvd_marked = False
+        wait_for(check, "DistributedOptimizer's check of the backward passes",
+                 rank=self._hvd_comm.Get_rank(), warn_after=warning_seconds(STALL_WARNING_S))
         reducer.rebuild_buckets()
+        if flag[0]:
+            problem, self._hvd_problem = self._hvd_problem, None
+            raise AssertionError(agreed_error(problem, self._hvd_comm))
         self._hvd_synchronized = True
 
     @contextlib.contextmanager

@@ -49,6 +49,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
+from collectives import inflight
 
 from .. import runtime
 from ..runtime.agreement import check_same, raise_together
@@ -118,7 +119,8 @@ class DistributedLBFGS:
         self._p2p = comm.Dup()
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._cache: dict[int, tuple[Any, Any]] = {}
-        self._sends: list[tuple[MPI.Request, Any]] = []  # Isends whose buffers must stay alive
+        # Every request posted is also held by `inflight` (with its buffer) until it completes,
+        # so an optimizer dropped without close() never leaves MPI writing into freed memory.
         # coordinator: worker -> (step, unit, request, buffer) of its task in flight
         self._busy: dict[int, tuple[int, int, MPI.Request, torch.Tensor]] = {}
         self._step = 0
@@ -202,7 +204,6 @@ class DistributedLBFGS:
     def _full_batch_gradient(self) -> tuple[torch.Tensor, float]:
         """Collective: the mean gradient (flat, parameter order) and loss over the dataset."""
         self._step += 1
-        self._prune_sends()
         final = torch.empty(self._numel + 1, dtype=self._dtype)
         if self._rank == COORDINATOR:
             self._coordinate(final)
@@ -254,9 +255,11 @@ class DistributedLBFGS:
             if unit is None:
                 return  # idle until END
             task = np.array([step, unit], dtype=np.int64)
-            self._sends.append((self._p2p.Isend(task, dest=worker, tag=TAG_TASK), task))
+            inflight.hold(self, self._p2p.Isend(task, dest=worker, tag=TAG_TASK),
+                          "DistributedLBFGS task")
             inbox = torch.empty(self._numel + 1, dtype=self._dtype)
-            request = self._p2p.Irecv(inbox.numpy(), source=worker, tag=TAG_RESULT)
+            request = inflight.hold(self, self._p2p.Irecv(inbox.numpy(), source=worker, tag=TAG_RESULT),
+                                    "DistributedLBFGS result")
             self._busy[worker] = (step, unit, request, inbox)
             running.setdefault(unit, set()).add(worker)
 
@@ -292,7 +295,8 @@ class DistributedLBFGS:
         final.copy_(total)
         final.div_(self.examples)
         for worker in range(1, self._size):
-            self._sends.append((self._p2p.Isend(final.numpy(), dest=worker, tag=TAG_END), final))
+            inflight.hold(self, self._p2p.Isend(final.numpy(), dest=worker, tag=TAG_END),
+                          "DistributedLBFGS end of step")
         stats["seconds"] = time.perf_counter() - started
         self.last_step = stats
         if self.totals is None:
@@ -314,8 +318,8 @@ class DistributedLBFGS:
                 return
             self._p2p.Recv(task, source=COORDINATOR, tag=TAG_TASK)
             result = self._compute(int(task[1]))
-            self._sends.append((self._p2p.Isend(result.numpy(), dest=COORDINATOR, tag=TAG_RESULT),
-                                result))
+            inflight.hold(self, self._p2p.Isend(result.numpy(), dest=COORDINATOR, tag=TAG_RESULT),
+                          "DistributedLBFGS result")
 
     def _compute(self, unit: int) -> torch.Tensor:
         """Unit `unit`'s summed gradient and loss, as n + 1 elements."""
@@ -352,20 +356,19 @@ class DistributedLBFGS:
             self._cache[unit] = (inputs, targets)
         return inputs, targets
 
-    def _prune_sends(self) -> None:
-        """Forget sends that completed (a straggler may receive its END a step late)."""
-        self._sends = [(r, buf) for r, buf in self._sends if not r.Test()]
-
     def close(self) -> None:
         """Collective: wait for every message still in flight (a straggler's last result, counted in
-        `totals` as dropped) and free the private communicator. No step() afterwards."""
+        `totals` as dropped) and free the private communicator. No step() afterwards.
+
+        Optional for memory safety: an optimizer dropped without it leaves its messages to
+        `collectives.inflight`, which keeps their buffers until they complete (at exit too).
+        """
         for _, _, request, _ in self._busy.values():
             request.Wait()  # a unit of a finished step: a duplicate, dropped
             if self.totals is not None:
                 self.totals["duplicates_dropped"] += 1
         self._busy.clear()
-        MPI.Request.Waitall([r for r, _ in self._sends])
-        self._sends = []
+        inflight.complete(self)
         self._p2p.Free()
 
 

@@ -48,6 +48,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
+from collectives import inflight
 
 from .. import runtime
 from ..runtime.agreement import check_same
@@ -292,14 +293,18 @@ class Pipeline(torch.nn.Module):
         header = np.zeros(HEADER_LEN, dtype=np.int64)
         if out is None:
             header[0] = _FAILED
-            return [(self._p2p.Isend(header, dest=self.index + 1, tag=3 * k), header)]
+            return [(self._send(header, k, 3 * k), header)]
         payload = out.detach().contiguous()
         needs_grad = wants_grad and out.requires_grad and (out.is_floating_point() or out.is_complex())
         header[:4] = (_OK, DTYPES.index(out.dtype), needs_grad, out.dim())
         header[4:4 + out.dim()] = out.shape
         data = _bytes(payload)
-        return [(self._p2p.Isend(header, dest=self.index + 1, tag=3 * k), header),
-                (self._p2p.Isend(data, dest=self.index + 1, tag=3 * k + 1), data)]
+        return [(self._send(header, k, 3 * k), header), (self._send(data, k, 3 * k + 1), data)]
+
+    def _send(self, buffer: np.ndarray, k: int, tag: int) -> MPI.Request:
+        # Held beyond this call: a later micro-batch's stage may raise before they are waited for.
+        return inflight.hold(self, self._p2p.Isend(buffer, dest=self.index + 1, tag=tag),
+                             f"Pipeline stage {self.index}'s activation {k}")
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -312,8 +317,11 @@ class Pipeline(torch.nn.Module):
                 self._grad_requests.append(None)
                 continue
             grad = torch.empty_like(out, memory_format=torch.contiguous_format)
-            self._grad_requests.append(
-                (self._p2p.Irecv(_bytes(grad), source=self.index + 1, tag=3 * k + 2), grad))
+            # Held beyond this object's life (a pipeline dropped between forward and backward);
+            # optional: with no backward the gradient never comes.
+            request = inflight.hold(self, self._p2p.Irecv(_bytes(grad), source=self.index + 1, tag=3 * k + 2),
+                                    f"Pipeline stage {self.index}'s gradient {k}", optional=True)
+            self._grad_requests.append((request, grad))
 
     def _gradient_from_right(self, k: int) -> torch.Tensor:
         posted = self._grad_requests[k]

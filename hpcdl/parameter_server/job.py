@@ -137,7 +137,18 @@ class ParameterServer:
         finally:
             self._free_comm()
 
+    def request_stop(self, signum: int) -> None:
+        """Server ranks: tell the workers, in every later answer to a pull, that this server was
+        asked to stop by signal `signum` (they read it in `stop_signal`). Safe in a signal handler."""
+        self._role(True, "request_stop").request_stop(signum)
+
     # -- workers -------------------------------------------------------------------------------
+
+    @property
+    def stop_signal(self) -> int:
+        """Worker ranks: the stop signal a server reported in its answers to this worker's pulls
+        (`request_stop`), 0 if none."""
+        return int(self._role(False, "stop_signal").stop_signal)
 
     def pull(self, until: int = 0) -> int:
         """Worker ranks: put the servers' current parameters into the module; returns the job's

@@ -31,10 +31,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives import inflight
+
 from .consistency import Async, Push, slowest
 from .optimizers import make_optimizer
 from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK,
-                       PUSH_STEPS, RESET, STATS_VERSION, STEP, SUM, UNTIL, VERSION, Tag, header,
+                       PUSH_STEPS, RESET, STATS_VERSION, STEP, STOP, SUM, UNTIL, VERSION, Tag, header,
                        header_message)
 from .sharding import ShardLayout, segments
 from .staleness import Staleness, StalenessLog
@@ -123,6 +125,8 @@ class ShardServer:
         self.pushes = self.updates = self.pulls = 0
         self.bytes_sent = self.bytes_received = 0
         self.max_clock_gap = 0
+        #: a stop signal this server received (`request_stop`), told to every worker that pulls
+        self.stop_signal = 0
 
     def _typed(self, message: torch.Tensor) -> list[torch.Tensor]:
         """The shard's runs inside `message` (header first), as tensors of their dtypes."""
@@ -195,6 +199,9 @@ class ShardServer:
             self._check_saves(on_checkpoint)
         elif tag == Tag.STATS:
             self._send_stats(source, reset=bool(fields[RESET]))
+        elif tag == Tag.PROGRESS:
+            self._send(header_message(self.version, self.progress, self.stop_signal), source,
+                       Tag.PROGRESS_REPLY)
         else:
             raise RuntimeError(f"rank {self.comm.Get_rank()} (server {self.shard.index}): a worker "
                                f"(rank {source}) sent {Tag(tag).name}, which only servers send")
@@ -279,6 +286,11 @@ class ShardServer:
             else:
                 self._deferred.append((worker, clock, until))
 
+    def request_stop(self, signum: int) -> None:
+        """Ask the workers to stop: every later answer to a pull carries `signum` (protocol.py's
+        stop field). Safe in a signal handler: it only records the number."""
+        self.stop_signal = int(signum)
+
     @property
     def progress(self) -> int:
         """Steps pushed by every worker, summed (as far as this shard has received them)."""
@@ -291,14 +303,18 @@ class ShardServer:
         if self.events is not None:
             self.events.append(("meet" if meeting else "answer", worker, clock, clock - gap, self.version))
         fields = header(self._array)
-        if fields[PROGRESS] != self.progress:
+        if fields[PROGRESS] != self.progress or fields[STOP] != self.stop_signal:
             self._finish_sends()  # replies in flight are sent from this same header
-            fields[PROGRESS] = self.progress
+            fields[PROGRESS], fields[STOP] = self.progress, self.stop_signal
         self._send(self._array, worker, Tag.PARAMS)
         self.pulls += 1
 
     def _send(self, buffer: np.ndarray, worker: int, tag: Tag) -> None:
-        self._sends.append((self.comm.Isend([buffer, MPI.BYTE], worker, tag), buffer))
+        # Held beyond this server's life: serve() may raise, and the server be dropped, while a
+        # reply is still being read from `buffer`.
+        request = inflight.hold(self, self.comm.Isend([buffer, MPI.BYTE], worker, tag),
+                                f"server {self.shard.index}'s {tag.name} reply")
+        self._sends.append((request, buffer))
         self.bytes_sent += buffer.nbytes
 
     def _reap_sends(self) -> None:

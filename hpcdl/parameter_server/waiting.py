@@ -6,6 +6,10 @@ slows the very server or straggler it is waiting for. So servers and workers tes
 and, between tests, first only yield the core for YIELD_S (a reply that comes quickly is seen at
 once), then sleep, from IDLE_SLEEP_MIN doubling to IDLE_SLEEP_MAX: a message that arrives while a
 rank sleeps waits at most about a millisecond.
+
+A wait on another rank warns once it lasts (hpcdl/runtime/stall.py, HPCDL_STALL_WARNING_S), as the
+collectives' waits do: a worker whose pull SSP or sync holds back for a stopped worker, or that
+waits for a stopped server, says so.
 """
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ import time
 from typing import Sequence
 
 from mpi4py import MPI
+
+from collectives import inflight
+
+from ..runtime.stall import Stall
 
 YIELD_S = 200e-6
 IDLE_SLEEP_MIN = 20e-6
@@ -46,13 +54,30 @@ class Backoff:
         self.delay = min(2 * self.delay, IDLE_SLEEP_MAX)
 
 
+#: What a parameter server's stall warning advises.
+STALL_ADVICE = ("A worker or server that is frozen (SIGSTOP, a debugger), swapping or much slower "
+                "than the others holds up the ranks that wait for it (a server's answer, SSP's "
+                "bound, sync's step); they go on once it catches up. See docs/troubleshooting.md.")
+
+
 def wait_all(requests: Sequence[MPI.Request], what: str, timeout: float | None = None) -> None:
-    """Complete every request, sleeping between tests; TimeoutError naming `what` after `timeout` s."""
+    """Complete every request, sleeping between tests; TimeoutError naming `what` after `timeout` s,
+    and a stall warning (hpcdl/runtime/stall.py) once the wait lasts.
+
+    However it ends (the timeout, an interrupt), requests still in flight are left to
+    `collectives.inflight`, which keeps them and their buffers until they complete.
+    """
     backoff = Backoff()
     started = time.monotonic()
     requests = list(requests)
-    while not MPI.Request.Testall(requests):
-        if timeout is not None and time.monotonic() - started > timeout:
-            raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what} did not finish within "
-                               f"{timeout} s")
-        backoff.idle()
+    stall = Stall(what, rank=MPI.COMM_WORLD.Get_rank(), advice=STALL_ADVICE, stacklevel=2)
+    try:
+        while not MPI.Request.Testall(requests):
+            stall.check()
+            if timeout is not None and time.monotonic() - started > timeout:
+                raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what} did not finish within "
+                                   f"{timeout} s")
+            backoff.idle()
+    except BaseException:
+        inflight.keep(requests, what)
+        raise

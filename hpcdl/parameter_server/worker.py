@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
-                       SUM, VERSION, Tag, header, header_message)
+                       STOP, SUM, VERSION, Tag, header, header_message)
 from .sharding import ShardLayout
 from .staleness import Staleness, StalenessLog
 from .waiting import wait_all
@@ -58,6 +58,7 @@ class WorkerClient:
         self.clock = 0  # steps pushed (or accumulated)
         self.versions = np.zeros(len(self.servers), dtype=np.int64)  # of the last pull, per shard
         self.progress = 0  # the job's progress at the last pull (the least any shard reported)
+        self.stop_signal = 0  # a stop signal a server received, as its answers reported it
         self._push_versions = self.versions.copy()  # of the oldest step accumulated
         self._accumulated = 0
         self._since_fetch: int | None = None  # steps since the last fetch; None: never fetched
@@ -73,9 +74,10 @@ class WorkerClient:
         """Fetch every shard into the parameters, unless n_fetch says this step keeps them.
 
         Returns the job's progress (steps pushed by all workers, summed) as the servers reported
-        it, the least over shards; a skipped fetch returns the last one. `until` > 0: a pull the
-        consistency model would make wait is answered once the progress reaches `until` (where
-        this worker will stop to meet the others; see protocol.py).
+        it, the least over shards. `until` > 0: a pull the consistency model would make wait is
+        answered once the progress reaches `until` (where this worker will stop to meet the
+        others; see protocol.py); a skipped fetch then asks the servers for the progress alone
+        (32 bytes each way), since the progress of the last fetch may be many steps old.
         """
         self._check_open()
         if self._since_fetch is None or self._since_fetch >= self.n_fetch:
@@ -88,15 +90,23 @@ class WorkerClient:
             for k, message in enumerate(self._pulled):
                 self.versions[k] = header(message.numpy())[VERSION]
             self.progress = int(min(header(m.numpy())[PROGRESS] for m in self._pulled))
+            self.stop_signal = self.stop_signal or int(max(header(m.numpy())[STOP] for m in self._pulled))
             flats = [p.detach().view(-1) for p in self.params]
             for param, start, stop, pulled, _ in self._pieces:
                 flats[param][start:stop].copy_(pulled)
             self.bytes_sent += request.nbytes * len(self.servers)
             self.bytes_received += sum(m.numel() for m in self._pulled)
             self._since_fetch = 0
+        elif until:
+            self._ask_progress()
         self._pulled_since_push = True
         self._step_started = time.perf_counter()
         return self.progress
+
+    def _ask_progress(self) -> None:
+        replies = self._request(Tag.PROGRESS, self.clock, Tag.PROGRESS_REPLY, HEADER_BYTES)
+        self.progress = int(min(header(r)[PROGRESS] for r in replies))
+        self.stop_signal = self.stop_signal or int(max(header(r)[STOP] for r in replies))
 
     @torch.no_grad()
     def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:

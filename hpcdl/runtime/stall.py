@@ -7,6 +7,8 @@ nothing on the screen. Like Horovod's stall check, every collective `hpcdl train
 after `warning_seconds()` the wait warns once (a RuntimeWarning naming the rank and what it waits
 for) and, if given a `timeout`, raises TimeoutError once that passes. The collective itself keeps
 running either way: waiting again picks it up, and a rank that comes back lets everyone go on.
+Waits that test MPI requests of their own in a loop (the parameter server's) warn the same way
+through a `Stall`.
 
 HPCDL_STALL_WARNING_S, read at every wait, sets the delay for a whole job (every rank should see
 the same value): lower for tests, `inf` for never.
@@ -48,6 +50,34 @@ def warning_seconds(default: float = DEFAULT_WARNING_S) -> float:
     return value
 
 
+def _stalled(rank: int, what: str, waited: float, advice: str) -> str:
+    return f"rank {rank}: {what} has waited {waited:.1f} s for the other ranks." + (
+        f" {advice}" if advice else "")
+
+
+class Stall:
+    """One wait on other ranks that a loop of its own drives (testing MPI requests): `check()`,
+    called in the loop, warns once as `wait_for` does after `warn_after` seconds (default
+    `warning_seconds()`), counted from the creation. `stacklevel` counts from `check`'s caller."""
+
+    def __init__(self, what: str, *, rank: int, advice: str = "", warn_after: float | None = None,
+                 stacklevel: int = 1) -> None:
+        self.what, self.rank, self.advice, self.stacklevel = what, rank, advice, stacklevel
+        self.started = time.monotonic()
+        self.warn_after = warning_seconds() if warn_after is None else warn_after
+        self.warned = not math.isfinite(self.warn_after)
+
+    def check(self) -> None:
+        """Warn if the wait has lasted long enough and has not warned yet."""
+        if self.warned:
+            return
+        waited = time.monotonic() - self.started
+        if waited >= self.warn_after:
+            self.warned = True
+            warnings.warn(_stalled(self.rank, self.what, waited, self.advice), RuntimeWarning,
+                          stacklevel=self.stacklevel + 1)
+
+
 def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started: float | None = None,
              timeout: float | None = None, warn_after: float | None = None, stacklevel: int = 1) -> Any:
     """`handle.wait()`, warning once if it lasts, optionally giving up.
@@ -73,8 +103,7 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
             if handle.done():  # finished meanwhile (or failed with a TimeoutError of its own)
                 return handle.wait(0)
             waited = time.monotonic() - started
-            stalled = f"rank {rank}: {what} has waited {waited:.1f} s for the other ranks." + (
-                f" {advice}" if advice else "")
+            stalled = _stalled(rank, what, waited, advice)
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(stalled) from None
             if not warned:

@@ -1,6 +1,9 @@
 """The hpcdl backend's registration with torch.distributed and its set-up from MPI ranks."""
 from __future__ import annotations
 
+import json
+import time
+import warnings
 from datetime import timedelta
 from typing import Any, Mapping
 
@@ -9,6 +12,7 @@ from mpi4py import MPI
 
 from .. import runtime
 from ..runtime.rendezvous import mpi_store
+from ..runtime.stall import warning_seconds
 from .process_group import BACKEND, ProcessGroupHpcdl
 
 
@@ -23,6 +27,7 @@ def _create(options: Any, backend_options: Any) -> ProcessGroupHpcdl:
     base = _world["comm"] or MPI.COMM_WORLD
     ranks = list(options.global_ranks_in_group)
     if ranks and ranks != list(range(base.Get_size())):
+        _check_members(options.store, ranks, base.Get_rank(), options.timeout)
         # Collective over the members only: torch calls this on them alone.
         group = base.Get_group().Incl(ranks)
         comm = base.Create_group(group)
@@ -37,6 +42,42 @@ def _create(options: Any, backend_options: Any) -> ProcessGroupHpcdl:
             "(rank and world size from MPI)")
     algorithms = backend_options if isinstance(backend_options, Mapping) else _world["algorithms"]
     return ProcessGroupHpcdl(comm, algorithms)
+
+
+def _check_members(store: dist.Store, ranks: list[int], me: int, timeout: timedelta | None) -> None:
+    """Before the members make the group: every member's list of ranks, compared through the
+    group's store (torch calls the constructor on the members alone, so no collective over the
+    job can do it, and MPI's group creation with lists that differ hangs without a word).
+
+    Raises ValueError, the same message on every member that sees a different list; a member
+    that never comes (its own list leaves it out) is warned about after HPCDL_STALL_WARNING_S and
+    raises RuntimeError after the group's `timeout`.
+    """
+    store.set(f"hpcdl/ranks/{me}", json.dumps(ranks))
+    lists = {me: ranks}
+    started, warned = time.monotonic(), False
+    limit = timeout.total_seconds() if isinstance(timeout, timedelta) else 1800.0
+    for r in ranks:
+        key = f"hpcdl/ranks/{r}"
+        while r not in lists:
+            try:
+                store.wait([key], timedelta(seconds=1))
+                lists[r] = json.loads(store.get(key))
+            except (RuntimeError, dist.DistStoreError):  # not there yet
+                waited = time.monotonic() - started
+                if waited > limit:
+                    raise RuntimeError(
+                        f"new_group({ranks}): rank {r} did not join within {limit:g} s; every rank "
+                        f"must pass new_group the same ranks (is rank {r} left out of its own?)") from None
+                if not warned and waited > warning_seconds():
+                    warned = True
+                    warnings.warn(f"rank {me}: new_group({ranks}) has waited {waited:.1f} s for rank "
+                                  f"{r} to join; every rank must pass new_group the same ranks",
+                                  RuntimeWarning, stacklevel=4)
+    if any(theirs != ranks for theirs in lists.values()):
+        listing = "; ".join(f"rank {r}: {theirs}" for r, theirs in sorted(lists.items()))
+        raise ValueError(f"new_group: the ranks passed different lists of ranks ({listing}); every "
+                         "rank must pass new_group the same ranks")
 
 
 def register() -> None:

@@ -18,6 +18,8 @@ from ..comm.tensors import as_array, collective_array, refusal
 from .work import Completer, PointToPointWork, Work, in_callback
 
 BACKEND = "hpcdl"
+#: Seconds the completer thread is waited for when the group is dropped or the program exits.
+EXIT_WAIT_S = 10.0
 
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
         dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "prod"}
@@ -78,7 +80,9 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
         self._p2p_comm = comm.Dup()  # send/recv, whose tags are the user's
         self._completer = Completer(f"hpcdl-torch-{self._comm.py2f()}")
         self._last: Work | None = None
-        weakref.finalize(self, self._completer.stop)
+        # At exit too (finalizers run then): bounded, as the collectives' own threads are there,
+        # since after an error a work may wait for a collective its peers never issued.
+        weakref.finalize(self, self._completer.stop, EXIT_WAIT_S)
 
     def __repr__(self) -> str:
         return f"ProcessGroupHpcdl(rank={self._rank}, size={self._size})"
@@ -288,13 +292,14 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
 
     def _exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv: torch.Tensor,
                   recv_counts: Sequence[int] | None, result: list[torch.Tensor],
-                  finish: Callable[[], None] | None = None) -> Work:
-        """Blocking: check the counts on every rank, then the pairwise exchange of flat tensors."""
+                  finish: Callable[[], None] | None = None, error: str | None = None) -> Work:
+        """Blocking: check the counts on every rank (against the tensors too), then the pairwise
+        exchange of flat tensors."""
         comm = self._callback_comm if in_callback() else self._comm
         self._drain()
-        problem = refusal(send) or refusal(recv)
+        problem = error or refusal(send) or refusal(recv)
         counts = exchange_counts(send_counts, comm, dtype=str(send.dtype), recv_counts=recv_counts,
-                                 error=problem)
+                                 error=problem, send_elements=send.numel(), recv_elements=recv.numel())
         pairwise_alltoall(as_array(send).reshape(-1), counts.send, as_array(recv).reshape(-1),
                           counts.recv, comm)
         if finish is not None:
@@ -306,14 +311,29 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> Work:
-        rows_in, rows_out = max(input.shape[0], 1) if input.dim() else 1, \
-            max(output.shape[0], 1) if output.dim() else 1
+        """Rows of `input` to every rank, `input_split_sizes[j]` to rank j (empty: equal shares),
+        rows from every rank into `output`. As gloo, split sizes must fill their tensor's rows
+        exactly (and without them the rows must divide by the ranks): refused on every rank."""
+        errors = []
+        row_counts = []
+        for what, tensor, splits in (("input", input, input_split_sizes),
+                                     ("output", output, output_split_sizes)):
+            rows = tensor.shape[0] if tensor.dim() else 1
+            if splits:
+                row_counts.append([int(s) for s in splits])
+            else:
+                row_counts.append([rows // self._size] * self._size)
+                if rows % self._size:
+                    errors.append(f"the {what}'s {rows} rows do not divide by {self._size} ranks; "
+                                  f"pass {what}_split_sizes")
+        rows_in = max(input.shape[0], 1) if input.dim() else 1
+        rows_out = max(output.shape[0], 1) if output.dim() else 1
         row = input.numel() // rows_in if input.numel() else output.numel() // rows_out
-        sends = ([s * row for s in input_split_sizes] if input_split_sizes
-                 else [input.numel() // self._size] * self._size)
-        recvs = ([s * row for s in output_split_sizes] if output_split_sizes
-                 else [output.numel() // self._size] * self._size)
-        return self._exchange(input, sends, output, recvs, [output])
+        if input.numel() and output.numel() and input.numel() // rows_in != output.numel() // rows_out:
+            errors.append(f"the input's rows have {input.numel() // rows_in} elements, the output's "
+                          f"{output.numel() // rows_out}")
+        sends, recvs = ([s * row for s in counts] for counts in row_counts)
+        return self._exchange(input, sends, output, recvs, [output], error="; ".join(errors) or None)
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
@@ -344,11 +364,13 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
         return [as_array(tensors[0]).reshape(-1).view(np.uint8), MPI.BYTE]
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> PointToPointWork:  # noqa: N803
-        return PointToPointWork(self._p2p_comm.Isend(self._message(tensors, tag), dstRank, tag), tensors)
+        return PointToPointWork(self._p2p_comm.Isend(self._message(tensors, tag), dstRank, tag), tensors,
+                                f"send to rank {dstRank}, tag {tag}")
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> PointToPointWork:  # noqa: N803
-        return PointToPointWork(self._p2p_comm.Irecv(self._message(tensors, tag), srcRank, tag), tensors)
+        return PointToPointWork(self._p2p_comm.Irecv(self._message(tensors, tag), srcRank, tag), tensors,
+                                f"receive from rank {srcRank}, tag {tag}")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> PointToPointWork:
         return PointToPointWork(self._p2p_comm.Irecv(self._message(tensors, tag), MPI.ANY_SOURCE, tag),
-                                 tensors)
+                                tensors, f"receive from any rank, tag {tag}")

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from collectives import inflight
+
 from ..comm.handle import TensorHandle
 
 _thread = threading.local()  # .completer: the Completer whose thread this is
@@ -20,6 +22,24 @@ _thread = threading.local()  # .completer: the Completer whose thread this is
 def in_callback() -> bool:
     """Whether the calling code runs on a completer thread: inside a future callback."""
     return getattr(_thread, "completer", None) is not None
+
+
+def _raise(error: BaseException, _: Any) -> Any:
+    raise error
+
+
+class _Failed:
+    """The value of a failed future, for its C++ readers: torch extracts the tensors of a Python
+    value by pickling it (torch._jit_internal._extract_tensors), and this refuses, raising the
+    operation's error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __reduce__(self) -> Any:
+        raise self.error
 
 
 class Future(torch.futures.Future):
@@ -39,7 +59,13 @@ class Future(torch.futures.Future):
         if error is None:
             super().set_result(value)
         else:
-            super().set_exception(error)
+            # torch's set_exception only stores the exception as the value, with an unwrap
+            # function that raises it for Python readers; C++ readers (DDP's reducer) then take
+            # it for the result and parse it as tensors, and index the empty list they extract
+            # from it: a segfault. `_Failed` makes that extraction raise the error instead, which
+            # the reducer lets out of backward() as a Python exception.
+            self._set_unwrap_func(functools.partial(_raise, error))
+            super().set_result(_Failed(error))
         with self._lock:
             self._finished = True
             callbacks, self._callbacks = self._callbacks, []
@@ -144,12 +170,16 @@ class Work(dist.Work):
 
 
 class PointToPointWork(dist.Work):
-    """A send or receive: an MPI request; `wait()` completes it (MPI moves it only then)."""
+    """A send or receive: an MPI request; `wait()` completes it (MPI moves it only then).
 
-    def __init__(self, request: MPI.Request, tensors: list[torch.Tensor],
+    A work dropped before it completed (`dist.irecv(t, 1)` never waited for) leaves its request
+    and tensor to `collectives.inflight`, which keeps them until the message has moved.
+    """
+
+    def __init__(self, request: MPI.Request, tensors: list[torch.Tensor], what: str,
                  finish: Callable[[], None] | None = None) -> None:
         super().__init__()
-        self._request = request
+        self._request = inflight.hold(self, request, f"torch.distributed {what}")
         self._tensors = tensors
         self._finish = finish
         self._status = MPI.Status()
@@ -204,13 +234,14 @@ class Completer:
                     self._thread.start()
         self._queue.put(item)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """End the thread after what is queued; wait for it `timeout` seconds (None: for ever)."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(timeout)
 
     def _loop(self) -> None:
         _thread.completer = self

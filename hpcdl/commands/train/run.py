@@ -170,6 +170,9 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                        + (" that train" if plan.servers else "")
                        + f"); use --batch-size {len(sampler)} or less")], rank)
     steps_per_epoch = batches_per_epoch(sampler, args.batch_size)
+    problems = plan.strategy.epoch_errors(plan, steps_per_epoch)
+    if problems:  # the same numbers on every rank: the same verdict
+        return _fail(problems, rank)
     total_steps = steps_per_epoch * args.epochs
     update_batch = plan.update_batch
     lr = scaled_learning_rate(args.lr, update_batch, args.reference_batch) * plan.asynchrony
@@ -187,12 +190,12 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     if not strategy.trains:
         if checkpoint is not None:
             strategy.load_state(checkpoint, None)
-        # Signals only stop the training ranks (they checkpoint, the servers with them); here
-        # they are recorded, so that a signal sent to every rank does not end a server first.
+        # Signals stop the training ranks (they checkpoint, the servers with them): one received
+        # here is passed on to them, and a signal sent to every rank does not end a server first.
         if args.checkpoint_dir:
             from .signals import StopRequest
 
-            StopRequest()
+            StopRequest(relay=strategy.request_stop)
         return strategy.agree_status(strategy.serve())
     trainer = Trainer(args, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
                       checkpoint)

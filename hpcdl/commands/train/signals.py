@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import signal
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -25,18 +25,31 @@ class StopRequest:
     step boundary they agree with one max-allreduce of a single int (microseconds), and all of them
     stop after the same step. Only signals that reach the ranks count: Open MPI's mpirun forwards
     SIGUSR1 to them, but on SIGTERM it kills them itself (README, "Training").
+
+    Ranks that take no part in that agreement (a parameter server's servers) pass their signal on:
+    `relay(signum)` is called from the handler (the strategy's `request_stop`), and the training
+    ranks `listen` to where it arrives (the strategy's `stop_signal`).
     """
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, relay: Callable[[int], None] | None = None) -> None:
         self.received = 0
+        self._relay = relay
+        self._elsewhere: Callable[[], int] = lambda: 0
         for signum in self.SIGNALS:
             signal.signal(signum, self._record)
         self._flag = np.zeros(1, dtype=np.int32)
 
     def _record(self, signum: int, frame: Any) -> None:
         self.received = signum
+        if self._relay is not None:
+            self._relay(signum)
+
+    def listen(self, elsewhere: Callable[[], int]) -> None:
+        """Count a signal that `elsewhere()` reports (a rank outside the agreement got it) as
+        received here."""
+        self._elsewhere = elsewhere
 
     @property
     def name(self) -> str:
@@ -44,6 +57,7 @@ class StopRequest:
 
     def agreed(self, comm: MPI.Comm) -> bool:
         """Collective: True on every rank once any rank has received a stop signal."""
+        self.received = self.received or self._elsewhere()
         self._flag[0] = self.received
         handle = collectives.iallreduce(self._flag, comm, op="max", out=self._flag)
         stall.wait_for(handle, "the per-step stop-signal check (SIGUSR1/SIGTERM, with --checkpoint-dir)",

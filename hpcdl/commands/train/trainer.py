@@ -88,6 +88,8 @@ class Trainer:
             # checkpoint) are about to be trained and written again.
             self.metrics = MetricsLog(args.metrics, after_epoch=None if checkpoint is None else checkpoint["epoch"])
         self.stop_request = StopRequest() if args.checkpoint_dir else None
+        if self.stop_request is not None:
+            self.stop_request.listen(strategy.stop_signal)  # a serving rank's, passed on
         self.resumed = checkpoint is not None
         self.pacing = strategy.pacing(self, mine)
 
@@ -226,6 +228,10 @@ class Trainer:
             if traffic is not None:
                 gradients = {**gradient_report(totals[4], totals[5], totals[6], totals[7], self.size),
                              "grad_density_max_step": float(densest)}
+                if totals[7] and not totals[6] and self.rank == 0:  # a threshold no residual reached
+                    print(f"hpcdl train: warning: epoch {self.epoch}: --compression {args.compression} "
+                          "sent no gradient element (every residual stayed below the threshold), so "
+                          "the model did not change; use a smaller threshold", file=sys.stderr, flush=True)
             quality = (f"loss {train_loss:.4f}  held-out loss {test_loss:.4f}  accuracy {accuracy:.4f}"
                        if accuracy is not None else "EMULATED compute, no loss or accuracy")
             self.say(f"epoch {self.epoch:3d}/{args.epochs}  {quality}  {throughput:,.0f} samples/s  lr {lr:.4g}  "

@@ -85,9 +85,15 @@ class Allreduce(Strategy):
         compression = given.get("compression") or "none"
         errors = []
         try:
-            gradient_exchange(cls.configure(given, ranks)[1])
+            exchange = gradient_exchange(cls.configure(given, ranks)[1])
         except ValueError as exc:
             errors.append(f"--compression {compression}: {exc}")
+        else:  # the models train in float32, averaged over at most every rank
+            import torch
+
+            range_errors = getattr(exchange, "range_errors", None)
+            if range_errors is not None:
+                errors += [f"--compression {compression}: {e}" for e in range_errors(torch.float32, ranks)]
         correction = given.get("momentum_correction")
         if correction is not None and not compression.startswith(SPARSE):
             errors.append(f"--{'' if correction else 'no-'}momentum-correction applies to "

@@ -119,6 +119,12 @@ class Strategy:
         return []
 
     @classmethod
+    def epoch_errors(cls, plan: Plan, steps_per_epoch: int) -> list[str]:
+        """What is wrong with the planned options once the steps each training rank takes per
+        epoch are known (after the data is shared out), or []."""
+        return []
+
+    @classmethod
     def servers(cls, given: Mapping[str, Any]) -> int:
         """How many of the ranks serve instead of training (a parameter server's)."""
         return 0
@@ -232,6 +238,14 @@ class Strategy:
 
     def close(self) -> None:
         """Training ranks, after training (also on an error): let serving ranks finish."""
+
+    def request_stop(self, signum: int) -> None:
+        """Serving ranks: a stop signal this rank received, to pass on to the training ranks
+        (which alone agree on signals); called from the signal handler."""
+
+    def stop_signal(self) -> int:
+        """Training ranks: a stop signal a serving rank passed on (`request_stop`), 0 if none."""
+        return 0
 
     def agree_status(self, status: int) -> int:
         """Collective over the job: the exit status every rank returns."""

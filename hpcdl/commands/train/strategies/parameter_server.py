@@ -41,6 +41,14 @@ class Downpour(ParameterServerStrategy):
     options = ParameterServerStrategy.options + ("n_fetch", "n_push")
 
     @classmethod
+    def epoch_errors(cls, plan: Plan, steps_per_epoch: int) -> list[str]:
+        # A worker that keeps its parameters (or holds back its gradients) for more than an epoch
+        # trains on one fetch, or shows the servers nothing, for whole epochs.
+        return [f"--{name.replace('_', '-')} {plan.options[name]} is more than the {steps_per_epoch} "
+                f"steps each worker takes per epoch; use {steps_per_epoch} or less"
+                for name in ("n_fetch", "n_push") if plan.options[name] > steps_per_epoch]
+
+    @classmethod
     def details(cls, plan: Plan) -> str:
         fetch, push = plan.options["n_fetch"], plan.options["n_push"]
         return f", fetch every {fetch}, push every {push} steps" if fetch > 1 or push > 1 else ""

@@ -214,6 +214,12 @@ class ParameterServerStrategy(Strategy):
         if self.trains:
             self.ps.close()
 
+    def request_stop(self, signum: int) -> None:
+        self.ps.request_stop(signum)  # the workers read it in the answers to their pulls
+
+    def stop_signal(self) -> int:
+        return self.ps.stop_signal
+
     def agree_status(self, status: int) -> int:
         # Servers learn how the workers ended (a diverged run, a stop on a signal).
         import numpy as np
