@@ -63,8 +63,9 @@ def test_a_real_modules_shape_is_its_parameters_and_backward_order(name):
 # -- the emulated backward -------------------------------------------------------------------------
 
 def test_emulated_backward_readies_gradients_in_order_with_known_values_and_times():
-    """One step of 60 ms: forward about a third, gradients ready in the shape's order, each with
-    the rank's marker in its first element; the second step reuses the same tensors."""
+    """One step of 300 ms: forward about a third, gradients ready in the shape's order, each with
+    the rank's marker in its first element; the second step reuses the same tensors. The step may
+    overrun by half (a loaded machine's scheduling, seen: +90 ms at load 26), not take twice."""
     shape = shape_of_module("cnn", build_model("cnn", in_channels=1, image_size=8, num_classes=10),
                             torch.zeros(1, 1, 8, 8))
     model = ShapeModel(shape, rank=3)
@@ -72,14 +73,14 @@ def test_emulated_backward_readies_gradients_in_order_with_known_values_and_time
     index = {id(p): i for i, p in enumerate(model.parameters())}
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: order.append(index[id(p)]))
-    model.clock.start(0.06)
+    model.clock.start(0.3)
     started = time.perf_counter()
     out = model(torch.zeros(4, 1, 8, 8))
     forward = time.perf_counter() - started
     out.backward()
     total = time.perf_counter() - started
     assert order == list(shape.ready)
-    assert 0.06 * FORWARD_SHARE * 0.9 <= forward and 0.06 * 0.95 <= total < 0.06 + 0.05
+    assert 0.3 * FORWARD_SHARE * 0.9 <= forward and 0.3 * 0.95 <= total < 0.3 * 1.5
     for i, p in enumerate(model.parameters()):
         flat = p.grad.view(-1)
         assert float(flat[0]) == gradient_value(i) + 4 and bool((flat[1:] == gradient_value(i)).all())
