@@ -5,6 +5,7 @@
     mpirun -n 4 python benchmarks/train_throughput.py --models mlp --algorithm ring --json out.json
     mpirun -n 2 python benchmarks/train_throughput.py --timeline trace.json   # Perfetto trace of hpcdl
     mpirun -n 2 python benchmarks/train_throughput.py --device cuda   # on each rank's GPU
+    mpirun -n 16 python benchmarks/train_throughput.py --emulate-compute 100 --models resnet50
 
 Every mode runs in this one invocation on the same ranks:
   local        no gradient communication: the compute-only ceiling
@@ -20,6 +21,11 @@ Models: "cnn" (2 conv + 2 fc, 1.2 M params, 1x28x28 input) and "mlp" (784-4096-4
 torch uses one thread per rank when P > 1. `--device cuda`: model and data on the GPU `hpcdl.init`
 bound (local rank modulo GPUs), torch's DDP still over gloo (which takes CUDA tensors), hpcdl's
 through the staged path where MPI is not CUDA-aware; each timed span ends with a synchronize.
+`--emulate-compute MS`: forward and backward are waits of an emulated accelerator (hpcdl train's,
+hpcdl/commands/train/emulation.py) of MS per step, gradients of the model's real shapes ready
+layer by layer in backward order; models then also "resnet50" and "bert-large" by their layer
+sizes. Every mode runs the same emulated model; "local" is then the no-communication run the
+overlap is measured against, and every number is EMULATED (the report says so).
 Each measurement: warm-up steps, a barrier, timed steps, a barrier; samples/s in total =
 P * batch * steps / (slowest rank's time). Modes take turns
 over --rounds rounds (drift does not favour one mode) and the median round is reported.
@@ -40,6 +46,8 @@ from mpi4py import MPI
 from torch import nn
 
 import hpcdl
+from hpcdl.commands.train.emulation import EmulatedCompute, ShapeModel, StepTimes
+from hpcdl.commands.train.model_sizes import SIZED_MODELS, shape_of_module
 from hpcdl.commands.train.models import heavy_mlp
 from hpcdl.runtime.rendezvous import init_gloo
 
@@ -54,6 +62,18 @@ def small_cnn() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": small_cnn, "mlp": heavy_mlp}
+#: Models only an emulated accelerator runs (their layer sizes, hpcdl/commands/train/model_sizes.py).
+SIZED = tuple(SIZED_MODELS)
+
+
+def emulated_model(name: str, rank: int) -> ShapeModel:
+    """The emulated accelerator's model `name`: a table's, or a real model's shape (28x28 input)."""
+    if name in SIZED_MODELS:
+        return ShapeModel(SIZED_MODELS[name](), rank)
+    real = MODELS[name]()
+    shape = shape_of_module(name, real, torch.zeros(1, 1, 28, 28))
+    named = dict(real.named_parameters())
+    return ShapeModel(shape, rank, parameters=[named[n] for n, _, _ in shape.params])
 
 
 def wrap(mode: str, net: nn.Module, comm: MPI.Comm, args: argparse.Namespace,
@@ -82,16 +102,30 @@ def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" \
         else torch.device("cpu")
     torch.manual_seed(0)
-    net = MODELS[model_name]().to(device)
+    emulated = None
+    if args.emulate_compute:
+        net: nn.Module = emulated_model(model_name, comm.Get_rank())
+    else:
+        net = MODELS[model_name]().to(device)
     model = wrap(mode, net, comm, args, timeline, hpcdl_group)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(args.batch, 1, 28, 28, generator=gen).to(device)
     y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
+    if isinstance(net, ShapeModel):
+        class Steps:  # what EmulatedCompute drives: the wrapped model's forward, the zeroing
+            module = net
+            forward = staticmethod(model)
+            zero_grad = staticmethod(opt.zero_grad)
+        emulated = EmulatedCompute(Steps(), net, StepTimes(args.emulate_compute / 1e3, comm.Get_rank(),
+                                                           comm.Get_size(), 0), x)
 
     def step() -> None:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        if emulated is not None:
+            emulated.step(range(args.batch))  # waits, and the gradients ready in backward order
+        else:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
     for _ in range(args.warmup):
@@ -104,6 +138,8 @@ def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace
     synchronize(device)
     elapsed = time.perf_counter() - start
     comm.Barrier()
+    if emulated is not None:
+        emulated.close()
     if timeline is not None:
         model.write_timeline()
     slowest = comm.allreduce(elapsed, op=MPI.MAX)
@@ -112,7 +148,8 @@ def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=None, choices=[*MODELS, *SIZED],
+                        help=f"default: {' '.join(MODELS)}; {' and '.join(SIZED)} with --emulate-compute only")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
@@ -124,8 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", help="write a Chrome trace of one hpcdl (overlap) run here")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model and data live (default cpu)")
+    parser.add_argument("--emulate-compute", type=float, metavar="MS",
+                        help="an emulated accelerator's step of MS milliseconds instead of computing")
     parser.add_argument("--json", help="write the results here (rank 0)")
     args = parser.parse_args(argv)
+    args.models = args.models or list(MODELS)
+    if not args.emulate_compute and set(args.models) & set(SIZED):
+        parser.error(f"--models {' '.join(SIZED)} are described by size only: add --emulate-compute MS")
+    if args.emulate_compute and args.device == "cuda":
+        parser.error("--emulate-compute replaces the GPU's compute: drop --device cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU")
 
@@ -153,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         results[model_name].update({f"{mode}_rounds": v for mode, v in rounds.items()})
 
     if topo.rank == 0:
+        if args.emulate_compute:
+            print(f"\nEMULATED accelerators: {args.emulate_compute:g} ms per step (waits; no compute)")
         print(f"\nP={size} on {args.device}, batch {args.batch}/rank, {args.steps} timed steps, median of "
               f"{args.rounds} rounds, algorithm={args.algorithm}, bucket {args.bucket_cap_mb} MiB "
               f"(first {args.first_bucket_mb}), torch threads {torch.get_num_threads()}")
@@ -164,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                   + f" | {ratio('hpcdl', 'torch-ddp')} | {ratio('hpcdl', 'hpcdl-nolap')} |")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"size": size, "args": vars(args), "samples_per_s": results}, f, indent=1)
+                json.dump({"size": size, "args": vars(args), "samples_per_s": results,
+                           "compute": "emulated" if args.emulate_compute else "real",
+                           "hosts": os.environ.get("HPCDL_EMULATED_HOSTS"),
+                           "ranks_per_host": os.environ.get("HPCDL_EMULATED_RANKS_PER_HOST"),
+                           "link": os.environ.get("HPCDL_EMULATED_LINK_RATE"),
+                           "load": open("/proc/loadavg").read().split()[:3]}, f, indent=1)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

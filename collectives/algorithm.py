@@ -29,7 +29,12 @@ class Algorithm:
     applies avg's division itself in the combine that completes each block
     (`transport.Link.finishes_blocks`), while the block is still in cache. `rides_in_check`: a host
     call of at most `packet.PAYLOAD_BYTES` travels inside the argument check's own exchanges
-    (`validation.py`) instead of running `run` afterwards.
+    (`validation.py`) instead of running `run` afterwards. `shares_host_links`: every rank takes
+    part in every round with a partner at the round's distance (butterfly, halving-doubling), so
+    on hosts of K ranks packed in rank order the rounds at distances of K or more send K messages
+    through each host's link at once; the cost model prices such an algorithm's bytes between
+    hosts K times (a ring sends one message per host link per step, a binomial tree's far rounds
+    one per host).
 
     A composed algorithm (`hierarchical`) runs other algorithms on sub-communicators
     (`transport.Link.split`), the ones `Link.choose_level` picks; its `cost` is None and
@@ -44,6 +49,7 @@ class Algorithm:
     cost: Callable[[int, int, int], Cost] | None
     finishes_avg: bool = False
     rides_in_check: bool = False
+    shares_host_links: bool = False
     composed_cost: Callable[[int, int, int, int, Pick], Cost] | None = None
 
     @property

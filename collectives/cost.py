@@ -72,12 +72,14 @@ class Cost:
 
     __rmul__ = __mul__
 
-    def across_hosts(self) -> "Cost":
+    def across_hosts(self, sharing: int = 1) -> "Cost":
         """The same counts with every message crossing between hosts (combining and copying stay
-        local)."""
+        local); `sharing` messages at once share each host's link, so every byte takes that many
+        times as long."""
         return Cost(0, 0, self.reduced_bytes, self.copied_bytes, 0,
-                    self.messages + self.inter_messages, self.wire_bytes + self.inter_wire_bytes,
-                    self.pairwise_bytes + self.inter_pairwise_bytes, self.staged_copies,
+                    self.messages + self.inter_messages,
+                    sharing * (self.wire_bytes + self.inter_wire_bytes),
+                    sharing * (self.pairwise_bytes + self.inter_pairwise_bytes), self.staged_copies,
                     self.staged_bytes, self.streamed_bytes)
 
     def seconds(self, params: Any, staged: bool = False) -> float:

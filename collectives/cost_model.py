@@ -257,12 +257,20 @@ def cost(collective: str, algorithm: str, nbytes: int, size: int, *, itemsize: i
         checked = check(size) if hosts == 1 else check(size).across_hosts()
         return checked + described.composed_cost(n, size, itemsize, ranks_per_host,
                                                  picker(params, itemsize)) + copies
-    if described.rides_in_check and nbytes <= PAYLOAD_BYTES:
-        counts = check(size, nbytes)
-    else:
+    if hosts == 1:
+        if described.rides_in_check and nbytes <= PAYLOAD_BYTES:
+            return check(size, nbytes) + copies
         assert described.cost is not None
-        counts = check(size) + described.cost(n, size, itemsize)
-    return (counts if hosts == 1 else counts.across_hosts()) + copies
+        return check(size) + described.cost(n, size, itemsize) + copies
+    # Across hosts, an algorithm whose every rank exchanges in every round puts all of a host's
+    # ranks on its link at once (`Algorithm.shares_host_links`): its bytes take that many times
+    # as long. (The check's 80-byte headers are priced by their messages: left alone.)
+    assert params is not None and params.ranks_per_host is not None
+    if described.rides_in_check and nbytes <= PAYLOAD_BYTES:
+        return check(size, nbytes).across_hosts() + copies
+    assert described.cost is not None
+    sharing = min(params.ranks_per_host, size) if described.shares_host_links else 1
+    return check(size).across_hosts() + described.cost(n, size, itemsize).across_hosts(sharing) + copies
 
 
 def best_part(collective: str, nbytes: int, size: int, params: ModelParams, *,

@@ -335,8 +335,28 @@ def test_flat_algorithms_on_several_hosts_cross_them_with_every_message() -> Non
     two = ModelParams(1e-6, 1e-10, 1e-10, ranks_per_host=2, alpha_inter=3e-5, beta_inter=8e-9)
     assert cost("allreduce", "ring", 4096, 4, params=two) == cost("allreduce", "ring", 4096, 4).across_hosts()
     assert cost("allreduce", "ring", 4096, 2, params=two) == cost("allreduce", "ring", 4096, 2)
-    with pytest.raises(ValueError, match="give params"):
-        cost("allreduce", "hierarchical", 4096, 4)
+
+
+@pytest.mark.parametrize("algorithm", ["halving_doubling", "butterfly"])
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (4, 2), (32, 8), (3, 4)])
+def test_algorithms_whose_every_rank_crosses_share_each_hosts_link(algorithm, hosts, per_host) -> None:
+    """Butterfly and halving-doubling rounds at distances of a host's size or more send every rank
+    of a host across at once: their bytes between hosts take ranks-per-host times as long (their
+    latency and the check's headers do not); a ring's one message per host link does not."""
+    from collectives.cost import check
+    from collectives.registry import ALGORITHMS
+
+    params = ModelParams(1e-6, 1e-10, 1e-10, ranks_per_host=per_host, alpha_inter=3e-5, beta_inter=8e-9)
+    size, nbytes = hosts * per_host, 64 << 20
+    alone = ALGORITHMS["allreduce"][algorithm].cost(nbytes // 4, size, 4)
+    expected = check(size).across_hosts() + alone.across_hosts(per_host)
+    counts = cost("allreduce", algorithm, nbytes, size, params=params)
+    assert (counts.inter_messages, counts.inter_wire_bytes, counts.inter_pairwise_bytes) == (
+        expected.inter_messages, expected.inter_wire_bytes, expected.inter_pairwise_bytes)
+    assert counts.inter_wire_bytes + counts.inter_pairwise_bytes == pytest.approx(
+        per_host * (alone.wire_bytes + alone.pairwise_bytes) + check(size).wire_bytes + check(size).pairwise_bytes)
+    ring = cost("allreduce", "ring", nbytes, size, params=params)
+    assert ring == cost("allreduce", "ring", nbytes, size).across_hosts()
 
 
 # -- tuning files and auto ------------------------------------------------------------------------

@@ -388,6 +388,64 @@ def test_ssp_bound_holds_with_a_straggler(comm):
     assert all_ranks_agree(ok, comm), "async never ran ahead: the SSP check above proves nothing"
 
 
+@pytest.mark.parametrize("servers", [1, 2])
+def test_backup_without_backups_is_sync_bit_for_bit(comm, servers):
+    """Synchronous SGD with b = 0 backup workers waits for every push: the same parameters as
+    the sync model, bit for bit (both sum in worker order)."""
+    _needs_workers(comm, servers)
+    finals = []
+    for consistency, s in (("sync", None), ("backup", 0)):
+        net = Mixed()
+        ps = hpcdl.ParameterServer(net, servers=servers, consistency=consistency, s=s, lr=0.1,
+                                   optimizer="momentum", timeout=TIMEOUT)
+        if ps.is_server:
+            stats = ps.serve()
+            finals.append((stats.updates, stats.dropped))
+        else:
+            with ps:
+                _train(ps, net, range(5))
+            finals.append(_params(net))
+    if comm.Get_rank() >= comm.Get_size() - servers:
+        ok = finals[0] == finals[1] == (5, 0)
+    else:
+        ok = all(torch.equal(a, b) for a, b in zip(*finals))
+    assert all_ranks_agree(ok, comm), finals
+
+
+def test_backup_applies_the_first_pushes_of_a_step_and_drops_the_late(comm):
+    """Two or more workers, b = 1, worker 0 15x slower: every update applies workers - 1 pushes
+    computed from the version it updates (tau 0); the straggler's late pushes are dropped, never
+    applied, and the fast workers are not held up by it (they take far more updates)."""
+    _needs_workers(comm, 1, workers=2)
+    workers = comm.Get_size() - 1
+    events = _straggling_run(comm, "backup", 1, steps=16)
+    ok = True
+    if events is not None:
+        updates = [e for e in events if e[0] == "update"]
+        drops = [w for e in events if e[0] == "drop" for w, _, _ in e[2]]
+        # While every worker runs (the fast ones' first 15 steps: the 16th may meet one that has
+        # left), each update waits for workers - 1 pushes; the straggler then goes on alone.
+        ok = len(updates) >= 16 and all(len(record) == workers - 1 for _, _, record in updates[:15])
+        ok &= all(v == version and tau == 0 for _, version, record in updates for _, _, v, tau, _ in record)
+        ok &= 0 in drops
+    assert all_ranks_agree(ok, comm), events
+
+
+def test_backup_consistency_on_its_own():
+    """The backup model's three answers, without MPI: late pushes dropped, the first N of the
+    current version applied in worker order, a pull answered once its push's version is past."""
+    from hpcdl.parameter_server.consistency import Backup, Push
+
+    model = Backup(1)
+    pending = [Push(2, 3, 4, 1, None), Push(0, 2, 3, 1, None), Push(1, 3, 4, 1, None)]
+    assert model.dropped(pending, 3) == [1]
+    active = {0, 1, 2}
+    assert model.batch([pending[0]], 3, active, draining=False) is None  # 1 of N = 2
+    assert model.batch([pending[0], pending[2]], 3, active, draining=False) == ([1, 0], [0.5, 0.5])
+    assert model.batch([pending[0]], 3, active, draining=True) == ([0], [1.0])
+    assert not model.may_answer(5, {}, active, 3, based_on=3) and model.may_answer(5, {}, active, 4, based_on=3)
+
+
 def test_softsync_applies_s_pushes_scaled_by_staleness(comm):
     """Replaying the server's recorded updates on the workers' recorded gradients gives the
     server's final parameters; every update has s pushes weighted 1 / (s max(tau, 1))."""
@@ -534,7 +592,7 @@ def _bad_inputs(size: int) -> list[tuple[dict, str]]:
         (dict(consistency="ssp", s=0), "consistency 'ssp' needs s"),
         (dict(consistency="softsync"), "consistency 'softsync' needs s"),
         (dict(consistency="softsync", s=size), f"softsync's s={size} is more than"),
-        (dict(consistency="sync", s=2), "s applies to consistency 'softsync' and 'ssp' only"),
+        (dict(consistency="sync", s=2), "s applies to consistency 'softsync', 'ssp' and 'backup' only"),
         (dict(consistency="sync", n_push=2), "n_push=2 is Downpour's knob"),
         (dict(n_fetch=0), "n_fetch must be an integer >= 1"),
         (dict(optimizer="adam"), "unknown optimizer 'adam'"),

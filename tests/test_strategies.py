@@ -25,13 +25,13 @@ from hpcdl.commands.train.strategies import STRATEGIES, option_errors, plan
 from hpcdl.commands.train.schedule import Schedule
 
 SIZE = MPI.COMM_WORLD.Get_size()
-SERVER_STRATEGIES = ("downpour", "softsync", "ssp", "sync-ps")
+SERVER_STRATEGIES = ("downpour", "softsync", "ssp", "sync-ps", "sync-backup")
 trains = pytest.mark.skipif(SIZE not in (2, 3), reason="trains; N = 2, 3 only (a server needs 2 ranks)")
 #: The columns every strategy's metrics file has.
 COMMON_COLUMNS = {"epoch", "step", "train_loss", "test_loss", "accuracy", "samples_per_s", "seconds", "lr",
                   "ranks", "strategy", "samples", "bytes_sent_per_rank", "staleness_mean", "staleness_max",
                   "staleness_histogram", "grad_bytes_per_rank", "grad_ratio", "grad_density",
-                  "grad_density_max_step", "lost_ranks", "recovery_s", "steps_lost"}
+                  "grad_density_max_step", "lost_ranks", "recovery_s", "steps_lost", "compute", "compute_ms"}
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
@@ -195,7 +195,7 @@ def test_every_strategy_learns_and_reports_the_same_columns(strategy, tmp_path, 
     ok &= table[-1]["accuracy"] >= 0.85 and table[-1]["train_loss"] < table[0]["train_loss"]
     if strategy in SERVER_STRATEGIES:
         ok &= all(r["staleness_mean"] >= 0 and sum(r["staleness_histogram"]) > 0 for r in table)
-        ok &= strategy != "sync-ps" or all(r["staleness_max"] == 0 for r in table)
+        ok &= strategy not in ("sync-ps", "sync-backup") or all(r["staleness_max"] == 0 for r in table)
     else:
         ok &= all(r["staleness_mean"] is None for r in table)
     # The gradient-exchange columns (--compression): allreduce's dense fp32 average, none elsewhere.

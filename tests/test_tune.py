@@ -14,6 +14,7 @@ from conftest import all_ranks_agree, shared_directory
 from hpcdl.commands import tune, units
 from hpcdl.commands.tune import command, fit
 from hpcdl.commands.tune import predict as prediction
+from hpcdl.commands.tune.overlap import BucketSchedule, step_seconds
 
 PREDICT = ["--predict", "--nodes", "256", "--link", "100gbit", "--latency", "2us",
            "--model-params", "25e6", "--compute-ms", "120"]
@@ -187,6 +188,100 @@ def test_predict_with_a_two_level_file_sets_the_network_between_hosts(
     assert re.search(r"alpha\s+5.000 µs per message\s+\(from", out), out  # within hosts: kept
     assert re.search(r"alpha_inter\s+3.500 µs per message \(--latency", out), out
     assert re.search(r"beta_inter\s+0.0800 ns per byte\s+\(--link 100 Gbit/s", out), out
+
+
+def _timeline(path: Path, steps: int = 3) -> Path:
+    """A timeline as hpcdl's DDP writes it (hpcdl/ddp/timeline.py): per step forward 10 us,
+    backward 20 us; bucket 0 ready a quarter into backward, reduced in calls of 100 and 50 bytes,
+    bucket 1 ready at backward's end, one call of 200 bytes; rank 1's events must be ignored."""
+    events: list[dict[str, object]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}}]
+    for step in range(steps):
+        t = 100.0 * step
+        events += [{"name": "forward", "ph": "X", "pid": 0, "tid": 0, "ts": t, "dur": 10.0, "args": {}},
+                   {"name": "backward", "ph": "X", "pid": 0, "tid": 0, "ts": t + 10, "dur": 20.0, "args": {}},
+                   {"name": "bucket 0 ready", "ph": "i", "s": "t", "pid": 0, "tid": 0, "ts": t + 15, "args": {}},
+                   {"name": "bucket 0 allreduce queued", "ph": "X", "pid": 0, "tid": 1, "ts": t + 15, "dur": 1.0,
+                    "args": {"chunk": 0, "bytes": 100}},
+                   {"name": "bucket 0 allreduce", "ph": "X", "pid": 0, "tid": 1, "ts": t + 16, "dur": 5.0,
+                    "args": {"chunk": 0, "bytes": 100}},
+                   {"name": "bucket 0 allreduce", "ph": "X", "pid": 0, "tid": 1, "ts": t + 21, "dur": 5.0,
+                    "args": {"chunk": 1, "bytes": 50}},
+                   {"name": "bucket 1 ready", "ph": "i", "s": "t", "pid": 0, "tid": 0, "ts": t + 30, "args": {}},
+                   {"name": "bucket 1 allreduce", "ph": "X", "pid": 0, "tid": 1, "ts": t + 31, "dur": 5.0,
+                    "args": {"chunk": 0, "bytes": 200}},
+                   {"name": "bucket 0 allreduce", "ph": "X", "pid": 1, "tid": 1, "ts": t + 31, "dur": 5.0,
+                    "args": {"chunk": 0, "bytes": 999}}]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_a_timeline_gives_buckets_ready_times_and_the_replayed_step(tmp_path: Path) -> None:
+    """BucketSchedule reads rank 0's buckets, calls, ready fractions and forward share; step_seconds
+    replays them: overlap on starts each bucket when ready, off after backward."""
+    schedule = BucketSchedule.from_timeline(_timeline(tmp_path / "t.json"))
+    assert schedule.calls == ((100, 50), (200,)) and schedule.total_bytes == 350
+    assert schedule.ready == pytest.approx((0.25, 1.0)) and schedule.forward_share == pytest.approx(1 / 3)
+    assert schedule.steps == 3
+
+    def price(nbytes: int) -> float:
+        return 0.01 * nbytes  # bucket 0: 1.5 s, bucket 1: 2 s
+
+    # compute 3 s: forward 1 s, backward 2 s; bucket 0 ready at 1.5 s, done 3 s; bucket 1 at 3 s, done 5 s
+    assert step_seconds(schedule, 3.0, price, overlap=True) == pytest.approx((5.0, 3.5))
+    assert step_seconds(schedule, 3.0, price, overlap=False) == pytest.approx((6.5, 3.5))
+    assert step_seconds(schedule, 30.0, price, overlap=True)[0] == pytest.approx(32.0)  # only the last shows
+    with pytest.raises(ValueError, match="1 backward span"):
+        BucketSchedule.from_timeline(_timeline(tmp_path / "short.json", steps=1))
+
+
+def test_predict_replays_a_timeline_keeping_a_share_of_its_overlap(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--timeline: every algorithm's step replayed with the timeline's buckets (its bytes stand in
+    for --model-params); --overlap-efficiency E keeps E of what overlap saves: step = off - E (off - on)."""
+    timeline = _timeline(tmp_path / "t.json")
+    args = ["--predict", "--nodes", "4", "--link", "1gbit", "--latency", "10us", "--compute-ms", "0.01",
+            "--timeline", str(timeline)]
+    replays = {}
+    for share in (1.0, 0.5, 0.0):
+        out = tmp_path / f"{share}.json"
+        assert tune.main([*args, "--overlap-efficiency", f"{share}", "--json", str(out)]) == 0
+        replays[share] = json.loads(out.read_text())["replay"]
+    text = capsys.readouterr().out
+    assert "With the buckets of" in text and "2 buckets, 3 allreduce calls" in text, text
+    assert "keeping 50% of what that overlap saves" in text, text
+    for algorithm, full in replays[1.0].items():
+        on, off = full["step_s"], full["step_no_overlap_s"]
+        assert on < off, algorithm  # the first bucket's calls overlap the rest of backward
+        assert replays[0.5][algorithm]["step_s"] == pytest.approx(off - 0.5 * (off - on))
+        assert replays[0.0][algorithm]["step_s"] == pytest.approx(off)
+        assert replays[0.0][algorithm]["efficiency"] == pytest.approx(1e-5 / off)
+    for bad, message in ((["--overlap-efficiency", "1.5"], "a share between 0 and 1, got 1.5"),
+                         (["--overlap-efficiency", "0.5", "--model-params", "1M"], "add --timeline")):
+        flags = args if "--model-params" not in bad else [a for a in args if a not in ("--timeline", str(timeline))]
+        with pytest.raises(SystemExit):
+            tune.main([*flags, *bad])
+        assert message in capsys.readouterr().err
+    assert tune.main([*args[:-1], str(_timeline(tmp_path / "short.json", steps=1))]) == 2
+    assert "--timeline" in capsys.readouterr().err
+
+
+def test_predict_with_ranks_per_host_prices_two_levels_from_the_flags(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--ranks-per-host K without a tuning file: --host-link/--host-latency within a host,
+    --link/--latency between hosts, priced as ModelParams of two levels; refused without them."""
+    args = ["--predict", "--nodes", "16", "--model-params", "25M", "--compute-ms", "100", "--link", "50gbit",
+            "--latency", "10us", "--ranks-per-host", "8", "--host-link", "20GB/s", "--host-latency", "5us"]
+    out = tmp_path / "p.json"
+    assert tune.main([*args, "--json", str(out)]) == 0
+    assert "8 ranks per host" in capsys.readouterr().out
+    software = prediction.DEFAULT_SOFTWARE_LATENCY
+    params = ModelParams(**json.loads(out.read_text())["params"])
+    assert params.ranks_per_host == 8 and params.two_level
+    assert (params.alpha, params.beta) == pytest.approx((5e-6 + software, 1 / 20e9))
+    assert (params.alpha_inter, params.beta_inter) == pytest.approx((10e-6 + software, 8 / 50e9))
+    with pytest.raises(SystemExit):
+        tune.main(args[:-4])
+    assert "--host-link" in capsys.readouterr().err
 
 
 def test_measured_rows_use_the_bytes_choose_sees() -> None:

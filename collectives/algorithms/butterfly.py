@@ -97,8 +97,9 @@ def _allgather_cost(n: int, size: int, itemsize: int) -> Cost:
 
 ALGORITHMS = (
     #: a host allreduce of at most packet.PAYLOAD_BYTES rides inside the argument check itself
-    Algorithm("allreduce", "butterfly", butterfly_allreduce, _allreduce_cost, rides_in_check=True),
-    Algorithm("allgather", "butterfly", butterfly_allgather, _allgather_cost),
+    Algorithm("allreduce", "butterfly", butterfly_allreduce, _allreduce_cost, rides_in_check=True,
+              shares_host_links=True),
+    Algorithm("allgather", "butterfly", butterfly_allgather, _allgather_cost, shares_host_links=True),
     # Blocks of any sizes: priced as equal blocks of the same total.
-    Algorithm("allgatherv", "butterfly", butterfly_allgather, _allgather_cost),
+    Algorithm("allgatherv", "butterfly", butterfly_allgather, _allgather_cost, shares_host_links=True),
 )

@@ -120,7 +120,7 @@ def _reduce_scatter_cost(n: int, size: int, itemsize: int) -> Cost:
 
 ALGORITHMS = (
     Algorithm("allreduce", "halving_doubling", halving_doubling_allreduce, _allreduce_cost,
-              finishes_avg=True),
+              finishes_avg=True, shares_host_links=True),
     Algorithm("reduce_scatter", "halving_doubling", halving_reduce_scatter, _reduce_scatter_cost,
-              finishes_avg=True),
+              finishes_avg=True, shares_host_links=True),
 )

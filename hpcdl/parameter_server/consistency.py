@@ -5,7 +5,9 @@ worker's clock (steps pushed). After every message it asks its model two questio
 
 - `batch`: which pending pushes to apply now as one update, each with its weight (the optimizer
   then steps once on the weighted sum of their gradients); None to wait for more;
-- `may_answer`: may a pull from a worker at `clock` be answered now, or must it wait?
+- `may_answer`: may a pull from a worker at `clock` be answered now, or must it wait? (`based_on`
+  is the version that worker's last push was computed from, -1 before its first);
+- `dropped`: which pending pushes to discard unapplied (backup's late ones).
 
     model     applies                                   answers a pull at clock c
     async     each push at once, weight 1 (Downpour)    at once
@@ -17,6 +19,12 @@ worker's clock (steps pushed). After every message it asks its model two questio
     sync      one push from every active worker,        when the shard's version >= c: the
               weight 1 / (their number), in worker      update of every earlier step is applied
               order (synchronous SGD)
+    backup    the first N = (active workers) - b        when the version is past the one the
+              pushes computed from the current          worker's last push was computed from
+              version, weight 1 / N, in worker order;
+              later ones (from an older version) are
+              dropped (Chen et al. 2016: sync SGD
+              with b backup workers; b = 0 is sync)
 
 A worker that has sent DONE is no longer active: sync no longer waits for it and SSP's slowest
 clock is taken over the others. When every worker is done the server drains: what is still
@@ -29,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Sequence
 
-CONSISTENCIES = ("async", "softsync", "ssp", "sync")
+CONSISTENCIES = ("async", "softsync", "ssp", "sync", "backup")
 
 
 @dataclass
@@ -54,8 +62,12 @@ class Async:
         return ([0], [1.0]) if pending else None
 
     def may_answer(self, clock: int, clocks: Mapping[int, int], active: Collection[int],
-                   version: int) -> bool:
+                   version: int, based_on: int = -1) -> bool:
         return True
+
+    def dropped(self, pending: Sequence[Push], version: int) -> list[int]:
+        """Indices into `pending` of pushes to discard without applying them."""
+        return []
 
 
 class SoftSync(Async):
@@ -79,7 +91,7 @@ class StaleSynchronous(Async):
         self.s = s
 
     def may_answer(self, clock: int, clocks: Mapping[int, int], active: Collection[int],
-                   version: int) -> bool:
+                   version: int, based_on: int = -1) -> bool:
         return clock - slowest(clocks, active, clock) <= self.s
 
 
@@ -97,8 +109,38 @@ class Synchronous(Async):
         return order, [1.0 / len(order)] * len(order)
 
     def may_answer(self, clock: int, clocks: Mapping[int, int], active: Collection[int],
-                   version: int) -> bool:
+                   version: int, based_on: int = -1) -> bool:
         return version >= clock
+
+
+class Backup(Async):
+    """Synchronous SGD with `b` backup workers (Chen, Pan, Monga, Bengio, Jozefowicz 2016): each
+    update averages the first N = (active workers) - b pushes computed from the current version,
+    summed in worker order (so with b = 0 it is `Synchronous`, bit for bit); a push that arrives
+    after its version's update (computed from an older version) is dropped. A worker's pull is
+    answered once the version has moved past the one its last push was computed from: at once
+    when that push was dropped, so a straggler goes on from the newest parameters."""
+
+    name = "backup"
+
+    def __init__(self, b: int) -> None:
+        self.b = b
+
+    def dropped(self, pending: Sequence[Push], version: int) -> list[int]:
+        return [i for i, p in enumerate(pending) if p.version < version]
+
+    def batch(self, pending: Sequence[Push], version: int, active: Collection[int],
+              draining: bool) -> Batch | None:
+        current = [i for i, p in enumerate(pending) if p.version == version]
+        need = max(1, len(active) - self.b)
+        if not current or (len(current) < need and not draining):
+            return None
+        chosen = sorted(current[:need], key=lambda i: pending[i].worker)
+        return chosen, [1.0 / len(chosen)] * len(chosen)
+
+    def may_answer(self, clock: int, clocks: Mapping[int, int], active: Collection[int],
+                   version: int, based_on: int = -1) -> bool:
+        return version > based_on
 
 
 def slowest(clocks: Mapping[int, int], active: Collection[int], default: int) -> int:
@@ -107,7 +149,7 @@ def slowest(clocks: Mapping[int, int], active: Collection[int], default: int) ->
 
 
 def make_consistency(name: str, s: int | None) -> Async:
-    """The model called `name` (one of CONSISTENCIES); `s` for softsync and ssp."""
+    """The model called `name` (one of CONSISTENCIES); `s` for softsync and ssp, and backup's b."""
     if name == "async":
         return Async()
     if name == "softsync":
@@ -116,4 +158,6 @@ def make_consistency(name: str, s: int | None) -> Async:
         return StaleSynchronous(int(s))  # type: ignore[arg-type]
     if name == "sync":
         return Synchronous()
+    if name == "backup":
+        return Backup(int(s))  # type: ignore[arg-type]
     raise ValueError(f"unknown consistency {name!r}; use one of {', '.join(CONSISTENCIES)}")

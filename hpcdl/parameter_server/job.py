@@ -43,9 +43,11 @@ class ParameterServer:
         module: the model; every rank builds the same architecture.
         comm: MPI communicator (default MPI.COMM_WORLD); the job talks on a duplicate of it.
         servers: how many of the ranks are servers (S >= 1; at least one rank must be left to work).
-        consistency: "async" (Downpour), "softsync", "ssp" or "sync"; see `consistency`.
-        s: softsync's pushes per update (1 <= s <= workers) or SSP's staleness bound (s >= 1);
-            required by those two, refused by the others.
+        consistency: "async" (Downpour), "softsync", "ssp", "sync" or "backup" (sync with s
+            backup workers); see `consistency`.
+        s: softsync's pushes per update (1 <= s <= workers), SSP's staleness bound (s >= 1), or
+            backup's backup workers (0 <= s < workers); required by those three, refused by the
+            others.
         optimizer: what the servers apply: "sgd", "momentum" or "adagrad" (torch's), with `lr`,
             `momentum` (for "momentum") and `weight_decay`. softsync's lr0 is `lr`.
         n_fetch, n_push: Downpour's knobs (async only): pull every n_fetch steps, push the sum of
@@ -233,6 +235,12 @@ def check_options(size: int, module: Any, params: Sequence[torch.Tensor], server
                       f"ranks or use servers <= {size - 1}")
     if consistency not in CONSISTENCIES:
         errors.append(f"unknown consistency {consistency!r}; use one of {', '.join(CONSISTENCIES)}")
+    elif consistency == "backup":
+        if not _is_int(s) or s < 0:
+            errors.append(f"consistency 'backup' needs s (its backup workers), an integer >= 0; got {s!r}")
+        elif workers >= 1 and s >= workers:
+            errors.append(f"backup's s={s} backup workers leave no push to wait for among the "
+                          f"{workers} workers; use 0 <= s <= {workers - 1}")
     elif consistency in ("softsync", "ssp"):
         what = "pushes per update" if consistency == "softsync" else "staleness bound in steps"
         if not _is_int(s) or s < 1:
@@ -242,8 +250,8 @@ def check_options(size: int, module: Any, params: Sequence[torch.Tensor], server
             errors.append(f"softsync's s={s} is more than the {workers} workers; use "
                           f"1 <= s <= {workers}")
     elif s is not None:
-        errors.append(f"s applies to consistency 'softsync' and 'ssp' only, not {consistency!r}; "
-                      "leave it out")
+        errors.append(f"s applies to consistency 'softsync', 'ssp' and 'backup' only, not "
+                      f"{consistency!r}; leave it out")
     for name, value in (("n_fetch", n_fetch), ("n_push", n_push)):
         if not _is_int(value) or value < 1:
             errors.append(f"{name} must be an integer >= 1, got {value!r}")

@@ -55,7 +55,7 @@ class ServerStats:
     """What a server did: pushes received and applied, updates (optimizer steps), pulls answered,
     bytes it sent and received, the staleness of everything it applied since the last reset, and
     the largest gap between a worker's clock and the slowest active clock when its pull was
-    answered (what SSP bounds)."""
+    answered (what SSP bounds), and the pushes dropped unapplied (backup)."""
 
     pushes: int
     updates: int
@@ -64,6 +64,7 @@ class ServerStats:
     bytes_received: int
     staleness: Staleness
     max_clock_gap: int
+    dropped: int = 0
 
 
 class ShardServer:
@@ -77,7 +78,8 @@ class ShardServer:
     `record_events=True` keeps a list of every update and every answered pull in `events`, for
     tests and analysis: ("update", version, [(worker, clock, version of the push, tau, weight)])
     and ("answer", worker, clock, slowest active clock, version), or "meet" for a pull answered
-    because the progress reached its `until` (see protocol.py).
+    because the progress reached its `until` (see protocol.py), and ("drop", version, [(worker,
+    clock, version of the push)]) for pushes discarded unapplied (backup's late ones).
     """
 
     def __init__(self, comm: MPI.Comm, layout: ShardLayout, index: int, params: Sequence[torch.Tensor],
@@ -109,6 +111,8 @@ class ShardServer:
         self.version = 0
         self.workers = list(workers)
         self.clocks = {w: 0 for w in self.workers}
+        self.based_on = {w: -1 for w in self.workers}  # the version of each worker's last push
+        self.dropped = 0  # pushes discarded unapplied (backup's late ones)
         self.active = set(self.workers)
         self.pending: list[Push] = []
         self._deferred: list[tuple[int, int, int]] = []  # (worker, clock, until) of pulls not yet answered
@@ -210,6 +214,7 @@ class ShardServer:
                                "workers resumed from the same checkpoint?")
         self.pushes += 1
         self.clocks[push.worker] = push.clock
+        self.based_on[push.worker] = push.version
         self.pending.append(push)
         self._apply_ready()
         self._answer_deferred()
@@ -218,6 +223,14 @@ class ShardServer:
 
     def _apply_ready(self, draining: bool = False) -> None:
         while True:
+            late = set(self.consistency.dropped(self.pending, self.version))
+            if late:
+                gone = [p for i, p in enumerate(self.pending) if i in late]
+                self.pending = [p for i, p in enumerate(self.pending) if i not in late]
+                self._free += [p.message for p in gone]
+                self.dropped += len(gone)
+                if self.events is not None:
+                    self.events.append(("drop", self.version, [(p.worker, p.clock, p.version) for p in gone]))
             batch = self.consistency.batch(self.pending, self.version, self.active, draining)
             if batch is None:
                 return
@@ -263,7 +276,8 @@ class ShardServer:
     def _answer_deferred(self) -> None:
         waiting, self._deferred = self._deferred, []
         for worker, clock, until in waiting:
-            if self.consistency.may_answer(clock, self.clocks, self.active, self.version):
+            if self.consistency.may_answer(clock, self.clocks, self.active, self.version,
+                                           self.based_on[worker]):
                 self._send_params(worker, clock)
             elif until and self.progress >= until:
                 # The worker stops here to meet the others (it takes no step on this answer),
@@ -351,7 +365,7 @@ class ShardServer:
             "shard": self.shard.index, "servers": len(self.layout.shards), "nbytes": self.layout.nbytes,
             "values": self.message[HEADER_BYTES:].clone(), "version": self.version,
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "clocks": dict(self.clocks),
+            "clocks": dict(self.clocks), "based_on": dict(self.based_on), "dropped": self.dropped,
             "pending": [(p.worker, p.version, p.clock, p.steps, p.message.clone()) for p in self.pending],
             "staleness": self.staleness.state_dict(),
         }
@@ -370,10 +384,13 @@ class ShardServer:
         header(self._array)[VERSION] = self.version
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.clocks = {int(w): int(c) for w, c in state["clocks"].items()}
+        # States saved before backup workers existed: the sync and async models ignore it.
+        self.based_on = {int(w): int(v) for w, v in state.get("based_on", {w: -1 for w in self.clocks}).items()}
+        self.dropped = int(state.get("dropped", 0))
         self.pending = [Push(w, v, c, s, m.clone()) for w, v, c, s, m in state["pending"]]
         self.staleness.load_state_dict(state["staleness"])
 
     def stats(self) -> ServerStats:
         """What this server has done so far (see ServerStats)."""
         return ServerStats(self.pushes, self.updates, self.pulls, self.bytes_sent,
-                           self.bytes_received, self.staleness.summary(), self.max_clock_gap)
+                           self.bytes_received, self.staleness.summary(), self.max_clock_gap, self.dropped)

@@ -19,6 +19,7 @@ from ...runtime.atomic_file import unwritable_directory, unwritable_file
 from . import strategies
 from .metrics import METRICS_FORMATS
 from .recovery import POLICIES, RANK_LOST
+from .model_sizes import SIZED_MODELS
 from .strategies.base import DEFAULT_WARMUP_EPOCHS, MOMENTUM
 
 DESCRIPTION = """`hpcdl train`: data-parallel training over MPI, synchronous allreduce or another strategy.
@@ -52,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcdl train", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model and data")
-    model.add_argument("--model", choices=("cnn", "mlp", "resnet", "hybrid-cnn"), default=None,
+    model.add_argument("--model", choices=("cnn", "mlp", "resnet", "hybrid-cnn", *SIZED_MODELS), default=None,
                        help="network (default: cnn on digits, resnet with --synthetic); hybrid-cnn: "
-                            "the cnn with its linear layers split over --grid's model groups")
+                            "the cnn with its linear layers split over --grid's model groups; "
+                            f"{', '.join(SIZED_MODELS)}: described by their layers' sizes, never built "
+                            "(--emulate-compute only)")
     model.add_argument("--grid", type=grid_shape, default=None, metavar="DxM",
                        help="with --model hybrid-cnn: D data-parallel replicas of the model, each "
                             "split over M consecutive ranks (D x M = the ranks; default 1xRANKS)")
@@ -78,6 +81,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="epochs of linear warm-up from the base to the scaled rate, at most "
                           f"--epochs (default {DEFAULT_WARMUP_EPOCHS:g}, or half of --epochs if fewer)")
     strategies.add_arguments(parser)
+    emulate = parser.add_argument_group(
+        "emulated accelerators (docs/training.md#emulated-accelerators)",
+        "Forward and backward become timed waits on an emulated accelerator, everything else is "
+        "real; no loss or accuracy is measured, and every output says EMULATED.")
+    emulate.add_argument("--emulate-compute", type=float, metavar="MS",
+                         help="each step's forward and backward take MS milliseconds of waiting "
+                              "(the accelerator's step time); gradients of the model's real shapes "
+                              "become ready layer by layer in backward order")
+    emulate.add_argument("--layer-time", choices=("flops", "params"), default="flops",
+                         help="each layer's share of a step: by its FLOPs (default) or its parameters")
+    emulate.add_argument("--compute-jitter", type=float, default=0.0, metavar="SIGMA",
+                         help="step times vary by a lognormal factor of mean 1 and this sigma "
+                              "(seeded by --seed, rank and step; default 0)")
+    emulate.add_argument("--compute-slowdown", type=parse_slowdown, metavar="RATE:FACTOR:STEPS",
+                         help="transient slowdowns: at each step, with probability RATE, one random "
+                              "training rank is FACTOR times slower for STEPS steps, e.g. 0.05:4:10")
     comm = parser.add_argument_group("communication (allreduce)")
     comm.add_argument("--algorithm", choices=("auto", *collectives.ALGORITHMS["allreduce"]),
                       default="auto", help="allreduce algorithm for the gradient buckets")
@@ -137,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-batches-per-iter", type=int, default=10, help="batches per timed iteration")
     bench.add_argument("--num-iters", type=int, default=10, help="timed iterations")
     return parser
+
+
+def parse_slowdown(text: str) -> tuple[float, float, int]:
+    """`RATE:FACTOR:STEPS` (e.g. `0.05:4:10`); argparse reports a ValueError as bad syntax."""
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"expected RATE:FACTOR:STEPS, got {text!r}")
+    return float(parts[0]), float(parts[1]), int(parts[2])
+
+
+parse_slowdown.__name__ = "RATE:FACTOR:STEPS"  # how argparse names the type in its error message
 
 
 #: More epochs than any run could finish; far more would overflow torch's schedulers, which count
@@ -259,6 +289,7 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
         if args.model == "hybrid-cnn":
             errors.append("--device cuda does not take --model hybrid-cnn (its model-parallel layers "
                           "run on the CPU); use --device cpu")
+    errors += emulation_errors(args, ranks_on_host, available)
     return errors + strategies.option_errors(args, ranks) + hybrid_errors(args, ranks)
 
 
@@ -273,6 +304,45 @@ def rank_failure_errors(args: argparse.Namespace) -> list[str]:
                       "`mpirun --with-ft ulfm` (srun cannot carry it; docs/failures.md#training)")
     if args.respawn and args.synthetic:
         errors.append("--respawn applies to training, not to the --synthetic benchmark; drop it")
+    return errors
+
+
+def emulation_errors(args: argparse.Namespace, ranks_on_host: int, available: int | None) -> list[str]:
+    """What is wrong with the emulated accelerator's options (--emulate-compute and its kin)."""
+    errors = []
+    step = args.emulate_compute
+    if step is None:
+        for flag, used in (("--compute-jitter", args.compute_jitter), ("--compute-slowdown", args.compute_slowdown),
+                           ("--layer-time", args.layer_time != "flops")):
+            if used:
+                errors.append(f"{flag} shapes emulated compute: add --emulate-compute MS")
+        if args.model in SIZED_MODELS:
+            errors.append(f"--model {args.model} is described by its layers' sizes and never built: it "
+                          "trains only on emulated accelerators (add --emulate-compute MS)")
+        return errors
+    if not (step > 0 and math.isfinite(step)):
+        errors.append(f"--emulate-compute must be a positive number of milliseconds, got {step:g}")
+    if not (args.compute_jitter >= 0 and math.isfinite(args.compute_jitter)):
+        errors.append(f"--compute-jitter must be a sigma >= 0, got {args.compute_jitter:g}")
+    if args.compute_slowdown is not None:
+        rate, factor, steps = args.compute_slowdown
+        if not 0 <= rate <= 1 or not (factor >= 1 and math.isfinite(factor)) or steps < 1:
+            errors.append(f"--compute-slowdown {rate:g}:{factor:g}:{steps}: RATE is a probability (0..1), "
+                          "FACTOR >= 1 and STEPS >= 1")
+    for flag, used in (("--synthetic", args.synthetic), ("--device cuda", args.device == "cuda"),
+                       ("--model hybrid-cnn", args.model == "hybrid-cnn")):
+        if used:
+            errors.append(f"--emulate-compute does not take {flag}: the emulated accelerator replaces "
+                          "the model's forward and backward on the host")
+    if args.model in SIZED_MODELS:
+        from ...runtime.memory import shortfall
+
+        # The parameters and their gradients (kept from step to step), and DistributedDataParallel's
+        # bucket copy of each: a lower bound of what every rank holds.
+        need = 3 * 4 * SIZED_MODELS[args.model]().numel
+        lacking = shortfall(need, ranks_on_host, available)
+        if lacking is not None:
+            errors.append(f"--model {args.model} needs at least {lacking}; start fewer ranks per host")
     return errors
 
 

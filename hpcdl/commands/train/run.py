@@ -158,11 +158,16 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                            f"{KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's would be "
                            "deleted)")], rank)
 
-    if joined is not None:  # from the survivors: a replacement starts sooner without scikit-learn
-        arrays = joined[1]["digits"]
-    else:  # importing scikit-learn costs each rank seconds of CPU: rank 0 splits, the others receive
-        arrays = comm.bcast(dataset_arrays(load_digits_split()) if rank == 0 else None, root=0)
-    train_set, test_set = (TensorDataset(*map(torch.from_numpy, pair)) for pair in arrays)
+    if args.emulate_compute:  # nothing reads the data: the digits' sizes, without scikit-learn
+        from .emulation import placeholder_digits
+
+        train_set, test_set = placeholder_digits()
+    else:
+        if joined is not None:  # from the survivors: a replacement starts sooner without scikit-learn
+            arrays = joined[1]["digits"]
+        else:  # importing scikit-learn costs each rank seconds of CPU: rank 0 splits, the others receive
+            arrays = comm.bcast(dataset_arrays(load_digits_split()) if rank == 0 else None, root=0)
+        train_set, test_set = (TensorDataset(*map(torch.from_numpy, pair)) for pair in arrays)
     if args.torch_device.type != "cpu":  # digits are small: the whole split lives on the GPU
         train_set, test_set = (TensorDataset(*(t.to(args.torch_device) for t in split.tensors))
                                for split in (train_set, test_set))
@@ -171,6 +176,10 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     if args.model == "hybrid-cnn":  # the FC layers split over model groups, data parallel across them
         grid = ProcessGrid(plan.trainers, plan.model_parallel, comm)
         model = build_hybrid_model(args.model, grid, in_channels=1, num_classes=10)
+    elif args.emulate_compute:  # the real model's parameters, computed on an emulated accelerator
+        from .emulation import emulated_model
+
+        model = emulated_model(args.model, rank, args.layer_time)
     else:
         model = build_model(args.model, in_channels=1, image_size=8, num_classes=10)
     model = model.to(args.torch_device)
@@ -230,6 +239,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     try:
         status = trainer.run()
     finally:
+        trainer.compute.close()
         strategy.close()
     status = strategy.agree_status(status)
     if trainer.recovery.lived_through_a_loss():

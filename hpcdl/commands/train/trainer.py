@@ -14,6 +14,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..command import report_failure
+from .compute import columns as compute_columns
+from .compute import describe as describe_compute
 from .metrics import EpochTraffic, MetricsLog, gradient_report, staleness_columns
 from .options import KEEP_CHECKPOINTS
 from .pacing import EPOCH_DONE, TAKE_STEP
@@ -45,7 +47,7 @@ class Trainer:
         import torch
 
         from ...runtime.checkpoint import restore_rank_state
-        from .straggler import Straggler
+        from .compute import compute_for
 
         self.args, self.strategy, self.plan, self.schedule, self.job = args, strategy, plan, schedule, job
         self.train_set, self.test_set, self.sampler, self.steps_per_epoch = data
@@ -83,9 +85,8 @@ class Trainer:
             self.traffic_before = dict(mine.get("traffic") or {})
         else:
             torch.manual_seed(args.seed + 1 + self.rank)  # ranks draw different dropout masks
-        self.straggler = None
-        if plan.straggler is not None and plan.straggler[0] == self.rank:
-            self.straggler = Straggler(self.model, plan.straggler[1])
+        # Forward and backward: the model's own, or an emulated accelerator's (compute.py).
+        self.compute = compute_for(args, strategy, plan, self.rank, self.train_set)
         self.metrics = None
         if self.rank == 0 and args.metrics and not replacement:  # a replacement is never rank 0
             # Resuming: only the rows of epochs the checkpoint has finished are kept; the others (of
@@ -113,7 +114,8 @@ class Trainer:
                  f"{args.lr:g} x {plan.update_batch}/{args.reference_batch}"
                  + (f" x {plan.asynchrony:.3g} for asynchrony" if plan.asynchrony != 1 else "") + "), warm-up "
                  f"{schedule.warmup_steps} steps, {self.steps_per_epoch} steps per epoch"
-                 + (f"; rank {plan.straggler[0]} straggles {plan.straggler[1]:g}x" if plan.straggler else "")
+                 + "".join(f"; rank {r} straggles {f:g}x" for r, f in plan.stragglers)
+                 + (f"; {describe_compute(args)}" if self.compute.emulated else "")
                  + (f"; resuming at epoch {self.epoch + 1}, step {self.step}" if self.resumed else ""),
                  flush=True)
         while True:  # once, unless ranks are lost (recovery.py)
@@ -140,9 +142,9 @@ class Trainer:
             if status is not None:
                 return status, None
             self.recovery.epoch_done()
-        test_loss, accuracy = evaluate(self.strategy.evaluation_model(), self.test_set, self.rank,
-                                       self.size, self.comm, "at the end")
-        closing = f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {self.step} steps"
+        test_loss, accuracy = self.compute.evaluate(self.test_set, self.rank, self.size, self.comm, "at the end")
+        closing = (f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {self.step} steps"
+                   if accuracy is not None else f"done after {self.step} steps (emulated compute: no accuracy)")
         if args.timeline:
             written = self.strategy.write_timeline()
             closing += f"\ntimeline written to {written}"
@@ -150,11 +152,9 @@ class Trainer:
 
     def run_epoch(self) -> int | None:
         """Train the rest of epoch `self.epoch` and report it; an exit status to stop with, or None."""
-        import torch.nn.functional as F
         from tqdm import tqdm
 
         args, strategy = self.args, self.strategy
-        x_train, y_train = self.train_set.tensors
         self.steps_per_epoch = self.recovery.steps_in_epoch()  # fewer ranks may take more steps
         epoch_end = (self.epoch + 1) * self.steps_per_epoch
         strategy.train()
@@ -183,19 +183,12 @@ class Trainer:
                 if status != TAKE_STEP:
                     return status
                 indices = next(batches)
-                if self.straggler is not None:
-                    self.straggler.start()
-                loss = F.cross_entropy(strategy.forward(x_train[indices]), y_train[indices])
-                weight = getattr(indices, "weight", 1.0)  # ranks with uneven shares (recovery.py)
-                strategy.zero_grad()
-                (loss * weight if weight != 1.0 else loss).backward()
-                if self.straggler is not None:
-                    self.straggler.delay()
+                loss = self.compute.step(indices)  # forward and backward
                 strategy.finish_step()
                 if self.traffic is not None:
                     self.traffic.step()
                 self.own_steps += 1
-                loss_sum += loss.item() * len(indices)
+                loss_sum += loss * len(indices)
                 samples += len(indices)
                 bar.update(1)
                 stop = self.pacing.after_step(sums)
@@ -252,8 +245,8 @@ class Trainer:
                                     "lengthen --warmup-epochs. No checkpoint was written at this epoch's end"],
                     self.rank, DIVERGED)
             throughput = totals[1] / seconds  # samples of all ranks / the slowest rank's time
-            test_loss, accuracy = evaluate(strategy.evaluation_model(), self.test_set, self.rank, self.size,
-                                           self.comm, f"after epoch {self.epoch}")
+            test_loss, accuracy = self.compute.evaluate(self.test_set, self.rank, self.size, self.comm,
+                                                        f"after epoch {self.epoch}")
             # After the evaluation's pull: under sync-ps every push of the epoch is applied by then.
             staleness = strategy.staleness() if self.rank == 0 else None
             ranks = self.recovery.ranks_now()
@@ -268,8 +261,9 @@ class Trainer:
                     print(f"hpcdl train: warning: epoch {self.epoch}: --compression {args.compression} "
                           "sent no gradient element (every residual stayed below the threshold), so "
                           "the model did not change; use a smaller threshold", file=sys.stderr, flush=True)
-            self.say(f"epoch {self.epoch:3d}/{args.epochs}  loss {train_loss:.4f}  held-out loss {test_loss:.4f}  "
-                     f"accuracy {accuracy:.4f}  {throughput:,.0f} samples/s  lr {lr:.4g}  "
+            quality = (f"loss {train_loss:.4f}  held-out loss {test_loss:.4f}  accuracy {accuracy:.4f}"
+                       if accuracy is not None else "EMULATED compute, no loss or accuracy")
+            self.say(f"epoch {self.epoch:3d}/{args.epochs}  {quality}  {throughput:,.0f} samples/s  lr {lr:.4g}  "
                      f"sent {bytes_per_rank / 1e6:.3g} MB/rank"
                      + (f"  gradients {totals[4] / self.size / 1e6:.3g} MB/rank = fp32/"
                         f"{gradients['grad_ratio']:.3g}" if traffic is not None else "")
@@ -277,11 +271,12 @@ class Trainer:
                      + self.recovery.epoch_note(), flush=True)
             if self.metrics is not None:
                 self.metrics.write({
-                    "epoch": self.epoch, "step": self.step, "train_loss": train_loss, "test_loss": test_loss,
+                    "epoch": self.epoch, "step": self.step,
+                    "train_loss": train_loss if accuracy is not None else None, "test_loss": test_loss,
                     "accuracy": accuracy, "samples_per_s": throughput, "seconds": seconds,
                     "lr": lr, "ranks": ranks, "strategy": self.plan.name, "samples": int(totals[1]),
                     "bytes_sent_per_rank": bytes_per_rank, **gradients, **staleness_columns(staleness),
-                    **self.recovery.epoch_columns()})
+                    **self.recovery.epoch_columns(), **compute_columns(args)})
         if args.checkpoint_dir:
             self.checkpoint_now(0, (0.0, 0, 0.0, 0))
         return None

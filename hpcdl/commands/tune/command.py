@@ -70,6 +70,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                                "(--link, --latency, --gamma override)")
     predict.add_argument("--bucket-mb", type=positive(float), default=25.0,
                          help="gradient bucket size in MiB, one allreduce each (default 25)")
+    predict.add_argument("--timeline", metavar="FILE",
+                         help="a step's buckets, their allreduce calls and when each became ready "
+                              "during backward, from a timeline `hpcdl train --timeline` wrote: the "
+                              "step is replayed with them (overlap on and off) instead of uniform "
+                              "buckets; --model-params may then be left out")
+    predict.add_argument("--overlap-efficiency", type=float, default=1.0, metavar="E",
+                         help="with --timeline: the share of the overlap the replay finds that training "
+                              "really gets (measured: (step without overlap - step with) / (step without - "
+                              "the replay's step with)); default 1")
+    predict.add_argument("--ranks-per-host", type=positive(int),
+                         help="ranks share hosts K at a time (in rank order): a two-level model, "
+                              "--link and --latency between hosts, --host-link and --host-latency "
+                              "within one")
+    predict.add_argument("--host-link", type=parse_bandwidth,
+                         help="with --ranks-per-host: bandwidth between ranks of one host, e.g. 20GB/s")
+    predict.add_argument("--host-latency", type=parse_duration,
+                         help="with --ranks-per-host: latency between ranks of one host, e.g. 5us "
+                              "(--software-latency is added)")
+    predict.add_argument("--json", metavar="FILE", help="also write the predictions to FILE as JSON")
     predict.add_argument("--staged", action="store_true",
                          help="gradients on GPUs whose MPI is not CUDA-aware: price the copies "
                               "through host memory (--copy-bandwidth, --copy-latency, else the "
@@ -81,7 +100,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(list(argv))
     if args.predict:
         missing = [f"--{name.replace('_', '-')}" for name in ("nodes", "model_params", "compute_ms")
-                   if getattr(args, name) is None]
+                   if getattr(args, name) is None and not (name == "model_params" and args.timeline)]
         if args.tuning_file is None:
             missing += [flag for flag, value in (("--link", args.link), ("--latency", args.latency))
                         if value is None]
@@ -90,6 +109,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                          "from --tuning-file instead)")
         if not args.staged and (args.copy_bandwidth is not None or args.copy_latency is not None):
             parser.error("--copy-bandwidth and --copy-latency price staged copies: add --staged")
+        if not 0 <= args.overlap_efficiency <= 1:
+            parser.error(f"--overlap-efficiency is a share between 0 and 1, got {args.overlap_efficiency:g}")
+        if args.overlap_efficiency != 1 and args.timeline is None:
+            parser.error("--overlap-efficiency scales the overlap a timeline's replay finds: add --timeline")
+        if args.ranks_per_host is None and (args.host_link is not None or args.host_latency is not None):
+            parser.error("--host-link and --host-latency price messages within a host: add --ranks-per-host K")
+        if args.ranks_per_host is not None and args.ranks_per_host > 1 and args.tuning_file is None \
+                and (args.host_link is None or args.host_latency is None):
+            parser.error("--ranks-per-host needs --host-link and --host-latency (or a --tuning-file "
+                         "whose values then stand for messages within a host)")
     elif not args.minbytes <= args.maxbytes:
         parser.error(f"-b/--minbytes ({args.minbytes}) must not exceed -e/--maxbytes ({args.maxbytes})")
     elif args.stepfactor < 2:

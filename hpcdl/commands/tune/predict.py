@@ -4,6 +4,8 @@ constants), and the resulting scaling efficiency of synchronous SGD (docs/cost_m
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -135,12 +137,26 @@ def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     else:
         overhead, source["overhead"] = DEFAULT_OVERHEAD, "default, measured on the reference machine"
     copy_alpha, copy_beta = staging_params(args, base, source)
-    if base is not None and base.two_level:
+    per_host = getattr(args, "ranks_per_host", None)
+    if base is not None and base.two_level or per_host is not None and per_host > 1:
+        # Within a host: --host-link and --host-latency, else the file's (its values within a
+        # host where it has two levels, its only ones where it has one).
+        host_alpha, host_beta = (base.alpha, base.beta) if base is not None else (0.0, 0.0)
+        host_pairwise = base.beta_pairwise if base is not None else None
+        if network == "alpha":  # a one-level file (or none): its network values go between hosts
+            source["alpha_inter"], source["beta_inter"] = source["alpha"], source["beta"]
         source["alpha"] = source["beta"] = f"from {args.tuning_file}"
-        return ModelParams(base.alpha, base.beta, gamma, overhead, base.beta_pairwise,
-                           ranks_per_host=base.ranks_per_host, alpha_inter=alpha, beta_inter=beta,
-                           beta_pairwise_inter=beta_pairwise, copy_alpha=copy_alpha,
-                           copy_beta=copy_beta), source
+        if getattr(args, "host_latency", None) is not None:
+            host_alpha = args.host_latency + software
+            source["alpha"] = (f"--host-latency {human_seconds(args.host_latency)} + software "
+                               f"{human_seconds(software)} per message")
+        if getattr(args, "host_link", None) is not None:
+            host_beta, host_pairwise = 1.0 / args.host_link, None
+            source["beta"] = f"--host-link {args.host_link / 1e9:g} GB/s"
+        return ModelParams(host_alpha, host_beta, gamma, overhead, host_pairwise,
+                           ranks_per_host=per_host or base.ranks_per_host,  # type: ignore[union-attr]
+                           alpha_inter=alpha, beta_inter=beta, beta_pairwise_inter=beta_pairwise,
+                           copy_alpha=copy_alpha, copy_beta=copy_beta), source
     return ModelParams(alpha, beta, gamma, overhead, beta_pairwise, copy_alpha=copy_alpha,
                        copy_beta=copy_beta), source
 
@@ -222,7 +238,54 @@ def _staging_lines(params: Any, source: dict[str, str], buckets: Buckets, nodes:
             f"of {human_bytes(step)} in staging pieces of {human_bytes(piece)} (the model's pick)"]
 
 
+def auto_algorithm(tuning_file: str | None, params: Any, nbytes: int, nodes: int, itemsize: int) -> str:
+    """What `auto` runs for an allreduce of `nbytes` on `nodes` ranks with HPCDL_TUNING_FILE set to
+    `tuning_file` (collectives/select.py): the file's row covering the rank count, else the model's
+    fastest. "mpi", which the model cannot price, counts as the model's fastest."""
+    from collectives.cost_model import best
+    from collectives.select import load_table, row_choice
+
+    if tuning_file:
+        chosen = row_choice(load_table(tuning_file).get("collectives", {}).get("allreduce", []), nbytes, nodes)
+        if chosen is not None and chosen != "mpi":
+            return chosen
+    return best("allreduce", nbytes, nodes, params, itemsize=itemsize)
+
+
+def replay(args: argparse.Namespace, params: Any, schedule: Any, compute_s: float) -> dict[str, Any]:
+    """Every algorithm's (and auto's) step of `compute_s` with the timeline's buckets, overlap on
+    and off (overlap.step_seconds)."""
+    from collectives.cost_model import modelled_algorithms, predict
+
+    from .overlap import step_seconds
+
+    itemsize = ITEMSIZE[args.dtype]
+    results: dict[str, Any] = {}
+    for algorithm in [*modelled_algorithms("allreduce"), "auto"]:
+        def call(nbytes: int, algorithm: str = algorithm) -> float:
+            chosen = auto_algorithm(args.tuning_file, params, nbytes, args.nodes, itemsize) \
+                if algorithm == "auto" else algorithm
+            return predict("allreduce", chosen, nbytes, args.nodes, params, itemsize=itemsize,
+                           staged=args.staged)
+        on, communication = step_seconds(schedule, compute_s, call, overlap=True)
+        off, _ = step_seconds(schedule, compute_s, call, overlap=False)
+        on = off - args.overlap_efficiency * (off - on)  # the share of the overlap training gets
+        results[algorithm] = {"communication_s": communication, "step_s": on, "step_no_overlap_s": off,
+                              "efficiency": compute_s / on, "efficiency_no_overlap": compute_s / off}
+    return results
+
+
 def run_predict(args: argparse.Namespace) -> int:
+    schedule = None
+    if args.timeline:
+        from .overlap import BucketSchedule
+
+        try:
+            schedule = BucketSchedule.from_timeline(args.timeline)
+        except ValueError as exc:
+            raise CommandError(f"--timeline {exc}") from None
+        if args.model_params is None:
+            args.model_params = schedule.total_bytes // ITEMSIZE[args.dtype]
     params, source = predict_params(args)
     compute_s = args.compute_ms * 1e-3
     buckets, plans, picks = plan_step(params, args.nodes, args.model_params, args.dtype,
@@ -261,5 +324,37 @@ def run_predict(args: argparse.Namespace) -> int:
             f"{a} for {human_bytes(b)}" for b, a in picks.items())
         + " (the model's fastest; a tuning file's measured rows take precedence at their rank count)",
     ]
+    replayed = None
+    if schedule is not None:
+        replayed = replay(args, params, schedule, compute_s)
+        calls = sum(len(c) for c in schedule.calls)
+        lines += [
+            "",
+            f"With the buckets of {args.timeline}: {len(schedule.calls)} buckets, {calls} allreduce calls, "
+            f"{human_bytes(schedule.total_bytes)} per step; forward {schedule.forward_share:.0%} of the "
+            f"compute, each bucket started when the timeline saw it ready during backward "
+            f"(median of {schedule.steps - 1} steps):",
+            f"{'algorithm':<18} {'per step':>11} {'step':>11} {'efficiency':>11} {'no overlap':>11} "
+            f"{'efficiency':>11}",
+        ]
+        for algorithm, r in replayed.items():
+            lines.append(f"{algorithm:<18} {human_seconds(r['communication_s']):>11} {human_seconds(r['step_s']):>11} "
+                         f"{r['efficiency']:>10.1%} {human_seconds(r['step_no_overlap_s']):>11} "
+                         f"{r['efficiency_no_overlap']:>10.1%}")
+        lines += ["step: compute, with each bucket's allreduce calls run one after another on the "
+                  "communication thread from the moment the bucket was ready (no overlap: all after "
+                  "backward)" + (f", keeping {args.overlap_efficiency:.0%} of what that overlap saves "
+                                 "(--overlap-efficiency)" if args.overlap_efficiency != 1 else "")
+                  + "; efficiency: compute / step. auto follows --tuning-file's rows at this "
+                  "rank count, else the model's fastest, as `auto` does at run time."]
     print("\n".join(lines))
+    if args.json:
+        document = {"nodes": args.nodes, "compute_s": compute_s, "model_params": args.model_params,
+                    "params": dataclasses.asdict(params),
+                    "source": source, "uniform_buckets": {p.algorithm: {
+                        "communication_s": p.total_s, "efficiency": p.efficiency_no_overlap,
+                        "efficiency_overlap_bound": p.efficiency_overlap} for p in plans},
+                    "timeline": args.timeline, "replay": replayed}
+        with open(args.json, "w") as f:
+            json.dump(document, f, indent=1, default=str)
     return 0

@@ -57,13 +57,14 @@ class Plan:
     ranks (--model hybrid-cnn), each group of that many ranks trains as one replica on one batch:
     `trainers` counts replicas. `options` are the strategy's own options (recorded in checkpoints:
     a resume with others is refused), `settings` how it communicates (free to change on resume).
+    `stragglers`: --straggler's (rank, factor) pairs.
     """
 
     strategy: type[Strategy]
     ranks: int
     batch_size: int
     servers: int = 0
-    straggler: tuple[int, float] | None = None
+    stragglers: tuple[tuple[int, float], ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
     settings: Mapping[str, Any] = field(default_factory=dict)
     model_parallel: int = 1

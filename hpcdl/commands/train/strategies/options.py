@@ -15,8 +15,10 @@ import math
 
 from .base import MOMENTUM, Plan
 from .local_sgd import DEFAULT_PERIOD
-from .parameter_server import DEFAULT_SSP_STALENESS, SERVER_OPTIMIZERS
+from .parameter_server import DEFAULT_SSP_STALENESS
 from .registry import APPLIES_TO, STRATEGIES
+from .servers import SERVER_OPTIMIZERS
+from .sync_backup import DEFAULT_BACKUP_WORKERS
 
 
 def parse_straggler(text: str) -> tuple[int, float]:
@@ -51,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="ssp: how many steps a worker may run ahead of the slowest (default "
                             f"{DEFAULT_SSP_STALENESS}); softsync: pushes per update, 1..workers "
                             "(default: half the workers)")
+    group.add_argument("--backup-workers", type=int, metavar="B",
+                       help="sync-backup: each update averages the first workers - B pushes of a step "
+                            f"and drops the rest (default {DEFAULT_BACKUP_WORKERS}; 0 with one worker)")
     group.add_argument("--n-fetch", type=int, metavar="N",
                        help="downpour: pull the parameters every N steps (default 1)")
     group.add_argument("--n-push", type=int, metavar="N",
@@ -58,9 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--server-optimizer", choices=SERVER_OPTIMIZERS,
                        help=f"parameter servers: what the servers apply (default momentum, {MOMENTUM}, "
                             "like the other strategies' SGD; adagrad is Downpour's choice)")
-    group.add_argument("--straggler", type=parse_straggler, metavar="RANK:FACTOR",
-                       help="every strategy: training rank RANK sleeps so that each of its steps "
-                            "(forward and backward) takes FACTOR times as long, e.g. 3:2")
+    group.add_argument("--straggler", type=parse_straggler, metavar="RANK:FACTOR", action="append",
+                       help="every strategy: each step (forward and backward) of training rank RANK "
+                            "takes FACTOR times as long, e.g. 3:2 (it sleeps; with --emulate-compute "
+                            "its emulated step is longer); repeat it for several ranks")
 
 
 def given(args: argparse.Namespace, option: str) -> bool:
@@ -90,21 +96,21 @@ def option_errors(args: argparse.Namespace, ranks: int) -> list[str]:
     synthetic = getattr(args, "synthetic", False)
     if synthetic and name != "allreduce":
         errors.append(f"--synthetic benchmarks --strategy allreduce only, not {name}")
-    if synthetic and args.straggler is not None:
+    if synthetic and args.straggler:
         errors.append("--straggler applies to training, not to the --synthetic benchmark; drop it")
     for flag, value, least in (("--period", args.period, 1), ("--warmup-steps", args.warmup_steps, 0),
                                ("--servers", args.servers, 1), ("--staleness", args.staleness, 1),
-                               ("--n-fetch", args.n_fetch, 1), ("--n-push", args.n_push, 1)):
+                               ("--n-fetch", args.n_fetch, 1), ("--n-push", args.n_push, 1),
+                               ("--backup-workers", args.backup_workers, 0)):
         if value is not None and value < least:
             errors.append(f"{flag} must be at least {least}, got {value}")
     if errors:
         return errors  # the strategy's own checks assume values in range
     options = vars(args)
     errors += strategy.option_errors(options, ranks)
-    if args.straggler is not None:
-        rank, factor = args.straggler
-        servers = strategy.servers(options)
-        trainers = ranks - servers
+    servers = strategy.servers(options)
+    trainers = ranks - servers
+    for rank, factor in args.straggler or ():
         if not 0 <= rank < trainers:
             who = "workers" if servers else "ranks"
             errors.append(f"--straggler {rank}:{factor:g}: rank {rank} does not train; the training "
@@ -125,4 +131,5 @@ def plan(args: argparse.Namespace, ranks: int) -> Plan:
     if getattr(args, "model", None) == "hybrid-cnn":
         model_parallel = args.grid[1] if getattr(args, "grid", None) else ranks
     return Plan(strategy, ranks, args.batch_size, servers=strategy.servers(given_options),
-                straggler=args.straggler, options=options, settings=settings, model_parallel=model_parallel)
+                stragglers=tuple(args.straggler or ()), options=options, settings=settings,
+                model_parallel=model_parallel)

@@ -13,10 +13,10 @@ built, so reading the registry stays quick (`hpcdl train --help`).
 """
 from __future__ import annotations
 
-from . import allreduce, local_sgd, parameter_server
+from . import allreduce, local_sgd, parameter_server, sync_backup
 from .base import Strategy
 
-_STRATEGY_MODULES = (allreduce, local_sgd, parameter_server)
+_STRATEGY_MODULES = (allreduce, local_sgd, parameter_server, sync_backup)
 
 
 def _gather() -> dict[str, type[Strategy]]:

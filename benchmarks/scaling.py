@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""Scaling curves on emulated accelerators, next to `hpcdl tune --predict` for the same setup.
+
+    python benchmarks/scaling.py --network shm --out benchmarks/results/scaling-shm
+    python benchmarks/scaling.py --network 1gbit --out benchmarks/results/scaling-emulated-1gbit
+    python benchmarks/scaling.py --network 10gbit --ranks 1 2 4 8 16 --emulate-compute 100
+
+For each rank count P it runs benchmarks/train_throughput.py with --emulate-compute (an emulated
+accelerator's step of MS milliseconds, ResNet-50's gradients by default: forward and backward are
+waits, everything else is real): samples/s of DDP with overlap on (`hpcdl`) and off
+(`hpcdl-nolap`), of no communication (`local`) and of torch's DDP over gloo and over our backend,
+each the median of --rounds rounds in one job. Where the ranks go:
+
+- `shm`: `mpirun -n P` on this machine (shared memory; P > 2 ranks share 2 cores);
+- a link rate (`1gbit`, `10gbit`): the emulated cluster (scripts/emulated_cluster.sh) with P / 2
+  hosts of 2 ranks (P = 1: one host, one rank), TCP through the shaped links between hosts.
+
+Before each P it fits the cost model there (`hpcdl tune --model-only`, the same layout; its file
+is kept beside the results, and `auto` follows it during the run through HPCDL_TUNING_FILE), then
+predicts the step with `hpcdl tune --predict --timeline` (the buckets, their allreduce calls and
+when each was ready in backward, from our own timeline of the same emulated model: `--timeline`,
+written by a P = 2 run when absent). Prediction and measurement are compared per P: samples/s =
+P x batch / step.
+
+Every number is EMULATED compute (no accuracy). The machine's load (`/proc/loadavg`) is recorded
+before and after every job; on a shared machine it says how far the timings can be trusted.
+Writes OUT.json, OUT.md and OUT.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER = ROOT / "scripts" / "emulated_cluster.sh"
+MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
+RANKS_PER_HOST = 2  # --ranks-per-host's default
+
+
+def load() -> str:
+    """`uptime`'s load averages (1, 5, 15 minutes)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def environment(tuning: Path | None) -> dict[str, str]:
+    """Settings for oversubscribed jobs on a small machine (as tests/run.py gives its jobs)."""
+    env = dict(os.environ)
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
+    if os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.pop("HPCDL_TUNING_FILE", None)
+    if tuning is not None:
+        env["HPCDL_TUNING_FILE"] = str(tuning)
+    return env
+
+
+def layout(ranks: int, per_host: int, max_hosts: int) -> tuple[int, int]:
+    """(hosts, ranks per host) of P ranks on the emulated cluster: `per_host` ranks on each host,
+    or more where P / per_host hosts would be more than `max_hosts`."""
+    per_host = min(per_host, ranks)
+    while ranks // per_host > max_hosts:
+        per_host *= 2
+    return ranks // per_host, per_host
+
+
+def launcher(network: str, ranks: int, args: argparse.Namespace) -> list[str]:
+    if network == "shm":
+        return ["mpirun", "-n", str(ranks)]
+    hosts, per_host = layout(ranks, args.ranks_per_host, args.max_hosts)
+    return ["bash", str(CLUSTER), "run", "-n", str(hosts), "--ranks-per-host", str(per_host), "--"]
+
+
+def run(command: list[str], tuning: Path | None, timeout: float
+        ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    before, started = load(), time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, env=environment(tuning), capture_output=True, text=True,
+                          timeout=timeout)
+    info = {"command": shlex.join(command), "wall_s": time.monotonic() - started, "load_before": before,
+            "load_after": load()}
+    if done.returncode != 0:
+        raise RuntimeError(f"{info['command']} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done, info
+
+
+def cluster_up(network: str, hosts: int) -> None:
+    subprocess.run(["bash", str(CLUSTER), "up", "--hosts", str(hosts), "--rate", network], check=True,
+                   capture_output=True, text=True)
+
+
+def throughput(network: str, ranks: int, args: argparse.Namespace, tuning: Path | None,
+               timeline: Path | None = None) -> dict[str, Any]:
+    """One train_throughput.py job: every mode's median samples/s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp.json"
+        command = [*launcher(network, ranks, args), sys.executable,
+                   str(ROOT / "benchmarks" / "train_throughput.py"),
+                   "--emulate-compute", f"{args.emulate_compute:g}", "--models", args.model,
+                   "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--rounds", str(args.rounds), "--modes", *args.modes, "--json", str(out)]
+        if timeline is not None:
+            command += ["--timeline", str(timeline)]
+        _, info = run(command, tuning, args.timeout)
+        report = json.loads(out.read_text())
+    rates = report["samples_per_s"][args.model]
+    info["command"] = info["command"].replace(str(ROOT) + "/", "").replace(sys.executable, "python")
+    return {**info, "samples_per_s": {m: rates[m] for m in args.modes},
+            "rounds": {m: rates[f"{m}_rounds"] for m in args.modes}}
+
+
+def tune(network: str, ranks: int, args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """Fit the cost model at this layout (`hpcdl tune --model-only`)."""
+    command = [*launcher(network, ranks, args), sys.executable, "-m", "hpcdl", "tune", "--model-only",
+               "-o", str(path), "--iters", str(args.tune_iters)]
+    _, info = run(command, None, args.timeout)
+    return info
+
+
+def predict(ranks: int, args: argparse.Namespace, tuning: Path, timeline: Path) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "predict.json"
+        command = [sys.executable, "-m", "hpcdl", "tune", "--predict", "--nodes", str(ranks),
+                   "--compute-ms", f"{args.emulate_compute:.6g}", "--timeline", str(timeline),
+                   "--tuning-file", str(tuning), "--json", str(out)]
+        _, info = run(command, None, args.timeout)
+        replay = json.loads(out.read_text())["replay"]["auto"]
+    step_on, step_off = replay["step_s"], replay["step_no_overlap_s"]
+    return {"command": info["command"].replace(str(ROOT) + "/", "").replace(sys.executable, "python"),
+            "step_s": step_on, "step_no_overlap_s": step_off, "communication_s": replay["communication_s"],
+            "hpcdl": ranks * args.batch / step_on, "hpcdl-nolap": ranks * args.batch / step_off}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    network = args.network
+    timeline = Path(args.timeline) if args.timeline else out.with_name(out.name + "-timeline.json")
+    points = []
+    if network != "shm":
+        cluster_up(network, max(layout(p, args.ranks_per_host, args.max_hosts)[0] for p in args.ranks))
+    try:
+        if not timeline.exists():  # our own timeline of the emulated model: buckets and ready times
+            tuning = out.with_name(f"{out.name}-tuning-p2.json")
+            if not tuning.exists():
+                tune(network, 2, args, tuning)
+            written = timeline.with_name(f"{timeline.stem}.{args.model}{timeline.suffix}")
+            throughput(network, 2, argparse.Namespace(**{**vars(args), "modes": ["local", "hpcdl"], "rounds": 1}),
+                       tuning, timeline)
+            written.rename(timeline)  # train_throughput.py names it after the model
+        for ranks in args.ranks:
+            tuning = out.with_name(f"{out.name}-tuning-p{max(ranks, 2)}.json")
+            point: dict[str, Any] = {"ranks": ranks, "layout": layout(ranks, args.ranks_per_host, args.max_hosts)}
+            if not tuning.exists() or args.retune:
+                point["tune"] = tune(network, max(ranks, 2), args, tuning)
+            at = args
+            if args.step_ratio:  # a step of R x the communication the model predicts at this P
+                communication = predict(ranks, args, tuning, timeline)["communication_s"]
+                at = argparse.Namespace(**{**vars(args), "emulate_compute": args.step_ratio * communication * 1e3})
+            point["emulate_compute_ms"] = at.emulate_compute
+            point["measured"] = throughput(network, ranks, at, tuning)
+            point["predicted"] = predict(ranks, at, tuning, timeline)
+            point["tuning_file"] = tuning.name
+            m, p = point["measured"]["samples_per_s"], point["predicted"]
+            print(f"P={ranks:2d} {network}: " + "  ".join(f"{k} {m[k]:,.0f}" for k in args.modes)
+                  + f" | predicted hpcdl {p['hpcdl']:,.0f} nolap {p['hpcdl-nolap']:,.0f}  load "
+                  f"{point['measured']['load_before']} -> {point['measured']['load_after']}", flush=True)
+            points.append(point)
+    finally:
+        if network != "shm" and not args.keep_cluster:
+            subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, text=True)
+    return {"network": network, "model": args.model, "emulate_compute_ms": args.emulate_compute,
+            "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "compute": "emulated",
+            "timeline": timeline.name, "date": time.strftime("%Y-%m-%d %H:%M"), "points": points}
+
+
+def report(results: dict[str, Any], out: Path) -> None:
+    """OUT.md (the table) and OUT.png (samples/s and efficiency against P)."""
+    points = results["points"]
+    base = points[0]["measured"]["samples_per_s"]["local"] / points[0]["ranks"]
+    lines = [f"EMULATED accelerators: {results['model']}, {results['emulate_compute_ms']:g} ms per step, batch "
+             f"{results['batch']} per rank, network {results['network']}, {results['date']}; samples/s, median "
+             f"of {results['rounds']} rounds of {results['steps']} steps; eff. = samples/s / (P x local at P=1); "
+             "vs local: hpcdl / no communication at the same P; on/off: overlap on / off; predicted = "
+             "`hpcdl tune --predict --timeline` with the tuning file fitted at that layout.",
+             "",
+             "| P | layout | step ms | local | hpcdl | predicted | error | eff. | vs local | no overlap | predicted "
+             "| error | on/off | torch DDP gloo | torch DDP hpcdl | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for point in points:
+        m, p = point["measured"]["samples_per_s"], point["predicted"]
+        hosts, per_host = point["layout"]
+        where = "1 process" if point["ranks"] == 1 else (
+            f"{point['ranks']} ranks" if results["network"] == "shm" else f"{hosts} x {per_host}")
+
+        def cell(mode: str) -> str:
+            return f"{m[mode]:,.0f}" if mode in m else "-"
+
+        def error(mode: str) -> str:
+            return f"{p[mode] / m[mode] - 1:+.0%}" if mode in m else "-"
+
+        ratio = (lambda a, b: f"{m[a] / m[b]:.2f}" if a in m and b in m else "-")  # noqa: E731
+        lines.append(f"| {point['ranks']} | {where} | {point['emulate_compute_ms']:.0f} | {cell('local')} | "
+                     f"{cell('hpcdl')} | {p['hpcdl']:,.0f} | {error('hpcdl')} | "
+                     f"{m.get('hpcdl', 0) / (point['ranks'] * base):.0%} | {ratio('hpcdl', 'local')} | "
+                     f"{cell('hpcdl-nolap')} | {p['hpcdl-nolap']:,.0f} | {error('hpcdl-nolap')} | "
+                     f"{ratio('hpcdl', 'hpcdl-nolap')} | {cell('torch-ddp')} | {cell('torch-ddp-hpcdl')} | "
+                     f"{point['measured']['load_before']} |")
+    lines += ["", "Commands:", ""] + [f"    {p['measured']['command']}" for p in points]
+    lines += [f"    {p['predicted']['command']}" for p in points]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ranks = [p["ranks"] for p in points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, style in (("local", "k:"), ("hpcdl", "C0o-"), ("hpcdl-nolap", "C1s-"), ("torch-ddp", "C2^-"),
+                        ("torch-ddp-hpcdl", "C3v-")):
+        values = [p["measured"]["samples_per_s"].get(mode) for p in points]
+        if all(v is not None for v in values):
+            left.plot(ranks, values, style, label=f"{mode} (measured)")
+            right.plot(ranks, [v / (r * base) for v, r in zip(values, ranks)], style, label=mode)
+    for mode, style in (("hpcdl", "C0x--"), ("hpcdl-nolap", "C1+--")):
+        values = [p["predicted"][mode] for p in points]
+        left.plot(ranks, values, style, label=f"{mode} (predicted)")
+        right.plot(ranks, [v / (r * base) for v, r in zip(values, ranks)], style, label=f"{mode} predicted")
+    left.set(xscale="log", yscale="log", xlabel="ranks", ylabel="samples/s (EMULATED)",
+             title=f"{results['model']}, {results['emulate_compute_ms']:g} ms/step, {results['network']}")
+    right.set(xscale="log", xlabel="ranks", ylabel="scaling efficiency", ylim=(0, 1.1),
+              title="efficiency (EMULATED accelerators)")
+    for axis in (left, right):
+        axis.set_xticks(ranks, [str(r) for r in ranks])
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--network", default="shm", help="shm, or a link rate of the emulated cluster (1gbit)")
+    parser.add_argument("--ranks-per-host", type=int, default=RANKS_PER_HOST,
+                        help=f"on the emulated cluster (default {RANKS_PER_HOST}; more where the hosts would "
+                             "be more than --max-hosts)")
+    parser.add_argument("--max-hosts", type=int, default=8)
+    parser.add_argument("--step-ratio", type=float, metavar="R",
+                        help="instead of --emulate-compute at every P: a step of R x the communication "
+                             "the model predicts there (2: communication about half the step)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--emulate-compute", type=float, default=100.0, metavar="MS")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--tune-iters", type=int, default=20, help="hpcdl tune --iters")
+    parser.add_argument("--retune", action="store_true", help="fit the model again where a file exists")
+    parser.add_argument("--timeline", help="our own timeline of the emulated model (default: OUT-timeline.json, "
+                                           "written by a P = 2 run when absent)")
+    parser.add_argument("--keep-cluster", action="store_true", help="leave the emulated cluster up")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--out", required=True, help="results path without suffix")
+    args = parser.parse_args(argv)
+    if "local" not in args.modes:
+        parser.error("--modes needs local (the efficiency's reference)")
+    results = measure(args)
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    report(results, out)
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

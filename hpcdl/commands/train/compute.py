@@ -1,0 +1,98 @@
+"""The compute of a training step, as the trainer sees it: forward and backward of one batch,
+and the held-out evaluation. One interface, two kinds:
+
+- `RealCompute`: the model's own forward and backward on the batch (with --straggler, this
+  rank's steps stretched by sleeping: straggler.py);
+- `EmulatedCompute` (emulation.py, --emulate-compute MS): timed waits on an emulated
+  accelerator that make the real model's gradients ready layer by layer; no accuracy.
+
+The trainer calls, per step, `loss = compute.step(indices)` and then the strategy's
+`finish_step()`; at an epoch's end `compute.evaluate(...)` ((loss, accuracy), or (None, None)
+where compute is emulated). `emulated` and `columns()` label every output.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from .emulation import EmulatedCompute
+    from .strategies import Plan, Strategy
+
+
+class RealCompute:
+    """Forward and backward of the strategy's model on the training data."""
+
+    emulated = False
+
+    def __init__(self, strategy: Strategy, train_set: Any, factor: float) -> None:
+        from .straggler import Straggler
+
+        self.strategy = strategy
+        self.x, self.y = train_set.tensors
+        self.straggler = Straggler(strategy.module, factor) if factor > 1 else None
+
+    def step(self, indices: Sequence[int]) -> float:
+        """Forward and backward of the batch `indices`; the batch's mean loss."""
+        import torch.nn.functional as F
+
+        strategy = self.strategy
+        if self.straggler is not None:
+            self.straggler.start()
+        loss = F.cross_entropy(strategy.forward(self.x[indices]), self.y[indices])
+        weight = getattr(indices, "weight", 1.0)  # ranks with uneven shares after a loss (recovery.py)
+        strategy.zero_grad()
+        (loss * weight if weight != 1.0 else loss).backward()
+        if self.straggler is not None:
+            self.straggler.delay()
+        return float(loss.item())
+
+    def evaluate(self, test_set: Any, rank: int, size: int, comm: MPI.Comm, when: str
+                 ) -> tuple[float | None, float | None]:
+        """Collective over `comm`: (mean loss, accuracy) of the strategy's model on `test_set`."""
+        from .trainer import evaluate
+
+        return evaluate(self.strategy.evaluation_model(), test_set, rank, size, comm, when)
+
+    def close(self) -> None:
+        """After training."""
+
+
+def compute_for(args: argparse.Namespace, strategy: Strategy, plan: Plan, rank: int, train_set: Any
+                ) -> RealCompute | EmulatedCompute:
+    """The compute of this training rank: emulated where --emulate-compute says so."""
+    if not getattr(args, "emulate_compute", None):
+        return RealCompute(strategy, train_set, math.prod(f for r, f in plan.stragglers if r == rank))
+    from .emulation import EmulatedCompute, ShapeModel, Slowdowns, StepTimes
+
+    slowdown = args.compute_slowdown
+    times = StepTimes(args.emulate_compute / 1e3, rank, plan.trainers, args.seed, jitter=args.compute_jitter,
+                      stragglers=plan.stragglers,
+                      slowdowns=Slowdowns(*slowdown) if slowdown is not None else None)
+    model = strategy.module
+    assert isinstance(model, ShapeModel), "run.py builds an emulated model with --emulate-compute"
+    return EmulatedCompute(strategy, model, times, train_set.tensors[0])
+
+
+def describe(args: argparse.Namespace) -> str:
+    """What the compute is, for the header line: '' for real compute."""
+    if not getattr(args, "emulate_compute", None):
+        return ""
+    parts = [f"EMULATED accelerators: {args.emulate_compute:g} ms per step, layer times by {args.layer_time}"]
+    if args.compute_jitter:
+        parts.append(f"lognormal jitter sigma {args.compute_jitter:g}")
+    if args.compute_slowdown is not None:
+        rate, factor, steps = args.compute_slowdown
+        parts.append(f"transient slowdowns (p {rate:g} per step, {factor:g}x for {steps} steps)")
+    return ", ".join(parts) + "; no accuracy is measured"
+
+
+def columns(args: argparse.Namespace) -> dict[str, Any]:
+    """The metrics columns that say what computed: 'real', or 'emulated' and its step time."""
+    emulated = getattr(args, "emulate_compute", None)
+    return {"compute": "emulated" if emulated else "real", "compute_ms": emulated or None}
+
+

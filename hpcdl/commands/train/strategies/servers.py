@@ -1,0 +1,230 @@
+"""What the parameter-server strategies of `hpcdl train` share (`ParameterServerStrategy`): a
+sharded `hpcdl.ParameterServer` on the job's ranks, the last `servers` of them serving, the
+others workers that pull, compute, and push; the servers' checkpoints gathered by rank 0. Each
+strategy (parameter_server.py: downpour, softsync, ssp, sync-ps; sync_backup.py) is a subclass
+naming its consistency model.
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from ..pacing import Meetings, Pacing
+from .base import MOMENTUM, Plan, Strategy
+
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
+
+    from ....parallel import ProcessGrid
+    from ....parameter_server import Staleness
+    from ..schedule import Schedule
+
+SERVER_OPTIMIZERS = ("sgd", "momentum", "adagrad")
+
+#: Tag of the servers' checkpoint states on the strategy's own communicator.
+_CHECKPOINT_TAG = 1
+
+
+class ParameterServerStrategy(Strategy):
+    """A sharded parameter server on the ranks of `world` (collective construction), with the
+    `consistency` a subclass names (and its parameter: `consistency_parameter`)."""
+
+    consistency: ClassVar[str] = ""
+    options: ClassVar[tuple[str, ...]] = ("servers", "server_optimizer")
+    checkpoint_keys = ("servers",)
+    pacing: ClassVar[type[Pacing]] = Meetings
+
+    @classmethod
+    def servers(cls, given: Mapping[str, Any]) -> int:
+        servers = given.get("servers")
+        return 1 if servers is None else int(servers)
+
+    @classmethod
+    def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
+        servers = cls.servers(given)
+        if servers >= ranks >= 1:
+            return [f"--servers {servers} leaves no worker among the {ranks} rank(s) of this job (zero "
+                    "workers); " + (f"start more ranks or use --servers {ranks - 1} or fewer" if ranks > 1 else
+                                    "a parameter server needs at least 2 ranks, 1 server and 1 worker: start "
+                                    "more ranks")]
+        return []
+
+    @classmethod
+    def configure(cls, given: Mapping[str, Any], ranks: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {"servers": cls.servers(given), "server_optimizer": given.get("server_optimizer") or "momentum",
+                "n_fetch": given.get("n_fetch") or 1, "n_push": given.get("n_push") or 1}, {}
+
+    @classmethod
+    def asynchrony(cls, plan: Plan) -> float:
+        """k / W for updates of k pushes from W workers (`pushes_per_update`).
+
+        With W workers pushing in turn, about W / k updates land while a worker computes, so each
+        gradient meets parameters some W / k - 1 updates newer than those it was computed from.
+        Asynchrony then acts like momentum of about 1 - k / W on top of the optimizer's own
+        (Mitliagkas et al. 2016, "Asynchrony begets momentum"): measured here, the digits CNN
+        with momentum 0.9 and the unscaled rate stalled or diverged under downpour and SSP with 4
+        workers, and trained like synchronous SGD with the rate scaled by k / W.
+        """
+        return cls.pushes_per_update(plan) / plan.trainers
+
+    @classmethod
+    def pushes_per_update(cls, plan: Plan) -> int:
+        """How many workers' pushes one update of the parameters applies together."""
+        return 1
+
+    @classmethod
+    def update_batch(cls, plan: Plan) -> int:
+        return plan.batch_size * cls.pushes_per_update(plan)
+
+    @classmethod
+    def describe(cls, plan: Plan) -> str:
+        return (f"{plan.servers} server(s) + {plan.trainers} worker(s), {cls.consistency} updates"
+                f"{cls.details(plan)}, server optimizer {plan.options['server_optimizer']}")
+
+    @classmethod
+    def details(cls, plan: Plan) -> str:
+        """What `describe` says of this consistency's own options."""
+        return ""
+
+    @classmethod
+    def consistency_parameter(cls, plan: Plan) -> int | None:
+        """The consistency model's `s` (softsync's pushes per update, SSP's bound), or None."""
+        return plan.options.get("staleness")
+
+    @classmethod
+    def build(cls, plan: Plan, module: torch.nn.Module, schedule: Schedule, comm: MPI.Comm,
+              grid: ProcessGrid | None = None) -> Strategy:
+        if grid is not None:
+            raise ValueError(f"{cls.name} does not train a model split over a process grid")
+        return cls(module, comm, schedule, plan)
+
+    def __init__(self, module: torch.nn.Module, world: MPI.Comm, schedule: Schedule, plan: Plan) -> None:
+        from ....parameter_server import ParameterServer
+
+        self.plan = plan
+        options = plan.options
+        self.ps = ParameterServer(module, world, servers=options["servers"], consistency=self.consistency,
+                                  s=self.consistency_parameter(plan), optimizer=options["server_optimizer"],
+                                  lr=schedule.lr, momentum=MOMENTUM, n_fetch=options["n_fetch"],
+                                  n_push=options["n_push"], lr_schedule=schedule.at)
+        self.trains = self.ps.is_worker
+        rank = world.Get_rank()
+        super().__init__(module, world.Split(0 if self.trains else 1, rank))
+        self.world = world
+        self._states = world.Dup()  # the servers' checkpoint states travel here, to rank 0
+        self.schedule = schedule
+        self.workers = plan.trainers
+        self._until = 0
+        self._traffic = 0  # bytes of pulls and pushes, both ways
+        self._evaluated: torch.nn.Module | None = None
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def _count(self, before: int) -> None:
+        self._traffic += self.ps.bytes_sent + self.ps.bytes_received - before
+
+    def begin_step(self, until: int = 0) -> bool:
+        self._until = until
+        before = self.ps.bytes_sent + self.ps.bytes_received
+        progress = self.ps.pull(until)
+        self._count(before)
+        return not (until and progress >= until)
+
+    def finish_step(self) -> None:
+        before = self.ps.bytes_sent + self.ps.bytes_received
+        self.ps.push()
+        self._count(before)
+
+    def lr(self, step: float) -> float:
+        return self.schedule.at(step)  # what the servers apply at that mean step
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._traffic
+
+    def staleness(self) -> Staleness | None:
+        return self.ps.staleness(reset=True)
+
+    def evaluation_model(self) -> torch.nn.Module:
+        """Rank 0 pulls the servers' parameters (not counted as training traffic) and broadcasts
+        them to the other workers' copies of the model: every worker scores the same parameters
+        and none of them changes the module it trains. Under sync the pull is answered once every
+        push before it is applied; under the others it holds what the servers have applied."""
+        if self._evaluated is None:
+            self._evaluated = copy.deepcopy(self.module)
+        import torch
+
+        from ....comm.fusion import fused_broadcast
+
+        if self.comm.Get_rank() == 0:
+            self.ps.pull(self._until)
+        with torch.no_grad():
+            for mine, theirs in zip(self._evaluated.parameters(), self.module.parameters()):
+                mine.copy_(theirs)
+            for buffer, own in zip(self._evaluated.buffers(), self.module.buffers()):
+                buffer.copy_(own)  # the batch-norm statistics stay this worker's own
+        fused_broadcast(list(self._evaluated.parameters()), self.comm, 0)
+        return self._evaluated
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        self.ps.checkpoint(step)  # returns when every server has handed its state on
+        if self.comm.Get_rank() != 0:
+            return {}
+        return {"servers": [self._states.recv(source=r, tag=_CHECKPOINT_TAG) for r in self.ps.server_ranks]}
+
+    def rank_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"ps": self.ps.state_dict()}
+        if self.plan.options["n_fetch"] > 1:  # between fetches a worker trains on the parameters it holds
+            state["parameters"] = [p.detach().clone() for p in self.module.parameters()]
+        return state
+
+    def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
+        if not self.trains:
+            self.ps.load_state_dict(checkpoint["servers"][self.ps.server_ranks.index(self.world.Get_rank())])
+            return
+        assert mine is not None
+        self.module.load_state_dict(checkpoint["model"])
+        self.ps.load_state_dict(mine["ps"])
+        if "parameters" in mine:
+            import torch
+
+            with torch.no_grad():
+                for p, saved in zip(self.module.parameters(), mine["parameters"]):
+                    p.copy_(saved)
+
+    # -- roles and the end ---------------------------------------------------------------------
+
+    def serve(self) -> int:
+        from mpi4py import MPI
+
+        sends: list[MPI.Request] = []
+
+        def hand_to_rank_0(step: int, state: dict[str, Any]) -> None:
+            # Not blocking: rank 0 receives it only after every server has acknowledged.
+            sends.append(self._states.isend(state, dest=0, tag=_CHECKPOINT_TAG))
+
+        self.ps.serve(hand_to_rank_0)
+        MPI.Request.waitall(sends)
+        return 0
+
+    def close(self) -> None:
+        if self.trains:
+            self.ps.close()
+
+    def request_stop(self, signum: int) -> None:
+        self.ps.request_stop(signum)  # the workers read it in the answers to their pulls
+
+    def stop_signal(self) -> int:
+        return self.ps.stop_signal
+
+    def agree_status(self, status: int) -> int:
+        # Servers learn how the workers ended (a diverged run, a stop on a signal).
+        import numpy as np
+
+        import collectives
+
+        flag = np.array([status], dtype=np.int64)
+        return int(collectives.allreduce(flag, self.world, op="max")[0])
