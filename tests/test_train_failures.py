@@ -235,13 +235,16 @@ def test_only_replicated_data_parallel_runs_go_on_with_other_ranks():
     from hpcdl.commands.train import strategies
     from hpcdl.commands.train.options import build_parser
 
-    def refusal(argv: list[str]) -> str | None:
+    def refusal(argv: list[str], resume: bool = False) -> str | None:
         args = build_parser().parse_args(argv)
         args.model = args.model or "cnn"
         plan = strategies.plan(args, 2)
-        return plan.strategy.rank_loss_refusal(plan)
+        return plan.strategy.rank_loss_refusal(plan, resume=resume)
 
     assert refusal([]) is None and refusal(["--compression", "topk:0.01"]) is None
+    # a sharded run's optimizer state is spread over the ranks, its checkpoints hold it gathered
+    assert "--shard optimizer keeps each rank's piece" in refusal(["--shard", "optimizer"])
+    assert refusal(["--shard", "gradients"], resume=True) is None
     assert "--model hybrid-cnn splits each replica's layers" in refusal(["--model", "hybrid-cnn", "--grid", "1x2"])
     for name in strategies.STRATEGIES:
         if name != "allreduce":
