@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -39,27 +38,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from strategies import load, mpi_environment  # benchmarks/strategies.py: the same job settings
+
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "emulated_cluster.sh"
 MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
 RANKS_PER_HOST = 2  # --ranks-per-host's default
 
 
-def load() -> str:
-    """`uptime`'s load averages (1, 5, 15 minutes)."""
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def environment(tuning: Path | None) -> dict[str, str]:
-    """Settings for oversubscribed jobs on a small machine (as tests/run.py gives its jobs)."""
-    env = dict(os.environ)
-    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
-    if os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    """strategies.py's settings for oversubscribed jobs, with `tuning` as the only tuning file."""
+    env = mpi_environment()
     env.pop("HPCDL_TUNING_FILE", None)
     if tuning is not None:
         env["HPCDL_TUNING_FILE"] = str(tuning)
