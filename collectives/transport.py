@@ -487,7 +487,8 @@ class Link:
             if isinstance(exc, MPI.Exception):
                 self.abandon()  # under ULFM: revoked and settled, nothing left in flight
             # an interrupt, or an error without ULFM: the buffers must outlive what is in flight
-            inflight.keep([p.request for p in self._posted] + requests, "a collective's messages")
+            # (every message waited for was posted here, so `_posted` holds them all)
+            inflight.keep([p.request for p in self._posted], "a collective's messages")
             raise
         posted = self._posted
         if len(posted) == len(pending):  # the usual case: everything posted was waited for
