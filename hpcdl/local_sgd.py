@@ -139,6 +139,12 @@ class LocalSGD:
         if scale != 1.0:
             torch._foreach_mul_(grads, scale)
 
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Average over the ranks of `comm` from now on (the survivors of a lost rank and any
+        replacements, `hpcdl train --on-rank-failure continue`). Every rank of `comm` must hold
+        the same counters (`state_dict`)."""
+        self.comm = comm
+
     def average(self) -> None:
         """Collective: average the parameters (and optimizer state if asked) over the ranks now."""
         self._average()

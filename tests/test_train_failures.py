@@ -229,9 +229,52 @@ def test_keep_rank_batch_takes_more_steps_at_a_scaled_rate(tmp_path):
         pytest.approx(2 / 3)
 
 
-def test_only_replicated_data_parallel_runs_go_on_with_other_ranks():
-    """Every strategy but allreduce, and allreduce with a model split over ranks, refuse to go on
-    after a lost rank (the job ends, below), each saying why."""
+@own_jobs
+def test_local_sgd_survivors_go_back_to_their_own_replicas_and_average_over_the_rest(tmp_path):
+    """local-sgd, 4 ranks, period 4: rank 3 dies as step 8 (an averaging) starts. The 3 survivors
+    take their own local step 8, fail in its averaging, go back to their own state after step 7,
+    redo step 8 averaging over 3 and train on. They end bitwise identical to an undisturbed 3-rank
+    run resumed from the 4 ranks' checkpoint of step 7 (each survivor's own replica, the same
+    data split); rank 3's progress since the averaging of step 4 is dropped."""
+    args = ["--strategy", "local-sgd", "--period", "4", "--epochs", "1", "--batch-size", "32", "--seed", "3",
+            "--checkpoint-every", "7"]
+    code, out, final = train_losing(tmp_path / "F", 4, ["step:7:3"],
+                                    [*args, "--checkpoint-dir", str(tmp_path / "F" / "ck")])
+    assert code == 0 and sorted(final) == [0, 1, 2], out[-4000:]
+    states = [final[m] for m in (0, 1, 2)]
+    # 12 steps: the last one averages, so the replicas agree (their momentum is each one's own)
+    assert identical(states, "model", "scheduler") and {(s["size"], s["step"]) for s in states} == {(3, 12)}
+    assert all(s["reports"] == [((3,), 1)] for s in states), states[0]["reports"]
+    directory = tmp_path / "from7"
+    directory.mkdir()
+    (tmp_path / "R").mkdir()
+    shutil.copy(checkpoint_path(tmp_path / "F" / "ck", 7), checkpoint_path(directory, 7))
+    code, out = launch(3, [str(TRAIN_JOB), str(tmp_path / "R"), "--", *args, "--checkpoint-dir", str(directory),
+                           "--resume"], ulfm=False)
+    assert code == 0, out[-4000:]
+    resumed = load_checkpoint(checkpoint_path(directory, 12))
+    assert all(same_state(resumed[k], states[0][k]) for k in ("model", "optimizer", "scheduler"))
+
+
+@own_jobs
+def test_local_sgd_drops_a_rank_lost_between_averagings_and_takes_a_replacement(tmp_path):
+    """local-sgd, 3 ranks, period 5 (15 steps): rank 1 dies as its step 7 starts, a local step;
+    the others train on alone to the averaging of step 10 and fail there, go back to step 9, and
+    a replacement (--respawn) starts from a survivor's replica. The epoch's last step averages
+    over all 3: the same parameters everywhere, one step lost."""
+    code, out, final = train_losing(tmp_path, 3, ["step:6:1"],
+                                    ["--strategy", "local-sgd", "--period", "5", "--epochs", "1", "--respawn",
+                                     "--metrics", str(tmp_path / "m.jsonl")])
+    assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
+    states = list(final.values())
+    assert identical(states, "model", "scheduler") and {(s["size"], s["step"]) for s in states} == {(3, 15)}
+    [row] = metrics(tmp_path / "m.jsonl")
+    assert row["ranks"] == 3 and row["lost_ranks"] == "1" and row["steps_lost"] == 1, row
+
+
+def test_only_data_parallel_runs_go_on_with_other_ranks():
+    """Every strategy but allreduce and local-sgd, and allreduce with a model split over ranks,
+    refuse to go on after a lost rank (the job ends, below), each saying why."""
     from hpcdl.commands.train import strategies
     from hpcdl.commands.train.options import build_parser
 
@@ -246,8 +289,9 @@ def test_only_replicated_data_parallel_runs_go_on_with_other_ranks():
     assert "--shard optimizer keeps each rank's piece" in refusal(["--shard", "optimizer"])
     assert refusal(["--shard", "gradients"], resume=True) is None
     assert "--model hybrid-cnn splits each replica's layers" in refusal(["--model", "hybrid-cnn", "--grid", "1x2"])
+    assert refusal(["--strategy", "local-sgd"]) is None and refusal(["--strategy", "local-sgd"], resume=True) is None
     for name in strategies.STRATEGIES:
-        if name != "allreduce":
+        if name not in ("allreduce", "local-sgd"):
             servers = ["--servers", "1"] if "servers" in strategies.STRATEGIES[name].options else []
             assert f"--strategy {name} keeps state that not every rank holds" in refusal(
                 ["--strategy", name, *servers]), name

@@ -5,9 +5,11 @@ TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the ot
 of the ranks for them all). Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
 themselves at `phase` once they have applied `step` updates:
 
+- `step`: as the next step starts, before its forward;
 - `backward`: in the next step, after its first gradient bucket is launched, so buckets are in
   flight on the other ranks (run with a small --bucket-cap-mb to have several);
-- `optimizer`: in the next step's update (its gradients were averaged on every rank);
+- `optimizer`: in the next step's update (allreduce: its gradients were averaged on every rank;
+  local-sgd: before the update and its averaging, if due);
 - `checkpoint`: while writing the checkpoint taken after that many steps (rank 0 writes: it
   dies with the file half written);
 - `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last);
@@ -34,7 +36,8 @@ from mpi4py import MPI
 
 from hpcdl.commands import train
 from hpcdl.commands.train import trainer as trainer_module
-from hpcdl.commands.train.strategies import allreduce, parameter_server
+from hpcdl.commands.train import pacing
+from hpcdl.commands.train.strategies import allreduce, local_sgd, parameter_server
 from hpcdl.ddp import reducer
 from hpcdl.runtime import checkpoint, world
 
@@ -67,13 +70,21 @@ class Killer:
             killer.die_if("backward")
         reducer.Reducer._launch = launched  # type: ignore[method-assign]
 
-        finish = allreduce.Allreduce.finish_step
+        before_step = pacing.Lockstep.before_step
 
-        def finished(self: Any) -> None:
-            killer.die_if("optimizer")
-            finish(self)
-            killer.steps += 1
-        allreduce.Allreduce.finish_step = finished  # type: ignore[method-assign]
+        def starting(self: Any, *args: Any) -> int:
+            status = before_step(self, *args)
+            if status == pacing.TAKE_STEP:
+                killer.die_if("step")
+            return status
+        pacing.Lockstep.before_step = starting  # type: ignore[method-assign]
+
+        for strategy in (allreduce.Allreduce, local_sgd.LocalSGDStrategy):
+            def finished(self: Any, finish: Callable[[Any], None] = strategy.finish_step) -> None:
+                killer.die_if("optimizer")
+                finish(self)
+                killer.steps += 1
+            strategy.finish_step = finished  # type: ignore[method-assign]
 
         save = checkpoint.atomic_save
 

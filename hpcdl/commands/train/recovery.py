@@ -3,15 +3,19 @@
 
 `continue` (the default): the survivors redo the step the failure interrupted, from the state
 before it, on the ranks left, and train on. It works because the ranks of a data-parallel job hold
-identical replicas: whatever one survivor holds, every survivor can hold.
+identical replicas: whatever one survivor holds, every survivor can hold. (Local SGD's replicas
+differ between averagings: each survivor goes back to its own, and the lost one's progress since
+the last averaging is dropped.)
 
 - Commits. The trainer calls `commit()` where its state is settled: at the start, right after
   each step's update (before any other collective of that step), and after each epoch's end
   (its summary, metrics row and checkpoint). Each rank counts its commits (its position) and keeps
-  what only it holds at its last two (`LocalState`: counters, the epoch's running sums, its random
-  numbers, its buffers, the exchange's error feedback). Every step and every epoch end makes a
-  collective call, and no rank completes one before every rank has finished the one before, so
-  the survivors' positions differ by at most one.
+  what only it holds at its last ones (`LocalState`: counters, the epoch's running sums, its random
+  numbers, its buffers, the strategy's own state: the exchange's error feedback; local SGD's
+  parameters and optimizer state). Every step of allreduce and every epoch end makes a collective
+  call, and no rank completes one before every rank has finished the one before, so the
+  survivors' positions differ by at most one; local SGD's steps between averagings make none, so
+  its ranks may be up to a period apart (`Strategy.commits_apart`: how many commits are kept).
 - Recovery (`recover`). Every survivor learns of the failure (`runtime.recovery.settled`), the
   survivors shrink the communicator, optionally start replacements (--respawn), rebind the
   strategy (DDP's reducer and buckets, for the new size) and agree on their least position: a
@@ -179,7 +183,7 @@ class Recovery:
             return
         self.position += 1
         self.snapshots[self.position] = self._local_state(sums, checkpoint_due)
-        self.snapshots.pop(self.position - 2, None)
+        self.snapshots.pop(self.position - 1 - self.trainer.strategy.commits_apart, None)
 
     def checkpoint_written(self) -> None:
         """The checkpoint due at the last commit is written (every rank has returned from it)."""

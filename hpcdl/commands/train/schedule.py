@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
@@ -75,6 +76,26 @@ class Schedule:
         """torch's scheduler for `optimizer`, stepped once per step."""
         return warmup_cosine_schedule(optimizer, warmup_steps=self.warmup_steps,
                                       total_steps=self.total_steps, start_factor=self.start_factor)
+
+    def scaled(self, optimizer: torch.optim.Optimizer, current: Any, factor: float,
+               progress: float | None) -> ProgressSchedule:
+        """The scheduler that takes over from `current` (`for_optimizer`'s or a ProgressSchedule)
+        for steps of `factor` x the planned global batch, from `progress` planned steps (None:
+        where `current` stands)."""
+        if progress is None:
+            progress = current.progress if isinstance(current, ProgressSchedule) else float(current.last_epoch)
+        return ProgressSchedule(optimizer, self, factor, progress)
+
+    def scheduler_for(self, optimizer: torch.optim.Optimizer, current: Any, saved: dict[str, Any]) -> Any:
+        """`current`, or a scheduler of the kind that wrote `saved` (a checkpoint's state of it),
+        ready for `load_state_dict(saved)`. Call it before the optimizer's state is loaded:
+        making torch's scheduler sets the rate."""
+        progress = "progress" in saved  # a ProgressSchedule's (--keep-rank-batch after a loss)
+        if progress and not isinstance(current, ProgressSchedule):
+            return ProgressSchedule(optimizer, self, 1.0, 0.0)
+        if not progress and isinstance(current, ProgressSchedule):
+            return self.for_optimizer(optimizer)
+        return current
 
     def at(self, step: float) -> float:
         """The rate at (possibly fractional) step `step`, clamped to the run: the closed form of

@@ -223,17 +223,8 @@ class Allreduce(Strategy):
         return {"compression": self.ddp.compression_state_dict()}
 
     def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
-        from ..schedule import ProgressSchedule
-
         self.module.load_state_dict(checkpoint["model"])
-        # A schedule followed by progress (--keep-rank-batch after a loss) saves its progress;
-        # torch's, its step count. Made before the optimizer's state is loaded: making torch's
-        # sets the rate.
-        progress = "progress" in checkpoint["scheduler"]
-        if progress and not isinstance(self.scheduler, ProgressSchedule):
-            self.scheduler = ProgressSchedule(self.optimizer, self.schedule, 1.0, 0.0)
-        elif not progress and isinstance(self.scheduler, ProgressSchedule):
-            self.scheduler = self.schedule.for_optimizer(self.optimizer)
+        self.scheduler = self.schedule.scheduler_for(self.optimizer, self.scheduler, checkpoint["scheduler"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         if mine is not None:
@@ -244,12 +235,7 @@ class Allreduce(Strategy):
             self.ddp.load_compression_state_dict(mine["compression"])
 
     def scale_learning_rate(self, factor: float, progress: float | None) -> None:
-        from ..schedule import ProgressSchedule
-
-        if progress is None:
-            progress = (self.scheduler.progress if isinstance(self.scheduler, ProgressSchedule)
-                        else float(self.scheduler.last_epoch))  # torch's: the steps taken
-        self.scheduler = ProgressSchedule(self.optimizer, self.schedule, factor, progress)
+        self.scheduler = self.schedule.scaled(self.optimizer, self.scheduler, factor, progress)
 
     def write_timeline(self) -> str | None:
         return self.ddp.write_timeline()

@@ -241,12 +241,21 @@ class Strategy:
         """Why training cannot go on with other ranks than it started with, or None where it
         can: after a lost rank (--on-rank-failure continue), or in a resume on another number of
         ranks (`resume`: from a checkpoint, which may gather what a live run keeps spread out).
-        It can where every training rank holds the same state (so the survivors hold all of it),
-        the strategy can `rebind`, and the data order does not depend on the ranks. Others end
-        the job naming the lost rank (docs/failures.md#training)."""
-        return (f"--strategy {cls.name} keeps state that not every rank holds (a server's shard, a "
-                "replica's own progress), so going on with other ranks is offered for --strategy "
-                "allreduce only")
+        It can where the survivors hold all the state there is to go on from (identical
+        replicas; local SGD's own ones), the strategy can `rebind`, and the data order does not
+        depend on the ranks. Others end the job naming the lost rank
+        (docs/failures.md#training)."""
+        return (f"--strategy {cls.name} keeps state that not every rank holds (a server's shard of "
+                "the parameters, the progress it counts), so going on with other ranks is offered "
+                "for --strategy allreduce and local-sgd only")
+
+    @property
+    def commits_apart(self) -> int:
+        """How many of the trainer's commits (one per step) the training ranks may be apart when a
+        loss is caught: 1 where every step makes a collective call (no rank completes one before
+        every rank finished the one before); more where steps between collectives are local. The
+        recovery keeps each rank's own state that far back (recovery.py)."""
+        return 1
 
     def rebind(self, comm: MPI.Comm) -> None:
         """Collective over `comm`: train with its ranks from now on (the survivors of a loss,

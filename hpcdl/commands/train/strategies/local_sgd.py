@@ -4,6 +4,13 @@ averages the parameters every `period` steps (after `warmup_steps` synchronous o
 Between averagings the ranks' parameters and momentum buffers differ, so each rank checkpoints
 its own, and evaluation averages a copy of the parameters (the training model is left alone, so
 that evaluating does not change the run).
+
+A lost rank (--on-rank-failure continue, recovery.py) is dropped: its progress since the last
+averaging goes with it, every survivor goes back to its own state before the interrupted step
+(up to a period back: the steps between averagings make no collective call, so ranks may be that
+far apart) and the next averaging is over the survivors. A replacement (--respawn) starts from a
+survivor's parameters and optimizer state. A resume on more ranks than wrote the checkpoint
+starts the new ranks from rank 0's.
 """
 from __future__ import annotations
 
@@ -57,7 +64,8 @@ class LocalSGDStrategy(Strategy):
 
         super().__init__(module, comm)
         self.optimizer = torch.optim.SGD(module.parameters(), lr=schedule.lr, momentum=MOMENTUM)
-        self.scheduler = schedule.for_optimizer(self.optimizer)
+        self.schedule = schedule
+        self.scheduler: Any = schedule.for_optimizer(self.optimizer)
         self.algorithm = plan.settings["algorithm"]
         self.local = LocalSGD(module, self.optimizer, comm, period=plan.options["period"],
                               warmup_steps=plan.options["warmup_steps"],
@@ -102,16 +110,48 @@ class LocalSGDStrategy(Strategy):
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
+        self.module.load_state_dict(checkpoint["model"])  # rank 0's
+        self.scheduler = self.schedule.scheduler_for(self.optimizer, self.scheduler, checkpoint["scheduler"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.local.load_state_dict(checkpoint["local_sgd"])
+        if mine is not None and "parameters" in mine:  # not a rank beyond those that wrote it
+            self.load_rank_state(mine)
+
+    def load_rank_state(self, mine: dict[str, Any]) -> None:
         import torch
 
-        assert mine is not None
-        self.module.load_state_dict(checkpoint["model"])
         with torch.no_grad():
             for p, saved in zip(self.module.parameters(), mine["parameters"]):
                 p.copy_(saved)
         self.optimizer.load_state_dict(mine["optimizer"])
-        self.scheduler.load_state_dict(checkpoint["scheduler"])
-        self.local.load_state_dict(checkpoint["local_sgd"])
+
+    # -- lost ranks ------------------------------------------------------------------------------
+
+    @classmethod
+    def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
+        return None  # a survivor holds its own replica; the lost one's progress is dropped
+
+    @property
+    def commits_apart(self) -> int:
+        # A rank that completed an averaging the others saw fail takes up to a period of local
+        # steps before the next averaging fails for it too.
+        return max(1, self.local.period)
+
+    def rebind(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self.local.rebind(comm)
+
+    def replicated_state(self) -> dict[str, Any]:
+        # The counters and schedule are every rank's; the parameters and optimizer state, the
+        # holder's own: a replacement starts from them, the others go back to their own.
+        return {"model": self.module.state_dict(), **self.checkpoint_state(0)}
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        self.load_state(state, None)
+
+    def scale_learning_rate(self, factor: float, progress: float | None) -> None:
+        self.scheduler = self.schedule.scaled(self.optimizer, self.scheduler, factor, progress)
 
 
 STRATEGIES = (LocalSGDStrategy,)
