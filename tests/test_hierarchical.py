@@ -236,9 +236,11 @@ def test_calibration_measures_within_and_between_hosts(on_hosts: Any, comm: MPI.
         calibration = calibrate(placed, p2p_sizes=(8, 64 << 10, 256 << 10),
                                 reduction_sizes=(256 << 10, 1 << 20), iterations=3)
         params = calibration.params
-        ok = (params.two_level == two_level and params.beta > 0
+        # The levels are what is checked; the fitted values are timings, and on a loaded machine
+        # a slope may fit to 0 (never below), so only their signs are.
+        ok = (params.two_level == two_level and params.beta >= 0
               and bool(calibration.inter_point_to_point) == two_level
-              and (not two_level or (params.ranks_per_host == 2 and params.beta_across > 0
+              and (not two_level or (params.ranks_per_host == 2 and params.beta_across >= 0
                                      and len(calibration.inter_pairwise) == 3)))
         same = comm.allgather(params.as_dict())
         assert all_ranks_agree(ok and all(p == same[0] for p in same), comm), (hosts, params)
