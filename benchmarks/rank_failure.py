@@ -11,6 +11,8 @@ SIGKILLing itself in backward after `--kill-step` steps, for each way of handlin
 
 - continue: `mpirun --with-ft ulfm`; the survivors redo the interrupted step and train on.
 - respawn: the same with `--respawn`; a replacement joins and the job is back to its size.
+- spares: the same with `--spares 1`; the spare started with the job takes the lost rank's place
+  (the victim dies only once the spare is ready: a spare still starting costs what a respawn does).
 - restart: plain `mpirun` (the job ends when the rank dies) with a checkpoint every
   `--checkpoint-every` steps; a second job on as many ranks resumes from the newest one (what a
   requeued job does, minus the time in the queue).
@@ -59,6 +61,7 @@ def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
     from mpi4py import MPI
 
     from hpcdl.commands import train
+    from hpcdl.commands.train import run as train_run
     from hpcdl.commands.train.recovery import Recovery
     from hpcdl.commands.train.strategies import allreduce
     from hpcdl.ddp import reducer
@@ -79,9 +82,17 @@ def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
         done["steps"] += 1
         record(f"{time.time()!r} {self.comm.Get_size()}\n")
 
+    wait_for_call = train_run.wait_for_call
+
+    def waiting(pool: Any) -> Any:  # a spare, ready
+        (directory / f"spare-ready-{world.member()}").write_text("")
+        return wait_for_call(pool)
+
     def launched(self: Any, bucket: Any) -> None:
         launch(self, bucket)
         if kills.get(me) == done["steps"]:
+            while "--spares" in train_args and not list(directory.glob("spare-ready-*")):
+                time.sleep(0.05)
             if not (directory / "killed").exists():
                 (directory / "killed").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -95,6 +106,7 @@ def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
     allreduce.Allreduce.finish_step = finished  # type: ignore[method-assign]
     reducer.Reducer._launch = launched  # type: ignore[method-assign]
     Recovery.recover = recovering  # type: ignore[method-assign]
+    train_run.wait_for_call = waiting
     return train.main(train_args)
 
 
@@ -190,7 +202,7 @@ def one_repeat(args: argparse.Namespace, way: str, work: Path) -> dict[str, Any]
                           args.kill_step + 1 - newest)
         figures["job_ended_after_s"] = ended - float((directory / "killed").read_text())
     else:
-        extra = ["--respawn"] if way == "respawn" else []
+        extra = {"respawn": ["--respawn"], "spares": ["--spares", "1"]}.get(way, [])
         code, out = launch(args, args.ranks, [*program, *train, *extra], ulfm=True, timeout=timeout)
         if code != 0:
             raise RuntimeError(f"{way}: the job failed ({code}):\n{out[-3000:]}")
@@ -243,7 +255,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--hosts", action="store_true", help="one rank per emulated host (the cluster must be up)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ways", nargs="+", default=["continue", "respawn", "restart"])
+    parser.add_argument("--ways", nargs="+", default=["continue", "respawn", "spares", "restart"])
     parser.add_argument("--kill-step", type=int, default=60)
     parser.add_argument("--checkpoint-every", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -264,6 +276,8 @@ def main() -> int:
                 if k != "load_average") + f" (load {figures['load_average'][0]:.1f})", flush=True)
     summary = {}
     for way, runs in table["runs"].items():
+        if not runs:  # --repeats 0: the accuracy runs alone
+            continue
         summary[way] = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
                             "max": max(r[k] for r in runs)}
                         for k in runs[0] if isinstance(runs[0][k], (int, float)) and runs[0][k] is not None
@@ -271,6 +285,10 @@ def main() -> int:
     table["summary"] = summary
     if args.accuracy_seeds:
         table["accuracy"] = accuracy_runs(args, work)
+        for label in ("undisturbed", "lost_at_epoch_3"):
+            found = table["accuracy"][label]
+            print(f"accuracy {label}: {', '.join(f'{a:.4f}' for a in found)} (seeds 0-{len(found) - 1})")
+        print(f"accuracy down to one rank: {table['accuracy']['down_to_one']}", flush=True)
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps(table, indent=1) + "\n")

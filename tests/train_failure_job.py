@@ -16,6 +16,8 @@ themselves at `phase` once they have applied `step` updates:
 - `after`: that many milliseconds after training (or a parameter server's serving) started on
   this rank, whatever it is doing then.
 
+With `--spares K` a victim dies only once the K spares are ready (each writes DIR/spare-ready-<id>
+when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
 Every checkpoint is kept (not only the newest three), for the tests to resume from any.
 Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
 replacement's) with its model, optimizer and scheduler state, and DIR/done-<id> with the exit
@@ -37,6 +39,7 @@ from mpi4py import MPI
 from hpcdl.commands import train
 from hpcdl.commands.train import trainer as trainer_module
 from hpcdl.commands.train import pacing
+from hpcdl.commands.train import run as train_run
 from hpcdl.commands.train.strategies import allreduce, local_sgd, parameter_server
 from hpcdl.ddp import reducer
 from hpcdl.runtime import checkpoint, world
@@ -46,8 +49,9 @@ class Killer:
     """SIGKILLs this process at the chosen phase of the chosen step (after writing the time to
     DIR/killed-<id>, for the test to measure from)."""
 
-    def __init__(self, directory: Path, kills: list[tuple[str, int, set[int]]]) -> None:
+    def __init__(self, directory: Path, kills: list[tuple[str, int, set[int]]], spares: int = 0) -> None:
         self.directory = directory
+        self.spares = spares
         me = MPI.COMM_WORLD.Get_rank() if MPI.Comm.Get_parent() == MPI.COMM_NULL else -1
         self.mine = {(phase, step) for phase, step, victims in kills if me in victims}
         self.steps = 0  # updates applied on this rank
@@ -58,6 +62,9 @@ class Killer:
             self.die()
 
     def die(self) -> None:
+        deadline = time.monotonic() + 120
+        while len(list(self.directory.glob("spare-ready-*"))) < self.spares and time.monotonic() < deadline:
+            time.sleep(0.05)
         (self.directory / f"killed-{world.member()}").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -128,6 +135,13 @@ class Killer:
         trainer_module.Trainer.run = running  # type: ignore[method-assign]
         parameter_server.ParameterServerStrategy.serve = serving  # type: ignore[method-assign]
 
+        wait_for_call = train_run.wait_for_call
+
+        def waiting(pool: Any) -> Any:
+            (killer.directory / f"spare-ready-{world.member()}").write_text("")
+            return wait_for_call(pool)
+        train_run.wait_for_call = waiting
+
 
 def keep_final_state(directory: Path) -> None:
     """After the run, each process saves what it trained (before it leaves without Finalize)."""
@@ -152,7 +166,9 @@ def main(argv: list[str]) -> int:
     for spec in argv[1:split]:
         phase, step, victims = spec.split(":")
         kills.append((phase, int(step), {int(v) for v in victims.split("+")}))
-    Killer(directory, kills).install()
+    after = argv[split + 1:]
+    spares = int(after[after.index("--spares") + 1]) if "--spares" in after else 0
+    Killer(directory, kills, spares).install()
     keep_final_state(directory)
     runs: list[list[str]] = [[]]  # several runs one after the other, separated by `--`
     for arg in argv[split + 1:]:

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from mpi4py import MPI
@@ -238,7 +238,7 @@ def broadcast_bytes(comm: MPI.Comm, root: int, payload: bytes | None) -> bytes:
     return data.tobytes()
 
 
-def exit_after_loss(status: int) -> None:
+def exit_after_loss(status: int) -> NoReturn:
     """End this process with `status` without MPI_Finalize, after flushing its output: in a job
     that lost a process, Open MPI 5.0.11's MPI_Finalize may wait for ever (open-mpi/ompi#11404;
     docs/failures.md), and mpirun accepts a survivor that leaves this way."""

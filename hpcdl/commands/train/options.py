@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with continue: start a replacement for each lost rank "
                            "(MPI_Comm_spawn), which takes the state from the survivors, so the job "
                            "goes back to its size")
+    lost.add_argument("--spares", type=int, default=0, metavar="K",
+                      help="with continue: start K spare processes with the job (MPI_Comm_spawn); "
+                           "each builds everything, then waits without using a core, and takes a "
+                           "lost rank's place within a second (before --respawn starts any)")
     lost.add_argument("--keep-rank-batch", action="store_true",
                       help="with continue: keep each rank's --batch-size after a loss (the global "
                            "batch shrinks, the learning rate with it by the linear scaling rule) "
@@ -294,16 +298,20 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
 
 
 def rank_failure_errors(args: argparse.Namespace) -> list[str]:
-    """What --on-rank-failure, --respawn and --keep-rank-batch cannot be combined with."""
+    """What --on-rank-failure, --respawn, --spares and --keep-rank-batch cannot be combined with."""
     errors = []
-    for flag, used in (("--respawn", args.respawn), ("--keep-rank-batch", args.keep_rank_batch)):
+    if args.spares < 0:
+        errors.append(f"--spares must be 0 or more processes, got {args.spares}")
+    for flag, used in (("--respawn", args.respawn), ("--spares", args.spares > 0),
+                       ("--keep-rank-batch", args.keep_rank_batch)):
         if used and args.on_rank_failure != "continue":
             errors.append(f"{flag} applies to --on-rank-failure continue, not {args.on_rank_failure}")
-    if args.respawn and not collectives.fault_tolerant():
-        errors.append("--respawn needs a job that survives a lost rank: launch it with "
-                      "`mpirun --with-ft ulfm` (srun cannot carry it; docs/failures.md#training)")
-    if args.respawn and args.synthetic:
-        errors.append("--respawn applies to training, not to the --synthetic benchmark; drop it")
+    for flag, used in (("--respawn", args.respawn), ("--spares", args.spares > 0)):
+        if used and not collectives.fault_tolerant():
+            errors.append(f"{flag} needs a job that survives a lost rank: launch it with "
+                          "`mpirun --with-ft ulfm` (srun cannot carry it; docs/failures.md#training)")
+        if used and args.synthetic:
+            errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
     return errors
 
 

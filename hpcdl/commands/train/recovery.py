@@ -17,7 +17,8 @@ the last averaging is dropped.)
   survivors' positions differ by at most one; local SGD's steps between averagings make none, so
   its ranks may be up to a period apart (`Strategy.commits_apart`: how many commits are kept).
 - Recovery (`recover`). Every survivor learns of the failure (`runtime.recovery.settled`), the
-  survivors shrink the communicator, optionally start replacements (--respawn), rebind the
+  survivors shrink the communicator, optionally call spares started with the job (--spares,
+  `runtime.spares`) and start replacements for the rest (--respawn), rebind the
   strategy (DDP's reducer and buckets, for the new size) and agree on their least position: a
   survivor there broadcasts the model, optimizer and schedule to the ranks that went one update
   further (or hold nothing yet), and every rank restores its own `LocalState` of that position.
@@ -54,6 +55,7 @@ import collectives
 
 from ...runtime import recovery as ulfm
 from ...runtime import world
+from ...runtime.spares import Spares
 
 if TYPE_CHECKING:
     import torch
@@ -142,6 +144,8 @@ class Recovery:
         self.position = 0
         self.snapshots: dict[int, LocalState] = {}
         self.in_step = False
+        self.spares: Spares | None = None  # --spares: started with the job, waiting
+        self.called_spares: set[int] = set()  # the ids of the spares called so far
         self.reports: list[LossReport] = []  # every loss lived through, in order
         self.unreported: list[LossReport] = []  # since the last epoch's row
         self.empty = False  # a replacement until it has the job's state
@@ -266,9 +270,12 @@ class Recovery:
         self.unreported.append(report)
         if t.timeline is not None:
             t.timeline.span(f"recovery from the loss of {loss.describe()}", started, time.perf_counter())
+        spared = sum(1 for m in replaced if m in self.called_spares)
+        joined = ([f"{spared} spare(s) called"] if spared else []) + (
+            [f"{len(replaced) - spared} replacement(s) started"] if len(replaced) > spared else [])
         t.say(f"hpcdl train: lost {loss.describe()} at step {caught} (epoch {t.epoch + 1}); going on "
               f"with {t.size} rank(s) from step {t.step} after {seconds:.2f} s"
-              + (f" ({len(replaced)} replacement(s) started)" if replaced else ""), file=sys.stderr, flush=True)
+              + (f" ({', '.join(joined)})" if joined else ""), file=sys.stderr, flush=True)
 
     def join(self, comm: MPI.Comm) -> None:
         """In a replacement (its trainer built alone): take a lost rank's place in the job that
@@ -289,8 +296,11 @@ class Recovery:
                     before = self.members
                     comm, dead, self.members = ulfm.shrink_world(comm, before)
                     lost += [before[r] for r in dead]
-                    if self.respawn:
-                        comm = self._respawn(comm, len(dead), replaced)
+                    missing = len(dead)
+                    if self.spares is not None:
+                        comm, missing = self._call_spares(comm, missing, replaced)
+                    if self.respawn and missing:
+                        comm = self._respawn(comm, missing, replaced)
                 joined, settle = False, True
                 self.rejoin(comm)
                 return lost, replaced
@@ -298,6 +308,34 @@ class Recovery:
                 if not ulfm.is_process_failure(again):
                     raise
                 joined, settle = False, True
+
+    def start_spares(self, count: int) -> None:
+        """Collective over the training ranks at the start (--spares): start `count` spares,
+        which take the next ids; where spawning fails, say why and go on without them."""
+        import torch
+
+        ids = list(range(self.next_member, self.next_member + count))
+        comm = self.trainer.comm
+        try:
+            self.spares = Spares.start(comm, ulfm.own_command(), ids,
+                                       {"plan_ranks": self.plan_ranks, "torch_threads": torch.get_num_threads()})
+        except ulfm.RespawnError as exc:
+            if comm.Get_rank() == 0:
+                print(f"hpcdl train: warning: --spares: {exc}; going on without spares", file=sys.stderr, flush=True)
+            return
+        self.next_member += count
+
+    def _call_spares(self, survivors: MPI.Comm, count: int, replaced: list[int]) -> tuple[MPI.Comm, int]:
+        """Up to `count` waiting spares join the survivors; the communicator with them, and how
+        many lost ranks are still not replaced."""
+        assert self.spares is not None
+        merged, called = self.spares.call(survivors, count)
+        if called:
+            self.called_spares.update(called)
+            self.members = self.members + called
+            replaced.extend(called)
+            ulfm.free(survivors)
+        return merged, count - len(called)
 
     def _respawn(self, survivors: MPI.Comm, count: int, replaced: list[int]) -> MPI.Comm:
         """`count` replacements merged in after the survivors; where spawning fails, say why and

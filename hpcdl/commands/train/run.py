@@ -13,6 +13,7 @@ from mpi4py import MPI
 from ... import runtime
 from ...runtime import recovery as ulfm
 from ...runtime.memory import host_available_bytes
+from ...runtime.spares import wait_for_call
 from ..command import ARGUMENT_ERROR, Command, CommandError, report_failure
 from . import strategies
 from .options import KEEP_CHECKPOINTS, build_parser, local_argument_errors
@@ -163,7 +164,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
 
         train_set, test_set = placeholder_digits()
     else:
-        if joined is not None:  # from the survivors: a replacement starts sooner without scikit-learn
+        if joined is not None and "digits" in joined[1]:  # a replacement starts sooner without scikit-learn
             arrays = joined[1]["digits"]
         else:  # importing scikit-learn costs each rank seconds of CPU: rank 0 splits, the others receive
             arrays = comm.bcast(dataset_arrays(load_digits_split()) if rank == 0 else None, root=0)
@@ -234,6 +235,19 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
             raise
     trainer = Trainer(args, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
                       checkpoint, replacement=joined is not None)
+    if joined is not None and joined[1].get("spare"):  # built: wait for a lost rank's place
+        called = wait_for_call(joined[0])
+        if called is None:  # the job's end: leave without training
+            trainer.compute.close()
+            strategy.close()
+            return 0
+        trainer.recovery.spares = called[1]
+        joined = (called[0], joined[1])
+    elif joined is None and args.spares:
+        refusal = plan.strategy.rank_loss_refusal(plan)
+        if refusal is not None:
+            return _fail([f"--spares: {refusal}"], rank)
+        trainer.recovery.start_spares(args.spares)
     if joined is not None:
         trainer.recovery.join(joined[0])
     try:
@@ -242,6 +256,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         trainer.compute.close()
         strategy.close()
     status = strategy.agree_status(status)
+    if trainer.recovery.spares is not None:
+        trainer.recovery.spares.release()
     if trainer.recovery.lived_through_a_loss():
         ulfm.exit_after_loss(status)
     return status

@@ -1,0 +1,131 @@
+"""Spare processes started with the job, ready to take a lost rank's place at once (`hpcdl train
+--spares K`, docs/failures.md#training).
+
+A replacement started after the loss (`recovery.respawn`) costs what starting one costs: Python,
+torch, the model, seconds on a loaded host, while the survivors wait. A spare pays that while
+the job trains: the ranks start `K` of them with MPI_Comm_spawn (`Spares.start`), and each builds
+everything alone, then waits in `wait_for_call` on the pool (the training ranks followed by the
+spares) without spinning. On a loss:
+
+1. the survivors shrink their own communicator (`recovery.shrink_world`), then `Spares.call`:
+   they revoke the pool, which wakes the waiting spares (a spare that learns of the loss first
+   revokes it itself), and survivors and spares shrink it together;
+2. the survivors' lowest rank says how many spares are called (one per lost rank, as many as
+   there are) and their ids; the pool splits into the new training communicator (the survivors,
+   then the called spares) and the rest, who go back to waiting on the shrunk pool;
+3. the caller brings the called spares in as it brings in replacements (their state by
+   broadcast).
+
+At the job's end the training ranks `release` the spares still waiting: a barrier on the pool
+that the spares' wait completes with, and they leave without training. Torch-free.
+
+Limits: a spare that dies is not noticed until it is called (the call then fails as a further
+loss does, and the caller starts over without it); one pool per job.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mpi4py import MPI
+
+from .recovery import RespawnError, is_process_failure, revoke
+from .world import member, set_world
+
+#: How often a waiting spare looks at the pool: a call costs at most this much extra.
+POLL_S = 0.01
+
+
+@dataclass
+class Spares:
+    """The training ranks' view of the spares: the pool communicator (training ranks first, then
+    the `waiting` spares' processes) and the ids of the spares waiting, in pool order."""
+
+    pool: MPI.Comm
+    waiting: list[int]
+
+    @classmethod
+    def start(cls, comm: MPI.Comm, command: list[str], ids: list[int], info: Any) -> Spares:
+        """Collective over `comm` (the training ranks at the job's start): start one spare per id,
+        each running `sys.executable *command` (this program: it calls `recovery.join()` first and
+        learns from `info["spare"]` that it is a spare). RespawnError on every rank where the
+        launcher cannot spawn."""
+        try:
+            intercomm = comm.Spawn(sys.executable, command, maxprocs=len(ids), root=0)  # type: ignore[attr-defined]
+        except MPI.Exception as exc:
+            raise RespawnError(
+                f"MPI_Comm_spawn could not start {len(ids)} spare process(es): {exc.Get_error_string()}. "
+                "Spawning needs a job started by mpirun (PRRTE) with --with-ft ulfm and free slots "
+                "for the new processes (--oversubscribe, or a host list with room)") from exc
+        try:
+            pool = intercomm.Merge(high=False)  # the training ranks first
+        finally:
+            with contextlib.suppress(MPI.Exception):
+                intercomm.Disconnect()
+        pool.bcast((list(ids), {**info, "spare": True}) if pool.Get_rank() == 0 else None, root=0)
+        return cls(pool, list(ids))
+
+    def call(self, survivors: MPI.Comm, count: int) -> tuple[MPI.Comm, list[int]]:
+        """Collective over `survivors` and the waiting spares: up to `count` spares join; the new
+        training communicator (the survivors in their order, then the spares called, made the
+        job's world) and the ids called. Without a waiting spare: `survivors` and []."""
+        if not self.waiting or count <= 0:
+            return survivors, []
+        revoke(self.pool)
+        pool = self.pool.Shrink()
+        called = self.waiting[:count]
+        pool.bcast((called, self.waiting) if pool.Get_rank() == 0 else None, root=0)
+        training = pool.Split(0, survivors.Get_rank())
+        _free(self.pool)
+        self.pool, self.waiting = pool, self.waiting[len(called):]
+        set_world(training)
+        return training, called
+
+    def release(self) -> None:
+        """Collective over the training ranks and the waiting spares, at the job's end: the spares
+        leave without training (nothing to do without a waiting spare)."""
+        if self.waiting:
+            _quiet_barrier(self.pool)
+
+
+def wait_for_call(pool: MPI.Comm) -> tuple[MPI.Comm, Spares] | None:
+    """In a spare (after `recovery.join()`): wait on `pool` until the training ranks call it
+    after a loss, or release it at the job's end (None). Called: the new
+    training communicator (made the job's world) and the spares still waiting, for it to call
+    in turn. Calls for other spares are answered on the way."""
+    while True:
+        try:
+            _quiet_barrier(pool)
+            return None  # the training ranks' release
+        except MPI.Exception as exc:
+            if not is_process_failure(exc):
+                raise
+        revoke(pool)  # a loss: wake any spare still waiting, should the training ranks not have yet
+        shrunk = pool.Shrink()
+        called, waiting = shrunk.bcast(None, root=0)
+        me = member()
+        survivors = shrunk.Get_size() - len(waiting)
+        index = waiting.index(me)
+        chosen = me in called
+        training = shrunk.Split(0 if chosen else MPI.UNDEFINED, survivors + index)
+        _free(pool)
+        pool = shrunk
+        if chosen:
+            set_world(training)
+            return training, Spares(pool, [i for i in waiting if i not in called])
+
+
+def _quiet_barrier(comm: MPI.Comm) -> None:
+    """A barrier that sleeps between polls, leaving the cores to the training ranks."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_S)
+
+
+def _free(comm: MPI.Comm) -> None:
+    with contextlib.suppress(MPI.Exception):
+        comm.Free()
+
