@@ -264,15 +264,16 @@ def test_a_skipped_fetch_reports_the_progress_the_servers_have_now(comm):
     else:
         with ps:
             rank = comm.Get_rank()
-            first = ps.pull(until=10 * workers)  # a fetch: nobody has pushed yet
+            first = ps.pull(until=10 * workers)  # a fetch: this worker has not pushed yet
             _loss(net, *_batch(rank, 0)).backward()
             ps.push()
             net.zero_grad()
-            deadline, progress = time.monotonic() + 30, -1
+            deadline, progress = time.monotonic() + 120, -1
             while progress < workers and time.monotonic() < deadline:
                 progress = ps.pull(until=10 * workers)  # no fetch (n_fetch 4): the progress alone
                 time.sleep(0.01)
-            ok = first == 0 and progress == workers
+            # the others may have pushed before the first pull (a loaded machine schedules them so)
+            ok = 0 <= first < workers and progress == workers
     assert all_ranks_agree(ok, comm), "a skipped fetch reported a stale progress"
 
 
