@@ -242,7 +242,7 @@ def accuracy_runs(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     code, out = launch(args, args.ranks, [str(Path(__file__).resolve()), "child", str(directory), kills, "--",
                                           "--seed", "0"], ulfm=True, timeout=args.job_timeout)
     results["down_to_one"] = {"status": code, "accuracy": final(out) if code == 0 else None,
-                              "losses": re.findall(r"lost (ranks? [\d, ]+(?:\(id \d+\) )?of \d+) at step (\d+)", out)}
+                              "losses": re.findall(r"hpcdl train: lost (ranks? [\d, ]+(?:\(id \d+\) )?of \d+) at step (\d+)", out)}
     return results
 
 
