@@ -11,8 +11,9 @@ SIGKILLing itself in backward after `--kill-step` steps, for each way of handlin
 
 - continue: `mpirun --with-ft ulfm`; the survivors redo the interrupted step and train on.
 - respawn: the same with `--respawn`; a replacement joins and the job is back to its size.
-- spares: the same with `--spares 1`; the spare started with the job takes the lost rank's place
-  (the victim dies only once the spare is ready: a spare still starting costs what a respawn does).
+- spares: the same with one more rank and `--spares 1`; the spare, built and waiting, takes the
+  lost rank's place (the victim dies only once the spare is ready: a spare still starting costs
+  what a respawn does).
 - restart: plain `mpirun` (the job ends when the rank dies) with a checkpoint every
   `--checkpoint-every` steps; a second job on as many ranks resumes from the newest one (what a
   requeued job does, minus the time in the queue).
@@ -203,7 +204,8 @@ def one_repeat(args: argparse.Namespace, way: str, work: Path) -> dict[str, Any]
         figures["job_ended_after_s"] = ended - float((directory / "killed").read_text())
     else:
         extra = {"respawn": ["--respawn"], "spares": ["--spares", "1"]}.get(way, [])
-        code, out = launch(args, args.ranks, [*program, *train, *extra], ulfm=True, timeout=timeout)
+        code, out = launch(args, args.ranks + (1 if way == "spares" else 0), [*program, *train, *extra],
+                           ulfm=True, timeout=timeout)
         if code != 0:
             raise RuntimeError(f"{way}: the job failed ({code}):\n{out[-3000:]}")
         figures = measure(directory, args.kill_step, args.batch_size * args.ranks, args.ranks, lost_in(out))
@@ -241,8 +243,8 @@ def accuracy_runs(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     kills = ",".join(f"{r}:{2 * r * steps_per_epoch}" for r in range(1, args.ranks))
     code, out = launch(args, args.ranks, [str(Path(__file__).resolve()), "child", str(directory), kills, "--",
                                           "--seed", "0"], ulfm=True, timeout=args.job_timeout)
-    results["down_to_one"] = {"status": code, "accuracy": final(out) if code == 0 else None,
-                              "losses": re.findall(r"hpcdl train: lost (ranks? [\d, ]+(?:\(id \d+\) )?of \d+) at step (\d+)", out)}
+    losses = re.findall(r"hpcdl train: lost (ranks? [\d, ]+(?:\(id \d+\) )?of \d+) at step (\d+)", out)
+    results["down_to_one"] = {"status": code, "accuracy": final(out) if code == 0 else None, "losses": losses}
     return results
 
 

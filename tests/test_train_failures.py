@@ -126,7 +126,8 @@ def test_data_cursor_and_progress_schedule():
     (["--respawn"], "--respawn needs a job that survives a lost rank: launch it with `mpirun --with-ft ulfm`"),
     (["--on-rank-failure", "abort", "--keep-rank-batch"], "--keep-rank-batch applies to --on-rank-failure continue"),
     (["--spares", "1"], "--spares needs a job that survives a lost rank"),
-    (["--spares", "-1"], "--spares must be 0 or more processes, got -1"),
+    (["--spares", "-1"], "--spares must be 0 or more ranks, got -1"),
+    (["--spares", "5"], "--spares 5 leaves none of the job's"),
 ])
 def test_rank_failure_options_are_checked(argv, message, comm, capsys, monkeypatch):
     from hpcdl.commands import train
@@ -219,10 +220,10 @@ def test_respawn_brings_the_job_back_to_its_size(tmp_path):
 
 @own_jobs
 def test_spares_take_the_lost_ranks_places_and_the_rest_are_released(tmp_path):
-    """3 ranks and --spares 2: once the spares are ready, rank 1 dies in backward after 5 steps.
-    One spare takes its place (the other goes back to waiting and is released at the end): all 3
-    end bitwise identical, 3 ranks strong, and the job ends with status 0."""
-    code, out, final = train_losing(tmp_path, 3, ["backward:5:1"],
+    """5 ranks with --spares 2 (3 train): once the spares are ready, rank 1 dies in backward after
+    5 steps. Spare 3 takes its place (spare 4 goes back to waiting and is released at the end):
+    all 3 end bitwise identical, 3 ranks strong, and the job ends with status 0."""
+    code, out, final = train_losing(tmp_path, 5, ["backward:5:1"],
                                     ["--epochs", "1", "--bucket-cap-mb", "0.05", "--spares", "2",
                                      "--metrics", str(tmp_path / "m.jsonl")])
     assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
@@ -231,6 +232,15 @@ def test_spares_take_the_lost_ranks_places_and_the_rest_are_released(tmp_path):
     assert "(1 spare(s) called)" in out and "1 replaced" in out, out[-4000:]
     [row] = metrics(tmp_path / "m.jsonl")
     assert row["ranks"] == 3 and row["lost_ranks"] == "1" and row["steps_lost"] == 1
+
+
+@own_jobs
+def test_spares_not_needed_leave_with_the_job(tmp_path):
+    """3 ranks with --spares 1 and no loss: 2 train, the spare builds, waits, and leaves when they
+    finish; the job ends with status 0 (nothing left waiting or hanging in MPI_Finalize)."""
+    code, out, final = train_losing(tmp_path, 3, [], ["--epochs", "1", "--spares", "1"])
+    assert code == 0 and sorted(final) == [0, 1] and "on 2 rank(s)" in out, out[-4000:]
+    assert identical(list(final.values()), "model", "optimizer", "scheduler")
 
 
 @own_jobs

@@ -1,38 +1,38 @@
-"""Spare processes started with the job, ready to take a lost rank's place at once (`hpcdl train
+"""Spare ranks started with the job, ready to take a lost rank's place at once (`hpcdl train
 --spares K`, docs/failures.md#training).
 
 A replacement started after the loss (`recovery.respawn`) costs what starting one costs: Python,
 torch, the model, seconds on a loaded host, while the survivors wait. A spare pays that while
-the job trains: the ranks start `K` of them with MPI_Comm_spawn (`Spares.start`), and each builds
-everything alone, then waits in `wait_for_call` on the pool (the training ranks followed by the
-spares) without spinning. On a loss:
+the job trains: the job's last K ranks are set aside (`set_aside`), each builds everything alone,
+then waits in `wait_for_call` on the pool (a duplicate of the job's communicator: the training
+ranks, then the spares) without spinning. On a loss:
 
 1. the survivors shrink their own communicator (`recovery.shrink_world`), then `Spares.call`:
    they revoke the pool, which wakes the waiting spares (a spare that learns of the loss first
    revokes it itself), and survivors and spares shrink it together;
-2. the survivors' lowest rank says how many spares are called (one per lost rank, as many as
-   there are) and their ids; the pool splits into the new training communicator (the survivors,
-   then the called spares) and the rest, who go back to waiting on the shrunk pool;
+2. the survivors' lowest rank says which spares are called (one per lost rank, as many as there
+   are); the pool splits into the new training communicator (the survivors, then the called
+   spares) and the rest, who go back to waiting on the shrunk pool;
 3. the caller brings the called spares in as it brings in replacements (their state by
    broadcast).
 
 At the job's end the training ranks `release` the spares still waiting: a barrier on the pool
-that the spares' wait completes with, and they leave without training. Torch-free.
+that the spares' wait completes with, and they leave without training. The spares are ranks of
+the job, not spawned processes: no MPI_Comm_spawn, nothing to disconnect at the end, and the
+launcher places them like any rank (a host list can keep them on spare nodes). Torch-free.
 
 Limits: a spare that dies is not noticed until it is called (the call then fails as a further
-loss does, and the caller starts over without it); one pool per job.
+loss does); a further loss during a call is not survived by the spares still waiting.
 """
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from mpi4py import MPI
 
-from .recovery import RespawnError, is_process_failure, revoke
+from .recovery import is_process_failure, revoke
 from .world import member, set_world
 
 #: How often a waiting spare looks at the pool: a call costs at most this much extra.
@@ -46,27 +46,6 @@ class Spares:
 
     pool: MPI.Comm
     waiting: list[int]
-
-    @classmethod
-    def start(cls, comm: MPI.Comm, command: list[str], ids: list[int], info: Any) -> Spares:
-        """Collective over `comm` (the training ranks at the job's start): start one spare per id,
-        each running `sys.executable *command` (this program: it calls `recovery.join()` first and
-        learns from `info["spare"]` that it is a spare). RespawnError on every rank where the
-        launcher cannot spawn."""
-        try:
-            intercomm = comm.Spawn(sys.executable, command, maxprocs=len(ids), root=0)  # type: ignore[attr-defined]
-        except MPI.Exception as exc:
-            raise RespawnError(
-                f"MPI_Comm_spawn could not start {len(ids)} spare process(es): {exc.Get_error_string()}. "
-                "Spawning needs a job started by mpirun (PRRTE) with --with-ft ulfm and free slots "
-                "for the new processes (--oversubscribe, or a host list with room)") from exc
-        try:
-            pool = intercomm.Merge(high=False)  # the training ranks first
-        finally:
-            with contextlib.suppress(MPI.Exception):
-                intercomm.Disconnect()
-        pool.bcast((list(ids), {**info, "spare": True}) if pool.Get_rank() == 0 else None, root=0)
-        return cls(pool, list(ids))
 
     def call(self, survivors: MPI.Comm, count: int) -> tuple[MPI.Comm, list[int]]:
         """Collective over `survivors` and the waiting spares: up to `count` spares join; the new
@@ -86,9 +65,24 @@ class Spares:
 
     def release(self) -> None:
         """Collective over the training ranks and the waiting spares, at the job's end: the spares
-        leave without training (nothing to do without a waiting spare)."""
+        leave without training (nothing to do without a waiting spare, or a second time)."""
         if self.waiting:
             _quiet_barrier(self.pool)
+            self.waiting = []
+
+
+def set_aside(comm: MPI.Comm, count: int) -> tuple[MPI.Comm | None, Spares]:
+    """Collective over `comm` (the job's ranks at its start): its last `count` ranks become spares.
+    Returns the training ranks' communicator (made the job's world; None on a spare) and the
+    spares (their ids are their ranks in `comm`)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    trainers = size - count
+    pool = comm.Dup()
+    training = comm.Split(0 if rank < trainers else MPI.UNDEFINED, rank)
+    if rank < trainers:
+        set_world(training)
+        return training, Spares(pool, list(range(trainers, size)))
+    return None, Spares(pool, list(range(trainers, size)))
 
 
 def wait_for_call(pool: MPI.Comm) -> tuple[MPI.Comm, Spares] | None:

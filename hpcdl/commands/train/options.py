@@ -148,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "(MPI_Comm_spawn), which takes the state from the survivors, so the job "
                            "goes back to its size")
     lost.add_argument("--spares", type=int, default=0, metavar="K",
-                      help="with continue: start K spare processes with the job (MPI_Comm_spawn); "
-                           "each builds everything, then waits without using a core, and takes a "
-                           "lost rank's place within a second (before --respawn starts any)")
+                      help="with continue: the job's last K ranks are spares: each builds "
+                           "everything, then waits without using a core, and takes a lost rank's "
+                           "place within a second (before --respawn starts any). Start the job "
+                           "with K more ranks (mpirun -n P+K)")
     lost.add_argument("--keep-rank-batch", action="store_true",
                       help="with continue: keep each rank's --batch-size after a loss (the global "
                            "batch shrinks, the learning rate with it by the linear scaling rule) "
@@ -280,7 +281,7 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
         problem = None if path is None else unwritable_file(Path(path))
         if problem:
             errors.append(f"{flag} {path}: {problem}")
-    errors += rank_failure_errors(args)
+    errors += rank_failure_errors(args, ranks)
     try:
         stall.warning_seconds()
     except ValueError as exc:
@@ -297,11 +298,15 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
     return errors + strategies.option_errors(args, ranks) + hybrid_errors(args, ranks)
 
 
-def rank_failure_errors(args: argparse.Namespace) -> list[str]:
-    """What --on-rank-failure, --respawn, --spares and --keep-rank-batch cannot be combined with."""
+def rank_failure_errors(args: argparse.Namespace, ranks: int = 1) -> list[str]:
+    """What --on-rank-failure, --respawn, --spares and --keep-rank-batch cannot be combined with
+    in a job of `ranks` ranks."""
     errors = []
     if args.spares < 0:
-        errors.append(f"--spares must be 0 or more processes, got {args.spares}")
+        errors.append(f"--spares must be 0 or more ranks, got {args.spares}")
+    elif args.spares and args.spares >= ranks:
+        errors.append(f"--spares {args.spares} leaves none of the job's {ranks} rank(s) to train: start "
+                      f"the job with more ranks than spares (mpirun -n P+{args.spares} for P training ranks)")
     for flag, used in (("--respawn", args.respawn), ("--spares", args.spares > 0),
                        ("--keep-rank-batch", args.keep_rank_batch)):
         if used and args.on_rank_failure != "continue":

@@ -17,7 +17,7 @@ the last averaging is dropped.)
   survivors' positions differ by at most one; local SGD's steps between averagings make none, so
   its ranks may be up to a period apart (`Strategy.commits_apart`: how many commits are kept).
 - Recovery (`recover`). Every survivor learns of the failure (`runtime.recovery.settled`), the
-  survivors shrink the communicator, optionally call spares started with the job (--spares,
+  survivors shrink the communicator, optionally call in spare ranks waiting for it (--spares,
   `runtime.spares`) and start replacements for the rest (--respawn), rebind the
   strategy (DDP's reducer and buckets, for the new size) and agree on their least position: a
   survivor there broadcasts the model, optimizer and schedule to the ranks that went one update
@@ -309,21 +309,10 @@ class Recovery:
                     raise
                 joined, settle = False, True
 
-    def start_spares(self, count: int) -> None:
-        """Collective over the training ranks at the start (--spares): start `count` spares,
-        which take the next ids; where spawning fails, say why and go on without them."""
-        import torch
-
-        ids = list(range(self.next_member, self.next_member + count))
-        comm = self.trainer.comm
-        try:
-            self.spares = Spares.start(comm, ulfm.own_command(), ids,
-                                       {"plan_ranks": self.plan_ranks, "torch_threads": torch.get_num_threads()})
-        except ulfm.RespawnError as exc:
-            if comm.Get_rank() == 0:
-                print(f"hpcdl train: warning: --spares: {exc}; going on without spares", file=sys.stderr, flush=True)
-            return
-        self.next_member += count
+    def attach_spares(self, spares: Spares) -> None:
+        """The spares waiting (--spares) for the lost ranks' places; new ids come after theirs."""
+        self.spares = spares
+        self.next_member = max([self.next_member, *(i + 1 for i in spares.waiting)])
 
     def _call_spares(self, survivors: MPI.Comm, count: int, replaced: list[int]) -> tuple[MPI.Comm, int]:
         """Up to `count` waiting spares join the survivors; the communicator with them, and how

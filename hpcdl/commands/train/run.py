@@ -13,7 +13,7 @@ from mpi4py import MPI
 from ... import runtime
 from ...runtime import recovery as ulfm
 from ...runtime.memory import host_available_bytes
-from ...runtime.spares import wait_for_call
+from ...runtime.spares import Spares, set_aside, wait_for_call
 from ..command import ARGUMENT_ERROR, Command, CommandError, report_failure
 from . import strategies
 from .options import KEEP_CHECKPOINTS, build_parser, local_argument_errors
@@ -64,7 +64,25 @@ def main(argv: list[str]) -> int:
     if joined is not None:  # built alone, then in the survivors' place (recovery.py)
         torch.set_num_threads(joined[1]["torch_threads"])
         return run_training(args, topology, MPI.COMM_SELF, joined)
-    return run_training(args, topology, comm)
+    if not args.spares:
+        return run_training(args, topology, comm)
+    # --spares: the last ranks wait, built, to take a lost rank's place (runtime/spares.py)
+    args.model = args.model or "cnn"
+    plan = strategies.plan(args, comm.Get_size() - args.spares)
+    refusal = plan.strategy.rank_loss_refusal(plan)
+    if refusal is not None:  # the same verdict on every rank
+        return _fail([f"--spares: {refusal}"], comm.Get_rank())
+    training, spares = set_aside(comm, args.spares)
+    if training is None:  # a spare
+        status = run_training(args, topology, MPI.COMM_SELF, (spares.pool, {
+            "spare": True, "plan_ranks": plan.ranks, "torch_threads": torch.get_num_threads()}), spares)
+        # Here only if it stopped before waiting (a failed check): it still answers the release.
+        spares.release()
+        return status
+    try:
+        return run_training(args, topology, training, spares=spares)
+    finally:
+        spares.release()  # an early return (a failed check) too: the spares leave with the job
 
 
 def torch_device(device: str, local_rank: int, command: Command) -> Any:
@@ -91,14 +109,16 @@ _TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentu
 
 
 def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI.Comm,
-                 joined: tuple[MPI.Comm, dict[str, Any]] | None = None) -> int:
+                 joined: tuple[MPI.Comm, dict[str, Any]] | None = None, spares: Spares | None = None) -> int:
     """Train on digits with the chosen strategy and checkpoints as requested; print per-epoch
     metrics on rank 0. Sets everything up (every rank), then serving ranks serve and training
     ranks run the `Trainer`; all return the same exit status.
 
     `joined`: in a replacement of a lost rank (--respawn), the communicator it shares with the
     survivors and what they told it; it builds everything alone (`comm` is MPI.COMM_SELF) for the
-    job's first size, then takes the state of the survivors (recovery.py). A process that lived
+    job's first size, then takes the state of the survivors (recovery.py). A spare (--spares) does
+    the same, then waits to be called (`joined[1]["spare"]`); `spares`: the spares waiting (on a
+    spare: its own view of them, emptied once it has waited). A process that lived
     through a lost rank ends without MPI_Finalize (`runtime.recovery.exit_after_loss`)."""
     import torch
     from torch.utils.data import TensorDataset
@@ -237,17 +257,18 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                       checkpoint, replacement=joined is not None)
     if joined is not None and joined[1].get("spare"):  # built: wait for a lost rank's place
         called = wait_for_call(joined[0])
+        if spares is not None:
+            spares.waiting = []  # this spare's part of the release is done: none is left to answer
         if called is None:  # the job's end: leave without training
             trainer.compute.close()
             strategy.close()
+            if trainer.recovery.lived_through_a_loss():
+                ulfm.exit_after_loss(0)
             return 0
-        trainer.recovery.spares = called[1]
+        trainer.recovery.attach_spares(called[1])
         joined = (called[0], joined[1])
-    elif joined is None and args.spares:
-        refusal = plan.strategy.rank_loss_refusal(plan)
-        if refusal is not None:
-            return _fail([f"--spares: {refusal}"], rank)
-        trainer.recovery.start_spares(args.spares)
+    elif spares is not None:
+        trainer.recovery.attach_spares(spares)
     if joined is not None:
         trainer.recovery.join(joined[0])
     try:
