@@ -3,7 +3,8 @@ with and without `--respawn`) against what a job does without ULFM (it ends; the
 resumes from its newest checkpoint), measured in the same run.
 
     python benchmarks/rank_failure.py --ranks 4 --repeats 3 --json out.json
-    python benchmarks/rank_failure.py --hosts 4 ...      # one rank on each of 4 emulated hosts
+    python benchmarks/rank_failure.py --hosts ...        # one rank on each emulated host (one more
+                                                         # host for the spares way's spare)
     python benchmarks/rank_failure.py --accuracy-seeds 3 # also: digits to the end, a rank lost at epoch 3
 
 Each repeat runs `hpcdl train` (the digits CNN, batch 32 per rank) in jobs of its own, rank 2
@@ -126,8 +127,10 @@ def launch(args: argparse.Namespace, ranks: int, program: list[str], ulfm: bool,
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HPCDL_STALL_WARNING_S="inf")
     options = ["--with-ft", "ulfm"] if ulfm else []
     if args.hosts:
+        # --oversubscribe: a replacement (--respawn) needs a slot, and each host has one
         command = ["bash", str(CLUSTER), "run", "-n", str(ranks), "--timeout", str(int(timeout)), "--",
-                   *options, "-x", "PYTHONPATH", "-x", "HPCDL_STALL_WARNING_S", sys.executable, *program]
+                   *options, "--oversubscribe", "-x", "PYTHONPATH", "-x", "HPCDL_STALL_WARNING_S", sys.executable,
+                   *program]
     else:
         command = ["mpirun", *options, "-n", str(ranks), "--oversubscribe", sys.executable, *program]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 60)
