@@ -272,9 +272,40 @@ def test_local_sgd_drops_a_rank_lost_between_averagings_and_takes_a_replacement(
     assert row["ranks"] == 3 and row["lost_ranks"] == "1" and row["steps_lost"] == 1, row
 
 
+def _parameters(state: dict[str, Any]) -> dict[str, Any]:
+    """A model's parameters (its batch-norm statistics are each worker's own)."""
+    return {k: v for k, v in state.items() if "running_" not in k and "num_batches" not in k}
+
+
+@own_jobs
+@pytest.mark.parametrize("strategy", ["downpour", "ssp"])
+def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tmp_path, strategy):
+    """4 ranks, 3 workers + 1 server: worker 1 dies as its 6th step starts. The server counts it
+    out (SSP's bound no longer waits for it), the 2 others finish both epochs, pushing the lost
+    worker's share too (each epoch is 15 x 3 pushes), and end with the servers' model, the same on
+    both; the metrics rows record the loss; the held-out accuracy is that of a run that learnt."""
+    code, out, final = train_losing(
+        tmp_path, 4, ["step:5:1"],
+        ["--strategy", strategy, "--servers", "1", "--epochs", "2", "--seed", "2",
+         "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")])
+    assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
+    server, workers = final[3], [final[0], final[2]]
+    assert server["lost"] == [1] and server["clocks"][1] == 5, server
+    assert all(server["clocks"][w] == final[w]["own_steps"] for w in (0, 2)), server["clocks"]
+    assert sum(server["clocks"].values()) >= 2 * 15 * 3 and all(w["own_steps"] > 30 for w in workers)
+    assert all(same_state(_parameters(w["model"]), _parameters(server["model"])) for w in workers)
+    assert all(w["reports"] == [((1,), 0)] and w["size"] == 2 and w["step"] == 30 for w in workers)
+    assert "lost rank 1 of 3" in out, out[-4000:]
+    rows = metrics(tmp_path / "m.jsonl")
+    assert [r["lost_ranks"] for r in rows] == ["1", None] and rows[0]["steps_lost"] == 0, rows
+    assert [r["ranks"] for r in rows] == [3, 3] and rows[-1]["accuracy"] > 0.8, rows
+    assert len(list_checkpoints(tmp_path / "ck")) == 2
+
+
 def test_only_data_parallel_runs_go_on_with_other_ranks():
-    """Every strategy but allreduce and local-sgd, and allreduce with a model split over ranks,
-    refuse to go on after a lost rank (the job ends, below), each saying why."""
+    """Every strategy but allreduce, local-sgd and the parameter servers that drop a lost worker
+    (downpour, softsync, ssp), and allreduce with a model split over ranks, refuse to go on after
+    a lost rank (the job ends, below), each saying why; no parameter server resumes on other ranks."""
     from hpcdl.commands.train import strategies
     from hpcdl.commands.train.options import build_parser
 
@@ -293,8 +324,13 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
     for name in strategies.STRATEGIES:
         if name not in ("allreduce", "local-sgd"):
             servers = ["--servers", "1"] if "servers" in strategies.STRATEGIES[name].options else []
-            assert f"--strategy {name} keeps state that not every rank holds" in refusal(
-                ["--strategy", name, *servers]), name
+            argv = ["--strategy", name, *servers]
+            # a parameter server's clocks are by rank: a resume takes the ranks that wrote it
+            assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv, resume=True), name
+            if name in ("downpour", "softsync", "ssp"):  # a lost worker is dropped (a lost server: below)
+                assert refusal(argv) is None, name
+            else:
+                assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv), name
 
 
 @own_jobs
@@ -302,14 +338,16 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
     (["--on-rank-failure", "abort"], "backward:2:1", "rank 1 of 3 failed at step 2 (epoch 1); --on-rank-failure abort"),
     (["--model", "hybrid-cnn", "--grid", "1x3"], "optimizer:2:1",
      "rank 1 of 3 failed at step 3 (epoch 1); --model hybrid-cnn splits"),  # its update: no allreduce at 1x3
-    (["--strategy", "downpour", "--servers", "1"], "evaluation:0:0",  # a worker, while the other trains
-     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy downpour keeps state"),
+    (["--strategy", "sync-ps", "--servers", "1"], "step:3:0",  # a worker, while the other waits for its push
+     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy sync-ps keeps state"),
     (["--strategy", "sync-ps", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
      "rank 2 of 3 failed at step"),
+    (["--strategy", "downpour", "--servers", "1", "--epochs", "5"], "after:300:2",  # downpour drops workers only
+     "the lost server (rank 2) held a shard of the parameters"),
 ])
 def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
-    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; a parameter
-    server losing a worker or its server): every rank ends, exit status 5, the lost rank named
+    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; sync-ps
+    losing a worker or its server; downpour losing its server): every rank ends, exit status 5, the lost rank named
     in the job's numbering, how to resume said where there are checkpoints; no raw MPI error."""
     checkpoints = [] if "hybrid-cnn" in argv else ["--checkpoint-dir", str(tmp_path / "ck")]
     # 3 ranks: when the one survivor of 2 ends the job (MPI_Abort), mpirun's status is 0 (known limits)

@@ -35,6 +35,8 @@ DEFAULT_SSP_STALENESS = 3
 class Downpour(ParameterServerStrategy):
     """Asynchronous updates, each push applied alone (Dean et al. 2012)."""
 
+    drops_lost_workers = True
+
     name = "downpour"
     summary = "parameter server, asynchronous updates (Downpour SGD)"
     consistency = "async"
@@ -56,6 +58,8 @@ class Downpour(ParameterServerStrategy):
 
 class Softsync(ParameterServerStrategy):
     """Each update averages `staleness` pushes, its rate scaled by 1/staleness (Zhang et al. 2016)."""
+
+    drops_lost_workers = True
 
     name = "softsync"
     summary = "parameter server, soft-synchronous: --staleness pushes per update"
@@ -89,6 +93,8 @@ class Softsync(ParameterServerStrategy):
 
 class StaleSynchronous(ParameterServerStrategy):
     """No worker more than `staleness` steps ahead of the slowest (Ho et al. 2013)."""
+
+    drops_lost_workers = True
 
     name = "ssp"
     summary = "parameter server, stale-synchronous: at most --staleness steps ahead of the slowest"
