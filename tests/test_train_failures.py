@@ -278,28 +278,38 @@ def _parameters(state: dict[str, Any]) -> dict[str, Any]:
 
 
 @own_jobs
-@pytest.mark.parametrize("strategy", ["downpour", "ssp"])
-def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tmp_path, strategy):
-    """4 ranks, 3 workers + 1 server: worker 1 dies as its 6th step starts. The server counts it
-    out (SSP's bound no longer waits for it), the 2 others finish both epochs, pushing the lost
-    worker's share too (each epoch is 15 x 3 pushes), and end with the servers' model, the same on
-    both; the metrics rows record the loss; the held-out accuracy is that of a run that learnt."""
+@pytest.mark.parametrize("strategy,victim,every,extra", [
+    ("downpour", 1, 0, []), ("ssp", 0, 10, []),
+    ("softsync", 2, 0, ["--staleness", "3"]),  # updates of 3 pushes, from the 2 workers left
+])
+def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tmp_path, strategy, victim, every,
+                                                                               extra):
+    """4 ranks, 3 workers + 1 server: a worker (rank 0 under ssp, with the checkpoint of step 10
+    due at the meeting where the others catch the loss) dies as its 6th step starts. The server
+    counts it out (SSP's bound no longer waits for it; softsync's updates of 3 pushes take them
+    from the 2 left), the 2 others finish both epochs, pushing the lost worker's share too (each
+    epoch is 15 x 3 pushes), and end with the server's model, the same on both; the metrics rows
+    record the loss; the held-out accuracy is a learnt one."""
+    ck = tmp_path / "ck"
     code, out, final = train_losing(
-        tmp_path, 4, ["step:5:1"],
-        ["--strategy", strategy, "--servers", "1", "--epochs", "2", "--seed", "2",
-         "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")])
-    assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
-    server, workers = final[3], [final[0], final[2]]
-    assert server["lost"] == [1] and server["clocks"][1] == 5, server
-    assert all(server["clocks"][w] == final[w]["own_steps"] for w in (0, 2)), server["clocks"]
+        tmp_path, 4, [f"step:5:{victim}"],
+        ["--strategy", strategy, "--servers", "1", "--epochs", "2", "--seed", "2", "--checkpoint-dir", str(ck),
+         "--metrics", str(tmp_path / "m.jsonl"), *(["--checkpoint-every", str(every)] if every else []), *extra])
+    survivors = [w for w in (0, 1, 2) if w != victim]
+    assert code == 0 and sorted(final) == [*survivors, 3], out[-4000:]
+    server, workers = final[3], [final[w] for w in survivors]
+    assert server["lost"] == [victim] and server["clocks"][victim] == 5, server
+    assert all(server["clocks"][w] == final[w]["own_steps"] for w in survivors), server["clocks"]
     assert sum(server["clocks"].values()) >= 2 * 15 * 3 and all(w["own_steps"] > 30 for w in workers)
     assert all(same_state(_parameters(w["model"]), _parameters(server["model"])) for w in workers)
-    assert all(w["reports"] == [((1,), 0)] and w["size"] == 2 and w["step"] == 30 for w in workers)
-    assert "lost rank 1 of 3" in out, out[-4000:]
+    assert all(w["reports"] == [((victim,), 0)] and w["size"] == 2 and w["step"] == 30 for w in workers)
+    assert f"lost rank {victim} of 3" in out, out[-4000:]
     rows = metrics(tmp_path / "m.jsonl")
-    assert [r["lost_ranks"] for r in rows] == ["1", None] and rows[0]["steps_lost"] == 0, rows
+    assert [r["lost_ranks"] for r in rows] == [str(victim), None] and rows[0]["steps_lost"] == 0, rows
     assert [r["ranks"] for r in rows] == [3, 3] and rows[-1]["accuracy"] > 0.8, rows
-    assert len(list_checkpoints(tmp_path / "ck")) == 2
+    assert [s for s, _ in list_checkpoints(ck)] == ([10, 15, 20, 30] if every else [15, 30])
+    first = load_checkpoint(checkpoint_path(ck, every or 15))  # written by the 2 left, the server's shard in it
+    assert len(first["ranks"]) == 2 and len(first["servers"]) == 1
 
 
 def test_only_data_parallel_runs_go_on_with_other_ranks():
