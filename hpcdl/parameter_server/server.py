@@ -25,8 +25,9 @@ acknowledges the failure (`Ack_failed`), and if only workers died it counts them
 had sent DONE (`lost`): the consistency model waits for them no longer (SSP's slowest clock, a
 checkpoint's barrier), their deferred pulls and unanswered replies are dropped; their clocks stay
 in the job's progress, since their pushes were applied. A lost server (its shard is gone), or a
-lost worker without `drop_lost_workers`, raises the MPI error. An error raises out of `serve()` on the server's rank (the runtime's abort hook then ends
-the job with the rank and traceback), and a malformed message is an error naming its sender.
+lost worker without `drop_lost_workers`, raises the MPI error. An error raises out of `serve()`
+on the server's rank (the runtime's abort hook then ends the job with the rank and traceback),
+and a malformed message is an error naming its sender.
 """
 from __future__ import annotations
 
