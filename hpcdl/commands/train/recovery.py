@@ -38,7 +38,8 @@ loss; strategies/servers.py.)
 - The end. A run agrees that every rank finished (`settled`), or recovers and goes on; a process
   that lived through a loss leaves without MPI_Finalize (`runtime.recovery.exit_after_loss`).
 
-`abort`, and strategies that cannot go on (`Strategy.rank_loss_refusal`): the job ends with exit
+`abort`, and strategies that cannot go on (`Strategy.rank_loss_refusal`), or not without what the
+lost ranks alone held (`Strategy.lost_state`: a parameter server's shard): the job ends with exit
 status RANK_LOST and a message naming the lost rank and how to resume.
 """
 from __future__ import annotations

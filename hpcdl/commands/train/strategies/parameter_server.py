@@ -18,6 +18,10 @@ Checkpoints. Every worker asks the servers to checkpoint (the barrier of
 `ParameterServer.checkpoint`); each server hands its shard's state to its `on_checkpoint` hook,
 which sends it to rank 0, and rank 0 writes every shard into the one checkpoint file with the
 rest. Resuming gives each server its shard back.
+
+Lost ranks (under `mpirun --with-ft ulfm`): downpour, softsync and ssp drop a lost worker and go
+on with the others (`drops_lost_workers`; servers.py says how); sync-ps, whose every step waits
+for every worker, and every strategy losing a server end the job (docs/failures.md#training).
 """
 from __future__ import annotations
 
