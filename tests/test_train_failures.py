@@ -312,9 +312,31 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
     assert len(first["ranks"]) == 2 and len(first["servers"]) == 1
 
 
+@own_jobs
+def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_others(tmp_path):
+    """sync-ps, 4 ranks, 3 workers + 1 server: worker 1 dies as its 6th step starts. The server's
+    step 6 waits for it no longer (one update per step all the same: 30), the others learn of it
+    in the step's agreement on signals, and every later step's global batch of 96 is split over
+    the 2 left (each takes 48, the second epoch's every sample); the rate follows the steps. Both
+    end with the server's model after the planned 30 steps."""
+    code, out, final = train_losing(
+        tmp_path, 4, ["step:5:1"],
+        ["--strategy", "sync-ps", "--servers", "1", "--epochs", "2", "--seed", "2",
+         "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")])
+    assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
+    server, workers = final[3], [final[0], final[2]]
+    assert server["lost"] == [1] and server["clocks"] == {0: 30, 1: 5, 2: 30} and server["stats"].updates == 30
+    assert all(same_state(_parameters(w["model"]), _parameters(server["model"])) for w in workers)
+    assert all(w["reports"] == [((1,), 0)] and (w["size"], w["step"], w["own_steps"]) == (2, 30, 30) for w in workers)
+    assert "lost rank 1 of 3 at step 6" in out, out[-4000:]
+    rows = metrics(tmp_path / "m.jsonl")
+    assert [r["lost_ranks"] for r in rows] == ["1", None] and rows[1]["samples"] >= 1437, rows
+    assert rows[1]["lr"] == 0 and rows[-1]["accuracy"] > 0.8, rows  # the cosine schedule ran to its end
+
+
 def test_only_data_parallel_runs_go_on_with_other_ranks():
     """Every strategy but allreduce, local-sgd and the parameter servers that drop a lost worker
-    (downpour, softsync, ssp), and allreduce with a model split over ranks, refuse to go on after
+    (all but sync-backup), and allreduce with a model split over ranks, refuse to go on after
     a lost rank (the job ends, below), each saying why; no parameter server resumes on other ranks."""
     from hpcdl.commands.train import strategies
     from hpcdl.commands.train.options import build_parser
@@ -337,7 +359,7 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
             argv = ["--strategy", name, *servers]
             # a parameter server's clocks are by rank: a resume takes the ranks that wrote it
             assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv, resume=True), name
-            if name in ("downpour", "softsync", "ssp"):  # a lost worker is dropped (a lost server: below)
+            if name != "sync-backup":  # a lost worker is dropped (a lost server: below)
                 assert refusal(argv) is None, name
             else:
                 assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv), name
@@ -348,16 +370,16 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
     (["--on-rank-failure", "abort"], "backward:2:1", "rank 1 of 3 failed at step 2 (epoch 1); --on-rank-failure abort"),
     (["--model", "hybrid-cnn", "--grid", "1x3"], "optimizer:2:1",
      "rank 1 of 3 failed at step 3 (epoch 1); --model hybrid-cnn splits"),  # its update: no allreduce at 1x3
-    (["--strategy", "sync-ps", "--servers", "1"], "step:3:0",  # a worker, while the other waits for its push
-     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy sync-ps keeps state"),
+    (["--strategy", "sync-backup", "--servers", "1"], "step:3:0",  # a worker, while the other waits
+     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy sync-backup keeps state"),
     (["--strategy", "sync-ps", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
      "rank 2 of 3 failed at step"),
     (["--strategy", "downpour", "--servers", "1", "--epochs", "5"], "after:300:2",  # downpour drops workers only
      "the lost server (rank 2) held a shard of the parameters"),
 ])
 def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
-    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; sync-ps
-    losing a worker or its server; downpour losing its server): every rank ends, exit status 5, the lost rank named
+    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; sync-backup
+    losing a worker; sync-ps and downpour losing their server): every rank ends, exit status 5, the lost rank named
     in the job's numbering, how to resume said where there are checkpoints; no raw MPI error."""
     checkpoints = [] if "hybrid-cnn" in argv else ["--checkpoint-dir", str(tmp_path / "ck")]
     # 3 ranks: when the one survivor of 2 ends the job (MPI_Abort), mpirun's status is 0 (known limits)

@@ -294,7 +294,8 @@ class ShardServer:
         for value, grad in zip(self.values, grads):
             value.grad = grad
         if self.lr_schedule is not None:
-            t = (self.progress - sum(p.steps for p in pushes)) / len(self.workers)
+            t = self.consistency.schedule_step(self.progress - sum(p.steps for p in pushes),
+                                               len(self.workers), self.version)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_schedule(t)
         self.optimizer.step()

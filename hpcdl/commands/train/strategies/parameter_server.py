@@ -19,9 +19,9 @@ Checkpoints. Every worker asks the servers to checkpoint (the barrier of
 which sends it to rank 0, and rank 0 writes every shard into the one checkpoint file with the
 rest. Resuming gives each server its shard back.
 
-Lost ranks (under `mpirun --with-ft ulfm`): downpour, softsync and ssp drop a lost worker and go
-on with the others (`drops_lost_workers`; servers.py says how); sync-ps, whose every step waits
-for every worker, and every strategy losing a server end the job (docs/failures.md#training).
+Lost ranks (under `mpirun --with-ft ulfm`): downpour, softsync, ssp and sync-ps drop a lost worker
+and go on with the others (`drops_lost_workers`; servers.py says how); sync-backup, and every
+strategy losing a server, end the job (docs/failures.md#training).
 """
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ class SyncParameterServer(ParameterServerStrategy):
     summary = "parameter server, synchronous: every worker's push each step"
     consistency = "sync"
     pacing = Lockstep
+    drops_lost_workers = True
 
     @classmethod
     def asynchrony(cls, plan: Plan) -> float:

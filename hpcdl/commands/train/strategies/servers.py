@@ -4,16 +4,17 @@ others workers that pull, compute, and push; the servers' checkpoints gathered b
 strategy (parameter_server.py: downpour, softsync, ssp, sync-ps; sync_backup.py) is a subclass
 naming its consistency model.
 
-Lost ranks (--on-rank-failure continue, under ULFM; docs/failures.md#training). Where the
-consistency model has no step that waits for every worker (`drops_lost_workers`: downpour,
-softsync, ssp), a lost WORKER is dropped and the others go on: each server counts it out
-(ShardServer's `lost`), the workers' own communicator is shrunk (recovery.py) and the epochs keep
-their planned size, steps per epoch x the workers the job started with, pushed by the workers
-left (`Meetings` meets at the planned workers' count). What the lost worker pushed stays applied;
-the rest of its shard is not trained any more. A lost SERVER takes its shard of the parameters
-with it: the job ends (exit status 5) naming it (`lost_state`), and --resume from the newest
-checkpoint continues the run. sync-ps and sync-backup, whose steps wait for every worker, end the
-job at any lost rank (`rank_loss_refusal`).
+Lost ranks (--on-rank-failure continue, under ULFM; docs/failures.md#training). Under
+`drops_lost_workers` (downpour, softsync, ssp, sync-ps) a lost WORKER is dropped and the others
+go on: each server counts it out (ShardServer's `lost`) and the workers' own communicator is
+shrunk (recovery.py) at their next collective. Those paced by `Meetings` keep each epoch's
+planned size, steps per epoch x the workers the job started with, pushed by the workers left
+(the rest of the lost worker's shard is not trained any more); sync-ps (`Lockstep`) splits each
+later global batch over the workers left, as allreduce does. What the lost worker pushed stays
+applied. A lost SERVER takes its shard of the parameters with it: the job ends (exit status 5)
+naming it (`lost_state`), and --resume from the newest checkpoint continues the run.
+sync-backup, whose updates count N + b pushes of the workers it started with, ends the job at
+any lost rank (`rank_loss_refusal`).
 """
 from __future__ import annotations
 
@@ -111,9 +112,9 @@ class ParameterServerStrategy(Strategy):
                     "every worker, by rank), so a resume takes the ranks it was checkpointed with")
         if not cls.drops_lost_workers:
             return (f"--strategy {cls.name} keeps state that not every rank holds (a server's shard of the "
-                    "parameters) and each of its steps waits for every worker, so going on after a lost "
-                    "rank is offered for --strategy allreduce, local-sgd, and downpour, softsync and ssp "
-                    "losing a worker")
+                    "parameters) and counts each update's pushes for every worker it started with, so going "
+                    "on after a lost rank is offered for --strategy allreduce, local-sgd, and downpour, "
+                    "softsync, ssp and sync-ps losing a worker")
         return None
 
     @classmethod
