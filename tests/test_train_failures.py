@@ -318,7 +318,8 @@ def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_othe
     step 6 waits for it no longer (one update per step all the same: 30), the others learn of it
     in the step's agreement on signals, and every later step's global batch of 96 is split over
     the 2 left (each takes 48, the second epoch's every sample); the rate follows the steps. Both
-    end with the server's model after the planned 30 steps."""
+    end with the server's model after the planned 30 steps. A --resume from a checkpoint written
+    after the loss is refused, saying why."""
     code, out, final = train_losing(
         tmp_path, 4, ["step:5:1"],
         ["--strategy", "sync-ps", "--servers", "1", "--epochs", "2", "--seed", "2",
@@ -332,6 +333,12 @@ def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_othe
     rows = metrics(tmp_path / "m.jsonl")
     assert [r["lost_ranks"] for r in rows] == ["1", None] and rows[1]["samples"] >= 1437, rows
     assert rows[1]["lr"] == 0 and rows[-1]["accuracy"] > 0.8, rows  # the cosine schedule ran to its end
+    # Its checkpoints name the workers left; the servers' clocks, the lost one too: no resume from them.
+    (tmp_path / "R").mkdir()
+    code, out = launch(4, [str(TRAIN_JOB), str(tmp_path / "R"), "--", "--strategy", "sync-ps", "--servers", "1",
+                           "--epochs", "3", "--seed", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"],
+                       ulfm=False)
+    assert code == 2 and "checkpoint-000000030.pt was written after a worker was lost (2 worker(s) left)" in out, out
 
 
 def test_only_data_parallel_runs_go_on_with_other_ranks():

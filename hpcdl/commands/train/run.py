@@ -136,7 +136,13 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                           + (f" ({len(skipped)} unusable, see above)" if skipped else "")
                           + "; run once without --resume to create one"], rank)
         made_with = checkpoint["job"]
-        if made_with.get("ranks") != size and plan.strategy.rank_loss_refusal(plan, resume=True) is None:
+        refusal = plan.strategy.rank_loss_refusal(plan, resume=True)
+        if "elastic" in checkpoint and refusal is not None:
+            # Written by the workers left after a loss: the servers' clocks name the lost one too.
+            return _fail([f"--resume: {path} was written after a worker was lost ({len(checkpoint['ranks'])} "
+                          f"worker(s) left); {refusal}: resume from a checkpoint written before the loss "
+                          "(--checkpoint-dir keeps the newest few)"], rank)
+        if made_with.get("ranks") != size and refusal is None:
             # A data-parallel run goes on with the data order and global batch of the ranks it
             # started with, split over however many ranks it is resumed on (recovery.py).
             plan_ranks = made_with["ranks"]
