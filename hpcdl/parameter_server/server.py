@@ -85,12 +85,15 @@ class ShardServer:
     their dtypes; `optimizer` is (name, keyword arguments) for `optimizers.make_optimizer`.
     `lr_schedule(t)`, if given, sets the optimizer's learning rate before each update, t being
     (progress - the update's steps) / workers: the mean step of the workers, so that one schedule
-    serves every consistency model (under sync, t is the synchronous step).
+    serves every consistency model (under sync, t is the synchronous step: the version;
+    `consistency.schedule_step`).
     `record_events=True` keeps a list of every update and every answered pull in `events`, for
     tests and analysis: ("update", version, [(worker, clock, version of the push, tau, weight)])
     and ("answer", worker, clock, slowest active clock, version), or "meet" for a pull answered
     because the progress reached its `until` (see protocol.py), and ("drop", version, [(worker,
-    clock, version of the push)]) for pushes discarded unapplied (backup's late ones).
+    clock, version of the push)]) for pushes discarded unapplied (backup's late ones), and ("lost",
+    worker, its clock, version) for a worker counted out because it died (`drop_lost_workers`).
+    `drop_lost_workers`: see the module's docstring.
     """
 
     def __init__(self, comm: MPI.Comm, layout: ShardLayout, index: int, params: Sequence[torch.Tensor],
@@ -378,8 +381,8 @@ class ShardServer:
         if not (self.drop_lost_workers and collectives.fault_tolerant()):
             raise
         dead = set(_failed_ranks(self.comm))
-        if not dead <= set(self.workers):
-            raise
+        if not dead or not dead <= set(self.workers):
+            raise  # no worker died, or a server did
         for worker in dead:
             self._drop_sends(worker)
 
