@@ -27,8 +27,14 @@ from .errors import ProcessFailure
 
 #: MPI error classes saying that a peer failed, or that a peer revoked the communicator after it
 #: saw a failure. MPI_ERR_IN_STATUS (a Testall or Waitall with such an error among its requests)
-#: counts when this rank knows of a failed process (`failure_of`).
+#: and MPI_ERR_INTERN count when this rank knows of a failed process (`failure_of`).
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
+
+#: Error classes that report a process failure where this rank knows of a failed process:
+#: MPI_ERR_IN_STATUS, and MPI_ERR_INTERN, which Open MPI 5.0.11's non-blocking collectives (the
+#: Idup of a communicator's first collective included) return when their schedule meets a dead
+#: peer ("NBC_Progress: an error 75 was found during schedule").
+_FAILURE_IF_KNOWN = frozenset({MPI.ERR_IN_STATUS, MPI.ERR_INTERN})
 
 #: How long a rank that learned of a failure from a revoked communicator waits to learn which
 #: process failed. Open MPI's runtime tells every process of a death, in messages that arrive
@@ -116,10 +122,10 @@ def failure_of(comm: MPI.Comm, exc: MPI.Exception) -> tuple[tuple[int, ...], tup
     if not fault_tolerant():
         return None
     error_class = exc.Get_error_class()
-    if error_class not in FAILURE_CLASSES and error_class != MPI.ERR_IN_STATUS:
+    if error_class not in FAILURE_CLASSES and error_class not in _FAILURE_IF_KNOWN:
         return None
     ranks, world = failed_ranks(comm, KNOWLEDGE_WAIT_S)
-    if error_class == MPI.ERR_IN_STATUS and not ranks:
+    if error_class in _FAILURE_IF_KNOWN and not ranks:
         return None  # an error in some request, but no process is known to have failed
     return ranks, world
 

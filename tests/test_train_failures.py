@@ -300,9 +300,81 @@ def test_local_sgd_drops_a_rank_lost_between_averagings_and_takes_a_replacement(
     assert row["ranks"] == 3 and row["lost_ranks"] == "1" and row["steps_lost"] == 1, row
 
 
+def _parameters(state: dict[str, Any]) -> dict[str, Any]:
+    """A model's parameters (its batch-norm statistics are each worker's own)."""
+    return {k: v for k, v in state.items() if "running_" not in k and "num_batches" not in k}
+
+
+@own_jobs
+@pytest.mark.parametrize("strategy,victim,every,extra", [
+    ("downpour", 1, 0, []), ("ssp", 0, 10, []),
+    ("softsync", 2, 0, ["--staleness", "3"]),  # updates of 3 pushes, from the 2 workers left
+])
+def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tmp_path, strategy, victim, every,
+                                                                               extra):
+    """4 ranks, 3 workers + 1 server: a worker (rank 0 under ssp, with the checkpoint of step 10
+    due at the meeting where the others catch the loss) dies as its 6th step starts. The server
+    counts it out (SSP's bound no longer waits for it; softsync's updates of 3 pushes take them
+    from the 2 left), the 2 others finish both epochs, pushing the lost worker's share too (each
+    epoch is 15 x 3 pushes), and end with the server's model, the same on both; the metrics rows
+    record the loss; the held-out accuracy is a learnt one (above 0.6)."""
+    ck = tmp_path / "ck"
+    code, out, final = train_losing(
+        tmp_path, 4, [f"step:5:{victim}"],
+        ["--strategy", strategy, "--servers", "1", "--epochs", "2", "--seed", "2", "--checkpoint-dir", str(ck),
+         "--metrics", str(tmp_path / "m.jsonl"), *(["--checkpoint-every", str(every)] if every else []), *extra])
+    survivors = [w for w in (0, 1, 2) if w != victim]
+    assert code == 0 and sorted(final) == [*survivors, 3], out[-4000:]
+    server, workers = final[3], [final[w] for w in survivors]
+    assert server["lost"] == [victim] and server["clocks"][victim] == 5, server
+    assert all(server["clocks"][w] == final[w]["own_steps"] for w in survivors), server["clocks"]
+    assert sum(server["clocks"].values()) >= 2 * 15 * 3 and all(w["own_steps"] > 30 for w in workers)
+    assert all(same_state(_parameters(w["model"]), _parameters(server["model"])) for w in workers)
+    assert all(w["reports"] == [((victim,), 0)] and w["size"] == 2 and w["step"] == 30 for w in workers)
+    assert f"lost rank {victim} of 3" in out, out[-4000:]
+    rows = metrics(tmp_path / "m.jsonl")
+    assert [r["lost_ranks"] for r in rows] == [str(victim), None] and rows[0]["steps_lost"] == 0, rows
+    # Learnt (chance is 0.1): how far 2 epochs get depends on the staleness, so on the scheduling
+    # (0.78 to 0.93 seen on a loaded and an idle machine).
+    assert [r["ranks"] for r in rows] == [3, 3] and rows[-1]["accuracy"] > 0.6, rows
+    assert [s for s, _ in list_checkpoints(ck)] == ([10, 15, 20, 30] if every else [15, 30])
+    first = load_checkpoint(checkpoint_path(ck, every or 15))  # written by the 2 left, the server's shard in it
+    assert len(first["ranks"]) == 2 and len(first["servers"]) == 1
+
+
+@own_jobs
+def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_others(tmp_path):
+    """sync-ps, 4 ranks, 3 workers + 1 server: worker 1 dies as its 6th step starts. The server's
+    step 6 waits for it no longer (one update per step all the same: 30), the others learn of it
+    in the step's agreement on signals, and every later step's global batch of 96 is split over
+    the 2 left (each takes 48, the second epoch's every sample); the rate follows the steps. Both
+    end with the server's model after the planned 30 steps. A --resume from a checkpoint written
+    after the loss is refused, saying why."""
+    code, out, final = train_losing(
+        tmp_path, 4, ["step:5:1"],
+        ["--strategy", "sync-ps", "--servers", "1", "--epochs", "2", "--seed", "2",
+         "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")])
+    assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
+    server, workers = final[3], [final[0], final[2]]
+    assert server["lost"] == [1] and server["clocks"] == {0: 30, 1: 5, 2: 30} and server["stats"].updates == 30
+    assert all(same_state(_parameters(w["model"]), _parameters(server["model"])) for w in workers)
+    assert all(w["reports"] == [((1,), 0)] and (w["size"], w["step"], w["own_steps"]) == (2, 30, 30) for w in workers)
+    assert "lost rank 1 of 3 at step 6" in out, out[-4000:]
+    rows = metrics(tmp_path / "m.jsonl")
+    assert [r["lost_ranks"] for r in rows] == ["1", None] and rows[1]["samples"] >= 1437, rows
+    assert rows[1]["lr"] == 0 and rows[-1]["accuracy"] > 0.8, rows  # the cosine schedule ran to its end
+    # Its checkpoints name the workers left; the servers' clocks, the lost one too: no resume from them.
+    (tmp_path / "R").mkdir()
+    code, out = launch(4, [str(TRAIN_JOB), str(tmp_path / "R"), "--", "--strategy", "sync-ps", "--servers", "1",
+                           "--epochs", "3", "--seed", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"],
+                       ulfm=False)
+    assert code == 2 and "checkpoint-000000030.pt was written after a worker was lost (2 worker(s) left)" in out, out
+
+
 def test_only_data_parallel_runs_go_on_with_other_ranks():
-    """Every strategy but allreduce and local-sgd, and allreduce with a model split over ranks,
-    refuse to go on after a lost rank (the job ends, below), each saying why."""
+    """Every strategy but allreduce, local-sgd and the parameter servers that drop a lost worker
+    (all but sync-backup), and allreduce with a model split over ranks, refuse to go on after
+    a lost rank (the job ends, below), each saying why; no parameter server resumes on other ranks."""
     from hpcdl.commands.train import strategies
     from hpcdl.commands.train.options import build_parser
 
@@ -321,8 +393,13 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
     for name in strategies.STRATEGIES:
         if name not in ("allreduce", "local-sgd"):
             servers = ["--servers", "1"] if "servers" in strategies.STRATEGIES[name].options else []
-            assert f"--strategy {name} keeps state that not every rank holds" in refusal(
-                ["--strategy", name, *servers]), name
+            argv = ["--strategy", name, *servers]
+            # a parameter server's clocks are by rank: a resume takes the ranks that wrote it
+            assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv, resume=True), name
+            if name != "sync-backup":  # a lost worker is dropped (a lost server: below)
+                assert refusal(argv) is None, name
+            else:
+                assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv), name
 
 
 @own_jobs
@@ -330,14 +407,16 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
     (["--on-rank-failure", "abort"], "backward:2:1", "rank 1 of 3 failed at step 2 (epoch 1); --on-rank-failure abort"),
     (["--model", "hybrid-cnn", "--grid", "1x3"], "optimizer:2:1",
      "rank 1 of 3 failed at step 3 (epoch 1); --model hybrid-cnn splits"),  # its update: no allreduce at 1x3
-    (["--strategy", "downpour", "--servers", "1"], "evaluation:0:0",  # a worker, while the other trains
-     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy downpour keeps state"),
+    (["--strategy", "sync-backup", "--servers", "1"], "step:3:0",  # a worker, while the other waits
+     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy sync-backup keeps state"),
     (["--strategy", "sync-ps", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
      "rank 2 of 3 failed at step"),
+    (["--strategy", "downpour", "--servers", "1", "--epochs", "5"], "after:300:2",  # downpour drops workers only
+     "the lost server (rank 2) held a shard of the parameters"),
 ])
 def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
-    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; a parameter
-    server losing a worker or its server): every rank ends, exit status 5, the lost rank named
+    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; sync-backup
+    losing a worker; sync-ps and downpour losing their server): every rank ends, exit status 5, the lost rank named
     in the job's numbering, how to resume said where there are checkpoints; no raw MPI error."""
     checkpoints = [] if "hybrid-cnn" in argv else ["--checkpoint-dir", str(tmp_path / "ck")]
     # 3 ranks: when the one survivor of 2 ends the job (MPI_Abort), mpirun's status is 0 (known limits)

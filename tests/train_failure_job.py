@@ -5,11 +5,12 @@ TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the ot
 of the ranks for them all). Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
 themselves at `phase` once they have applied `step` updates:
 
-- `step`: as the next step starts, before its forward;
+- `step`: as the next step starts, before its forward (a parameter server's worker: after its pull);
 - `backward`: in the next step, after its first gradient bucket is launched, so buckets are in
   flight on the other ranks (run with a small --bucket-cap-mb to have several);
 - `optimizer`: in the next step's update (allreduce: its gradients were averaged on every rank;
-  local-sgd: before the update and its averaging, if due);
+  local-sgd: before the update and its averaging, if due; a parameter server's worker: before its
+  push);
 - `checkpoint`: while writing the checkpoint taken after that many steps (rank 0 writes: it
   dies with the file half written);
 - `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last);
@@ -20,8 +21,10 @@ With `--spares K` a victim dies only once the K spares are ready (each writes DI
 when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
 Every checkpoint is kept (not only the newest three), for the tests to resume from any.
 Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
-replacement's) with its model, optimizer and scheduler state, and DIR/done-<id> with the exit
-status, so the test can compare the survivors bit for bit. The rest is `hpcdl train` itself.
+replacement's) with its model, optimizer and scheduler state (a parameter server's worker: the
+model it evaluated last, its own counters; a server: its shard's values put into the model, its
+clocks and the workers it lost), and DIR/done-<id> with the exit status, so the test can compare
+the survivors bit for bit. The rest is `hpcdl train` itself.
 """
 from __future__ import annotations
 
@@ -40,8 +43,9 @@ from hpcdl.commands import train
 from hpcdl.commands.train import trainer as trainer_module
 from hpcdl.commands.train import pacing
 from hpcdl.commands.train import run as train_run
-from hpcdl.commands.train.strategies import allreduce, local_sgd, parameter_server
+from hpcdl.commands.train.strategies import allreduce, local_sgd, parameter_server, servers
 from hpcdl.ddp import reducer
+from hpcdl.parameter_server.protocol import HEADER_BYTES
 from hpcdl.runtime import checkpoint, world
 
 
@@ -86,7 +90,16 @@ class Killer:
             return status
         pacing.Lockstep.before_step = starting  # type: ignore[method-assign]
 
-        for strategy in (allreduce.Allreduce, local_sgd.LocalSGDStrategy):
+        meet = pacing.Meetings.before_step
+
+        def meeting(self: Any, *args: Any) -> int:
+            status = meet(self, *args)
+            if status == pacing.TAKE_STEP:
+                killer.die_if("step")
+            return status
+        pacing.Meetings.before_step = meeting  # type: ignore[method-assign]
+
+        for strategy in (allreduce.Allreduce, local_sgd.LocalSGDStrategy, servers.ParameterServerStrategy):
             def finished(self: Any, finish: Callable[[Any], None] = strategy.finish_step) -> None:
                 killer.die_if("optimizer")
                 finish(self)
@@ -150,13 +163,35 @@ def keep_final_state(directory: Path) -> None:
     def running(self: Any) -> int:
         status = run(self)
         strategy = self.strategy
-        state = {"model": self.model.state_dict(), "optimizer": strategy.optimizer.state_dict(),
-                 "scheduler": strategy.scheduler.state_dict(), "step": self.step, "size": self.size,
-                 "rank": self.rank, "reports": [(r.loss.members, r.steps_lost) for r in self.recovery.reports]}
+        state = {"step": self.step, "size": self.size, "rank": self.rank,
+                 "reports": [(r.loss.members, r.steps_lost) for r in self.recovery.reports]}
+        if isinstance(strategy, servers.ParameterServerStrategy):  # the servers hold the model
+            state |= {"model": strategy.evaluation_model().state_dict(), "own_steps": self.own_steps}
+        else:
+            state |= {"model": self.model.state_dict(), "optimizer": strategy.optimizer.state_dict(),
+                      "scheduler": strategy.scheduler.state_dict()}
         torch.save(state, directory / f"final-{world.member()}.pt")
         (directory / f"done-{world.member()}").write_text(str(status))
         return status
     trainer_module.Trainer.run = running  # type: ignore[method-assign]
+
+    serve = servers.ParameterServerStrategy.serve
+
+    def serving(self: Any) -> int:
+        status = serve(self)
+        server = self.ps.server
+        flats = [p.detach().view(-1) for p in self.module.parameters()]
+        with torch.no_grad():
+            for piece in server.shard.pieces:  # the shard's values into the model, as a pull does
+                size = server.layout.itemsizes[piece.param]
+                start = HEADER_BYTES + piece.offset
+                raw = server.message[start:start + (piece.stop - piece.start) * size]
+                flats[piece.param][piece.start:piece.stop].copy_(raw.view(flats[piece.param].dtype))
+        torch.save({"model": self.module.state_dict(), "clocks": dict(server.clocks), "lost": sorted(server.lost),
+                    "stats": server.stats()}, directory / f"final-{world.member()}.pt")
+        (directory / f"done-{world.member()}").write_text(str(status))
+        return status
+    servers.ParameterServerStrategy.serve = serving  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> int:

@@ -26,9 +26,10 @@ worker's clock (steps pushed). After every message it asks its model two questio
               dropped (Chen et al. 2016: sync SGD
               with b backup workers; b = 0 is sync)
 
-A worker that has sent DONE is no longer active: sync no longer waits for it and SSP's slowest
-clock is taken over the others. When every worker is done the server drains: what is still
-pending is applied as one last update (softsync's last fewer-than-s pushes).
+A worker that has sent DONE, or that the server learnt was lost (server.py), is no longer active:
+sync no longer waits for it and SSP's slowest clock is taken over the others. When every worker
+is done the server drains: what is still pending is applied as one last update (softsync's last
+fewer-than-s pushes).
 tau of a push is 0 when its gradient was computed from the version it is applied to; softsync
 weighs such a push like tau = 1 (the paper's lr0 / tau is undefined at 0).
 """
@@ -68,6 +69,12 @@ class Async:
     def dropped(self, pending: Sequence[Push], version: int) -> list[int]:
         """Indices into `pending` of pushes to discard without applying them."""
         return []
+
+    def schedule_step(self, progress: int, workers: int, version: int) -> float:
+        """The step an update's learning rate is scheduled by: the workers' mean step, `progress`
+        (steps pushed before the update) over the `workers` the job started with (a lost
+        worker's steps stay counted, and the others push its share)."""
+        return progress / workers
 
 
 class SoftSync(Async):
@@ -111,6 +118,11 @@ class Synchronous(Async):
     def may_answer(self, clock: int, clocks: Mapping[int, int], active: Collection[int],
                    version: int, based_on: int = -1) -> bool:
         return version >= clock
+
+    def schedule_step(self, progress: int, workers: int, version: int) -> float:
+        # Each update is one synchronous step of every worker (progress / workers, before any
+        # worker was lost; the updates go on one per step after).
+        return float(version)
 
 
 class Backup(Async):

@@ -60,6 +60,8 @@ class ParameterServer:
         lr_schedule: the servers' learning rate as a function of the workers' mean step (see
             ShardServer); it replaces `lr` from the first update on. Every rank passes the same
             function (only whether one is given is compared between ranks).
+        drop_lost_workers: in a job under ULFM, a server counts a worker that died out and goes
+            on with the others (ShardServer); otherwise a lost rank raises on the servers.
 
     Roles: `is_server` ranks call `serve()`; workers call `pull()`, `push()`, and `close()` (or use
     `with ps:`), and may call `checkpoint(step)` and `staleness()`. Bytes each rank sent and
@@ -71,7 +73,7 @@ class ParameterServer:
                  lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0,
                  n_fetch: int = 1, n_push: int = 1, straggler: tuple[int, float] | None = None,
                  timeout: float | None = None, record_events: bool = False,
-                 lr_schedule: LearningRateSchedule | None = None) -> None:
+                 lr_schedule: LearningRateSchedule | None = None, drop_lost_workers: bool = False) -> None:
         runtime.init()
         comm = comm if comm is not None else MPI.COMM_WORLD
         size = comm.Get_size()
@@ -83,7 +85,7 @@ class ParameterServer:
         given = {"servers": servers, "consistency": consistency, "s": s, "optimizer": optimizer,
                  "lr": lr, "momentum": momentum, "weight_decay": weight_decay, "n_fetch": n_fetch,
                  "n_push": n_push, "straggler": straggler, "timeout": timeout,
-                 "lr_schedule": lr_schedule is not None,
+                 "lr_schedule": lr_schedule is not None, "drop_lost_workers": drop_lost_workers,
                  "parameters": [(tuple(p.shape), str(p.dtype)) for p in params]}
         raise_unless_agreed("ParameterServer", errors, given, comm)
 
@@ -107,7 +109,8 @@ class ParameterServer:
             self.server = ShardServer(self.comm, self.layout, rank - workers, params,
                                       self.worker_ranks, make_consistency(consistency, s),
                                       (optimizer, options), timeout=timeout,
-                                      record_events=record_events, lr_schedule=lr_schedule)
+                                      record_events=record_events, lr_schedule=lr_schedule,
+                                      drop_lost_workers=drop_lost_workers)
         else:
             slowdown = straggler[1] if straggler is not None and straggler[0] == rank else 1.0
             self.worker = WorkerClient(self.comm, self.layout, params, self.server_ranks,

@@ -17,11 +17,21 @@ before an update modifies the shard the server completes the replies in flight; 
 their receive before they ask, so that takes only this rank's own progress.
 
 When every worker has sent DONE the server applies what is still pending, completes its sends and
-returns. An error raises out of `serve()` on the server's rank (the runtime's abort hook then ends
-the job with the rank and traceback), and a malformed message is an error naming its sender.
+returns.
+
+Lost workers (`drop_lost_workers`, in a job under ULFM, docs/failures.md#training): a probe on any
+source raises MPI_ERR_PROC_FAILED once a process of the communicator has died. The server
+acknowledges the failure (`Ack_failed`), and if only workers died it counts them out as if they
+had sent DONE (`lost`): the consistency model waits for them no longer (SSP's slowest clock, a
+checkpoint's barrier), their deferred pulls and unanswered replies are dropped; their clocks stay
+in the job's progress, since their pushes were applied. A lost server (its shard is gone), or a
+lost worker without `drop_lost_workers`, raises the MPI error. An error raises out of `serve()`
+on the server's rank (the runtime's abort hook then ends the job with the rank and traceback),
+and a malformed message is an error naming its sender.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -31,6 +41,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+import collectives
 from collectives import inflight
 
 from .consistency import Async, Push, slowest
@@ -74,19 +85,25 @@ class ShardServer:
     their dtypes; `optimizer` is (name, keyword arguments) for `optimizers.make_optimizer`.
     `lr_schedule(t)`, if given, sets the optimizer's learning rate before each update, t being
     (progress - the update's steps) / workers: the mean step of the workers, so that one schedule
-    serves every consistency model (under sync, t is the synchronous step).
+    serves every consistency model (under sync, t is the synchronous step: the version;
+    `consistency.schedule_step`).
     `record_events=True` keeps a list of every update and every answered pull in `events`, for
     tests and analysis: ("update", version, [(worker, clock, version of the push, tau, weight)])
     and ("answer", worker, clock, slowest active clock, version), or "meet" for a pull answered
     because the progress reached its `until` (see protocol.py), and ("drop", version, [(worker,
-    clock, version of the push)]) for pushes discarded unapplied (backup's late ones).
+    clock, version of the push)]) for pushes discarded unapplied (backup's late ones), and ("lost",
+    worker, its clock, version) for a worker counted out because it died (`drop_lost_workers`).
+    `drop_lost_workers`: see the module's docstring.
     """
 
     def __init__(self, comm: MPI.Comm, layout: ShardLayout, index: int, params: Sequence[torch.Tensor],
                  workers: Sequence[int], consistency: Async, optimizer: tuple[str, dict[str, Any]],
                  *, timeout: float | None = None, record_events: bool = False,
-                 lr_schedule: LearningRateSchedule | None = None) -> None:
+                 lr_schedule: LearningRateSchedule | None = None, drop_lost_workers: bool = False) -> None:
         self.comm = comm
+        self.drop_lost_workers = drop_lost_workers
+        #: workers this server learned were lost (counted out, as if they had sent DONE)
+        self.lost: set[int] = set()
         self.layout = layout
         self.shard = layout.shards[index]
         self.consistency = consistency
@@ -116,7 +133,7 @@ class ShardServer:
         self.active = set(self.workers)
         self.pending: list[Push] = []
         self._deferred: list[tuple[int, int, int]] = []  # (worker, clock, until) of pulls not yet answered
-        self._sends: list[tuple[MPI.Request, Any]] = []  # in flight, with the buffer they send
+        self._sends: list[tuple[MPI.Request, Any, int]] = []  # in flight, with their buffer and worker
         self._free: list[torch.Tensor] = []  # push buffers to reuse
         self._saves: dict[int, int] = {}  # worker -> step of its SAVE
         self.staleness = StalenessLog()
@@ -147,7 +164,11 @@ class ShardServer:
         status = MPI.Status()
         heard_at = time.monotonic()
         while self.active:
-            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            try:
+                message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            except MPI.Exception as exc:
+                self._on_failure(exc, on_checkpoint)
+                continue
             if message is None:
                 self._reap_sends()
                 if self.timeout is not None and time.monotonic() - heard_at > self.timeout:
@@ -160,9 +181,30 @@ class ShardServer:
             heard_at = time.monotonic()
             self._handle(message, status, on_checkpoint)
         self._apply_ready(draining=True)
-        wait_all([request for request, _ in self._sends], "the server's last replies", self.timeout)
-        self._sends.clear()
+        self._finish_sends()
         return self.stats()
+
+    def _on_failure(self, exc: MPI.Exception, on_checkpoint: CheckpointHook | None) -> None:
+        """A probe raised `exc`: count out the workers that died (`drop_lost_workers`), or raise
+        it where a server died or lost workers are not dropped."""
+        if not (self.drop_lost_workers and collectives.fault_tolerant()
+                and exc.Get_error_class() in collectives.failures.FAILURE_CLASSES):
+            raise exc
+        self.comm.Ack_failed()  # probes on any source work again, among the live ranks
+        dead = set(_failed_ranks(self.comm))
+        if not dead <= set(self.workers):
+            raise exc  # a server: its shard is gone
+        for worker in sorted(dead - self.lost):
+            self.lost.add(worker)
+            self.active.discard(worker)
+            self._saves.pop(worker, None)
+            self._deferred = [d for d in self._deferred if d[0] != worker]
+            self._drop_sends(worker)
+            if self.events is not None:
+                self.events.append(("lost", worker, self.clocks[worker], self.version))
+        self._apply_ready()
+        self._answer_deferred()
+        self._check_saves(on_checkpoint)
 
     def _handle(self, message: MPI.Message, status: MPI.Status,
                 on_checkpoint: CheckpointHook | None) -> None:
@@ -255,7 +297,8 @@ class ShardServer:
         for value, grad in zip(self.values, grads):
             value.grad = grad
         if self.lr_schedule is not None:
-            t = (self.progress - sum(p.steps for p in pushes)) / len(self.workers)
+            t = self.consistency.schedule_step(self.progress - sum(p.steps for p in pushes),
+                                               len(self.workers), self.version)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_schedule(t)
         self.optimizer.step()
@@ -314,17 +357,43 @@ class ShardServer:
         # reply is still being read from `buffer`.
         request = inflight.hold(self, self.comm.Isend([buffer, MPI.BYTE], worker, tag),
                                 f"server {self.shard.index}'s {tag.name} reply")
-        self._sends.append((request, buffer))
+        self._sends.append((request, buffer, worker))
         self.bytes_sent += buffer.nbytes
 
     def _reap_sends(self) -> None:
         if self._sends:
-            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+            try:
+                self._sends = [(r, b, w) for r, b, w in self._sends if not r.Test()]
+            except MPI.Exception:
+                self._drop_failed_sends()
 
     def _finish_sends(self) -> None:
         if self._sends:
-            wait_all([r for r, _ in self._sends], "replies to workers", self.timeout)
+            try:
+                wait_all([r for r, _, _ in self._sends], "replies to workers", self.timeout)
+            except MPI.Exception:
+                self._drop_failed_sends()
+                wait_all([r for r, _, _ in self._sends], "replies to workers", self.timeout)
             self._sends.clear()
+
+    def _drop_failed_sends(self) -> None:
+        """A reply failed: drop those to lost workers (`drop_lost_workers`), or raise."""
+        if not (self.drop_lost_workers and collectives.fault_tolerant()):
+            raise
+        dead = set(_failed_ranks(self.comm))
+        if not dead or not dead <= set(self.workers):
+            raise  # no worker died, or a server did
+        for worker in dead:
+            self._drop_sends(worker)
+
+    def _drop_sends(self, worker: int) -> None:
+        """Forget the replies to lost `worker`: each completes (in error, under ULFM) once its
+        peer is known dead, and its buffer is this server's own."""
+        for request, _, to in self._sends:
+            if to == worker:
+                with contextlib.suppress(MPI.Exception):
+                    request.Wait()
+        self._sends = [s for s in self._sends if s[2] != worker]
 
     def _send_stats(self, worker: int, reset: bool) -> None:
         reply = np.zeros(HEADER_BYTES + HISTOGRAM_BINS * 8, dtype=np.uint8)
@@ -394,3 +463,8 @@ class ShardServer:
         """What this server has done so far (see ServerStats)."""
         return ServerStats(self.pushes, self.updates, self.pulls, self.bytes_sent,
                            self.bytes_received, self.staleness.summary(), self.max_clock_gap, self.dropped)
+
+
+def _failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
+    """The ranks of `comm` this process knows to have died."""
+    return collectives.failures.failed_ranks(comm, collectives.failures.KNOWLEDGE_WAIT_S)[0]

@@ -9,7 +9,8 @@ pacing (`Strategy.pacing`), the trainer asks it where steps and epochs end.
   pushed steps reaches a target (an epoch's end, a --checkpoint-every point, --stop-after-steps),
   learnt from each pull (`Strategy.begin_step(until)`), so a fast rank takes more of the epoch's
   steps than a straggler instead of waiting for it. `step` counts mean steps per training rank
-  (the count at the last meeting); signals are agreed on at meetings.
+  (the count at the last meeting); signals are agreed on at meetings. The targets count the
+  ranks the job started with: after a lost rank the others push its share (recovery.py).
 """
 from __future__ import annotations
 
@@ -124,12 +125,18 @@ class Meetings(Pacing):
         t = self.trainer
         while True:
             meeting = self.next_meeting(epoch_end)
-            if t.strategy.begin_step(meeting * t.size):
+            # The planned ranks' count: after a lost rank the others push its share too.
+            if t.strategy.begin_step(meeting * t.recovery.plan_ranks):
                 return TAKE_STEP
             # Every rank stops here: the servers have one epoch's (or one checkpoint interval's)
             # steps from all training ranks together.
             t.done_in_epoch += meeting - t.step
             t.step = meeting
+            checkpoint = bool(meeting != epoch_end and t.args.checkpoint_every
+                              and t.step % t.args.checkpoint_every == 0)
+            # A rank lost from here on goes back no further (recovery.py); a checkpoint due here
+            # that not every rank finished is written again.
+            t.recovery.commit(sums(), checkpoint_due=checkpoint)
             if meeting == epoch_end:
                 return EPOCH_DONE
             status = self.meet(sums)
@@ -146,6 +153,7 @@ class Meetings(Pacing):
             return t.stop_on_signal(sums())
         if t.args.checkpoint_every and t.step % t.args.checkpoint_every == 0:
             t.checkpoint_now(t.done_in_epoch, sums())
+            t.recovery.checkpoint_written()
         return None
 
     def after_step(self, sums: Callable[[], Sums]) -> int | None:

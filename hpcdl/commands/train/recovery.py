@@ -5,11 +5,14 @@
 before it, on the ranks left, and train on. It works because the ranks of a data-parallel job hold
 identical replicas: whatever one survivor holds, every survivor can hold. (Local SGD's replicas
 differ between averagings: each survivor goes back to its own, and the lost one's progress since
-the last averaging is dropped.)
+the last averaging is dropped. A parameter server's workers hold no replica: the servers hold
+the model, and the survivors go on from their own state at the meeting where they caught the
+loss; strategies/servers.py.)
 
 - Commits. The trainer calls `commit()` where its state is settled: at the start, right after
-  each step's update (before any other collective of that step), and after each epoch's end
-  (its summary, metrics row and checkpoint). Each rank counts its commits (its position) and keeps
+  each step's update (before any other collective of that step), or where ranks that run at
+  their own pace meet (a parameter server's workers, pacing.py `Meetings`), and after each
+  epoch's end (its summary, metrics row and checkpoint). Each rank counts its commits (its position) and keeps
   what only it holds at its last ones (`LocalState`: counters, the epoch's running sums, its random
   numbers, its buffers, the strategy's own state: the exchange's error feedback; local SGD's
   parameters and optimizer state). Every step of allreduce and every epoch end makes a collective
@@ -36,7 +39,8 @@ the last averaging is dropped.)
 - The end. A run agrees that every rank finished (`settled`), or recovers and goes on; a process
   that lived through a loss leaves without MPI_Finalize (`runtime.recovery.exit_after_loss`).
 
-`abort`, and strategies that cannot go on (`Strategy.rank_loss_refusal`): the job ends with exit
+`abort`, and strategies that cannot go on (`Strategy.rank_loss_refusal`), or not without what the
+lost ranks alone held (`Strategy.lost_state`: a parameter server's shard): the job ends with exit
 status RANK_LOST and a message naming the lost rank and how to resume.
 """
 from __future__ import annotations
@@ -219,7 +223,8 @@ class Recovery:
 
     def ranks_now(self) -> int:
         """The job's ranks for the reports: the plan's until ranks were lost or replaced."""
-        return self.trainer.size if self.regrouped else self.trainer.plan.ranks
+        t = self.trainer
+        return t.size + t.plan.servers if self.regrouped else t.plan.ranks
 
     def checkpoint_state(self, batches_done: int) -> dict[str, Any]:
         """What a checkpoint at `batches_done` steps into the epoch keeps of a run that lost
@@ -256,7 +261,7 @@ class Recovery:
         caught = t.step + (1 if self.in_step else 0)
         if t.timeline is not None:
             t.timeline.instant("rank lost", started)
-        refusal = t.strategy.rank_loss_refusal(t.plan)
+        refusal = t.strategy.rank_loss_refusal(t.plan) or t.strategy.lost_state()
         if self.policy == "abort" or refusal is not None:
             self._end_job(exc, refusal)
         size_before, members_before = t.size, list(self.members)
@@ -369,6 +374,10 @@ class Recovery:
                            _EMPTY if self.empty else -self.position, -1 if self.empty else 0], dtype=np.int64)
         collectives.allreduce(agreed, comm, op="min", out=agreed)
         least, holder = divmod(int(agreed[0]), size)
+        if -int(agreed[1]) > least and not t.strategy.shares_replicas:
+            self._end_job(None, "the workers were lost at different meetings (one inside the "
+                                "collectives of a meeting), and the servers hold pushes of steps the "
+                                "others have not met at")
         if -int(agreed[1]) > least or agreed[2] < 0:
             payload = None
             if rank == holder:

@@ -10,6 +10,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+import collectives
+
 from ... import runtime
 from ...runtime import recovery as ulfm
 from ...runtime.memory import host_available_bytes
@@ -155,7 +157,13 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                           + (f" ({len(skipped)} unusable, see above)" if skipped else "")
                           + "; run once without --resume to create one"], rank)
         made_with = checkpoint["job"]
-        if made_with.get("ranks") != size and plan.strategy.rank_loss_refusal(plan, resume=True) is None:
+        refusal = plan.strategy.rank_loss_refusal(plan, resume=True)
+        if "elastic" in checkpoint and refusal is not None:
+            # Written by the workers left after a loss: the servers' clocks name the lost one too.
+            return _fail([f"--resume: {path} was written after a worker was lost ({len(checkpoint['ranks'])} "
+                          f"worker(s) left); {refusal}: resume from a checkpoint written before the loss "
+                          "(--checkpoint-dir keeps the newest few)"], rank)
+        if made_with.get("ranks") != size and refusal is None:
             # A data-parallel run goes on with the data order and global batch of the ranks it
             # started with, split over however many ranks it is resumed on (recovery.py).
             plan_ranks = made_with["ranks"]
@@ -244,15 +252,20 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
 
             StopRequest(relay=strategy.request_stop)
         try:
-            return strategy.agree_status(strategy.serve())
+            status = strategy.agree_status(strategy.serve())
         except BaseException as exc:
             # A serving rank has no Trainer to recover with, and what it serves is nobody else's:
-            # a lost rank ends the job with the reason, never a raw MPI error (docs/failures.md).
+            # a lost server (or any lost rank, where the strategy drops no worker) ends the job
+            # with the reason, never a raw MPI error (docs/failures.md).
             if not ulfm.is_process_failure(exc):
                 raise
             end_job(exc, "while this rank served its parameter-server shard",
-                    plan.strategy.rank_loss_refusal(plan) or "a lost rank", args.checkpoint_dir)
+                    plan.strategy.rank_loss_refusal(plan) or strategy.lost_state() or "a lost rank",
+                    args.checkpoint_dir)
             raise
+        if collectives.fault_tolerant() and ulfm.knows_failed(MPI.COMM_WORLD):  # it served on after a lost worker
+            ulfm.exit_after_loss(status)
+        return status
     trainer = Trainer(args, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
                       checkpoint, replacement=joined is not None)
     if joined is not None and joined[1].get("spare"):  # built: wait for a lost rank's place

@@ -249,6 +249,17 @@ class Strategy:
                 "the parameters, the progress it counts), so going on with other ranks is offered "
                 "for --strategy allreduce and local-sgd only")
 
+    #: Whether a survivor's `replicated_state()` brings a rank that went one commit further back
+    #: in line (False for a parameter server's workers: the servers hold the model, and a worker
+    #: that met the others once more has pushed steps the servers count).
+    shares_replicas: ClassVar[bool] = True
+
+    def lost_state(self) -> str | None:
+        """After a lost rank was caught (on a strategy that can go on): why the job must end
+        anyway, because the lost ranks alone held part of its state (a parameter server's shard),
+        or None."""
+        return None
+
     @property
     def commits_apart(self) -> int:
         """How many of the trainer's commits (one per step) the training ranks may be apart when a

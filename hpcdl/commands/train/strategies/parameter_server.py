@@ -18,6 +18,10 @@ Checkpoints. Every worker asks the servers to checkpoint (the barrier of
 `ParameterServer.checkpoint`); each server hands its shard's state to its `on_checkpoint` hook,
 which sends it to rank 0, and rank 0 writes every shard into the one checkpoint file with the
 rest. Resuming gives each server its shard back.
+
+Lost ranks (under `mpirun --with-ft ulfm`): downpour, softsync, ssp and sync-ps drop a lost worker
+and go on with the others (`drops_lost_workers`; servers.py says how); sync-backup, and every
+strategy losing a server, end the job (docs/failures.md#training).
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ DEFAULT_SSP_STALENESS = 3
 
 class Downpour(ParameterServerStrategy):
     """Asynchronous updates, each push applied alone (Dean et al. 2012)."""
+
+    drops_lost_workers = True
 
     name = "downpour"
     summary = "parameter server, asynchronous updates (Downpour SGD)"
@@ -56,6 +62,8 @@ class Downpour(ParameterServerStrategy):
 
 class Softsync(ParameterServerStrategy):
     """Each update averages `staleness` pushes, its rate scaled by 1/staleness (Zhang et al. 2016)."""
+
+    drops_lost_workers = True
 
     name = "softsync"
     summary = "parameter server, soft-synchronous: --staleness pushes per update"
@@ -90,6 +98,8 @@ class Softsync(ParameterServerStrategy):
 class StaleSynchronous(ParameterServerStrategy):
     """No worker more than `staleness` steps ahead of the slowest (Ho et al. 2013)."""
 
+    drops_lost_workers = True
+
     name = "ssp"
     summary = "parameter server, stale-synchronous: at most --staleness steps ahead of the slowest"
     consistency = "ssp"
@@ -113,6 +123,7 @@ class SyncParameterServer(ParameterServerStrategy):
     summary = "parameter server, synchronous: every worker's push each step"
     consistency = "sync"
     pacing = Lockstep
+    drops_lost_workers = True
 
     @classmethod
     def asynchrony(cls, plan: Plan) -> float:

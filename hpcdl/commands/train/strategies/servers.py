@@ -3,6 +3,18 @@ sharded `hpcdl.ParameterServer` on the job's ranks, the last `servers` of them s
 others workers that pull, compute, and push; the servers' checkpoints gathered by rank 0. Each
 strategy (parameter_server.py: downpour, softsync, ssp, sync-ps; sync_backup.py) is a subclass
 naming its consistency model.
+
+Lost ranks (--on-rank-failure continue, under ULFM; docs/failures.md#training). Under
+`drops_lost_workers` (downpour, softsync, ssp, sync-ps) a lost WORKER is dropped and the others
+go on: each server counts it out (ShardServer's `lost`) and the workers' own communicator is
+shrunk (recovery.py) at their next collective. Those paced by `Meetings` keep each epoch's
+planned size, steps per epoch x the workers the job started with, pushed by the workers left
+(the rest of the lost worker's shard is not trained any more); sync-ps (`Lockstep`) splits each
+later global batch over the workers left, as allreduce does. What the lost worker pushed stays
+applied. A lost SERVER takes its shard of the parameters with it: the job ends (exit status 5)
+naming it (`lost_state`), and --resume from the newest checkpoint continues the run.
+sync-backup, whose updates count N + b pushes of the workers it started with, ends the job at
+any lost rank (`rank_loss_refusal`).
 """
 from __future__ import annotations
 
@@ -24,6 +36,8 @@ SERVER_OPTIMIZERS = ("sgd", "momentum", "adagrad")
 
 #: Tag of the servers' checkpoint states on the strategy's own communicator.
 _CHECKPOINT_TAG = 1
+#: Above every exit status: the greatest status is agreed on as the least of this minus each.
+_STATUS_CEILING = 1 << 16
 
 
 class ParameterServerStrategy(Strategy):
@@ -34,6 +48,9 @@ class ParameterServerStrategy(Strategy):
     options: ClassVar[tuple[str, ...]] = ("servers", "server_optimizer")
     checkpoint_keys = ("servers",)
     pacing: ClassVar[type[Pacing]] = Meetings
+    #: whether a lost worker is dropped and the others go on (the servers count it out)
+    drops_lost_workers: ClassVar[bool] = False
+    shares_replicas = False  # the servers hold the model; each worker only its own counters
 
     @classmethod
     def servers(cls, given: Mapping[str, Any]) -> int:
@@ -41,7 +58,8 @@ class ParameterServerStrategy(Strategy):
         return 1 if servers is None else int(servers)
 
     @classmethod
-    def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
+    def server_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
+        """What is wrong with --servers for a job of `ranks` ranks."""
         servers = cls.servers(given)
         if servers >= ranks >= 1:
             return [f"--servers {servers} leaves no worker among the {ranks} rank(s) of this job (zero "
@@ -88,6 +106,27 @@ class ParameterServerStrategy(Strategy):
         return ""
 
     @classmethod
+    def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
+        if resume:
+            return (f"--strategy {cls.name} keeps state that not every rank holds (each server's clock of "
+                    "every worker, by rank), so a resume takes the ranks it was checkpointed with")
+        if not cls.drops_lost_workers:
+            return (f"--strategy {cls.name} keeps state that not every rank holds (a server's shard of the "
+                    "parameters) and counts each update's pushes for every worker it started with, so going "
+                    "on after a lost rank is offered for --strategy allreduce, local-sgd, and downpour, "
+                    "softsync, ssp and sync-ps losing a worker")
+        return None
+
+    @classmethod
+    def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
+        errors = cls.server_errors(given, ranks)
+        for flag, dest in (("--respawn", "respawn"), ("--spares", "spares"), ("--keep-rank-batch", "keep_rank_batch")):
+            if given.get(dest):
+                errors.append(f"{flag} does not apply to --strategy {cls.name}: a lost worker is dropped and "
+                              "the others take up its share of each epoch's pushes; drop it")
+        return errors
+
+    @classmethod
     def consistency_parameter(cls, plan: Plan) -> int | None:
         """The consistency model's `s` (softsync's pushes per update, SSP's bound), or None."""
         return plan.options.get("staleness")
@@ -104,10 +143,13 @@ class ParameterServerStrategy(Strategy):
 
         self.plan = plan
         options = plan.options
+        import collectives
+
         self.ps = ParameterServer(module, world, servers=options["servers"], consistency=self.consistency,
                                   s=self.consistency_parameter(plan), optimizer=options["server_optimizer"],
                                   lr=schedule.lr, momentum=MOMENTUM, n_fetch=options["n_fetch"],
-                                  n_push=options["n_push"], lr_schedule=schedule.at)
+                                  n_push=options["n_push"], lr_schedule=schedule.at,
+                                  drop_lost_workers=self.drops_lost_workers and collectives.fault_tolerant())
         self.trains = self.ps.is_worker
         rank = world.Get_rank()
         super().__init__(module, world.Split(0 if self.trains else 1, rank))
@@ -195,19 +237,50 @@ class ParameterServerStrategy(Strategy):
                 for p, saved in zip(self.module.parameters(), mine["parameters"]):
                     p.copy_(saved)
 
+    # -- lost workers --------------------------------------------------------------------------
+
+    def lost_state(self) -> str | None:
+        from collectives.failures import KNOWLEDGE_WAIT_S, failed_ranks
+
+        # A loss was caught, so some rank is known dead, or soon will be.
+        servers = [r for r in failed_ranks(self.world, KNOWLEDGE_WAIT_S)[0] if r in self.ps.server_ranks]
+        if not servers:
+            return None
+        return (f"the lost server{'s' if len(servers) > 1 else ''} (rank{'s' if len(servers) > 1 else ''} "
+                f"{', '.join(map(str, servers))}) held a shard of the parameters that no other rank holds "
+                "(restoring it from a checkpoint while the job runs is not implemented)")
+
+    def rebind(self, comm: MPI.Comm) -> None:
+        self.comm = comm  # the workers left; the servers have counted the lost one out
+
+    def replicated_state(self) -> dict[str, Any]:
+        return {}  # never asked for: `shares_replicas` is False
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        pass
+
     # -- roles and the end ---------------------------------------------------------------------
 
     def serve(self) -> int:
         from mpi4py import MPI
 
-        sends: list[MPI.Request] = []
+        server = self.ps.server
+        assert server is not None
+        sends: list[tuple[MPI.Request, int]] = []
 
         def hand_to_rank_0(step: int, state: dict[str, Any]) -> None:
-            # Not blocking: rank 0 receives it only after every server has acknowledged.
-            sends.append(self._states.isend(state, dest=0, tag=_CHECKPOINT_TAG))
+            # Not blocking: rank 0 receives it only after every server has acknowledged. Rank 0 of
+            # the workers is the lowest one left (the workers' communicator keeps their order).
+            dest = min(set(self.ps.worker_ranks) - server.lost)
+            sends.append((self._states.isend(state, dest=dest, tag=_CHECKPOINT_TAG), dest))
 
         self.ps.serve(hand_to_rank_0)
-        MPI.Request.waitall(sends)
+        for request, dest in sends:
+            try:
+                request.wait()
+            except MPI.Exception:
+                if dest not in server.lost:  # a worker lost after the checkpoint was taken
+                    raise
         return 0
 
     def close(self) -> None:
@@ -226,5 +299,9 @@ class ParameterServerStrategy(Strategy):
 
         import collectives
 
+        from collectives.failures import agree_min
+
+        if collectives.fault_tolerant():  # the live ranks agree, though some may have died
+            return _STATUS_CEILING - agree_min(self.world, _STATUS_CEILING - status)
         flag = np.array([status], dtype=np.int64)
         return int(collectives.allreduce(flag, self.world, op="max")[0])
