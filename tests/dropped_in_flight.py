@@ -148,7 +148,7 @@ def ps_server(last: bool) -> None:
         except TimeoutError:
             pass
         nbytes = ps.server.message.numel()
-        in_flight = [r for r, _ in ps.server._sends if r]
+        in_flight = [send[0] for send in ps.server._sends if send[0]]
         del ps, net, in_flight
         dropped()
         guard = canaries(nbytes)
