@@ -26,13 +26,11 @@ loss does); a further loss during a call is not survived by the spares still wai
 """
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from .recovery import is_process_failure, revoke
+from .recovery import free, gather_quietly, is_process_failure, revoke
 from .world import member, set_world
 
 #: How often a waiting spare looks at the pool: a call costs at most this much extra.
@@ -58,7 +56,7 @@ class Spares:
         called = self.waiting[:count]
         pool.bcast((called, self.waiting) if pool.Get_rank() == 0 else None, root=0)
         training = pool.Split(0, survivors.Get_rank())
-        _free(self.pool)
+        free(self.pool)
         self.pool, self.waiting = pool, self.waiting[len(called):]
         set_world(training)
         return training, called
@@ -67,7 +65,7 @@ class Spares:
         """Collective over the training ranks and the waiting spares, at the job's end: the spares
         leave without training (nothing to do without a waiting spare, or a second time)."""
         if self.waiting:
-            _quiet_barrier(self.pool)
+            gather_quietly(self.pool, POLL_S)
             self.waiting = []
 
 
@@ -77,22 +75,22 @@ def set_aside(comm: MPI.Comm, count: int) -> tuple[MPI.Comm | None, Spares]:
     spares (their ids are their ranks in `comm`)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     trainers = size - count
-    pool = comm.Dup()
+    spares = Spares(comm.Dup(), list(range(trainers, size)))
     training = comm.Split(0 if rank < trainers else MPI.UNDEFINED, rank)
-    if rank < trainers:
-        set_world(training)
-        return training, Spares(pool, list(range(trainers, size)))
-    return None, Spares(pool, list(range(trainers, size)))
+    if rank >= trainers:
+        return None, spares
+    set_world(training)
+    return training, spares
 
 
 def wait_for_call(pool: MPI.Comm) -> tuple[MPI.Comm, Spares] | None:
-    """In a spare (after `recovery.join()`): wait on `pool` until the training ranks call it
-    after a loss, or release it at the job's end (None). Called: the new
-    training communicator (made the job's world) and the spares still waiting, for it to call
-    in turn. Calls for other spares are answered on the way."""
+    """In a spare: wait on `pool` until the training ranks call it after a loss, or release it
+    at the job's end (None). Called: the new training communicator (made the job's world) and
+    the spares still waiting, for it to call in turn. Calls for other spares are answered on the
+    way."""
     while True:
         try:
-            _quiet_barrier(pool)
+            gather_quietly(pool, POLL_S)
             return None  # the training ranks' release
         except MPI.Exception as exc:
             if not is_process_failure(exc):
@@ -105,21 +103,9 @@ def wait_for_call(pool: MPI.Comm) -> tuple[MPI.Comm, Spares] | None:
         index = waiting.index(me)
         chosen = me in called
         training = shrunk.Split(0 if chosen else MPI.UNDEFINED, survivors + index)
-        _free(pool)
+        free(pool)
         pool = shrunk
         if chosen:
             set_world(training)
             return training, Spares(pool, [i for i in waiting if i not in called])
-
-
-def _quiet_barrier(comm: MPI.Comm) -> None:
-    """A barrier that sleeps between polls, leaving the cores to the training ranks."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(POLL_S)
-
-
-def _free(comm: MPI.Comm) -> None:
-    with contextlib.suppress(MPI.Exception):
-        comm.Free()
 
