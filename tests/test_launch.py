@@ -323,6 +323,59 @@ def test_fault_tolerant_scripts_launch_mpirun_with_ulfm(capsys: pytest.CaptureFi
     assert "\n#SBATCH --no-kill\n" in script and "--respawn" in script
 
 
+# A stand-in for mpirun: the preflight's `hpcdl info` passes; the training step writes its
+# --status-file (when STUB_STATUS is set) and exits STUB_EXIT, as Open MPI's mpirun may exit 0
+# after a lost node stopped every rank. scontrol notes what it was asked.
+STUB_MPIRUN = """#!/bin/bash
+for ((i = 1; i <= $#; i++)); do
+    if [ "${!i}" = --status-file ]; then
+        next=$((i + 1))
+        [ -n "${STUB_STATUS:-}" ] && echo "$STUB_STATUS" >"${!next}"
+        exit "$STUB_EXIT"
+    fi
+done
+"""
+
+
+@pytest.mark.skipif(slurm.loaded_mpi_family() != "Open MPI", reason="ULFM is Open MPI's")
+@pytest.mark.parametrize("template,written,mpirun_exit,expected_exit,requeued", [
+    ("cpu", "0", 0, 0, False),        # the run ended and said so
+    ("cpu", None, 0, 5, False),       # mpirun said 0, the run never ended: a lost node
+    ("cpu", "5", 0, 5, False),        # the one survivor of 2 ranks aborted, mpirun said 0
+    ("cpu", None, 1, 1, False),       # mpirun's own failure stands
+    ("requeue", "0", 0, 0, False),
+    ("requeue", None, 0, 0, True),    # stopped from outside: back to the queue, to resume
+    ("requeue", "3", 0, 0, True),     # checkpointed on a stop signal
+    ("requeue", "4", 0, 4, False),    # diverged: requeueing would not help
+])
+def test_fault_tolerant_scripts_take_the_runs_own_status(tmp_path: Path, template: str, written: str | None,
+                                                         mpirun_exit: int, expected_exit: int,
+                                                         requeued: bool) -> None:
+    """Under --fault-tolerant the batch script's status is the run's (its --status-file), not
+    mpirun's 0: a job whose ranks were stopped from outside is not taken for a finished one."""
+    script = tmp_path / "job.sbatch"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert slurm.main(["render", template, *BASIC, "--fault-tolerant", "--log-dir", str(logs),
+                       "--checkpoint-dir", str(tmp_path / "ck"), "-o", str(script)]) == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mpirun").write_text(STUB_MPIRUN)
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >>{tmp_path}/scontrol\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "t",
+           "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "1", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "n[1-2]", "STUB_EXIT": str(mpirun_exit)}
+    if written is not None:
+        env["STUB_STATUS"] = written
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == expected_exit, done.stdout + done.stderr
+    asked = (tmp_path / "scontrol").read_text() if (tmp_path / "scontrol").exists() else ""
+    assert asked == ("requeue 42\n" if requeued else ""), done.stdout + done.stderr
+    assert ("hpcdl train did not end" in done.stderr) == (written is None and mpirun_exit == 0), done.stderr
+
+
 def test_render_to_stdout_and_explicit_mpi_type(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = render(capsys, "cpu", *BASIC, "--mpi", "pmi2", "--", "--epochs", "2")
     assert status == 0

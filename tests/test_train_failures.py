@@ -152,8 +152,10 @@ def test_ranks_lost_in_backward_the_update_and_a_checkpoint_write_until_one_is_l
     code, out, final = train_losing(
         tmp_path, 5, ["backward:2:1+2", "optimizer:4:3", "checkpoint:6:0"],
         ["--epochs", "1", "--batch-size", "16", "--bucket-cap-mb", "0.05", "--checkpoint-dir", str(ck),
-         "--checkpoint-every", "6", "--metrics", str(tmp_path / "m.jsonl"), "--timeline", str(tmp_path / "t.json")])
+         "--checkpoint-every", "6", "--metrics", str(tmp_path / "m.jsonl"), "--timeline", str(tmp_path / "t.json"),
+         "--status-file", str(tmp_path / "status")])
     assert code == 0, out[-4000:]
+    assert (tmp_path / "status").read_text() == "0\n"  # by the last rank: rank 0 was lost
     assert list(final) == [4] and final[4]["size"] == 1 and final[4]["step"] == 18, out[-4000:]
     assert [members for members, _ in final[4]["reports"]] == [(1, 2), (3,), (0,)], final[4]["reports"]
     assert all(lost <= 1 for _, lost in final[4]["reports"])
@@ -422,8 +424,10 @@ def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
     in the job's numbering, how to resume said where there are checkpoints; no raw MPI error."""
     checkpoints = [] if "hybrid-cnn" in argv else ["--checkpoint-dir", str(tmp_path / "ck")]
     # 3 ranks: when the one survivor of 2 ends the job (MPI_Abort), mpirun's status is 0 (known limits)
-    code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", *checkpoints, *argv])
+    code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", *checkpoints, *argv,
+                                                          "--status-file", str(tmp_path / "status")])
     assert code == recovery.RANK_LOST and not final, out[-4000:]
+    assert (tmp_path / "status").read_text() == f"{recovery.RANK_LOST}\n"  # what a batch script reads
     assert expected in out and "MPI_ERR" not in out, out[-4000:]
     assert ("Resume from the newest checkpoint with --resume" in out) == bool(checkpoints), out[-4000:]
 

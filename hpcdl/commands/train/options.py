@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write per-epoch metrics to PATH (.csv, or .jsonl/.json for JSON lines): "
                             "a fresh run truncates PATH, --resume appends to it (after the rows of "
                             "the epochs its checkpoint finished; later rows are dropped)")
+    state.add_argument("--status-file", metavar="PATH",
+                       help="when the run ends, write its exit status here (one line; rank 0 of the "
+                            "ranks left writes). mpirun's own status can be 0 after a loss ended the "
+                            "job (a host lost with its daemon; MPI_Abort in a 2-rank job): the SLURM "
+                            "templates with --fault-tolerant read this file instead")
     state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
                        help="for testing resume: stop abruptly after STEPS steps in total, as if "
                             "killed (no final checkpoint)")
@@ -277,7 +282,8 @@ def local_argument_errors(args: argparse.Namespace, ranks_on_host: int = 1, rank
         if suffix not in METRICS_FORMATS:
             errors.append(f"--metrics {args.metrics}: unknown format {suffix or '(no extension)'}; "
                           "name the file .csv, .jsonl or .json")
-    for flag, path in (("--metrics", args.metrics), ("--timeline", args.timeline)):
+    for flag, path in (("--metrics", args.metrics), ("--timeline", args.timeline),
+                       ("--status-file", args.status_file)):
         problem = None if path is None else unwritable_file(Path(path))
         if problem:
             errors.append(f"{flag} {path}: {problem}")

@@ -60,6 +60,7 @@ import collectives
 from ...runtime import recovery as ulfm
 from ...runtime import world
 from ...runtime.spares import Spares
+from .status_file import write_status
 
 if TYPE_CHECKING:
     import torch
@@ -459,7 +460,7 @@ class Recovery:
         """End every rank of the job, naming the lost rank and how to go on."""
         t = self.trainer
         end_job(exc, f"at step {t.step} (epoch {t.epoch + 1})", refusal or "--on-rank-failure abort",
-                t.args.checkpoint_dir)
+                t.args.checkpoint_dir, t.args.status_file)
 
     def _local_state(self, sums: Sums | None, checkpoint_due: bool) -> LocalState:
         import torch
@@ -490,11 +491,12 @@ class Recovery:
                 "steps_lost": sum(r.steps_lost for r in lost) if lost else None}
 
 
-def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: str | None) -> None:
+def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: str | None,
+            status_file: str | None = None) -> None:
     """End every rank of the job (MPI_Abort with RANK_LOST) after its first lost rank, which it
     cannot go on without: say which rank was lost (the job's rank: `exc`'s, or those this
     process knows of; a strategy's sub-communicators number them otherwise), `when`, the
-    `reason` and how to resume."""
+    `reason` and how to resume; write RANK_LOST to `status_file` first (mpirun may report 0)."""
     job = world.world()  # MPI.COMM_WORLD: nothing was shrunk before a loss that ends the job
     ranks = tuple(getattr(exc, "world_ranks", ()) or ()) or ulfm.failed_ranks(job)
     who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {job.Get_size()}" if ranks
@@ -503,6 +505,7 @@ def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: s
     sys.stderr.write(f"hpcdl train: error: {who} failed {when}; {reason}: the job ends (exit status "
                      f"{RANK_LOST}).{resume} (reported by rank {job.Get_rank()})\n")
     sys.stderr.flush()
+    write_status(status_file, RANK_LOST)
     job.Abort(RANK_LOST)
 
 

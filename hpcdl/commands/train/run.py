@@ -20,6 +20,7 @@ from ..command import ARGUMENT_ERROR, Command, CommandError, report_failure
 from . import strategies
 from .options import KEEP_CHECKPOINTS, build_parser, local_argument_errors
 from .recovery import end_job
+from .status_file import clear_status, write_status
 from .strategies.base import DEFAULT_WARMUP_EPOCHS
 
 PROG = "hpcdl train"
@@ -59,10 +60,15 @@ def main(argv: list[str]) -> int:
         args.torch_device = torch_device(args.device, topology.local_rank, command)
     except CommandError as exc:
         return command.fail(exc)
+    if joined is None and comm.Get_rank() == 0:
+        clear_status(args.status_file)
     if args.synthetic:
         from .synthetic import run_synthetic_benchmark
 
-        return run_synthetic_benchmark(args, topology, comm)
+        status = run_synthetic_benchmark(args, topology, comm)
+        if comm.Get_rank() == 0:
+            write_status(args.status_file, status)
+        return status
     if joined is not None:  # built alone, then in the survivors' place (recovery.py)
         torch.set_num_threads(joined[1]["torch_threads"])
         return run_training(args, topology, MPI.COMM_SELF, joined)
@@ -261,7 +267,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                 raise
             end_job(exc, "while this rank served its parameter-server shard",
                     plan.strategy.rank_loss_refusal(plan) or strategy.lost_state() or "a lost rank",
-                    args.checkpoint_dir)
+                    args.checkpoint_dir, args.status_file)
             raise
         if collectives.fault_tolerant() and ulfm.knows_failed(MPI.COMM_WORLD):  # it served on after a lost worker
             ulfm.exit_after_loss(status)
@@ -290,6 +296,8 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
         trainer.compute.close()
         strategy.close()
     status = strategy.agree_status(status)
+    if trainer.rank == 0:  # of the ranks left
+        write_status(args.status_file, status)
     if trainer.recovery.spares is not None:
         trainer.recovery.spares.release()
     if trainer.recovery.lived_through_a_loss():
