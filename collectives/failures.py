@@ -41,7 +41,7 @@ _FAILURE_IF_KNOWN = frozenset({MPI.ERR_IN_STATUS, MPI.ERR_INTERN})
 #: while the process is inside MPI: a few milliseconds here while probing (docs/failures.md).
 KNOWLEDGE_WAIT_S = 2.0
 
-_TRUE = ("1", "t", "true", "y", "yes", "enabled")  # Open MPI's spellings of a true boolean MCA value
+MCA_TRUE = ("1", "t", "true", "y", "yes", "enabled")  # Open MPI's spellings of a true boolean MCA value
 _DIGIT_BITS = 5  # agree_min settles this many bits of the minimum per Agree
 _ALL_ONES = (1 << 31) - 1  # the 31 bits of Agree's int flag that are not its sign
 
@@ -56,7 +56,7 @@ def fault_tolerant() -> bool:
     seen. Under another MPI library, `srun`, or a singleton, it is False.
     """
     value = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
-    return value in _TRUE and MPI.Get_library_version().startswith("Open MPI")
+    return value in MCA_TRUE and MPI.Get_library_version().startswith("Open MPI")
 
 
 def revoke(comms: Iterable[MPI.Comm]) -> None:

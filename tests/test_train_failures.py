@@ -20,10 +20,12 @@ import pytest
 import torch
 from mpi4py import MPI
 
+import collectives
 from conftest import same_state
 from hpcdl.commands.train import recovery
 from hpcdl.commands.train.data import epoch_batches, epoch_order, load_digits_split, shard_sampler, shared_batches
 from hpcdl.commands.train.schedule import ProgressSchedule, Schedule
+from hpcdl.runtime import recovery as ulfm
 from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from run import own_job_environment, run_own_job  # launching jobs of its own
 
@@ -36,20 +38,23 @@ own_jobs = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                               reason="launches its own mpirun jobs: the one-rank job is enough")
 
 
-def launch(ranks: int, program: list[str], ulfm: bool = True) -> tuple[int, str]:
-    """Run `python program...` under mpirun (with ULFM unless told not to); status and output."""
+def launch(ranks: int, program: list[str], ulfm: bool = True, **env: str) -> tuple[int, str]:
+    """Run `python program...` under mpirun (with ULFM unless told not to), `env` added to its
+    environment; status and output."""
     path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     command = ["mpirun", *(["--with-ft", "ulfm"] if ulfm else []), "-n", str(ranks), "--oversubscribe",
                sys.executable, *program]
-    proc = run_own_job(command, JOB_TIMEOUT, own_job_environment(PYTHONPATH=path, HPCDL_STALL_WARNING_S="inf"))
+    proc = run_own_job(command, JOB_TIMEOUT, own_job_environment(PYTHONPATH=path, HPCDL_STALL_WARNING_S="inf",
+                                                                 **env))
     return proc.returncode, proc.stdout
 
 
-def train_losing(directory: Path, ranks: int, kills: list[str], args: list[str]) -> tuple[int, str, dict[int, Any]]:
+def train_losing(directory: Path, ranks: int, kills: list[str], args: list[str],
+                 **env: str) -> tuple[int, str, dict[int, Any]]:
     """`hpcdl train args` on `ranks` ranks, the `kills` (train_failure_job.py's syntax) happening;
     its status, output, and each finished process's final state by id."""
     directory.mkdir(parents=True, exist_ok=True)
-    code, out = launch(ranks, [str(TRAIN_JOB), str(directory), *kills, "--", *args])
+    code, out = launch(ranks, [str(TRAIN_JOB), str(directory), *kills, "--", *args], **env)
     return code, out, finals(directory)
 
 
@@ -430,6 +435,29 @@ def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
     assert (tmp_path / "status").read_text() == f"{recovery.RANK_LOST}\n"  # what a batch script reads
     assert expected in out and "MPI_ERR" not in out, out[-4000:]
     assert ("Resume from the newest checkpoint with --resume" in out) == bool(checkpoints), out[-4000:]
+
+
+def test_a_majority_is_a_quorum_and_the_detector_is_read_from_open_mpis_setting(monkeypatch):
+    assert [ulfm.has_quorum(4, s) for s in (1, 2, 3, 4)] == [False, False, True, True]
+    assert [ulfm.has_quorum(2, s) for s in (1, 2)] == [False, True]  # no side of a split pair goes on
+    monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "1")
+    for value, expected in [("true", True), ("1", True), ("false", False), ("", False)]:
+        monkeypatch.setenv("OMPI_MCA_mpi_ft_detector", value)
+        assert ulfm.detector_on() is (expected and collectives.fault_tolerant()), value
+    monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "0")  # no ULFM, nothing detected
+    assert ulfm.detector_on() is False
+
+
+@own_jobs
+def test_with_the_heartbeat_detector_half_the_ranks_do_not_go_on(tmp_path):
+    """With Open MPI's heartbeat detector on, which can declare live ranks dead (a partition),
+    losing 2 of 4 ranks leaves no majority: the job ends (status 5) saying why, instead of the
+    two sides each training on with a model of their own. (The detector's timeout is long here:
+    on 2 shared cores a busy rank can miss heartbeats; the kills are reported by mpirun anyway.)"""
+    code, out, final = train_losing(tmp_path, 4, ["backward:2:2+3"], ["--epochs", "1"],
+                                    OMPI_MCA_mpi_ft_detector="true", OMPI_MCA_mpi_ft_detector_timeout="60")
+    assert code == recovery.RANK_LOST and not final, out[-4000:]
+    assert "2 of 4 ranks are left, no majority" in out and "MPI_ERR" not in out, out[-4000:]
 
 
 # -- a user's loop -----------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives.failures import FAILURE_CLASSES, agree_min
+from collectives.failures import FAILURE_CLASSES, MCA_TRUE, agree_min
 
 from .world import set_member, set_world
 
@@ -88,6 +88,21 @@ def settled(comm: MPI.Comm, ok: bool) -> bool:
     if not collectives.fault_tolerant():
         return ok
     return agree_min(comm, 1 if ok else 0) == 1
+
+
+def detector_on() -> bool:
+    """Whether Open MPI's heartbeat failure detector is on (`mpi_ft_detector`, off by default):
+    it declares dead a process it has not heard from within its timeout, alive or not, so across
+    a network partition each side sees the other side lost. Read from the environment, as
+    `collectives.fault_tolerant()` reads `mpi_ft_enable`."""
+    value = os.environ.get("OMPI_MCA_mpi_ft_detector", "").strip().lower()
+    return collectives.fault_tolerant() and value in MCA_TRUE
+
+
+def has_quorum(before: int, survivors: int) -> bool:
+    """Whether `survivors` of `before` ranks are a strict majority: at most one side of a
+    partition can be, so where losses may be false (`detector_on()`) only that side goes on."""
+    return 2 * survivors > before
 
 
 def knows_failed(comm: MPI.Comm) -> bool:

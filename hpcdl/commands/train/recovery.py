@@ -270,6 +270,11 @@ class Recovery:
         seconds = time.perf_counter() - started
         # In the numbering of the ranks before the loss (-1: a replacement lost before it joined).
         ranks = tuple(members_before.index(m) if m in members_before else -1 for m in lost)
+        survivors = size_before - sum(1 for r in ranks if r >= 0)
+        if ulfm.detector_on() and not ulfm.has_quorum(size_before, survivors):
+            self._end_job(exc, f"{survivors} of {size_before} ranks are left, no majority, and Open MPI's "
+                          "heartbeat detector is on (mpi_ft_detector): a network partition looks the same "
+                          "from each side, so neither side goes on alone")
         loss = ulfm.RankLoss(ranks, tuple(lost), size_before, t.size, len(replaced), detected, seconds)
         report = LossReport(loss, caught, max(0, caught - t.step))
         self.reports.append(report)
