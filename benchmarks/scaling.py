@@ -116,17 +116,27 @@ def tune(network: str, ranks: int, args: argparse.Namespace, path: Path) -> dict
     return info
 
 
-def predict(ranks: int, args: argparse.Namespace, tuning: Path, timeline: Path) -> dict[str, Any]:
+def compute_step_ms(ranks: int, batch: int, measured: dict[str, Any]) -> float:
+    """The step without communication measured at this P (mode `local`): the accelerator's time
+    plus the host's own work per step (optimizer, copies; about 5 ms here), which the model's
+    compute time must include: a real run measures it the same way."""
+    return ranks * batch / measured["samples_per_s"]["local"] * 1e3
+
+
+def predict(ranks: int, args: argparse.Namespace, tuning: Path, timeline: Path,
+            compute_ms: float) -> dict[str, Any]:
+    """`hpcdl tune --predict --timeline` for P = `ranks` with a compute step of `compute_ms`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "predict.json"
         command = [sys.executable, "-m", "hpcdl", "tune", "--predict", "--nodes", str(ranks),
-                   "--compute-ms", f"{args.emulate_compute:.6g}", "--timeline", str(timeline),
+                   "--compute-ms", f"{compute_ms:.6g}", "--timeline", str(timeline),
                    "--tuning-file", str(tuning), "--json", str(out)]
         _, info = run(command, None, args.timeout)
         replay = json.loads(out.read_text())["replay"]["auto"]
     step_on, step_off = replay["step_s"], replay["step_no_overlap_s"]
     return {"command": info["command"].replace(str(ROOT) + "/", "").replace(sys.executable, "python"),
-            "step_s": step_on, "step_no_overlap_s": step_off, "communication_s": replay["communication_s"],
+            "compute_ms": compute_ms, "step_s": step_on, "step_no_overlap_s": step_off,
+            "communication_s": replay["communication_s"],
             "hpcdl": ranks * args.batch / step_on, "hpcdl-nolap": ranks * args.batch / step_off}
 
 
@@ -154,11 +164,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 point["tune"] = tune(network, max(ranks, 2), args, tuning)
             at = args
             if args.step_ratio:  # a step of R x the communication the model predicts at this P
-                communication = predict(ranks, args, tuning, timeline)["communication_s"]
+                communication = predict(ranks, args, tuning, timeline, args.emulate_compute)["communication_s"]
                 at = argparse.Namespace(**{**vars(args), "emulate_compute": args.step_ratio * communication * 1e3})
             point["emulate_compute_ms"] = at.emulate_compute
             point["measured"] = throughput(network, ranks, at, tuning)
-            point["predicted"] = predict(ranks, at, tuning, timeline)
+            point["predicted"] = predict(ranks, at, tuning, timeline,
+                                         compute_step_ms(ranks, args.batch, point["measured"]))
             point["tuning_file"] = tuning.name
             m, p = point["measured"]["samples_per_s"], point["predicted"]
             print(f"P={ranks:2d} {network}: " + "  ".join(f"{k} {m[k]:,.0f}" for k in args.modes)
@@ -173,6 +184,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "timeline": timeline.name, "date": time.strftime("%Y-%m-%d %H:%M"), "points": points}
 
 
+def predict_again(out: Path) -> dict[str, Any]:
+    """OUT.json with every point predicted again from the files it names, beside it."""
+    results = json.loads(out.with_suffix(".json").read_text())
+    timeline = out.with_name(results["timeline"])
+    for point in results["points"]:
+        at = argparse.Namespace(timeout=3600.0, batch=results["batch"])
+        point["predicted"] = predict(point["ranks"], at, out.with_name(point["tuning_file"]), timeline,
+                                     compute_step_ms(point["ranks"], results["batch"], point["measured"]))
+    return results
+
+
 def report(results: dict[str, Any], out: Path) -> None:
     """OUT.md (the table) and OUT.png (samples/s and efficiency against P)."""
     points = results["points"]
@@ -181,7 +203,8 @@ def report(results: dict[str, Any], out: Path) -> None:
              f"{results['batch']} per rank, network {results['network']}, {results['date']}; samples/s, median "
              f"of {results['rounds']} rounds of {results['steps']} steps; eff. = samples/s / (P x local at P=1); "
              "vs local: hpcdl / no communication at the same P; on/off: overlap on / off; predicted = "
-             "`hpcdl tune --predict --timeline` with the tuning file fitted at that layout.",
+             "`hpcdl tune --predict --timeline` with the tuning file fitted at that layout and the step "
+             "without communication measured there (local) as the compute time.",
              "",
              "| P | layout | step ms | local | hpcdl | predicted | error | eff. | vs local | no overlap | predicted "
              "| error | on/off | torch DDP gloo | torch DDP hpcdl | load |",
@@ -262,11 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-cluster", action="store_true", help="leave the emulated cluster up")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", required=True, help="results path without suffix")
+    parser.add_argument("--predict-only", action="store_true",
+                        help="measure nothing: predict OUT.json's points again (after a change to the model) "
+                             "with the tuning files and timeline beside it, and rewrite OUT.md and OUT.png")
     args = parser.parse_args(argv)
     if "local" not in args.modes:
         parser.error("--modes needs local (the efficiency's reference)")
-    results = measure(args)
     out = Path(args.out)
+    results = predict_again(out) if args.predict_only else measure(args)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     report(results, out)
     print(out.with_suffix(".md").read_text())
