@@ -457,7 +457,8 @@ def test_with_the_heartbeat_detector_half_the_ranks_do_not_go_on(tmp_path):
     code, out, final = train_losing(tmp_path, 4, ["backward:2:2+3"], ["--epochs", "1"],
                                     OMPI_MCA_mpi_ft_detector="true", OMPI_MCA_mpi_ft_detector_timeout="60")
     assert code == recovery.RANK_LOST and not final, out[-4000:]
-    assert "2 of 4 ranks are left, no majority" in out and "MPI_ERR" not in out, out[-4000:]
+    assert "ranks 2, 3 of 4 failed at step 2 (epoch 1); 2 of 4 ranks are left, no majority" in out, out[-4000:]
+    assert "MPI_ERR" not in out, out[-4000:]
 
 
 # -- a user's loop -----------------------------------------------------------------------------------

@@ -270,12 +270,12 @@ class Recovery:
         seconds = time.perf_counter() - started
         # In the numbering of the ranks before the loss (-1: a replacement lost before it joined).
         ranks = tuple(members_before.index(m) if m in members_before else -1 for m in lost)
+        loss = ulfm.RankLoss(ranks, tuple(lost), size_before, t.size, len(replaced), detected, seconds)
         survivors = size_before - sum(1 for r in ranks if r >= 0)
         if ulfm.detector_on() and not ulfm.has_quorum(size_before, survivors):
             self._end_job(exc, f"{survivors} of {size_before} ranks are left, no majority, and Open MPI's "
                           "heartbeat detector is on (mpi_ft_detector): a network partition looks the same "
-                          "from each side, so neither side goes on alone")
-        loss = ulfm.RankLoss(ranks, tuple(lost), size_before, t.size, len(replaced), detected, seconds)
+                          "from each side, so neither side goes on alone", loss)
         report = LossReport(loss, caught, max(0, caught - t.step))
         self.reports.append(report)
         self.unreported.append(report)
@@ -461,11 +461,12 @@ class Recovery:
             t.strategy.scale_learning_rate(factor, None)
             self.lr_factor = factor
 
-    def _end_job(self, exc: BaseException | None, refusal: str | None) -> None:
-        """End every rank of the job, naming the lost rank and how to go on."""
+    def _end_job(self, exc: BaseException | None, refusal: str | None, loss: ulfm.RankLoss | None = None) -> None:
+        """End every rank of the job, naming the lost rank (`loss`'s, once the survivors have
+        shrunk their communicator) and how to go on."""
         t = self.trainer
         end_job(exc, f"at step {t.step} (epoch {t.epoch + 1})", refusal or "--on-rank-failure abort",
-                t.args.checkpoint_dir, t.args.status_file)
+                t.args.checkpoint_dir, t.args.status_file, loss)
 
     def _local_state(self, sums: Sums | None, checkpoint_due: bool) -> LocalState:
         import torch
@@ -497,15 +498,17 @@ class Recovery:
 
 
 def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: str | None,
-            status_file: str | None = None) -> None:
-    """End every rank of the job (MPI_Abort with RANK_LOST) after its first lost rank, which it
-    cannot go on without: say which rank was lost (the job's rank: `exc`'s, or those this
-    process knows of; a strategy's sub-communicators number them otherwise), `when`, the
-    `reason` and how to resume; write RANK_LOST to `status_file` first (mpirun may report 0)."""
-    job = world.world()  # MPI.COMM_WORLD: nothing was shrunk before a loss that ends the job
+            status_file: str | None = None, loss: ulfm.RankLoss | None = None) -> None:
+    """End every rank of the job (MPI_Abort with RANK_LOST) after a lost rank it cannot go on
+    without: say which rank was lost (`loss`'s description where the survivors had shrunk their
+    communicator already; else the job's rank: `exc`'s, or those this process knows of, as a
+    strategy's sub-communicators number them otherwise), `when`, the `reason` and how to resume;
+    write RANK_LOST to `status_file` first (mpirun may report 0)."""
+    job = world.world()  # the job's communicator now (MPI.COMM_WORLD, unless ranks were lost before)
     ranks = tuple(getattr(exc, "world_ranks", ()) or ()) or ulfm.failed_ranks(job)
-    who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {job.Get_size()}" if ranks
-           else "a rank")
+    who = loss.describe() if loss is not None else (
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {job.Get_size()}" if ranks
+        else "a rank")
     resume = " Resume from the newest checkpoint with --resume." if checkpoint_dir else ""
     sys.stderr.write(f"hpcdl train: error: {who} failed {when}; {reason}: the job ends (exit status "
                      f"{RANK_LOST}).{resume} (reported by rank {job.Get_rank()})\n")
