@@ -380,9 +380,43 @@ def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_othe
     assert code == 2 and "checkpoint-000000030.pt was written after a worker was lost (2 worker(s) left)" in out, out
 
 
+@own_jobs
+@pytest.mark.parametrize("backups", [1, 0])
+def test_sync_backup_drops_a_lost_worker_at_the_cost_of_a_backup(tmp_path, backups):
+    """sync-backup, 4 ranks, 3 workers + 1 server: worker 1 dies as its 6th step starts. The
+    server counts it out: with --backup-workers 1 it costs the backup, so every update still
+    averages N = 2 pushes (0 backups left); with 0 N shrinks from 3 to the 2 left. The job exits 0
+    after both epochs, every push of the survivors counted (each epoch 15 x 3 pushes, the lost
+    worker's share too); the loss's line and the epoch line
+    say what an update takes now; the accuracy is a learnt one (chance is 0.1)."""
+    code, out, final = train_losing(
+        tmp_path, 4, ["step:5:1"],
+        ["--strategy", "sync-backup", "--servers", "1", "--backup-workers", str(backups), "--epochs", "2",
+         "--seed", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")])
+    assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
+    server, workers = final[3], [final[0], final[2]]
+    stats = server["stats"]
+    assert server["lost"] == [1] and server["clocks"][1] == 5 and server["consistency"] == {"b": 0}, server
+    assert all(server["clocks"][w] == final[w]["own_steps"] for w in (0, 2)), server["clocks"]
+    assert stats.pushes == sum(server["clocks"].values()) >= 2 * 15 * 3, stats
+    applied = stats.pushes - stats.dropped
+    if backups:  # N = 2 before and after the loss (the run's last update may drain 1 push)
+        assert 2 * stats.updates - 1 <= applied <= 2 * stats.updates and stats.dropped > 0, stats
+    else:  # 3 pushes per update before the loss, the 2 left's after it; nothing dropped
+        assert 2 * stats.updates < applied < 3 * stats.updates and stats.dropped == 0, stats
+    # (The workers' last model is not compared with the server's: pushes still pending when they
+    # closed are applied after it, as without a loss.)
+    assert all(w["reports"] == [((1,), 0)] and w["size"] == 2 and w["step"] == 30 for w in workers)
+    assert "lost rank 1 of 3" in out and "updates now take the first 2 of 2 pushes per step (0 backup)" in out, \
+        out[-4000:]
+    rows = metrics(tmp_path / "m.jsonl")
+    assert [r["lost_ranks"] for r in rows] == ["1", None] and [r["ranks"] for r in rows] == [3, 3], rows
+    assert rows[-1]["accuracy"] > 0.5, rows
+
+
 def test_only_data_parallel_runs_go_on_with_other_ranks():
-    """Every strategy but allreduce, local-sgd and the parameter servers that drop a lost worker
-    (all but sync-backup), and allreduce with a model split over ranks, refuse to go on after
+    """Every strategy but allreduce, local-sgd and the parameter servers (which drop a lost
+    worker), and allreduce with a model split over ranks, refuse to go on after
     a lost rank (the job ends, below), each saying why; no parameter server resumes on other ranks."""
     from hpcdl.commands.train import strategies
     from hpcdl.commands.train.options import build_parser
@@ -405,10 +439,7 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
             argv = ["--strategy", name, *servers]
             # a parameter server's clocks are by rank: a resume takes the ranks that wrote it
             assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv, resume=True), name
-            if name != "sync-backup":  # a lost worker is dropped (a lost server: below)
-                assert refusal(argv) is None, name
-            else:
-                assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv), name
+            assert refusal(argv) is None, name  # a lost worker is dropped (a lost server: below)
 
 
 @own_jobs
@@ -416,16 +447,16 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
     (["--on-rank-failure", "abort"], "backward:2:1", "rank 1 of 3 failed at step 2 (epoch 1); --on-rank-failure abort"),
     (["--model", "hybrid-cnn", "--grid", "1x3"], "optimizer:2:1",
      "rank 1 of 3 failed at step 3 (epoch 1); --model hybrid-cnn splits"),  # its update: no allreduce at 1x3
-    (["--strategy", "sync-backup", "--servers", "1"], "step:3:0",  # a worker, while the other waits
-     "rank 0 of 3 failed while this rank served its parameter-server shard; --strategy sync-backup keeps state"),
+    (["--strategy", "sync-backup", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
+     "the lost server (rank 2) held a shard of the parameters"),
     (["--strategy", "sync-ps", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
      "rank 2 of 3 failed at step"),
     (["--strategy", "downpour", "--servers", "1", "--epochs", "5"], "after:300:2",  # downpour drops workers only
      "the lost server (rank 2) held a shard of the parameters"),
 ])
 def test_the_job_ends_naming_the_lost_rank(tmp_path, argv, kill, expected):
-    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; sync-backup
-    losing a worker; sync-ps and downpour losing their server): every rank ends, exit status 5, the lost rank named
+    """--on-rank-failure abort, and runs that cannot go on (a model split over ranks; sync-backup,
+    sync-ps and downpour losing their server): every rank ends, exit status 5, the lost rank named
     in the job's numbering, how to resume said where there are checkpoints; no raw MPI error."""
     checkpoints = [] if "hybrid-cnn" in argv else ["--checkpoint-dir", str(tmp_path / "ck")]
     # 3 ranks: when the one survivor of 2 ends the job (MPI_Abort), mpirun's status is 0 (known limits)

@@ -23,8 +23,9 @@ Every checkpoint is kept (not only the newest three), for the tests to resume fr
 Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
 replacement's) with its model, optimizer and scheduler state (a parameter server's worker: the
 model it evaluated last, its own counters; a server: its shard's values put into the model, its
-clocks and the workers it lost), and DIR/done-<id> with the exit status, so the test can compare
-the survivors bit for bit. The rest is `hpcdl train` itself.
+clocks, progress, the workers it lost and its consistency model's state), and DIR/done-<id> with
+the exit status, so the test can compare the survivors bit for bit. The rest is `hpcdl train`
+itself.
 """
 from __future__ import annotations
 
@@ -188,7 +189,8 @@ def keep_final_state(directory: Path) -> None:
                 raw = server.message[start:start + (piece.stop - piece.start) * size]
                 flats[piece.param][piece.start:piece.stop].copy_(raw.view(flats[piece.param].dtype))
         torch.save({"model": self.module.state_dict(), "clocks": dict(server.clocks), "lost": sorted(server.lost),
-                    "stats": server.stats()}, directory / f"final-{world.member()}.pt")
+                    "stats": server.stats(), "progress": server.progress,
+                    "consistency": server.consistency.state_dict()}, directory / f"final-{world.member()}.pt")
         (directory / f"done-{world.member()}").write_text(str(status))
         return status
     servers.ParameterServerStrategy.serve = serving  # type: ignore[method-assign]

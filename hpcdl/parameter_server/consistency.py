@@ -27,7 +27,8 @@ worker's clock (steps pushed). After every message it asks its model two questio
               with b backup workers; b = 0 is sync)
 
 A worker that has sent DONE, or that the server learnt was lost (server.py), is no longer active:
-sync no longer waits for it and SSP's slowest clock is taken over the others. When every worker
+sync no longer waits for it and SSP's slowest clock is taken over the others; a lost one costs
+backup one of its b backups (N stays), or with none left shrinks N (`lose_worker`). When every worker
 is done the server drains: what is still pending is applied as one last update (softsync's last
 fewer-than-s pushes).
 tau of a push is 0 when its gradient was computed from the version it is applied to; softsync
@@ -69,6 +70,16 @@ class Async:
     def dropped(self, pending: Sequence[Push], version: int) -> list[int]:
         """Indices into `pending` of pushes to discard without applying them."""
         return []
+
+    def lose_worker(self) -> None:
+        """An active worker died (server.py counts it out): change what the model waits for."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What changed in this model while it ran (backup's backups left), for a checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`."""
 
     def schedule_step(self, progress: int, workers: int, version: int) -> float:
         """The step an update's learning rate is scheduled by: the workers' mean step, `progress`
@@ -131,12 +142,24 @@ class Backup(Async):
     summed in worker order (so with b = 0 it is `Synchronous`, bit for bit); a push that arrives
     after its version's update (computed from an older version) is dropped. A worker's pull is
     answered once the version has moved past the one its last push was computed from: at once
-    when that push was dropped, so a straggler goes on from the newest parameters."""
+    when that push was dropped, so a straggler goes on from the newest parameters.
+
+    A lost worker costs one backup: N stays, b - 1 backups are left (`lose_worker`); with no
+    backup left, N shrinks to the workers left (as sync's does)."""
 
     name = "backup"
 
     def __init__(self, b: int) -> None:
         self.b = b
+
+    def lose_worker(self) -> None:
+        self.b = max(0, self.b - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"b": self.b}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.b = int(state.get("b", self.b))
 
     def dropped(self, pending: Sequence[Push], version: int) -> list[int]:
         return [i for i, p in enumerate(pending) if p.version < version]

@@ -196,6 +196,8 @@ class ShardServer:
             raise exc  # a server: its shard is gone
         for worker in sorted(dead - self.lost):
             self.lost.add(worker)
+            if worker in self.active:  # one that had sent DONE changes nothing
+                self.consistency.lose_worker()
             self.active.discard(worker)
             self._saves.pop(worker, None)
             self._deferred = [d for d in self._deferred if d[0] != worker]

@@ -121,6 +121,7 @@ class LossReport:
     loss: ulfm.RankLoss
     step: int
     steps_lost: int
+    change: str = ""  # what changed in how the strategy trains (`Strategy.after_loss`)
 
 
 class Recovery:
@@ -276,7 +277,7 @@ class Recovery:
             self._end_job(exc, f"{survivors} of {size_before} ranks are left, no majority, and Open MPI's "
                           "heartbeat detector is on (mpi_ft_detector): a network partition looks the same "
                           "from each side, so neither side goes on alone", loss)
-        report = LossReport(loss, caught, max(0, caught - t.step))
+        report = LossReport(loss, caught, max(0, caught - t.step), t.strategy.after_loss(t.size))
         self.reports.append(report)
         self.unreported.append(report)
         if t.timeline is not None:
@@ -286,7 +287,8 @@ class Recovery:
             [f"{len(replaced) - spared} replacement(s) started"] if len(replaced) > spared else [])
         t.say(f"hpcdl train: lost {loss.describe()} at step {caught} (epoch {t.epoch + 1}); going on "
               f"with {t.size} rank(s) from step {t.step} after {seconds:.2f} s"
-              + (f" ({', '.join(joined)})" if joined else ""), file=sys.stderr, flush=True)
+              + (f" ({', '.join(joined)})" if joined else "") + (f"; {report.change}" if report.change else ""),
+              file=sys.stderr, flush=True)
 
     def join(self, comm: MPI.Comm) -> None:
         """In a replacement (its trainer built alone): take a lost rank's place in the job that
@@ -485,7 +487,8 @@ class Recovery:
         """For the epoch line: the losses since the last one."""
         return "".join(f"  lost {r.loss.describe()} at step {r.step} ({r.loss.seconds:.2f} s, "
                        f"{r.steps_lost} step(s) lost"
-                       + (f", {r.loss.replaced} replaced" if r.loss.replaced else "") + ")"
+                       + (f", {r.loss.replaced} replaced" if r.loss.replaced else "")
+                       + (f"; {r.change}" if r.change else "") + ")"
                        for r in self.unreported)
 
     def epoch_columns(self) -> dict[str, Any]:

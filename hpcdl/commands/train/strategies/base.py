@@ -273,6 +273,11 @@ class Strategy:
         and any replacements); the step a failure interrupted is dropped."""
         raise NotImplementedError
 
+    def after_loss(self, workers: int) -> str:
+        """What changed in how the strategy trains now that `workers` training ranks are left
+        (for the loss's line and the epoch line), or "" where only the ranks did."""
+        return ""
+
     def replicated_state(self) -> dict[str, Any]:
         """What every training rank holds alike (model, optimizer, schedule), to give a survivor
         that went one step further, or a replacement, the state to go on from

@@ -19,9 +19,9 @@ Checkpoints. Every worker asks the servers to checkpoint (the barrier of
 which sends it to rank 0, and rank 0 writes every shard into the one checkpoint file with the
 rest. Resuming gives each server its shard back.
 
-Lost ranks (under `mpirun --with-ft ulfm`): downpour, softsync, ssp and sync-ps drop a lost worker
-and go on with the others (`drops_lost_workers`; servers.py says how); sync-backup, and every
-strategy losing a server, end the job (docs/failures.md#training).
+Lost ranks (under `mpirun --with-ft ulfm`): every parameter-server strategy (sync-backup too)
+drops a lost worker and goes on with the others (`drops_lost_workers`; servers.py says how); one
+losing a server ends the job (docs/failures.md#training).
 """
 from __future__ import annotations
 

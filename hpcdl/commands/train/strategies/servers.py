@@ -5,16 +5,16 @@ strategy (parameter_server.py: downpour, softsync, ssp, sync-ps; sync_backup.py)
 naming its consistency model.
 
 Lost ranks (--on-rank-failure continue, under ULFM; docs/failures.md#training). Under
-`drops_lost_workers` (downpour, softsync, ssp, sync-ps) a lost WORKER is dropped and the others
+`drops_lost_workers` (every strategy here) a lost WORKER is dropped and the others
 go on: each server counts it out (ShardServer's `lost`) and the workers' own communicator is
 shrunk (recovery.py) at their next collective. Those paced by `Meetings` keep each epoch's
 planned size, steps per epoch x the workers the job started with, pushed by the workers left
 (the rest of the lost worker's shard is not trained any more); sync-ps (`Lockstep`) splits each
-later global batch over the workers left, as allreduce does. What the lost worker pushed stays
+later global batch over the workers left, as allreduce does; sync-backup's updates keep N pushes
+at the cost of a backup, or with none left average the workers left (sync_backup.py, whose
+`after_loss` the loss's line and the epoch line print). What the lost worker pushed stays
 applied. A lost SERVER takes its shard of the parameters with it: the job ends (exit status 5)
 naming it (`lost_state`), and --resume from the newest checkpoint continues the run.
-sync-backup, whose updates count N + b pushes of the workers it started with, ends the job at
-any lost rank (`rank_loss_refusal`).
 """
 from __future__ import annotations
 
@@ -113,8 +113,8 @@ class ParameterServerStrategy(Strategy):
         if not cls.drops_lost_workers:
             return (f"--strategy {cls.name} keeps state that not every rank holds (a server's shard of the "
                     "parameters) and counts each update's pushes for every worker it started with, so going "
-                    "on after a lost rank is offered for --strategy allreduce, local-sgd, and downpour, "
-                    "softsync, ssp and sync-ps losing a worker")
+                    "on after a lost rank is offered for --strategy allreduce, local-sgd, and the "
+                    "parameter servers losing a worker")
         return None
 
     @classmethod

@@ -13,6 +13,12 @@ The workers run at their own pace (`Meetings`): a dropped worker skips to the ne
 workers take different numbers of steps; an epoch ends when the servers have received
 steps-per-epoch x workers pushes, applied or dropped. The rate is scaled for N x batch samples per
 update; staleness is 0 for every applied push.
+
+A lost worker (--on-rank-failure continue, under ULFM) is dropped as the other parameter servers
+drop one (servers.py): it costs one backup, so each update still averages N pushes and b - 1
+backups are left; with no backup left (b = 0) N shrinks to the workers left, as sync-ps's does.
+Each server counts the loss out on its own (`Backup.lose_worker`), so no server waits for a push
+that cannot come. The loss's line and the epoch line say how many pushes an update takes now.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class SyncBackup(ParameterServerStrategy):
     summary = "parameter server, synchronous with --backup-workers: the first workers - B pushes per step"
     consistency = "backup"
     options = ParameterServerStrategy.options + ("backup_workers",)
+    drops_lost_workers = True
 
     @classmethod
     def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
@@ -71,6 +78,11 @@ class SyncBackup(ParameterServerStrategy):
     def details(cls, plan: Plan) -> str:
         b = plan.options["backup_workers"]
         return f", the first {cls.pushes_per_update(plan)} of {plan.trainers} pushes per step ({b} backup)"
+
+    def after_loss(self, workers: int) -> str:
+        b = int(self.plan.options["backup_workers"])
+        left = max(0, b - (self.plan.trainers - workers))  # each lost worker cost a backup
+        return f"updates now take the first {workers - left} of {workers} pushes per step ({left} backup)"
 
 
 STRATEGIES = (SyncBackup,)
