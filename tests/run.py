@@ -7,10 +7,11 @@
 
 Each N is one MPI job in which every rank runs pytest over tests/. Rank 0 prints to the terminal;
 the other ranks write test-logs/N<size>/rank<r>.log (or under $HPCDL_TEST_LOGS), printed here when
-that rank failed. The jobs run one after the other: on two cores a job beside another slows
-both about 2.3x, since waiting ranks spin-yield (--beside runs the N=1 job beside the others,
-with rank 0's output in its log too: CI's tests took 1638 s that way, against 1260 s in turn
-at the commit before, which had about 200 s fewer tests).
+that rank failed. The jobs run one after the other (--beside runs the N=1 job beside the others,
+with rank 0's output in its log too). On two cores the two ways take about as long: CI's tests
+took 1806 s in turn and 1638 s beside with about 50 s fewer tests, since a job beside another
+slows both about 2.3x (waiting ranks spin-yield); but beside, the N=1 job's launches disturb
+the timing tests of the other job (hpcdl tune's fit at N=2 failed so once), and in turn none did.
 A test passes only if it passed on every rank. Exit status is non-zero if anything failed or a job
 died (a rank that hangs is killed by pytest-timeout, and mpirun then ends the job).
 
