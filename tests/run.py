@@ -286,8 +286,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test (pytest-timeout)")
     parser.add_argument("--job-timeout", type=int, default=1200, help="seconds per mpirun job")
     parser.add_argument("--beside", action="store_true",
-                        help="run the one-rank job beside the others rather than in turn (slower on "
-                             "two cores; for a machine with cores to spare)")
+                        help="run the one-rank job beside the others rather than in turn (on two cores "
+                             "about 100 s faster, but its launches disturb the other job's timing tests; "
+                             "for a machine with cores to spare)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
     if args.hosts is not None and (args.no_emulated or args.hosts < 1):
@@ -300,8 +301,8 @@ def main() -> int:
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     broken = []
     hosts_label = ""
-    # The one-rank job is mostly tests that launch MPI jobs of their own; beside the others it
-    # only pays where cores are idle, which on the reference machine (2 cores) they are not.
+    # The one-rank job is mostly tests that launch MPI jobs of their own; beside the others their
+    # start-ups load the cores under the other job's timing tests (see the module docstring).
     beside = 1 if 1 in sizes and (len(sizes) > 1 or hosts) and args.beside else None
     started = time.monotonic()
     background = start_size(1, pytest_args, args.timeout, quiet=True) if beside else None
