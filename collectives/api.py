@@ -33,7 +33,7 @@ from typing import Any, Callable, NoReturn, cast
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import Buffer, as_buffer, device_runtime
+from .buffers import Buffer, DeviceRuntime, as_buffer, device_runtime
 from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError, LocalArgumentError
 from .failures import Failure, agree_min, failed_ranks, failure_of, fault_tolerant, revoke
@@ -139,7 +139,9 @@ class _Lane:
     def __init__(self, dup: _Duplicate, patient: Callable[[], bool] | None) -> None:
         self._dup = dup
         self.patient = patient
-        self.scratch = ScratchPool()
+        #: scratch arrays by the device runtime (None: host) that allocated them, with the runtime
+        #: held so that its id is not reused while its pool lives
+        self._scratch: dict[int, tuple[DeviceRuntime | None, ScratchPool]] = {}
         self.fused: dict[tuple[Any, ...], _FusedPlan | None] = {}
         self._links: dict[tuple[Any, ...], Link] = {}
         self._agreement: Agreement | None = None
@@ -159,10 +161,19 @@ class _Lane:
 
     def release(self) -> None:
         """Drop everything planned and allocated for the communicator (it is used no more)."""
-        self.scratch.clear()
+        self._scratch.clear()
         self.fused.clear()
         self._links.clear()
         self._agreement = None
+
+    def scratch(self, runtime: DeviceRuntime | None) -> ScratchPool:
+        """The reusable arrays of buffers of `runtime` (None: host memory). One pool per runtime:
+        an array belongs to the runtime that allocated it, so a runtime swapped in (a fake device
+        after CuPy, as the GPU check's tests do) never gets another's device memory."""
+        held = self._scratch.get(id(runtime))
+        if held is None or held[0] is not runtime:
+            held = self._scratch[id(runtime)] = (runtime, ScratchPool())
+        return held[1]
 
     def link(self, op: str, src: Buffer, finishes: bool, tag: int) -> Link:
         """A `Link` for one call, reused across calls alike in op, device and runtime."""
@@ -173,7 +184,7 @@ class _Lane:
         if link is None or link.runtime is not runtime:  # a runtime swapped in since
             link = self._links[key] = Link(
                 self._dup.get(), OPS[op], src.xp, on_device=src.on_device, cuda_aware=aware,
-                runtime=runtime, scratch=self.scratch, patient=self.patient, finishes_blocks=finishes,
+                runtime=runtime, scratch=self.scratch(runtime), patient=self.patient, finishes_blocks=finishes,
                 choose_level=choose_level)
         link.tag = tag
         return link
@@ -473,7 +484,7 @@ def _execute(call: _Call, lane: _Lane, number: int, plan: _Plan | None, error: s
     described = ALGORITHMS[call.collective][algorithm]
     link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
     work = layout.work if layout.work is not None else \
-        lane.scratch.get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
+        lane.scratch(link.runtime).get(src.xp.empty, ("input", src.on_device), src.count, src.dtype)
     rides = _rides_in_check(call.collective, algorithm, src.on_device,
                             src.count * src.dtype.itemsize)
     if rides:  # the data goes with the check: fill first, then one exchange does both

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 #: bench rows the report shows: these sizes, every algorithm (and gloo) beside each other.
-REPORT_SIZES = (8, 4096, 1 << 20, 16 << 20, 256 << 20)
+REPORT_SIZES = (8, 4096, 256 << 10, 16 << 20, 128 << 20)
 
 
 def run(command: list[str]) -> str:

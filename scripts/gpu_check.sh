@@ -86,7 +86,8 @@ else
     DEV=()
     TORCH_DEVICE=cuda
     TESTS_K="cupy or cuda"
-    BENCH_SIZES=(-b 8 -e 256M -f 2 --rounds 2)
+    BENCH_SIZES=(-b 8 -e 128M -f 8 -n 20 -w 2 --rounds 2)  # 9 sizes: on one shared GPU
+                                        # an op of 8 B takes about 1 ms (the H200, 2026-11-27)
     STAGING_SIZES=(--sizes-mib 16 64 256)
     TUNE_ITERS=20
     TRAIN_ARGS=(--steps 20 --warmup 5 --rounds 2)

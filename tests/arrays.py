@@ -396,6 +396,17 @@ def _cupy_unavailable() -> str | None:
     return None
 
 
+def _cupy_has_bfloat16() -> bool:
+    """Whether this CuPy computes in ml_dtypes' bfloat16 (CuPy 14 does, experimentally)."""
+    try:
+        import cupy
+
+        x = cupy.asarray(np.array([1, 2], collectives.DTYPES["bfloat16"]))
+        return bool((cupy.asnumpy(cupy.add(x, x)) == np.array([2, 4], x.dtype)).all())
+    except Exception:  # noqa: BLE001 - no bfloat16 kernels: the backend leaves bfloat16 out
+        return False
+
+
 @add_backend
 def _cupy() -> Backend:
     reason = _cupy_unavailable()
@@ -417,17 +428,6 @@ def _cupy() -> Backend:
                    dtypes=tuple(d for d in collectives.DTYPES
                                 if d != "bfloat16" or (reason is None and _cupy_has_bfloat16())),
                    unavailable=reason)
-
-
-def _cupy_has_bfloat16() -> bool:
-    """Whether this CuPy computes in ml_dtypes' bfloat16 (CuPy 14 does, experimentally)."""
-    try:
-        import cupy
-
-        x = cupy.asarray(np.array([1, 2], collectives.DTYPES["bfloat16"]))
-        return bool((cupy.asnumpy(cupy.add(x, x)) == np.array([2, 4], x.dtype)).all())
-    except Exception:  # noqa: BLE001 - no bfloat16 kernels: the backend leaves bfloat16 out
-        return False
 
 
 def backend_params() -> list[Any]:

@@ -297,6 +297,45 @@ def test_cuda_aware_and_staged_ranks_meet(comm: MPI.Comm, monkeypatch: pytest.Mo
     outcomes.verify()
 
 
+class _RecordingNumpy:
+    """NumPy as a device runtime's xp, recording the sizes of the arrays it allocates."""
+
+    def __init__(self) -> None:
+        self.allocated: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+    def empty(self, shape: Any, dtype: Any = float) -> np.ndarray:
+        self.allocated.append(shape)
+        return np.empty(shape, dtype)
+
+
+@pytest.mark.parametrize("cuda_aware", [True, False], ids=["aware", "staged"])
+def test_each_device_runtime_gets_scratch_of_its_own(comm: MPI.Comm, cuda_aware: bool) -> None:
+    """The collectives' reusable arrays belong to the device runtime that allocated them: the
+    same calls on a second runtime allocate their own instead of reusing the first's. (On the
+    GPU check, the fake device's test after CuPy's tests was handed CuPy's device scratch, which
+    MPI, not CUDA-aware, cannot read, and the job hung.)"""
+    if comm.Get_size() == 1:
+        pytest.skip("one rank reduces nothing: no scratch")
+    rank, n = comm.Get_rank(), comm.Get_size() * BLOCK_BYTES // 4 + 3
+    inputs = [rank_data(q, n, "float32") for q in range(comm.Get_size())]
+    outcomes = Outcomes(comm)
+    for turn in ("first", "second"):
+        runtime = FakeDeviceRuntime()
+        xp = runtime.xp = _RecordingNumpy()
+        with device_runtime_installed(runtime, cuda_aware=cuda_aware):
+            x = FakeDeviceArray(inputs[rank].copy())
+            ran, _ = run_case(outcomes, f"{turn} runtime", False,
+                              lambda: collectives.allreduce(x, algorithm="ring", out=x))
+        if ran:
+            outcomes.expect_equal(f"{turn} runtime's allreduce", x.host,
+                                  reduce_reference(inputs, "sum"))
+            outcomes.expect(f"{turn} runtime's scratch", bool(xp.allocated), "none allocated")
+    outcomes.verify()
+
+
 def test_measure_staging_recovers_the_copy_cost() -> None:
     """`calibrate.measure_staging` through the fake device's simulated copies (50 MB/s, 1 ms
     each, slow enough that the fake's own memcpy of the bytes hardly adds): the fitted slope

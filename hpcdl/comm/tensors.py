@@ -50,9 +50,9 @@ def as_array(tensor: torch.Tensor) -> Any:
 
 
 def _cuda_array(tensor: torch.Tensor) -> Any:
-    # Not run here (no GPU on the development machines). Synchronizing the producing stream is
-    # the simple way to be correct by construction: the collectives run on another thread and
-    # another stream, and MPI reads device memory behind CUDA's back.
+    # Run on a GPU by the GPU check (docs/gpu_check.md), never in CI. Synchronizing the
+    # producing stream is the simple way to be correct by construction: the collectives run on
+    # another thread and another stream, and MPI reads device memory behind CUDA's back.
     import cupy
 
     torch.cuda.current_stream(tensor.device).synchronize()

@@ -212,7 +212,7 @@ class Reducer:
             self.next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.flat.is_cuda:  # not run here: MPI and the engine's stream must see finished grads
+        if bucket.flat.is_cuda:  # MPI and the engine's stream must see finished grads
             torch.cuda.current_stream(bucket.flat.device).synchronize()
         bucket.link = ExchangeLink(self.comm, algorithm=self.algorithm, chunk_bytes=self.chunk_bytes)
         started = time.perf_counter()

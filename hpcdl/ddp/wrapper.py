@@ -52,7 +52,7 @@ Uneven inputs: inside `join()` a rank whose data ran out keeps answering the oth
 with zeros, and averages are over the ranks that contributed (`hpcdl/ddp/join.py`).
 
 CUDA tensors go to the collectives as CuPy arrays over the same memory (DLPack), after torch's
-current stream is synchronized; this path has not been run (no GPU where it was written).
+current stream is synchronized; first run on a GPU (one H200) on 2026-11-27: docs/gpu_check.md.
 """
 from __future__ import annotations
 
