@@ -202,7 +202,9 @@ def report(work: Path, out: Path, fake: bool) -> int:
     train = {p: _load(work / f"train-{p}.json") for p in ("p1", "p2")}
     accuracy = {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
                 for path in sorted(work.glob("accuracy-*.jsonl"))}
-    machine = env.get("gpu") or ("fake device" if fake else "unknown GPU")
+    gpus = [] if fake else run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]).splitlines()
+    machine = env.get("gpu") or ("fake device" if fake else gpus[0] if gpus else "unknown GPU")
+    mps = (work / "mps.txt").read_text().strip() if (work / "mps.txt").exists() else "not set up"
     lines = [f"GPU check on {machine} ({'fake device, tiny sizes' if fake else 'real device'}), "
              f"{time.strftime('%Y-%m-%d %H:%M %Z')}",
              "", f"{'step':<16}{'status':<11}{'seconds':>8}{'budget':>8}"]
@@ -213,6 +215,7 @@ def report(work: Path, out: Path, fake: bool) -> int:
                                                        "cuda_aware_mpi", "cupy_bfloat16"))]
     if env.get("mpi_library"):
         lines.append(f"MPI: {env['mpi_library']}")
+    lines.append(f"MPS (the ranks share the GPU): {mps}")
     if dev:
         lines.append(f"device ceilings: copy {dev['device_copy_gbs']:.1f} GB/s (read+write "
                      f"{2 * dev['device_copy_gbs']:.1f}), float32 add {dev['device_add_gbs']:.1f} GB/s; "
@@ -255,7 +258,7 @@ def report(work: Path, out: Path, fake: bool) -> int:
     text = "\n".join(lines) + "\n"
     (out / "gpu_check.txt").write_text(text)
     (out / "gpu_check.json").write_text(json.dumps({
-        "machine": machine, "fake": fake, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine, "fake": fake, "mps": mps, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "steps": steps, "environment": env, "device": dev, "tuning": tuning, "bench": bench,
         "bench_vs_gloo": best,
         "staging": staging, "train": train, "accuracy": accuracy,

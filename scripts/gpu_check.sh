@@ -32,7 +32,10 @@
 # train-p1, train-p2, train-accuracy; then the report: $OUT/gpu_check.txt, $OUT/gpu_check.json and every step's log
 # and output in $OUT/gpu_check_logs.tar.gz. $OUT defaults to ./gpu-check-out.
 #
-#   bash scripts/gpu_check.sh [--fake] [--only STEP...] [--out DIR]
+#   bash scripts/gpu_check.sh [--fake] [--no-mps] [--only STEP...] [--out DIR]
+#
+# The setup starts NVIDIA's MPS daemon (unless --no-mps), so the ranks sharing the one GPU do not
+# wait for each other's time slices; the report says whether it ran.
 #
 # --fake: no GPU needed: the device steps run on the fake device of tests/arrays.py (through
 # tests/fake_gpu.py), torch on the CPU, every size tiny, the local MPI as it is. The whole check
@@ -44,11 +47,13 @@ BEGAN=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 FAKE=0
+MPS=1
 ONLY=""
 OUT_DIR=${OUT:-$ROOT/gpu-check-out}
 while [ $# -gt 0 ]; do
     case "$1" in
         --fake) FAKE=1 ;;
+        --no-mps) MPS=0 ;;
         --out) OUT_DIR=$2; shift ;;
         --only) shift; while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do ONLY="$ONLY $1"; shift; done
                 continue ;;
@@ -147,6 +152,7 @@ setup() {
             export PYTHONPATH="$site:$PYTHONPATH"  # before the image's own
         fi
     fi
+    mps
     "$PY" -c "import mpi4py; from mpi4py import MPI; print('mpi4py', mpi4py.__version__, mpi4py.__file__); print(MPI.Get_library_version().splitlines()[0])" || return 1
     if ! timeout 60 mpirun -n 2 "$PY" -c "from mpi4py import MPI; assert MPI.COMM_WORLD.allreduce(1) == 2"; then
         echo "mpirun -n 2 failed; retrying with shared memory and loopback only"
@@ -154,6 +160,23 @@ setup() {
         timeout 60 mpirun -n 2 "$PY" -c "from mpi4py import MPI; assert MPI.COMM_WORLD.allreduce(1) == 2" || return 1
     fi
     echo "mpirun -n 2: ok"
+}
+
+# MPS: the check's ranks share one GPU, and without MPS each device synchronize waits for the
+# other processes' time slices (an 8-byte allreduce took 0.4-1 ms at P=2 on the H200, 0.09-0.18 ms
+# with MPS; docs/gpu_check.md). A cluster's rank per GPU has neither cost, so MPS is on by default.
+mps() {
+    if [ "$FAKE" = 1 ]; then echo "off (fake device)" >"$WORK/mps.txt"; return 0; fi
+    if [ "$MPS" = 0 ]; then echo "off (--no-mps)" >"$WORK/mps.txt"; return 0; fi
+    export CUDA_MPS_PIPE_DIRECTORY="$WORK/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$WORK/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+        echo "on (nvidia-cuda-mps-control -d)" >"$WORK/mps.txt"
+    else
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+        echo "off (nvidia-cuda-mps-control missing or failed to start)" >"$WORK/mps.txt"
+    fi
+    echo "MPS: $(cat "$WORK/mps.txt")"
 }
 
 echo "== setup (every run: the steps need its environment)"
@@ -172,15 +195,15 @@ step device 25 "$PY" "${DEV[@]}" scripts/gpu_check.py device --json "$WORK/devic
     $([ "$FAKE" = 1 ] && echo --small)
 TEST_FILES=(tests/test_collectives.py tests/test_nonblocking.py tests/test_staging.py
             tests/test_torch_collectives.py)
-step tests-p2 85 "$PY" tests/run.py -n 2 --no-emulated --timeout 80 -- "${TEST_FILES[@]}" -q \
+step tests-p2 105 "$PY" tests/run.py -n 2 --no-emulated --timeout 80 -- "${TEST_FILES[@]}" -v \
     -k "$TESTS_K"
 step tests-p4 60 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/test_collectives.py \
-    tests/test_staging.py -q -k "$TESTS_K"
+    tests/test_staging.py -v -k "$TESTS_K"
 step tune 30 mpirun -n 2 "${HPCDL[@]}" tune --device gpu --model-only --iters "$TUNE_ITERS" \
     -o "$WORK/tuning-gpu.json"
 TUNED=()  # the bench's predicted column, from the model just fitted on this GPU
 [ -f "$WORK/tuning-gpu.json" ] && TUNED=(--tuning-file "$WORK/tuning-gpu.json")
-step bench 70 mpirun -n 2 "${HPCDL[@]}" bench --device gpu -C allreduce "${BENCH_SIZES[@]}" \
+step bench 50 mpirun -n 2 "${HPCDL[@]}" bench --device gpu -C allreduce "${BENCH_SIZES[@]}" \
     "${TUNED[@]}" --json "$WORK/bench.json"
 step staging 30 mpirun -n 2 "$PY" "${DEV[@]}" benchmarks/staging.py --device gpu \
     "${STAGING_SIZES[@]}" --json "$WORK/staging.json"
@@ -203,6 +226,7 @@ step train-accuracy 60 bash -c 'ACCURACY_ARGS=($ACCURACY_ARGS_TEXT); accuracy "$
     "$WORK" "$TORCH_DEVICE" "${HPCDL[@]}"
 
 # -- the report ----------------------------------------------------------------------------------
+case $(cat "$WORK/mps.txt" 2>/dev/null) in on*) echo quit | nvidia-cuda-mps-control ;; esac
 "$PY" scripts/gpu_check.py report --work "$WORK" --out "$OUT_DIR" $([ "$FAKE" = 1 ] && echo --fake)
 status=$?
 tar czf "$OUT_DIR/gpu_check_logs.tar.gz" -C "$WORK" . 2>/dev/null

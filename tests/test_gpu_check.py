@@ -43,7 +43,7 @@ def test_every_step_runs_on_the_fake_device(tmp_path: Path) -> None:
     assert list(steps) == STEPS, output[-3000:]
     failed = {name: s["log_tail"] for name, s in steps.items() if s["status"] != "ok"}
     assert status == 0 and not failed, (failed, output[-3000:])
-    assert report["fake"] and report["machine"] == "fake device"
+    assert report["fake"] and report["machine"] == "fake device" and report["mps"] == "off (fake device)"
     # every algorithm and the gloo peer timed on "device" buffers, every result exact
     rows = report["bench"]["results"]
     assert report["bench"]["metadata"]["device"] == "gpu"
