@@ -357,12 +357,13 @@ def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_othe
     step 6 waits for it no longer (one update per step all the same: 30), the others learn of it
     in the step's agreement on signals, and every later step's global batch of 96 is split over
     the 2 left (each takes 48, the second epoch's every sample); the rate follows the steps. Both
-    end with the server's model after the planned 30 steps. A --resume from a checkpoint written
-    after the loss is refused, saying why."""
+    end with the server's model after the planned 30 steps. Its checkpoint of step 20, written
+    after the loss, resumed on the ranks left (2 workers + the server) ends bitwise where the run
+    ended; resumed on 4 ranks, a third worker takes the lost one's place."""
     code, out, final = train_losing(
         tmp_path, 4, ["step:5:1"],
         ["--strategy", "sync-ps", "--servers", "1", "--epochs", "2", "--seed", "2",
-         "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")])
+         "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "10", "--metrics", str(tmp_path / "m.jsonl")])
     assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
     server, workers = final[3], [final[0], final[2]]
     assert server["lost"] == [1] and server["clocks"] == {0: 30, 1: 5, 2: 30} and server["stats"].updates == 30
@@ -372,12 +373,24 @@ def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_othe
     rows = metrics(tmp_path / "m.jsonl")
     assert [r["lost_ranks"] for r in rows] == ["1", None] and rows[1]["samples"] >= 1437, rows
     assert rows[1]["lr"] == 0 and rows[-1]["accuracy"] > 0.8, rows  # the cosine schedule ran to its end
-    # Its checkpoints name the workers left; the servers' clocks, the lost one too: no resume from them.
-    (tmp_path / "R").mkdir()
-    code, out = launch(4, [str(TRAIN_JOB), str(tmp_path / "R"), "--", "--strategy", "sync-ps", "--servers", "1",
-                           "--epochs", "3", "--seed", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"],
-                       ulfm=False)
-    assert code == 2 and "checkpoint-000000030.pt was written after a worker was lost (2 worker(s) left)" in out, out
+    # Its checkpoints name the workers left, the servers' the lost one too: the servers give the
+    # workers of the resumed job the places of the workers left, in order.
+    for ranks in (3, 4):
+        directory = tmp_path / f"on{ranks}"
+        (directory / "ck").mkdir(parents=True)
+        shutil.copy(checkpoint_path(tmp_path / "ck", 20), checkpoint_path(directory / "ck", 20))
+        code, out = launch(ranks, [str(TRAIN_JOB), str(directory), "--", "--strategy", "sync-ps", "--servers", "1",
+                                   "--epochs", "2", "--seed", "2", "--checkpoint-dir", str(directory / "ck"),
+                                   "--resume"], ulfm=False)
+        assert code == 0, out[-4000:]
+        resumed = finals(directory)
+        assert sorted(resumed) == list(range(ranks)), out[-4000:]
+        if ranks == 3:  # the ranks left: bitwise where the run ended
+            assert same_state(resumed[2]["model"], server["model"]) and resumed[2]["progress"] == server["progress"]
+            assert all(same_state(resumed[w]["model"], workers[w]["model"]) for w in (0, 1))
+        else:  # a third worker in the lost one's place, from where the first stood
+            assert resumed[3]["clocks"] == {0: 30, 1: 30, 2: 30} and resumed[3]["stats"].updates == 10
+            assert all(same_state(_parameters(resumed[w]["model"]), _parameters(resumed[3]["model"])) for w in range(3))
 
 
 @own_jobs
@@ -417,7 +430,8 @@ def test_sync_backup_drops_a_lost_worker_at_the_cost_of_a_backup(tmp_path, backu
 def test_only_data_parallel_runs_go_on_with_other_ranks():
     """Every strategy but allreduce, local-sgd and the parameter servers (which drop a lost
     worker), and allreduce with a model split over ranks, refuse to go on after
-    a lost rank (the job ends, below), each saying why; no parameter server resumes on other ranks."""
+    a lost rank (the job ends, below), each saying why; of the parameter servers only sync-ps
+    resumes on other ranks."""
     from hpcdl.commands.train import strategies
     from hpcdl.commands.train.options import build_parser
 
@@ -437,8 +451,10 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
         if name not in ("allreduce", "local-sgd"):
             servers = ["--servers", "1"] if "servers" in strategies.STRATEGIES[name].options else []
             argv = ["--strategy", name, *servers]
-            # a parameter server's clocks are by rank: a resume takes the ranks that wrote it
-            assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv, resume=True), name
+            if name == "sync-ps":  # every worker at the same step at a checkpoint: any workers resume
+                assert refusal(argv, resume=True) is None
+            else:  # the workers' clocks, each at its own pace, are by rank: the ranks that wrote it
+                assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv, resume=True), name
             assert refusal(argv) is None, name  # a lost worker is dropped (a lost server: below)
 
 

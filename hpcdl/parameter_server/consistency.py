@@ -75,8 +75,8 @@ class Async:
         """An active worker died (server.py counts it out): change what the model waits for."""
 
     def state_dict(self) -> dict[str, Any]:
-        """What changed in this model while it ran (backup's backups left). Reported, not yet
-        checkpointed: a parameter server's checkpoint written after a lost worker is not resumed."""
+        """What changed in this model while it ran (backup's backups left); in each server's
+        checkpoint."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -127,6 +127,13 @@ class ShardServer:
         self._combined = torch.zeros_like(self.message)
         self.version = 0
         self.workers = list(workers)
+        #: the workers of the run's first job, by which an update's scheduled step is taken (a
+        #: resume on other workers keeps it)
+        self.started_with = len(self.workers)
+        #: what `progress` counts beyond this job's workers' clocks: the steps of workers lost
+        #: before the checkpoint this job resumed from (less any clocks a resume on more workers
+        #: gave the new ones), so that a resume leaves `progress` as it was
+        self.retired_steps = 0
         self.clocks = {w: 0 for w in self.workers}
         self.based_on = {w: -1 for w in self.workers}  # the version of each worker's last push
         self.dropped = 0  # pushes discarded unapplied (backup's late ones)
@@ -300,7 +307,7 @@ class ShardServer:
             value.grad = grad
         if self.lr_schedule is not None:
             t = self.consistency.schedule_step(self.progress - sum(p.steps for p in pushes),
-                                               len(self.workers), self.version)
+                                               self.started_with, self.version)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_schedule(t)
         self.optimizer.step()
@@ -338,8 +345,9 @@ class ShardServer:
 
     @property
     def progress(self) -> int:
-        """Steps pushed by every worker, summed (as far as this shard has received them)."""
-        return sum(self.clocks.values())
+        """Steps pushed by every worker, summed (as far as this shard has received them), those of
+        workers retired by a resume included."""
+        return sum(self.clocks.values()) + self.retired_steps
 
     def _send_params(self, worker: int, clock: int, meeting: bool = False) -> None:
         gap = clock - slowest(self.clocks, self.active, clock)
@@ -431,18 +439,27 @@ class ShardServer:
 
     def state_dict(self) -> dict[str, Any]:
         """A copy of everything this shard needs to resume: values, version, optimizer state,
-        workers' clocks, pushes not yet applied (softsync) and the staleness counts."""
+        workers' clocks (with who the workers were and which were lost), pushes not yet applied
+        (softsync), the consistency model's own state and the staleness counts."""
         return {
             "shard": self.shard.index, "servers": len(self.layout.shards), "nbytes": self.layout.nbytes,
             "values": self.message[HEADER_BYTES:].clone(), "version": self.version,
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "workers": list(self.workers), "lost": sorted(self.lost), "started_with": self.started_with,
+            "retired_steps": self.retired_steps,
             "clocks": dict(self.clocks), "based_on": dict(self.based_on), "dropped": self.dropped,
             "pending": [(p.worker, p.version, p.clock, p.steps, p.message.clone()) for p in self.pending],
-            "staleness": self.staleness.state_dict(),
+            "consistency": self.consistency.state_dict(), "staleness": self.staleness.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` of this same shard (same servers and model); call before serve()."""
+        """Restore `state_dict()` of this same shard (same servers and model); call before serve().
+
+        The saved run's workers that were not lost take this job's workers' places in order (a
+        checkpoint written after a lost worker resumes on the workers left). Where this job has
+        more workers, the others start at the lowest saved clock; where fewer, the last saved
+        ones are left out; `progress` stays what it was either way (`retired_steps`). Only
+        synchronous runs resume on other workers (strategies/servers.py says which)."""
         mine = (self.shard.index, len(self.layout.shards), self.layout.nbytes)
         theirs = (state.get("shard"), state.get("servers"), state.get("nbytes"))
         if mine != theirs:
@@ -454,11 +471,26 @@ class ShardServer:
         self.version = int(state["version"])
         header(self._array)[VERSION] = self.version
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self.clocks = {int(w): int(c) for w, c in state["clocks"].items()}
+        clocks = {int(w): int(c) for w, c in state["clocks"].items()}
+        # Checkpoints written before the server kept its workers: the clocks' keys, none lost.
+        lost = {int(w) for w in state.get("lost", ())}
+        saved = [int(w) for w in state.get("workers", sorted(clocks)) if int(w) not in lost]
+        places = dict(zip(saved, self.workers))  # a saved worker -> the worker of this job in its place
+        start = min((clocks[w] for w in saved), default=0)
+        self.started_with = int(state.get("started_with", len(clocks)))
+        self.clocks = {w: start for w in self.workers} | {places[w]: clocks[w] for w in places}
+        self.retired_steps = int(state.get("retired_steps", 0)) + sum(clocks.values()) \
+            - sum(self.clocks.values())
         # States saved before backup workers existed: the sync and async models ignore it.
-        self.based_on = {int(w): int(v) for w, v in state.get("based_on", {w: -1 for w in self.clocks}).items()}
+        based_on = {int(w): int(v) for w, v in state.get("based_on", {w: -1 for w in clocks}).items()}
+        self.based_on = {w: -1 for w in self.workers} | {places[w]: based_on[w] for w in places}
         self.dropped = int(state.get("dropped", 0))
-        self.pending = [Push(w, v, c, s, m.clone()) for w, v, c, s, m in state["pending"]]
+        # A push of a worker without a place here (lost, or left out) stays, applied in its turn
+        # as any push is, under a number no worker of this job has.
+        outside = {w: -1 - w for w in clocks if w not in places}
+        self.pending = [Push(places.get(w, outside.get(w, w)), v, c, s, m.clone())
+                        for w, v, c, s, m in state["pending"]]
+        self.consistency.load_state_dict(state.get("consistency", {}))
         self.staleness.load_state_dict(state["staleness"])
 
     def stats(self) -> ServerStats:

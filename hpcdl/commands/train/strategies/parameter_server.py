@@ -124,6 +124,7 @@ class SyncParameterServer(ParameterServerStrategy):
     consistency = "sync"
     pacing = Lockstep
     drops_lost_workers = True
+    resumes_on_other_workers = True
 
     @classmethod
     def asynchrony(cls, plan: Plan) -> float:

@@ -14,7 +14,9 @@ later global batch over the workers left, as allreduce does; sync-backup's updat
 at the cost of a backup, or with none left average the workers left (sync_backup.py, whose
 `after_loss` the loss's line and the epoch line print). What the lost worker pushed stays
 applied. A lost SERVER takes its shard of the parameters with it: the job ends (exit status 5)
-naming it (`lost_state`), and --resume from the newest checkpoint continues the run.
+naming it (`lost_state`), and --resume from the newest checkpoint continues the run. A checkpoint
+written after a lost worker resumes on the ranks left where the strategy
+`resumes_on_other_workers` (sync-ps); the others resume on the ranks that wrote it.
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ class ParameterServerStrategy(Strategy):
     pacing: ClassVar[type[Pacing]] = Meetings
     #: whether a lost worker is dropped and the others go on (the servers count it out)
     drops_lost_workers: ClassVar[bool] = False
+    #: whether a checkpoint resumes on other workers than wrote it (the workers left after a
+    #: loss, or any number): where every worker stands at the same step at a checkpoint, so that
+    #: the servers can give the workers of the new job their places (ShardServer.load_state_dict)
+    resumes_on_other_workers: ClassVar[bool] = False
     shares_replicas = False  # the servers hold the model; each worker only its own counters
 
     @classmethod
@@ -108,8 +114,10 @@ class ParameterServerStrategy(Strategy):
     @classmethod
     def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
         if resume:
-            return (f"--strategy {cls.name} keeps state that not every rank holds (each server's clock of "
-                    "every worker, by rank), so a resume takes the ranks it was checkpointed with")
+            return None if cls.resumes_on_other_workers else (
+                f"--strategy {cls.name} keeps state that not every rank holds (each server's clock of "
+                "every worker, by rank, the workers at their own paces), so a resume takes the ranks it "
+                "was checkpointed with")
         if not cls.drops_lost_workers:
             return (f"--strategy {cls.name} keeps state that not every rank holds (a server's shard of the "
                     "parameters) and counts each update's pushes for every worker it started with, so going "
@@ -229,6 +237,9 @@ class ParameterServerStrategy(Strategy):
             return
         assert mine is not None
         self.module.load_state_dict(checkpoint["model"])
+        if "ps" not in mine:  # a worker more than wrote the checkpoint: at a checkpoint every worker
+            # of a run that resumes on other workers stands where the first does
+            mine["ps"] = checkpoint["ranks"][0]["ps"] | {"bytes_sent": 0, "bytes_received": 0}
         self.ps.load_state_dict(mine["ps"])
         if "parameters" in mine:
             import torch
