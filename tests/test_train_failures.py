@@ -125,6 +125,16 @@ def test_data_cursor_and_progress_schedule():
     assert copy.get_last_lr() == progress.get_last_lr()
 
 
+def test_a_resumed_worker_takes_the_shard_of_the_worker_whose_place_it_took():
+    """After a loss the ranks left keep their shards, in order; ranks in the lost ones' places
+    take theirs; with no loss rank i takes shard i."""
+    from hpcdl.commands.train.data import shard_order
+
+    assert shard_order(None, 3) == [0, 1, 2]
+    assert shard_order([0, 2], 3) == [0, 2, 1] and shard_order([1, 2], 3) == [1, 2, 0]
+    assert shard_order([1, 3, 4], 3) == [1, 0, 2]  # replacements' ids (beyond the shards) own none
+
+
 # -- options ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,message", [
@@ -324,7 +334,9 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
     counts it out (SSP's bound no longer waits for it; softsync's updates of 3 pushes take them
     from the 2 left), the 2 others finish both epochs, pushing the lost worker's share too (each
     epoch is 15 x 3 pushes), and end with the server's model, the same on both; the metrics rows
-    record the loss; the held-out accuracy is a learnt one (above 0.3, chance being 0.1)."""
+    record the loss; the held-out accuracy is a learnt one (above 0.3, chance being 0.1). Under
+    ssp, the checkpoint of step 20 resumed on the ranks left finishes: each worker goes on from its
+    own clock, the server counts no lost worker, and the job's progress reaches the 2 epochs."""
     ck = tmp_path / "ck"
     code, out, final = train_losing(
         tmp_path, 4, [f"step:5:{victim}"],
@@ -349,6 +361,20 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
     assert [s for s, _ in list_checkpoints(ck)] == ([10, 15, 20, 30] if every else [15, 30])
     first = load_checkpoint(checkpoint_path(ck, every or 15))  # written by the 2 left, the server's shard in it
     assert len(first["ranks"]) == 2 and len(first["servers"]) == 1
+    if every:  # resumed on the ranks left from step 20: each worker goes on from its own clock
+        (tmp_path / "on3" / "ck").mkdir(parents=True)
+        shutil.copy(checkpoint_path(ck, 20), checkpoint_path(tmp_path / "on3" / "ck", 20))
+        saved = load_checkpoint(checkpoint_path(ck, 20))["servers"][0]["clocks"]
+        code, out = launch(3, [str(TRAIN_JOB), str(tmp_path / "on3"), "--", "--strategy", strategy, "--servers", "1",
+                               "--epochs", "2", "--seed", "2", "--checkpoint-every", str(every), *extra,
+                               "--checkpoint-dir", str(tmp_path / "on3" / "ck"), "--resume"], ulfm=False)
+        resumed = finals(tmp_path / "on3")
+        assert code == 0 and sorted(resumed) == [0, 1, 2], out[-4000:]
+        server = resumed[2]
+        assert server["lost"] == [] and server["progress"] >= 2 * 15 * 3, server
+        assert all(server["clocks"][i] >= saved[w] for i, w in enumerate(survivors)), (server["clocks"], saved)
+        assert all(server["clocks"][i] == resumed[i]["own_steps"] for i in (0, 1))
+        assert all(same_state(_parameters(resumed[i]["model"]), _parameters(server["model"])) for i in (0, 1))
 
 
 @own_jobs
@@ -430,8 +456,8 @@ def test_sync_backup_drops_a_lost_worker_at_the_cost_of_a_backup(tmp_path, backu
 def test_only_data_parallel_runs_go_on_with_other_ranks():
     """Every strategy but allreduce, local-sgd and the parameter servers (which drop a lost
     worker), and allreduce with a model split over ranks, refuse to go on after
-    a lost rank (the job ends, below), each saying why; of the parameter servers only sync-ps
-    resumes on other ranks."""
+    a lost rank (the job ends, below), each saying why; a parameter server resumes on other
+    workers, those at their own paces on at most as many as it started with."""
     from hpcdl.commands.train import strategies
     from hpcdl.commands.train.options import build_parser
 
@@ -451,11 +477,18 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
         if name not in ("allreduce", "local-sgd"):
             servers = ["--servers", "1"] if "servers" in strategies.STRATEGIES[name].options else []
             argv = ["--strategy", name, *servers]
-            if name == "sync-ps":  # every worker at the same step at a checkpoint: any workers resume
-                assert refusal(argv, resume=True) is None
-            else:  # the workers' clocks, each at its own pace, are by rank: the ranks that wrote it
-                assert f"--strategy {name} keeps state that not every rank holds" in refusal(argv, resume=True), name
-            assert refusal(argv) is None, name  # a lost worker is dropped (a lost server: below)
+            # the servers give the workers of a resumed job the places of those that wrote it
+            assert refusal(argv) is None and refusal(argv, resume=True) is None, name
+            # (a lost worker is dropped; a lost server ends the job: below); each worker at its own
+            # pace trains one of the run's shards: at most as many workers as it started with
+            args = build_parser().parse_args([*argv, "--model", "cnn"])
+            plan = strategies.plan(args, 4)
+            too_many = plan.strategy.resume_errors(plan, 4)
+            if name == "sync-ps":  # in lockstep the global batch is split over any number
+                assert too_many == [] and plan.strategy.resume_errors(plan, 1) == []
+            else:
+                assert "resume on at most 3 workers + 1 server(s) (4 ranks), not 4 workers" in too_many[0], name
+                assert plan.strategy.resume_errors(plan, 2) == [], name
 
 
 @own_jobs

@@ -458,8 +458,8 @@ class ShardServer:
         The saved run's workers that were not lost take this job's workers' places in order (a
         checkpoint written after a lost worker resumes on the workers left). Where this job has
         more workers, the others start at the lowest saved clock; where fewer, the last saved
-        ones are left out; `progress` stays what it was either way (`retired_steps`). Only
-        synchronous runs resume on other workers (strategies/servers.py says which)."""
+        ones are left out; `progress` stays what it was either way (`retired_steps`). Which
+        worker trains which shard then is the trainer's (strategies/servers.py)."""
         mine = (self.shard.index, len(self.layout.shards), self.layout.nbytes)
         theirs = (state.get("shard"), state.get("servers"), state.get("nbytes"))
         if mine != theirs:

@@ -3,6 +3,7 @@
 - `load_digits_split`: scikit-learn's 8x8 digits (ships with scikit-learn, no download), a fixed
   stratified train/held-out split that every rank computes identically (`hpcdl train` computes
   it once and sends it, as `dataset_arrays`: importing scikit-learn costs seconds per process).
+- `shard_order`: which shard each training rank takes on a resume after a loss;
 - `shard_sampler`: torch's own `DistributedSampler`, fed hpcdl's rank and size instead of a
   torch.distributed process group.
 - `epoch_batches`: the index batches of one epoch on this rank, optionally skipping the first k,
@@ -62,6 +63,15 @@ def shard_sampler(dataset: TensorDataset, *, seed: int, shuffle: bool = True,
     return DistributedSampler(dataset, num_replicas=size() if num_replicas is None else num_replicas,
                               rank=rank() if replica_rank is None else replica_rank,
                               shuffle=shuffle, seed=seed)
+
+
+def shard_order(kept: list[int] | None, shards: int) -> list[int]:
+    """The shards of a run's `shards` in the order its training ranks take them on a resume:
+    those of the ranks `kept` after a loss (a checkpoint's ids of the ranks left), in order, then
+    the others (the lost ranks'), so that each rank that takes a lost one's place takes its shard.
+    With no loss (`kept` None), rank i's shard is shard i."""
+    kept = list(range(shards)) if kept is None else [k for k in kept if k < shards]
+    return kept + [k for k in range(shards) if k not in kept]
 
 
 def batches_per_epoch(sampler: DistributedSampler, batch_size: int) -> int:

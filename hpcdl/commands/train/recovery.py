@@ -230,13 +230,15 @@ class Recovery:
 
     def checkpoint_state(self, batches_done: int) -> dict[str, Any]:
         """What a checkpoint at `batches_done` steps into the epoch keeps of a run that lost
-        ranks, so that `--resume` continues it on any number of ranks: the data position and the
-        learning rate's factor."""
+        ranks, so that `--resume` continues it on any number of ranks: the data position, the
+        learning rate's factor, and the ids of the ranks left (whose shards ranks paced by
+        `Meetings` go on training: data.shard_order)."""
         if not self.regrouped:
             return {}
         cursor = self.cursor if batches_done else DataCursor(self.cursor.global_batch)  # an epoch's end
         return {"elastic": {"cursor": [cursor.global_batch, cursor.since, cursor.offset],
-                            "lr_factor": self.lr_factor, "ranks": self.trainer.size}}
+                            "lr_factor": self.lr_factor, "ranks": self.trainer.size,
+                            "members": list(self.members)}}
 
     def handles(self, exc: BaseException) -> bool:
         """Whether `exc` is a lost rank this recovery deals with (under ULFM)."""

@@ -19,6 +19,7 @@ from ...runtime.spares import Spares, set_aside, wait_for_call
 from ..command import ARGUMENT_ERROR, Command, CommandError, report_failure
 from . import strategies
 from .options import KEEP_CHECKPOINTS, build_parser, local_argument_errors
+from .pacing import Meetings
 from .recovery import end_job
 from .status_file import clear_status, write_status
 from .strategies.base import DEFAULT_WARMUP_EPOCHS
@@ -133,7 +134,7 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
 
     from ...parallel import ProcessGrid
     from ...runtime.checkpoint import list_checkpoints, load_resume_checkpoint
-    from .data import batches_per_epoch, dataset_arrays, load_digits_split, shard_sampler
+    from .data import batches_per_epoch, dataset_arrays, load_digits_split, shard_order, shard_sampler
     from .models import build_hybrid_model, build_model
     from .schedule import Schedule, scaled_learning_rate, warmup_start_factor
     from .trainer import Trainer
@@ -171,10 +172,14 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
                           "(--checkpoint-dir keeps the newest few)"], rank)
         if made_with.get("ranks") != size and refusal is None:
             # A data-parallel run goes on with the data order and global batch of the ranks it
-            # started with, split over however many ranks it is resumed on (recovery.py).
+            # started with, split over however many ranks it is resumed on (recovery.py); a
+            # parameter server's with the shards of the workers it started with.
             plan_ranks = made_with["ranks"]
             plan = strategies.plan(args, plan_ranks)
             job = job | plan.job | {"ranks": plan_ranks}
+            problems = plan.strategy.resume_errors(plan, size - plan.servers)
+            if problems:
+                return _fail(problems, rank)
         differences = [f"{k} {made_with.get(k, _TRAJECTORY_DEFAULTS.get(k))!r} (this run: {v!r})"
                        for k, v in job.items() if made_with.get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
         differences += [f"{k} {v!r} (this run: none)" for k, v in made_with.items() if k not in job]
@@ -221,8 +226,11 @@ def run_training(args: argparse.Namespace, topology: runtime.Topology, comm: MPI
     # Only the training ranks (all but a parameter server's servers) share out the data; the ranks
     # of a hybrid model's group (one replica) train on the same batch.
     trainers = plan.trainers
-    sampler = shard_sampler(train_set, seed=args.seed, num_replicas=trainers,
-                            replica_rank=min(rank, trainers - 1) if grid is None else grid.data_rank)
+    replica = min(rank, trainers - 1) if grid is None else grid.data_rank
+    if checkpoint is not None and plan.strategy.pacing is Meetings and rank < size - plan.servers:
+        # each worker at its own pace trains the shard of the worker whose place it took
+        replica = shard_order(checkpoint.get("elastic", {}).get("members"), trainers)[rank]
+    sampler = shard_sampler(train_set, seed=args.seed, num_replicas=trainers, replica_rank=replica)
     if args.batch_size > len(sampler):
         # Every step would take the whole share, so the global batch the rate is scaled for never
         # happens; the same numbers on every rank give the same verdict.

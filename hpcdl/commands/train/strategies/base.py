@@ -237,6 +237,12 @@ class Strategy:
     # -- lost ranks (--on-rank-failure continue, under ULFM) ---------------------------------------
 
     @classmethod
+    def resume_errors(cls, plan: Plan, trainers: int) -> list[str]:
+        """What is wrong with resuming a checkpoint of `plan` (the ranks it started with) on
+        `trainers` training ranks, where `rank_loss_refusal(resume=True)` allows other ranks."""
+        return []
+
+    @classmethod
     def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
         """Why training cannot go on with other ranks than it started with, or None where it
         can: after a lost rank (--on-rank-failure continue), or in a resume on another number of

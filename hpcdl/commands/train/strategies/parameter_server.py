@@ -124,7 +124,6 @@ class SyncParameterServer(ParameterServerStrategy):
     consistency = "sync"
     pacing = Lockstep
     drops_lost_workers = True
-    resumes_on_other_workers = True
 
     @classmethod
     def asynchrony(cls, plan: Plan) -> float:

@@ -14,9 +14,10 @@ later global batch over the workers left, as allreduce does; sync-backup's updat
 at the cost of a backup, or with none left average the workers left (sync_backup.py, whose
 `after_loss` the loss's line and the epoch line print). What the lost worker pushed stays
 applied. A lost SERVER takes its shard of the parameters with it: the job ends (exit status 5)
-naming it (`lost_state`), and --resume from the newest checkpoint continues the run. A checkpoint
-written after a lost worker resumes on the ranks left where the strategy
-`resumes_on_other_workers` (sync-ps); the others resume on the ranks that wrote it.
+naming it (`lost_state`), and --resume from the newest checkpoint continues the run. A checkpoint,
+one written after a lost worker too, resumes on other workers (the ranks left, or the ranks the
+run started with): the servers give them the places of the workers left, in order, and each
+worker paced by `Meetings` trains the shard of the worker whose place it took (`shard_order`).
 """
 from __future__ import annotations
 
@@ -52,10 +53,6 @@ class ParameterServerStrategy(Strategy):
     pacing: ClassVar[type[Pacing]] = Meetings
     #: whether a lost worker is dropped and the others go on (the servers count it out)
     drops_lost_workers: ClassVar[bool] = False
-    #: whether a checkpoint resumes on other workers than wrote it (the workers left after a
-    #: loss, or any number): where every worker stands at the same step at a checkpoint, so that
-    #: the servers can give the workers of the new job their places (ShardServer.load_state_dict)
-    resumes_on_other_workers: ClassVar[bool] = False
     shares_replicas = False  # the servers hold the model; each worker only its own counters
 
     @classmethod
@@ -113,17 +110,24 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
-        if resume:
-            return None if cls.resumes_on_other_workers else (
-                f"--strategy {cls.name} keeps state that not every rank holds (each server's clock of "
-                "every worker, by rank, the workers at their own paces), so a resume takes the ranks it "
-                "was checkpointed with")
         if not cls.drops_lost_workers:
             return (f"--strategy {cls.name} keeps state that not every rank holds (a server's shard of the "
                     "parameters) and counts each update's pushes for every worker it started with, so going "
                     "on after a lost rank is offered for --strategy allreduce, local-sgd, and the "
                     "parameter servers losing a worker")
         return None
+
+    @classmethod
+    def resume_errors(cls, plan: Plan, trainers: int) -> list[str]:
+        # A resume on other workers: the servers give them the places of the workers that wrote
+        # the checkpoint (and were not lost), in order (ShardServer.load_state_dict). Workers at
+        # their own paces each train their own shard of the run's (shard_order), so there are at
+        # most as many as the run's shards; in lockstep (sync-ps) the global batch is split.
+        if cls.pacing is Meetings and trainers > plan.trainers:
+            return [f"--resume: --strategy {cls.name}'s workers each train their own shard of the "
+                    f"{plan.trainers} of the run it resumes: resume on at most {plan.trainers} workers "
+                    f"+ {plan.servers} server(s) ({plan.ranks} ranks), not {trainers} workers"]
+        return []
 
     @classmethod
     def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
@@ -237,9 +241,12 @@ class ParameterServerStrategy(Strategy):
             return
         assert mine is not None
         self.module.load_state_dict(checkpoint["model"])
-        if "ps" not in mine:  # a worker more than wrote the checkpoint: at a checkpoint every worker
-            # of a run that resumes on other workers stands where the first does
-            mine["ps"] = checkpoint["ranks"][0]["ps"] | {"bytes_sent": 0, "bytes_received": 0}
+        if "ps" not in mine:  # a worker more than wrote the checkpoint (in a lost one's place): it
+            # starts where the slowest stood (the servers give it that clock), fetching at once
+            slowest = min((r["ps"] for r in checkpoint["ranks"]), key=lambda ps: ps["clock"])
+            mine["ps"] = slowest | {"accumulated": 0, "pushed": None, "since_fetch": None,
+                                    "bytes_sent": 0, "bytes_received": 0}
+            mine["own_steps"] = int(slowest["clock"])
         self.ps.load_state_dict(mine["ps"])
         if "parameters" in mine:
             import torch
