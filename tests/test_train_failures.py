@@ -370,6 +370,7 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
                                "--checkpoint-dir", str(tmp_path / "on3" / "ck"), "--resume"], ulfm=False)
         resumed = finals(tmp_path / "on3")
         assert code == 0 and sorted(resumed) == [0, 1, 2], out[-4000:]
+        assert "on 3 rank(s) (the data of the run's 3 workers)" in out, out[-4000:]
         server = resumed[2]
         assert server["lost"] == [] and server["progress"] >= 2 * 15 * 3, server
         assert all(server["clocks"][i] >= saved[w] for i, w in enumerate(survivors)), (server["clocks"], saved)

@@ -108,7 +108,8 @@ class Trainer:
         args, plan, schedule = self.args, self.plan, self.schedule
         self.say(f"training {args.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
                  f"held out) on {self.recovery.ranks_now()} rank(s)"
-                 + (f" (the data split and global batch of {plan.ranks})" if self.recovery.regrouped else "")
+                 + ((f" (the data of the run's {plan.trainers} workers)" if plan.servers else
+                     f" (the data split and global batch of {plan.ranks})") if self.recovery.regrouped else "")
                  + f" with {plan.name} ({plan.describe()}): batch "
                  f"{args.batch_size} per rank, {plan.update_batch} per update, lr {schedule.lr:g} (base "
                  f"{args.lr:g} x {plan.update_batch}/{args.reference_batch}"
