@@ -24,8 +24,9 @@ Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or
 replacement's) with its model, optimizer and scheduler state (a parameter server's worker: the
 model it evaluated last, its own counters; a server: its shard's values put into the model, its
 clocks, progress, the workers it lost and its consistency model's state), and DIR/done-<id> with
-the exit status, so the test can compare the survivors bit for bit. The rest is `hpcdl train`
-itself.
+the exit status, so the test can compare the survivors bit for bit; every process appends each
+run's status to DIR/statuses-<id> as the run returns (a line per run), for tests whose runs share
+one job. The rest is `hpcdl train` itself.
 """
 from __future__ import annotations
 
@@ -213,7 +214,12 @@ def main(argv: list[str]) -> int:
             runs.append([])
         else:
             runs[-1].append(arg)
-    return max(train.main(run) for run in runs)
+    statuses = []
+    for run in runs:
+        statuses.append(train.main(run))
+        with open(directory / f"statuses-{world.member()}", "a") as file:  # what ended, should a later run not
+            file.write(f"{statuses[-1]}\n")
+    return max(statuses)
 
 
 if __name__ == "__main__":
