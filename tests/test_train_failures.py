@@ -189,35 +189,85 @@ def test_ranks_lost_in_backward_the_update_and_a_checkpoint_write_until_one_is_l
         "recovery from the loss of rank 0 of 2"]
 
 
+#: The two 4-rank runs that lose rank 3 and whose survivors are compared with undisturbed 3-rank
+#: runs resumed from their checkpoints: (its kill, its arguments, whether it writes DIR/m.jsonl,
+#: the steps whose checkpoints the 3-rank runs resume from) by name.
+SHRINKING_RUNS = {
+    "allreduce": (["backward:7:3"], ["--epochs", "2", "--batch-size", "32", "--bucket-cap-mb", "0.05",
+                                     "--seed", "3", "--checkpoint-every", "7"], True, (7, 14)),
+    "local-sgd": (["step:7:3"], ["--strategy", "local-sgd", "--period", "4", "--epochs", "1", "--batch-size", "32",
+                                 "--seed", "3", "--checkpoint-every", "7"], False, (7,)),
+}
+
+
+@pytest.fixture(scope="module")
+def shrinking(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`shrinking(name)`: SHRINKING_RUNS[name] run on 4 ranks (launched once for the module) as
+    `train_losing` returns it, with its directory (the checkpoints in DIR/ck)."""
+    done: dict[str, tuple[Path, tuple[int, str, dict[int, Any]]]] = {}
+
+    def run(name: str) -> tuple[Path, tuple[int, str, dict[int, Any]]]:
+        if name not in done:
+            directory = tmp_path_factory.mktemp(name)
+            kills, args, with_metrics, _ = SHRINKING_RUNS[name]
+            done[name] = directory, train_losing(directory, 4, kills, [
+                *args, "--checkpoint-dir", str(directory / "ck"),
+                *(["--metrics", str(directory / "m.jsonl")] if with_metrics else [])])
+        return done[name]
+    return run
+
+
+@pytest.fixture(scope="module")
+def resumed_on_three(shrinking: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
+    """The undisturbed 3-rank runs resumed from each SHRINKING_RUNS run's checkpoints (the ones it
+    wrote: a run that failed to write one is left out), all in one job (one start of the ranks),
+    without ULFM: each one's checkpoint directory by (name, step). The job's output and each run's
+    status on each rank are in the directory's parent (DIR/../out, DIR/../statuses-<rank>)."""
+    job = tmp_path_factory.mktemp("resumed")
+    runs, directories = [], {}
+    for name, (_, args, _, steps) in SHRINKING_RUNS.items():
+        source = shrinking(name)[0] / "ck"
+        for step in steps:
+            if checkpoint_path(source, step).exists():
+                directory = job / f"{name}-from{step}"
+                directory.mkdir()
+                shutil.copy(checkpoint_path(source, step), checkpoint_path(directory, step))
+                runs += ["--", *args, "--checkpoint-dir", str(directory), "--resume"]
+                directories[(name, step)] = directory
+    code, out = launch(3, [str(TRAIN_JOB), str(job), *runs], ulfm=False) if runs else (0, "")
+    (job / "out").write_text(f"exit status {code}\n{out}")
+    return directories
+
+
+def resumed_status(resumed: dict[tuple[str, int], Path], name: str, step: int) -> list[int | None]:
+    """The status of `resumed_on_three`'s run of (name, step) on each of the 3 ranks (None on a
+    rank that did not finish it)."""
+    index = list(resumed).index((name, step))
+    statuses = [resumed[(name, step)].parent / f"statuses-{m}" for m in range(3)]
+    lines = [path.read_text().splitlines() if path.exists() else [] for path in statuses]
+    return [int(done[index]) if index < len(done) else None for done in lines]
+
+
 @own_jobs
-def test_survivors_end_where_an_undisturbed_run_on_fewer_ranks_ends(tmp_path):
+def test_survivors_end_where_an_undisturbed_run_on_fewer_ranks_ends(shrinking, request):
     """4 ranks, rank 3 dies in backward after 7 steps: the 3 survivors redo step 8 and train on.
     They end bitwise identical to each other, and to undisturbed 3-rank runs: one resumed from
     the 4 ranks' checkpoint of step 7 (the same data split), one resumed from the survivors'
     checkpoint of step 14 (the resume of a shrunk run)."""
-    args = ["--epochs", "2", "--batch-size", "32", "--bucket-cap-mb", "0.05", "--seed", "3",
-            "--checkpoint-every", "7"]
-    code, out, final = train_losing(tmp_path / "F", 4, ["backward:7:3"],
-                                    [*args, "--checkpoint-dir", str(tmp_path / "F" / "ck"),
-                                     "--metrics", str(tmp_path / "m.jsonl")])
+    directory, (code, out, final) = shrinking("allreduce")
     assert code == 0 and sorted(final) == [0, 1, 2], out[-4000:]
     states = [final[m] for m in (0, 1, 2)]
     assert identical(states, "model", "optimizer", "scheduler") and {s["size"] for s in states} == {3}
-    assert [r["lost_ranks"] for r in metrics(tmp_path / "m.jsonl")] == ["3", None]
-    assert [r["steps_lost"] for r in metrics(tmp_path / "m.jsonl")] == [1, None]
-    runs = []  # both resumes in one job: one start of the ranks
-    (tmp_path / "R").mkdir()
+    assert [r["lost_ranks"] for r in metrics(directory / "m.jsonl")] == ["3", None]
+    assert [r["steps_lost"] for r in metrics(directory / "m.jsonl")] == [1, None]
     for step, ranks in ((7, 4), (14, 3)):
-        directory = tmp_path / f"from{step}"
-        directory.mkdir()
-        shutil.copy(checkpoint_path(tmp_path / "F" / "ck", step), checkpoint_path(directory, step))
-        assert len(load_checkpoint(checkpoint_path(directory, step))["ranks"]) == ranks
-        runs += ["--", *args, "--checkpoint-dir", str(directory), "--resume"]
-    code, out = launch(3, [str(TRAIN_JOB), str(tmp_path / "R"), *runs], ulfm=False)
-    assert code == 0, out[-4000:]
+        assert len(load_checkpoint(checkpoint_path(directory / "ck", step))["ranks"]) == ranks
+    resumed = request.getfixturevalue("resumed_on_three")  # both resumes, and local-sgd's, in one job
     for step in (7, 14):
-        resumed = load_checkpoint(checkpoint_path(tmp_path / f"from{step}", 24))
-        assert all(same_state(resumed[k], states[0][k]) for k in ("model", "optimizer", "scheduler")), step
+        assert resumed_status(resumed, "allreduce", step) == [0, 0, 0], \
+            (resumed[("allreduce", step)].parent / "out").read_text()[-4000:]
+        end = load_checkpoint(checkpoint_path(resumed[("allreduce", step)], 24))
+        assert all(same_state(end[k], states[0][k]) for k in ("model", "optimizer", "scheduler")), step
 
 
 @own_jobs
@@ -275,30 +325,23 @@ def test_keep_rank_batch_takes_more_steps_at_a_scaled_rate(tmp_path):
 
 
 @own_jobs
-def test_local_sgd_survivors_go_back_to_their_own_replicas_and_average_over_the_rest(tmp_path):
+def test_local_sgd_survivors_go_back_to_their_own_replicas_and_average_over_the_rest(shrinking, request):
     """local-sgd, 4 ranks, period 4: rank 3 dies as step 8 (an averaging) starts. The 3 survivors
     take their own local step 8, fail in its averaging, go back to their own state after step 7,
     redo step 8 averaging over 3 and train on. They end bitwise identical to an undisturbed 3-rank
     run resumed from the 4 ranks' checkpoint of step 7 (each survivor's own replica, the same
     data split); rank 3's progress since the averaging of step 4 is dropped."""
-    args = ["--strategy", "local-sgd", "--period", "4", "--epochs", "1", "--batch-size", "32", "--seed", "3",
-            "--checkpoint-every", "7"]
-    code, out, final = train_losing(tmp_path / "F", 4, ["step:7:3"],
-                                    [*args, "--checkpoint-dir", str(tmp_path / "F" / "ck")])
+    _, (code, out, final) = shrinking("local-sgd")
     assert code == 0 and sorted(final) == [0, 1, 2], out[-4000:]
     states = [final[m] for m in (0, 1, 2)]
     # 12 steps: the last one averages, so the replicas agree (their momentum is each one's own)
     assert identical(states, "model", "scheduler") and {(s["size"], s["step"]) for s in states} == {(3, 12)}
     assert all(s["reports"] == [((3,), 1)] for s in states), states[0]["reports"]
-    directory = tmp_path / "from7"
-    directory.mkdir()
-    (tmp_path / "R").mkdir()
-    shutil.copy(checkpoint_path(tmp_path / "F" / "ck", 7), checkpoint_path(directory, 7))
-    code, out = launch(3, [str(TRAIN_JOB), str(tmp_path / "R"), "--", *args, "--checkpoint-dir", str(directory),
-                           "--resume"], ulfm=False)
-    assert code == 0, out[-4000:]
-    resumed = load_checkpoint(checkpoint_path(directory, 12))
-    assert all(same_state(resumed[k], states[0][k]) for k in ("model", "optimizer", "scheduler"))
+    resumed = request.getfixturevalue("resumed_on_three")  # in one job with allreduce's resumes
+    assert resumed_status(resumed, "local-sgd", 7) == [0, 0, 0], \
+        (resumed[("local-sgd", 7)].parent / "out").read_text()[-4000:]
+    end = load_checkpoint(checkpoint_path(resumed[("local-sgd", 7)], 12))
+    assert all(same_state(end[k], states[0][k]) for k in ("model", "optimizer", "scheduler"))
 
 
 @own_jobs
