@@ -30,14 +30,13 @@ one job. The rest is `hpcdl train` itself.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
@@ -223,23 +222,6 @@ def main(argv: list[str]) -> int:
     return max(statuses)
 
 
-def leave(status: int) -> NoReturn:
-    """Exit as `sys.exit(status)` would, less the interpreter's teardown: the exit handlers run
-    (the collectives' threads stop, mpi4py's MPI_Finalize), then the process ends. Tearing torch's
-    modules down costs 2-4 s of CPU per process, on every rank of every job. The ordinary exit
-    where a non-daemon thread still runs (it waits for it: a thread left behind still holds the
-    job up, as it would `hpcdl train`'s), and in a replacement (--respawn): one that leaves that
-    soon after MPI_Finalize makes mpirun end with status 1 ("LAUNCHER JOB OBJECT NOT FOUND",
-    Open MPI 5.0.11's PRRTE), as 3 runs of 3 showed."""
-    if world.member() != MPI.COMM_WORLD.Get_rank() or any(  # a replacement: its own MPI.COMM_WORLD
-            t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        sys.exit(status)
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 if __name__ == "__main__":
     status: Callable[[], int] = lambda: main(sys.argv[1:])  # noqa: E731
-    leave(status())
+    sys.exit(status())
