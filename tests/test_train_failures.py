@@ -576,11 +576,16 @@ def test_a_majority_is_a_quorum_and_the_detector_is_read_from_open_mpis_setting(
 def test_with_the_heartbeat_detector_half_the_ranks_do_not_go_on(tmp_path):
     """With Open MPI's heartbeat detector on, which can declare live ranks dead (a partition),
     losing 2 of 4 ranks leaves no majority: the job ends (status 5) saying why, instead of the
-    two sides each training on with a model of their own. (The detector's timeout is long here:
-    on 2 shared cores a busy rank can miss heartbeats; the kills are reported by mpirun anyway.)"""
-    code, out, final = train_losing(tmp_path, 4, ["backward:2:2+3"], ["--epochs", "1"],
+    two sides each training on with a model of their own, and its status file says so. (The
+    detector's timeout is long here: on 2 shared cores a busy rank can miss heartbeats; the kills
+    are reported by mpirun anyway.)"""
+    code, out, final = train_losing(tmp_path, 4, ["backward:2:2+3"],
+                                    ["--epochs", "1", "--status-file", str(tmp_path / "status")],
                                     OMPI_MCA_mpi_ft_detector="true", OMPI_MCA_mpi_ft_detector_timeout="60")
-    assert code == recovery.RANK_LOST and not final, out[-4000:]
+    # mpirun says 5, or, when the 2 left call MPI_Abort, sometimes 0 (Open MPI 5.0.11 under ULFM,
+    # docs/failures.md): the status file, which a batch script reads, says 5 either way
+    assert code in (recovery.RANK_LOST, 0) and not final, out[-4000:]
+    assert (tmp_path / "status").read_text() == f"{recovery.RANK_LOST}\n", out[-4000:]
     assert "ranks 2, 3 of 4 failed at step 2 (epoch 1); 2 of 4 ranks are left, no majority" in out, out[-4000:]
     assert "MPI_ERR" not in out, out[-4000:]
 
