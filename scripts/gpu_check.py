@@ -202,8 +202,9 @@ def report(work: Path, out: Path, fake: bool) -> int:
     train = {p: _load(work / f"train-{p}.json") for p in ("p1", "p2")}
     accuracy = {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
                 for path in sorted(work.glob("accuracy-*.jsonl"))}
-    gpus = [] if fake else run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]).splitlines()
-    machine = env.get("gpu") or ("fake device" if fake else gpus[0] if gpus else "unknown GPU")
+    # the GPU's name from the environment step, else (a check run with --only) from nvidia-smi
+    machine = env.get("gpu") or ("fake device" if fake else run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]).partition("\n")[0] or "unknown GPU")
     mps = (work / "mps.txt").read_text().strip() if (work / "mps.txt").exists() else "not set up"
     lines = [f"GPU check on {machine} ({'fake device, tiny sizes' if fake else 'real device'}), "
              f"{time.strftime('%Y-%m-%d %H:%M %Z')}",

@@ -58,6 +58,17 @@ def train_losing(directory: Path, ranks: int, kills: list[str], args: list[str],
     return code, out, finals(directory)
 
 
+def resume_on(ranks: int, source: Path, step: int, directory: Path,
+              args: list[str]) -> tuple[int, str, dict[int, Any]]:
+    """`hpcdl train args --resume` on `ranks` ranks (without ULFM) from the checkpoint of `step` in
+    `source`, copied alone into DIR/ck; its status, output, and each process's final state."""
+    (directory / "ck").mkdir(parents=True)
+    shutil.copy(checkpoint_path(source, step), checkpoint_path(directory / "ck", step))
+    code, out = launch(ranks, [str(TRAIN_JOB), str(directory), "--", *args, "--checkpoint-dir",
+                               str(directory / "ck"), "--resume"], ulfm=False)
+    return code, out, finals(directory)
+
+
 def finals(directory: Path) -> dict[int, Any]:
     return {int(p.stem.split("-")[1]): torch.load(p, weights_only=False) for p in directory.glob("final-*.pt")}
 
@@ -405,13 +416,10 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
     first = load_checkpoint(checkpoint_path(ck, every or 15))  # written by the 2 left, the server's shard in it
     assert len(first["ranks"]) == 2 and len(first["servers"]) == 1
     if every:  # resumed on the ranks left from step 20: each worker goes on from its own clock
-        (tmp_path / "on3" / "ck").mkdir(parents=True)
-        shutil.copy(checkpoint_path(ck, 20), checkpoint_path(tmp_path / "on3" / "ck", 20))
         saved = load_checkpoint(checkpoint_path(ck, 20))["servers"][0]["clocks"]
-        code, out = launch(3, [str(TRAIN_JOB), str(tmp_path / "on3"), "--", "--strategy", strategy, "--servers", "1",
-                               "--epochs", "2", "--seed", "2", "--checkpoint-every", str(every), *extra,
-                               "--checkpoint-dir", str(tmp_path / "on3" / "ck"), "--resume"], ulfm=False)
-        resumed = finals(tmp_path / "on3")
+        code, out, resumed = resume_on(3, ck, 20, tmp_path / "on3", [
+            "--strategy", strategy, "--servers", "1", "--epochs", "2", "--seed", "2",
+            "--checkpoint-every", str(every), *extra])
         assert code == 0 and sorted(resumed) == [0, 1, 2], out[-4000:]
         assert "on 3 rank(s) (the data of the run's 3 workers)" in out, out[-4000:]
         server = resumed[2]
@@ -446,14 +454,9 @@ def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_othe
     # Its checkpoints name the workers left, the servers' the lost one too: the servers give the
     # workers of the resumed job the places of the workers left, in order.
     for ranks in (3, 4):
-        directory = tmp_path / f"on{ranks}"
-        (directory / "ck").mkdir(parents=True)
-        shutil.copy(checkpoint_path(tmp_path / "ck", 20), checkpoint_path(directory / "ck", 20))
-        code, out = launch(ranks, [str(TRAIN_JOB), str(directory), "--", "--strategy", "sync-ps", "--servers", "1",
-                                   "--epochs", "2", "--seed", "2", "--checkpoint-dir", str(directory / "ck"),
-                                   "--resume"], ulfm=False)
+        code, out, resumed = resume_on(ranks, tmp_path / "ck", 20, tmp_path / f"on{ranks}", [
+            "--strategy", "sync-ps", "--servers", "1", "--epochs", "2", "--seed", "2"])
         assert code == 0, out[-4000:]
-        resumed = finals(directory)
         assert sorted(resumed) == list(range(ranks)), out[-4000:]
         if ranks == 3:  # the ranks left: bitwise where the run ended
             assert same_state(resumed[2]["model"], server["model"]) and resumed[2]["progress"] == server["progress"]
