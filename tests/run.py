@@ -221,9 +221,11 @@ def run_on_emulated_hosts(hosts: int, pytest_args: list[str], timeout: int,
                   f"\n{down.stderr}", flush=True)
 
 
-def merge(out: Path, size: int) -> tuple[dict[str, str], list[int]]:
-    """Outcome per test id across ranks (a failure on any rank wins), and ranks with no report."""
+def merge(out: Path, size: int) -> tuple[dict[str, str], list[int], dict[str, str]]:
+    """Outcome per test id across ranks (a failure on any rank wins), ranks with no report, and
+    the first line of each failed test's message (with the rank that first reported it)."""
     outcome: dict[str, str] = {}
+    why: dict[str, str] = {}
     missing = []
     rank_of = {"passed": 0, "skipped": 1, "failed": 2}
     for r in range(size):
@@ -233,20 +235,27 @@ def merge(out: Path, size: int) -> tuple[dict[str, str], list[int]]:
             continue
         for case in ET.parse(path).getroot().iter("testcase"):
             tid = f"{case.get('classname')}::{case.get('name')}"
-            if case.find("failure") is not None or case.find("error") is not None:
+            failure = case.find("failure")
+            failure = case.find("error") if failure is None else failure
+            if failure is not None:
                 result = "failed"
+                message = (failure.get("message") or failure.text or "").strip().splitlines()
+                why.setdefault(tid, f"rank {r}: {message[0][:160] if message else '(no message)'}")
             elif case.find("skipped") is not None:
                 result = "skipped"
             else:
                 result = "passed"
             if rank_of[result] > rank_of.get(outcome.get(tid, "passed"), 0) or tid not in outcome:
                 outcome[tid] = result
-    return outcome, missing
+    return outcome, missing, why
 
 
-def summarize(label: str, rc: int, out: Path, size: int, totals: dict[str, int]) -> bool:
-    """Print one job's merged outcome, and its other ranks' logs if it failed; True if it failed."""
-    outcome, missing = merge(out, size)
+def summarize(label: str, rc: int, out: Path, size: int, totals: dict[str, int],
+              failures: list[str]) -> bool:
+    """Print one job's merged outcome, and its other ranks' logs if it failed; True if it failed.
+    Appends a line per failed test to `failures`, which the run prints again at its very end."""
+    outcome, missing, why = merge(out, size)
+    failures += [f"{label} {tid} ({why[tid]})" for tid, v in outcome.items() if v == "failed"]
     counts = {k: sum(1 for v in outcome.values() if v == k) for k in totals}
     for k in totals:
         totals[k] += counts[k]
@@ -299,7 +308,8 @@ def main() -> int:
     pytest_args = args.pytest_args or ["tests"]
     stop_on_sigterm()
     totals = {"passed": 0, "failed": 0, "skipped": 0}
-    broken = []
+    broken: list[str] = []
+    failures: list[str] = []
     hosts_label = ""
     # The one-rank job is mostly tests that launch MPI jobs of their own; beside the others their
     # start-ups load the cores under the other job's timing tests (see the module docstring).
@@ -312,20 +322,20 @@ def main() -> int:
                 continue
             job, out = start_size(size, pytest_args, args.timeout)
             rc = finish_size(size, job, args.job_timeout)
-            if summarize(f"N={size}", rc, out, size, totals):
+            if summarize(f"N={size}", rc, out, size, totals, failures):
                 broken.append(f"N={size}")
         if hosts:
             label = f"N={hosts} on {hosts} emulated hosts"
             rc, out = run_on_emulated_hosts(hosts, args.pytest_args or EMULATED_TESTS, args.timeout,
                                             args.job_timeout)
-            if rc is not None and summarize(label, rc, out, hosts, totals):
+            if rc is not None and summarize(label, rc, out, hosts, totals, failures):
                 broken.append(label)
             hosts_label = label + (" (skipped)" if rc is None else "")
         if background:
             print(f"\n===== waiting for mpirun -n 1 (beside the others since {time.monotonic() - started:.0f} s ago)",
                   flush=True)
             rc = finish_size(1, background[0], args.job_timeout - (time.monotonic() - started))
-            if summarize("N=1", rc, background[1], 1, totals):
+            if summarize("N=1", rc, background[1], 1, totals, failures):
                 broken.append("N=1")
     finally:
         if background and background[0].poll() is None:
@@ -334,6 +344,10 @@ def main() -> int:
     if hosts:
         jobs.append(hosts_label)
     failed = totals["failed"] + (len(broken) if not totals["failed"] else 0)
+    # again at the end, where a CI log cut to its tail still shows them
+    if failures:
+        print("\nfailed tests:\n" + "\n".join(f"  {line}" for line in failures[:50])
+              + (f"\n  ... and {len(failures) - 50} more" if len(failures) > 50 else ""))
     print(f"\njobs: {', '.join(jobs)}" + (f"; broken: {', '.join(broken)}" if broken else ""))
     print(f"tests: {totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
     return 1 if broken else 0
