@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -108,6 +109,47 @@ def test_shards_cover_the_training_set_once_per_epoch(comm):
         orders.append(every)
     ok &= orders[0] != orders[1]  # set_epoch reshuffles
     assert all_ranks_agree(ok, comm)
+
+
+one_rank = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="one process's cache: the one-rank job is enough")
+
+
+@one_rank
+def test_the_digits_split_is_computed_once_then_read_back_without_scikit_learn(tmp_path):
+    """The first load computes the split and keeps it in HPCDL_CACHE_DIR; a new process reads it
+    back without importing scikit-learn, bitwise the split computed afresh."""
+    from importlib.metadata import version
+
+    from hpcdl.commands.train import data
+
+    env = {**os.environ, "HPCDL_CACHE_DIR": str(tmp_path / "cache")}
+    code = ("import sys, numpy as np; from hpcdl.commands.train.data import digits_split; "
+            "split = digits_split(); np.savez(sys.argv[1], *split); print('sklearn' in sys.modules)")
+    imported = []
+    for run_ in ("first", "second"):
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{run_}.npz")], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        imported.append(done.stdout.split()[-1])
+    assert imported == ["True", "False"]  # computed, then read back
+    assert any((tmp_path / "cache").rglob("*.pkl"))
+    fresh = data._split(0.2, 0, version("scikit-learn"))
+    for run_ in ("first", "second"):
+        with np.load(tmp_path / f"{run_}.npz") as kept:
+            arrays = [kept[f"arr_{i}"] for i in range(4)]
+        assert all(a.dtype == f.dtype and np.array_equal(a, f) for a, f in zip(arrays, fresh)), run_
+    assert [a.shape for a in fresh] == [(1437, 8, 8), (360, 8, 8), (1437,), (360,)]
+
+
+@one_rank
+def test_the_digits_split_is_computed_where_no_cache_can_be_written(tmp_path, monkeypatch):
+    from hpcdl.commands.train import data
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("HPCDL_CACHE_DIR", str(tmp_path / "a-file" / "cache"))  # cannot be made
+    train_set, test_set = load_digits_split()
+    assert (len(train_set), len(test_set)) == (1437, 360)
+    assert data.cache_dir() == tmp_path / "a-file" / "cache" and not data.cache_dir().exists()
 
 
 def test_skipping_batches_resumes_the_same_order():

@@ -27,15 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write {'state_dict', 'accuracy'} of this rank to RESULT_FILE.<rank>")
 
 
-def _digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """scikit-learn's digits in [0, 1], (N, 8, 8), split as hpcdl.commands.train.data.load_digits_split splits."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+def _digits_split() -> tuple[np.ndarray, ...]:
+    """scikit-learn's digits in [0, 1], (N, 8, 8), split as `hpcdl train` splits them (from the
+    split kept on disk after its first computation: each rank of each run needs it)."""
+    from hpcdl.commands.train.data import digits_split
 
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)
-    labels = digits.target.astype(np.int64)
-    return train_test_split(images, labels, test_size=0.2, stratify=labels, random_state=0)
+    return digits_split()
 
 
 def _dataset(images: np.ndarray, labels: np.ndarray, mean: np.ndarray, std: np.ndarray) -> TensorDataset:

@@ -2,7 +2,10 @@
 
 - `load_digits_split`: scikit-learn's 8x8 digits (ships with scikit-learn, no download), a fixed
   stratified train/held-out split that every rank computes identically (`hpcdl train` computes
-  it once and sends it, as `dataset_arrays`: importing scikit-learn costs seconds per process).
+  it once and sends it, as `dataset_arrays`). Importing scikit-learn and splitting cost 2-4 s of
+  CPU, on rank 0 at every start while the other ranks wait, so the split (`digits_split`) is
+  kept on disk by joblib's `Memory` (`cache_dir()`), keyed by its arguments, its code and
+  scikit-learn's version, and read back in milliseconds.
 - `shard_order`: which shard each training rank takes on a resume after a loss;
 - `shard_sampler`: torch's own `DistributedSampler`, fed hpcdl's rank and size instead of a
   torch.distributed process group.
@@ -15,8 +18,10 @@
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,18 +30,55 @@ from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 from ...runtime.process import rank, size
 
 
-def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """The digits data set as (train, held-out) TensorDatasets of (N, 1, 8, 8) float32, standardized,
-    and int64 labels. The split is stratified and fixed by `split_seed`, so it is the same on every
-    rank and in every run."""
+def cache_dir() -> Path:
+    """Where hpcdl keeps what it computes once per machine: $HPCDL_CACHE_DIR, else
+    $XDG_CACHE_HOME/hpcdl, else ~/.cache/hpcdl."""
+    if os.environ.get("HPCDL_CACHE_DIR"):
+        return Path(os.environ["HPCDL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcdl"
+
+
+def _split(test_fraction: float, split_seed: int, scikit_learn: str) -> tuple[np.ndarray, ...]:
+    """(x_train, x_test, y_train, y_test): digits' images in [0, 1] as (N, 8, 8) float32 and
+    int64 labels, split stratified by `split_seed`. `scikit_learn`, its version, is part of the
+    cache's key only (another version may ship other data or split otherwise)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[:, None, :, :]  # pixel values are 0..16
+    images = (digits.images / 16.0).astype(np.float32)  # pixel values are 0..16
     labels = digits.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(
-        images, labels, test_size=test_fraction, stratify=labels, random_state=split_seed)
+    return tuple(train_test_split(images, labels, test_size=test_fraction, stratify=labels,
+                                  random_state=split_seed))
+
+
+def digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[np.ndarray, ...]:
+    """(x_train, x_test, y_train, y_test) of the digits: images in [0, 1] as (N, 8, 8) float32,
+    int64 labels, a stratified split fixed by `split_seed`; from the cache (`cache_dir()`) when
+    this split was made before, else computed (and cached where the directory can be written)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from joblib import Memory
+
+    try:
+        scikit_learn = version("scikit-learn")
+    except PackageNotFoundError:  # computing says what is missing
+        return _split(test_fraction, split_seed, "")
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        location: Path | None = cache_dir() if os.access(cache_dir(), os.W_OK) else None
+    except OSError:
+        location = None  # no cache (a read-only home): computed each time, as before
+    split = Memory(location, verbose=0).cache(_split)
+    return tuple(split(test_fraction, split_seed, scikit_learn))
+
+
+def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """The digits data set as (train, held-out) TensorDatasets of (N, 1, 8, 8) float32, standardized,
+    and int64 labels. The split is stratified and fixed by `split_seed`, so it is the same on every
+    rank and in every run."""
+    x_train, x_test, y_train, y_test = digits_split(test_fraction, split_seed)
+    x_train, x_test = x_train[:, None, :, :], x_test[:, None, :, :]
     # Zero mean, unit variance by the training set's statistics: SGD tolerates the large learning
     # rates of the linear scaling rule far better on centred inputs.
     mean, std = x_train.mean(), x_train.std()
