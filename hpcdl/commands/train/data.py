@@ -69,8 +69,10 @@ def digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[np.nd
         location: Path | None = cache_dir() if os.access(cache_dir(), os.W_OK) else None
     except OSError:
         location = None  # no cache (a read-only home): computed each time, as before
-    split = Memory(location, verbose=0).cache(_split)
-    return tuple(split(test_fraction, split_seed, scikit_learn))
+    try:
+        return tuple(Memory(location, verbose=0).cache(_split)(test_fraction, split_seed, scikit_learn))
+    except (OSError, EOFError, ValueError):  # an entry that another process is writing or clearing
+        return _split(test_fraction, split_seed, scikit_learn)
 
 
 def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
