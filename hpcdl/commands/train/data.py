@@ -64,11 +64,13 @@ def digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[np.nd
         scikit_learn = version("scikit-learn")
     except PackageNotFoundError:  # computing says what is missing
         return _split(test_fraction, split_seed, "")
+    location: Path | None
     try:
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        location: Path | None = cache_dir() if os.access(cache_dir(), os.W_OK) else None
-    except OSError:
-        location = None  # no cache (a read-only home): computed each time, as before
+        directory = cache_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        location = directory if os.access(directory, os.W_OK) else None
+    except (OSError, RuntimeError, KeyError):  # no home, or one this user cannot write
+        location = None  # no cache: computed each time, as before
     try:
         return tuple(Memory(location, verbose=0).cache(_split)(test_fraction, split_seed, scikit_learn))
     except (OSError, EOFError, ValueError):  # an entry that another process is writing or clearing
