@@ -19,6 +19,7 @@ import torch
 from mpi4py import MPI
 
 from conftest import all_ranks_agree, from_rank0, shared_directory
+from run import own_job_environment
 from hpcdl.commands import train
 from hpcdl.commands.train import options, run, signals, trainer
 from hpcdl.runtime.checkpoint import atomic_save, checkpoint_path, list_checkpoints, load_checkpoint
@@ -122,7 +123,7 @@ def test_the_digits_split_is_computed_once_then_read_back_without_scikit_learn(t
 
     from hpcdl.commands.train import data
 
-    env = {**os.environ, "HPCDL_CACHE_DIR": str(tmp_path / "cache")}
+    env = own_job_environment(HPCDL_CACHE_DIR=str(tmp_path / "cache"))  # a process of its own, not this job's
     code = ("import sys, numpy as np; from hpcdl.commands.train.data import digits_split; "
             "split = digits_split(); np.savez(sys.argv[1], *split); print('sklearn' in sys.modules)")
     imported = []
