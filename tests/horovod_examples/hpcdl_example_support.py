@@ -17,6 +17,8 @@ from torch.utils.data import TensorDataset
 
 import hpcdl
 import hpcdl.horovod as hvd
+# the digits split as `hpcdl train` splits them, kept on disk after its first computation
+from hpcdl.commands.train.data import digits_split
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,14 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write {'state_dict', 'accuracy'} of this rank to RESULT_FILE.<rank>")
 
 
-def _digits_split() -> tuple[np.ndarray, ...]:
-    """scikit-learn's digits in [0, 1], (N, 8, 8), split as `hpcdl train` splits them (from the
-    split kept on disk after its first computation: each rank of each run needs it)."""
-    from hpcdl.commands.train.data import digits_split
-
-    return digits_split()
-
-
 def _dataset(images: np.ndarray, labels: np.ndarray, mean: np.ndarray, std: np.ndarray) -> TensorDataset:
     x = torch.from_numpy(((images - mean) / std).astype(np.float32))
     return TensorDataset(x, torch.from_numpy(labels))
@@ -43,7 +37,7 @@ def _dataset(images: np.ndarray, labels: np.ndarray, mean: np.ndarray, std: np.n
 def mnist_like(train: bool) -> TensorDataset:
     """The digits as MNIST's examples see MNIST: (N, 1, 28, 28), each 8x8 pixel a 3x3 block,
     2 pixels of padding, normalized by the training set's mean and std (MNIST's Normalize)."""
-    x_train, x_test, y_train, y_test = _digits_split()
+    x_train, x_test, y_train, y_test = digits_split()
 
     def upscale(images: np.ndarray) -> np.ndarray:
         big = np.kron(images, np.ones((3, 3), dtype=np.float32))
@@ -58,7 +52,7 @@ def imagenet_like(train: bool) -> TensorDataset:
     """A small stand-in for the ImageNet folders: the digits as 3-channel 16x16 images (each pixel
     a 2x2 block; the channels the digit, its negative and a fixed gradient times the digit, so
     they differ), 10 classes, normalized per channel by the training set (ImageNet's Normalize)."""
-    x_train, x_test, y_train, y_test = _digits_split()
+    x_train, x_test, y_train, y_test = digits_split()
 
     def color(images: np.ndarray) -> np.ndarray:
         big = np.kron(images, np.ones((2, 2), dtype=np.float32))
