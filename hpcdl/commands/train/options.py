@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--status-file", metavar="PATH",
                        help="when the run ends, write its exit status here (one line; rank 0 of the "
                             "ranks left writes). mpirun's own status can be 0 after a loss ended the "
-                            "job (a host lost with its daemon): the SLURM "
-                            "templates with --fault-tolerant read this file instead")
+                            "job (a host lost with its daemon): the SLURM templates with "
+                            "--fault-tolerant read this file instead")
     state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
                        help="for testing resume: stop abruptly after STEPS steps in total, as if "
                             "killed (no final checkpoint)")

@@ -1,10 +1,10 @@
 """`hpcdl train --status-file PATH`: the run's exit status, as the run itself saw it.
 
 mpirun's exit status is not always the run's. Open MPI 5.0.11's mpirun under `--with-ft ulfm`
-exits 0 when a host is lost with its daemon (it stops every rank, mid-run;
-docs/failures.md#known-limits). A batch script that
-must know how training ended reads this file: the run removes it as it starts and writes it as
-it ends, so no file after mpirun returned means the run was stopped from outside.
+exits 0 when a host is lost with its daemon: it stops every rank, mid-run
+(docs/failures.md#known-limits). A batch script that must know how training ended reads this
+file: the run removes it as it starts and writes it as it ends, so no file after mpirun returned
+means the run was stopped from outside.
 """
 from __future__ import annotations
 
