@@ -1,6 +1,6 @@
 """How a job that lost a rank ends under ULFM when its survivors cannot go on: each survivor calls
 MPI_Abort (`--modes abort`), or revokes the communicator and leaves without MPI_Finalize
-(`leave`: `hpcdl.runtime.recovery.exit_after_loss`, which `hpcdl train` uses since 2026-11-27).
+(`leave`: `hpcdl.runtime.recovery.end_job_after_loss`, which `hpcdl train` uses since 2026-11-27).
 
 Run from a checkout (it launches its own `mpirun --with-ft ulfm` jobs, one per repeat):
 
@@ -50,8 +50,7 @@ def worker(mode: str) -> None:
     except collectives.ProcessFailure:
         if mode == "abort":
             comm.Abort(STATUS)
-        recovery.revoke(comm)
-        recovery.exit_after_loss(STATUS)
+        recovery.end_job_after_loss(comm, STATUS)
     raise RuntimeError("no process failure was seen")
 
 

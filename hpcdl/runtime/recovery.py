@@ -20,7 +20,8 @@ rank raise an MPI error of the same classes. What comes next is the same for eve
 
 Everything raised during steps 2-4 by a further failure is a failure too: the caller starts over
 at step 1 on the communicator it has. `exit_after_loss` ends a process that lived through a loss
-without MPI_Finalize, which hangs after a failure with Open MPI 5.0.11 (open-mpi/ompi#11404).
+without MPI_Finalize, which hangs after a failure with Open MPI 5.0.11 (open-mpi/ompi#11404);
+`end_job_after_loss` ends the whole job from a survivor that cannot go on.
 Torch-free.
 """
 from __future__ import annotations
@@ -262,3 +263,16 @@ def exit_after_loss(status: int) -> NoReturn:
             stream.flush()
     os._exit(status)
 
+
+def end_job_after_loss(comm: MPI.Comm, status: int) -> NoReturn:
+    """End the job from this rank, with `status`, after a lost rank it cannot go on without.
+
+    Under ULFM: revoke `comm` (the ranks blocked on it wake) and leave (`exit_after_loss`);
+    every other rank sees a failure in its next call, on any communicator, and ends the same way.
+    Not MPI_Abort: after a loss Open MPI 5.0.11's mpirun can stay after the survivors' MPI_Abort
+    until killed, or report 0 (docs/failures.md#known-limits; benchmarks/job_end.py). Without
+    ULFM, MPI_Abort."""
+    if collectives.fault_tolerant():
+        revoke(comm)
+        exit_after_loss(status)
+    comm.Abort(status)

@@ -508,14 +508,8 @@ def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: s
     with it the job: say which rank was lost (`loss`'s description where the survivors had shrunk
     their communicator already; else the job's rank: `exc`'s, or those this process knows of, as a
     strategy's sub-communicators number them otherwise), `when`, the `reason` and how to resume;
-    write RANK_LOST to `status_file` first.
-
-    Under ULFM the job's communicator is revoked and this process leaves without MPI_Finalize:
-    every other rank then sees a failure in its next call and ends here too. Not MPI_Abort: with
-    a dead rank in the job, Open MPI 5.0.11's mpirun stayed after the survivors' MPI_Abort until
-    killed in 6 of 30 runs of a 3-rank mpi4py program (crashed in 3, reported 0 in 2), and
-    reported 0 for the one survivor of 2 in 8 of 8; leaving so ended 51 of 51 runs of 2, 3 and 5
-    ranks at once with status 5. Without ULFM, MPI_Abort (a lost rank has ended the job anyway)."""
+    write RANK_LOST to `status_file` first; then `end_job_after_loss` (under ULFM: revoke and
+    leave, as every other rank then does too; not MPI_Abort, which can leave mpirun waiting)."""
     job = world.world()  # the job's communicator now (MPI.COMM_WORLD, unless ranks were lost before)
     ranks = tuple(getattr(exc, "world_ranks", ()) or ()) or ulfm.failed_ranks(job)
     who = loss.describe() if loss is not None else (
@@ -526,10 +520,7 @@ def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: s
                      f"{RANK_LOST}).{resume} (reported by rank {job.Get_rank()})\n")
     sys.stderr.flush()
     write_status(status_file, RANK_LOST)
-    if collectives.fault_tolerant():
-        ulfm.revoke(job)  # wakes the ranks blocked on it; those on others see this one leave
-        ulfm.exit_after_loss(RANK_LOST)
-    job.Abort(RANK_LOST)
+    ulfm.end_job_after_loss(job, RANK_LOST)
 
 
 def _cloned(state: Any) -> Any:
