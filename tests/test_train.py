@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -408,27 +407,12 @@ def test_synthetic_benchmark_reports_images_per_second(comm, capsys):
 
 # -- end to end ----------------------------------------------------------------------------------
 
-def launcher_environment() -> dict[str, str]:
-    """This environment without the variables of the MPI job the tests run in, so a nested
-    `mpirun` starts a job of its own instead of joining (or confusing) ours."""
-    keep = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_mpi_yield_when_idle",
-            "PRTE_MCA_rmaps_default_mapping_policy")
-    env = {k: v for k, v in os.environ.items()
-           if k in keep or not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
-    if os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return env
-
-
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N = 1 job only")
 def test_hpcdl_train_on_four_ranks_reaches_95_percent(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     command = ["mpirun", "-n", "4", sys.executable, "-m", "hpcdl", "train", "--epochs", "6",
                "--metrics", str(metrics)]
-    done = subprocess.run(command, cwd=ROOT, env=launcher_environment(), capture_output=True,
+    done = subprocess.run(command, cwd=ROOT, env=own_job_environment(), capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from run import mpi_environment  # the settings tests/run.py gives its own jobs
+from run import own_job_environment  # tests/run.py's settings for the jobs it starts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,18 +30,11 @@ if MPI.COMM_WORLD.Get_size() != 1:
 
 pytestmark = pytest.mark.timeout(600)
 
-#: What a launcher put into this process's environment: a program started from here must not
-#: believe it belongs to this test's own one-rank MPI job.
-LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_")
-#: ...but these are settings (tests/run.py's for a small machine, or root's consent), not the job.
-SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_mpi_yield_when_idle",
-            "PRTE_MCA_rmaps_default_mapping_policy")
-
 
 def clean_environment(venv: Path) -> dict[str, str]:
     """mpirun's settings for a small machine, the venv first on PATH, nothing of the checkout."""
-    env = {k: v for k, v in mpi_environment().items()
-           if (k in SETTINGS or not k.startswith(LAUNCHER_PREFIXES)) and k != "PYTHONPATH"}
+    env = own_job_environment()
+    env.pop("PYTHONPATH", None)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.pop("VIRTUAL_ENV", None)
     return env

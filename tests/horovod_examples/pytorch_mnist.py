@@ -1,5 +1,5 @@
 # Horovod's examples/pytorch/pytorch_mnist.py (horovod/horovod@2626dc87), run on hpcdl. Every change
-# is marked `# hpcdl:`; tests/test_horovod_examples.py runs it under mpirun on 1, 2 and 3 ranks.
+# is marked `# hpcdl:`; tests/test_horovod_examples.py runs it under mpirun on 1 and 3 ranks.
 import argparse
 import os
 import sys  # hpcdl: for the --backend ddp switch and the result file
