@@ -62,12 +62,15 @@ def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
     time)."""
     from mpi4py import MPI
 
+    from hpcdl.runtime import recovery
+
+    recovery.join()  # a replacement joins before importing torch, as `hpcdl train` does
     from hpcdl.commands import train
     from hpcdl.commands.train import run as train_run
     from hpcdl.commands.train.recovery import Recovery
     from hpcdl.commands.train.strategies import allreduce
     from hpcdl.ddp import reducer
-    from hpcdl.runtime import recovery, world
+    from hpcdl.runtime import world
 
     me = MPI.COMM_WORLD.Get_rank() if not recovery.is_replacement() else -1
     files: dict[int, Any] = {}  # opened at the first record: a replacement learns its id on joining
@@ -125,6 +128,7 @@ def launch(args: argparse.Namespace, ranks: int, program: list[str], ulfm: bool,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM", "PMIX_", "PRTE_"))}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMPI_MCA_mpi_yield_when_idle="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HPCDL_STALL_WARNING_S="inf")
+    env.setdefault("OMPI_MCA_btl", "^ofi")  # 1 s less in every MPI_Init (tests/run.py)
     options = ["--with-ft", "ulfm"] if ulfm else []
     if args.hosts:
         # --oversubscribe: a replacement (--respawn) needs a slot, and each host has one
@@ -271,7 +275,10 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rank_failure-"))
     table: dict[str, Any] = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-                             "ranks": args.ranks, "hosts": args.hosts, "runs": {w: [] for w in args.ways}}
+                             "ranks": args.ranks, "hosts": args.hosts, "runs": {w: [] for w in args.ways},
+                             # what `launch` gives the jobs (emulated_cluster.sh names its own)
+                             "btl": "tcp (emulated hosts)" if args.hosts else os.environ.get("OMPI_MCA_btl", "^ofi")}
+    print(f"# {table['command']}\n# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, OMPI_MCA_btl={table['btl']}", flush=True)
     for repeat in range(args.repeats):
         for way in args.ways:  # interleaved, so that the machine's load falls on every way alike
             figures = one_repeat(args, way, work)

@@ -98,7 +98,7 @@ def main(mode: str, directory: Path, kill_step: int, victim: int, respawn: bool)
     result = {"model": {k: v for k, v in state.model.state_dict().items()}, "size": state.size,
               "rank": state.rank, "losses": [(loss.members, loss.size_after) for loss in state.losses]}
     torch.save(result, directory / f"final-{world.member()}.pt")
-    if state.losses or recovery.is_replacement():
+    if state.losses:  # not a replacement that saw none: mpirun wants its MPI_Finalize (status 1 without)
         recovery.exit_after_loss(0)
 
 

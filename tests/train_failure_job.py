@@ -28,6 +28,7 @@ the exit status, so the test can compare the survivors bit for bit; every proces
 run's status to DIR/statuses-<id> as the run returns (a line per run), for tests whose runs share
 one job. The rest is `hpcdl train` itself.
 """
+# ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
 from __future__ import annotations
 
 import os
@@ -38,6 +39,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from hpcdl.runtime import recovery
+
+recovery.join()  # a replacement (--respawn) joins before importing torch, as `hpcdl train` does
 import torch
 from mpi4py import MPI
 

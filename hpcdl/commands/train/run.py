@@ -42,8 +42,7 @@ def main(argv: list[str]) -> int:
     """
     command = Command.world(PROG)
     topology, comm = runtime.topology(), MPI.COMM_WORLD
-    # A replacement for a lost rank (--respawn) joins the survivors at once: they wait in the merge.
-    joined = ulfm.join()
+    joined = ulfm.join()  # a replacement for a lost rank (--respawn): joined in the package's `main`
     try:
         args = command.parse(build_parser().parse_args, argv)
         available = host_available_bytes()  # every rank: collective over each host
