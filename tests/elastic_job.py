@@ -7,8 +7,11 @@ A small MLP on data that is a function of the sample index, 3 epochs of global b
 split over the ranks there are (by hand for `native`, by `hvd.elastic.ElasticSampler` for
 `horovod`); world rank VICTIM SIGKILLs itself in the backward of global step STEP. Every process
 that finishes writes DIR/final-<id>.pt (its parameters, the ranks it ended with, the losses it
-saw) and leaves without MPI_Finalize (docs/failures.md#known-limits).
+saw) and leaves without MPI_Finalize (docs/failures.md#known-limits), but a replacement that saw
+no loss after it joined: mpirun counts a spawned process that leaves without it as failed.
+A replacement joins before importing torch, as docs/failures.md advises a user's script to.
 """
+# ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
 from __future__ import annotations
 
 import os
@@ -16,11 +19,13 @@ import signal
 import sys
 from pathlib import Path
 
+from hpcdl.runtime import recovery, world
+
+recovery.join()  # a replacement (respawn=True): join now, the survivors wait asleep while torch loads
 import torch
 from mpi4py import MPI
 
 import hpcdl
-from hpcdl.runtime import recovery, world
 
 SAMPLES, BATCH, EPOCHS = 256, 32, 3
 
@@ -98,7 +103,7 @@ def main(mode: str, directory: Path, kill_step: int, victim: int, respawn: bool)
     result = {"model": {k: v for k, v in state.model.state_dict().items()}, "size": state.size,
               "rank": state.rank, "losses": [(loss.members, loss.size_after) for loss in state.losses]}
     torch.save(result, directory / f"final-{world.member()}.pt")
-    if state.losses:  # not a replacement that saw none: mpirun wants its MPI_Finalize (status 1 without)
+    if state.losses:
         recovery.exit_after_loss(0)
 
 

@@ -37,8 +37,12 @@ its reducer and buckets, for the new size), `restore()`s, `sync()`s, calls the r
 returns on a rank, the ranks agree that all of them finished (a rank lost meanwhile makes them
 recover and call `func` again from the last commit).
 
-Ranks that lived through a loss should leave with `hpcdl.runtime.recovery.exit_after_loss`
-(MPI_Finalize may hang after a failure with Open MPI 5.0.11; docs/failures.md#known-limits).
+Ranks that lived through a loss (`state.losses`) should leave with
+`hpcdl.runtime.recovery.exit_after_loss` (MPI_Finalize may hang after a failure with Open MPI
+5.0.11; docs/failures.md#known-limits); a replacement that saw no loss after it joined must
+finalize (mpirun counts a spawned process that leaves without it as failed). A script that calls
+`hpcdl.runtime.recovery.join()` before `import torch` lets its replacement join while the
+survivors wait asleep, rather than polling inside MPI_Comm_spawn while it loads torch.
 Without ULFM a lost rank ends the job as before, and `run` only calls `func`.
 """
 from __future__ import annotations

@@ -218,8 +218,8 @@ def join() -> tuple[MPI.Comm, Any] | None:
     its result.
 
     Join before importing torch or building anything: the survivors wait in `respawn` until
-    this process joins, polling on the cores its start needs (on 4 emulated hosts a replacement
-    that imported torch first took 5.6-5.9 s to be back in the job, 2.4 s on shared memory).
+    this process joins, polling on the cores its start needs; once it joined they wait asleep
+    (`gather_quietly`). docs/failures.md#what-going-on-costs has the measurement.
     """
     global _joined
     if _joined is not None:

@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
 
 
 def __getattr__(name: str) -> Any:
+    """`build_parser`, `CHECKPOINTED_ON_SIGNAL` and `DIVERGED`, from their modules (PEP 562)."""
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
