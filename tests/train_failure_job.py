@@ -62,7 +62,7 @@ class Killer:
     def __init__(self, directory: Path, kills: list[tuple[str, int, set[int]]], spares: int = 0) -> None:
         self.directory = directory
         self.spares = spares
-        me = MPI.COMM_WORLD.Get_rank() if MPI.Comm.Get_parent() == MPI.COMM_NULL else -1
+        me = MPI.COMM_WORLD.Get_rank() if not recovery.is_replacement() else -1
         self.mine = {(phase, step) for phase, step, victims in kills if me in victims}
         self.steps = 0  # updates applied on this rank
         self.armed_checkpoint = False

@@ -214,8 +214,8 @@ _joined: tuple[MPI.Comm, Any] | None = None
 def join() -> tuple[MPI.Comm, Any] | None:
     """In a process `respawn` started: the communicator it shares with the survivors (made the
     job's, with this process's id recorded) and the survivors' `info`; None in a process mpirun
-    started itself. The first call is collective with the survivors' `respawn`; later ones return
-    its result.
+    started itself. The first call is collective with the survivors' `respawn`; later ones (a
+    script's early call, then `hpcdl.elastic`'s or `hpcdl train`'s) return its result.
 
     Join before importing torch or building anything: the survivors wait in `respawn` until
     this process joins, polling on the cores its start needs; once it joined they wait asleep

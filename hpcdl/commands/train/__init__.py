@@ -14,37 +14,10 @@
     data.py, models.py, straggler.py, synthetic.py    digits and its shards; the networks; an
                     emulated slow rank; the --synthetic throughput benchmark
 """
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
 from ..command import ARGUMENT_ERROR
+from .options import build_parser
+from .run import main
+from .signals import CHECKPOINTED_ON_SIGNAL
+from .trainer import DIVERGED
 
 __all__ = ["ARGUMENT_ERROR", "CHECKPOINTED_ON_SIGNAL", "DIVERGED", "build_parser", "main"]
-
-#: The package's other names, imported on first use: importing this package must not import
-#: torch, so that `main` can let a replacement join before it does.
-_LAZY = {"build_parser": "options", "CHECKPOINTED_ON_SIGNAL": "signals", "DIVERGED": "trainer"}
-
-
-def main(argv: list[str]) -> int:
-    """Run `hpcdl train` with command-line arguments `argv`; returns the exit status (run.py).
-
-    A replacement for a lost rank (--respawn) joins the survivors first, then imports torch and
-    builds its model: the survivors wait for it asleep (`gather_quietly`) rather than inside
-    MPI_Comm_spawn, where their polling took the cores its start needed.
-    """
-    from ...runtime import recovery
-
-    recovery.join()
-    from .run import main as run_main
-
-    return run_main(argv)
-
-
-def __getattr__(name: str) -> Any:
-    """`build_parser`, `CHECKPOINTED_ON_SIGNAL` and `DIVERGED`, from their modules (PEP 562)."""
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -251,8 +251,8 @@ class Recovery:
 
     def lived_through_a_loss(self) -> bool:
         """Whether this process was in a job that lost ranks (it must not call MPI_Finalize).
-        A replacement that joined after the loss calls it: mpirun counts a spawned process that
-        leaves without it as failed (exit status 1)."""
+        A replacement that saw no loss after it joined calls it: mpirun counts a spawned process
+        that leaves without it as failed (exit status 1)."""
         return self.enabled and (bool(self.reports) or ulfm.knows_failed(self.trainer.comm)
                                  or ulfm.knows_failed(MPI.COMM_WORLD))
 

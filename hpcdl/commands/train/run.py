@@ -42,7 +42,9 @@ def main(argv: list[str]) -> int:
     """
     command = Command.world(PROG)
     topology, comm = runtime.topology(), MPI.COMM_WORLD
-    joined = ulfm.join()  # a replacement for a lost rank (--respawn): joined in the package's `main`
+    # A replacement for a lost rank (--respawn) joins the survivors at once, before it imports
+    # torch (below): they wait in the merge, then asleep while it builds (`gather_quietly`).
+    joined = ulfm.join()
     try:
         args = command.parse(build_parser().parse_args, argv)
         available = host_available_bytes()  # every rank: collective over each host
