@@ -122,13 +122,19 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def launch(args: argparse.Namespace, ranks: int, program: list[str], ulfm: bool, timeout: float
-           ) -> tuple[int, str]:
-    """Run `python program` on `ranks` ranks (on the emulated hosts with --hosts); status, output."""
+def job_environment() -> dict[str, str]:
+    """The environment `launch` gives its jobs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM", "PMIX_", "PRTE_"))}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMPI_MCA_mpi_yield_when_idle="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HPCDL_STALL_WARNING_S="inf")
     env.setdefault("OMPI_MCA_btl", "^ofi")  # 1 s less in every MPI_Init (tests/run.py)
+    return env
+
+
+def launch(args: argparse.Namespace, ranks: int, program: list[str], ulfm: bool, timeout: float
+           ) -> tuple[int, str]:
+    """Run `python program` on `ranks` ranks (on the emulated hosts with --hosts); status, output."""
+    env = job_environment()
     options = ["--with-ft", "ulfm"] if ulfm else []
     if args.hosts:
         # --oversubscribe: a replacement (--respawn) needs a slot, and each host has one
@@ -277,7 +283,7 @@ def main() -> int:
     table: dict[str, Any] = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
                              "ranks": args.ranks, "hosts": args.hosts, "runs": {w: [] for w in args.ways},
                              # what `launch` gives the jobs (emulated_cluster.sh names its own)
-                             "btl": "tcp (emulated hosts)" if args.hosts else os.environ.get("OMPI_MCA_btl", "^ofi")}
+                             "btl": "tcp (emulated hosts)" if args.hosts else job_environment()["OMPI_MCA_btl"]}
     print(f"# {table['command']}\n# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, OMPI_MCA_btl={table['btl']}", flush=True)
     for repeat in range(args.repeats):
         for way in args.ways:  # interleaved, so that the machine's load falls on every way alike
