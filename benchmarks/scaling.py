@@ -22,6 +22,11 @@ when each was ready in backward, from our own timeline of the same emulated mode
 written by a P = 2 run when absent). Prediction and measurement are compared per P: samples/s =
 P x batch / step.
 
+--step-ratio R sets the step at each P instead: R times the communication measured there first
+(the step without overlap less the step without communication, in a short job at --emulate-compute),
+so that communication stands in the same relation to the step at every P (R = 4: under
+backward; R = 2: half the step), although on a small machine it grows with P.
+
 Every number is EMULATED compute (no accuracy). The machine's load (`/proc/loadavg`) is recorded
 before and after every job; on a shared machine it says how far the timings can be trusted.
 Writes OUT.json, OUT.md and OUT.png.
@@ -116,6 +121,19 @@ def tune(network: str, ranks: int, args: argparse.Namespace, path: Path) -> dict
     return info
 
 
+def probe(network: str, ranks: int, args: argparse.Namespace, tuning: Path | None) -> dict[str, Any]:
+    """The communication of one step at this P, measured: the step without overlap less the step
+    without communication, at --emulate-compute (one round of a few steps). --step-ratio sets the
+    emulated step from it: the model's prediction is not used, since where the host is the
+    bottleneck (more ranks than cores) it is the model that is wrong."""
+    short = argparse.Namespace(**{**vars(args), "modes": ["local", "hpcdl-nolap"], "rounds": 1,
+                                  "steps": args.probe_steps, "warmup": 1})
+    measured = throughput(network, ranks, short, tuning)
+    step = {mode: ranks * args.batch / rate * 1e3 for mode, rate in measured["samples_per_s"].items()}
+    return {**measured, "emulate_compute_ms": args.emulate_compute,
+            "communication_ms": max(step["hpcdl-nolap"] - step["local"], 1.0)}
+
+
 def compute_step_ms(ranks: int, batch: int, measured: dict[str, Any]) -> float:
     """The step without communication measured at this P (mode `local`): the accelerator's time
     plus the host's own work per step (optimizer, copies; about 5 ms here), which the model's
@@ -145,7 +163,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     network = args.network
     timeline = Path(args.timeline) if args.timeline else out.with_name(out.name + "-timeline.json")
-    points = []
+    fitted = Path(args.tuning_from or out)  # whose tuning files: OUT-tuning-pP.json beside it
+    points: list[dict[str, Any]] = []
+    results = {"network": network, "model": args.model, "emulate_compute_ms": args.emulate_compute,
+               "step_ratio": args.step_ratio, "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
+               "compute": "emulated", "timeline": timeline.name, "date": time.strftime("%Y-%m-%d %H:%M"),
+               "points": points}
     if network != "shm":
         cluster_up(network, max(layout(p, args.ranks_per_host, args.max_hosts)[0] for p in args.ranks))
     try:
@@ -158,14 +181,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                        tuning, timeline)
             written.rename(timeline)  # train_throughput.py names it after the model
         for ranks in args.ranks:
-            tuning = out.with_name(f"{out.name}-tuning-p{max(ranks, 2)}.json")
+            tuning = fitted.with_name(f"{fitted.name}-tuning-p{max(ranks, 2)}.json")
             point: dict[str, Any] = {"ranks": ranks, "layout": layout(ranks, args.ranks_per_host, args.max_hosts)}
             if not tuning.exists() or args.retune:
                 point["tune"] = tune(network, max(ranks, 2), args, tuning)
             at = args
-            if args.step_ratio:  # a step of R x the communication the model predicts at this P
-                communication = predict(ranks, args, tuning, timeline, args.emulate_compute)["communication_s"]
-                at = argparse.Namespace(**{**vars(args), "emulate_compute": args.step_ratio * communication * 1e3})
+            if args.step_ratio:  # a step of R x the communication measured at this P
+                point["probe"] = probe(network, ranks, args, tuning)
+                at = argparse.Namespace(**{**vars(args),
+                                           "emulate_compute": args.step_ratio * point["probe"]["communication_ms"]})
             point["emulate_compute_ms"] = at.emulate_compute
             point["measured"] = throughput(network, ranks, at, tuning)
             point["predicted"] = predict(ranks, at, tuning, timeline,
@@ -176,12 +200,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                   + f" | predicted hpcdl {p['hpcdl']:,.0f} nolap {p['hpcdl-nolap']:,.0f}  load "
                   f"{point['measured']['load_before']} -> {point['measured']['load_after']}", flush=True)
             points.append(point)
+            out.with_suffix(".json").write_text(json.dumps(results, indent=1))  # kept if a later P fails
     finally:
         if network != "shm" and not args.keep_cluster:
             subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, text=True)
-    return {"network": network, "model": args.model, "emulate_compute_ms": args.emulate_compute,
-            "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "compute": "emulated",
-            "timeline": timeline.name, "date": time.strftime("%Y-%m-%d %H:%M"), "points": points}
+    return results
 
 
 def predict_again(out: Path) -> dict[str, Any]:
@@ -197,18 +220,27 @@ def predict_again(out: Path) -> dict[str, Any]:
 
 def report(results: dict[str, Any], out: Path) -> None:
     """OUT.md (the table) and OUT.png (samples/s and efficiency against P)."""
-    points = results["points"]
+    points, ratio_of_step = results["points"], results.get("step_ratio")
     base = points[0]["measured"]["samples_per_s"]["local"] / points[0]["ranks"]
-    lines = [f"EMULATED accelerators: {results['model']}, {results['emulate_compute_ms']:g} ms per step, batch "
+    if ratio_of_step:  # the step differs with P: efficiency against no communication at the same P
+        step = (f"a step of {ratio_of_step:g} x the communication measured at each P (column comm. ms: the step "
+                f"without overlap less the step without communication, at {results['emulate_compute_ms']:g} ms)")
+        per_rank = {p["ranks"]: p["measured"]["samples_per_s"]["local"] / p["ranks"] for p in points}
+        efficiency = "eff. = samples/s / local at the same P"
+    else:
+        step = f"{results['emulate_compute_ms']:g} ms per step"
+        per_rank = {p["ranks"]: base for p in points}
+        efficiency = "eff. = samples/s / (P x local at P=1)"
+    lines = [f"EMULATED accelerators: {results['model']}, {step}, batch "
              f"{results['batch']} per rank, network {results['network']}, {results['date']}; samples/s, median "
-             f"of {results['rounds']} rounds of {results['steps']} steps; eff. = samples/s / (P x local at P=1); "
+             f"of {results['rounds']} rounds of {results['steps']} steps; {efficiency}; "
              "vs local: hpcdl / no communication at the same P; on/off: overlap on / off; predicted = "
              "`hpcdl tune --predict --timeline` with the tuning file fitted at that layout and the step "
              "without communication measured there (local) as the compute time.",
              "",
-             "| P | layout | step ms | local | hpcdl | predicted | error | eff. | vs local | no overlap | predicted "
-             "| error | on/off | torch DDP gloo | torch DDP hpcdl | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| P | layout | step ms | comm. ms | local | hpcdl | predicted | error | eff. | vs local | no overlap "
+             "| predicted | error | on/off | torch DDP gloo | torch DDP hpcdl | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for point in points:
         m, p = point["measured"]["samples_per_s"], point["predicted"]
         hosts, per_host = point["layout"]
@@ -222,13 +254,16 @@ def report(results: dict[str, Any], out: Path) -> None:
             return f"{p[mode] / m[mode] - 1:+.0%}" if mode in m else "-"
 
         ratio = (lambda a, b: f"{m[a] / m[b]:.2f}" if a in m and b in m else "-")  # noqa: E731
-        lines.append(f"| {point['ranks']} | {where} | {point['emulate_compute_ms']:.0f} | {cell('local')} | "
-                     f"{cell('hpcdl')} | {p['hpcdl']:,.0f} | {error('hpcdl')} | "
-                     f"{m.get('hpcdl', 0) / (point['ranks'] * base):.0%} | {ratio('hpcdl', 'local')} | "
+        communication = f"{point['probe']['communication_ms']:.0f}" if "probe" in point else "-"
+        lines.append(f"| {point['ranks']} | {where} | {point['emulate_compute_ms']:.0f} | {communication} | "
+                     f"{cell('local')} | {cell('hpcdl')} | {p['hpcdl']:,.0f} | {error('hpcdl')} | "
+                     f"{m.get('hpcdl', 0) / (point['ranks'] * per_rank[point['ranks']]):.0%} | "
+                     f"{ratio('hpcdl', 'local')} | "
                      f"{cell('hpcdl-nolap')} | {p['hpcdl-nolap']:,.0f} | {error('hpcdl-nolap')} | "
                      f"{ratio('hpcdl', 'hpcdl-nolap')} | {cell('torch-ddp')} | {cell('torch-ddp-hpcdl')} | "
                      f"{point['measured']['load_before']} |")
-    lines += ["", "Commands:", ""] + [f"    {p['measured']['command']}" for p in points]
+    lines += ["", "Commands:", ""] + [f"    {p[part]['command']}" for p in points for part in ("probe", "measured")
+                                        if part in p]
     lines += [f"    {p['predicted']['command']}" for p in points]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
@@ -244,14 +279,16 @@ def report(results: dict[str, Any], out: Path) -> None:
         values = [p["measured"]["samples_per_s"].get(mode) for p in points]
         if all(v is not None for v in values):
             left.plot(ranks, values, style, label=f"{mode} (measured)")
-            right.plot(ranks, [v / (r * base) for v, r in zip(values, ranks)], style, label=mode)
+            right.plot(ranks, [v / (r * per_rank[r]) for v, r in zip(values, ranks)], style, label=mode)
     for mode, style in (("hpcdl", "C0x--"), ("hpcdl-nolap", "C1+--")):
         values = [p["predicted"][mode] for p in points]
         left.plot(ranks, values, style, label=f"{mode} (predicted)")
-        right.plot(ranks, [v / (r * base) for v, r in zip(values, ranks)], style, label=f"{mode} predicted")
+        right.plot(ranks, [v / (r * per_rank[r]) for v, r in zip(values, ranks)], style, label=f"{mode} predicted")
+    step = f"step {ratio_of_step:g} x comm." if ratio_of_step else f"{results['emulate_compute_ms']:g} ms/step"
     left.set(xscale="log", yscale="log", xlabel="ranks", ylabel="samples/s (EMULATED)",
-             title=f"{results['model']}, {results['emulate_compute_ms']:g} ms/step, {results['network']}")
-    right.set(xscale="log", xlabel="ranks", ylabel="scaling efficiency", ylim=(0, 1.1),
+             title=f"{results['model']}, {step}, {results['network']}")
+    right.set(xscale="log", xlabel="ranks", ylim=(0, 1.1),
+              ylabel="samples/s / no communication" if ratio_of_step else "scaling efficiency",
               title="efficiency (EMULATED accelerators)")
     for axis in (left, right):
         axis.set_xticks(ranks, [str(r) for r in ranks])
@@ -268,8 +305,13 @@ def main(argv: list[str] | None = None) -> int:
                              "be more than --max-hosts)")
     parser.add_argument("--max-hosts", type=int, default=8)
     parser.add_argument("--step-ratio", type=float, metavar="R",
-                        help="instead of --emulate-compute at every P: a step of R x the communication "
-                             "the model predicts there (2: communication about half the step)")
+                        help="instead of --emulate-compute at every P: an emulated step of R x the "
+                             "communication measured there first (the step without overlap less the step "
+                             "without communication, at --emulate-compute); R = 1: communication half of "
+                             "the step without overlap; R = 3 or more: less than backward (2/3 of the step)")
+    parser.add_argument("--probe-steps", type=int, default=3, help="timed steps of --step-ratio's measurement")
+    parser.add_argument("--tuning-from", metavar="OUT",
+                        help="the tuning files of another run (OUT-tuning-pP.json), fitted where absent")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--emulate-compute", type=float, default=100.0, metavar="MS")
