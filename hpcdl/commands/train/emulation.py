@@ -21,7 +21,9 @@ its core to the others (what made issue 15's straggler results unmeasurable).
   tests check. The gradient tensors are reused from step to step (writing 100 MB of gradients
   every step would cost the host as much CPU as the communication it emulates): only the first
   element is rewritten, after checking three elements of the bulk; an exchange that changed the
-  bulk (compression) gets the whole tensor rewritten.
+  bulk (compression) gets the whole tensor rewritten. Under DistributedDataParallel autograd
+  still clones each one (DDP's bucket refers to the kept tensor) and DDP copies the clone into
+  its bucket: docs/training.md#emulated-accelerators says what removing that did.
 - The host does not compute the optimizer's update of these parameters either: that runs on the
   accelerator, inside the emulated step time. A step pre-hook on every optimizer takes their
   gradients away just before its step (so it skips them), keeping them for reuse. Parameters
