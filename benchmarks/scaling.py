@@ -284,9 +284,9 @@ def report(results: dict[str, Any], out: Path) -> None:
         values = [p["predicted"][mode] for p in points]
         left.plot(ranks, values, style, label=f"{mode} (predicted)")
         right.plot(ranks, [v / (r * per_rank[r]) for v, r in zip(values, ranks)], style, label=f"{mode} predicted")
-    step = f"step {ratio_of_step:g} x comm." if ratio_of_step else f"{results['emulate_compute_ms']:g} ms/step"
+    step_label = f"step {ratio_of_step:g} x comm." if ratio_of_step else f"{results['emulate_compute_ms']:g} ms/step"
     left.set(xscale="log", yscale="log", xlabel="ranks", ylabel="samples/s (EMULATED)",
-             title=f"{results['model']}, {step}, {results['network']}")
+             title=f"{results['model']}, {step_label}, {results['network']}")
     right.set(xscale="log", xlabel="ranks", ylim=(0, 1.1),
               ylabel="samples/s / no communication" if ratio_of_step else "scaling efficiency",
               title="efficiency (EMULATED accelerators)")
