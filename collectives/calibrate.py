@@ -5,6 +5,10 @@ Every measurement goes through the code the algorithms run: messages through `tr
 pieces of `transport.SEGMENT_BYTES` as `Link.sendrecv_combine` folds them, the overhead through
 a real call of the public API. Collective over `comm` except `measure_reduction` (local).
 
+Buffers are those of a training step: anonymous memory with a framework tensor's pages
+(`framework_memory`), and successive messages of a size in successive slices of STREAM_BYTES,
+so they come from memory, not from a cache (`stream_bytes=0` re-sends one buffer).
+
 Methodology, as `hpcdl bench` times the collectives: each of `iterations` x `repeats` operations
 starts after a barrier and is timed alone on every rank; a point's time is the median over the
 operations of the slowest rank's time (a collective ends when its slowest rank does; the median,
@@ -22,6 +26,7 @@ beta_inter and beta_pairwise_inter; ranks_per_host is the fullest host's count
 """
 from __future__ import annotations
 
+import mmap
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
@@ -49,6 +54,13 @@ _BYTES_PER_REPEAT = 32 << 20
 #: Point-to-point operations timed back to back after each barrier (fewer above _CHAIN_BYTES).
 _CHAIN = 8
 _CHAIN_BYTES = 1 << 20
+#: Successive messages of a size come from (and go to) the next slice of this much memory per
+#: rank, more than a last-level cache holds, since a training step's gradients (ResNet-50's
+#: 100 MB) stream through memory. Fitted on one re-sent buffer instead, the model priced that
+#: step's exchange at 2 ranks 23-36% below its measured time on the reference machine (32 MiB
+#: of cache); streamed, 9-38% above, as a ring also sends blocks it has just reduced, from the
+#: cache (benchmarks/calibration_buffers.py; docs/cost_model.md).
+STREAM_BYTES = 128 << 20
 
 #: How `measure_point_to_point` pairs ranks.
 PATTERNS = ("exchange", "pingpong", "pairwise")
@@ -100,8 +112,42 @@ def _typical(comm: MPI.Comm, times: np.ndarray) -> float:
     return float(np.median(slowest))
 
 
+def framework_memory(count: int, dtype: Any, fill: float) -> np.ndarray:
+    """`count` elements of `dtype`, all `fill`, in anonymous memory under the kernel's default
+    page policy: the memory a framework's CPU tensor gets (torch's allocator advises nothing).
+
+    Why not `np.full`: NumPy advises huge pages for arrays of 4 MiB and more, and where the kernel
+    gives huge pages only on advice (transparent_hugepage "madvise", a common default) messages
+    from such arrays move up to 1.5x faster than from the 4 KiB pages training's gradients and
+    DDP's buckets live in (docs/cost_model.md). The calibration prices the buffers training has.
+    """
+    dt = np.dtype(dtype)
+    region = mmap.mmap(-1, max(count * dt.itemsize, 1))  # the array's base keeps it mapped
+    array = np.frombuffer(region, dtype=dt, count=count)
+    array.fill(fill)
+    return array
+
+
+class _Slices:
+    """Buffers of `nbytes` for `messages` messages: consecutive slices of one region of at most
+    `stream_bytes` (at least one slice, so 0 re-sends one cache-warm buffer)."""
+
+    def __init__(self, nbytes: int, messages: int, fill: int, stream_bytes: int) -> None:
+        self.nbytes = nbytes
+        self.count = max(1, min(messages, stream_bytes // max(nbytes, 1)))
+        self.region = framework_memory(self.count * nbytes, np.uint8, fill)
+        self.used = 0
+
+    def next(self) -> np.ndarray:
+        """The slice after the last one handed out (the first again after the last)."""
+        k = self.used % self.count
+        self.used += 1
+        return self.region[k * self.nbytes:(k + 1) * self.nbytes]
+
+
 def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int = 50, *,
-                           pattern: str = "exchange", repeats: int = 5) -> list[tuple[int, float]]:
+                           pattern: str = "exchange", repeats: int = 5,
+                           stream_bytes: int = STREAM_BYTES) -> list[tuple[int, float]]:
     """Collective: (nbytes, seconds for one message of nbytes) per size, through `Link`.
 
     pattern "exchange" (the default): every rank sends to rank+1 while receiving from rank-1, at
@@ -110,7 +156,9 @@ def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int
     (with an odd P the last rank exchanges with itself). "pingpong": each ring neighbour pair (r, r+1) in turn
     bounces the message while the other ranks wait; half the round trip of the slowest pair.
     The slowest rank's time counts. Each timed operation is a chain of up to 8 messages back to
-    back, as a collective's steps follow each other.
+    back, as a collective's steps follow each other. Successive messages use successive slices of
+    `stream_bytes` per rank and direction, in memory with a framework tensor's pages
+    (`framework_memory`), as a step's gradients stream through memory; 0: one buffer.
     """
     if pattern not in PATTERNS:
         raise ValueError(f"unknown point-to-point pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
@@ -126,17 +174,19 @@ def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int
             right = left = rank ^ 1 if rank ^ 1 < size else rank
         points = []
         for nbytes in sorted(set(sizes)):
-            # ones, not zeros: untouched zeros are one shared page, cheaper to read than data
-            send, recv = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
             count = _iterations_for(nbytes, iterations)
             # A collective's steps follow each other without barriers: time a chain of them, so
             # the skew of leaving a barrier (a per-call cost, in `overhead`) is not taken for
             # a per-message one.
             chain = max(1, min(_CHAIN, _CHAIN_BYTES // max(nbytes, 1)))
+            messages = chain * (count * repeats + 2)
+            # ones, not zeros: untouched zeros are one shared page, cheaper to read than data
+            send = _Slices(nbytes, messages, 1, stream_bytes)
+            recv = _Slices(nbytes, messages, 0, stream_bytes)
             if pattern in ("exchange", "pairwise"):
                 def step() -> None:
                     for _ in range(chain):
-                        link.sendrecv(send, right, recv, left)
+                        link.sendrecv(send.next(), right, recv.next(), left)
 
                 _call_times(dup, step, 2)  # warm-up: connections, registration
                 t = _typical(dup, _call_times(dup, step, count * repeats)) / chain
@@ -150,13 +200,14 @@ def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int
         dup.Free()
 
 
-def _pingpong(link: Link, comm: MPI.Comm, a: int, b: int, buf: np.ndarray, iterations: int,
+def _pingpong(link: Link, comm: MPI.Comm, a: int, b: int, buffers: _Slices, iterations: int,
               chain: int) -> np.ndarray:
     """Half the round trip between ranks a and b per iteration (measured on a); 0 elsewhere."""
     rank = comm.Get_rank()
 
     def bounce() -> None:
         for _ in range(chain):
+            buf = buffers.next()
             if rank == a:
                 link.send(buf, b)
                 link.recv(buf, b)
@@ -185,7 +236,7 @@ def measure_reduction(sizes: Iterable[int], dtype: str = "float32", op: str = "s
     for nbytes in sorted(set(sizes)):
         n = max(nbytes // dt.itemsize, 1)
         segment, pieces = pieces_of(n, dt.itemsize)
-        dst, src = np.zeros(n, dt), np.ones(min(segment, n), dt)
+        dst, src = framework_memory(n, dt, 0), framework_memory(min(segment, n), dt, 1)
 
         def fold() -> None:
             for k in range(pieces):
@@ -353,7 +404,8 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
               reduction_sizes: Iterable[int] = DEFAULT_REDUCTION_SIZES, iterations: int = 50,
               pattern: str = "exchange", dtype: str = "float32", op: str = "sum",
               runtime: DeviceRuntime | None = None,
-              staging_sizes: Iterable[int] = DEFAULT_STAGING_SIZES) -> Calibration:
+              staging_sizes: Iterable[int] = DEFAULT_STAGING_SIZES,
+              stream_bytes: int = STREAM_BYTES) -> Calibration:
     """Collective: measure point-to-point, reduction and call overhead; fit a `ModelParams`.
 
     `iterations`: timed operations per point-to-point size (fewer for large sizes), 4x that many
@@ -369,7 +421,8 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
     several hosts and some host holds several ranks (`host_layout`), two levels: the
     point-to-point patterns run within
     every host at once (the slowest host's time per size) for alpha, beta, beta_pairwise, and
-    among one rank per host for alpha_inter, beta_inter, beta_pairwise_inter.
+    among one rank per host for alpha_inter, beta_inter, beta_pairwise_inter. `stream_bytes`:
+    how much memory successive messages of a size go through (`measure_point_to_point`).
     """
     sizes = sorted(set(p2p_sizes))
     layout = host_layout(comm)
@@ -378,15 +431,18 @@ def calibrate(comm: MPI.Comm, *, p2p_sizes: Iterable[int] = DEFAULT_P2P_SIZES,
         inter_pairwise: list[tuple[int, float]] = []
         if layout.two_level:
             def within(c: MPI.Comm, kind: str) -> list[tuple[int, float]]:
-                return measure_point_to_point(c, sizes, iterations, pattern=kind)
+                return measure_point_to_point(c, sizes, iterations, pattern=kind,
+                                              stream_bytes=stream_bytes)
 
             p2p = _slowest_host(comm, layout.node, lambda c: within(c, pattern), sizes)
             pairwise = _slowest_host(comm, layout.node, lambda c: within(c, "pairwise"), sizes)
             inter_p2p = _between_hosts(comm, layout.leaders, lambda c: within(c, pattern))
             inter_pairwise = _between_hosts(comm, layout.leaders, lambda c: within(c, "pairwise"))
         else:
-            p2p = measure_point_to_point(comm, sizes, iterations, pattern=pattern)
-            pairwise = measure_point_to_point(comm, sizes, iterations, pattern="pairwise")
+            p2p = measure_point_to_point(comm, sizes, iterations, pattern=pattern,
+                                         stream_bytes=stream_bytes)
+            pairwise = measure_point_to_point(comm, sizes, iterations, pattern="pairwise",
+                                              stream_bytes=stream_bytes)
     finally:
         layout.free()
     alpha, beta = fit(p2p)

@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 import collectives
 from collectives import select
-from collectives.calibrate import fit, measure_point_to_point, measure_reduction, pairwise_slope
+from collectives.calibrate import (fit, framework_memory, measure_point_to_point, measure_reduction,
+                                  pairwise_slope)
 from collectives.cost import check as check_cost
 from collectives.cost_model import (DEFAULT_ROW_SIZES, STAGING_PIECES, Cost, ModelParams, best, cost,
                                     decision_rows, model_bytes, model_crossover, modelled_algorithms,
@@ -514,6 +515,48 @@ def test_measure_reduction_covers_each_size() -> None:
     assert all(t > 0 for _, t in points)
     with pytest.raises(ValueError, match="dtype"):
         measure_reduction([4096], "complex64")
+
+
+def huge_page_kib(array: np.ndarray) -> int:
+    """AnonHugePages of the mapping that holds the middle of `array` (/proc/self/smaps); its
+    first bytes may lie in a mapping of their own, before the advised, aligned part."""
+    address, inside = array.ctypes.data + array.nbytes // 2, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_calibration_buffers_get_the_pages_framework_tensors_get() -> None:
+    policy = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not policy.exists() or "[madvise]" not in policy.read_text():
+        pytest.skip("huge pages only on advice (transparent_hugepage madvise) tell the two apart")
+    count = (16 << 20) // 4
+    ours, numpys = framework_memory(count, np.float32, 1.5), np.full(count, 1.5, np.float32)
+    assert ours.shape == (count,) and ours.dtype == np.float32 and bool((ours == 1.5).all())
+    if huge_page_kib(numpys) == 0:
+        pytest.skip("the kernel had no free huge page for NumPy's advised array")
+    assert huge_page_kib(ours) == 0
+    assert framework_memory(0, np.uint8, 0).shape == (0,)
+
+
+def test_calibration_messages_stream_through_fresh_slices() -> None:
+    from collectives.calibrate import _Slices
+
+    streamed = _Slices(4096, messages=5, fill=1, stream_bytes=3 * 4096)  # room for 3 of the 5
+    slices = [streamed.next() for _ in range(5)]
+    starts = [s.ctypes.data for s in slices]
+    assert len(set(starts[:3])) == 3 and starts[3:] == starts[:2]  # 3 distinct, then around again
+    assert all(s.nbytes == 4096 and bool((s == 1).all()) for s in slices)
+    assert starts[1] - starts[0] == 4096  # one region, slice after slice
+    warm = _Slices(4096, messages=5, fill=0, stream_bytes=0)
+    assert len({warm.next().ctypes.data for _ in range(5)}) == 1
+    few = _Slices(1 << 20, messages=2, fill=0, stream_bytes=128 << 20)
+    assert few.region.nbytes == 2 << 20  # no more memory than the messages use
 
 
 @pytest.mark.mpi
