@@ -141,6 +141,23 @@ def test_predict_reads_a_tuning_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert f"hpcdl tune: error: {empty} has no \"model\"" in capsys.readouterr().err
 
 
+def test_predict_notes_ranks_that_share_a_hosts_cores(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    model = {"alpha": 50e-6, "beta": 8e-9, "gamma": 1e-10, "overhead": 20e-6}
+    argv = ["--predict", "--nodes", "8", "--model-params", "1M", "--compute-ms", "10", "--tuning-file"]
+    for ranks, cores, noted in ((8, 2, True), (8, 8, False), (4, 2, True)):
+        path = tmp_path / f"tuning-{ranks}-{cores}.json"
+        path.write_text(json.dumps({"model": {**model, "measured_on": {
+            "ranks_per_host": {"a": 2, "b": ranks}, "cores_per_host": {"a": cores, "b": cores}}}}))
+        assert tune.main([*argv, str(path)]) == 0
+        out = capsys.readouterr().out
+        assert (f"measured with {ranks} ranks on b's {cores} cores" in out) is noted, out
+    older = tmp_path / "older.json"  # written before files said how many cores a host has
+    older.write_text(json.dumps({"model": {**model, "measured_on": {"ranks_per_host": {"a": 8}}}}))
+    assert tune.main([*argv, str(older)]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_predict_staged_prices_the_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--staged: every algorithm priced with the copies through host memory (from the flags or a
     tuning file's copy_alpha, copy_beta), slower than unstaged; refused without copy costs."""
@@ -335,6 +352,7 @@ def test_model_only_writes_a_valid_tuning_file(comm: MPI.Comm, tmp_path: Path,
         # beta >= 0, not > 0: on a loaded 2-core machine the fit's per-byte slope can come out 0
         # (seen with another test job beside this one); the file is valid all the same
         ok = (params.alpha > 0 and params.beta >= 0 and document["model"]["measured_on"]["ranks"] == 2
+              and sum(document["model"]["measured_on"]["cores_per_host"].values()) >= 1
               and set(document["collectives"]) == set(command.COLLECTIVES)
               and select.load_table(str(path)) is not None)
         monkeypatch.setenv("HPCDL_TUNING_FILE", str(path))

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -146,12 +147,14 @@ def describe_job(comm: Any, pattern: str, argv: Sequence[str]) -> dict[str, Any]
 
     from ...runtime.process import mpi_library
 
-    hosts = comm.allgather(MPI.Get_processor_name())
+    placed = comm.allgather((MPI.Get_processor_name(), os.cpu_count() or 1))
+    hosts = [host for host, _ in placed]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ranks": comm.Get_size(),
         "hosts": sorted(set(hosts)),
         "ranks_per_host": {h: hosts.count(h) for h in sorted(set(hosts))},
+        "cores_per_host": dict(sorted(placed)),  # the CPUs the host has, whatever a rank is bound to
         "mpi_library": mpi_library(),
         "point_to_point": pattern,
         "command": " ".join(["hpcdl", "tune", *argv]),

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -238,6 +239,27 @@ def _staging_lines(params: Any, source: dict[str, str], buckets: Buckets, nodes:
             f"of {human_bytes(step)} in staging pieces of {human_bytes(piece)} (the model's pick)"]
 
 
+def shared_cores(tuning_file: str | None) -> str | None:
+    """A note where the tuning file was measured with more ranks on a host than it has cores
+    (its `measured_on`), else None. There the ranks' copies, folds and training threads share
+    the cores, the host's CPU can bound the step, and the model prices neither."""
+    if not tuning_file:
+        return None
+    try:
+        job = json.loads(Path(tuning_file).read_text())["model"]["measured_on"]
+        ranks, cores = job["ranks_per_host"], job["cores_per_host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # older files do not say how many cores their hosts had
+    crowded = {h: (n, cores[h]) for h, n in ranks.items() if h in cores and n > cores[h]}
+    if not crowded:
+        return None
+    host, (n, c) = max(crowded.items(), key=lambda item: item[1][0] / item[1][1])
+    return (f"note: {tuning_file} was measured with {n} ranks on {host}'s {c} cores. The model "
+            "gives each rank a core: where ranks share cores, a step takes at least (ranks x CPU "
+            "per rank per step) / cores, which it does not price (benchmarks/host_cpu.py measures "
+            "that CPU; docs/cost_model.md, \"The host's CPU\").")
+
+
 def auto_algorithm(tuning_file: str | None, params: Any, nbytes: int, nodes: int, itemsize: int) -> str:
     """What `auto` runs for an allreduce of `nbytes` on `nodes` ranks with HPCDL_TUNING_FILE set to
     `tuning_file` (collectives/select.py): the file's row covering the rank count, else the model's
@@ -347,6 +369,9 @@ def run_predict(args: argparse.Namespace) -> int:
                                  "(--overlap-efficiency)" if args.overlap_efficiency != 1 else "")
                   + "; efficiency: compute / step. auto follows --tuning-file's rows at this "
                   "rank count, else the model's fastest, as `auto` does at run time."]
+    note = shared_cores(args.tuning_file)
+    if note:
+        lines += ["", note]
     print("\n".join(lines))
     if args.json:
         document = {"nodes": args.nodes, "compute_s": compute_s, "model_params": args.model_params,
@@ -354,7 +379,7 @@ def run_predict(args: argparse.Namespace) -> int:
                     "source": source, "uniform_buckets": {p.algorithm: {
                         "communication_s": p.total_s, "efficiency": p.efficiency_no_overlap,
                         "efficiency_overlap_bound": p.efficiency_overlap} for p in plans},
-                    "timeline": args.timeline, "replay": replayed}
+                    "timeline": args.timeline, "replay": replayed, "note": note}
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1, default=str)
     return 0
