@@ -28,7 +28,9 @@ so that communication stands in the same relation to the step at every P (R = 4:
 backward; R = 2: half the step), although on a small machine it grows with P.
 
 Every number is EMULATED compute (no accuracy). The machine's load (`/proc/loadavg`) is recorded
-before and after every job; on a shared machine it says how far the timings can be trusted.
+before and after every job, and before and after each measuring job a 2-rank 8 MiB ring allreduce
+(`RING_PROBE`), which shows spells of slow communication the load does not; on a shared machine
+they say how far the timings can be trusted.
 Writes OUT.json, OUT.md and OUT.png.
 """
 from __future__ import annotations
@@ -88,6 +90,25 @@ def run(command: list[str], tuning: Path | None, timeout: float
     return done, info
 
 
+#: The machine's state, before and after each measuring job: a 2-rank 8 MiB ring allreduce on
+#: shared memory. On the reference machine it took 1.0-1.5 ms, and 2.6-6.4 ms in spells of
+#: slow communication that the load average does not show (docs/cost_model.md, "Slow spells").
+RING_PROBE = ["mpirun", "-n", "2", sys.executable, "-m", "hpcdl", "bench", "-C", "allreduce", "-A", "ring",
+              "-b", "8M", "-e", "8M", "-n", "20", "-w", "3", "-q"]
+
+
+def ring_ms(timeout: float) -> float | None:
+    """RING_PROBE's median in ms, None where it could not run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ring.json"
+        try:
+            subprocess.run([*RING_PROBE, "--json", str(out)], cwd=ROOT, env=environment(None),
+                           capture_output=True, text=True, timeout=timeout, check=True)
+            return float(json.loads(out.read_text())["results"][0]["median_s"]) * 1e3
+        except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
+
+
 def cluster_up(network: str, hosts: int) -> None:
     subprocess.run(["bash", str(CLUSTER), "up", "--hosts", str(hosts), "--rate", network], check=True,
                    capture_output=True, text=True)
@@ -105,7 +126,9 @@ def throughput(network: str, ranks: int, args: argparse.Namespace, tuning: Path 
                    "--rounds", str(args.rounds), "--modes", *args.modes, "--json", str(out)]
         if timeline is not None:
             command += ["--timeline", str(timeline)]
+        ring_before = ring_ms(args.timeout)
         _, info = run(command, tuning, args.timeout)
+        info["ring_ms"] = [ring_before, ring_ms(args.timeout)]
         report = json.loads(out.read_text())
     rates = report["samples_per_s"][args.model]
     info["command"] = info["command"].replace(str(ROOT) + "/", "").replace(sys.executable, "python")
@@ -198,7 +221,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             m, p = point["measured"]["samples_per_s"], point["predicted"]
             print(f"P={ranks:2d} {network}: " + "  ".join(f"{k} {m[k]:,.0f}" for k in args.modes)
                   + f" | predicted hpcdl {p['hpcdl']:,.0f} nolap {p['hpcdl-nolap']:,.0f}  load "
-                  f"{point['measured']['load_before']} -> {point['measured']['load_after']}", flush=True)
+                  f"{point['measured']['load_before']} -> {point['measured']['load_after']}  8 MiB ring "
+                  + " -> ".join(probe_cell(point).split(" / ")), flush=True)
             points.append(point)
             out.with_suffix(".json").write_text(json.dumps(results, indent=1))  # kept if a later P fails
     finally:
@@ -216,6 +240,12 @@ def predict_again(out: Path) -> dict[str, Any]:
         point["predicted"] = predict(point["ranks"], at, out.with_name(point["tuning_file"]), timeline,
                                      compute_step_ms(point["ranks"], results["batch"], point["measured"]))
     return results
+
+
+def probe_cell(point: dict[str, Any]) -> str:
+    """The ring probe's ms before and after the point's measuring job ("-" where not taken)."""
+    values = point["measured"].get("ring_ms") or [None, None]
+    return " / ".join("-" if v is None else f"{v:.2f}" for v in values)
 
 
 def report(results: dict[str, Any], out: Path) -> None:
@@ -239,8 +269,8 @@ def report(results: dict[str, Any], out: Path) -> None:
              "without communication measured there (local) as the compute time.",
              "",
              "| P | layout | step ms | comm. ms | local | hpcdl | predicted | error | eff. | vs local | no overlap "
-             "| predicted | error | on/off | torch DDP gloo | torch DDP hpcdl | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| predicted | error | on/off | torch DDP gloo | torch DDP hpcdl | load | 8 MiB ring ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for point in points:
         m, p = point["measured"]["samples_per_s"], point["predicted"]
         hosts, per_host = point["layout"]
@@ -261,7 +291,7 @@ def report(results: dict[str, Any], out: Path) -> None:
                      f"{ratio('hpcdl', 'local')} | "
                      f"{cell('hpcdl-nolap')} | {p['hpcdl-nolap']:,.0f} | {error('hpcdl-nolap')} | "
                      f"{ratio('hpcdl', 'hpcdl-nolap')} | {cell('torch-ddp')} | {cell('torch-ddp-hpcdl')} | "
-                     f"{point['measured']['load_before']} |")
+                     f"{point['measured']['load_before']} | {probe_cell(point)} |")
     lines += ["", "Commands:", ""] + [f"    {p[part]['command']}" for p in points for part in ("probe", "measured")
                                         if part in p]
     lines += [f"    {p['predicted']['command']}" for p in points]
