@@ -15,8 +15,10 @@ algorithm DDP's `auto` runs there) is printed beside the measured median.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,10 +31,16 @@ from collectives.cost_model import predict
 from hpcdl.commands.tune.overlap import BucketSchedule
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def now() -> str:
+    """The UTC time, to the second, for the results file."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 TIMELINE = ROOT / "benchmarks" / "results" / "scaling-emulated-1gbit-timeline.json"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Fit both ways and time the step's exchange on this job's ranks; rank 0 prints and writes --json."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--timeline", default=str(TIMELINE), help="a timeline whose buckets to exchange")
     parser.add_argument("--iters", type=int, default=5, help="calibration iterations per size")
@@ -45,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     schedule = BucketSchedule.from_timeline(args.timeline)
     calls = [nbytes for bucket in schedule.calls for nbytes in bucket]
     fits: dict[str, list[dict[str, float]]] = {"cache-warm": [], "streamed": []}
-    for _ in range(args.fits):  # the two kinds take turns, so neither always comes first
-        for name, stream_bytes in (("cache-warm", 0), ("streamed", STREAM_BYTES)):
+    kinds = [("cache-warm", 0), ("streamed", STREAM_BYTES)]
+    for turn in range(args.fits):  # the two kinds take turns, and each comes first every other turn
+        for name, stream_bytes in kinds if turn % 2 == 0 else kinds[::-1]:
             params = calibrate(comm, iterations=args.iters, stream_bytes=stream_bytes).params
             seconds = sum(predict("allreduce", "ring", n, size, params, itemsize=4) for n in calls)
             fits[name].append({"beta": params.beta, "gamma": params.gamma, "predicted_s": seconds})
@@ -69,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  fitted {name:<10}: beta {fit['beta'] * 1e9:.3f} ns/B, gamma {fit['gamma'] * 1e9:.3f} "
                       f"ns/B, predicted {fit['predicted_s'] * 1e3:.1f} ms ({fit['predicted_s'] / measured - 1:+.0%})")
         if args.json:
-            Path(args.json).write_text(json.dumps({"ranks": size, "calls": calls, "measured_s": measured,
+            Path(args.json).write_text(json.dumps({"date": now(), "command": " ".join(sys.argv),
+                                                   "ranks": size, "calls": calls, "measured_s": measured,
                                                    "times_s": times, "fits": fits}, indent=1) + "\n")
     return 0
 

@@ -14,8 +14,10 @@ network (the bound binds where P exceeds C): this prints it beside the measured 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import sys
 import statistics
 import threading
 import time
@@ -30,11 +32,13 @@ from hpcdl.commands.train.emulation import EmulatedCompute, StepTimes, emulated_
 
 
 def thread_seconds() -> dict[str, float]:
-    """CPU seconds so far of every live thread of this process, by thread name."""
-    seconds = {}
+    """CPU seconds so far of every live thread of this process, by thread name (threads of one
+    name summed)."""
+    seconds: dict[str, float] = {}
     for thread in threading.enumerate():
         if thread.ident is not None:
-            seconds[thread.name] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            used = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            seconds[thread.name] = seconds.get(thread.name, 0.0) + used
     return seconds
 
 
@@ -70,6 +74,7 @@ def measure(mode: str, comm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measure every mode on this job's ranks; rank 0 prints the table and writes --json."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet50",
                         help="resnet50, bert-large (their real sizes) or a model of hpcdl train (cnn, mlp, resnet)")
@@ -101,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{n} {s * 1e3:.1f}" for n, s in threads.items() if s >= 5e-4)
                   + f"); {size} ranks x CPU / {cores} cores = {bound * 1e3:.1f} ms")
         if args.json:
-            Path(args.json).write_text(json.dumps({"ranks": size, "cores": cores, "model": args.model,
+            Path(args.json).write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                                       timespec="seconds"), "command": " ".join(sys.argv),
+                                                   "ranks": size, "cores": cores, "model": args.model,
                                                    "emulate_compute_ms": args.emulate_compute,
                                                    "modes": summary, "per_rank": results}, indent=1) + "\n")
     return 0

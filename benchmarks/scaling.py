@@ -29,7 +29,7 @@ backward; R = 2: half the step), although on a small machine it grows with P.
 
 Every number is EMULATED compute (no accuracy). The machine's load (`/proc/loadavg`) is recorded
 before and after every job, and before and after each measuring job a 2-rank 8 MiB ring allreduce
-(`RING_PROBE`), which shows spells of slow communication the load does not; on a shared machine
+(`RING_PROBE`), whose rate changes from job to job where the load does not; on a shared machine
 they say how far the timings can be trusted.
 Writes OUT.json, OUT.md and OUT.png.
 """
@@ -91,14 +91,14 @@ def run(command: list[str], tuning: Path | None, timeout: float
 
 
 #: The machine's state, before and after each measuring job: a 2-rank 8 MiB ring allreduce on
-#: shared memory. On the reference machine it took 1.0-1.5 ms, and 2.6-6.4 ms in spells of
-#: slow communication that the load average does not show (docs/cost_model.md, "Slow spells").
+#: shared memory. On the reference machine it took 1.0-1.8 ms in most jobs and 2.0-6.4 ms in a
+#: third of them, which the load average does not show (docs/cost_model.md, "The rate of a job").
 RING_PROBE = ["mpirun", "-n", "2", sys.executable, "-m", "hpcdl", "bench", "-C", "allreduce", "-A", "ring",
               "-b", "8M", "-e", "8M", "-n", "20", "-w", "3", "-q"]
 
 
-def ring_ms(timeout: float) -> float | None:
-    """RING_PROBE's median in ms, None where it could not run."""
+def ring_ms(timeout: float = 120.0) -> float | None:
+    """RING_PROBE's median in ms, None where it could not run (within `timeout` seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ring.json"
         try:
@@ -126,9 +126,9 @@ def throughput(network: str, ranks: int, args: argparse.Namespace, tuning: Path 
                    "--rounds", str(args.rounds), "--modes", *args.modes, "--json", str(out)]
         if timeline is not None:
             command += ["--timeline", str(timeline)]
-        ring_before = ring_ms(args.timeout)
+        ring_before = ring_ms()
         _, info = run(command, tuning, args.timeout)
-        info["ring_ms"] = [ring_before, ring_ms(args.timeout)]
+        info["ring_ms"] = [ring_before, ring_ms()]
         report = json.loads(out.read_text())
     rates = report["samples_per_s"][args.model]
     info["command"] = info["command"].replace(str(ROOT) + "/", "").replace(sys.executable, "python")

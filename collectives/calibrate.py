@@ -57,9 +57,8 @@ _CHAIN_BYTES = 1 << 20
 #: Successive messages of a size come from (and go to) the next slice of this much memory per
 #: rank, more than a last-level cache holds, since a training step's gradients (ResNet-50's
 #: 100 MB) stream through memory. Fitted on one re-sent buffer instead, the model priced that
-#: step's exchange at 2 ranks 23-36% below its measured time on the reference machine (32 MiB
-#: of cache); streamed, 9-38% above, as a ring also sends blocks it has just reduced, from the
-#: cache (benchmarks/calibration_buffers.py; docs/cost_model.md).
+#: step's exchange at 2 ranks 22-36% below its measured time on the reference machine (32 MiB
+#: of cache); streamed, 9-38% above (benchmarks/calibration_buffers.py; docs/cost_model.md).
 STREAM_BYTES = 128 << 20
 
 #: How `measure_point_to_point` pairs ranks.
@@ -122,19 +121,22 @@ def framework_memory(count: int, dtype: Any, fill: float) -> np.ndarray:
     DDP's buckets live in (docs/cost_model.md). The calibration prices the buffers training has.
     """
     dt = np.dtype(dtype)
-    region = mmap.mmap(-1, max(count * dt.itemsize, 1))  # the array's base keeps it mapped
+    # Private and anonymous, as malloc's large blocks are (mmap's default, MAP_SHARED, would make
+    # it shared memory, whose huge pages follow another setting); the array's base keeps it mapped.
+    region = mmap.mmap(-1, max(count * dt.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     array = np.frombuffer(region, dtype=dt, count=count)
     array.fill(fill)
     return array
 
 
 class _Slices:
-    """Buffers of `nbytes` for `messages` messages: consecutive slices of one region of at most
-    `stream_bytes` (at least one slice, so 0 re-sends one cache-warm buffer)."""
+    """Buffers of `nbytes`: consecutive slices of one region of `stream_bytes` (at least one
+    slice, so 0 re-sends one cache-warm buffer), whatever the number of messages, so how far
+    from the cache a size's messages come does not depend on how many are timed."""
 
-    def __init__(self, nbytes: int, messages: int, fill: int, stream_bytes: int) -> None:
+    def __init__(self, nbytes: int, fill: int, stream_bytes: int) -> None:
         self.nbytes = nbytes
-        self.count = max(1, min(messages, stream_bytes // max(nbytes, 1)))
+        self.count = max(1, stream_bytes // max(nbytes, 1))
         self.region = framework_memory(self.count * nbytes, np.uint8, fill)
         self.used = 0
 
@@ -172,32 +174,36 @@ def measure_point_to_point(comm: MPI.Comm, sizes: Iterable[int], iterations: int
         right, left = (rank + 1) % size, (rank - 1) % size
         if pattern == "pairwise":  # the last rank of an odd P has no partner: it talks to itself
             right = left = rank ^ 1 if rank ^ 1 < size else rank
-        points = []
-        for nbytes in sorted(set(sizes)):
-            count = _iterations_for(nbytes, iterations)
-            # A collective's steps follow each other without barriers: time a chain of them, so
-            # the skew of leaving a barrier (a per-call cost, in `overhead`) is not taken for
-            # a per-message one.
-            chain = max(1, min(_CHAIN, _CHAIN_BYTES // max(nbytes, 1)))
-            messages = chain * (count * repeats + 2)
-            # ones, not zeros: untouched zeros are one shared page, cheaper to read than data
-            send = _Slices(nbytes, messages, 1, stream_bytes)
-            recv = _Slices(nbytes, messages, 0, stream_bytes)
-            if pattern in ("exchange", "pairwise"):
-                def step() -> None:
-                    for _ in range(chain):
-                        link.sendrecv(send.next(), right, recv.next(), left)
-
-                _call_times(dup, step, 2)  # warm-up: connections, registration
-                t = _typical(dup, _call_times(dup, step, count * repeats)) / chain
-            else:
-                pairs = [(0, 1)] if size == 2 else [(r, (r + 1) % size) for r in range(size)]
-                t = max(_typical(dup, _pingpong(link, dup, a, b, send, count * repeats, chain))
-                        for a, b in pairs)
-            points.append((nbytes, t))
-        return points
+        # One size at a time, in a function of its own: a size's regions are unmapped before the
+        # next size's are made.
+        return [(nbytes, _message_seconds(link, dup, nbytes, right, left, pattern,
+                                          _iterations_for(nbytes, iterations) * repeats, stream_bytes))
+                for nbytes in sorted(set(sizes))]
     finally:
         dup.Free()
+
+
+def _message_seconds(link: Link, comm: MPI.Comm, nbytes: int, right: int, left: int, pattern: str,
+                     timed: int, stream_bytes: int) -> float:
+    """Collective: seconds for one message of `nbytes` in `pattern`, over `timed` operations."""
+    # A collective's steps follow each other without barriers: time a chain of them, so the
+    # skew of leaving a barrier (a per-call cost, in `overhead`) is not taken for a per-message one.
+    chain = max(1, min(_CHAIN, _CHAIN_BYTES // max(nbytes, 1)))
+    # ones, not zeros: untouched zeros are one shared page, cheaper to read than data
+    send = _Slices(nbytes, 1, stream_bytes)
+    if pattern in ("exchange", "pairwise"):
+        recv = _Slices(nbytes, 0, stream_bytes)
+
+        def step() -> None:
+            for _ in range(chain):
+                link.sendrecv(send.next(), right, recv.next(), left)
+
+        _call_times(comm, step, 2)  # warm-up: connections, registration
+        return _typical(comm, _call_times(comm, step, timed)) / chain
+    # a ping-pong sends and receives in the same buffer
+    size = comm.Get_size()
+    pairs = [(0, 1)] if size == 2 else [(r, (r + 1) % size) for r in range(size)]
+    return max(_typical(comm, _pingpong(link, comm, a, b, send, timed, chain)) for a, b in pairs)
 
 
 def _pingpong(link: Link, comm: MPI.Comm, a: int, b: int, buffers: _Slices, iterations: int,

@@ -531,6 +531,14 @@ def huge_page_kib(array: np.ndarray) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def test_framework_memory_is_filled_private_memory_of_any_size() -> None:
+    array = framework_memory(1000, np.float64, 2.5)
+    assert array.shape == (1000,) and array.dtype == np.float64 and bool((array == 2.5).all())
+    array[0] = 1.0  # writable, and private: a second array does not see it
+    assert framework_memory(1000, np.float64, 2.5)[0] == 2.5
+    assert framework_memory(0, np.uint8, 0).shape == (0,)
+
+
 def test_calibration_buffers_get_the_pages_framework_tensors_get() -> None:
     policy = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not policy.exists() or "[madvise]" not in policy.read_text():
@@ -541,22 +549,21 @@ def test_calibration_buffers_get_the_pages_framework_tensors_get() -> None:
     if huge_page_kib(numpys) == 0:
         pytest.skip("the kernel had no free huge page for NumPy's advised array")
     assert huge_page_kib(ours) == 0
-    assert framework_memory(0, np.uint8, 0).shape == (0,)
 
 
 def test_calibration_messages_stream_through_fresh_slices() -> None:
     from collectives.calibrate import _Slices
 
-    streamed = _Slices(4096, messages=5, fill=1, stream_bytes=3 * 4096)  # room for 3 of the 5
+    streamed = _Slices(4096, fill=1, stream_bytes=3 * 4096)  # room for 3 slices
     slices = [streamed.next() for _ in range(5)]
     starts = [s.ctypes.data for s in slices]
     assert len(set(starts[:3])) == 3 and starts[3:] == starts[:2]  # 3 distinct, then around again
     assert all(s.nbytes == 4096 and bool((s == 1).all()) for s in slices)
     assert starts[1] - starts[0] == 4096  # one region, slice after slice
-    warm = _Slices(4096, messages=5, fill=0, stream_bytes=0)
+    warm = _Slices(4096, fill=0, stream_bytes=0)
     assert len({warm.next().ctypes.data for _ in range(5)}) == 1
-    few = _Slices(1 << 20, messages=2, fill=0, stream_bytes=128 << 20)
-    assert few.region.nbytes == 2 << 20  # no more memory than the messages use
+    assert _Slices(3000, fill=0, stream_bytes=128 << 20).region.nbytes == (128 << 20) // 3000 * 3000
+    assert _Slices(0, fill=0, stream_bytes=1 << 20).next().nbytes == 0
 
 
 @pytest.mark.mpi

@@ -147,14 +147,17 @@ def describe_job(comm: Any, pattern: str, argv: Sequence[str]) -> dict[str, Any]
 
     from ...runtime.process import mpi_library
 
-    placed = comm.allgather((MPI.Get_processor_name(), os.cpu_count() or 1))
+    placed = comm.allgather((MPI.Get_processor_name(), sorted(os.sched_getaffinity(0))))
     hosts = [host for host, _ in placed]
+    cpus: dict[str, set[int]] = {}  # per host, the CPUs its ranks may run on (cpusets, binding)
+    for host, mine in placed:
+        cpus.setdefault(host, set()).update(mine)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ranks": comm.Get_size(),
         "hosts": sorted(set(hosts)),
         "ranks_per_host": {h: hosts.count(h) for h in sorted(set(hosts))},
-        "cores_per_host": dict(sorted(placed)),  # the CPUs the host has, whatever a rank is bound to
+        "cores_per_host": {h: len(cpus[h]) for h in sorted(cpus)},
         "mpi_library": mpi_library(),
         "point_to_point": pattern,
         "command": " ".join(["hpcdl", "tune", *argv]),

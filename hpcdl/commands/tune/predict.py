@@ -248,9 +248,10 @@ def shared_cores(tuning_file: str | None) -> str | None:
     try:
         job = json.loads(Path(tuning_file).read_text())["model"]["measured_on"]
         ranks, cores = job["ranks_per_host"], job["cores_per_host"]
-    except (OSError, ValueError, KeyError, TypeError):
+        crowded = {h: (int(n), int(cores[h])) for h, n in ranks.items()
+                   if h in cores and int(cores[h]) > 0 and int(n) > int(cores[h])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # older files do not say how many cores their hosts had
-    crowded = {h: (n, cores[h]) for h, n in ranks.items() if h in cores and n > cores[h]}
     if not crowded:
         return None
     host, (n, c) = max(crowded.items(), key=lambda item: item[1][0] / item[1][1])
