@@ -57,7 +57,7 @@ _CHAIN_BYTES = 1 << 20
 #: Successive messages of a size come from (and go to) the next slice of this much memory per
 #: rank, more than a last-level cache holds, since a training step's gradients (ResNet-50's
 #: 100 MB) stream through memory. Fitted on one re-sent buffer instead, the model priced that
-#: step's exchange at 2 ranks 22-36% below its measured time on the reference machine (32 MiB
+#: step's exchange at 2 ranks 21-38% below its measured time on the reference machine (32 MiB
 #: of cache); streamed, 9-38% above (benchmarks/calibration_buffers.py; docs/cost_model.md).
 STREAM_BYTES = 128 << 20
 
