@@ -31,12 +31,12 @@ from collectives.cost_model import predict
 from hpcdl.commands.tune.overlap import BucketSchedule
 
 ROOT = Path(__file__).resolve().parent.parent
+TIMELINE = ROOT / "benchmarks" / "results" / "scaling-emulated-1gbit-timeline.json"
 
 
 def now() -> str:
     """The UTC time, to the second, for the results file."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-TIMELINE = ROOT / "benchmarks" / "results" / "scaling-emulated-1gbit-timeline.json"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here (rank 0)")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
-    cores = len(os.sched_getaffinity(0))
+    # The CPUs this host's ranks may use: the union of their masks, as a launcher that binds
+    # each rank to a core leaves one CPU in each (the job is meant for one host).
+    placed = comm.allgather((MPI.Get_processor_name(), os.sched_getaffinity(0)))
+    cores = len(set().union(*(mask for host, mask in placed if host == placed[0][0])))
     results = {mode: comm.gather(measure(mode, comm, args), root=0) for mode in args.modes}
     if comm.Get_rank() == 0:
         size = comm.Get_size()
