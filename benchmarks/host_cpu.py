@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import statistics
 import threading
@@ -29,6 +28,7 @@ from mpi4py import MPI
 
 import hpcdl
 from hpcdl.commands.train.emulation import EmulatedCompute, StepTimes, emulated_model
+from hpcdl.runtime.process import host_cpus
 
 
 def thread_seconds() -> dict[str, float]:
@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here (rank 0)")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
-    # The CPUs this host's ranks may use: the union of their masks, as a launcher that binds
-    # each rank to a core leaves one CPU in each (the job is meant for one host).
-    placed = comm.allgather((MPI.Get_processor_name(), os.sched_getaffinity(0)))
-    cores = len(set().union(*(mask for host, mask in placed if host == placed[0][0])))
+    cores = host_cpus(comm)[MPI.Get_processor_name()]  # the CPUs this host's ranks may use
     results = {mode: comm.gather(measure(mode, comm, args), root=0) for mode in args.modes}
     if comm.Get_rank() == 0:
         size = comm.Get_size()

@@ -14,6 +14,7 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT when the user has not 
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import traceback
@@ -156,6 +157,16 @@ def mpi_library() -> str:
     """The first line of MPI_Get_library_version (the rest is build detail)."""
     text = MPI.Get_library_version().replace("\0", "").strip()
     return text.splitlines()[0].strip() if text else "unknown"
+
+
+def host_cpus(comm: MPI.Comm) -> dict[str, int]:
+    """Collective over `comm`: per host (processor name), how many CPUs its ranks may run on,
+    the union of their affinity masks (a cpuset, or a launcher that binds each rank to a core,
+    leaves a rank's own mask smaller than the host)."""
+    cpus: dict[str, set[int]] = {}
+    for host, mask in comm.allgather((MPI.Get_processor_name(), sorted(os.sched_getaffinity(0)))):
+        cpus.setdefault(host, set()).update(mask)
+    return {host: len(cpus[host]) for host in sorted(cpus)}
 
 
 def thread_level() -> str:

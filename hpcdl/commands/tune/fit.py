@@ -6,7 +6,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -145,19 +144,15 @@ def describe_job(comm: Any, pattern: str, argv: Sequence[str]) -> dict[str, Any]
     """Where and how the model was measured, for the tuning file's `measured_on`."""
     from mpi4py import MPI
 
-    from ...runtime.process import mpi_library
+    from ...runtime.process import host_cpus, mpi_library
 
-    placed = comm.allgather((MPI.Get_processor_name(), sorted(os.sched_getaffinity(0))))
-    hosts = [host for host, _ in placed]
-    cpus: dict[str, set[int]] = {}  # per host, the CPUs its ranks may run on (cpusets, binding)
-    for host, mine in placed:
-        cpus.setdefault(host, set()).update(mine)
+    hosts = comm.allgather(MPI.Get_processor_name())
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ranks": comm.Get_size(),
         "hosts": sorted(set(hosts)),
         "ranks_per_host": {h: hosts.count(h) for h in sorted(set(hosts))},
-        "cores_per_host": {h: len(cpus[h]) for h in sorted(cpus)},
+        "cores_per_host": host_cpus(comm),
         "mpi_library": mpi_library(),
         "point_to_point": pattern,
         "command": " ".join(["hpcdl", "tune", *argv]),

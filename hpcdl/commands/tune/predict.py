@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 
@@ -245,8 +244,10 @@ def shared_cores(tuning_file: str | None) -> str | None:
     the cores, the host's CPU can bound the step, and the model prices neither."""
     if not tuning_file:
         return None
+    from collectives.select import load_table
+
     try:
-        job = json.loads(Path(tuning_file).read_text())["model"]["measured_on"]
+        job = load_table(tuning_file)["model"]["measured_on"]
         ranks, cores = job["ranks_per_host"], job["cores_per_host"]
         crowded = {h: (int(n), int(cores[h])) for h, n in ranks.items()
                    if h in cores and int(cores[h]) > 0 and int(n) > int(cores[h])}
