@@ -31,7 +31,7 @@ from collectives.cost_model import predict
 from hpcdl.commands.tune.overlap import BucketSchedule
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMELINE = ROOT / "benchmarks" / "results" / "scaling-emulated-1gbit-timeline.json"
+TIMELINE = ROOT / "benchmarks" / "results" / "scaling" / "scaling-emulated-1gbit-timeline.json"
 
 
 def now() -> str:

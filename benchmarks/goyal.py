@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Goyal et al.'s scaling curve (ResNet-50, 8 -> 256 GPUs) as `hpcdl tune --predict` sees it.
 
-    python benchmarks/goyal.py --timeline benchmarks/results/scaling-emulated-1gbit-timeline.json \\
-        --out benchmarks/results/goyal-predict
+    python benchmarks/goyal.py --timeline benchmarks/results/scaling/scaling-emulated-1gbit-timeline.json \\
+        --out benchmarks/results/scaling/goyal-predict
 
 Goyal, Dollar, Girshick, Noordhuis, Wesolowski, Kyrola, Tulloch, Jia, He, "Accurate, Large
 Minibatch SGD: Training ImageNet in 1 Hour" (2017): ResNet-50 on Big Basin servers of 8 P100 GPUs

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Sandblaster L-BFGS against a static equal split, with and without one rank slowed down.
 
-    mpirun -n 4 python benchmarks/lbfgs_straggler.py --json benchmarks/results/lbfgs-straggler-shm-p4.json
+    mpirun -n 4 python benchmarks/lbfgs_straggler.py \\
+        --json benchmarks/results/lbfgs-straggler/lbfgs-straggler-shm-p4.json
 
 Four runs in one job, one after the other, each on a fresh copy of the same model and data:
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Scaling curves on emulated accelerators, next to `hpcdl tune --predict` for the same setup.
 
-    python benchmarks/scaling.py --network shm --out benchmarks/results/scaling-shm
-    python benchmarks/scaling.py --network 1gbit --out benchmarks/results/scaling-emulated-1gbit
+    python benchmarks/scaling.py --network shm --out benchmarks/results/scaling/scaling-shm
+    python benchmarks/scaling.py --network 1gbit --out benchmarks/results/scaling/scaling-emulated-1gbit
     python benchmarks/scaling.py --network 10gbit --ranks 1 2 4 8 16 --emulate-compute 100
 
 For each rank count P it runs benchmarks/train_throughput.py with --emulate-compute (an emulated

@@ -3,8 +3,8 @@
 hpcdl's DDP unsharded, stage 1 (shard="optimizer") and stage 2 (shard="gradients"), beside
 torch's DDP + ZeroRedundancyOptimizer over gloo and FSDP2 over hpcdl's torch.distributed backend.
 
-    python benchmarks/sharding.py -n 4 --json benchmarks/results/sharding-shm-p4.json
-    python benchmarks/sharding.py -n 2 --json benchmarks/results/sharding-shm-p2.json
+    python benchmarks/sharding.py -n 4 --json benchmarks/results/sharding/sharding-shm-p4.json
+    python benchmarks/sharding.py -n 2 --json benchmarks/results/sharding/sharding-shm-p2.json
 
 It starts the mpirun jobs itself (oversubscribed, OMPI_MCA_mpi_yield_when_idle=1):
 - memory: one job per mode (peak RSS is a high-water mark of the process, so each mode gets fresh

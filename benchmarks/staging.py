@@ -1,7 +1,7 @@
 """The staged GPU path's pipeline against copy-then-send, with the model's prediction beside each
 measurement: on the fake device (default) or on the GPU.
 
-    mpirun -n 2 python benchmarks/staging.py --json benchmarks/results/staging-fake-p2.json
+    mpirun -n 2 python benchmarks/staging.py --json benchmarks/results/staging/staging-fake-p2.json
     mpirun -n 2 python benchmarks/staging.py --device gpu --sizes-mib 16 64 256   # CuPy, a GPU
 
 Device buffers where MPI is not CUDA-aware are staged through pinned host memory

@@ -4,10 +4,11 @@ without a straggler: one table (JSON and markdown) and one PNG.
 
     python benchmarks/strategies.py                                   # everything, shared memory
     python benchmarks/strategies.py --epochs 6 --strategies allreduce downpour --conditions straggler
-    python benchmarks/strategies.py --emulated --out benchmarks/results/strategies-emulated
+    python benchmarks/strategies.py --emulated --out benchmarks/results/strategies/strategies-emulated
     python benchmarks/strategies.py --workers 16 --emulate-compute 100 --batch-size 8 \
         --conditions none straggler slowdowns --straggler-factor 2 4 \
-        --accuracy-from benchmarks/results/strategies-real-p4.json --out benchmarks/results/strategies-16
+        --accuracy-from benchmarks/results/strategies/strategies-shm.json \
+        --out benchmarks/results/strategies/strategies-16
     mpirun -n 2 python benchmarks/strategies.py --overhead            # only the per-push overhead
 
 Each run is `mpirun -n N hpcdl train --strategy X ... --metrics FILE` (one job per strategy and
@@ -486,7 +487,7 @@ def main() -> int:
     parser.add_argument("--emulated", action="store_true",
                         help="run on the emulated cluster (scripts/emulated_cluster.sh up --hosts 5 first)")
     parser.add_argument("--installed", action="store_true", help="run the `hpcdl` command instead of this checkout's")
-    parser.add_argument("--out", default="benchmarks/results/strategies-shm",
+    parser.add_argument("--out", default="benchmarks/results/strategies/strategies-shm",
                         help="where to write OUT.json, OUT.md and OUT.png")
     parser.add_argument("--no-overhead", dest="overhead_too", action="store_false",
                         help="skip the per-push overhead job")

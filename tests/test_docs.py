@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", ROOT / "slurm" / "README.md", *(ROOT / "docs").glob("*.md"),
-                *(ROOT / "benchmarks").glob("*.md"), *(ROOT / "benchmarks").glob("*/*.md")])
+                *(ROOT / "benchmarks").rglob("*.md")])  # results' topic folders included
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
