@@ -77,6 +77,7 @@ class Lane:
 
     @property
     def agreement(self) -> Agreement:
+        """The argument check on the duplicate, for this lane's calls (made at its first use)."""
         if self._agreement is None:
             self._agreement = Agreement(self._dup.get(), patient=self.patient)
         return self._agreement

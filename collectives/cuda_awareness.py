@@ -1,8 +1,8 @@
 """Whether the MPI library reads device memory itself ("CUDA-aware"): asked once, overridable.
 
 A CUDA-aware MPI is handed device buffers as they are; any other gets device messages staged
-through pinned host memory (`staging.py`). The channel asks this once per Link it makes
-(`channels.Lane.link`) and tells the Link.
+through pinned host memory (`staging.py`). A channel's lane asks this for each device call's Link
+(`channels.Lane.link`) and tells the Link; the transport itself does not ask.
 """
 from __future__ import annotations
 

@@ -19,7 +19,9 @@ table's row.
 
 `staging_piece` picks the staged path's copy granularity the same way: `HPCDL_STAGING_PIECE_BYTES`,
 else the tuning file's model where it has copy parameters, else `partition.default_staging_piece`.
-It is each rank's own choice (the messages on the wire do not depend on it).
+It is each rank's own choice (the messages on the wire do not depend on it). `choose_level` and
+`staging_piece` are handed to every Link by the channel that makes it (`channels.Lane.link`): the
+transport below reads no setting and no tuning file itself.
 """
 from __future__ import annotations
 

@@ -57,9 +57,9 @@ whole input for reduce_scatter and the whole (gathered) output for allgather. `s
 the bytes of the array the caller passes, which for allgather is 1/P of that:
 `prediction.model_bytes` converts. `mpi` (the MPI library's own collective) has no formula here:
 `prediction.cost` and `predict` raise ValueError for it and `best` never considers it. Pure
-arithmetic: no MPI calls, and importing any of it starts no MPI. Each algorithm's formula lives next to its code (`Algorithm.cost`, in the vocabulary
-of `counts.py`); the API's copies next to the collective's layout (`Collective.copies`). Formulas
-and their derivation: docs/cost_model.md.
+arithmetic: no MPI calls, and importing any of it starts no MPI. Each algorithm's formula lives
+next to its code (`Algorithm.cost`, in the vocabulary of `counts.py`); the API's copies next to
+the collective's layout (`Collective.copies`). Formulas and their derivation: docs/cost_model.md.
 
 The modules, from the bottom up: `counts.py`, the vocabulary every algorithm's formula is written
 in (`Cost`, the argument check's price); `params.py`, the machine's parameters (`ModelParams`);
