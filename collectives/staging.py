@@ -162,7 +162,7 @@ class _Incoming(_Message):
         self.requests: list[list[MPI.Request]] = []
         self.slots: list[np.ndarray] = []
         self.events: list[Any] = []
-        self.combined: list[Any] = [None] * DEPTH  # per device scratch slot: its last combine
+        self.combined: list[Any] = [None] * DEPTH  # per device scratch slot: its last combine's event
 
     @property
     def finished(self) -> bool:
