@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives.calibrate import STREAM_BYTES, calibrate
-from collectives.cost_model import predict
+from collectives.cost.prediction import predict
 from hpcdl.commands.tune.overlap import BucketSchedule
 
 ROOT = Path(__file__).resolve().parent.parent

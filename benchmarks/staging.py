@@ -22,7 +22,7 @@ size, taking turns round after round on the same two ranks:
 - `ring allreduce`: `collectives.allreduce(..., algorithm="ring")` of the size, whole against
   pipelined (measured only).
 
-Predicted: `cost_model.staging_seconds(n, piece, params)` with the variant's wire reference at
+Predicted: `cost.prediction.staging_seconds(n, piece, params)` with the variant's wire reference at
 that size as n * beta and the copies' cost as copy_alpha, copy_beta (simulated on the fake
 device; measured in the same run with `calibrate.measure_staging` on the GPU): whole, the two
 copies and the wire one after another; pipelined, the first copy out and the last copy in
@@ -50,9 +50,11 @@ from arrays import FakeDeviceArray, FakeDeviceRuntime, device_runtime_installed 
 import collectives  # noqa: E402
 from collectives.buffers import device_runtime  # noqa: E402
 from collectives.calibrate import fit, measure_staging  # noqa: E402
-from collectives.cost_model import ModelParams, staging_seconds  # noqa: E402
+from collectives.cost.params import ModelParams  # noqa: E402
+from collectives.cost.prediction import staging_seconds  # noqa: E402
 from collectives.ops import OPS  # noqa: E402
 from collectives.partition import default_staging_piece, pieces_of  # noqa: E402
+from collectives.select import staging_piece  # noqa: E402
 from collectives.transport import Link, ScratchPool  # noqa: E402
 
 #: HPCDL_STAGING_PIECE_BYTES of each variant: 0, copy whole; None, unset (the default piece)
@@ -101,7 +103,7 @@ def main() -> None:
         installed = device_runtime_installed(runtime, cuda_aware=None)
     dup = comm.Dup()
     link = Link(dup, OPS["sum"], runtime.xp, on_device=True, cuda_aware=False, runtime=runtime,
-                scratch=ScratchPool(), tag=7)
+                scratch=ScratchPool(), tag=7, staging_piece=staging_piece)
     host = Link(dup, OPS["sum"], np, on_device=False, cuda_aware=False, runtime=None,
                 scratch=ScratchPool(), tag=8)
     times: dict[tuple[str, int, str], list[float]] = {}

@@ -22,12 +22,12 @@ _LAZY = {
     **{name: "api" for name in ("allgather", "allgatherv", "allreduce", "broadcast", "iallgather",
                                 "iallgatherv", "iallreduce", "ibroadcast", "ireduce",
                                 "ireduce_scatter", "reduce", "reduce_scatter")},
-    "agree_completed": "api",
-    "calls_issued": "api",
-    "shrink": "api",
+    "agree_completed": "survivors",
+    "calls_issued": "survivors",
+    "shrink": "survivors",
     "Handle": "engine",
     "fault_tolerant": "failures",
-    "cuda_aware": "transport",
+    "cuda_aware": "cuda_awareness",
     "set_device_runtime": "buffers",
 }
 

@@ -5,7 +5,7 @@ zero-copy NumPy views. Device arrays (CuPy, anything exposing `__cuda_array_inte
 CUDA) become zero-copy arrays of the current *device runtime* (CuPy by default), whose array module
 also does the reduction arithmetic, so sums run where the data lives.
 
-Whether MPI may read device memory directly ("CUDA-aware", `transport.cuda_aware`) decides how
+Whether MPI may read device memory directly ("CUDA-aware", `cuda_awareness.cuda_aware`) decides how
 bytes move; this module starts no MPI. Tests swap in a device runtime over host memory
 (`set_device_runtime`), so every device code path runs on machines without a GPU.
 """

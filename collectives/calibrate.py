@@ -2,7 +2,7 @@
 
 Every measurement goes through the code the algorithms run: messages through `transport.Link`
 (so alpha includes the Python each message costs), the reduction through the op's `combine` in
-pieces of `transport.SEGMENT_BYTES` as `Link.sendrecv_combine` folds them, the overhead through
+pieces of `partition.SEGMENT_BYTES` as `Link.sendrecv_combine` folds them, the overhead through
 a real call of the public API. Collective over `comm` except `measure_reduction` (local).
 
 Buffers are those of a training step: anonymous memory with a framework tensor's pages
@@ -22,7 +22,7 @@ Two levels: where the ranks span several hosts and some host holds several ranks
 measured within the hosts (every host at once, the slowest host's time per size) for alpha, beta
 and beta_pairwise, and between one rank per host (the others waiting) for alpha_inter,
 beta_inter and beta_pairwise_inter; ranks_per_host is the fullest host's count
-(`cost_model.ModelParams`). Otherwise one level, over all ranks, as before.
+(`cost.params.ModelParams`). Otherwise one level, over all ranks, as before.
 """
 from __future__ import annotations
 
@@ -34,16 +34,17 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from . import host_communicators
 from .api import allreduce
 from .buffers import DeviceRuntime
-from .cost_model import ModelParams, cost
+from .cost.params import ModelParams
+from .cost.prediction import cost
 from .ops import DTYPES, OPS
 from .partition import PIECEWISE_BYTES, pieces_of
-from . import transport
 from .transport import Link, ScratchPool
 
 #: Message sizes for alpha and beta: from latency-bound to well past one pipelined piece. 1 MiB
-#: is the largest message sent whole (`transport.PIECEWISE_BYTES`): beta_pairwise's line ends there.
+#: is the largest message sent whole (`partition.PIECEWISE_BYTES`): beta_pairwise's line ends there.
 DEFAULT_P2P_SIZES = (8, 1 << 10, 8 << 10, 64 << 10, 512 << 10, 1 << 20, 4 << 20)
 #: Buffer sizes for gamma: from cache-resident to streaming through memory.
 DEFAULT_REDUCTION_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -231,7 +232,7 @@ def measure_reduction(sizes: Iterable[int], dtype: str = "float32", op: str = "s
                       iterations: int = 20, repeats: int = 5) -> list[tuple[int, float]]:
     """Local: (nbytes, seconds) to fold nbytes into a buffer the way a reduction step does.
 
-    `Link.sendrecv_combine` receives each piece of `transport.SEGMENT_BYTES` into a reused
+    `Link.sendrecv_combine` receives each piece of `partition.SEGMENT_BYTES` into a reused
     scratch segment and folds it into the destination with the op's `combine`; this does the same
     folds without the messages.
     """
@@ -343,7 +344,7 @@ def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def pairwise_slope(points: Sequence[tuple[float, float]]) -> float | None:
     """beta_pairwise: the `fit` slope of the pairwise exchanges `Link.sendrecv` sends whole.
 
-    The model prices only those (messages of at most `transport.PIECEWISE_BYTES`) at
+    The model prices only those (messages of at most `partition.PIECEWISE_BYTES`) at
     beta_pairwise; longer ones travel as pipelined pieces and are priced at beta, so a line
     through them would carry the piecewise rate into the whole-message one (on TCP, about half
     the link rate against the full rate). None (priced at beta) if fewer than two sizes qualify.
@@ -375,8 +376,8 @@ class HostLayout:
 
 
 def host_layout(comm: MPI.Comm) -> HostLayout:
-    """Collective: how the ranks of `comm` sit on hosts (`transport.host_communicator`)."""
-    node = transport.host_communicator(comm)  # looked up per call: one placement for all
+    """Collective: how the ranks of `comm` sit on hosts (`host_communicators.host_communicator`)."""
+    node = host_communicators.host_communicator(comm)  # looked up per call: one placement for all
     leader = node.Get_rank() == 0
     leaders = comm.Split(0 if leader else MPI.UNDEFINED, comm.Get_rank())
     hosts = comm.allreduce(int(leader), MPI.SUM)

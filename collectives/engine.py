@@ -10,12 +10,12 @@ collectives on a communicator in the same order, so every rank's engine for it r
 same order. MPI releases the GIL, so the callers compute meanwhile. This is Horovod's design too.
 
 Where MPI gives less than MPI_THREAD_MULTIPLE, one engine serves every communicator and blocking
-calls too, so that only one thread ever calls MPI (`api.py`).
+calls too, so that only one thread ever calls MPI (`execution.py`).
 
 A failure inside an engine is delivered to the handle it belongs to. Argument errors are raised
 on every rank alike and leave the engine usable; so does a process failure under ULFM
 (`ProcessFailure`), after which every later call on the communicator raises it at once without
-communicating (`api._guarded`). Any other failure means this rank may have left its peers
+communicating (`execution._guarded`). Any other failure means this rank may have left its peers
 mid-collective, so that engine stops: the handle and every later one on it fail with it.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ alive when one of its processes dies, if the job was started with `mpirun --with
 operation that needs the dead process fails with MPI_ERR_PROC_FAILED, `Comm.Revoke` makes every
 pending and later operation on a communicator fail with MPI_ERR_REVOKED on every rank, `Comm.Agree`
 is a consensus among the survivors and `Comm.Shrink` makes their communicator. This module holds
-the pieces the collectives build on (`api.py` uses them per communicator):
+the pieces the collectives build on (`channels.py` and `survivors.py` use them per communicator):
 
 - `fault_tolerant()`: whether this job runs so;
 - `settle(comm, requests)`: after an error, revoke `comm` and complete what is still outstanding on

@@ -8,7 +8,7 @@ rank. Kept apart from `validation.py` so the cost model reads the sizes without 
 from __future__ import annotations
 
 #: The signature fields, in order; their names appear in error messages. "call site" fingerprints
-#: the line of the caller's program that made the call (`api._call_site`): a rank that skipped a
+#: the line of the caller's program that made the call (`planning.call_site`): a rank that skipped a
 #: call meets its peers' call with its next one, made from another line, even where the two calls
 #: look alike. "call number" counts the calls made on the user's communicator (blocking and
 #: non-blocking alike, in issue order), so messages can say which call went wrong.

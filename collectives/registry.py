@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import plans
-from .algorithm import Algorithm
+from . import layouts
 from .algorithms import (butterfly, halving_doubling, hierarchical, mpi, reduce_scatter_gather,
                          ring, scatter_allgather, tree)
-from .cost import Cost
+from .algorithms.description import Algorithm
+from .cost.counts import Cost
 
 # Composed algorithms (hierarchical) after the ones they are made of: on an exact tie, as on one
 # host, where hierarchical runs the flat algorithm it picked, the cost model prefers the flat one.
@@ -41,7 +41,7 @@ class Collective:
     `ops.MOVED_DTYPES` lists too). `rooted`: takes a root rank. `arguments`: what its algorithms
     take after the buffer. `gathers`: nccl-tests counts its whole (gathered) output, P times the
     array a rank passes. `bus_factor(P)`: nccl-tests' busbw = factor x bytes / time. `plan` lays out
-    a call's buffers (`plans.py`); `copies` prices what it copies around the algorithm.
+    a call's buffers (`layouts.py`); `copies` prices what it copies around the algorithm.
     `varying_counts`: ranks may pass different element counts, which they exchange after the
     argument check (so `auto` decides then, from the total). `decided_as`: the collective whose
     decision-table rows `auto` reads when a table has none of its own.
@@ -52,7 +52,7 @@ class Collective:
     rooted: bool
     arguments: str
     bus_factor: Callable[[int], float]
-    plan: Callable[[plans.Request], plans.Layout]
+    plan: Callable[[layouts.Request], layouts.Layout]
     copies: Callable[[int, int, int], Cost]
     gathers: bool = False
     varying_counts: bool = False
@@ -60,17 +60,17 @@ class Collective:
 
 
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
-    Collective("allreduce", True, False, "", lambda p: 2 * (p - 1) / p, plans.plan_allreduce,
-               plans.no_copies),
+    Collective("allreduce", True, False, "", lambda p: 2 * (p - 1) / p, layouts.plan_allreduce,
+               layouts.no_copies),
     Collective("reduce_scatter", True, False, "offsets", lambda p: (p - 1) / p,
-               plans.plan_reduce_scatter, plans.reduce_scatter_copies),
-    Collective("allgather", False, False, "offsets", lambda p: (p - 1) / p, plans.plan_allgather,
-               plans.no_copies, gathers=True),
-    Collective("broadcast", False, True, "root", lambda p: 1.0, plans.plan_broadcast,
-               plans.no_copies),
-    Collective("reduce", True, True, "root", lambda p: 1.0, plans.plan_reduce, plans.reduce_copies),
-    Collective("allgatherv", False, False, "offsets", lambda p: (p - 1) / p, plans.plan_allgatherv,
-               plans.no_copies, gathers=True, varying_counts=True, decided_as="allgather"),
+               layouts.plan_reduce_scatter, layouts.reduce_scatter_copies),
+    Collective("allgather", False, False, "offsets", lambda p: (p - 1) / p, layouts.plan_allgather,
+               layouts.no_copies, gathers=True),
+    Collective("broadcast", False, True, "root", lambda p: 1.0, layouts.plan_broadcast,
+               layouts.no_copies),
+    Collective("reduce", True, True, "root", lambda p: 1.0, layouts.plan_reduce, layouts.reduce_copies),
+    Collective("allgatherv", False, False, "offsets", lambda p: (p - 1) / p, layouts.plan_allgatherv,
+               layouts.no_copies, gathers=True, varying_counts=True, decided_as="allgather"),
 )}
 
 

@@ -7,7 +7,7 @@ the repo (`decision_table.json`). Users override it, in order of precedence:
      written by `hpcdl tune`. Such a file may also carry the fitted alpha-beta-gamma model
      (`"model": {"alpha": ..., "beta": ..., "gamma": ..., "overhead": ...}`); where it has no row
      covering the rank count, `auto` picks the algorithm the model predicts fastest
-     (`cost_model.best`);
+     (`cost.prediction.best`);
   3. the built-in table.
 Every rank must see the same overrides: the choice is cross-checked between ranks on every call.
 Each (collective, bytes, ranks) is decided once per process and cached: `choose` is on every
@@ -19,7 +19,9 @@ table's row.
 
 `staging_piece` picks the staged path's copy granularity the same way: `HPCDL_STAGING_PIECE_BYTES`,
 else the tuning file's model where it has copy parameters, else `partition.default_staging_piece`.
-It is each rank's own choice (the messages on the wire do not depend on it).
+It is each rank's own choice (the messages on the wire do not depend on it). `choose_level` and
+`staging_piece` are handed to every Link by the channel that makes it (`channels.Lane.link`): the
+transport below reads no setting and no tuning file itself.
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .algorithm import Algorithm
-from .cost_model import LEVELS, ModelParams, best, best_part, model_bytes
-from .cost_model import staging_piece as model_staging_piece
+from .algorithms.description import Algorithm
+from .cost.params import LEVELS, ModelParams
+from .cost.prediction import best, best_part, model_bytes
+from .cost.prediction import staging_piece as model_staging_piece
 from .partition import default_staging_piece
 from .registry import ALGORITHMS, COLLECTIVES, single_communicator
 
@@ -183,7 +186,7 @@ def choose_level(collective: str, nbytes: int, size: int, level: str) -> Algorit
     "leaders": one rank per host).
 
     With a tuning file whose model is two-level, the model's fastest at the level's parameters
-    (`cost_model.best_part`, as the cost model prices the composed call); with a one-level model,
+    (`cost.prediction.best_part`, as the cost model prices the composed call); with a one-level model,
     its fastest at its parameters; without a model, the decision table's row for `size` ranks
     (the tuning file's if it names a single-communicator algorithm there, else the built-in
     table's). The HPCDL_ALGORITHM_* overrides name what `auto` runs for a whole call and do not
@@ -215,7 +218,7 @@ def staging_piece(nbytes: int) -> int:
     the whole message before sending any of it, the unpipelined path).
 
     `HPCDL_STAGING_PIECE_BYTES` (an integer, bytes) if set; else the piece the tuning file's model
-    predicts fastest (`cost_model.staging_piece`) where it has copy parameters (`hpcdl tune` on
+    predicts fastest (`cost.prediction.staging_piece`) where it has copy parameters (`hpcdl tune` on
     device buffers measures them); else `partition.default_staging_piece`. Cached per setting.
     """
     return _staging_piece(setting("HPCDL_STAGING_PIECE_BYTES"), setting("HPCDL_TUNING_FILE"),

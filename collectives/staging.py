@@ -7,16 +7,17 @@ here, as the GPU paths of MPI libraries do, they overlap:
 
     sender:   copy staging piece j to a pinned slot (to-host stream) -> event -> Isend its pieces
     receiver: Irecv pieces into pinned slots -> staging piece j complete -> copy it to the device
-              (to-device stream) -> event -> landed, or folded into the destination on the device
+              (to-device stream) -> event -> landed, or combined into the destination on the device
 
 so the device-to-host copy of piece j+1, the transfer of piece j and the host-to-device copy of
 piece j-1 run at once, on two copy streams, the device's copy engines and MPI.
 
 The messages on the wire are exactly those of a host or CUDA-aware rank (`partition.cut`, or the
 pieces of a combining step): a staging piece is one or more consecutive wire pieces, chosen by
-this rank alone (`select.staging_piece`), so no other rank needs to agree on it.
+this rank alone (the Link's `staging_piece`, `select.staging_piece` through the channel), so no
+other rank needs to agree on it.
 
-Pinned host slots (DEPTH per message and direction) and device scratch slots for folds are
+Pinned host slots (DEPTH per message and direction) and device scratch slots for combines are
 reused across calls (the Link's `ScratchPool`): a message's staging piece j waits until piece
 j - DEPTH has left its slot. Each message takes a ring of slots of its own while in flight; a
 ring goes back to the free list only when its message completed, so a failed exchange never lets
@@ -26,8 +27,8 @@ by their Stager too: the Links of one thread share a scratch pool, never a ring.
 Nothing waits on the host that need not: copies are polled through their events, together with
 the MPI requests (MPI progresses only while someone calls it); the host blocks on an event only
 when no MPI request is outstanding. The reduction runs on the device, on the current stream, as
-soon as its piece has landed; a device scratch slot is reused only after the fold that read it
-(`DeviceRuntime.order`), and the exchange returns once every fold has finished.
+soon as its piece has landed; a device scratch slot is reused only after the combine that read it
+(`DeviceRuntime.order`), and the exchange returns once every combine has finished.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .buffers import DeviceRuntime
+from .patience import POLL_SLEEP_S, SPIN_TESTS
 
 #: Staging pieces of one message in flight at once, per direction (pinned slots per message).
 #: Eight: with free copies (nothing to hide) a 64 MiB exchange on the fake device took 1.1x the
@@ -46,7 +48,8 @@ from .buffers import DeviceRuntime
 #: too few pieces ahead); 32 deep gained nothing more (2 ranks, reference machine, load 4-5).
 DEPTH = 8
 
-Fold = Callable[[Any, Any], None]  # fold(dst, src): dst <- dst (op) src, on the device, no sync
+#: combine(dst, src): dst <- dst (op) src, on the device, without synchronizing (the Stager does)
+Combine = Callable[[Any, Any], None]
 
 _STAGERS = itertools.count()  # a number per Stager, in its slots' keys
 
@@ -143,23 +146,23 @@ class _Outgoing(_Message):
 
 
 class _Incoming(_Message):
-    """Irecv of each wire piece into a pinned slot -> to-device stream -> destination (or fold)."""
+    """Irecv of each wire piece into a pinned slot -> to-device stream -> destination (or combine)."""
 
     def __init__(self, stager: Stager, view: Any, peer: int, bounds: list[int], per: int,
-                 comm: MPI.Comm, tag: int, fold: Fold | None, after: _Outgoing | None) -> None:
+                 comm: MPI.Comm, tag: int, combine: Combine | None, after: _Outgoing | None) -> None:
         super().__init__(stager, view, peer, bounds, per)
         self.comm, self.tag = comm, tag
-        self.fold = fold
+        self.combine = combine
         #: the outgoing message whose staging piece j must have left the device before piece j
         #: lands (send and destination are one buffer), or None
         self.after = after
         self.posted = 0  # staging pieces whose Irecvs are posted
         self.arrived = 0  # ... received, their copy to the device issued
-        self.landed = 0  # ... whose copy has finished (and fold been issued)
+        self.landed = 0  # ... whose copy has finished (and combine been issued)
         self.requests: list[list[MPI.Request]] = []
         self.slots: list[np.ndarray] = []
         self.events: list[Any] = []
-        self.folded: list[Any] = [None] * DEPTH  # per device scratch slot: its last fold's event
+        self.combined: list[Any] = [None] * DEPTH  # per device scratch slot: its last combine's event
 
     @property
     def finished(self) -> bool:
@@ -169,19 +172,19 @@ class _Incoming(_Message):
         runtime, stager, progressed = self.stager.runtime, self.stager, False
         while self.landed < self.arrived and self._landing_done(self.landed):
             j = self.landed
-            if self.fold is not None:
+            if self.combine is not None:
                 target = self.device(j)
                 if target.shape[0]:
-                    self.fold(target, self._scratch(j))
-                    self.folded[j % DEPTH] = runtime.record(None)
+                    self.combine(target, self._scratch(j))
+                    self.combined[j % DEPTH] = runtime.record(None)
             self.landed += 1
             progressed = True
         while self.arrived < self.posted and MPI.Request.Testall(self.requests[self.arrived]):
             j = self.arrived
-            target = self.device(j) if self.fold is None else self._scratch(j)
+            target = self.device(j) if self.combine is None else self._scratch(j)
             if target.shape[0]:
-                previous = self.folded[j % DEPTH]
-                if previous is not None:  # the scratch slot's last fold must have read it
+                previous = self.combined[j % DEPTH]
+                if previous is not None:  # the scratch slot's last combine must have read it
                     runtime.order(stager.to_device, previous)
                 runtime.copy_to_device(self.slots[j], target, stager.to_device)
                 self.events.append(runtime.record(stager.to_device))
@@ -221,7 +224,7 @@ class _Incoming(_Message):
 
 class Stager:
     """How one `transport.Link` stages device messages: its copy streams, rings of pinned slots,
-    device scratch for folds. Not shared between threads (like the Link's `ScratchPool`)."""
+    device scratch for combines. Not shared between threads (like the Link's `ScratchPool`)."""
 
     def __init__(self, runtime: DeviceRuntime, pinned: Callable[[tuple[Any, ...], int], np.ndarray],
                  device_scratch: Callable[[int, np.dtype, Any], Any]) -> None:
@@ -260,15 +263,15 @@ class Stager:
 
     def exchange(self, comm: MPI.Comm, tag: int, send: tuple[Any, int, list[int]] | None,
                  recv: tuple[Any, int, list[int]] | None, *, piece_bytes: int,
-                 fold: Fold | None = None, patient: Callable[[], bool] | None = None) -> None:
+                 combine: Combine | None = None, patient: Callable[[], bool] | None = None) -> None:
         """Send `send` = (device view, dest, wire bounds) while receiving `recv` = (device view,
         source, wire bounds), both staged and pipelined; blocking.
 
         Wire piece i of a message is [bounds[i], bounds[i+1]), one MPI message each, as the peer
         cuts it. `piece_bytes`: the staging piece (0: the whole message, copied before anything
-        is sent: copy-then-send). `fold`: each landed piece of `recv` is folded into it on the
+        is sent: copy-then-send). `combine`: each landed piece of `recv` is combined into it on the
         device instead of overwriting it; the send may then be the same buffer (piece j is
-        folded only after piece j has been copied out). `patient`: as `transport.Link.patient`.
+        combined only after piece j has been copied out). `patient`: as `transport.Link.patient`.
         """
         outgoing = incoming = None
         messages: list[_Outgoing | _Incoming] = []
@@ -280,13 +283,13 @@ class Stager:
         if recv is not None:
             view, source, bounds = recv
             incoming = _Incoming(self, view, source, bounds, _per(bounds, view, piece_bytes), comm,
-                                 tag, fold, outgoing if fold is not None else None)
+                                 tag, combine, outgoing if combine is not None else None)
             messages.insert(0, incoming)  # receives posted before sends go out
         self._in_flight = messages
         self._drive(messages, patient)
         self._in_flight = []
-        if fold is not None:
-            self.runtime.synchronize()  # the folds ran on the current stream: finished before MPI
+        if combine is not None:
+            self.runtime.synchronize()  # the combines ran on the current stream: done before MPI
         for message in messages:  # only now: a failure above leaves the rings taken for good
             self._free_rings.append(message.ring)
 
@@ -299,8 +302,6 @@ class Stager:
         return requests
 
     def _drive(self, messages: list[Any], patient: Callable[[], bool] | None) -> None:
-        from .transport import POLL_SLEEP_S, SPIN_TESTS  # one definition of how links wait
-
         idle = 0
         while True:
             progressed = False

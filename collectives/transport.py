@@ -12,15 +12,12 @@ decided here, once:
   overlapping their transfer on copy streams of their own (`staging.py`).
 
 Messages are typed as bytes, so every dtype (float16 and bfloat16 included) moves the same way.
+The transport reads no setting and no tuning file: what depends on them (the staging piece, the
+algorithm of each part of a composed call) is handed to each Link by the channel that makes it.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-import subprocess
-import time
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -28,75 +25,16 @@ from mpi4py import MPI
 from . import inflight
 from .buffers import DeviceRuntime
 from .failures import settle
+from .host_communicators import hosts_of
 from .ops import ReduceOp
-from .partition import PIECEWISE_BYTES, cut, cut_bounds
-from .select import staging_piece
-from .staging import Fold, Stager
+from .partition import PIECEWISE_BYTES, cut, cut_bounds, default_staging_piece
+from .patience import complete_patiently
+from .staging import Combine, Stager
 
 
 #: Staging slots of one Link (pinned host copies of whole device messages, outside the pipelined
 #: path) beyond those outstanding messages occupy: consecutive blocking moves rotate through them.
 STAGING_SLOTS = 8
-#: How a patient link waits: this many back-to-back MPI tests, then a sleep between tests.
-#: Blocking in MPI busy-polls a core. On the communication thread that core is the one backward
-#: is computing on, and the peer it waits for is usually still in its own backward, so spinning
-#: only slows the compute it is meant to hide behind. Sleeping between tests hands the core back;
-#: MPI still progresses at every test. Measured on the reference machine (2 ranks, 25 M-param MLP,
-#: benchmarks/train_throughput.py, 3 rounds each): overlap/no-overlap 0.95 when spinning, 0.99
-#: with 64 tests then 50 us sleeps, 1.00 with 8 tests then 200 us sleeps, absolute samples/s within
-#: noise of each other; blocking calls on the caller's thread keep spinning (lowest latency). The
-#: sleeps stop while a caller is blocked waiting for the result (`Engine.nobody_waiting`): it has
-#: no compute to hand the core to.
-SPIN_TESTS = 64
-POLL_SLEEP_S = 50e-6
-
-
-def complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool]) -> None:
-    tests = 0
-    try:
-        while not MPI.Request.Testall(requests):
-            tests += 1
-            if tests > SPIN_TESTS and patient():
-                time.sleep(POLL_SLEEP_S)
-    except BaseException:  # an MPI error, an interrupt: the buffers must outlive what is in flight
-        inflight.keep(requests, "a collective's messages")
-        raise
-
-
-@functools.lru_cache(maxsize=1)
-def _detected_cuda_aware() -> bool:
-    """Ask the MPI library whether it reads device memory itself.
-
-    Open MPI exports MPIX_Query_cuda_support(); MPI 4.1 libraries list "cuda" in the
-    mpi_memory_alloc_kinds info key. Anything else is treated as host-only, which is always safe.
-    """
-    kinds = MPI.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
-    if "cuda" in kinds:
-        return True
-    for lib in _mpi_library_paths():
-        try:
-            query = ctypes.CDLL(lib).MPIX_Query_cuda_support
-        except (OSError, AttributeError):
-            continue
-        return bool(query())
-    return False
-
-
-def _mpi_library_paths() -> list[str]:
-    try:
-        out = subprocess.run(["ldd", MPI.__file__], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.split("=>")[1].split()[0] for line in out.splitlines()
-            if "libmpi" in line and "=>" in line and len(line.split("=>")[1].split()) > 1]
-
-
-def cuda_aware() -> bool:
-    """Whether MPI may be handed device pointers. `HPCDL_CUDA_AWARE=0|1` overrides detection."""
-    forced = os.environ.get("HPCDL_CUDA_AWARE")
-    if forced is not None:
-        return forced.strip().lower() in ("1", "true", "yes", "on")
-    return _detected_cuda_aware()
 
 
 def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
@@ -159,47 +97,6 @@ class Pending:
         self.request, self.landing, self.slot = request, landing, slot
 
 
-def host_communicator(comm: MPI.Comm) -> MPI.Comm:
-    """Collective: the ranks of `comm` on this rank's host (MPI's shared-memory communicator), in
-    `comm`'s rank order. Tests replace it to lay ranks out on pretend hosts."""
-    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-
-
-class _Hosts:
-    """The sub-communicators of one communicator for composed algorithms: `node`, this rank's
-    host, and `leaders`, the lowest rank of every host (COMM_NULL on the other ranks)."""
-
-    __slots__ = ("node", "leaders")
-
-    def __init__(self, comm: MPI.Comm) -> None:
-        self.node = host_communicator(comm)
-        leader = self.node.Get_rank() == 0
-        self.leaders = comm.Split(0 if leader else MPI.UNDEFINED, comm.Get_rank())
-
-    def free(self) -> None:
-        for sub in (self.node, self.leaders):
-            if sub != MPI.COMM_NULL:
-                sub.Free()
-
-
-def _free_hosts(comm: MPI.Comm, keyval: int, hosts: _Hosts) -> None:
-    hosts.free()  # the communicator they were split from is being freed
-
-
-# Kept on the communicator as an MPI attribute, so every Link on it (both lanes of a channel, every
-# op) shares one pair, and it goes away with the communicator.
-_HOSTS_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_hosts)
-
-
-def derived_communicators(comm: MPI.Comm) -> list[MPI.Comm]:
-    """The sub-communicators composed algorithms split from `comm` (`Link.split`), if any: a process
-    failure on `comm` ends them too."""
-    hosts = cast("_Hosts | None", comm.Get_attr(_HOSTS_KEYVAL))
-    if hosts is None:
-        return []
-    return [sub for sub in (hosts.node, hosts.leaders) if sub != MPI.COMM_NULL]
-
-
 class Link:
     """One collective's view of its communicator: who I am, whom I talk to, and how.
 
@@ -216,11 +113,16 @@ class Link:
                  cuda_aware: bool, runtime: DeviceRuntime | None, scratch: ScratchPool,
                  tag: int = 0, patient: Callable[[], bool] | None = None,
                  finishes_blocks: bool = False,
-                 choose_level: Callable[[str, int, int, str], Any] | None = None) -> None:
+                 choose_level: Callable[[str, int, int, str], Any] | None = None,
+                 staging_piece: Callable[[int], int] = default_staging_piece) -> None:
         self.comm = comm
         #: (collective, nbytes, ranks, level) -> the `Algorithm` of one part of a composed
         #: algorithm (`select.choose_level`); None where no composed algorithm runs
         self.choose_level = choose_level
+        #: nbytes -> the staging piece of a staged device message of nbytes (0: copy it whole
+        #: before sending any of it): handed down by whoever reads the settings and the tuning
+        #: file (`select.staging_piece`, through the channel), since the transport reads neither
+        self.staging_piece = staging_piece
         #: the algorithm applies the op's final step (avg's division) itself, in the combine that
         #: completes each block (`sendrecv_combine(..., completes=True)`); set by the caller only
         #: for algorithms listed in `algorithms.FINISH_IN_LAST_COMBINE`
@@ -252,22 +154,19 @@ class Link:
 
         Collective the first time on a communicator: both are made at once, by every rank at its
         first call of either kind (call it on every rank, before any branch that only some ranks
-        take), and kept with the communicator (freed with it) for every Link on it. The sub-Link
-        works like this one (op, device, scratch, patience) on this call's tag, and leaves avg's
-        division to the caller.
+        take), and kept with the communicator (freed with it) for every Link on it
+        (`host_communicators.hosts_of`). The sub-Link works like this one (op, device, scratch,
+        patience, staging piece) on this call's tag, and leaves avg's division to the caller.
         """
         if kind not in ("node", "leaders"):
             raise ValueError(f"unknown split {kind!r}; choose node or leaders")
         if kind not in self._splits:
-            hosts = cast("_Hosts | None", self.comm.Get_attr(_HOSTS_KEYVAL))
-            if hosts is None:
-                hosts = _Hosts(self.comm)
-                self.comm.Set_attr(_HOSTS_KEYVAL, hosts)
+            hosts = hosts_of(self.comm)
             for name, sub in (("node", hosts.node), ("leaders", hosts.leaders)):
                 self._splits[name] = None if sub == MPI.COMM_NULL else Link(
                     sub, self.op, self.xp, on_device=self.on_device, cuda_aware=not self._staged,
                     runtime=self.runtime, scratch=self._scratch, patient=self.patient,
-                    choose_level=self.choose_level)
+                    choose_level=self.choose_level, staging_piece=self.staging_piece)
         link = self._splits[kind]
         if link is not None:
             link.tag, link.patient = self.tag, self.patient
@@ -395,15 +294,15 @@ class Link:
 
     def sendrecv_combine(self, send: Any, dest: int, recv: Any, source: int, *,
                          segment: int, pieces: int, completes: bool = False) -> None:
-        """Send `send` to `dest` while folding what `source` sends into `recv` (recv op= incoming).
+        """Send `send` to `dest` while combining what `source` sends into `recv` (recv op= incoming).
 
         Both travel as `pieces` messages of `segment` elements (the last ones shorter or empty),
         pipelined: piece k+1 is already posted (Irecv into the other of two scratch segments,
-        Isend) while piece k is folded, so a peer inside MPI can move it meanwhile, and each
-        piece is folded while it is still in cache. Sender and receiver must agree on `pieces`:
+        Isend) while piece k is combined, so a peer inside MPI can move it meanwhile, and each
+        piece is combined while it is still in cache. Sender and receiver must agree on `pieces`:
         callers derive it from a length both sides know (see `pieces_of`). `send` and `recv` may
-        be the same buffer: piece k+1 of `send` is never a piece already folded. `completes`: this
-        step leaves `recv` fully reduced (see `combine`).
+        be the same buffer: piece k+1 of `send` is never a piece already combined. `completes`:
+        this step leaves `recv` fully reduced (see `combine`).
         """
         if pieces == 1:
             tmp = self.scratch(recv.shape[0], recv.dtype)
@@ -411,7 +310,7 @@ class Link:
             self.combine(recv, tmp, completes=completes)
             return
         if self._staged:
-            def fold(dst: Any, src: Any) -> None:  # on the device; the Stager synchronizes
+            def combine(dst: Any, src: Any) -> None:  # on the device; the Stager synchronizes
                 self.op.combine(self.xp, dst, src)
                 if completes and self.finishes_blocks:
                     self.op.finalize(self.xp, dst, self.size)
@@ -420,7 +319,7 @@ class Link:
                 return [min(k * segment, n) for k in range(pieces + 1)]
 
             self._staged_exchange(send, dest, bounds(send.shape[0]), recv, source,
-                                  bounds(recv.shape[0]), fold)
+                                  bounds(recv.shape[0]), combine)
             return
 
         def post(k: int) -> tuple[Pending, Pending, Any]:
@@ -437,11 +336,11 @@ class Link:
             self.combine(recv[k * segment:(k + 1) * segment], tmp, completes=completes)
 
     def _staged_exchange(self, send: Any, dest: int, send_bounds: list[int], recv: Any,
-                         source: int, recv_bounds: list[int], fold: Fold | None = None) -> None:
+                         source: int, recv_bounds: list[int], combine: Combine | None = None) -> None:
         self.stager.exchange(self.comm, self.tag, (send, dest, send_bounds),
                              (recv, source, recv_bounds),
-                             piece_bytes=staging_piece(max(send.nbytes, recv.nbytes)),
-                             fold=fold, patient=self.patient)
+                             piece_bytes=self.staging_piece(max(send.nbytes, recv.nbytes)),
+                             combine=combine, patient=self.patient)
 
     def send(self, view: Any, dest: int) -> None:
         if self.patient:

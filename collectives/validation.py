@@ -34,10 +34,11 @@ from .failures import settle
 from .ops import DTYPE_CODES, OPS
 from .packet import (FIELDS, HEADER_BYTES, LOCAL_ERROR, MISMATCH, PAYLOAD_BYTES, PLACEMENTS,
                      SIGNATURE_FIELDS, STATUS)
+from .patience import complete_patiently
 from .registry import ALGORITHM_CODES, COLLECTIVE_CODES
-from .transport import Link, ScratchPool, complete_patiently
+from .transport import Link, ScratchPool
 
-#: Tag of the check's messages; calls number their own messages from 1 (`api`).
+#: Tag of the check's messages; calls number their own messages from 1 (`execution.py`).
 CHECK_TAG = 0
 _CALL_NUMBER = FIELDS.index("call number")
 _CALL_SITE = FIELDS.index("call site")
@@ -171,7 +172,7 @@ class Agreement:
     def check(self, collective: str, signature: list[int], error: str | None, site: str) -> None:
         """The check alone, for a call whose data moves afterwards; raises on every rank.
 
-        `site`: where the caller made the call (`api._call_site`), for messages.
+        `site`: where the caller made the call (`planning.call_site`), for messages.
         """
         packet = self.packet
         packet.set_header(signature, error is not None)

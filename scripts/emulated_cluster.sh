@@ -356,7 +356,7 @@ run() {
     export HPCDL_EMULATED_HOSTS=$n HPCDL_EMULATED_LINK_RATE HPCDL_EMULATED_RANKS_PER_HOST=$per_host
     export GLOO_SOCKET_IFNAME=$IFNAME
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-    # Every message the collectives send whole (up to 1 MiB, collectives/transport.py
+    # Every message the collectives send whole (up to 1 MiB, collectives/partition.py
     # PIECEWISE_BYTES) and their 512 KiB pieces go eagerly over TCP (Open MPI's default limit:
     # 64 KiB), with no rendezvous handshake. The handshake's request queues behind megabytes of
     # data already in the socket and shaper, and the link idles while it waits: at 4 hosts, 1gbit,

@@ -211,7 +211,8 @@ def test_plot_writes_a_png(comm: MPI.Comm, tmp_path: Path) -> None:
 
 def test_predicted_column_from_a_tuning_file(comm: MPI.Comm, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from collectives.cost_model import ModelParams, predict
+    from collectives.cost.params import ModelParams
+    from collectives.cost.prediction import predict
     from collectives.select import BUILTIN_TABLE
 
     tuning = shared_directory(tmp_path, comm) / "tuning.json"

@@ -391,7 +391,7 @@ LARGE_BLOCKS = {"ragged pieces": 2 * SEGMENT_BYTES + SEGMENT_BYTES // 4, "stradd
 @pytest.mark.parametrize("backend", [p for p in backend_params() if p.id != "fake-device-aware"],
                          indirect=True)
 def test_large_messages_pipelined(backend: Backend, comm: MPI.Comm, blocks: str) -> None:
-    """Blocks of LARGE_BLOCKS[blocks] bytes, so steps move in pieces (transport.SEGMENT_BYTES);
+    """Blocks of LARGE_BLOCKS[blocks] bytes, so steps move in pieces (partition.SEGMENT_BYTES);
     the length does not divide by the rank count."""
     size, rank = comm.Get_size(), comm.Get_rank()
     outcomes = Outcomes(comm)

@@ -156,9 +156,9 @@ def test_two_threads_on_one_communicator_raise_on_both(comm: MPI.Comm, side: MPI
 
 def side_busy(comm: MPI.Comm) -> bool:
     """Whether some thread of this rank is inside a call on `comm` (test helper)."""
-    from collectives.api import _channel
+    from collectives.channels import channel_of
 
-    return _channel(comm).busy.locked()
+    return channel_of(comm).busy.locked()
 
 
 def test_a_buffer_refused_on_one_rank_fails_every_rank(comm: MPI.Comm) -> None:

@@ -1,4 +1,4 @@
-"""The alpha-beta-gamma model (`collectives.cost_model`), its fitting (`collectives.calibrate`) and
+"""The alpha-beta-gamma model (`collectives.cost`), its fitting (`collectives.calibrate`) and
 how `auto` uses a tuning file's model (`collectives.select`).
 
 Expected counts are worked out by hand from the algorithms' code (docs/cost_model.md), for
@@ -20,10 +20,12 @@ import collectives
 from collectives import select
 from collectives.calibrate import (fit, framework_memory, measure_point_to_point, measure_reduction,
                                   pairwise_slope)
-from collectives.cost import check as check_cost
-from collectives.cost_model import (DEFAULT_ROW_SIZES, STAGING_PIECES, Cost, ModelParams, best, cost,
-                                    decision_rows, model_bytes, model_crossover, modelled_algorithms,
-                                    predict, staging_piece, staging_seconds, thresholds)
+from collectives.cost.counts import Cost
+from collectives.cost.counts import check as check_cost
+from collectives.cost.decision_table import DEFAULT_ROW_SIZES, decision_rows, model_crossover, thresholds
+from collectives.cost.params import ModelParams
+from collectives.cost.prediction import (STAGING_PIECES, best, cost, model_bytes, modelled_algorithms, predict,
+                                         staging_piece, staging_seconds)
 from collectives.partition import SEGMENT_BYTES, STAGING_PIECE_BYTES, default_staging_piece
 from conftest import all_ranks_agree
 
@@ -344,7 +346,7 @@ def test_algorithms_whose_every_rank_crosses_share_each_hosts_link(algorithm, ho
     """Butterfly and halving-doubling rounds at distances of a host's size or more send every rank
     of a host across at once: their bytes between hosts take ranks-per-host times as long (their
     latency and the check's headers do not); a ring's one message per host link does not."""
-    from collectives.cost import check
+    from collectives.cost.counts import check
     from collectives.registry import ALGORITHMS
 
     params = ModelParams(1e-6, 1e-10, 1e-10, ranks_per_host=per_host, alpha_inter=3e-5, beta_inter=8e-9)

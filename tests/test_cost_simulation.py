@@ -23,7 +23,8 @@ import pytest
 from mpi4py import MPI
 
 from collectives import ALGORITHMS, OPS
-from collectives.cost_model import ModelParams, picker
+from collectives.cost.params import ModelParams
+from collectives.cost.prediction import picker
 from collectives.partition import PIECEWISE_BYTES, SEGMENT_BYTES, cut, offsets_of, partition_offsets
 from collectives.transport import Link
 

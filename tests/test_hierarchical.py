@@ -1,7 +1,7 @@
 """The hierarchical allreduce on pretend hosts, and how `auto` and the tuning file reach it.
 
 On one machine every rank shares one host, where hierarchical is the flat algorithm (which
-tests/test_collectives.py covers with every other algorithm). Here `transport.host_communicator`
+tests/test_collectives.py covers with every other algorithm). Here `host_communicators.host_communicator`
 is replaced so that ranks sit on pretend hosts: all on one, each on its own, packed two or three
 to a host, unevenly, and not contiguous in rank order. Every layout must give the exact reduction,
 the same bits on every rank, blocking and non-blocking, on host and fake-device arrays, for every
@@ -20,8 +20,10 @@ from mpi4py import MPI
 
 import collectives
 from arrays import Backend, Outcomes, backend_fixture, backend_params, rank_data, reduce_reference
-from collectives import select, transport
-from collectives.cost_model import ModelParams, best, best_part, decision_rows, predict
+from collectives import host_communicators, select
+from collectives.cost.decision_table import decision_rows
+from collectives.cost.params import ModelParams
+from collectives.cost.prediction import best, best_part, predict
 from conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
@@ -52,7 +54,7 @@ def on_hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[MPI.Comm, li
         hosts = layout[comm.Get_size()]
         return comm.Split(hosts[comm.Get_rank()], comm.Get_rank())
 
-    monkeypatch.setattr(transport, "host_communicator", host_communicator)
+    monkeypatch.setattr(host_communicators, "host_communicator", host_communicator)
 
     def place(comm: MPI.Comm, hosts: list[int]) -> MPI.Comm:
         layout[comm.Get_size()] = hosts
@@ -119,13 +121,13 @@ def test_sub_communicators_are_made_once_and_kept_with_the_communicator(
     hosts = [r // 2 for r in range(size)]
     placed = on_hosts(comm, hosts)
     calls = []
-    original = transport.host_communicator
+    original = host_communicators.host_communicator
 
     def counting(c: MPI.Comm) -> MPI.Comm:
         calls.append(c.Get_size())
         return original(c)
 
-    transport.host_communicator = counting  # the fixture's monkeypatch restores the original
+    host_communicators.host_communicator = counting  # the fixture's monkeypatch restores the original
     for _ in range(3):
         collectives.allreduce(np.ones(5), placed, algorithm="hierarchical")
         collectives.iallreduce(np.ones(5), placed, op="max", algorithm="hierarchical").wait()

@@ -22,7 +22,7 @@ import collectives
 from arrays import (BACKENDS, Backend, FakeDeviceArray, FakeDeviceRuntime, Outcomes,
                     backend_fixture, backend_params, device_runtime_installed, rank_data,
                     reduce_reference)
-from collectives import ALGORITHMS, OPS, partition_counts
+from collectives import ALGORITHMS, OPS, partition_counts, select
 from collectives.calibrate import fit, measure_staging
 from collectives.partition import SEGMENT_BYTES, cut_bounds, pieces_of
 from collectives.staging import DEPTH
@@ -168,7 +168,7 @@ def pair(comm: MPI.Comm) -> int:
 
 def staged_link(comm: MPI.Comm, runtime: FakeDeviceRuntime) -> Link:
     return Link(comm, collectives.OPS["sum"], np, on_device=True, cuda_aware=False,
-                runtime=runtime, scratch=ScratchPool(), tag=5)
+                runtime=runtime, scratch=ScratchPool(), tag=5, staging_piece=select.staging_piece)
 
 
 @pytest.mark.parametrize("piece, copies_each_way", [(SEGMENT_BYTES, 11), (4 * SEGMENT_BYTES, 3),
@@ -218,10 +218,10 @@ def test_outstanding_staged_messages_never_share_a_slot(comm: MPI.Comm) -> None:
     assert all_ranks_agree(ok, comm)
 
 
-def test_fold_waits_for_its_piece_to_leave(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_combine_waits_for_its_piece_to_leave(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
     """sendrecv_combine with one buffer as send and destination (as butterfly calls it), copies
     slow on even ranks and free on odd ones: a piece arriving from the fast partner must not be
-    folded before this rank's own copy of that piece has left, or the partner gets the sum."""
+    combined before this rank's own copy of that piece has left, or the partner gets the sum."""
     monkeypatch.setenv("HPCDL_STAGING_PIECE_BYTES", str(SEGMENT_BYTES))
     rank = comm.Get_rank()
     runtime = FakeDeviceRuntime(copy_bandwidth=2e9 if rank % 2 == 0 else None)

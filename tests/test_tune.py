@@ -9,7 +9,8 @@ import pytest
 from mpi4py import MPI
 
 from collectives import select
-from collectives.cost_model import ModelParams, array_bytes, best, predict
+from collectives.cost.params import ModelParams
+from collectives.cost.prediction import array_bytes, best, predict
 from conftest import all_ranks_agree, shared_directory
 from hpcdl.commands import tune, units
 from hpcdl.commands.tune import command, fit
@@ -320,7 +321,7 @@ def test_measured_rows_use_the_bytes_choose_sees() -> None:
 
 def test_measured_rows_leave_unmeasured_sizes_to_the_model() -> None:
     """A sweep up to 64 KiB where tree won decides nothing at 64 MiB: the model does (ring)."""
-    from collectives.cost_model import best, model_bytes
+    from collectives.cost.prediction import best, model_bytes
 
     records = [{"collective": "allreduce", "bytes": b, "algorithm": a, "seconds": t, "valid": True}
                for b in (1024, 65536) for a, t in (("tree", 1.0), ("ring", 2.0), ("butterfly", 3.0),
@@ -468,7 +469,7 @@ def test_fit_report_prices_piecewise_pairwise_exchanges_at_beta() -> None:
 
 def test_comparison_names_the_pick_auto_would_make_on_a_tie() -> None:
     """With alpha 0, ring and halving-doubling reduce-scatter cost the same but for rounding (the
-    latter a hair less); `auto` (cost_model.best) takes ring, the earlier, and so must the report."""
+    latter a hair less); `auto` (cost.prediction.best) takes ring, the earlier, and so must the report."""
     params = ModelParams(0.0, 8e-9, 1e-10, 10e-6)
     records = [{"collective": "reduce_scatter", "bytes": 1 << 20, "algorithm": a, "seconds": 1e-3,
                 "valid": True} for a in ("ring", "halving_doubling")]

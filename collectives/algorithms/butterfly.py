@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..algorithm import Algorithm
-from ..cost import NOTHING, Blocks, Cost, combining_step, exchange, log2_pof2, message
-from ..cost import fold as fold_cost
+from ..cost.counts import NOTHING, Blocks, Cost, combining_step, exchange, log2_pof2, message
+from ..cost.counts import fold as fold_cost
 from ..partition import pieces_of
+from .description import Algorithm
 from .fold import Fold, fold_in, fold_out
 
 if TYPE_CHECKING:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..algorithm import Algorithm
-from ..cost import NOTHING, Blocks, Cost, combining_step, largest_block, log2_pof2
-from ..cost import fold as fold_cost
+from ..cost.counts import NOTHING, Blocks, Cost, combining_step, largest_block, log2_pof2
+from ..cost.counts import fold as fold_cost
 from ..partition import partition_offsets, pieces_of
 from .butterfly import doubling_cost
+from .description import Algorithm
 from .fold import Fold, fold_in, fold_out
 
 if TYPE_CHECKING:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..algorithm import Algorithm, Pick
-from ..cost import Cost
+from ..cost.counts import Cost
+from .description import Algorithm, Pick
 
 if TYPE_CHECKING:
     from ..transport import Link

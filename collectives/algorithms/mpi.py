@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..algorithm import Algorithm
+from .description import Algorithm
 
 if TYPE_CHECKING:
     from ..transport import Link

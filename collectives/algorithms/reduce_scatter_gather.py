@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..algorithm import Algorithm
-from ..cost import Cost, largest_block
+from ..cost.counts import Cost, largest_block
 from ..partition import partition_offsets
+from .description import Algorithm
 from .ring import reduce_scatter_cost, ring_reduce_scatter
 
 if TYPE_CHECKING:

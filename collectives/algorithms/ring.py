@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..algorithm import Algorithm
-from ..cost import Cost, combining_step, exchange, largest_block
+from ..cost.counts import Cost, combining_step, exchange, largest_block
 from ..partition import partition_offsets, pieces_of
+from .description import Algorithm
 
 if TYPE_CHECKING:
     from ..transport import Link

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..algorithm import Algorithm
-from ..cost import Cost, largest_block, tree_rounds
+from ..cost.counts import Cost, largest_block, tree_rounds
 from ..partition import partition_offsets
+from .description import Algorithm
 from .ring import allgather_blocks_cost, ring_allgather
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..algorithm import Algorithm
-from ..cost import Cost, message, tree_rounds
+from ..cost.counts import Cost, message, tree_rounds
+from .description import Algorithm
 
 if TYPE_CHECKING:
     from ..transport import Link

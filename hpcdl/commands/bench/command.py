@@ -11,7 +11,7 @@ collective's hand-written algorithms, `mpi`, `auto` (its choice in brackets), an
 `direct` (mpi4py's buffer call), `pickle` (mpi4py's pickle-based call) and `gloo`, all on the
 same ranks, taking turns in --rounds rounds at each size so a slow drift of a shared machine
 favours none. The `predicted` column is the alpha-beta-gamma model's time
-(`collectives.cost_model`, parameters from --tuning-file or HPCDL_TUNING_FILE as `hpcdl tune`
+(`collectives.cost`, parameters from --tuning-file or HPCDL_TUNING_FILE as `hpcdl tune`
 writes them) with its error relative to the measured average. Rank 0 prints the table (and writes
 --csv, --json, --plot); any wrong element makes the exit status 1, bad arguments 2.
 On an oversubscribed machine set OMPI_MCA_mpi_yield_when_idle=1.
@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 from mpi4py import MPI
 
 from collectives import COLLECTIVES, DTYPES, OPS, cuda_aware
-from collectives.cost_model import ModelParams, predict
+from collectives.cost.params import ModelParams
+from collectives.cost.prediction import predict
 from collectives.select import model_params
 
 from ...runtime.atomic_file import unwritable_file

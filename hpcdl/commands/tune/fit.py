@@ -50,7 +50,7 @@ def sweep(collective: str, sizes: list[int], comm: Any, iterations: int, device:
     order of the algorithms rotates from size to size, so none always runs first on a drifting
     machine. Sizes that round to the same element count are timed once.
     """
-    from collectives.cost_model import modelled_algorithms
+    from collectives.cost.prediction import modelled_algorithms
 
     from ..timing import element_count
 
@@ -74,10 +74,11 @@ def sweep(collective: str, sizes: list[int], comm: Any, iterations: int, device:
 def measured_row(records: list[dict[str, Any]], collective: str, size: int,
                  params: Any) -> dict[str, Any]:
     """The decision row for this rank count from measured times (bytes as `choose` sees them);
-    between two measured sizes the model places the switch (`cost_model.model_crossover`), and
+    between two measured sizes the model places the switch (`cost.decision_table.model_crossover`), and
     beyond the largest measured size the model decides alone: a sweep that stopped at 64 KiB
     says nothing about 64 MiB, where a latency-bound winner can be several times too slow."""
-    from collectives.cost_model import DEFAULT_ROW_SIZES, array_bytes, decision_rows, model_crossover, thresholds
+    from collectives.cost.decision_table import DEFAULT_ROW_SIZES, decision_rows, model_crossover, thresholds
+    from collectives.cost.prediction import array_bytes
 
     times: dict[int, dict[str, float]] = {}
     for r in records:
@@ -162,7 +163,7 @@ def describe_job(comm: Any, pattern: str, argv: Sequence[str]) -> dict[str, Any]
 def tuning_document(params: Any, calibration: Any, records: list[dict[str, Any]],
                     collectives_: Sequence[str], size: int, job: dict[str, Any]) -> dict[str, Any]:
     """The tuning file: model, decision rows (measured at this P, modelled elsewhere), raw data."""
-    from collectives.cost_model import decision_rows
+    from collectives.cost.decision_table import decision_rows
 
     rows: dict[str, list[dict[str, Any]]] = {}
     for collective in collectives_:
@@ -208,7 +209,7 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
                table_rows: dict[str, list[dict[str, Any]]], staged: bool = False) -> list[str]:
     """Lines: measured vs predicted per collective, size and algorithm, and summary errors;
     `staged`: the rows were device buffers staged through host memory, priced so."""
-    from collectives.cost_model import array_bytes, best, modelled_algorithms, predict
+    from collectives.cost.prediction import array_bytes, best, modelled_algorithms, predict
     from collectives.select import row_choice
 
     lines = [f"{'collective':<15}{'bytes':>9} {'algorithm':<22}{'measured':>11}{'predicted':>11}"
@@ -224,7 +225,7 @@ def comparison(records: list[dict[str, Any]], params: Any, size: int,
         predicted = {r["algorithm"]: predict(collective, r["algorithm"], nbytes, size, params,
                                              staged=staged) for r in group}
         fastest = min(valid, key=lambda r: r["seconds"]) if valid else None
-        # as `auto` decides: cost_model.best, whose exact ties go to the earlier algorithm
+        # as `auto` decides: cost.prediction.best, whose exact ties go to the earlier algorithm
         model_pick = best(collective, nbytes, size, params,
                           [a for a in modelled_algorithms(collective) if a in predicted], staged=staged)
         table_pick = row_choice(table_rows[collective], array_bytes(collective, nbytes, size), size)

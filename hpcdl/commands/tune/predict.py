@@ -92,7 +92,7 @@ class StepPrediction:
 
 def predict_params(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     """The ModelParams for --predict, and where each came from."""
-    from collectives.cost_model import ModelParams
+    from collectives.cost.params import ModelParams
     from collectives.select import model_params
 
     source: dict[str, str] = {}
@@ -191,7 +191,7 @@ def plan_step(params: Any, nodes: int, parameters: int, dtype: str, bucket_mb: f
     """The buckets, a `StepPrediction` per modelled allreduce algorithm plus auto's (last), and auto's pick
     per distinct bucket size (the model's fastest). Closed forms: at most two sizes are priced,
     whatever the number of buckets or ranks. `staged`: device buffers staged through host memory."""
-    from collectives.cost_model import best, modelled_algorithms, predict
+    from collectives.cost.prediction import best, modelled_algorithms, predict
 
     itemsize = ITEMSIZE[dtype]
     buckets = Buckets.of(parameters, itemsize, bucket_mb)
@@ -227,7 +227,7 @@ def _two_level_lines(params: Any, source: dict[str, str], tuning_file: str | Non
 def _staging_lines(params: Any, source: dict[str, str], buckets: Buckets, nodes: int) -> list[str]:
     """--predict --staged's lines: the copy parameters, and the staging piece the model picks for
     a ring step of the largest bucket."""
-    from collectives.cost_model import staging_piece
+    from collectives.cost.prediction import staging_piece
 
     step = -(-buckets.sizes()[0] // nodes)  # a ring step's block
     piece = staging_piece(step, params)
@@ -266,7 +266,7 @@ def auto_algorithm(tuning_file: str | None, params: Any, nbytes: int, nodes: int
     """What `auto` runs for an allreduce of `nbytes` on `nodes` ranks with HPCDL_TUNING_FILE set to
     `tuning_file` (collectives/select.py): the file's row covering the rank count, else the model's
     fastest. "mpi", which the model cannot price, counts as the model's fastest."""
-    from collectives.cost_model import best
+    from collectives.cost.prediction import best
     from collectives.select import load_table, row_choice
 
     if tuning_file:
@@ -279,7 +279,7 @@ def auto_algorithm(tuning_file: str | None, params: Any, nbytes: int, nodes: int
 def replay(args: argparse.Namespace, params: Any, schedule: Any, compute_s: float) -> dict[str, Any]:
     """Every algorithm's (and auto's) step of `compute_s` with the timeline's buckets, overlap on
     and off (overlap.step_seconds)."""
-    from collectives.cost_model import modelled_algorithms, predict
+    from collectives.cost.prediction import modelled_algorithms, predict
 
     from .overlap import step_seconds
 

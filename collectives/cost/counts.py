@@ -2,7 +2,7 @@
 
 The vocabulary every algorithm's cost formula is written in (each formula lives next to its
 algorithm, in `algorithms/`), and the price of the argument check every call makes. Pure
-arithmetic, no MPI: `cost_model.py` turns these counts into seconds. Counts are taken along the
+arithmetic, no MPI: `prediction.py` turns these counts into seconds. Counts are taken along the
 call's critical path and follow the implementations, not the textbook (docs/cost_model.md):
 
 - a step that combines what it receives moves its data in pieces of `partition.SEGMENT_BYTES`, one
@@ -13,7 +13,7 @@ call's critical path and follow the implementations, not the textbook (docs/cost
 - non-powers of two fold in and out (`algorithms/fold.py`), on the critical path;
 - binomial trees take ceil(log2 P) rounds of whole buffers;
 - messages between hosts are counted apart (`Cost.across_hosts`), priced at the inter-host alpha
-  and betas of a two-level model (`cost_model.ModelParams`);
+  and betas of a two-level model (`params.ModelParams`);
 - device buffers where MPI is not CUDA-aware are staged through host memory (`staging.py`): a
   message sent whole is copied out whole before it leaves and in whole after it arrived (two
   copies on the critical path); a message in pieces is pipelined, so only its first staging piece's
@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .packet import HEADER_BYTES
-from .partition import PIECEWISE_BYTES, SEGMENT_BYTES, default_staging_piece, pieces_of
+from ..packet import HEADER_BYTES
+from ..partition import PIECEWISE_BYTES, SEGMENT_BYTES, default_staging_piece, pieces_of
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Cost:
                     self.staged_bytes, self.streamed_bytes)
 
     def seconds(self, params: Any, staged: bool = False) -> float:
-        """Time of these counts under `cost_model.ModelParams`, without the per-call overhead;
+        """Time of these counts under `params.ModelParams`, without the per-call overhead;
         `staged`: with the staging terms (a device call where MPI is not CUDA-aware)."""
         time = (self.messages * params.alpha + self.wire_bytes * params.beta
                 + self.pairwise_bytes * params.pairwise

@@ -1,6 +1,6 @@
 """How each collective lays out its working buffer: the planner of every collective.
 
-A planner runs on the caller's thread, after the generic checks (`api._plan`), with no
+A planner runs on the caller's thread, after the generic checks (`planning.py`), with no
 communication. It decides where the algorithm works in place (the caller's memory where the layout
 allows, else scratch), what to copy in before the algorithm runs and out after it, and what the
 caller gets back. Every rank's algorithm works on the elements in row-major (C) order, whatever
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from .buffers import Buffer, flat_view
-from .cost import NOTHING, Cost, largest_block
+from .cost.counts import NOTHING, Cost, largest_block
 from .errors import LocalArgumentError
 from .ops import ReduceOp
 from .partition import offsets_of, partition_offsets

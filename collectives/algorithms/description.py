@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .cost import Cost
+from ..cost.counts import Cost
 
 #: Picks the algorithm of one part of a composed algorithm (`Algorithm.composed_cost`):
 #: (collective, nbytes per rank, ranks, level) -> a single-communicator `Algorithm`, where level is
