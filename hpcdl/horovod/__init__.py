@@ -35,24 +35,25 @@ optimizer.py (DistributedOptimizer), sync_batch_norm.py (not offered) and elasti
 only gathers their names.
 """
 from . import elastic
-from .basics import (Adasum, Average, HorovodInternalError, Max, Min, ProcessSet, Product, Sum, add_process_set,
-                     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, global_process_set, gloo_built,
-                     gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
-                     mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, run, size,
+from .basics import (Adasum, Average, Max, Min, Product, Sum, ccl_built, cross_rank, cross_size, cuda_built,
+                     ddl_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+                     mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, run, shutdown, size,
                      start_timeline, stop_timeline)
 from .compression import Compression, Compressor, FP16Compressor, NoneCompressor
+from .errors import HorovodInternalError, NegotiationError
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
                       alltoall_async, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
                       grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                       grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
-                      grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async, shutdown,
+                      grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async,
                       sparse_allreduce_async, synchronize)
 from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = ["Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "FP16Compressor",
-           "HorovodInternalError", "Max", "Min", "NoneCompressor", "ProcessSet", "Product", "Sum", "SyncBatchNorm",
+           "HorovodInternalError", "Max", "Min", "NegotiationError", "NoneCompressor", "ProcessSet", "Product", "Sum", "SyncBatchNorm",
            "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
            "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
            "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
