@@ -214,11 +214,12 @@ def test_errors_are_horovods_types_on_every_rank(comm):
     if size == 1:
         pytest.skip("needs two ranks to disagree")
     odd = rank == size - 1
+    mixed = torch.int32 if odd else torch.float32
     cases = {
         "mismatched allreduce shapes": lambda: hvd.allreduce(torch.ones(3 if odd else 2)),
-        "mismatched allreduce dtypes": lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32 if odd else torch.float32)),
+        "mismatched allreduce dtypes": lambda: hvd.allreduce(torch.ones(2, dtype=mixed)),
         "different root ranks": lambda: hvd.broadcast(torch.ones(2), root_rank=rank),
-        "mismatched alltoall dtypes": lambda: hvd.alltoall(torch.ones(size, dtype=torch.int32 if odd else torch.float32)),
+        "mismatched alltoall dtypes": lambda: hvd.alltoall(torch.ones(size, dtype=mixed)),
         "mismatched reducescatter shapes": lambda: hvd.reducescatter(torch.ones(size, 3 if odd else 2)),
         "different ops or scale factors": lambda: hvd.allreduce(torch.ones(2), op=hvd.Max if odd else hvd.Min),
     }

@@ -66,8 +66,8 @@ def init(comm: MPI.Comm | Sequence[int] | None = None,
     _state.homogeneous = len(set(comm.allgather(local_size))) == 1
     sets.start(comm)
     _state.comm = comm
-    if process_sets_given := ([] if process_sets in (None, "dynamic") else list(process_sets)):
-        for process_set in process_sets_given:
+    if process_sets is not None and not isinstance(process_sets, str):  # "dynamic": added later
+        for process_set in process_sets:
             sets.add_process_set(process_set)
 
 

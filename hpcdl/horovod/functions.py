@@ -43,7 +43,7 @@ def _set_comm(process_set: ProcessSet, root_rank: int) -> tuple[Any, int]:
     """The communicator of `process_set` on this rank and the root's place in it."""
     process_sets.controller(process_set)  # refuses a set not added, or without this rank
     root = process_sets.set_rank(process_set, root_rank)
-    return process_set._comm, -1 if root is None else root
+    return process_sets.communicator(process_set), -1 if root is None else root
 
 
 def broadcast_parameters(params: Any, root_rank: int,

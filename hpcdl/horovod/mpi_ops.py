@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from ..comm.alltoall import pairwise_alltoall
 from ..comm.handle import TensorHandle
 from ..comm.tensors import as_array, collective_array, numpy_dtype, refusal
 from . import process_sets
-from .basics import _OP_NAMES, Adasum, Average, Max, Min, Product, Sum, _not_offered
+from .basics import _OP_NAMES, Adasum, Average, Sum, _not_offered
 from .compression import Compression, Compressor
 from .negotiation import Controller, Request, finished, register
 from .process_sets import ProcessSet, global_process_set
@@ -92,7 +92,7 @@ def _spec(tensor: torch.Tensor, *, reduced: bool, in_place: bool = False) -> Ten
     return (str(tensor.dtype), tuple(tensor.shape) if problem is None else (), problem)
 
 
-def _problems(tensor_specs: dict[int, Sequence[TensorSpec]]) -> list[str]:
+def _problems(tensor_specs: Mapping[int, Sequence[TensorSpec]]) -> list[str]:
     return [f"rank {rank}: {problem}" for rank, specs in tensor_specs.items()
             for _, _, problem in specs if problem]
 
@@ -101,7 +101,7 @@ def _listing(values: dict[int, Any]) -> str:
     return ", ".join(f"rank {rank}: {value}" for rank, value in values.items())
 
 
-def _check_tensors(what: str, tensor_specs: dict[int, Sequence[TensorSpec]], *, rows_may_differ: bool,
+def _check_tensors(what: str, tensor_specs: Mapping[int, Sequence[TensorSpec]], *, rows_may_differ: bool,
                    dims: int = 0) -> str | None:
     """The first difference between the ranks' tensors: their number, dtypes, shapes (all but the
     first dimension where `rows_may_differ`), at least `dims` dimensions; None if they agree."""
@@ -131,10 +131,9 @@ def _check_reduction(what: str, dims: int) -> Callable[[dict[int, Any]], str | N
     """The check of allreduce (`dims` 0) and reducescatter (1): one op, one pair of scale
     factors, the same tensors everywhere."""
     def check(specs: dict[int, Any]) -> str | None:
-        settings = {rank: spec[:3] for rank, spec in specs.items()}
+        settings = {rank: "op {}, prescale {}, postscale {}".format(*spec[:3]) for rank, spec in specs.items()}
         if len(set(settings.values())) > 1:
-            return (f"the ranks passed different ops or scale factors ({_listing({r: f'op {s[0]}, prescale {s[1]}, postscale {s[2]}' for r, s in settings.items()})}); "
-                    "pass the same on every rank")
+            return f"the ranks passed different ops or scale factors ({_listing(settings)}); pass the same everywhere"
         return _check_tensors(what, {rank: spec[3] for rank, spec in specs.items()}, rows_may_differ=False,
                               dims=dims)
     return check
@@ -299,7 +298,8 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _allreduce_request([g.contiguous() for g in grads], None, None, ctx.op, *ctx.factors,
+        prescale, postscale = ctx.factors
+        reduced = _allreduce_request([g.contiguous() for g in grads], None, None, ctx.op, prescale, postscale,
                                      ctx.process_set).wait()
         return (None, None, None, None, None, *reduced)
 
@@ -396,6 +396,7 @@ class _Allgather(torch.autograd.Function):
         rows: list[list[int]] = []
         outputs = _allgather_request(list(tensors), name, process_set, rows).wait()
         me = process_set.rank()
+        assert me is not None  # the request refuses a set without this rank
         ctx.process_set = process_set
         ctx.slices = [(sum(r[:me]), r[me]) for r in rows]
         return tuple(outputs)

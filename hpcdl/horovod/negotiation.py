@@ -40,7 +40,7 @@ import io
 import pickle
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -50,7 +50,7 @@ import collectives
 from ..runtime.stall import wait_for
 from .errors import NegotiationError
 
-Key = Hashable  # (kind, name: str) for a named call, (kind, n: int) for the n-th unnamed one
+Key = tuple[str, Union[str, int]]  # (kind, name) of a named call, (kind, n) of the n-th unnamed one
 
 ADVICE = ("Every rank of the process set must make each hvd call: a named call pairs with the "
           "call of that name on the other ranks, an unnamed one with the same kind's call of "
@@ -81,7 +81,7 @@ def register(kind: str, check: Callable[[dict[int, Any]], str | None],
 
 def describe(key: Key) -> str:
     """A call's key as messages name it: `allreduce 'loss'`, `unnamed allgather #3`."""
-    kind, tag = key  # type: ignore[misc]
+    kind, tag = key
     return f"{kind} {tag!r}" if isinstance(tag, str) else f"unnamed {kind} #{tag + 1}"
 
 
@@ -286,8 +286,8 @@ class Controller:
         ready += [key for key, ranks in self._table.items() if key[0] == "join" and len(ranks) == self.size]
         for key in ready:  # in the order of first submission: the same on every rank
             self._issue(key, self._table.pop(key), joined)
-        waits = [waiting for _, waiting in records]
-        if not news and not ready and all(w is not None for w in waits):
+        waits = [waiting for _, waiting in records if waiting is not None]
+        if not news and not ready and len(waits) == self.size:
             self._never_paired(waits)
 
     def _issue(self, key: Key, made: dict[int, tuple[Any, int]], joined: set[int]) -> None:
@@ -301,7 +301,7 @@ class Controller:
             return
         rules = RULES[kind]
         absent = sorted(set(range(self.size)) - set(made))
-        tag = key[1]  # type: ignore[index]
+        tag = key[1]
         if self.rank in absent and isinstance(tag, int):  # joined, this rank takes part in the
             self._counters[kind] = max(self._counters.get(kind, 0), tag + 1)  # call: it counts
         if absent and rules.stand_in is None:
@@ -353,7 +353,7 @@ class Controller:
             self._new.clear()
             for request in dropped:
                 request.error = NegotiationError(message)
-                kind, tag = request.key  # type: ignore[misc]
+                kind, tag = request.key
                 if isinstance(tag, int):  # unnamed: counted again from the first dropped
                     self._counters[kind] = min(self._counters[kind], tag)
 

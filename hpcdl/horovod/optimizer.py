@@ -126,10 +126,11 @@ class _Synchronizing:
         """Post-accumulate-grad hook: count the pass; on the last one, hand over the gradient."""
         i = self._hvd_index[id(param)]
         name = self._hvd_named[i][0]
-        sparse = param.grad is not None and param.grad.layout != torch.strided
-        if sparse and self._hvd_sparse_as_dense:  # reduced dense, handed back sparse
+        grad = param.grad
+        sparse = grad is not None and grad.layout != torch.strided
+        if grad is not None and sparse and self._hvd_sparse_as_dense:  # reduced dense, handed back sparse
             self._hvd_made_dense.add(i)
-            param.grad = param.grad.to_dense()
+            param.grad = grad.to_dense()
             sparse = False
         if self._hvd_delay[i] <= 0:
             # Raised here as Horovod does, and remembered: synchronize() raises it on every rank,
@@ -144,8 +145,8 @@ class _Synchronizing:
         self._hvd_delay[i] -= 1
         if self._hvd_delay[i] == 0:
             self._hvd_marked = True
-            if sparse:
-                self._hvd_sparse_handles[i] = self._hvd_sparse_start(param.grad, name)
+            if grad is not None and sparse:
+                self._hvd_sparse_handles[i] = self._hvd_sparse_start(grad, name)
             else:
                 self._hvd_reducer.mark_ready(param)
 
@@ -188,7 +189,8 @@ class _Synchronizing:
             self._hvd_named[i][1].grad = result()
         for i in made_dense:
             param = self._hvd_named[i][1]
-            param.grad = param.grad.to_sparse()
+            if param.grad is not None:
+                param.grad = param.grad.to_sparse()
         if flag[0]:
             problem, self._hvd_problem = self._hvd_problem, None
             raise AssertionError(agreed_error(problem, self._hvd_comm))

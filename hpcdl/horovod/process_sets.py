@@ -81,15 +81,17 @@ def start(comm: MPI.Comm) -> None:
 
 
 def stop(reason: BaseException) -> None:
-    """Forget every set, failing their calls not issued with `reason` (`hvd.shutdown`)."""
+    """Forget every set, failing their calls not issued with `reason` (`hvd.shutdown`, or `init`
+    on another communicator). Their communicators are not freed: after a lost rank (`hvd.elastic`)
+    freeing one could wait for the dead."""
     for process_set in list(_sets.values()):
-        _retire(process_set, reason)
+        _retire(process_set, reason, free=False)
     _sets.clear()
 
 
-def _retire(process_set: ProcessSet, reason: BaseException) -> None:
+def _retire(process_set: ProcessSet, reason: BaseException, *, free: bool) -> None:
     if process_set._controller is not None:
-        process_set._controller.close(reason, free=True)
+        process_set._controller.close(reason, free=free)
     process_set._controller = None
     process_set.process_set_id = None
 
@@ -216,7 +218,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         if _sets.get(process_set.process_set_id) is not process_set:  # type: ignore[arg-type]
             return finished(False)
         del _sets[process_set.process_set_id]  # type: ignore[arg-type]
-        _retire(process_set, ValueError(f"{process_set} was removed"))
+        _retire(process_set, ValueError(f"{process_set} was removed"), free=True)
         return finished(True)
 
     return bool(controller(global_process_set).submit(
