@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 EPOCHS = ["--epochs", "3"]
-#: Held-out accuracy the examples reach after 3 epochs (about 0.93 on 1 to 5 ranks, 2026-11-28).
-ACCURACY = 0.85
+#: Held-out accuracy the examples reach after 3 epochs (0.84 on 4 ranks, more on fewer: fewer
+#: steps per epoch the more ranks share it; 2026-11-28). Chance is 0.1.
+ACCURACY = 0.75
 #: Seconds one launched example may take (about 20 s at 3 ranks on 2 shared cores).
 RUN_TIMEOUT = 180
 

@@ -285,12 +285,14 @@ class Controller:
         ready = [key for key, ranks in self._table.items() if key[0] != "join" and everyone <= set(ranks) | joined]
         ready += [key for key, ranks in self._table.items() if key[0] == "join" and len(ranks) == self.size]
         for key in ready:  # in the order of first submission: the same on every rank
-            self._issue(key, self._table.pop(key), joined)
+            self._issue(key, self._table.pop(key))
         waits = [waiting for _, waiting in records if waiting is not None]
         if not news and not ready and len(waits) == self.size:
             self._never_paired(waits)
 
-    def _issue(self, key: Key, made: dict[int, tuple[Any, int]], joined: set[int]) -> None:
+    def _issue(self, key: Key, made: dict[int, tuple[Any, int]]) -> None:
+        """Start (or fail) this rank's part of the call `key`, which the ranks in `made` made and
+        the others, joined, take part in with their stand-ins."""
         kind = key[0]
         specs = {rank: spec for rank, (spec, _) in sorted(made.items())}
         mine = self._mine.pop(key, None)
