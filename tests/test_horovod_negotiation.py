@@ -76,6 +76,21 @@ def test_named_async_calls_pair_by_name_whatever_the_order(comm, kind):
     assert all_ranks_agree(ok, comm)
 
 
+def test_many_calls_in_one_round(comm):
+    """Sixty named calls submitted before any is waited for: a round's record outgrows its block
+    (`ROUND_BYTES`) and follows in a second collective; every result is still its name's."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    names = [f"a long name for call number {i}" for i in range(60)]
+    order = names[::-1] if rank % 2 else names
+    handles = {}
+    for name in order:  # in an order that differs between ranks
+        handles[name] = hvd.allreduce_async(torch.tensor([float(rank * names.index(name))]), name=name, op=hvd.Sum)
+    total = size * (size - 1) / 2
+    ok = all(torch.equal(hvd.synchronize(handles[name]), torch.tensor([total * names.index(name)]))
+             for name in order)
+    assert all_ranks_agree(ok, comm)
+
+
 def test_blocking_named_calls_in_different_orders_raise_on_every_rank(comm):
     """A blocking call waits until every rank has made it: rank r first waits for name r, which
     no other rank makes first, so no call can ever pair. Every rank raises the same error naming

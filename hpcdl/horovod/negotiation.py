@@ -7,8 +7,10 @@ n-th unnamed call of its kind, and a spec, what the other ranks must know of it 
 shapes, root, op, splits). A name already waiting on this rank raises ValueError at once, on
 this rank, as Horovod's does.
 
-A round is one non-blocking allgatherv, on a communicator of its own, of what each rank submitted
-since its last round and what it waits for. Every rank learns the same things in the same round,
+A round is one non-blocking allgather, on a communicator of its own, of a block of
+`ROUND_BYTES` per rank: what it submitted since its last round and what it waits for (pickled; a
+longer record, a grouped call of many tensors, follows in an allgatherv of the records that did
+not fit). Every rank learns the same things in the same round,
 so every rank decides the same: a key every rank has submitted (or whose missing ranks have
 joined) is issued in that round, in the order keys were first submitted, its collectives started
 on the set's data communicator (`Controller.data`), which nothing else uses, so they pair in that
@@ -51,6 +53,11 @@ from ..runtime.stall import wait_for
 from .errors import NegotiationError
 
 Key = tuple[str, Union[str, int]]  # (kind, name) of a named call, (kind, n) of the n-th unnamed one
+
+#: Bytes each rank sends in a round: its record and its length. A single call's record takes about
+#: 150; a record longer than fits costs the round a second collective.
+ROUND_BYTES = 512
+_LENGTH = 8  # the record's length, int64, at the start of the block
 
 ADVICE = ("Every rank of the process set must make each hvd call: a named call pairs with the "
           "call of that name on the other ranks, an unnamed one with the same kind's call of "
@@ -147,7 +154,7 @@ def _same(result: Any) -> Any:
 
 
 #: Rounds of controllers shut down while in flight: their buffers live until MPI is done with them.
-_abandoned: list[tuple[Any, np.ndarray]] = []
+_abandoned: list[tuple[Any, np.ndarray, bytes]] = []
 
 
 class Controller:
@@ -164,7 +171,7 @@ class Controller:
         self._counters: dict[str, int] = {}  # unnamed calls submitted, per kind
         # every rank's calls not issued yet: key -> {rank: (spec, round)}; the same on every rank
         self._table: dict[Key, dict[int, tuple[Any, int]]] = {}
-        self._round: tuple[Any, np.ndarray] | None = None  # the round in flight, its buffer
+        self._round: tuple[Any, np.ndarray, bytes] | None = None  # in flight: handle, block, record
         self._number = 0  # rounds completed
         self._stand_ins: list[Any] = []  # a joined rank's parts of the others' collectives
         self.join_device = "cpu"  # where a joined rank's zeros live (hvd.join(device))
@@ -253,25 +260,44 @@ class Controller:
 
     def _post(self, waiting: Key | None) -> None:
         """Post a round: the calls submitted since the last one, and what this rank waits for."""
-        entries = [(request.key, request.spec) for request in self._new]
+        record = pickle.dumps(([(request.key, request.spec) for request in self._new], waiting),
+                              pickle.HIGHEST_PROTOCOL)
         self._new = []
-        payload = np.frombuffer(pickle.dumps((entries, waiting), pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
-        self._round = (collectives.iallgatherv(payload, self._rounds), payload)
+        block = np.zeros(ROUND_BYTES, dtype=np.uint8)
+        block[:_LENGTH] = np.frombuffer(np.int64(len(record)).tobytes(), dtype=np.uint8)
+        if len(record) <= ROUND_BYTES - _LENGTH:
+            block[_LENGTH:_LENGTH + len(record)] = np.frombuffer(record, dtype=np.uint8)
+        self._round = (collectives.iallgather(block, self._rounds), block, record)
 
     def _complete(self) -> None:
         """Wait for the round in flight and act on it (an interrupted wait leaves it in flight)."""
         assert self._round is not None
         try:
-            gathered = wait_for(self._round[0], "hvd: negotiating the next calls", rank=self.rank,
-                                advice=ADVICE)
+            records = self._records()
         except (collectives.ProcessFailure, collectives.CommunicationError) as exc:
             self._round = None
             self.close(exc)
             raise
-        self._round = None
         self._number += 1
-        stream = io.BytesIO(np.asarray(gathered).tobytes())
-        self._act([pickle.load(stream) for _ in range(self.size)])
+        self._act(records)
+
+    def _records(self) -> list[tuple[list[tuple[Key, Any]], Key | None]]:
+        """Every rank's record of the round in flight, which is over when this returns."""
+        assert self._round is not None
+        handle, _, record = self._round
+        gathered = wait_for(handle, "hvd: negotiating the next calls", rank=self.rank, advice=ADVICE)
+        self._round = None
+        blocks = np.asarray(gathered).reshape(self.size, ROUND_BYTES)
+        lengths = blocks[:, :_LENGTH].copy().view(np.int64)[:, 0]
+        fits = lengths <= ROUND_BYTES - _LENGTH
+        stream = io.BytesIO()
+        if not fits.all():  # the longer records, in rank order (every rank takes this step too)
+            mine = np.frombuffer(record if len(record) > ROUND_BYTES - _LENGTH else b"", dtype=np.uint8).copy()
+            longer = wait_for(collectives.iallgatherv(mine, self._rounds), "hvd: negotiating the next calls",
+                              rank=self.rank, advice=ADVICE)
+            stream = io.BytesIO(np.asarray(longer).tobytes())
+        return [pickle.loads(blocks[r, _LENGTH:_LENGTH + lengths[r]].tobytes()) if fits[r] else pickle.load(stream)
+                for r in range(self.size)]
 
     def _act(self, records: list[tuple[list[tuple[Key, Any]], Key | None]]) -> None:
         """Record every rank's news, issue what is complete, detect calls that can never pair."""
