@@ -10,11 +10,11 @@ this rank, as Horovod's does.
 A round is one non-blocking allgather, on a communicator of its own, of a block of
 `ROUND_BYTES` per rank: what it submitted since its last round and what it waits for (pickled; a
 longer record, a grouped call of many tensors, follows in an allgatherv of the records that did
-not fit). Every rank learns the same things in the same round,
-so every rank decides the same: a key every rank has submitted (or whose missing ranks have
-joined) is issued in that round, in the order keys were first submitted, its collectives started
-on the set's data communicator (`Controller.data`), which nothing else uses, so they pair in that
-order everywhere. Before it runs, the specs are checked (`Rules.check`, registered per kind by
+not fit). Every rank learns the same things in the same round, so every rank decides the same:
+a key every rank has submitted (or whose missing ranks have joined) is issued in that round, in
+the order keys were first submitted, its collectives started on the set's data communicator
+(`Controller.data`), which nothing else uses, so they pair in that order everywhere. Before it
+runs, the specs are checked (`Rules.check`, registered per kind by
 the module that defines the collective): arguments that differ between ranks raise
 `NegotiationError` on every rank that made the call, as Horovod's coordinator does.
 
@@ -25,8 +25,9 @@ asynchronous call progresses at this rank's next hvd call, and a rank computing 
 holds up only the calls that need it.
 
 `hvd.join()` is a call of kind "join": a rank that has joined takes part, with zeros, in every
-allreduce the others issue (`Rules.stand_in`); a collective without a stand-in raises on the ranks
-that made it. The join is issued once every rank has joined, and returns the rank that joined
+allreduce the others issue (`Rules.stand_in`), and counts an unnamed one as its own, so that its
+later unnamed calls still pair; a collective without a stand-in raises on the ranks that made it.
+The join is issued once every rank has joined, and returns the rank that joined
 last (the highest rank among those that joined in the last round).
 
 Calls that can never pair: when in one round every rank waits for a call not issued, nobody
