@@ -1,11 +1,11 @@
 """Timing one collective algorithm at one size on every rank, with its result checked exactly.
 
-    from hpcdl.commands.timing import measure
+    from hpcdl.benchmarking import measure
     m = measure("allreduce", "ring", 1 << 20, MPI.COMM_WORLD, iterations=20, warmup=2)
     m.avg_s, m.median_s, m.min_s, m.max_s, m.busbw_gbs, m.wrong
 
-The core of `hpcdl bench` and `hpcdl tune`. What it times: every algorithm of
-`collectives.ALGORITHMS[collective]` (`mpi` included), and the peers (`PEERS`):
+The core of `hpcdl bench` and `hpcdl tune`, and of the benchmarks that time a collective. What it
+times: every algorithm of `collectives.ALGORITHMS[collective]` (`mpi` included), and the peers (`PEERS`):
 - `auto`: `algorithm="auto"`, this package's choice;
 - `direct`: mpi4py's buffer call on the bare communicator (`comm.Allreduce(...)`): the MPI
   library alone, so the gap to `mpi` is this package's per-call cost;

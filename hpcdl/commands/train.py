@@ -15,10 +15,10 @@ import collectives
 from ..ddp.bucket_options import DEFAULT_BUCKET_CAP_MB
 from ..runtime import recovery as ulfm
 from ..runtime.agreement import ARGUMENT_ERROR
-from ..training.config import DEVICES, KEEP_CHECKPOINTS, LAYER_TIMES, MODELS, SHARDS, TrainConfig
+from ..training.config import DEVICES, KEEP_CHECKPOINTS, LAYER_TIMES, MODELS, PROG, SHARDS, TrainConfig
 from ..training.model_sizes import SIZED_MODELS
 from ..training.recovery import POLICIES, RANK_LOST
-from ..training.run import PROG, train
+from ..training.run import train
 from ..training.signals import CHECKPOINTED_ON_SIGNAL
 from ..training.strategies import STRATEGIES
 from ..training.strategies.base import DEFAULT_WARMUP_EPOCHS, MOMENTUM

@@ -34,6 +34,9 @@ from .recovery import POLICIES
 from .strategies.base import DEFAULT_WARMUP_EPOCHS
 from .strategies.servers import SERVER_OPTIMIZERS
 
+#: What a run's messages start with (`hpcdl train: error: ...`), whether `hpcdl train` or a script
+#: started it: the messages name the command's options.
+PROG = "hpcdl train"
 #: Checkpoints kept in `checkpoint_dir`: the newest by step number, whichever run wrote them.
 KEEP_CHECKPOINTS = 3
 

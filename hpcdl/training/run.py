@@ -20,14 +20,10 @@ from ..runtime.memory import host_available_bytes
 from ..runtime.process import init
 from ..runtime.spares import Spares, set_aside, wait_for_call
 from . import strategies
-from .config import KEEP_CHECKPOINTS, TrainConfig, config_errors
+from .config import KEEP_CHECKPOINTS, PROG, TrainConfig, config_errors
 from .pacing import Meetings
 from .recovery import end_job
 from .status_file import clear_status, write_status
-
-#: What the run's messages start with: `hpcdl train: error: ...`, `hpcdl train: warning: ...`.
-PROG = "hpcdl train"
-
 
 def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
     """Print `messages` once (on rank 0) and return `status`; every rank calls it alike."""

@@ -17,7 +17,7 @@ from .compute import columns as compute_columns
 from .compute import compute_for
 from .compute import describe as describe_compute
 from .metrics import EpochTraffic, MetricsLog, gradient_report, staleness_columns
-from .config import KEEP_CHECKPOINTS
+from .config import KEEP_CHECKPOINTS, PROG
 from .pacing import EPOCH_DONE, TAKE_STEP
 from .recovery import Recovery
 from .signals import CHECKPOINTED_ON_SIGNAL, StopRequest
@@ -241,7 +241,7 @@ class Trainer:
                 # in (and losses are not negative), so all ranks take this exit together.
                 self.close_metrics()
                 return report_failure(
-                    "hpcdl train", [f"training diverged: the mean training loss of epoch {self.epoch} is "
+                    PROG, [f"training diverged: the mean training loss of epoch {self.epoch} is "
                                     f"{train_loss}; lower --lr (the scaled rate was {self.schedule.lr:g}) or "
                                     "lengthen --warmup-epochs. No checkpoint was written at this epoch's end"],
                     self.rank, DIVERGED)

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 import hpcdl
 import hpcdl.horovod as hvd
 # the digits split as `hpcdl train` splits them, kept on disk after its first computation
-from hpcdl.commands.train.data import digits_split
+from hpcdl.training.data import digits_split
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ then every rank takes the same SGD step (the default strategy of `hpcdl train`).
 With a model split over a process grid's rows (`--model hybrid-cnn --grid DxM`), DDP runs on the
 grid's data communicator (each FC shard, and the whole convolutions, averaged over the D
 replicas) while the model's FC layers are split over its model communicator
-(hpcdl.commands.train.models.HybridDigitsCNN, docs/model_parallel.md). The trainer still runs on
+(hpcdl.training.models.HybridDigitsCNN, docs/model_parallel.md). The trainer still runs on
 every rank of the job: its sampler shards the data by data rank, so the M ranks of a model group
 train on the same batch; the loss and sample sums it reports count each replica's samples on each
 of its M ranks (the mean loss is unchanged; samples/s is M times the number of distinct samples).
@@ -128,7 +128,7 @@ class Allreduce(Strategy):
     @classmethod
     def configure(cls, given: Mapping[str, Any], ranks: int) -> tuple[dict[str, Any], dict[str, Any]]:
         # --compression and --momentum-correction are recorded with the job's other trajectory
-        # options (hpcdl/commands/train/run.py), so the strategy records none of its own.
+        # options (hpcdl/training/run.py), so the strategy records none of its own.
         epochs = given.get("epochs") or 1
         warmup = given.get("warmup_epochs")
         warmup = warmup if warmup is not None else min(DEFAULT_WARMUP_EPOCHS, epochs)
