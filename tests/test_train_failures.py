@@ -304,8 +304,10 @@ def test_respawn_brings_the_job_back_to_its_size(tmp_path, victim):
 def test_importing_hpcdl_train_does_not_import_torch():
     """`hpcdl train`'s main lets a replacement (--respawn) join the survivors before it imports
     torch, so that they wait for the seconds torch takes asleep, not polling inside
-    MPI_Comm_spawn: the package must not import torch itself."""
-    code = "import sys, hpcdl.commands.train; print('torch' in sys.modules)"
+    MPI_Comm_spawn: the command must not import torch itself, nor the training library's
+    configuration, whose defaults the command's parser reads."""
+    code = ("import sys, hpcdl.commands.train; from hpcdl.training import TrainConfig; TrainConfig(); "
+            "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 

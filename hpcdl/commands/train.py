@@ -238,6 +238,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                             "takes FACTOR times as long, e.g. 3:2 (it sleeps; with --emulate-compute "
                             "its emulated step is longer); repeat it for several ranks")
 
+
 def parse_config(argv: list[str]) -> TrainConfig:
     """`argv` as a `TrainConfig` (argparse's exit on --help or bad syntax; values unchecked)."""
     return TrainConfig(**vars(build_parser().parse_args(argv)))

@@ -97,6 +97,7 @@ def columns(config: TrainConfig) -> dict[str, Any]:
     emulated = config.emulate_compute
     return {"compute": "emulated" if emulated else "real", "compute_ms": emulated or None}
 
+
 def evaluate(model: Any, dataset: Any, rank: int, size: int, comm: MPI.Comm, when: str = ""
              ) -> tuple[float, float]:
     """Collective: (mean loss, accuracy) over all of `dataset`; rank r scores samples r, r+P, ...

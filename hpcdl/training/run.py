@@ -25,6 +25,7 @@ from .pacing import Meetings
 from .recovery import end_job
 from .status_file import clear_status, write_status
 
+
 def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
     """Print `messages` once (on rank 0) and return `status`; every rank calls it alike."""
     return report_failure(PROG, messages, rank, status)
@@ -120,8 +121,8 @@ _TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentu
 def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, comm: MPI.Comm,
                  joined: tuple[MPI.Comm, dict[str, Any]] | None = None, spares: Spares | None = None) -> int:
     """Train on digits on torch `device` as the checked and resolved `config` says (`train`);
-    print per-epoch metrics on rank 0. Sets everything up (every rank), then serving ranks serve and training
-    ranks run the `Trainer`; all return the same exit status.
+    print per-epoch metrics on rank 0. Sets everything up (every rank), then serving ranks serve
+    and training ranks run the `Trainer`; all return the same exit status.
 
     `joined`: in a replacement of a lost rank (--respawn), the communicator it shares with the
     survivors and what they told it; it builds everything alone (`comm` is MPI.COMM_SELF) for the

@@ -17,6 +17,7 @@ from ...benchmarking.loop import run_interleaved
 from ...benchmarking.measurement import AUTO, BARE_MPI, GLOO, Measurement, algorithms_of, element_count, size_sweep
 from ..collective_command import CommandError
 
+
 def default_iterations(nbytes: int) -> int:
     """Timed iterations by size: 200 for small messages, fewer for large ones, at least 10."""
     return max(10, min(200, (256 << 20) // max(nbytes, 1)))
