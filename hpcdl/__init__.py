@@ -2,7 +2,9 @@
 
 The layers, each one folder, each importing only those below it (docs/design.md):
 
-    commands/           the `hpcdl` command: train, bench, tune, info, slurm
+    commands/           the `hpcdl` command: train, bench, tune, info, slurm (parse, check, call)
+    training/ tuning/   the libraries the commands call: training from a TrainConfig; the cost
+    benchmarking/       model fitted and put to work; one collective timed and checked exactly
     horovod/ torch_distributed/                   front ends: Horovod's API, a torch.distributed backend
     compression/ local_sgd parameter_server/ parallel/ optim/             the strategies
     ddp/                DistributedDataParallel: wrapper, reducer, buckets, the exchange-hook contract

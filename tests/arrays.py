@@ -299,7 +299,7 @@ class FakeCupyArray(FakeDeviceArray):
 def fake_cupy_module() -> Any:
     """A stand-in for the `cupy` module with one visible GPU whose memory is host memory.
 
-    Enough of CuPy for `hpcdl bench --device gpu` (hpcdl/commands/timing/) and
+    Enough of CuPy for `hpcdl bench --device gpu` (hpcdl/benchmarking/) and
     `hpcdl.init`'s GPU binding: asarray, empty, count_nonzero, the device count, Device(i).use()
     and the current stream. Install it as `sys.modules["cupy"]` together with a
     `FakeDeviceRuntime`, which serves the collectives.

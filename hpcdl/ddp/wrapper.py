@@ -72,6 +72,7 @@ from collectives import Handle
 from .. import runtime
 from ..runtime import stall
 from ..runtime.agreement import raise_together, raise_unless_agreed
+from .bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, check_bucket_options
 from .dense import Average, Cast, resolve
 from .exchange import GradientExchange
 from .join import Join
@@ -180,7 +181,8 @@ class DistributedDataParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *,
-                 bucket_cap_mb: float = 25, first_bucket_mb: float = 1, algorithm: str = "auto",
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
+                 algorithm: str = "auto",
                  compression: GradientExchange | str | None = None, overlap: bool = True,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = False,
                  timeline: Timeline | str | os.PathLike[str] | None = None,
@@ -625,21 +627,6 @@ class DistributedDataParallel(torch.nn.Module):
         if self.timeline is None:
             raise RuntimeError("no timeline was requested; pass timeline=PATH to record one")
         return self.timeline.write()
-
-
-def check_bucket_options(bucket_cap_mb: float, first_bucket_mb: float, algorithm: str, *,
-                         sharded: bool = False) -> None:
-    """Raise ValueError for bucket capacities that are not positive MiB, or an unknown allreduce
-    algorithm (`sharded`: reduce-scatter or allgatherv algorithm); the same on every rank: no
-    communication."""
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
-    kinds = ("reduce_scatter", "allgatherv") if sharded else ("allreduce",)
-    allowed = ["auto", *dict.fromkeys(a for kind in kinds for a in collectives.ALGORITHMS[kind])]
-    if algorithm not in allowed:
-        raise ValueError(f"algorithm {algorithm!r} is not an {' or '.join(kinds)} algorithm"
-                         f"{' (sharded)' if sharded else ''}; use one of {', '.join(allowed)}")
 
 
 def build_reducer(named: list[tuple[str, torch.nn.Parameter]], comm: MPI.Comm,

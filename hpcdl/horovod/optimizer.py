@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 import collectives
 
+from ..ddp.bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
 from ..ddp.dense import FP16
 from ..ddp.dense import Average as DenseAverage
 from ..ddp.exchange import ExchangeLink, GradientExchange
@@ -321,8 +322,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set, *,
-                         algorithm: str = "auto", bucket_cap_mb: float = 25,
-                         first_bucket_mb: float = 1) -> Any:
+                         algorithm: str = "auto", bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                         first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB) -> Any:
     """Wrap `optimizer` so that its step() first reduces the gradients over ranks (Horovod's).
 
     Returns an optimizer of the same class over the same parameter groups. Each parameter's
