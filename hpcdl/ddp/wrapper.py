@@ -51,8 +51,10 @@ overlapped with the next forward.
 Uneven inputs: inside `join()` a rank whose data ran out keeps answering the others' collectives
 with zeros, and averages are over the ranks that contributed (`hpcdl/ddp/join.py`).
 
-CUDA tensors go to the collectives as CuPy arrays over the same memory (DLPack), after torch's
-current stream is synchronized; first run on a GPU (one H200) on 2026-11-27: docs/gpu_check.md.
+CUDA tensors go to the collectives as CuPy arrays over the same memory, each bucket once its
+ready event is done; the compute stream is never synchronized (`hpcdl/comm/streams.py`,
+docs/training.md#a-step-on-a-gpu). Over one rank the dense average moves nothing: no copy, no
+collective. First run on a GPU (one H200) on 2026-11-27: docs/gpu_check.md.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ import os
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -277,14 +280,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._detached = False
         self._hooks = register_ready_hooks(self, "_mark_ready", [p for _, p in self._named])
         self._require_sync = True  # flipped by no_sync()
-        # Set by forward (unless in no_sync) and used up by the next backward, as torch's DDP
-        # prepares exactly one backward per forward.
-        self._sync_next = False
-        self._forwarded = False  # a forward ran since the last backward
-        self._syncing = False  # this backward pass communicates
-        self._in_backward = False
+        self._pass = _Pass()
         self._used_locally: set[int] = set()  # got a gradient in a no_sync pass since the last sync
-        self._backward_started_at: float | None = None
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -330,9 +327,8 @@ class DistributedDataParallel(torch.nn.Module):
                             {"compression": repr(self.compression)}, comm)
         if self.timeline is not None:
             self.timeline.rebind(comm)
-        self._sync_next = self._forwarded = self._syncing = self._in_backward = False
+        self._pass = _Pass()
         self._used_locally.clear()
-        self._backward_started_at = None
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -341,20 +337,20 @@ class DistributedDataParallel(torch.nn.Module):
         if self._detached:
             raise RuntimeError("this DistributedDataParallel no longer manages its module: a newer "
                                "DistributedDataParallel was built around the same module; use that one")
-        if self._in_backward:  # the last backward raised before its end: finish what it launched
+        if self._pass.in_backward:  # the last backward raised before its end: finish what it launched
             with contextlib.suppress(Exception):
                 self.synchronize()
             self._reducer.reset_step()
-            self._in_backward = False
+            self._pass.in_backward = False
         if self._sharding is not None and self._optimizer is None:
             raise RuntimeError(f"DistributedDataParallel(shard={self.shard!r}) needs its optimizer "
                                "built by model.shard_optimizer(optimizer): a plain optimizer would "
                                "step on gradients that are not averaged")
         if self.broadcast_buffers and self.training:
             self.sync_buffers()
-        self._sync_next = self._require_sync
-        self._forwarded = True
-        if self._join is not None and self._join.inside and self._sync_next and torch.is_grad_enabled():
+        self._pass.sync_next = self._require_sync
+        self._pass.forwarded = True
+        if self._join is not None and self._join.inside and self._pass.sync_next and torch.is_grad_enabled():
             contributors = self._join.contributors()
             if self._join_average:
                 self._reducer.scale = self.comm.Get_size() / contributors
@@ -362,14 +358,14 @@ class DistributedDataParallel(torch.nn.Module):
         output = self.module(*inputs, **kwargs)
         if self.timeline is not None:
             self.timeline.span("forward", started, time.perf_counter())
-            first = _first_tensor_needing_grad(output) if self._sync_next else None
+            first = _first_tensor_needing_grad(output) if self._pass.sync_next else None
             if first is not None:
                 first.register_hook(self._stamp_backward_start)
         return output
 
     def _stamp_backward_start(self, grad: torch.Tensor) -> None:
-        if self._backward_started_at is None:
-            self._backward_started_at = time.perf_counter()
+        if self._pass.backward_started_at is None:
+            self._pass.backward_started_at = time.perf_counter()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -459,7 +455,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._reducer.reset_step()
         if self._join_average:
             self._reducer.scale = self.comm.Get_size() / contributors
-        self._syncing = self._in_backward = True
+        self._pass.syncing = self._pass.in_backward = True
         self._end_of_backward(shadow=True)
         if self._optimizer is not None:
             self._optimizer.step()
@@ -478,36 +474,36 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _mark_ready(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook: hand the gradient to the reducer (or keep it local)."""
-        if not self._in_backward:
+        if not self._pass.in_backward:
             self._begin_backward()
         if param.grad is not None and param.grad.layout != torch.strided:
             raise RuntimeError(f"parameter {self._named[self._reducer.index[id(param)]][0]} got a "
                                f"{param.grad.layout} gradient; DistributedDataParallel averages "
                                "dense gradients only")
-        if not self._syncing:
+        if not self._pass.syncing:
             self._used_locally.add(self._reducer.index[id(param)])
             return
         self._reducer.mark_ready(param)
 
     def _begin_backward(self) -> None:
         """First hook of a backward pass: take up the forward's decision to communicate."""
-        self._in_backward = True
-        self._syncing, self._sync_next = self._sync_next, False
-        if self._syncing and self._sharding is not None and self._sharding.stage == 2 and self._sharding.live:
-            self._in_backward = self._syncing = False
+        self._pass.in_backward = True
+        self._pass.syncing, self._pass.sync_next = self._pass.sync_next, False
+        if self._pass.syncing and self._sharding is not None and self._sharding.stage == 2 and self._sharding.live:
+            self._pass.in_backward = self._pass.syncing = False
             raise RuntimeError(
                 "a second synchronized backward since the last zero_grad(): with "
                 "shard='gradients' each rank keeps only its shard of the averaged gradients, and "
                 "cannot add another backward's to them; call optimizer.zero_grad() before each "
                 "synchronized backward, and accumulate micro-batches inside model.no_sync()")
-        if not self._forwarded and self._require_sync:
+        if not self._pass.forwarded and self._require_sync:
             self._warn_once("backward-without-forward", (
                 "a backward pass ran without a forward through DistributedDataParallel since the "
                 "previous one; its gradients stay local to this rank (not averaged). Run each "
                 "forward through the wrapper, and use no_sync() to accumulate on purpose."))
-        self._forwarded = False
-        if self._syncing and self._backward_started_at is None:
-            self._backward_started_at = time.perf_counter()
+        self._pass.forwarded = False
+        if self._pass.syncing and self._pass.backward_started_at is None:
+            self._pass.backward_started_at = time.perf_counter()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -518,8 +514,8 @@ class DistributedDataParallel(torch.nn.Module):
     def _end_of_backward(self, shadow: bool = False) -> None:
         """Autograd callback after the whole backward: finish every bucket, then check (`shadow`:
         a step of the others under join(), where nothing is used and nothing is wrong)."""
-        if not self._syncing:
-            self._in_backward = False
+        if not self._pass.syncing:
+            self._pass.in_backward = False
             return
         # Missing gradients are zero contributions in both modes, so this rank launches exactly
         # the buckets its peers launch; only then is the error (if any) raised.
@@ -528,9 +524,9 @@ class DistributedDataParallel(torch.nn.Module):
         backward_end = time.perf_counter()
         self._reducer.launch_ready_buckets()
         self.synchronize()
-        if self.timeline is not None and self._backward_started_at is not None:
-            self.timeline.span("backward", self._backward_started_at, backward_end)
-        self._backward_started_at = None
+        if self.timeline is not None and self._pass.backward_started_at is not None:
+            self.timeline.span("backward", self._pass.backward_started_at, backward_end)
+        self._pass.backward_started_at = None
         self._reducer.rebuild_buckets()
         self._check_unfrozen()
         dropped: set[int] = set()
@@ -575,9 +571,9 @@ class DistributedDataParallel(torch.nn.Module):
         except TimeoutError:
             raise  # the exchanges go on: a second call, or the next forward, finishes them
         except BaseException:
-            self._in_backward = False
+            self._pass.in_backward = False
             raise
-        self._in_backward = False
+        self._pass.in_backward = False
 
     # -- the exchange scheme's state and the traffic ----------------------------------------------
 
@@ -627,6 +623,20 @@ class DistributedDataParallel(torch.nn.Module):
         if self.timeline is None:
             raise RuntimeError("no timeline was requested; pass timeline=PATH to record one")
         return self.timeline.write()
+
+
+@dataclass
+class _Pass:
+    """The forward and backward under way. A plain object: a module's own attributes cost
+    microseconds to set (torch.nn.Module.__setattr__), and these are set several times a step."""
+
+    #: set by forward (unless in no_sync) and used up by the next backward, as torch's DDP
+    #: prepares exactly one backward per forward
+    sync_next: bool = False
+    forwarded: bool = False  # a forward ran since the last backward
+    syncing: bool = False  # this backward pass communicates
+    in_backward: bool = False
+    backward_started_at: float | None = None
 
 
 def build_reducer(named: list[tuple[str, torch.nn.Parameter]], comm: MPI.Comm,
