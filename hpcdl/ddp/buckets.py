@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..comm.tensors import dense_view, flat_in_memory_order
+from ..tensors.arrays import dense_view, flat_in_memory_order
 
 
 @dataclass

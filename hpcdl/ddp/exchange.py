@@ -27,7 +27,7 @@ from mpi4py import MPI
 import collectives
 from collectives import Handle
 
-from ..comm.tensors import as_array
+from ..tensors.arrays import as_array
 
 if TYPE_CHECKING:
     from .buckets import Bucket
@@ -85,7 +85,7 @@ class ExchangeLink:
 
     def allgatherv(self, tensor: torch.Tensor) -> Handle:
         """Gather every rank's 1-D `tensor` (lengths may differ, zero included) in rank order;
-        `wait()` returns the concatenation as an array (`hpcdl.comm.tensors.as_tensor` makes it a tensor).
+        `wait()` returns the concatenation as an array (`hpcdl.tensors.arrays.as_tensor` makes it a tensor).
 
         Uses the wrapper's algorithm where allgatherv has it (ring, butterfly, mpi), else auto.
         """

@@ -37,7 +37,7 @@ from collectives import Handle
 from ..runtime import stall
 from .buckets import Bucket, assign_buckets
 from .exchange import ExchangeLink, GradientExchange
-from ..comm.tensors import same_memory_order
+from ..tensors.arrays import same_memory_order
 from .timeline import Timeline
 
 _MB = 1024 * 1024

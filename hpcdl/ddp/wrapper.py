@@ -76,11 +76,11 @@ from .bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, chec
 from .dense import Average, Cast, resolve
 from .exchange import GradientExchange
 from .join import Join
-from .sharded_optimizer import ShardedOptimizer, build_sharded_optimizer
+from ..optim.zero import ShardedOptimizer, build_sharded_optimizer
 from .shards import STAGES, ShardExchange, Sharding, shard_exchange
 from ..runtime.memory import small_pages_warning
 from .reducer import GradientTraffic, Reducer
-from ..comm.tensors import as_array, collective_array, flat_in_memory_order
+from ..tensors.arrays import as_array, collective_array, flat_in_memory_order
 from .timeline import Timeline
 
 _MB = 1024 * 1024
@@ -398,7 +398,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Collective: `optimizer` (built over this model's parameters, any param groups) rebuilt
         to keep state for this rank's shard only; use the returned optimizer instead of it.
 
-        It must step each element on its own (`hpcdl.ddp.sharded_optimizer.ELEMENTWISE`: SGD,
+        It must step each element on its own (`hpcdl.optim.zero.ELEMENTWISE`: SGD,
         Adam, AdamW, ...; `elementwise=True` vouches for another); LBFGS and the like are refused
         on every rank with what to use instead. State it already holds is sharded too.
         """

@@ -24,9 +24,9 @@ import torch
 import collectives
 from collectives.ops import DTYPES, MOVED_DTYPES
 
-from ..comm.alltoall import pairwise_alltoall
-from ..comm.handle import TensorHandle
-from ..comm.tensors import as_array, collective_array, numpy_dtype, refusal
+from ..tensors.alltoall import pairwise_alltoall
+from ..tensors.handle import TensorHandle
+from ..tensors.arrays import as_array, collective_array, numpy_dtype, refusal
 from . import process_sets
 from .basics import _OP_NAMES, Adasum, Average, Sum, _not_offered
 from .compression import Compression, Compressor
@@ -578,7 +578,7 @@ def _alltoall_spec(tensor: torch.Tensor, splits: Any, size: int) -> tuple[Tensor
 
 def _alltoall_now(tensor: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int],
                   comm: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairwise exchange (`hpcdl.comm.alltoall`, blocking): `send_rows[j]` rows to rank j."""
+    """The pairwise exchange (`hpcdl.tensors.alltoall`, blocking): `send_rows[j]` rows to rank j."""
     data = tensor.detach().contiguous()
     row = int(np.prod(data.shape[1:])) if data.dim() > 1 else 1
     output = torch.empty((sum(recv_rows), *data.shape[1:]), dtype=data.dtype, device=data.device)
@@ -618,7 +618,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Send rows of `tensor` to every rank of the set: `splits[j]` rows to rank j (default: equal
     shares). Returns the received rows (in rank order), and with `splits` given also the number of
-    rows received from each rank. A pairwise exchange (`hpcdl.comm.alltoall`) once the
+    rows received from each rank. A pairwise exchange (`hpcdl.tensors.alltoall`) once the
     negotiation has told every rank the others' splits. Differentiable."""
     output, received = _Alltoall.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
