@@ -1,6 +1,7 @@
 """Synchronous data parallelism: `DistributedDataParallel`, the wrapper a torch user knows.
 
     wrapper.py     the module wrapper: forward, no_sync, buffers, the start-up broadcast
+    torch_arguments.py   torch DDP's other arguments: accepted, refused by name, device_ids checked
     bucket_options.py   the bucket sizes' defaults and their check (torch-free)
     buckets.py     which gradients travel together, and where they live
     reducer.py     launches each bucket's exchange during backward, waits, rebuilds buckets
