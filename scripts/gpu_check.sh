@@ -37,9 +37,9 @@
 # The setup starts NVIDIA's MPS daemon (unless --no-mps), so the ranks sharing the one GPU do not
 # wait for each other's time slices; the report says whether it ran.
 #
-# --fake: no GPU needed: the device steps run on the fake device of tests/arrays.py (through
-# tests/fake_gpu.py), torch on the CPU, every size tiny, the local MPI as it is. The whole check
-# then takes well under a minute; tests/test_gpu_check.py runs it in CI so that every step is
+# --fake: no GPU needed: the device steps run on the fake device of tests/helpers/arrays.py (through
+# tests/helpers/fake_gpu.py), torch on the CPU, every size tiny, the local MPI as it is. The whole check
+# then takes well under a minute; tests/scripts/test_gpu_check.py runs it in CI so that every step is
 # wired before a machine is lent.
 set -u
 BEGAN=$(date +%s)
@@ -77,7 +77,7 @@ export HPCDL_TEST_LOGS="$WORK/test-logs"
 
 if [ "$FAKE" = 1 ]; then
     export OMPI_MCA_mpi_yield_when_idle=1 HPCDL_CUDA_AWARE=0
-    DEV=(tests/fake_gpu.py)            # prefix of every device step's Python command
+    DEV=(tests/helpers/fake_gpu.py)    # prefix of every device step's Python command
     TORCH_DEVICE=cpu
     TESTS_K="test_one_copy_per_staging_piece or test_fake_device_moves"
     BENCH_SIZES=(-b 8 -e 64K -f 64 -n 2 -w 0 --rounds 1)
@@ -194,12 +194,12 @@ step environment 15 "$PY" "${DEV[@]}" scripts/gpu_check.py environment --json "$
 step info 15 mpirun -n 2 "${HPCDL[@]}" info
 step device 25 "$PY" "${DEV[@]}" scripts/gpu_check.py device --json "$WORK/device.json" \
     $([ "$FAKE" = 1 ] && echo --small)
-TEST_FILES=(tests/test_collectives.py tests/test_nonblocking.py tests/test_staging.py
-            tests/test_torch_collectives.py)
+TEST_FILES=(tests/collectives/test_algorithms.py tests/collectives/test_nonblocking.py
+            tests/collectives/test_staging.py tests/hpcdl/tensors/test_calls.py)
 step tests-p2 105 "$PY" tests/run.py -n 2 --no-emulated --timeout 80 -- "${TEST_FILES[@]}" -v \
     -k "$TESTS_K"
-step tests-p4 60 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/test_collectives.py \
-    tests/test_staging.py -v -k "$TESTS_K"
+step tests-p4 60 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/collectives/test_algorithms.py \
+    tests/collectives/test_staging.py -v -k "$TESTS_K"
 step tune 30 mpirun -n 2 "${HPCDL[@]}" tune --device gpu --model-only --iters "$TUNE_ITERS" \
     -o "$WORK/tuning-gpu.json"
 TUNED=()  # the bench's predicted column, from the model just fitted on this GPU

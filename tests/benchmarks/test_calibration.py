@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from benchmarks import calibration_buffers, host_cpu
-from conftest import all_ranks_agree, from_rank0, shared_directory
+from tests.conftest import all_ranks_agree, from_rank0, shared_directory
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300),
               pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 2, reason="one measured run is enough: N = 2")]

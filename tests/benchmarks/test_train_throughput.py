@@ -9,7 +9,7 @@ import torch
 from mpi4py import MPI
 
 from benchmarks import train_throughput
-from conftest import all_ranks_agree, from_rank0, shared_directory
+from tests.conftest import all_ranks_agree, from_rank0, shared_directory
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 

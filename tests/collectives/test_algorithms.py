@@ -16,12 +16,12 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from arrays import (BACKENDS, Backend, Outcomes, backend_fixture, backend_params, mpi_reference,
+from tests.helpers.arrays import (BACKENDS, Backend, Outcomes, backend_fixture, backend_params, mpi_reference,
                     rank_data, reduce_reference)
 from collectives import ALGORITHMS, OPS, CollectiveArgumentError, partition_counts
 from collectives.ops import MOVED_DTYPES
 from collectives.partition import PIECEWISE_BYTES, SEGMENT_BYTES
-from conftest import all_ranks_agree
+from tests.conftest import ROOT, all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -672,7 +672,6 @@ def test_allgatherv_at_six_and_seven_ranks(comm: MPI.Comm) -> None:
         pytest.skip("starts its own jobs, once, from the one-rank job")
     import subprocess
     import sys
-    from pathlib import Path
 
     program = (
         "import numpy as np, collectives\nfrom mpi4py import MPI\n"
@@ -685,12 +684,11 @@ def test_allgatherv_at_six_and_seven_ranks(comm: MPI.Comm) -> None:
         "        got = collectives.allgatherv(x, algorithm=algorithm)\n"
         "        assert np.array_equal(got, want), (algorithm, counts)\n"
         "print('ok', r)\n")
-    from run import mpi_environment  # the settings tests/run.py gives its own jobs
+    from tests.run import mpi_environment  # the settings tests/run.py gives its own jobs
 
-    root = Path(__file__).resolve().parent.parent
-    env = dict(mpi_environment(), PYTHONPATH=str(root))
+    env = dict(mpi_environment(), PYTHONPATH=str(ROOT))
     for ranks in (6, 7):
         done = subprocess.run(["mpirun", "--oversubscribe", "-n", str(ranks), sys.executable, "-c",
                                program], env=env, capture_output=True, text=True, timeout=100,
-                              cwd=root)
+                              cwd=ROOT)
         assert done.returncode == 0 and done.stdout.count("ok") == ranks, done.stderr[-2000:]

@@ -27,7 +27,7 @@ from collectives.cost.params import ModelParams
 from collectives.cost.prediction import (STAGING_PIECES, best, cost, model_bytes, modelled_algorithms, predict,
                                          staging_piece, staging_seconds)
 from collectives.partition import SEGMENT_BYTES, STAGING_PIECE_BYTES, default_staging_piece
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 KIB, MIB = 1 << 10, 1 << 20
 

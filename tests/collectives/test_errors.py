@@ -14,9 +14,9 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from arrays import BACKENDS, Backend, backend_fixture, backend_params, rank_data, reduce_reference
+from tests.helpers.arrays import BACKENDS, Backend, backend_fixture, backend_params, rank_data, reduce_reference
 from collectives import ALGORITHMS, CollectiveArgumentError
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 

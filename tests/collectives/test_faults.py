@@ -20,7 +20,7 @@ from mpi4py import MPI
 import collectives
 from collectives import CollectiveArgumentError, ConcurrentUseError
 from collectives.algorithms import mpi as mpi_algorithm
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 

@@ -1,12 +1,12 @@
 """The hierarchical allreduce on pretend hosts, and how `auto` and the tuning file reach it.
 
 On one machine every rank shares one host, where hierarchical is the flat algorithm (which
-tests/test_collectives.py covers with every other algorithm). Here `host_communicators.host_communicator`
+tests/collectives/test_algorithms.py covers with every other algorithm). Here `host_communicators.host_communicator`
 is replaced so that ranks sit on pretend hosts: all on one, each on its own, packed two or three
 to a host, unevenly, and not contiguous in rank order. Every layout must give the exact reduction,
 the same bits on every rank, blocking and non-blocking, on host and fake-device arrays, for every
 op, and leave the sub-communicators with the communicator they were split from.
-(tests/test_emulated_cluster.py runs it across real network namespaces.)
+(tests/scripts/test_emulated_cluster.py runs it across real network namespaces.)
 """
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from arrays import Backend, Outcomes, backend_fixture, backend_params, rank_data, reduce_reference
+from tests.helpers.arrays import Backend, Outcomes, backend_fixture, backend_params, rank_data, reduce_reference
 from collectives import host_communicators, select
 from collectives.cost.decision_table import decision_rows
 from collectives.cost.params import ModelParams
 from collectives.cost.prediction import best, best_part, predict
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
 

@@ -1,7 +1,7 @@
 """Every object that posts non-blocking MPI messages, dropped with them in flight: no message may
 land in (or be read from) freed memory, during the run or at exit (`collectives.inflight`).
 
-One job of its own (tests/dropped_in_flight.py, 2 ranks) runs every case in a loop under glibc's
+One job of its own (tests/helpers/dropped_in_flight.py, 2 ranks) runs every case in a loop under glibc's
 heap checks (MALLOC_CHECK_=3): each loop drops the object mid-flight, allocates canaries of the
 freed buffers' sizes, lets the peer's message move and checks the canaries; then every case
 leaves its messages in flight once more and the job exits. Run from the N=1 job only.
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from run import own_job_environment, run_own_job  # launching a job of its own
+from tests.run import own_job_environment, run_own_job  # launching a job of its own
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "dropped_in_flight.py"
+SCRIPT = ROOT / "tests" / "helpers" / "dropped_in_flight.py"
 CASES = ["lbfgs", "ps-worker", "ps-server", "pipeline", "torch-p2p", "horovod", "engine",
          "collective-interrupted"]
 RANKS = 2

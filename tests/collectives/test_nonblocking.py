@@ -16,12 +16,12 @@ from mpi4py import MPI
 
 import collectives
 import collectives.api
-from arrays import (Backend, FakeDeviceArray, FakeDeviceRuntime, Outcomes,
+from tests.helpers.arrays import (Backend, FakeDeviceArray, FakeDeviceRuntime, Outcomes,
                     backend_fixture, backend_params, bitwise_equal, device_runtime_installed,
                     rank_data, reduce_reference)
 from collectives import CollectiveArgumentError, CommunicationError, partition_counts
 from collectives.engine import Engine
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 

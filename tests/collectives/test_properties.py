@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import collectives
-from arrays import BACKENDS, Outcomes, mpi_reference, rank_data, reduce_reference
+from tests.helpers.arrays import BACKENDS, Outcomes, mpi_reference, rank_data, reduce_reference
 from collectives import ALGORITHMS, OPS, CollectiveArgumentError, partition_counts
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]

@@ -1,6 +1,6 @@
 """A rank that dies during a collective, under ULFM and without it (issue 23, section 1).
 
-Each test launches its own `mpirun --with-ft ulfm -n K` job of tests/process_failure_job.py, in
+Each test launches its own `mpirun --with-ft ulfm -n K` job of tests/helpers/process_failure_job.py, in
 which chosen ranks SIGKILL themselves at a chosen moment: inside the argument check, mid-ring,
 with ten non-blocking calls outstanding, rank 0 or another, two at once, under every allreduce
 algorithm and a few other collectives, several failures one after another on the communicators
@@ -23,7 +23,8 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from run import own_job_environment, run_own_job  # launching jobs of its own
+from tests.run import own_job_environment, run_own_job  # launching jobs of its own
+from tests.conftest import ROOT
 
 if MPI.COMM_WORLD.Get_size() != 1:
     pytest.skip("launches its own mpirun jobs of 3 to 5 ranks: the one-rank job is enough",
@@ -31,8 +32,7 @@ if MPI.COMM_WORLD.Get_size() != 1:
 
 pytestmark = pytest.mark.timeout(150)
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "process_failure_job.py"
+JOB = ROOT / "tests" / "helpers" / "process_failure_job.py"
 #: Seconds one job may take: each takes 4-8 s at 5 ranks on 2 shared cores; a hang ends here.
 JOB_TIMEOUT = 90
 #: A survivor must raise within this many seconds of the kill (about 0.02-0.08 s here; the

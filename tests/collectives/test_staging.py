@@ -4,7 +4,7 @@ copies pipelined with their transfer on copy streams.
 Every collective x algorithm x dtype (float16 and bfloat16 included) on staged device buffers
 large enough that every step is pipelined, in place and out of place, blocking and non-blocking,
 with each rank choosing its own staging piece (pipelined in one, two or three wire pieces, or
-copied whole): exact results. On the fake device (tests/arrays.py) copies run on a simulated
+copied whole): exact results. On the fake device (tests/helpers/arrays.py) copies run on a simulated
 clock and move their bytes only once waited for, so a pipeline that read a slot or landed a piece
 before its copy finished would fail here; `test_a_pipeline_that_ignores_its_events_is_caught`
 shows that it would. With CuPy and a GPU the same cases run on the real device (`-k cupy`).
@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from arrays import (BACKENDS, Backend, FakeDeviceArray, FakeDeviceRuntime, Outcomes,
+from tests.helpers.arrays import (BACKENDS, Backend, FakeDeviceArray, FakeDeviceRuntime, Outcomes,
                     backend_fixture, backend_params, device_runtime_installed, rank_data,
                     reduce_reference)
 from collectives import ALGORITHMS, OPS, partition_counts, select
@@ -27,8 +27,8 @@ from collectives.calibrate import fit, measure_staging
 from collectives.partition import SEGMENT_BYTES, cut_bounds, pieces_of
 from collectives.staging import DEPTH
 from collectives.transport import Link, ScratchPool
-from conftest import all_ranks_agree
-from test_collectives import check_placement, deliver, expects_refusal, run_case
+from tests.conftest import all_ranks_agree
+from tests.collectives.test_algorithms import check_placement, deliver, expects_refusal, run_case
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 

@@ -12,19 +12,17 @@ import importlib
 import os
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import all_ranks_agree, shared_directory
-from run import own_job_environment, run_own_job  # launching jobs of its own
+from tests.conftest import ROOT, all_ranks_agree, shared_directory
+from tests.run import own_job_environment, run_own_job  # launching jobs of its own
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(400)]
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 EPOCHS = ["--epochs", "3"]
 #: Held-out accuracy the examples reach after 3 epochs, well above chance (0.1): the more ranks

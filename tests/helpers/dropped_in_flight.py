@@ -1,6 +1,6 @@
-"""Objects dropped with messages in flight, run by tests/test_inflight.py under their own mpirun:
+"""Objects dropped with messages in flight, run by tests/collectives/test_inflight.py under their own mpirun:
 
-    mpirun -n 2 python tests/dropped_in_flight.py all|CASE[,CASE...] LOOPS
+    mpirun -n 2 python tests/helpers/dropped_in_flight.py all|CASE[,CASE...] LOOPS
 
 Each loop gets an object of the CASE into a state with a non-blocking message posted and not yet
 completed, drops it (and every buffer the program holds), allocates canaries (buffers of the same
@@ -8,7 +8,7 @@ sizes, filled with a pattern: freed memory is handed out again, so a late messag
 freed memory lands in one of them), then lets the peer's message move and checks the canaries.
 After the checked loops, every case runs once more and leaves its messages in flight, and the
 job exits: the exit path (interpreter teardown, then MPI_Finalize) runs with them.
-tests/test_inflight.py runs this under MALLOC_CHECK_=3 (glibc's heap checks) and expects every
+tests/collectives/test_inflight.py runs this under MALLOC_CHECK_=3 (glibc's heap checks) and expects every
 rank to print "CASE ok" and exit 0.
 
 Before anything MPI is imported, an atexit hook is registered: hooks run last-registered first,

@@ -1,7 +1,7 @@
 """A user's own training loop on `hpcdl.elastic` or `hpcdl.horovod.elastic` in a job that loses a
-rank, for tests/test_train_failures.py.
+rank, for tests/hpcdl/training/test_rank_loss.py.
 
-    mpirun --with-ft ulfm -n K python tests/elastic_job.py native|horovod DIR STEP VICTIM [respawn]
+    mpirun --with-ft ulfm -n K python tests/helpers/elastic_job.py native|horovod DIR STEP VICTIM [respawn]
 
 A small MLP on data that is a function of the sample index, 3 epochs of global batches of 32
 split over the ranks there are (by hand for `native`, by `hvd.elastic.ElasticSampler` for

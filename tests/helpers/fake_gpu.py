@@ -1,7 +1,7 @@
-"""Run a Python module or script as if this host had one GPU: the fake device of `arrays.py`.
+"""Run a Python module or script as if this host had one GPU: the fake device of `tests/helpers/arrays.py`.
 
-    python tests/fake_gpu.py -m hpcdl.cli bench --device gpu -b 8 -e 64K
-    mpirun -n 2 python tests/fake_gpu.py benchmarks/staging.py --device gpu --sizes-mib 2 4
+    python tests/helpers/fake_gpu.py -m hpcdl.cli bench --device gpu -b 8 -e 64K
+    mpirun -n 2 python tests/helpers/fake_gpu.py benchmarks/staging.py --device gpu --sizes-mib 2 4
 
 `cupy` is `arrays.fake_cupy_module()` (one GPU whose memory is host memory) and the collectives'
 device runtime a `FakeDeviceRuntime`, MPI treated as not CUDA-aware (the staged path, as with the
@@ -16,9 +16,9 @@ import runpy
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for `tests.helpers`
 
-from arrays import FakeDeviceRuntime, fake_cupy_module  # noqa: E402
+from tests.helpers.arrays import FakeDeviceRuntime, fake_cupy_module  # noqa: E402
 
 import collectives  # noqa: E402
 

@@ -1,6 +1,6 @@
-"""A job that loses ranks in the middle of collectives, for tests/test_process_failure.py.
+"""A job that loses ranks in the middle of collectives, for tests/collectives/test_rank_loss.py.
 
-Run under `mpirun --with-ft ulfm -n K python tests/process_failure_job.py DIR ROUND [ROUND ...]`.
+Run under `mpirun --with-ft ulfm -n K python tests/helpers/process_failure_job.py DIR ROUND [ROUND ...]`.
 Each ROUND is `collective.algorithm[.elements]:phase:victims`, run on the communicator the previous
 round left (MPI.COMM_WORLD first):
 

@@ -1,6 +1,6 @@
-"""`hpcdl train` in a job that loses ranks, for tests/test_train_failures.py.
+"""`hpcdl train` in a job that loses ranks, for tests/hpcdl/training/test_rank_loss.py.
 
-Run under `mpirun --with-ft ulfm -n K python tests/train_failure_job.py DIR KILL [KILL ...] --
+Run under `mpirun --with-ft ulfm -n K python tests/helpers/train_failure_job.py DIR KILL [KILL ...] --
 TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the other: one start
 of the ranks for them all). Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
 themselves at `phase` once they have applied `step` updates:

@@ -6,9 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", ROOT / "slurm" / "README.md", ROOT / "examples" / "README.md",
+                ROOT / "tests" / "README.md",
                 *(ROOT / "docs").glob("*.md"),
                 *(ROOT / "benchmarks").rglob("*.md")])  # results' topic folders included
 
@@ -86,8 +87,9 @@ MAPPED = ("collectives", "hpcdl")
 
 
 def layout_map(text: str) -> set[str]:
-    """The module paths the project layout's block lists: folder lines (`name/`) open a level by
-    their indentation, module lines (`name.py`) name a file in the folder they are indented under."""
+    """The paths the project layout's block lists: folder lines (`name/`, kept with their slash)
+    open a level by their indentation, module lines (`name.py`) name a file in the folder they are
+    indented under."""
     section = text[text.index("## Project layout"):]
     block = section[section.index("```") + 3:]
     block = block[block.index("\n") + 1:block.index("```")]
@@ -101,6 +103,7 @@ def layout_map(text: str) -> set[str]:
         parent = folders[-1][1] if folders else ""
         if name.endswith("/"):
             folders.append((indent, parent + name))
+            paths.add(parent + name)
         elif name.endswith(".py"):
             paths.add(parent + name)
     return paths
@@ -108,12 +111,22 @@ def layout_map(text: str) -> set[str]:
 
 def test_the_layout_map_reads_folders_and_modules() -> None:
     text = "## Project layout\n```\na/        x\n  b.py      y\n  c/        z\n    d.py    w\n  e.py\nf/\n```\n"
-    assert layout_map(text) == {"a/b.py", "a/c/d.py", "a/e.py"}
+    assert layout_map(text) == {"a/", "a/b.py", "a/c/", "a/c/d.py", "a/e.py", "f/"}
 
 
 def test_every_module_is_in_the_layout_map_and_nothing_else() -> None:
     """docs/design.md's project layout names every module of the two packages, and only those."""
-    mapped = {p for p in layout_map(DESIGN.read_text()) if p.startswith(tuple(f"{m}/" for m in MAPPED))}
+    mapped = {p for p in layout_map(DESIGN.read_text())
+              if p.startswith(tuple(f"{m}/" for m in MAPPED)) and p.endswith(".py")}
     modules = {str(p.relative_to(ROOT)) for m in MAPPED for p in (ROOT / m).rglob("*.py")}
     assert sorted(modules - mapped) == [], "modules missing from docs/design.md's project layout"
     assert sorted(mapped - modules) == [], "docs/design.md's project layout names modules that do not exist"
+
+
+def test_every_test_folder_is_in_the_layout_map_and_nothing_else() -> None:
+    """docs/design.md's project layout names every folder of tests/, and only those."""
+    mapped = {p for p in layout_map(DESIGN.read_text()) if p.startswith("tests/")}
+    folders = {f"{p.relative_to(ROOT)}/" for p in [ROOT / "tests", *(ROOT / "tests").rglob("*")]
+               if p.is_dir() and p.name != "__pycache__"}
+    assert sorted(folders - mapped) == [], "test folders missing from docs/design.md's project layout"
+    assert sorted(mapped - folders) == [], "docs/design.md's project layout names test folders that do not exist"

@@ -4,12 +4,11 @@ libraries, never the commands. No communication: every rank checks the same file
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import grimp
 import pytest
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def circles(imports: dict[str, set[str]]) -> list[set[str]]:

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from run import own_job_environment  # tests/run.py's settings for the jobs it starts
+from tests.run import own_job_environment  # tests/run.py's settings for the jobs it starts
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 if MPI.COMM_WORLD.Get_size() != 1:
     pytest.skip("builds and installs a wheel: the one-rank job is enough", allow_module_level=True)

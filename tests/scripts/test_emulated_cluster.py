@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT
+
 SCRIPT = ROOT / "scripts" / "emulated_cluster.sh"
 CANNOT_RUN = 3  # the script's exit status for "namespaces cannot be made here"
 HOSTS = 3

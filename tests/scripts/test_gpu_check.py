@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh, wired end to end before any GPU is lent: `--fake` runs every step on the
-fake device (tests/fake_gpu.py), torch on the CPU, tiny sizes, and writes the same report.
+fake device (tests/helpers/fake_gpu.py), torch on the CPU, tiny sizes, and writes the same report.
 
 Runs only in the N=1 job: the check launches its own mpirun jobs of 1, 2 and 4 ranks.
 """
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from run import own_job_environment, run_own_job  # launching jobs of its own
+from tests.run import own_job_environment, run_own_job  # launching jobs of its own
+from tests.conftest import ROOT
 
 if MPI.COMM_WORLD.Get_size() != 1:
     pytest.skip("launches its own mpirun jobs: the one-rank job is enough", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(420)
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["setup", "environment", "info", "device", "tests-p2", "tests-p4", "tune", "bench",
          "staging", "train-p1", "train-p2", "train-accuracy"]
@@ -74,13 +74,13 @@ def test_only_runs_the_named_steps_after_the_setup(tmp_path: Path) -> None:
 
 
 def test_the_test_arrays_load_where_cupy_sees_a_gpu() -> None:
-    """tests/arrays.py builds its CuPy backend as it is imported; where CuPy is importable and
+    """tests/helpers/arrays.py builds its CuPy backend as it is imported; where CuPy is importable and
     sees a GPU (here the fake `cupy` module), that must work. The first GPU check found it did
     not (a helper used before its definition): every device test and the staging step broke."""
-    code = ("import sys; import arrays; sys.modules['cupy'] = arrays.fake_cupy_module(); "
-            "del sys.modules['arrays']; import arrays; b = arrays.BACKENDS['cupy']; "
+    code = ("import sys; import tests.helpers.arrays as a; sys.modules['cupy'] = a.fake_cupy_module(); "
+            "del sys.modules['tests.helpers.arrays']; import tests.helpers.arrays as a; b = a.BACKENDS['cupy']; "
             "print(b.unavailable, 'bfloat16' in b.dtypes)")
-    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
+    path = str(ROOT)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": path})
     # the fake module has no add kernel, so no bfloat16; but the backend is there and usable

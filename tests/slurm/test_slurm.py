@@ -24,8 +24,8 @@ from typing import Iterator
 
 import pytest
 from mpi4py import MPI
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
 CLUSTER_DIR = os.environ.get("HPCDL_SLURM_DIR", "/tmp/hpcdl-slurm")
 CANNOT_INSTALL = 3  # scripts/slurm_cluster.sh's exit status when SLURM cannot be installed

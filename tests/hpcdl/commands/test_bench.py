@@ -22,9 +22,9 @@ from mpi4py import MPI
 
 import hpcdl.runtime.memory
 import hpcdl.runtime.process
-from arrays import BACKENDS, fake_cupy_module
+from tests.helpers.arrays import BACKENDS, fake_cupy_module
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS
-from conftest import all_ranks_agree, from_rank0, shared_directory
+from tests.conftest import all_ranks_agree, from_rank0, shared_directory
 from hpcdl.commands import bench
 from hpcdl.benchmarking import Case, Measurement, algorithms_of, bus_factor, measure, peak_bytes
 from hpcdl.benchmarking.exact import EXACT_INTEGER, reduced_table, value_table

@@ -6,7 +6,7 @@ import argparse
 import pytest
 from mpi4py import MPI
 
-from conftest import all_ranks_agree, from_rank0
+from tests.conftest import all_ranks_agree, from_rank0
 from hpcdl.commands.collective_command import Command, CommandError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]

@@ -8,9 +8,9 @@ import subprocess
 import pytest
 from mpi4py import MPI
 
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.commands import info
-from run import mpi_environment, run_own_job  # the settings tests/run.py gives its own jobs
+from tests.run import mpi_environment, run_own_job  # the settings tests/run.py gives its own jobs
 
 ROW = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$", re.MULTILINE)
 

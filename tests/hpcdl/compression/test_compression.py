@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.ddp.wrapper
-from conftest import all_ranks_agree, from_rank0, shared_directory
+from tests.conftest import ROOT, all_ranks_agree, from_rank0, shared_directory
 from hpcdl.commands import train
 from hpcdl.compression import (BF16, FP16, Average, GradientExchange, ExchangeLink, SparseExchange, Threshold,
                                TopK, from_spec)
@@ -31,7 +31,6 @@ from hpcdl.compression.threshold import decode_signed_indices, encode_signed_ind
 
 pytestmark = pytest.mark.mpi
 
-ROOT = Path(__file__).resolve().parent.parent
 PER_RANK = 4
 TINY = dict(first_bucket_mb=0.0005, bucket_cap_mb=0.002)  # several buckets
 

@@ -20,7 +20,7 @@ from mpi4py import MPI
 import collectives
 import hpcdl
 import hpcdl.ddp.wrapper
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = pytest.mark.mpi
 
@@ -57,7 +57,7 @@ def _identical_on_all_ranks(module: torch.nn.Module, comm: MPI.Comm) -> bool:
 
 def _exchanges(comm: MPI.Comm) -> None:
     """Skip a test of the exchange's mechanics where there is none: over one rank the average is
-    the gradient itself, so no collective runs (tests/test_ddp_device.py checks that)."""
+    the gradient itself, so no collective runs (tests/hpcdl/ddp/test_device.py checks that)."""
     if comm.Get_size() == 1:
         pytest.skip("one rank exchanges nothing: no collective runs")
 

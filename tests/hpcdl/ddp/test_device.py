@@ -1,6 +1,6 @@
 """DistributedDataParallel's step on a device, counted (docs/training.md#a-step-on-a-gpu).
 
-The fake device of tests/arrays.py runs DDP's GPU path over CPU tensors (`FakeTensorStreams`
+The fake device of tests/helpers/arrays.py runs DDP's GPU path over CPU tensors (`FakeTensorStreams`
 for hpcdl's streams and events, `FakeDeviceRuntime` for the collectives' device arrays) and counts
 what each step does: synchronizes of each stream, events, staging copies and their bytes, kernels.
 A step must never synchronize the compute stream; over one rank it moves nothing at all. The
@@ -18,15 +18,15 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
-from arrays import FakeDeviceRuntime, FakeTensorStreams, device_runtime_installed
-from conftest import all_ranks_agree
+from tests.helpers.arrays import FakeDeviceRuntime, FakeTensorStreams, device_runtime_installed
+from tests.conftest import all_ranks_agree
 from hpcdl.tensors.streams import treat_host_as_device
 from hpcdl.compression import TopK
 
 pytestmark = pytest.mark.mpi
 
 PER_RANK = 4
-#: tiny buckets: three of them, one per layer (docs: tests/test_ddp.py)
+#: tiny buckets: three of them, one per layer (docs: tests/hpcdl/ddp/test_ddp.py)
 SMALL = dict(first_bucket_mb=0.0005, bucket_cap_mb=0.002)
 
 

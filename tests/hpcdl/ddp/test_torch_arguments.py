@@ -14,7 +14,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.runtime import process as runtime
 
 pytestmark = pytest.mark.mpi

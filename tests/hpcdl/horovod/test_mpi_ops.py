@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl.horovod as hvd
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = pytest.mark.mpi
 

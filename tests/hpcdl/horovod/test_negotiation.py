@@ -14,7 +14,7 @@ import torch
 
 import collectives
 import hpcdl.horovod as hvd
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = pytest.mark.mpi
 

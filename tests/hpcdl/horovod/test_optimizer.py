@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.horovod as hvd
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.training.data import load_digits_split
 
 pytestmark = pytest.mark.mpi

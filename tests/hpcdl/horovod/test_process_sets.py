@@ -7,7 +7,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl.horovod as hvd
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = pytest.mark.mpi
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hpcdl
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import all_ranks_agree, from_rank0
+from tests.conftest import all_ranks_agree, from_rank0
 from hpcdl.optim import DistributedLBFGS
 
 pytestmark = pytest.mark.mpi

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.ddp.wrapper
-from conftest import all_ranks_agree, shared_directory
+from tests.conftest import all_ranks_agree, shared_directory
 from hpcdl.runtime.checkpoint import atomic_save, load_checkpoint
 
 pytestmark = pytest.mark.mpi
@@ -550,7 +550,7 @@ def test_hpcdl_train_resumes_on_another_number_of_ranks(tmp_path):
     import json
     import sys
 
-    from run import ROOT, own_job_environment, run_own_job
+    from tests.run import ROOT, own_job_environment, run_own_job
 
     def train(ranks, directory, *extra):
         common = [sys.executable, "-m", "hpcdl", "train", "--model", "mlp", "--epochs", "2", "--batch-size", "96",

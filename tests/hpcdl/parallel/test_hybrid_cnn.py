@@ -14,7 +14,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.training.models import DigitsCNN, HybridDigitsCNN, build_hybrid_model
 
 pytestmark = pytest.mark.mpi

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.parallel import ColumnParallelLinear, Pipeline, RowParallelLinear
 
 pytestmark = pytest.mark.mpi

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import hpcdl
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.parameter_server import ALIGN, Server, plan_placement
 from hpcdl.parameter_server.protocol import HEADER_BYTES
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpcdl.runtime import checkpoint as ckpt
-from conftest import all_ranks_agree, shared_directory
+from tests.conftest import all_ranks_agree, shared_directory
 
 
 def test_atomic_save_leaves_only_the_complete_file(tmp_path):

@@ -1,6 +1,6 @@
 """Launch safety (`hpcdl.runtime.launch.check_launch`) and `hpcdl slurm render`'s checks, without SLURM.
 
-The launcher environments below are the ones seen on a real one-node SLURM (tests/test_slurm.py
+The launcher environments below are the ones seen on a real one-node SLURM (tests/slurm/test_slurm.py
 runs the real thing): srun's step variables, the pmi2 plugin's PMI_SIZE, Open MPI's mpirun
 variables inside an allocation. Everything here is rank-local; it runs under every N of
 tests/run.py, where the real environment must pass the check too.
@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.commands import slurm
 from hpcdl.runtime.launch import check_launch, launcher_claim, mpi_family
 from hpcdl.runtime.rendezvous import (RENDEZVOUS_MARKER, export_torch_environment, rendezvous_address,

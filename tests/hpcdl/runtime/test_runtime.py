@@ -13,8 +13,8 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl
-from conftest import all_ranks_agree
-from run import mpi_environment  # the settings tests/run.py gives its own jobs
+from tests.conftest import all_ranks_agree
+from tests.run import mpi_environment  # the settings tests/run.py gives its own jobs
 
 ABORT_DEADLINE_S = 60  # a hung job would sit until killed; an aborted one ends in seconds
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import collectives
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.runtime import stall
 
 LATE_S = 1.0  # how late the last rank comes: many times the 0.2 s warning delay of these tests

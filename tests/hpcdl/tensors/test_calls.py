@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 
 pytestmark = pytest.mark.mpi
 

@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
-from conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree
 from hpcdl.training.models import heavy_mlp
 from hpcdl.torch_distributed import ProcessGroupHpcdl
 
@@ -462,7 +462,7 @@ dist.destroy_process_group()
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts its own mpirun; N=1 job only")
 def test_init_process_group_needs_no_master_address(tmp_path):
-    from run import mpi_environment
+    from tests.run import mpi_environment
 
     script = tmp_path / "plain.py"
     script.write_text(textwrap.dedent(PLAIN_INIT))
@@ -514,7 +514,7 @@ print("rank", rank, "after:", int(t.item()), flush=True)
 def test_a_collective_error_inside_torch_ddp_raises_from_backward_on_every_rank(tmp_path):
     """DDP's reducer reads a failed bucket future from C++: it must raise there (a Python
     exception out of backward()), not take the error for the bucket's tensors and crash."""
-    from run import own_job_environment, run_own_job
+    from tests.run import own_job_environment, run_own_job
 
     script = tmp_path / "ddp_error.py"
     script.write_text(textwrap.dedent(DDP_COLLECTIVE_ERROR))

@@ -3,7 +3,7 @@ models by size, the emulated backward's order and gradients, the step-time distr
 emulated against real compute in `hpcdl train`: the same messages and bytes.
 
 The training tests call `hpcdl.commands.train.main` on every rank of the pytest job, as
-tests/test_strategies.py does; they run at N = 2 and 3 (a server needs 2 ranks).
+tests/hpcdl/training/test_strategies.py does; they run at N = 2 and 3 (a server needs 2 ranks).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
-from conftest import all_ranks_agree, from_rank0, shared_directory
+from tests.conftest import all_ranks_agree, from_rank0, shared_directory
 from hpcdl.commands import train
 from hpcdl.training.emulation import (DIGITS_SPLIT, FORWARD_SHARE, EmulatedCompute, ShapeModel, Slowdowns,
                                             StepTimes, emulated_model, expected_average, gradient_value)

@@ -28,15 +28,14 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from conftest import all_ranks_agree, same_state, shared_directory
+from tests.conftest import ROOT, all_ranks_agree, same_state, shared_directory
 from hpcdl.runtime import checkpoint as ckpt
 from hpcdl.commands import train
 from hpcdl.training import compute, metrics, run, signals, waiting
 from hpcdl.training.data import load_digits_split
 from hpcdl.training.models import build_model
-from run import own_job_environment, run_own_job, stop  # launching jobs of its own
+from tests.run import own_job_environment, run_own_job, stop  # launching jobs of its own
 
-ROOT = Path(__file__).resolve().parent.parent
 SIZE = MPI.COMM_WORLD.Get_size()
 at_most_3_ranks = pytest.mark.skipif(SIZE > 3, reason="trains; N <= 3 is enough")
 own_job = pytest.mark.skipif(SIZE not in (2, 3), reason="launches its own mpirun of N ranks; N = 2, 3")

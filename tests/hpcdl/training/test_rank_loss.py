@@ -2,9 +2,9 @@
 `--respawn`, `--keep-rank-batch`, a resume on another number of ranks, and `hpcdl.elastic` /
 `hvd.elastic` in a user's loop.
 
-The job tests launch their own `mpirun --with-ft ulfm` jobs of tests/train_failure_job.py (which
+The job tests launch their own `mpirun --with-ft ulfm` jobs of tests/helpers/train_failure_job.py (which
 is `hpcdl train` with ranks that SIGKILL themselves at a chosen phase of a chosen step) or of
-tests/elastic_job.py, so only the one-rank pytest job runs them. The data-split tests run in
+tests/helpers/elastic_job.py, so only the one-rank pytest job runs them. The data-split tests run in
 every job.
 """
 from __future__ import annotations
@@ -22,17 +22,16 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from conftest import same_state
+from tests.conftest import ROOT, same_state
 from hpcdl.training import recovery
 from hpcdl.training.data import epoch_batches, epoch_order, load_digits_split, shard_sampler, shared_batches
 from hpcdl.training.schedule import ProgressSchedule, Schedule
 from hpcdl.runtime import recovery as ulfm
 from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
-from run import own_job_environment, run_own_job  # launching jobs of its own
+from tests.run import own_job_environment, run_own_job  # launching jobs of its own
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAIN_JOB = ROOT / "tests" / "train_failure_job.py"
-ELASTIC_JOB = ROOT / "tests" / "elastic_job.py"
+TRAIN_JOB = ROOT / "tests" / "helpers" / "train_failure_job.py"
+ELASTIC_JOB = ROOT / "tests" / "helpers" / "elastic_job.py"
 #: Seconds one job may take (about 10 s at 4-5 ranks on 2 idle cores; a hang ends here).
 JOB_TIMEOUT = 240
 own_jobs = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
@@ -162,7 +161,7 @@ def test_rank_failure_options_are_checked(argv, message, comm, capsys, monkeypat
     monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
     status = train.main(["--epochs", "1", *argv])
     err = capsys.readouterr().err
-    from conftest import all_ranks_agree
+    from tests.conftest import all_ranks_agree
 
     assert all_ranks_agree(status == 2 and (comm.Get_rank() != 0 or message in err), comm), err
 

@@ -1,7 +1,7 @@
 """`hpcdl train --strategy ...`: every strategy end to end on tiny runs, resume where a strategy is
 deterministic, the options each takes, and bad input refused on every rank.
 
-Like tests/test_train.py, the training tests call `hpcdl.commands.train.main` on every rank of the pytest
+Like tests/hpcdl/training/test_train.py, the training tests call `hpcdl.commands.train.main` on every rank of the pytest
 job itself (no mpirun of their own). The parameter-server strategies need 2 ranks (1 server, 1
 worker); the training tests run at N = 2 and 3 only, to keep the suite short.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import all_ranks_agree, from_rank0, same_state, shared_directory
+from tests.conftest import ROOT, all_ranks_agree, from_rank0, same_state, shared_directory
 from hpcdl.commands import train
 from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from hpcdl.training.config import TrainConfig
@@ -306,7 +306,7 @@ def test_the_docs_table_is_the_registry():
 
     from hpcdl.training.strategies import APPLIES_TO
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "strategies.md").read_text()
+    text = (ROOT / "docs" / "strategies.md").read_text()
     table = text[text.index("| option | strategies | meaning |"):].split("\n\n")[0].splitlines()[2:]
     documented: dict[str, tuple[str, ...]] = {}
     choices: list[str] = []

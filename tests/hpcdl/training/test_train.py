@@ -17,8 +17,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import all_ranks_agree, from_rank0, shared_directory
-from run import own_job_environment
+from tests.conftest import ROOT, all_ranks_agree, from_rank0, shared_directory
+from tests.run import own_job_environment
 from hpcdl.commands import train
 from hpcdl.training import config as training_config
 from hpcdl.training import run, signals, trainer
@@ -27,7 +27,6 @@ from hpcdl.training.data import batches_per_epoch, epoch_batches, load_digits_sp
 from hpcdl.training.schedule import (expected_learning_rate, scaled_learning_rate, warmup_cosine_schedule,
                             warmup_start_factor)
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- learning-rate schedule ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from mpi4py import MPI
 from collectives import select
 from collectives.cost.params import ModelParams
 from collectives.cost.prediction import array_bytes, best, predict
-from conftest import all_ranks_agree, shared_directory
+from tests.conftest import all_ranks_agree, shared_directory
 from hpcdl.commands import tune, units
 from hpcdl.tuning import fit, readable
 from hpcdl.tuning import predict as prediction
@@ -399,7 +399,7 @@ def test_device_gpu_measures_the_staged_copies(comm: MPI.Comm, tmp_path: Path,
     copy_beta, the sweep times device buffers (through the staged pipeline), every result exact."""
     import sys
 
-    from arrays import BACKENDS, fake_cupy_module
+    from tests.helpers.arrays import BACKENDS, fake_cupy_module
 
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
     path = shared_directory(tmp_path, comm) / "gpu.json"
