@@ -29,6 +29,7 @@ import hpcdl
 from tests.conftest import all_ranks_agree
 from hpcdl.parameter_server import ALIGN, Server, plan_placement
 from hpcdl.parameter_server.protocol import HEADER_BYTES
+from hpcdl.parameter_server.worker import WorkerClient
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -181,6 +182,11 @@ def test_pulls_return_the_updates_applied(comm, consistency):
                 workers.Barrier()
                 ps.push([torch.full_like(p, 2.0 ** comm.Get_rank()) for p in net.parameters()])
                 ps.pull()
+                client = ps.worker  # hpcdl.parameter_server.worker's, counting what it did
+                if not (isinstance(client, WorkerClient) and client.clock == 1 and client.bytes_sent > 0
+                        and client.bytes_received > 0):
+                    problems.append(f"the worker's client counted clock {getattr(client, 'clock', None)}, "
+                                    f"{getattr(client, 'bytes_sent', None)} bytes sent")
             problems += _applied_pushes(ps, net, initial, comm.Get_rank(), size - servers,
                                         consistency)
         workers.Free()
