@@ -20,8 +20,12 @@ import re
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI
 
 from tests.conftest import ROOT
+
+# Files and imports only, alike on every rank and for every N: the one-rank job checks them.
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="reads files only: the N = 1 job checks it")
 
 #: The packages whose every module a test must exercise.
 PACKAGES = ("collectives", "hpcdl")
