@@ -98,6 +98,7 @@ class LibraryPlan:
         expectation = lane.expectation
         expected = expectation.expected
         if expected is not None:
+            expectation.expected = None  # one attempt per call, whichever way it goes on
             if expected[0] is self and expected[1] == site[0] and number == expectation.number + 1:
                 if self.attempt(x):
                     expectation.agreed(self.ident, site[0], number, self)
@@ -203,8 +204,12 @@ class Expectation:
     def decline(self) -> None:
         """Take part in the expected call's attempt as a rank whose call is another one: every
         call that is not a `LibraryPlan`'s starts with this where a call is expected."""
-        if self.expected is not None:
-            self.expected[0].attempt(None)
+        expected = self.expected
+        if expected is not None:
+            # Once per call: the call may decline again on its way (the general path hands a
+            # call whose data rides in the check to `small.FusedPlan`, which declines too).
+            self.expected = None
+            expected[0].attempt(None)
 
     def forget(self) -> None:
         """Drop everything (the communicator is used no more)."""
