@@ -28,7 +28,7 @@ from mpi4py import MPI
 import collectives
 from collectives.calibrate import STREAM_BYTES, calibrate
 from collectives.cost.prediction import predict
-from hpcdl.commands.tune.overlap import BucketSchedule
+from hpcdl.tuning.overlap import BucketSchedule
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMELINE = ROOT / "benchmarks" / "results" / "scaling" / "scaling-emulated-1gbit-timeline.json"

@@ -46,29 +46,27 @@ import numpy as np
 from mpi4py import MPI
 
 import hpcdl
+from hpcdl.training.strategies.allreduce import SPARSE, momentum_correction
+from hpcdl.training.strategies.base import MOMENTUM
 
 DIGITS_SCHEMES = ["none", "topk:0.01", "threshold:0.4"]
 MLP_SCHEMES = ["none", "fp16", "threshold:0.002", "threshold:0.004", "threshold:0.008"]
 THROUGHPUT_SCHEMES = ["none", "fp16", "topk:0.001", "threshold:0.002"]
-MOMENTUM = 0.9
 #: The digits experiment's per-epoch metrics, averaged over the seeds.
 AVERAGED_OVER_SEEDS = ("accuracy", "train_loss", "seconds", "grad_bytes_per_rank", "grad_ratio",
                        "grad_density")
 
 
 def corrected(scheme: str, args: argparse.Namespace) -> bool:
-    """Whether `scheme` applies the momentum itself (momentum correction), as in `hpcdl train`."""
-    sparse = scheme.startswith(("topk:", "threshold:"))
-    if args.momentum_correction is None:
-        return scheme.startswith("topk:")
-    return sparse and args.momentum_correction
+    """Whether `scheme` applies the momentum itself (momentum correction), as `hpcdl train` decides."""
+    return momentum_correction({"compression": scheme, "momentum_correction": args.momentum_correction})
 
 
 def build(scheme: str, args: argparse.Namespace, comm: MPI.Comm):
     """The heavy MLP wrapped with `scheme`, and its SGD optimizer (checked against the scheme)."""
     import torch
 
-    from hpcdl.commands.train.models import heavy_mlp
+    from hpcdl.training.models import heavy_mlp
     from hpcdl.compression import from_spec
 
     torch.manual_seed(args.seed)
@@ -87,7 +85,7 @@ def upscaled_digits():
     import torch
     import torch.nn.functional as F
 
-    from hpcdl.commands.train.data import load_digits_split
+    from hpcdl.training.data import load_digits_split
 
     def upscale(dataset):
         x, y = dataset.tensors
@@ -124,15 +122,14 @@ def run_digits(schemes: list[str], args: argparse.Namespace, comm: MPI.Comm) -> 
 
 
 def train_digits(scheme: str, seed: int, args: argparse.Namespace, comm: MPI.Comm) -> list[dict]:
-    """`hpcdl train --compression scheme --seed seed --epochs E`: its metrics rows, training
-    seconds made cumulative."""
-    from hpcdl.commands import train
+    """`hpcdl train --compression scheme --seed seed --epochs E` (the training library's `train`):
+    its metrics rows, training seconds made cumulative."""
+    from hpcdl.training import TrainConfig, train
 
     path = comm.bcast(tempfile.mktemp(suffix=".jsonl") if comm.Get_rank() == 0 else None)
-    flags = [] if args.momentum_correction is None or not scheme.startswith(("topk:", "threshold:")) \
-        else ["--momentum-correction" if args.momentum_correction else "--no-momentum-correction"]
-    status = train.main(["--compression", scheme, "--seed", str(seed), "--epochs", str(args.epochs),
-                         "--metrics", path, *flags])
+    correction = args.momentum_correction if scheme.startswith(SPARSE) else None
+    status = train(TrainConfig(compression=scheme, seed=seed, epochs=args.epochs, metrics=path,
+                               momentum_correction=correction))
     if status != 0:
         raise SystemExit(f"hpcdl train --compression {scheme} --seed {seed} failed with status {status}")
     rows = None
@@ -150,8 +147,8 @@ def run_mlp(schemes: list[str], args: argparse.Namespace, comm: MPI.Comm) -> dic
     import torch
     import torch.nn.functional as F
 
-    from hpcdl.commands.train.data import epoch_batches, shard_sampler
-    from hpcdl.commands.train import evaluate
+    from hpcdl.training.compute import evaluate
+    from hpcdl.training.data import epoch_batches, shard_sampler
 
     rank, size = comm.Get_rank(), comm.Get_size()
     train_set, test_set = upscaled_digits()

@@ -3,7 +3,7 @@
 
     mpirun -n 8 python benchmarks/host_cpu.py --json out.json
 
-An emulated accelerator's forward and backward are waits (hpcdl/commands/train/emulation.py), so
+An emulated accelerator's forward and backward are waits (hpcdl/training/emulation.py), so
 what a rank's threads spend of the host's CPU per step is the host's own work: the training
 thread's (autograd, DDP's bucket copies) and the communication thread's (the collectives). Where
 P ranks share C cores, a step cannot be shorter than P x (CPU per rank per step) / C, whatever the
@@ -27,7 +27,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
-from hpcdl.commands.train.emulation import EmulatedCompute, StepTimes, emulated_model
+from hpcdl.training.emulation import EmulatedCompute, StepTimes, emulated_model
 from hpcdl.runtime.process import host_cpus
 
 

@@ -29,8 +29,9 @@ time). The load average of the machine is recorded beside every repeat.
 losing rank 2 at the start of epoch 3, and a run that loses a rank at epochs 2, 4 and 6 until one
 is left; the final held-out accuracy of each.
 
-The jobs run this file as `... rank_failure.py child DIR RANK:STEP[,RANK:STEP...] -- TRAIN_ARGS`
-(`-` for no kill): `hpcdl train` with the recording and the kills added around it.
+The jobs run this file as `... rank_failure.py child DIR RANK:STEP[,RANK:STEP...] -- CONFIG`
+(`-` for no kill; CONFIG: the `hpcdl.training.TrainConfig` fields as a JSON object): the training
+library's `train`, which `hpcdl train` calls, with the recording and the kills added around it.
 """
 from __future__ import annotations
 
@@ -56,21 +57,21 @@ WINDOW = 40  # steps before the kill and after the recovery whose times give sam
 
 # -- the job's side --------------------------------------------------------------------------------
 
-def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
-    """`hpcdl train train_args`, recording each update's completion (DIR/steps-<id>) and killing
-    each world rank of `kills` in backward after its number of updates (DIR/killed: the first's
-    time)."""
+def child(directory: Path, kills: dict[int, int], options: dict[str, Any]) -> int:
+    """`train(TrainConfig(**options))`, as `hpcdl train` runs it, recording each update's completion
+    (DIR/steps-<id>) and killing each world rank of `kills` in backward after its number of updates
+    (DIR/killed: the first's time)."""
     from mpi4py import MPI
 
     from hpcdl.runtime import recovery
 
     recovery.join()  # a replacement joins before importing torch, as `hpcdl train` does
-    from hpcdl.commands import train
-    from hpcdl.commands.train import run as train_run
-    from hpcdl.commands.train.recovery import Recovery
-    from hpcdl.commands.train.strategies import allreduce
     from hpcdl.ddp import reducer
     from hpcdl.runtime import world
+    from hpcdl.training import TrainConfig, train
+    from hpcdl.training import run as train_run
+    from hpcdl.training.recovery import Recovery
+    from hpcdl.training.strategies import allreduce
 
     me = MPI.COMM_WORLD.Get_rank() if not recovery.is_replacement() else -1
     files: dict[int, Any] = {}  # opened at the first record: a replacement learns its id on joining
@@ -96,7 +97,7 @@ def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
     def launched(self: Any, bucket: Any) -> None:
         launch(self, bucket)
         if kills.get(me) == done["steps"]:
-            while "--spares" in train_args and not list(directory.glob("spare-ready-*")):
+            while options.get("spares") and not list(directory.glob("spare-ready-*")):
                 time.sleep(0.05)
             if not (directory / "killed").exists():
                 (directory / "killed").write_text(repr(time.time()))
@@ -112,7 +113,7 @@ def child(directory: Path, kills: dict[int, int], train_args: list[str]) -> int:
     reducer.Reducer._launch = launched  # type: ignore[method-assign]
     Recovery.recover = recovering  # type: ignore[method-assign]
     train_run.wait_for_call = waiting
-    return train.main(train_args)
+    return train(TrainConfig(**options))
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -195,20 +196,20 @@ def one_repeat(args: argparse.Namespace, way: str, work: Path) -> dict[str, Any]
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     stop = args.kill_step + 2 * WINDOW + 4
-    train = ["--epochs", "100", "--batch-size", str(args.batch_size), "--stop-after-steps", str(stop),
-             "--model", args.model]
+    train = {"epochs": 100, "batch_size": args.batch_size, "stop_after_steps": stop, "model": args.model}
     program = [str(Path(__file__).resolve()), "child", str(directory), f"{VICTIM}:{args.kill_step}", "--"]
     loads = [load()]
     timeout = args.job_timeout
     if way == "restart":
         ck = directory / "ck"
-        ckpt = ["--checkpoint-dir", str(ck), "--checkpoint-every", str(args.checkpoint_every)]
-        code, out = launch(args, args.ranks, [*program, *train, *ckpt], ulfm=False, timeout=timeout)
+        ckpt = {"checkpoint_dir": str(ck), "checkpoint_every": args.checkpoint_every}
+        code, out = launch(args, args.ranks, [*program, json.dumps(train | ckpt)], ulfm=False, timeout=timeout)
         ended = time.time()
         if code == 0:
             raise RuntimeError(f"restart: the first job did not end when rank {VICTIM} died:\n{out[-3000:]}")
         resume = [str(Path(__file__).resolve()), "child", str(directory), "-", "--"]
-        code, out = launch(args, args.ranks, [*resume, *train, *ckpt, "--resume"], ulfm=False, timeout=timeout)
+        code, out = launch(args, args.ranks, [*resume, json.dumps(train | ckpt | {"resume": True})], ulfm=False,
+                           timeout=timeout)
         if code != 0:
             raise RuntimeError(f"restart: the resumed job failed:\n{out[-3000:]}")
         newest = max(s for s in range(0, args.kill_step + 1, args.checkpoint_every))
@@ -216,8 +217,8 @@ def one_repeat(args: argparse.Namespace, way: str, work: Path) -> dict[str, Any]
                           args.kill_step + 1 - newest)
         figures["job_ended_after_s"] = ended - float((directory / "killed").read_text())
     else:
-        extra = {"respawn": ["--respawn"], "spares": ["--spares", "1"]}.get(way, [])
-        code, out = launch(args, args.ranks + (1 if way == "spares" else 0), [*program, *train, *extra],
+        extra = {"respawn": {"respawn": True}, "spares": {"spares": 1}}.get(way, {})
+        code, out = launch(args, args.ranks + (1 if way == "spares" else 0), [*program, json.dumps(train | extra)],
                            ulfm=True, timeout=timeout)
         if code != 0:
             raise RuntimeError(f"{way}: the job failed ({code}):\n{out[-3000:]}")
@@ -245,7 +246,7 @@ def accuracy_runs(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             directory = work / f"accuracy-{label}-{seed}"
             directory.mkdir(parents=True, exist_ok=True)
             code, out = launch(args, args.ranks, [str(Path(__file__).resolve()), "child", str(directory), kill,
-                                                  "--", "--seed", str(seed), "--model", "cnn"],
+                                                  "--", json.dumps({"seed": seed, "model": "cnn"})],
                                ulfm=True, timeout=args.job_timeout)
             if code != 0:
                 raise RuntimeError(f"accuracy run {label} seed {seed} failed:\n{out[-3000:]}")
@@ -255,7 +256,7 @@ def accuracy_runs(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # rank r dies at the start of epoch 2r (epochs get longer as ranks go: the global batch is kept)
     kills = ",".join(f"{r}:{2 * r * steps_per_epoch}" for r in range(1, args.ranks))
     code, out = launch(args, args.ranks, [str(Path(__file__).resolve()), "child", str(directory), kills, "--",
-                                          "--seed", "0"], ulfm=True, timeout=args.job_timeout)
+                                          json.dumps({"seed": 0})], ulfm=True, timeout=args.job_timeout)
     losses = re.findall(r"hpcdl train: lost (ranks? [\d, ]+(?:\(id \d+\) )?of \d+) at step (\d+)", out)
     results["down_to_one"] = {"status": code, "accuracy": final(out) if code == 0 else None, "losses": losses}
     return results
@@ -265,7 +266,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         split = sys.argv.index("--")
         kills = {int(r): int(s) for r, s in (k.split(":") for k in sys.argv[3].split(",") if k != "-")}
-        return child(Path(sys.argv[2]), kills, sys.argv[split + 1:])
+        return child(Path(sys.argv[2]), kills, json.loads(sys.argv[split + 1]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--hosts", action="store_true", help="one rank per emulated host (the cluster must be up)")

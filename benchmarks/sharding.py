@@ -69,7 +69,7 @@ class Setup:
         import torch
 
         import hpcdl
-        from hpcdl.commands.train.models import heavy_mlp
+        from hpcdl.training.models import heavy_mlp
 
         torch.manual_seed(0)
         self.net = net = heavy_mlp()

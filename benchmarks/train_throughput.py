@@ -22,7 +22,7 @@ torch uses one thread per rank when P > 1. `--device cuda`: model and data on th
 bound (local rank modulo GPUs), torch's DDP still over gloo (which takes CUDA tensors), hpcdl's
 through the staged path where MPI is not CUDA-aware; each timed span ends with a synchronize.
 `--emulate-compute MS`: forward and backward are waits of an emulated accelerator (hpcdl train's,
-hpcdl/commands/train/emulation.py) of MS per step, gradients of the model's real shapes ready
+hpcdl/training/emulation.py) of MS per step, gradients of the model's real shapes ready
 layer by layer in backward order; models then also "resnet50" and "bert-large" by their layer
 sizes. Every mode runs the same emulated model; "local" is then the no-communication run the
 overlap is measured against, and every number is EMULATED (the report says so).
@@ -46,9 +46,9 @@ from mpi4py import MPI
 from torch import nn
 
 import hpcdl
-from hpcdl.commands.train.emulation import EmulatedCompute, ShapeModel, StepTimes
-from hpcdl.commands.train.model_sizes import SIZED_MODELS, shape_of_module
-from hpcdl.commands.train.models import heavy_mlp
+from hpcdl.training.emulation import EmulatedCompute, ShapeModel, StepTimes
+from hpcdl.training.model_sizes import SIZED_MODELS, shape_of_module
+from hpcdl.training.models import heavy_mlp
 from hpcdl.runtime.rendezvous import init_gloo
 
 MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
@@ -62,7 +62,7 @@ def small_cnn() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": small_cnn, "mlp": heavy_mlp}
-#: Models only an emulated accelerator runs (their layer sizes, hpcdl/commands/train/model_sizes.py).
+#: Models only an emulated accelerator runs (their layer sizes, hpcdl/training/model_sizes.py).
 SIZED = tuple(SIZED_MODELS)
 
 

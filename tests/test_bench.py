@@ -1,4 +1,4 @@
-"""`hpcdl bench` (hpcdl/commands/bench/, timing/, hpcdl/runtime/rendezvous.py): results checked exactly,
+"""`hpcdl bench` (hpcdl/commands/bench/, hpcdl/benchmarking/, hpcdl/runtime/rendezvous.py): results checked exactly,
 broken algorithms caught, files written, bad arguments refused.
 
 Runs on every rank of `mpirun -n N` (tests/run.py); `main` and `measure` are collective. Sizes
@@ -26,8 +26,8 @@ from arrays import BACKENDS, fake_cupy_module
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS
 from conftest import all_ranks_agree, from_rank0, shared_directory
 from hpcdl.commands import bench
-from hpcdl.commands.timing import Case, Measurement, algorithms_of, bus_factor, measure, peak_bytes
-from hpcdl.commands.timing.exact import EXACT_INTEGER, reduced_table, value_table
+from hpcdl.benchmarking import Case, Measurement, algorithms_of, bus_factor, measure, peak_bytes
+from hpcdl.benchmarking.exact import EXACT_INTEGER, reduced_table, value_table
 from hpcdl.runtime.rendezvous import advertised_host, gloo_unavailable_reason, interface_ipv4
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]

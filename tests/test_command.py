@@ -1,4 +1,4 @@
-"""hpcdl/commands/command.py: one parse (rank 0), one verdict, one message, the same exit everywhere."""
+"""hpcdl/commands/collective_command.py: one parse (rank 0), one verdict, one message, the same exit everywhere."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import all_ranks_agree, from_rank0
-from hpcdl.commands.command import Command, CommandError
+from hpcdl.commands.collective_command import Command, CommandError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 

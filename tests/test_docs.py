@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = sorted([ROOT / "README.md", ROOT / "slurm" / "README.md", *(ROOT / "docs").glob("*.md"),
+PAGES = sorted([ROOT / "README.md", ROOT / "slurm" / "README.md", ROOT / "examples" / "README.md",
+                *(ROOT / "docs").glob("*.md"),
                 *(ROOT / "benchmarks").rglob("*.md")])  # results' topic folders included
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)

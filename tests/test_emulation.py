@@ -1,4 +1,4 @@
-"""Emulated accelerators (`hpcdl train --emulate-compute`, hpcdl/commands/train/emulation.py):
+"""Emulated accelerators (`hpcdl train --emulate-compute`, hpcdl/training/emulation.py):
 models by size, the emulated backward's order and gradients, the step-time distributions, and
 emulated against real compute in `hpcdl train`: the same messages and bytes.
 
@@ -20,10 +20,10 @@ from mpi4py import MPI
 import hpcdl
 from conftest import all_ranks_agree, from_rank0, shared_directory
 from hpcdl.commands import train
-from hpcdl.commands.train.emulation import (DIGITS_SPLIT, FORWARD_SHARE, EmulatedCompute, ShapeModel, Slowdowns,
+from hpcdl.training.emulation import (DIGITS_SPLIT, FORWARD_SHARE, EmulatedCompute, ShapeModel, Slowdowns,
                                             StepTimes, emulated_model, expected_average, gradient_value)
-from hpcdl.commands.train.model_sizes import bert_large, resnet50, shape_of_module
-from hpcdl.commands.train.models import build_model
+from hpcdl.training.model_sizes import bert_large, resnet50, shape_of_module
+from hpcdl.training.models import build_model
 
 SIZE = MPI.COMM_WORLD.Get_size()
 trains = pytest.mark.skipif(SIZE not in (2, 3), reason="trains; N = 2, 3 only (a server needs 2 ranks)")
@@ -234,18 +234,18 @@ def test_a_straggler_on_an_emulated_accelerator_holds_allreduce_back_not_downpou
 
 
 def test_the_placeholder_data_has_the_digits_sizes():
-    from hpcdl.commands.train.data import load_digits_split
-    from hpcdl.commands.train.emulation import placeholder_digits
+    from hpcdl.training.data import load_digits_split
+    from hpcdl.training.emulation import placeholder_digits
 
     assert tuple(len(s) for s in load_digits_split()) == DIGITS_SPLIT
     assert tuple(len(s) for s in placeholder_digits()) == DIGITS_SPLIT
 
 
 def test_options_of_emulated_compute_are_checked(comm):
-    from hpcdl.commands.train.options import emulation_errors
+    from hpcdl.training.config import emulation_errors
 
     def errors(argv: list[str]) -> list[str]:
-        return emulation_errors(train.build_parser().parse_args(argv), 1, None)
+        return emulation_errors(train.parse_config(argv), 1, None)
 
     assert errors(["--emulate-compute", "20", "--model", "resnet50", "--compute-jitter", "0.2",
                    "--compute-slowdown", "0.1:3:5"]) == []
@@ -255,6 +255,6 @@ def test_options_of_emulated_compute_are_checked(comm):
     assert "RATE is a probability" in errors(["--emulate-compute", "5", "--compute-slowdown", "2:3:1"])[0]
     assert "does not take --synthetic" in errors(["--emulate-compute", "5", "--synthetic"])[0]
     assert "needs at least" in emulation_errors(
-        train.build_parser().parse_args(["--emulate-compute", "5", "--model", "bert-large"]), 8, 8 << 30)[0]
+        train.parse_config(["--emulate-compute", "5", "--model", "bert-large"]), 8, 8 << 30)[0]
     assert emulated_model("cnn", 0).shape.numel == sum(
         p.numel() for p in build_model("cnn", in_channels=1, image_size=8, num_classes=10).parameters())

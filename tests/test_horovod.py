@@ -92,90 +92,6 @@ def test_allreduce_family(comm, op, reduce):
     assert all_ranks_agree(ok, comm)
 
 
-def _metrics(rank: int) -> dict[str, torch.Tensor]:
-    """A dict of metrics, different per rank: each is averaged by name."""
-    return {"loss": torch.tensor([0.5 + rank]), "lr": torch.tensor([0.1 * (rank + 1)]),
-            "accuracy": torch.tensor([10.0 * rank]), "steps": torch.tensor([3.0])}
-
-
-def _in_rank_order(names: list[str], rank: int) -> list[str]:
-    """The names in an order that differs between ranks, as a set's iteration order does between
-    processes: reversed on odd ranks, rotated by the rank on even ones."""
-    if rank % 2:
-        return names[::-1]
-    return names[rank % len(names):] + names[:rank % len(names)]
-
-
-@pytest.mark.parametrize("kind", ["allreduce", "allreduce_", "grouped", "broadcast", "allgather",
-                                  "reducescatter"])
-def test_named_async_calls_pair_by_name_whatever_the_order(comm, kind):
-    """Horovod pairs named calls by name: started in an order that differs per rank, each result
-    is the one of its name (the wrong pairing gave every rank different values)."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    everyone = [_metrics(r) for r in range(size)]
-    names = list(everyone[0])
-    handles, mine = {}, _metrics(rank)
-    for name in _in_rank_order(names, rank):
-        t = mine[name]
-        if kind == "allreduce":
-            handles[name] = hvd.allreduce_async(t, name=name)
-        elif kind == "allreduce_":
-            handles[name] = hvd.allreduce_async_(t, name=name)
-        elif kind == "grouped":
-            handles[name] = hvd.grouped_allreduce_async([t, 2 * t], name=name)
-        elif kind == "broadcast":
-            handles[name] = hvd.broadcast_async(t, size - 1, name=name)
-        elif kind == "allgather":
-            handles[name] = hvd.allgather_async(t, name=name)
-        else:
-            handles[name] = hvd.reducescatter_async(t.repeat(size), name=name, op=hvd.Sum)
-    ok = True
-    for name in _in_rank_order(names, rank + 1):  # synchronized in yet another order
-        got = hvd.synchronize(handles[name])
-        column = torch.stack([m[name] for m in everyone])
-        want = {"allreduce": column.mean(0), "allreduce_": column.mean(0),
-                "broadcast": everyone[size - 1][name], "allgather": column.reshape(-1),
-                "reducescatter": column.sum(0)}.get(kind)
-        if kind == "grouped":
-            ok = ok and torch.allclose(got[0], column.mean(0)) and torch.allclose(got[1], 2 * column.mean(0))
-        else:
-            ok = ok and torch.allclose(got, want)
-    assert all_ranks_agree(ok, comm)
-
-
-def test_blocking_named_calls_in_different_orders_raise_on_every_rank(comm):
-    """A blocking call waits until every rank has made it: named blocking calls in orders that
-    differ can never pair; every rank raises the same error (Horovod stalls), and the API still
-    works afterwards. In the same order they pair at once."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    mine = _metrics(rank)
-    same = {name: hvd.allreduce(mine[name], name=name) for name in mine}
-    ok = all(torch.allclose(same[n], torch.stack([_metrics(r)[n] for r in range(size)]).mean(0))
-             for n in mine)
-    if size > 1:
-        with pytest.raises(ValueError, match="named calls that can never pair") as caught:
-            for name in _in_rank_order(list(mine), rank):
-                hvd.allreduce(mine[name], name=name)
-        messages = comm.allgather(str(caught.value))
-        ok = ok and len(set(messages)) == 1 and "rank 1 waits for" in messages[0]
-    ok = ok and torch.equal(hvd.allreduce(torch.tensor([1.0]), name="after"), torch.tensor([1.0]))
-    assert all_ranks_agree(ok, comm)
-
-
-def test_a_name_used_for_two_collectives_raises_on_every_rank(comm):
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        pytest.skip("needs two ranks to disagree")
-    t = torch.tensor([float(rank)])
-    handle = (hvd.allreduce_async(t, name="clash") if rank == 0 else
-              hvd.broadcast_async(t, 0, name="clash"))
-    with pytest.raises(ValueError, match="submitted for different collectives") as caught:
-        hvd.synchronize(handle)
-    ok = len(set(comm.allgather(str(caught.value)))) == 1
-    ok = ok and torch.equal(hvd.allreduce(t, name="clash", op=hvd.Max), torch.tensor([size - 1.0]))
-    assert all_ranks_agree(ok, comm)
-
-
 def test_allreduce_scaling_average_flag_and_compression(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     mine = _mine(rank)
@@ -189,8 +105,13 @@ def test_allreduce_scaling_average_flag_and_compression(comm):
         hvd.allreduce(mine, average=True, op=hvd.Sum)
     fp16 = hvd.allreduce(mine, op=hvd.Sum, compression=hvd.Compression.fp16)
     ok = ok and fp16.dtype == torch.float32 and torch.equal(fp16, total)  # small integers: exact
-    integers = hvd.allreduce(_mine(rank, dtype=torch.int64))  # Average of ints: floor division
+    integers = hvd.allreduce(_mine(rank, dtype=torch.int64))
     ok = ok and torch.equal(integers, _everyone(size, dtype=torch.int64).sum(0) // size)
+    negative = hvd.allreduce(torch.tensor([-2 * rank - 1]))  # truncated toward zero, as Horovod's
+    ok = ok and negative.item() == -(sum(2 * r + 1 for r in range(size)) // size)
+    # float16 scaled before the sum (values whose sums are exact in float16 at any size here)
+    half = hvd.allreduce(torch.tensor([3.0, -7.0], dtype=torch.float16), op=hvd.Sum, prescale_factor=0.25)
+    ok = ok and half.dtype == torch.float16 and torch.equal(half.float(), torch.tensor([0.75, -1.75]) * size)
     assert all_ranks_agree(ok, comm)
 
 
@@ -260,6 +181,45 @@ def test_gradients_flow_as_in_horovod(comm):
     (hvd.broadcast(x, 0) * (rank + 1)).sum().backward()  # averaged, kept on the root only
     expected = sum(r + 1 for r in range(size)) / size if rank == 0 else 0.0
     ok = ok and torch.allclose(x.grad, torch.full((3,), expected))
+    # reducescatter: every rank's gradient gathered back by rows; times the size for Sum
+    for op, factor in ((hvd.Sum, size), (hvd.Average, 1)):
+        x = torch.ones(2 * size, 3, requires_grad=True)
+        (hvd.reducescatter(x, op=op) * (rank + 1)).sum().backward()
+        rows = torch.cat([torch.full((2, 3), float(r + 1)) for r in range(size)])
+        ok = ok and torch.equal(x.grad, rows * factor)
+    pair = [torch.ones(size, 2, requires_grad=True), torch.ones(size, requires_grad=True)]
+    outputs = hvd.grouped_reducescatter(pair, op=hvd.Sum)
+    sum(o.sum() for o in outputs).backward()
+    ok = ok and all(torch.equal(p.grad, torch.full(p.shape, float(size))) for p in pair)
+    assert all_ranks_agree(ok, comm)
+
+
+def test_sparse_allreduce_gathers_indices_and_values(comm):
+    """Horovod's sparse allreduce: every rank's nonzeros gathered; made dense, the result is the
+    dense sum (or average) of every rank's tensor. Rank r has row r % 4 and row 4 set."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    dense = torch.zeros(5, 2)
+    dense[rank % 4] = torch.tensor([float(rank + 1), 2.0])
+    dense[4] = float(size)
+    everyone = torch.zeros(5, 2)
+    for r in range(size):
+        everyone[r % 4] += torch.tensor([float(r + 1), 2.0])
+        everyone[4] += float(size)
+    summed = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse sum", op=hvd.Sum)()
+    averaged = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse average", op=hvd.Average)()
+    ok = summed.is_sparse and torch.equal(summed.to_dense(), everyone)
+    ok = ok and torch.allclose(averaged.to_dense(), everyone / size, rtol=0, atol=1e-6)
+    assert all_ranks_agree(ok, comm)
+
+
+def test_broadcast_optimizer_state_leaves_zero_gradients_as_horovod(comm):
+    """A rank whose optimizer has no state yet gets a zero gradient for each parameter that
+    requires grad and has none (Horovod's test_broadcast_state_no_grad); frozen ones keep None."""
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    ok = torch.equal(model.weight.grad, torch.zeros(2, 3)) and model.bias.grad is None
     assert all_ranks_agree(ok, comm)
 
 
@@ -314,28 +274,25 @@ def _message_everywhere(comm: MPI.Comm, call, exc_type: type[Exception]) -> str 
 
 
 def test_bad_input_on_one_rank_fails_every_rank(comm):
+    """A tensor one rank cannot send, or arguments only one rank gets wrong, raise
+    `NegotiationError` (a ValueError and a RuntimeError) on every rank, naming the reason."""
     size, rank = comm.Get_size(), comm.Get_rank()
     odd = rank == size - 1
+    cases = [
+        (lambda: hvd.allreduce(torch.ones(3).to_sparse() if odd else torch.ones(3)), "to_dense()"),
+        (lambda: hvd.allreduce_(torch.ones(3, device="meta") if odd else torch.ones(3)), "CPU or CUDA"),
+        (lambda: hvd.alltoall(torch.ones(size, 1), splits=[2] + [1] * (size - 1) if odd else None),
+         "do not add up"),
+        (lambda: hvd.broadcast_(torch.ones(4, 4).t() if odd else torch.ones(4, 4), 0), "contiguous()"),
+        (lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool if odd else torch.float32)),
+         "torch.bool tensors cannot be reduced"),
+        (lambda: hvd.reducescatter(torch.tensor(1.0) if odd else torch.ones(size)), "at least 1 dimension"),
+    ]
     if size > 1:
-        message = _message_everywhere(
-            comm, lambda: hvd.allgather(torch.ones(2, 4 if odd else 3)), ValueError)
-        assert message is not None and "one shape but for the first dimension" in message
-    message = _message_everywhere(
-        comm, lambda: hvd.allreduce(torch.ones(3).to_sparse() if odd else torch.ones(3)),
-        collectives.CollectiveArgumentError)
-    assert message is not None and "to_dense()" in message
-    message = _message_everywhere(
-        comm, lambda: hvd.allreduce_(torch.ones(3, device="meta") if odd else torch.ones(3)),
-        collectives.CollectiveArgumentError)
-    assert message is not None and "CPU or CUDA" in message
-    message = _message_everywhere(
-        comm, lambda: hvd.alltoall(torch.ones(size, 1), splits=[2] + [1] * (size - 1) if odd else None),
-        ValueError)
-    assert message is not None and "do not add up" in message
-    message = _message_everywhere(
-        comm, lambda: hvd.broadcast_(torch.ones(4, 4).t() if odd else torch.ones(4, 4), 0),
-        collectives.CollectiveArgumentError)
-    assert message is not None and "contiguous()" in message
+        cases.append((lambda: hvd.allgather(torch.ones(2, 4 if odd else 3)), "same shape but for the first"))
+    for call, says in cases:
+        message = _message_everywhere(comm, call, hvd.NegotiationError)
+        assert message is not None and says in message, message
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size  # still in step
 
 
@@ -344,10 +301,8 @@ def test_what_hpcdl_does_not_offer_raises_when_used(comm):
     assert hvd.allreduce(torch.ones(1), op=op).item() == 1.0
     with pytest.raises(NotImplementedError, match="Adasum.*use op=hvd.Average"):
         hvd.allreduce(torch.ones(1), op=hvd.Adasum)
-    with pytest.raises(NotImplementedError, match="process sets"):
-        hvd.add_process_set([0])
-    with pytest.raises(NotImplementedError, match="process sets"):
-        hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
+    with pytest.raises(NotImplementedError, match="Adasum.*use op=hvd.Average"):
+        hvd.reducescatter(torch.ones(1), op=hvd.Adasum)
     with pytest.raises(NotImplementedError, match="Adasum.*use op=hvd.Average"):
         hvd.DistributedOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
                                  op=hvd.Adasum)

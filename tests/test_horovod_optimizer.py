@@ -18,7 +18,7 @@ from mpi4py import MPI
 import hpcdl
 import hpcdl.horovod as hvd
 from conftest import all_ranks_agree
-from hpcdl.commands.train.data import load_digits_split
+from hpcdl.training.data import load_digits_split
 
 pytestmark = pytest.mark.mpi
 
@@ -43,8 +43,8 @@ def _batch(rank: int, step: int, n: int = 3) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(n, 4, generator=gen), torch.randn(n, 2, generator=gen)
 
 
-def _combined(size: int, step: int, n: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [_batch(r, step, n) for r in range(size)]
+def _combined(size: int, step: int, n: int = 3, ranks: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [_batch(r, step, n) for r in (range(size) if ranks is None else ranks)]
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
@@ -67,7 +67,8 @@ def test_returns_an_optimizer_of_the_same_class_with_the_same_hyperparameters(co
           and group["lr"] == 0.1 and group["momentum"] == 0.9 and group["weight_decay"] == 1e-4
           and len(optimizer.bucket_layout()) > 1
           and sorted(n for b in optimizer.bucket_layout() for n in b)
-          == sorted(n for n, _ in model.named_parameters()))
+          == sorted(n for n, _ in model.named_parameters())
+          and optimizer._parameter_names == {p: n for n, p in model.named_parameters()})  # Horovod's
     assert all_ranks_agree(ok, comm)
 
 
@@ -85,11 +86,13 @@ def _train_ddp(size: int, rank: int, steps: int, **options) -> torch.nn.Module:
     return model
 
 
-def _train_single(size: int, steps: int, n: int = 3, lr: float = 0.1) -> torch.nn.Module:
+def _train_single(size: int, steps: int, n: int = 3, lr: float = 0.1,
+                  ranks: list[int] | None = None) -> torch.nn.Module:
+    """One process training on the combined batches of `ranks` (default: every rank)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     for step in range(steps):
-        x, y = _combined(size, step, n)
+        x, y = _combined(size, step, n, ranks)
         optimizer.zero_grad()
         F.mse_loss(model(x), y).backward()
         optimizer.step()
@@ -130,6 +133,52 @@ def test_reductions_start_in_backward_on_every_kth_pass(comm):
     all_after_second = len(buckets) > 1 and all(b.link is not None for b in buckets)
     optimizer.step()
     ok = none_after_first and all_after_second and _same_on_every_rank(model, comm)
+    assert all_ranks_agree(ok, comm)
+
+
+def test_a_process_set_averages_over_its_ranks_and_the_others_train_alone(comm):
+    """DistributedOptimizer(process_set=evens): the even ranks train as one process on their
+    combined batches; the odd ranks (outside the set) step on their own batches."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    evens = hvd.add_process_set(list(range(0, size, 2)))
+    steps = 3
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters(), process_set=evens, **TINY)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    reference = _train_single(size, steps, ranks=list(range(0, size, 2)) if rank % 2 == 0 else [rank])
+    ok = torch.allclose(_flat(model), _flat(reference), rtol=0, atol=1e-6)
+    hvd.remove_process_set(evens)
+    assert all_ranks_agree(ok, comm)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_are_reduced_and_stay_sparse(comm, sparse_as_dense):
+    """An embedding with sparse gradients: reduced apart by Horovod's sparse allreduce, or dense in
+    the buckets (sparse_as_dense), and handed to the optimizer sparse either way. Integer weights
+    and gradients, op=Sum, lr 1: the step subtracts every rank's gradient exactly."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    embedding = torch.nn.Embedding(6, 2, sparse=True)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.arange(12.0).view(6, 2))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=1.0), op=hvd.Sum,
+                                         sparse_as_dense=sparse_as_dense)
+
+    def rows(r: int) -> torch.Tensor:
+        return torch.tensor([r % 6, (r + 1) % 6, 5])
+
+    optimizer.zero_grad()
+    (embedding(rows(rank)).sum() * (rank + 1)).backward()
+    optimizer.step()
+    expected = torch.arange(12.0).view(6, 2)
+    for r in range(size):
+        for row in rows(r).tolist():
+            expected[row] -= r + 1
+    ok = embedding.weight.grad.is_sparse and torch.equal(embedding.weight.detach(), expected)
     assert all_ranks_agree(ok, comm)
 
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import hpcdl
 from conftest import all_ranks_agree
-from hpcdl.commands.train.models import DigitsCNN, HybridDigitsCNN, build_hybrid_model
+from hpcdl.training.models import DigitsCNN, HybridDigitsCNN, build_hybrid_model
 
 pytestmark = pytest.mark.mpi
 

@@ -7,10 +7,10 @@ worker); the training tests run at N = 2 and 3 only, to keep the suite short.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,9 @@ from mpi4py import MPI
 from conftest import all_ranks_agree, from_rank0, same_state, shared_directory
 from hpcdl.commands import train
 from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
-from hpcdl.commands.train.strategies import STRATEGIES, option_errors, plan
-from hpcdl.commands.train.schedule import Schedule
+from hpcdl.training.config import TrainConfig
+from hpcdl.training.schedule import Schedule
+from hpcdl.training.strategies import STRATEGIES, option_errors, plan
 
 SIZE = MPI.COMM_WORLD.Get_size()
 SERVER_STRATEGIES = ("downpour", "softsync", "ssp", "sync-ps", "sync-backup")
@@ -56,8 +57,8 @@ def test_the_servers_schedule_is_the_trainers(warmup, total, start):
 
 # -- options ---------------------------------------------------------------------------------------
 
-def namespace(argv: list[str]) -> argparse.Namespace:
-    return train.build_parser().parse_args(argv)
+def parsed(argv: list[str]) -> TrainConfig:
+    return train.parse_config(argv)
 
 
 @pytest.mark.parametrize("argv,ranks,expected", [
@@ -83,18 +84,16 @@ def namespace(argv: list[str]) -> argparse.Namespace:
     (["--strategy", "local-sgd", "--synthetic"], 4, "--synthetic benchmarks --strategy allreduce only"),
 ])
 def test_strategy_options_are_checked(argv, ranks, expected):
-    errors = option_errors(namespace(argv), ranks)
+    errors = option_errors(parsed(argv), ranks)
     assert any(expected in e for e in errors), errors
 
 
 def test_compression_is_refused_with_a_parameter_server():
     """--compression applies to allreduce only: a push or an average travels dense."""
-    args = namespace(["--strategy", "downpour"])
-    args.compression = "fp16"
+    args = parsed(["--strategy", "downpour"])
     assert any(e.startswith("--compression applies to --strategy allreduce, not downpour")
-               for e in option_errors(args, 4))
-    args.compression = "none"
-    assert option_errors(args, 4) == []
+               for e in option_errors(replace(args, compression="fp16"), 4))
+    assert option_errors(replace(args, compression="none"), 4) == []
 
 
 @pytest.mark.parametrize("argv,ranks,update_batch,job", [
@@ -116,7 +115,7 @@ def test_plans_resolve_defaults_and_the_batch_per_update(argv, ranks, update_bat
     """The learning rate scales with the samples one update averages: every rank's (allreduce,
     local SGD, sync), softsync's s pushes', one push's (async, SSP); and by k / W for updates of
     k pushes from W workers under asynchrony."""
-    args = namespace(argv)
+    args = parsed(argv)
     assert option_errors(args, ranks) == []
     resolved = plan(args, ranks)
     assert resolved.update_batch == update_batch and resolved.job == job
@@ -292,11 +291,11 @@ def test_resume_under_another_strategy_names_the_difference(tmp_path, comm, caps
 
 def test_every_option_of_the_table_exists():
     """APPLIES_TO names real options (or another branch's --compression)."""
-    from hpcdl.commands.train.strategies import APPLIES_TO
+    from hpcdl.training.strategies import APPLIES_TO
 
     dests = {a.dest for a in train.build_parser()._actions}
     assert set(APPLIES_TO) - dests <= {"compression"}
-    assert math.isclose(plan(namespace(["--strategy", "softsync", "--staleness", "2"]), 5).update_batch, 64)
+    assert math.isclose(plan(parsed(["--strategy", "softsync", "--staleness", "2"]), 5).update_batch, 64)
 
 
 def test_the_docs_table_is_the_registry():
@@ -305,7 +304,7 @@ def test_the_docs_table_is_the_registry():
     --strategy choice in registry order."""
     import re
 
-    from hpcdl.commands.train.strategies import APPLIES_TO
+    from hpcdl.training.strategies import APPLIES_TO
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "strategies.md").read_text()
     table = text[text.index("| option | strategies | meaning |"):].split("\n\n")[0].splitlines()[2:]

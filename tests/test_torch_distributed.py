@@ -24,7 +24,7 @@ from mpi4py import MPI
 import collectives
 import hpcdl
 from conftest import all_ranks_agree
-from hpcdl.commands.train.models import heavy_mlp
+from hpcdl.training.models import heavy_mlp
 from hpcdl.torch_distributed import ProcessGroupHpcdl
 
 pytestmark = pytest.mark.mpi

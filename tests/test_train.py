@@ -20,10 +20,11 @@ from mpi4py import MPI
 from conftest import all_ranks_agree, from_rank0, shared_directory
 from run import own_job_environment
 from hpcdl.commands import train
-from hpcdl.commands.train import options, run, signals, trainer
+from hpcdl.training import config as training_config
+from hpcdl.training import run, signals, trainer
 from hpcdl.runtime.checkpoint import atomic_save, checkpoint_path, list_checkpoints, load_checkpoint
-from hpcdl.commands.train.data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
-from hpcdl.commands.train.schedule import (expected_learning_rate, scaled_learning_rate, warmup_cosine_schedule,
+from hpcdl.training.data import batches_per_epoch, epoch_batches, load_digits_split, shard_sampler
+from hpcdl.training.schedule import (expected_learning_rate, scaled_learning_rate, warmup_cosine_schedule,
                             warmup_start_factor)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,10 +121,10 @@ def test_the_digits_split_is_computed_once_then_read_back_without_scikit_learn(t
     back without importing scikit-learn, bitwise the split computed afresh."""
     from importlib.metadata import version
 
-    from hpcdl.commands.train import data
+    from hpcdl.training import data
 
     env = own_job_environment(HPCDL_CACHE_DIR=str(tmp_path / "cache"))  # a process of its own, not this job's
-    code = ("import sys, numpy as np; from hpcdl.commands.train.data import digits_split; "
+    code = ("import sys, numpy as np; from hpcdl.training.data import digits_split; "
             "split = digits_split(); np.savez(sys.argv[1], *split); print('sklearn' in sys.modules)")
     imported = []
     for run_ in ("first", "second"):
@@ -143,7 +144,7 @@ def test_the_digits_split_is_computed_once_then_read_back_without_scikit_learn(t
 
 @one_rank
 def test_the_digits_split_is_computed_where_no_cache_can_be_written(tmp_path, monkeypatch):
-    from hpcdl.commands.train import data
+    from hpcdl.training import data
 
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("HPCDL_CACHE_DIR", str(tmp_path / "a-file" / "cache"))  # cannot be made
@@ -195,7 +196,7 @@ def test_unwritable_checkpoint_dir_on_one_rank_stops_all(tmp_path, comm, capsys,
     # mounted read-only would), yet every rank must stop with it.
     last = comm.Get_size() - 1
     if comm.Get_rank() == last:
-        monkeypatch.setattr(options, "unwritable_directory", lambda path, create: "cannot write here")
+        monkeypatch.setattr(training_config, "unwritable_directory", lambda path, create: "cannot write here")
     target = shared_directory(tmp_path, comm) / "ckpt"
     status = train.main(["--checkpoint-dir", str(target)])
     err = capsys.readouterr().err

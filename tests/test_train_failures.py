@@ -23,9 +23,9 @@ from mpi4py import MPI
 
 import collectives
 from conftest import same_state
-from hpcdl.commands.train import recovery
-from hpcdl.commands.train.data import epoch_batches, epoch_order, load_digits_split, shard_sampler, shared_batches
-from hpcdl.commands.train.schedule import ProgressSchedule, Schedule
+from hpcdl.training import recovery
+from hpcdl.training.data import epoch_batches, epoch_order, load_digits_split, shard_sampler, shared_batches
+from hpcdl.training.schedule import ProgressSchedule, Schedule
 from hpcdl.runtime import recovery as ulfm
 from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from run import own_job_environment, run_own_job  # launching jobs of its own
@@ -140,7 +140,7 @@ def test_data_cursor_and_progress_schedule():
 def test_a_resumed_worker_takes_the_shard_of_the_worker_whose_place_it_took():
     """After a loss the ranks left keep their shards, in order; ranks in the lost ones' places
     take theirs; with no loss rank i takes shard i."""
-    from hpcdl.commands.train.data import shard_order
+    from hpcdl.training.data import shard_order
 
     assert shard_order(None, 3) == [0, 1, 2]
     assert shard_order([0, 2], 3) == [0, 2, 1] and shard_order([1, 2], 3) == [1, 2, 0]
@@ -304,8 +304,10 @@ def test_respawn_brings_the_job_back_to_its_size(tmp_path, victim):
 def test_importing_hpcdl_train_does_not_import_torch():
     """`hpcdl train`'s main lets a replacement (--respawn) join the survivors before it imports
     torch, so that they wait for the seconds torch takes asleep, not polling inside
-    MPI_Comm_spawn: the package must not import torch itself."""
-    code = "import sys, hpcdl.commands.train; print('torch' in sys.modules)"
+    MPI_Comm_spawn: the command must not import torch itself, nor the training library's
+    configuration, whose defaults the command's parser reads."""
+    code = ("import sys, hpcdl.commands.train; from hpcdl.training import TrainConfig; TrainConfig(); "
+            "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
@@ -519,13 +521,11 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
     worker), and allreduce with a model split over ranks, refuse to go on after
     a lost rank (the job ends, below), each saying why; a parameter server resumes on other
     workers, those at their own paces on at most as many as it started with."""
-    from hpcdl.commands.train import strategies
-    from hpcdl.commands.train.options import build_parser
+    from hpcdl.commands.train import parse_config
+    from hpcdl.training import strategies
 
     def refusal(argv: list[str], resume: bool = False) -> str | None:
-        args = build_parser().parse_args(argv)
-        args.model = args.model or "cnn"
-        plan = strategies.plan(args, 2)
+        plan = strategies.plan(parse_config(argv).resolved(), 2)
         return plan.strategy.rank_loss_refusal(plan, resume=resume)
 
     assert refusal([]) is None and refusal(["--compression", "topk:0.01"]) is None
@@ -542,8 +542,7 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
             assert refusal(argv) is None and refusal(argv, resume=True) is None, name
             # (a lost worker is dropped; a lost server ends the job: below); each worker at its own
             # pace trains one of the run's shards: at most as many workers as it started with
-            args = build_parser().parse_args([*argv, "--model", "cnn"])
-            plan = strategies.plan(args, 4)
+            plan = strategies.plan(parse_config([*argv, "--model", "cnn"]), 4)
             too_many = plan.strategy.resume_errors(plan, 4)
             if name == "sync-ps":  # in lockstep the global batch is split over any number
                 assert too_many == [] and plan.strategy.resume_errors(plan, 1) == []

@@ -31,9 +31,9 @@ import collectives
 from conftest import all_ranks_agree, same_state, shared_directory
 from hpcdl.runtime import checkpoint as ckpt
 from hpcdl.commands import train
-from hpcdl.commands.train import metrics, run, signals, trainer, waiting
-from hpcdl.commands.train.data import load_digits_split
-from hpcdl.commands.train.models import build_model
+from hpcdl.training import compute, metrics, run, signals, waiting
+from hpcdl.training.data import load_digits_split
+from hpcdl.training.models import build_model
 from run import own_job_environment, run_own_job, stop  # launching jobs of its own
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -271,7 +271,7 @@ def test_every_collective_the_trainer_waits_on_warns_when_a_rank_is_late(what, t
         _, test_set = load_digits_split()
         torch.manual_seed(0)
         model = build_model("cnn", in_channels=1, image_size=8, num_classes=10)
-        late_call(comm, lambda: trainer.evaluate(model, test_set, rank, size, comm, "after epoch 2"),
+        late_call(comm, lambda: compute.evaluate(model, test_set, rank, size, comm, "after epoch 2"),
                   "the held-out evaluation after epoch 2")
     else:
         directory = shared_directory(tmp_path, comm)
@@ -423,6 +423,7 @@ def test_the_default_warmup_fits_any_run(epochs, expected, monkeypatch, comm):
     """The default warm-up (2 epochs, or half the run if shorter) is never refused, and never
     covers the whole run (which would warn about an option the user did not give)."""
     seen = []
-    monkeypatch.setattr(run, "run_training", lambda args, topology, comm_: seen.append(args.warmup_epochs) or 0)
+    monkeypatch.setattr(run, "run_training",
+                        lambda config, device, topology, comm_: seen.append(config.warmup_epochs) or 0)
     assert train.main(["--epochs", epochs]) == 0 and seen == [expected]
     assert math.isfinite(seen[0])

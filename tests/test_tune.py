@@ -13,9 +13,9 @@ from collectives.cost.params import ModelParams
 from collectives.cost.prediction import array_bytes, best, predict
 from conftest import all_ranks_agree, shared_directory
 from hpcdl.commands import tune, units
-from hpcdl.commands.tune import command, fit
-from hpcdl.commands.tune import predict as prediction
-from hpcdl.commands.tune.overlap import BucketSchedule, step_seconds
+from hpcdl.tuning import fit, readable
+from hpcdl.tuning import predict as prediction
+from hpcdl.tuning.overlap import BucketSchedule, step_seconds
 
 PREDICT = ["--predict", "--nodes", "256", "--link", "100gbit", "--latency", "2us",
            "--model-params", "25e6", "--compute-ms", "120"]
@@ -117,7 +117,7 @@ def test_predict_prints_every_algorithm_and_auto(capsys: pytest.CaptureFixture[s
         seconds = [predict("allreduce", algorithm, b, 256, params) for b in buckets]
         line = re.search(rf"^{algorithm}\s+(\S+ \S+)\s+(\S+ \S+)\s+([\d.]+)%\s+([\d.]+)%$", out, re.M)
         assert line, f"no line for {algorithm}:\n{out}"
-        assert line[2] == units.human_seconds(sum(seconds))
+        assert line[2] == readable.human_seconds(sum(seconds))
         no_overlap = 0.120 / (0.120 + sum(seconds))
         overlap = 0.120 / (max(0.120, sum(seconds[:-1])) + seconds[-1])
         assert float(line[3]) == pytest.approx(100 * no_overlap, abs=0.051)
@@ -171,7 +171,7 @@ def test_predict_staged_prices_the_copies(tmp_path: Path, capsys: pytest.Capture
     staged = predict("allreduce", "ring", 25 << 20, 256, params, staged=True)
     assert staged > predict("allreduce", "ring", 25 << 20, 256, params)
     line = re.search(r"^ring\s+(\S+ \S+)\s", out, re.M)
-    assert line and line[1] == units.human_seconds(staged), out
+    assert line and line[1] == readable.human_seconds(staged), out
     assert "copy_beta   0.0400 ns per byte copied  (--copy-bandwidth; 25 GB/s)" in out
     assert "staging pieces of" in out
     assert tune.main(PREDICT + ["--staged"]) == 2
@@ -355,7 +355,7 @@ def test_model_only_writes_a_valid_tuning_file(comm: MPI.Comm, tmp_path: Path,
         ok = (params.alpha > 0 and params.beta >= 0 and document["model"]["measured_on"]["ranks"] == 2
               and set(document["model"]["measured_on"]["cores_per_host"])
               == set(document["model"]["measured_on"]["ranks_per_host"])
-              and set(document["collectives"]) == set(command.COLLECTIVES)
+              and set(document["collectives"]) == set(fit.COLLECTIVES)
               and select.load_table(str(path)) is not None)
         monkeypatch.setenv("HPCDL_TUNING_FILE", str(path))
         ok = ok and select.choose("allreduce", 8, 2) in ("butterfly", "tree")

@@ -46,11 +46,11 @@ import torch
 from mpi4py import MPI
 
 from hpcdl.commands import train
-from hpcdl.commands.train import trainer as trainer_module
-from hpcdl.commands.train import pacing
-from hpcdl.commands.train import run as train_run
-from hpcdl.commands.train.strategies import allreduce, local_sgd, parameter_server, servers
 from hpcdl.ddp import reducer
+from hpcdl.training import compute, pacing
+from hpcdl.training import run as train_run
+from hpcdl.training import trainer as trainer_module
+from hpcdl.training.strategies import allreduce, local_sgd, parameter_server, servers
 from hpcdl.parameter_server.protocol import HEADER_BYTES
 from hpcdl.runtime import checkpoint, world
 
@@ -129,12 +129,12 @@ class Killer:
 
         checkpoint.prune_checkpoints = lambda *args, **kwargs: None
 
-        evaluate = trainer_module.evaluate
+        evaluate = compute.evaluate
 
         def evaluating(*args: Any, **kwargs: Any) -> Any:
             killer.die_if("evaluation")
             return evaluate(*args, **kwargs)
-        trainer_module.evaluate = evaluating
+        compute.evaluate = evaluating
 
         def start_timers() -> None:
             for phase, delay in killer.mine:

@@ -26,7 +26,7 @@ import collectives
 from collectives import select
 
 from .. import __version__
-from .command import Command
+from .collective_command import Command
 from ..runtime.process import MPI, init, mpi_library, thread_level
 
 

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .command import Command, CommandError
+from .collective_command import Command, CommandError
 from ..runtime.launch import SRUN_MPI_TYPE, mpi_family
 
 PROG = "hpcdl slurm"

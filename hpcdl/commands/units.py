@@ -1,8 +1,8 @@
-"""Quantities on the command line and in reports: sizes, bandwidths, times, counts.
+"""Quantities on the command line: sizes, bandwidths, times, counts.
 
 `hpcdl bench` and `hpcdl tune` read their options with these (argparse `type=` functions, which
-raise argparse.ArgumentTypeError with a message that shows a valid spelling) and print with
-`human_bytes` / `human_seconds`.
+raise argparse.ArgumentTypeError with a message that shows a valid spelling); the tuning library
+prints them back with hpcdl/tuning/readable.py.
 """
 from __future__ import annotations
 
@@ -81,19 +81,3 @@ def positive(kind: type) -> Any:
         return value
 
     return convert
-
-
-def human_bytes(n: float) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            value = n / (1 << shift)
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def human_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"

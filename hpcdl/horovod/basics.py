@@ -1,5 +1,5 @@
-"""Horovod's basics on hpcdl's runtime: init, the sizes and ranks, what the build offers, the
-process sets (the global one), and the reduction ops (`horovod.common.basics`)."""
+"""Horovod's basics on hpcdl's runtime: init and shutdown, the sizes and ranks, what the build
+offers, and the reduction ops (`horovod.common.basics`)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -7,15 +7,13 @@ from typing import Any, Sequence
 from mpi4py import MPI
 
 from .. import runtime
-from .names import NamePairing
+from . import process_sets as sets
+from .errors import HorovodInternalError
+from .process_sets import ProcessSet
 
 # Horovod's reduction op values (horovod/common/message.h).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
-
-
-class HorovodInternalError(RuntimeError):
-    """Internal error raised when a Horovod collective operation (allreduce, ...) fails."""
 
 
 def _not_offered(what: str, instead: str) -> NotImplementedError:
@@ -26,7 +24,6 @@ def _not_offered(what: str, instead: str) -> NotImplementedError:
 
 class _State:
     comm: MPI.Comm | None = None
-    pairing: NamePairing | None = None  # the named calls (names.py)
     local: tuple[int, int] = (0, 1)  # local rank, local size
     cross: tuple[int, int] = (0, 1)  # cross rank, cross size
     homogeneous = True
@@ -35,25 +32,30 @@ class _State:
 _state = _State()
 
 
-def init(comm: MPI.Comm | Sequence[int] | None = None, process_sets: Any = None) -> None:
-    """Initialize: MPI (through `hpcdl.init`) and the communicator every call uses.
+def init(comm: MPI.Comm | Sequence[int] | None = None,
+         process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+    """Initialize: MPI (through `hpcdl.init`), the communicator every call uses (the global
+    process set) and the process sets given.
 
     `comm`: an mpi4py communicator, or a list of ranks of MPI.COMM_WORLD (only those ranks call
-    init); default MPI.COMM_WORLD. `process_sets` other than None is not offered.
+    init); default MPI.COMM_WORLD. `process_sets`: `ProcessSet`s to add at once (every rank
+    passes the same), or "dynamic" (sets are added later with `add_process_set`, always allowed).
+    Calling init again with the same communicator (or none) does nothing, as in Horovod; with
+    another one (`hvd.elastic` after a rank was lost), the calls not issued on the old one fail
+    and the process sets are forgotten.
     """
-    if process_sets not in (None, [], "dynamic"):
-        raise _not_offered("process sets beyond the global one",
-                           "run each group's collectives on its own communicator: "
-                           "hvd.init(comm=sub_communicator), or torch.distributed.new_group() with "
-                           "hpcdl.init_torch_distributed()")
     runtime.init()
     if comm is None:
-        comm = MPI.COMM_WORLD
+        comm = _state.comm if _state.comm is not None else MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):
         ranks = sorted(int(r) for r in comm)
         group = MPI.COMM_WORLD.Get_group().Incl(ranks)
         comm = MPI.COMM_WORLD.Create_group(group)  # collective over the listed ranks only
         group.Free()
+    if _state.comm is not None and comm == _state.comm:
+        return
+    if _state.comm is not None:
+        sets.stop(HorovodInternalError("hvd was initialized again on another communicator"))
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
@@ -62,10 +64,19 @@ def init(comm: MPI.Comm | Sequence[int] | None = None, process_sets: Any = None)
     cross.Free()
     _state.local = (local_rank, local_size)
     _state.homogeneous = len(set(comm.allgather(local_size))) == 1
-    _state.pairing = NamePairing(comm)
+    sets.start(comm)
     _state.comm = comm
-    global_process_set.process_set_id = 0
-    global_process_set.ranks = list(range(comm.Get_size()))
+    if process_sets is not None and not isinstance(process_sets, str):  # "dynamic": added later
+        for process_set in process_sets:
+            sets.add_process_set(process_set)
+
+
+def shutdown() -> None:
+    """Forget the communicator and the process sets (MPI itself stays up until the program ends);
+    calls not issued yet fail. Not collective; `init()` starts again."""
+    if _state.comm is not None:
+        sets.stop(HorovodInternalError("Horovod has been shut down"))
+    _state.comm = None
 
 
 def is_initialized() -> bool:
@@ -174,57 +185,6 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     raise _not_offered("the Horovod timeline", "hpcdl.DistributedDataParallel(model, timeline=PATH) "
                        "records a Chrome trace of every bucket's reduction (write_timeline())")
-
-
-# -- process sets: the global one only -------------------------------------------------------------
-
-class ProcessSet:
-    """A set of ranks collectives run on. hpcdl offers the global one (`global_process_set`)."""
-
-    process_set_id: int | None = None
-    ranks: list[int] | None = None
-    mpi_comm: MPI.Comm | None = None
-
-    def __init__(self, ranks_or_comm: Sequence[int] | MPI.Comm) -> None:
-        if isinstance(ranks_or_comm, MPI.Comm):
-            self.mpi_comm = ranks_or_comm
-        else:
-            self.ranks = sorted(int(r) for r in ranks_or_comm)
-
-    def size(self) -> int | None:
-        return None if self.process_set_id is None else size()
-
-    def rank(self) -> int | None:
-        return None if self.process_set_id is None else rank()
-
-    def included(self) -> bool | None:
-        return None if self.ranks is None else rank() in self.ranks
-
-    def __str__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
-
-
-global_process_set = ProcessSet([])
-
-
-def _process_set_advice() -> NotImplementedError:
-    return _not_offered("process sets beyond the global one",
-                        "run the group's collectives on a communicator of its own "
-                        "(hvd.init(comm=...) in a separate program part, or "
-                        "torch.distributed.new_group(ranks) after hpcdl.init_torch_distributed())")
-
-
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    raise _process_set_advice()
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    raise _process_set_advice()
-
-
-def _check_process_set(process_set: Any) -> None:
-    if process_set is not global_process_set:
-        raise _process_set_advice()
 
 
 def run(*args: Any, **kwargs: Any) -> Any:

@@ -36,7 +36,8 @@ import torch
 from mpi4py import MPI
 
 from ..ddp import elastic as _elastic
-from .basics import HorovodInternalError, init, rank, size
+from .basics import init, rank, size
+from .errors import HorovodInternalError
 
 T = TypeVar("T")
 

@@ -34,17 +34,24 @@ from mpi4py import MPI
 
 import collectives
 
+from ..ddp.bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
 from ..ddp.dense import FP16
 from ..ddp.dense import Average as DenseAverage
 from ..ddp.exchange import ExchangeLink, GradientExchange
 from ..ddp.wrapper import STALL_WARNING_S, build_reducer, check_bucket_options, register_ready_hooks
 from ..runtime.agreement import agreed_error, raise_unless_agreed
 from ..runtime.stall import wait_for, warning_seconds
-from .basics import Adasum, Average, ProcessSet, Sum, _check_process_set, _comm, _not_offered, global_process_set, size
+from . import process_sets
+from .basics import Adasum, Average, Sum, _not_offered
 from .compression import Compression, Compressor
+from .mpi_ops import sparse_allreduce_async
+from .process_sets import ProcessSet, global_process_set
 
 if TYPE_CHECKING:
     from ..ddp.buckets import Bucket
+
+#: Where sparse gradients are reduced: the process set and the op.
+Sparse = tuple[ProcessSet, int]
 
 
 class ScaledExchange(GradientExchange):
@@ -89,10 +96,14 @@ class _Synchronizing:
 
     def _hvd_start(self, named: list[tuple[str, torch.nn.Parameter]], exchange: GradientExchange,
                    comm: MPI.Comm, backward_passes_per_step: int, sparse_as_dense: bool,
-                   bucket_options: dict[str, Any]) -> None:
+                   bucket_options: dict[str, Any], sparse: Sparse | None) -> None:
         self._hvd_named = named
+        self._parameter_names = {p: n for n, p in named}  # Horovod's attribute
         self._hvd_comm = comm
         self._hvd_sparse_as_dense = sparse_as_dense
+        self._hvd_sparse = sparse
+        self._hvd_sparse_handles: dict[int, Callable[[], torch.Tensor]] = {}  # param index -> result
+        self._hvd_made_dense: set[int] = set()  # params whose sparse gradient travels dense
         self._hvd_reducer = build_reducer(named, comm, exchange, overlap=True, timeline=None,
                                           **bucket_options)
         self._hvd_index = {id(p): i for i, (_, p) in enumerate(named)}
@@ -116,12 +127,12 @@ class _Synchronizing:
         """Post-accumulate-grad hook: count the pass; on the last one, hand over the gradient."""
         i = self._hvd_index[id(param)]
         name = self._hvd_named[i][0]
-        if param.grad is not None and param.grad.layout != torch.strided:
-            if not self._hvd_sparse_as_dense:
-                raise RuntimeError(f"parameter {name} got a {param.grad.layout} gradient; "
-                                   "DistributedOptimizer reduces dense gradients: pass "
-                                   "sparse_as_dense=True, or build the layer with sparse=False")
-            param.grad = param.grad.to_dense()
+        grad = param.grad
+        sparse = grad is not None and grad.layout != torch.strided
+        if grad is not None and sparse and self._hvd_sparse_as_dense:  # reduced dense, handed back sparse
+            self._hvd_made_dense.add(i)
+            param.grad = grad.to_dense()
+            sparse = False
         if self._hvd_delay[i] <= 0:
             # Raised here as Horovod does, and remembered: synchronize() raises it on every rank,
             # since the others, which made no extra pass, would otherwise go on (or wait) alone.
@@ -135,7 +146,18 @@ class _Synchronizing:
         self._hvd_delay[i] -= 1
         if self._hvd_delay[i] == 0:
             self._hvd_marked = True
-            self._hvd_reducer.mark_ready(param)
+            if grad is not None and sparse:
+                self._hvd_sparse_handles[i] = self._hvd_sparse_start(grad, name)
+            else:
+                self._hvd_reducer.mark_ready(param)
+
+    def _hvd_sparse_start(self, grad: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        """A sparse gradient's reduction, outside the buckets: Horovod's sparse allreduce (every
+        rank's indices and values gathered); a rank outside the process set keeps its own."""
+        if self._hvd_sparse is None:
+            return lambda: grad
+        process_set, op = self._hvd_sparse
+        return sparse_allreduce_async(grad, f"DistributedOptimizer.sparse.{name}", op, process_set)
 
     def synchronize(self) -> None:
         """Wait for every gradient's reduction (launching those of parameters that got no gradient
@@ -148,18 +170,28 @@ class _Synchronizing:
         if not self._hvd_touched:
             return
         reducer = self._hvd_reducer
+        for i in self._hvd_sparse_handles:  # the bucket sends zeros in their place
+            self._hvd_named[i][1].grad = None
         reducer.fill_unready(set())
         reducer.launch_ready_buckets()
         flag = np.array([self._hvd_problem is not None], dtype=np.int32)
         check = collectives.iallreduce(flag, self._hvd_comm, op="max", out=flag)  # after the buckets
+        sparse, made_dense = self._hvd_sparse_handles, self._hvd_made_dense
         try:
             reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=None)
         finally:
             self._hvd_delay = [self.backward_passes_per_step] * len(self._hvd_named)
             self._hvd_touched = self._hvd_marked = False
+            self._hvd_sparse_handles, self._hvd_made_dense = {}, set()
         wait_for(check, "DistributedOptimizer's check of the backward passes",
                  rank=self._hvd_comm.Get_rank(), warn_after=warning_seconds(STALL_WARNING_S))
-        reducer.rebuild_buckets()
+        reducer.rebuild_buckets()  # before sparse gradients take the places of the bucket views
+        for i, result in sparse.items():
+            self._hvd_named[i][1].grad = result()
+        for i in made_dense:
+            param = self._hvd_named[i][1]
+            if param.grad is not None:
+                param.grad = param.grad.to_sparse()
         if flag[0]:
             problem, self._hvd_problem = self._hvd_problem, None
             raise AssertionError(agreed_error(problem, self._hvd_comm))
@@ -247,10 +279,11 @@ def named_optimizer_parameters(optimizer: torch.optim.Optimizer,
 def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any,
                           exchange: GradientExchange, *, backward_passes_per_step: int,
                           sparse_as_dense: bool, comm: MPI.Comm,
-                          bucket_options: dict[str, Any]) -> torch.optim.Optimizer:
+                          bucket_options: dict[str, Any], sparse: Sparse | None = None) -> torch.optim.Optimizer:
     """An optimizer of `optimizer`'s class over its parameter groups (hyperparameters included;
     per-parameter state starts empty, as in Horovod) whose step() first waits for the gradients'
-    reduction by `exchange`. See the module docstring."""
+    reduction by `exchange` over `comm`; `sparse`: the process set and op of sparse gradients'
+    allreduce (None: they stay local). See the module docstring."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _Synchronizing):
@@ -277,7 +310,7 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
                                                         "__doc__": base.__doc__})
     wrapped = cls(optimizer.param_groups)
     wrapped._hvd_start(named, exchange, comm, backward_passes_per_step, sparse_as_dense,
-                       bucket_options)
+                       bucket_options, sparse)
     return wrapped
 
 
@@ -289,8 +322,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set, *,
-                         algorithm: str = "auto", bucket_cap_mb: float = 25,
-                         first_bucket_mb: float = 1) -> Any:
+                         algorithm: str = "auto", bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                         first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB) -> Any:
     """Wrap `optimizer` so that its step() first reduces the gradients over ranks (Horovod's).
 
     Returns an optimizer of the same class over the same parameter groups. Each parameter's
@@ -311,17 +344,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         gradient_predivide_factor: with op=Average, gradients are divided by this before the
             sum and by size/factor after it.
         num_groups, groups: Horovod's fusion groups; not offered (buckets are sized by
-            bucket_cap_mb instead). sparse_as_dense: turn sparse gradients dense (else refused).
+            bucket_cap_mb instead).
+        sparse_as_dense: sparse gradients (embeddings with sparse=True) are reduced as dense
+            tensors in the buckets and handed back sparse; else each is reduced apart, as
+            Horovod's sparse allreduce does (every rank's indices and values gathered).
+        process_set: the ranks that average their gradients (collective over them); on ranks
+            outside it the optimizer steps on local gradients.
         algorithm, bucket_cap_mb, first_bucket_mb: hpcdl's, as `hpcdl.DistributedDataParallel`'s.
     """
-    _check_process_set(process_set)
+    comm = process_sets.communicator(process_set)
     try:  # a wrong argument on one rank only must not leave the others waiting: agreed below
-        exchange = _gradient_exchange(compression, op, gradient_predivide_factor, num_groups, groups)
+        exchange = _gradient_exchange(compression, op, gradient_predivide_factor, num_groups, groups,
+                                      comm.Get_size())
         check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm)
         problem: Exception | None = None
     except (ValueError, NotImplementedError) as exc:
         problem = exc
-    reports = _comm().allgather(None if problem is None else (type(problem).__name__, str(problem)))
+    reports = comm.allgather(None if problem is None else (type(problem).__name__, str(problem)))
     failing = [(r, report) for r, report in enumerate(reports) if report is not None]
     if failing:  # the first failing rank's error, of its type, on every rank
         kind, message = failing[0][1]
@@ -330,13 +369,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         raise (NotImplementedError if kind == "NotImplementedError" else ValueError)(message)
     return distributed_optimizer(
         optimizer, named_parameters, exchange, backward_passes_per_step=backward_passes_per_step,
-        sparse_as_dense=bool(sparse_as_dense), comm=_comm(),
+        sparse_as_dense=bool(sparse_as_dense), comm=comm,
         bucket_options={"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
-                        "first_bucket_mb": first_bucket_mb})
+                        "first_bucket_mb": first_bucket_mb},
+        sparse=(process_set, op) if process_set.included() else None)
 
 
 def _gradient_exchange(compression: type[Compressor], op: int, gradient_predivide_factor: float,
-                       num_groups: int, groups: Any) -> ScaledExchange:
+                       num_groups: int, groups: Any, ranks: int) -> ScaledExchange:
     """The exchange scheme Horovod's optimizer arguments name; raises ValueError or
     NotImplementedError (naming the fix) for what is wrong or not offered."""
     if op == Adasum:
@@ -363,5 +403,5 @@ def _gradient_exchange(compression: type[Compressor], op: int, gradient_predivid
                          "compression=...)")
     # The exchanges average; Sum is the average times the number of ranks (Horovod's Average is
     # its sum times 1/size), and the predivide factor splits the average around the sum.
-    postscale = float(size()) if op == Sum else float(gradient_predivide_factor)
+    postscale = float(ranks) if op == Sum else float(gradient_predivide_factor)
     return ScaledExchange(inner, prescale=1.0 / gradient_predivide_factor, postscale=postscale)

@@ -12,6 +12,7 @@
     world.py        the job's communicator now: MPI.COMM_WORLD until ranks are lost or replaced
     recovery.py     going on after lost ranks (ULFM): agree, shrink, respawn, join, share state
     spares.py       spare ranks set aside at the start, called to a lost rank's place
+    lazy.py         packages that offer their names on first use (hpcdl.ddp, hpcdl.training)
 
 Importing this package starts no MPI: `process` (which imports mpi4py.MPI, and so initializes
 MPI) is imported on first use of one of its names.

@@ -3,14 +3,20 @@
 A check that fails on some ranks only (a bad option, arguments that differ between ranks, a
 pipeline stage that raised) would leave the others waiting in their next message. So each rank
 collects its own findings, and one small allgather (a few pickled Python values, per construction
-or per failure, never per step) gives every rank the same verdict and the same message.
+or per failure, never per step) gives every rank the same verdict and the same message, which
+rank 0 alone prints (`report_failure`): the `hpcdl` commands' errors and the training library's.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
+
+#: Exit status for bad options or environment (argparse's own for bad syntax): what a program
+#: returns when every rank refused what it was asked to do.
+ARGUMENT_ERROR = 2
 
 
 def agreed_error(error: str | None, comm: MPI.Comm) -> str | None:
@@ -79,3 +85,15 @@ def _verdict(per_rank: list[tuple[list[str], dict[str, Any]]]) -> list[str]:
                             "pass the same arguments")
             break
     return messages
+
+
+def report_failure(prog: str, messages: Iterable[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
+    """Print each message as `prog: error: message` once (on rank 0) and return `status`.
+
+    Every rank calls it alike, with the same messages, so every rank exits with the same status.
+    """
+    if rank == 0:
+        for message in messages:
+            print(f"{prog}: error: {message}", file=sys.stderr)
+        sys.stderr.flush()
+    return status

@@ -18,9 +18,9 @@ from mpi4py import MPI
 
 
 from ... import __version__
-from ..timing.measurement import (PEERS, PLACEMENTS, Measurement)
-from ..command import CommandError
+from ...benchmarking.measurement import PEERS, PLACEMENTS, Measurement
 from ...runtime.process import mpi_library
+from ..collective_command import CommandError
 
 _COLUMNS = (("size", 11), ("count", 11), ("type", 8), ("redop", 5), ("root", 4), ("place", 5),
             ("algorithm", 22), ("avg", 10), ("min", 10), ("max", 10), ("median", 10), ("algbw", 8),

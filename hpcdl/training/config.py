@@ -1,0 +1,346 @@
+"""The typed configuration of a training run, `TrainConfig`: the one home of every default of
+`hpcdl train`, and the checks of its values (`config_errors`).
+
+    from hpcdl.training import TrainConfig, train
+    status = train(TrainConfig(epochs=5, strategy="local-sgd", period=8))   # under mpirun
+
+A field is named as its command-line option (`batch_size` is --batch-size): `hpcdl train`'s
+parser takes its defaults from these fields and builds a `TrainConfig` from what it parsed
+(hpcdl/commands/train.py), so the checks' messages name the option ("--batch-size must be at
+least 1, got 0"), whether it came from a command line or a script. A strategy's own options
+(`period`, `servers`, ...) are None unless given: the strategy fills in its default and refuses
+the options of another strategy (strategies/options.py). `model` and `warmup_epochs` are None
+until `resolved()` fills in the defaults that depend on other fields.
+
+Every option is checked on every rank, and the ranks agree on the verdict before any training
+starts (`run.train`), so a bad value stops all ranks with the same message instead of leaving
+some waiting.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import collectives
+
+from ..runtime import stall
+from ..runtime.atomic_file import unwritable_directory, unwritable_file
+from . import strategies
+from .metrics import METRICS_FORMATS
+from .model_sizes import SIZED_MODELS
+from .recovery import POLICIES
+from .strategies.base import DEFAULT_WARMUP_EPOCHS
+from .strategies.servers import SERVER_OPTIMIZERS
+
+#: What a run's messages start with (`hpcdl train: error: ...`), whether `hpcdl train` or a script
+#: started it: the messages name the command's options.
+PROG = "hpcdl train"
+#: Checkpoints kept in `checkpoint_dir`: the newest by step number, whichever run wrote them.
+KEEP_CHECKPOINTS = 3
+
+#: `model`'s choices: the networks models.py builds, the digits CNN split over a process grid, and
+#: those described by their layers' sizes only (emulated compute only).
+MODELS = ("cnn", "mlp", "resnet", "hybrid-cnn", *SIZED_MODELS)
+#: `model`'s default: the CNN on digits, ResNet on the synthetic benchmark's ImageNet-shaped data.
+DEFAULT_MODEL = "cnn"
+DEFAULT_SYNTHETIC_MODEL = "resnet"
+#: `device`'s choices; CUDA_STRATEGIES: the strategies that train on it (the parameter server's
+#: shards live in host memory, as NumPy arrays on the servers).
+DEVICES = ("cpu", "cuda")
+CUDA_STRATEGIES = ("allreduce", "local-sgd")
+#: `layer_time`'s choices: each layer's share of an emulated step, by its FLOPs or its parameters.
+LAYER_TIMES = ("flops", "params")
+#: `shard`'s choices: ZeRO stage 1 (optimizer state) or stage 2 (gradients too).
+SHARDS = ("optimizer", "gradients")
+#: More epochs than any run could finish; far more would overflow torch's schedulers, which count
+#: steps in floating point.
+MAX_EPOCHS = 10 ** 9
+#: Seeds go to torch.manual_seed (plus the rank, and the epoch for the sampler), which takes 64 bits.
+SEEDS = range(-2**63, 2**63)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run is asked to do, each field with its default (docs/training.md;
+    `hpcdl train --help` describes each option)."""
+
+    # model and data
+    model: str | None = None  # None: DEFAULT_MODEL, or DEFAULT_SYNTHETIC_MODEL with synthetic
+    grid: tuple[int, int] | None = None  # hybrid-cnn's D x M; None: 1 x ranks
+    device: str = DEVICES[0]
+    synthetic: bool = False
+    image_size: int = 224
+    seed: int = 0
+    # optimization
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 0.05
+    reference_batch: int = 32
+    warmup_epochs: float | None = None  # None: DEFAULT_WARMUP_EPOCHS, or half of epochs if fewer
+    # strategy: its own options are None unless given (strategies/options.py)
+    strategy: str = next(iter(strategies.STRATEGIES))
+    period: int | None = None
+    warmup_steps: int | None = None
+    average_optimizer_state: bool | None = None
+    servers: int | None = None
+    staleness: int | None = None
+    backup_workers: int | None = None
+    n_fetch: int | None = None
+    n_push: int | None = None
+    server_optimizer: str | None = None
+    straggler: tuple[tuple[int, float], ...] | None = None  # (training rank, factor) pairs
+    # emulated accelerators
+    emulate_compute: float | None = None  # milliseconds per step
+    layer_time: str = LAYER_TIMES[0]
+    compute_jitter: float = 0.0
+    compute_slowdown: tuple[float, float, int] | None = None  # (rate, factor, steps)
+    # communication (allreduce)
+    algorithm: str = "auto"
+    bucket_cap_mb: float | None = None  # None: DistributedDataParallel's default
+    no_overlap: bool = False
+    timeline: str | None = None
+    compression: str = "none"
+    shard: str | None = None
+    momentum_correction: bool | None = None  # None: on for topk, off for threshold
+    # checkpoints and output
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    metrics: str | None = None
+    status_file: str | None = None
+    stop_after_steps: int | None = None
+    # lost ranks
+    on_rank_failure: str = POLICIES[0]
+    respawn: bool = False
+    spares: int = 0
+    keep_rank_batch: bool = False
+    # the synthetic benchmark
+    num_warmup_batches: int = 10
+    num_batches_per_iter: int = 10
+    num_iters: int = 10
+
+    def __post_init__(self) -> None:
+        if self.straggler is not None:  # a list from argparse's append: a tuple, as the type says
+            object.__setattr__(self, "straggler", tuple(tuple(pair) for pair in self.straggler))
+
+    @property
+    def model_name(self) -> str:
+        """The network trained: `model`, or the default for the data."""
+        return self.model or (DEFAULT_SYNTHETIC_MODEL if self.synthetic else DEFAULT_MODEL)
+
+    def resolved(self) -> TrainConfig:
+        """This configuration with the defaults that depend on other fields filled in: the model,
+        and a warm-up of at most half the run (so that the rate peaks, then decays)."""
+        warmup = self.warmup_epochs if self.warmup_epochs is not None else min(DEFAULT_WARMUP_EPOCHS,
+                                                                                self.epochs / 2)
+        return replace(self, model=self.model_name, warmup_epochs=warmup)
+
+
+def choice_errors(config: TrainConfig) -> list[str]:
+    """Fields outside their choices (`hpcdl train`'s parser refuses them first; a script's
+    configuration is checked here)."""
+    choices = {"model": (MODELS, config.model), "device": (DEVICES, config.device),
+               "strategy": (tuple(strategies.STRATEGIES), config.strategy),
+               "server_optimizer": (SERVER_OPTIMIZERS, config.server_optimizer),
+               "layer_time": (LAYER_TIMES, config.layer_time),
+               "algorithm": (("auto", *collectives.ALGORITHMS["allreduce"]), config.algorithm),
+               "shard": (SHARDS, config.shard), "on_rank_failure": (POLICIES, config.on_rank_failure)}
+    optional = ("model", "server_optimizer", "shard")
+    return [f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}"
+            for name, (allowed, value) in choices.items()
+            if value not in allowed and not (value is None and name in optional)]
+
+
+def hybrid_errors(config: TrainConfig, ranks: int) -> list[str]:
+    """What --model hybrid-cnn and --grid cannot be combined with on `ranks` ranks."""
+    if config.model != "hybrid-cnn":
+        return [] if config.grid is None else [f"--grid applies to --model hybrid-cnn only, not to "
+                                               f"--model {config.model or DEFAULT_MODEL}"]
+    errors = []
+    data, model = config.grid or (1, ranks)
+    if data * model != ranks:
+        fits = ", ".join(f"{d}x{ranks // d}" for d in range(1, ranks + 1) if ranks % d == 0)
+        errors.append(f"--grid {data}x{model} needs {data * model} ranks, but the job has {ranks}; "
+                      f"grids that fit: {fits}")
+    for flag, used in (("--synthetic", config.synthetic), ("--checkpoint-dir", config.checkpoint_dir),
+                       (f"--strategy {config.strategy}", config.strategy != "allreduce"),
+                       (f"--shard {config.shard}", config.shard is not None)):
+        if used:
+            errors.append(f"--model hybrid-cnn does not support {flag} (docs/model_parallel.md)")
+    return errors
+
+
+def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
+                  available: int | None = None) -> list[str]:
+    """Every problem with `config` this rank can see (values, paths, memory) in a job of `ranks`
+    ranks; empty if none.
+
+    Values that would overflow or exhaust memory later (after minutes of start-up, as a traceback
+    or an abort) are refused here: `ranks_on_host` ranks share this host's memory. The strategy's
+    options are checked too (strategies/options.py), options of another strategy refused.
+    `available`: the host's available memory (`memory.host_available_bytes`, the same on its
+    ranks); None skips the memory checks.
+    """
+    errors = choice_errors(config)
+    if errors:
+        return errors  # the checks below assume values among the choices
+    positive = [("--epochs", config.epochs), ("--batch-size", config.batch_size),
+                ("--reference-batch", config.reference_batch)]
+    if config.synthetic:
+        positive += [("--num-batches-per-iter", config.num_batches_per_iter),
+                     ("--num-iters", config.num_iters)]
+    errors += [f"{flag} must be at least 1, got {value}" for flag, value in positive if value < 1]
+    if not (config.lr > 0 and math.isfinite(config.lr)):
+        errors.append(f"--lr must be a positive number, got {config.lr}")
+    if config.warmup_epochs is None:
+        pass  # the default: fits any --epochs
+    elif not (config.warmup_epochs >= 0 and math.isfinite(config.warmup_epochs)):
+        errors.append(f"--warmup-epochs must be zero or more, got {config.warmup_epochs}")
+    elif config.epochs >= 1 and config.warmup_epochs > config.epochs:
+        errors.append(f"--warmup-epochs {config.warmup_epochs:g} is longer than the whole run (--epochs "
+                      f"{config.epochs}); use at most {config.epochs} (and fewer, or the rate never reaches "
+                      "its scaled value)")
+    if config.epochs > MAX_EPOCHS:
+        errors.append(f"--epochs must be at most {MAX_EPOCHS:,}, got {config.epochs} (the learning-rate "
+                      "schedule counts steps in floating point)")
+    if config.seed not in SEEDS:
+        errors.append(f"--seed must be a 64-bit integer (-2**63 to 2**63-1), got {config.seed}")
+    if config.bucket_cap_mb is not None and not (config.bucket_cap_mb > 0 and math.isfinite(config.bucket_cap_mb)):
+        errors.append(f"--bucket-cap-mb must be a positive number of MiB, got {config.bucket_cap_mb}")
+    if config.checkpoint_every < 0:
+        errors.append(f"--checkpoint-every must be 0 (epoch ends only) or more, got {config.checkpoint_every}")
+    if config.stop_after_steps is not None and config.stop_after_steps < 1:
+        errors.append(f"--stop-after-steps must be at least 1, got {config.stop_after_steps}")
+    if config.synthetic:
+        if config.image_size < 8:
+            errors.append(f"--image-size must be at least 8, got {config.image_size}")
+        if config.num_warmup_batches < 0:
+            errors.append(f"--num-warmup-batches must be 0 or more, got {config.num_warmup_batches}")
+        # timeit counts its loop in a C integer
+        errors += [f"{flag} must be at most {sys.maxsize}, got {value}" for flag, value in
+                   (("--num-warmup-batches", config.num_warmup_batches),
+                    ("--num-batches-per-iter", config.num_batches_per_iter)) if value > sys.maxsize]
+        if config.image_size >= 8 and config.batch_size >= 1 and not errors:
+            problem = synthetic_memory_problem(config, ranks_on_host, available)
+            if problem:
+                errors.append(problem)
+        for flag, used in (("--checkpoint-dir", config.checkpoint_dir), ("--resume", config.resume),
+                           ("--metrics", config.metrics), ("--stop-after-steps", config.stop_after_steps)):
+            if used:
+                errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
+    if config.checkpoint_dir is None:
+        for flag, used in (("--resume", config.resume), ("--checkpoint-every", config.checkpoint_every)):
+            if used:
+                errors.append(f"{flag} needs --checkpoint-dir DIR")
+    elif not config.synthetic:
+        problem = unwritable_directory(Path(config.checkpoint_dir), create=True)
+        if problem:
+            errors.append(f"--checkpoint-dir {config.checkpoint_dir}: {problem}")
+    if config.metrics is not None:
+        suffix = Path(config.metrics).suffix.lower()
+        if suffix not in METRICS_FORMATS:
+            errors.append(f"--metrics {config.metrics}: unknown format {suffix or '(no extension)'}; "
+                          "name the file .csv, .jsonl or .json")
+    for flag, path in (("--metrics", config.metrics), ("--timeline", config.timeline),
+                       ("--status-file", config.status_file)):
+        problem = None if path is None else unwritable_file(Path(path))
+        if problem:
+            errors.append(f"{flag} {path}: {problem}")
+    errors += rank_failure_errors(config, ranks)
+    try:
+        stall.warning_seconds()
+    except ValueError as exc:
+        errors.append(str(exc))
+    if config.device == "cuda":
+        if config.strategy not in CUDA_STRATEGIES:
+            errors.append(f"--device cuda trains with {' or '.join(CUDA_STRATEGIES)}, not "
+                          f"--strategy {config.strategy} (its servers keep the parameters in host "
+                          "memory); use --device cpu")
+        if config.model == "hybrid-cnn":
+            errors.append("--device cuda does not take --model hybrid-cnn (its model-parallel layers "
+                          "run on the CPU); use --device cpu")
+    errors += emulation_errors(config, ranks_on_host, available)
+    return errors + strategies.option_errors(config, ranks) + hybrid_errors(config, ranks)
+
+
+def rank_failure_errors(config: TrainConfig, ranks: int = 1) -> list[str]:
+    """What --on-rank-failure, --respawn, --spares and --keep-rank-batch cannot be combined with
+    in a job of `ranks` ranks."""
+    errors = []
+    if config.spares < 0:
+        errors.append(f"--spares must be 0 or more ranks, got {config.spares}")
+    elif config.spares and config.spares >= ranks:
+        errors.append(f"--spares {config.spares} leaves none of the job's {ranks} rank(s) to train: start "
+                      f"the job with more ranks than spares (mpirun -n P+{config.spares} for P training ranks)")
+    for flag, used in (("--respawn", config.respawn), ("--spares", config.spares > 0),
+                       ("--keep-rank-batch", config.keep_rank_batch)):
+        if used and config.on_rank_failure != "continue":
+            errors.append(f"{flag} applies to --on-rank-failure continue, not {config.on_rank_failure}")
+    for flag, used in (("--respawn", config.respawn), ("--spares", config.spares > 0)):
+        if used and not collectives.fault_tolerant():
+            errors.append(f"{flag} needs a job that survives a lost rank: launch it with "
+                          "`mpirun --with-ft ulfm` (srun cannot carry it; docs/failures.md#training)")
+        if used and config.synthetic:
+            errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
+    return errors
+
+
+def emulation_errors(config: TrainConfig, ranks_on_host: int, available: int | None) -> list[str]:
+    """What is wrong with the emulated accelerator's options (--emulate-compute and its kin)."""
+    errors = []
+    step = config.emulate_compute
+    if step is None:
+        for flag, used in (("--compute-jitter", config.compute_jitter), ("--compute-slowdown", config.compute_slowdown),
+                           ("--layer-time", config.layer_time != TrainConfig.layer_time)):
+            if used:
+                errors.append(f"{flag} shapes emulated compute: add --emulate-compute MS")
+        if config.model in SIZED_MODELS:
+            errors.append(f"--model {config.model} is described by its layers' sizes and never built: it "
+                          "trains only on emulated accelerators (add --emulate-compute MS)")
+        return errors
+    if not (step > 0 and math.isfinite(step)):
+        errors.append(f"--emulate-compute must be a positive number of milliseconds, got {step:g}")
+    if not (config.compute_jitter >= 0 and math.isfinite(config.compute_jitter)):
+        errors.append(f"--compute-jitter must be a sigma >= 0, got {config.compute_jitter:g}")
+    if config.compute_slowdown is not None:
+        rate, factor, steps = config.compute_slowdown
+        if not 0 <= rate <= 1 or not (factor >= 1 and math.isfinite(factor)) or steps < 1:
+            errors.append(f"--compute-slowdown {rate:g}:{factor:g}:{steps}: RATE is a probability (0..1), "
+                          "FACTOR >= 1 and STEPS >= 1")
+    for flag, used in (("--synthetic", config.synthetic), ("--device cuda", config.device == "cuda"),
+                       ("--model hybrid-cnn", config.model == "hybrid-cnn")):
+        if used:
+            errors.append(f"--emulate-compute does not take {flag}: the emulated accelerator replaces "
+                          "the model's forward and backward on the host")
+    if config.model in SIZED_MODELS:
+        from ..runtime.memory import shortfall
+
+        # The parameters and their gradients (kept from step to step), and DistributedDataParallel's
+        # bucket copy of each: a lower bound of what every rank holds.
+        need = 3 * 4 * SIZED_MODELS[config.model]().numel
+        lacking = shortfall(need, ranks_on_host, available)
+        if lacking is not None:
+            errors.append(f"--model {config.model} needs at least {lacking}; start fewer ranks per host")
+    return errors
+
+
+def synthetic_memory_problem(config: TrainConfig, ranks_on_host: int,
+                             available: int | None) -> str | None:
+    """Why the --synthetic benchmark's model and batch cannot fit in this host's memory, or None.
+
+    The need is a lower bound (`models.training_step_bytes`, computed without allocating), so a
+    refusal is certain; the memory is what the host has available, shared by its ranks.
+    """
+    from ..runtime.memory import shortfall
+    from .models import training_step_bytes
+
+    model = config.model_name
+    need = training_step_bytes(model, in_channels=3, image_size=config.image_size, num_classes=1000,
+                               batch_size=config.batch_size)
+    lacking = shortfall(need, ranks_on_host, available)
+    if lacking is None:
+        return None
+    return (f"--synthetic --model {model} --image-size {config.image_size} --batch-size {config.batch_size} "
+            f"needs at least {lacking}; use a smaller --image-size or --batch-size")

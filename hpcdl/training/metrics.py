@@ -1,0 +1,134 @@
+"""What `hpcdl train` reports per epoch: the metrics file and the gradient-traffic figures.
+
+Every strategy fills the same columns (docs/strategies.md), so runs can be compared side by side.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, TextIO
+
+from ..runtime.atomic_file import write_atomically
+
+if TYPE_CHECKING:
+    from ..parameter_server import Staleness
+
+METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+class EpochTraffic:
+    """This rank's gradient traffic in the epoch under way: the totals so far and the largest
+    fraction of elements it sent in one step; `state()` resumes it (`EpochTraffic(read, **state)`).
+    `read()` gives the running `GradientTraffic` (hpcdl/ddp/reducer.py) of the strategy's exchange."""
+
+    def __init__(self, read: Callable[[], Any], sent: tuple[int, ...] = (), densest: float = 0.0) -> None:
+        from ..ddp.reducer import GradientTraffic
+
+        self.read = read
+        now = read()
+        self.start = now - GradientTraffic(*sent)  # as if the earlier part ran here
+        self.last = now
+        self.densest = densest
+
+    def step(self) -> None:
+        """After each step: note its fraction of elements sent."""
+        now = self.read()
+        this = now - self.last
+        self.last = now
+        if this.elements:
+            self.densest = max(self.densest, this.elements_sent / this.elements)
+
+    def so_far(self) -> Any:
+        """The epoch's `GradientTraffic` so far."""
+        return self.read() - self.start
+
+    def state(self) -> dict[str, Any]:
+        """Plain values for a checkpoint."""
+        return {"sent": dataclasses.astuple(self.so_far()), "densest": self.densest}
+
+
+def gradient_report(bytes_sent: float, dense_fp32_bytes: float, elements_sent: float, elements: float,
+                    size: int) -> dict[str, float]:
+    """The per-epoch gradient traffic figures from sums over ranks: bytes a rank sent on average,
+    how many times less that is than dense float32, and the fraction of elements sent."""
+    return {"grad_bytes_per_rank": bytes_sent / size,
+            "grad_ratio": dense_fp32_bytes / bytes_sent if bytes_sent else math.inf,
+            "grad_density": elements_sent / elements if elements else 0.0}
+
+
+def staleness_columns(staleness: Staleness | None) -> dict[str, Any]:
+    """The metrics file's staleness columns: mean, maximum and histogram (counts of tau = 0, 1, ...,
+    up to the largest seen), all None where the strategy has no staleness."""
+    if staleness is None:
+        return {"staleness_mean": None, "staleness_max": None, "staleness_histogram": None}
+    histogram = list(staleness.histogram)
+    while len(histogram) > 1 and histogram[-1] == 0:
+        histogram.pop()
+    return {"staleness_mean": staleness.mean, "staleness_max": staleness.max,
+            "staleness_histogram": histogram}
+
+
+class MetricsLog:
+    """Per-epoch rows appended to a CSV or JSON-lines file (format from the extension); rank 0.
+
+    A fresh run (`after_epoch=None`) truncates the file. A resumed run keeps the rows of epochs up
+    to `after_epoch`, the last one its checkpoint has finished, and drops the rest (rewriting the
+    file atomically), so that the file and the checkpoint agree whatever happened in between:
+    the row of an epoch is written before that epoch's checkpoint, and a crash in that write, or
+    a resume that falls back to an older checkpoint, would otherwise leave rows that the resumed
+    run writes a second time.
+    """
+
+    def __init__(self, path: str, *, after_epoch: int | None) -> None:
+        self.format = METRICS_FORMATS[Path(path).suffix.lower()]
+        kept = [] if after_epoch is None else self._rows_through(path, after_epoch)
+        if after_epoch is not None:
+            write_atomically(path, lambda f: f.writelines(line.encode() for line in kept))
+        self.file: TextIO = open(path, "w" if after_epoch is None else "a", newline="")
+        self.header_written = bool(kept) and self.format == "csv"
+
+    def _rows_through(self, path: str, last_epoch: int) -> list[str]:
+        """The lines of `path` (CSV: with its header) up to the last row of epoch `last_epoch`;
+        a row that does not parse (the torn end of an interrupted write) ends them."""
+        try:
+            with open(path, newline="") as f:
+                lines = f.read().splitlines(keepends=True)
+        except FileNotFoundError:
+            return []
+        kept = []
+        epoch_column = None
+        for line in lines:
+            try:
+                if self.format == "jsonl":
+                    epoch = int(json.loads(line)["epoch"])
+                elif epoch_column is None:  # the header
+                    epoch_column = next(csv.reader([line])).index("epoch")
+                    kept.append(line)
+                    continue
+                else:
+                    epoch = int(next(csv.reader([line]))[epoch_column])
+            except (ValueError, KeyError, IndexError, TypeError, StopIteration):
+                break
+            if epoch > last_epoch or not line.endswith("\n"):
+                break
+            kept.append(line)
+        return kept if self.format == "jsonl" or len(kept) > 1 else []
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append one row (the keys of the first row are the CSV columns) and flush it."""
+        if self.format == "jsonl":
+            self.file.write(json.dumps(row) + "\n")
+        else:
+            writer = csv.DictWriter(self.file, fieldnames=list(row))
+            if not self.header_written:
+                writer.writeheader()
+                self.header_written = True
+            writer.writerow(row)
+        self.file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self.file.close()
