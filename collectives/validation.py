@@ -181,8 +181,8 @@ class Agreement:
             elif combine is not None:
                 if peer != last:
                     combine(value, packet.incoming, out=value)
-                elif out is None:
-                    value = combine(value, packet.incoming)
+                elif out is None:  # a new array (without `out` a 0-d one would come back a scalar)
+                    value = combine(value, packet.incoming, out=np.empty_like(value))
                 else:
                     value = combine(value, packet.incoming, out=out)
         if partner is not None:

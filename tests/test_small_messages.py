@@ -172,7 +172,7 @@ def test_exact_results_for_every_op_dtype_and_output(algorithm: str, comm: MPI.C
         dtypes.append("bfloat16")
     for dtype in dtypes:
         for op in collectives.OPS:
-            for count in (1, 2, 16, 1000):  # 8 B..8 KB: both sides of PAYLOAD_BYTES in float64
+            for count in ((), 1, 2, 16, 1000):  # 0-d, then 8 B..8 KB: both sides of PAYLOAD_BYTES
                 inputs = [rank_data(r, count, dtype, op) for r in range(size)]
                 want = reduce_reference(inputs, op)
                 for output in ("new", "out", "in place", "nonblocking"):
@@ -188,6 +188,8 @@ def test_exact_results_for_every_op_dtype_and_output(algorithm: str, comm: MPI.C
                         else:
                             got = collectives.iallreduce(x, side, op=op, algorithm=algorithm).wait()
                         problem = bitwise_equal(got, want)
+                        if type(got) is not np.ndarray or got.shape != np.shape(want):
+                            problem = f"got {type(got).__name__} {np.shape(got)}"
                         if problem:
                             problems.append(f"{dtype} {op} {count} {output}: {problem}")
     assert all_ranks_agree(not problems, comm), problems[:5]
