@@ -16,7 +16,7 @@ from mpi4py import MPI
 import collectives
 
 from ..runtime import stall, world
-from ..runtime.launcher import tell_user
+from ..runtime.launcher import launcher_pid, tell_user
 from .config import PROG
 from .resuming import resume_advice
 from .waiting import STALL_ADVICE
@@ -32,15 +32,17 @@ class Interruption:
     """For the length of a run (a context manager, on every rank): SIGINT, and SIGTERM when no
     checkpoint can be taken for it, stop the run at once with one line saying so.
 
-    Open MPI's mpirun, given Ctrl-C, SIGINT or SIGTERM, ends the job: every rank gets SIGCONT,
-    then SIGTERM 0.25 s later, then SIGKILL 0.25 s after that, and none of their output is
-    forwarded any more (hpcdl/runtime/launcher.py). A SIGTERM within LAUNCHER_KILL_WINDOW_S of a
-    SIGCONT is taken for that; so is SIGINT (Ctrl-C to a rank run alone), and SIGTERM where no
-    `StopRequest` takes it (no --checkpoint-dir). Then rank 0 writes one line, where the user still
-    sees it (mpirun's own stderr): what stopped the run, where it stood (`where()`, set by the
-    trainer), and how to go on (`resuming.resume_advice`); every rank leaves at once with status
-    128 + the signal, without a checkpoint (there is no time for one), MPI unfinalized. A SIGTERM
-    on its own (to the ranks: `kill`, SLURM's --signal=TERM) is the StopRequest's, as before.
+    Open MPI's mpirun, given Ctrl-C, SIGINT or SIGTERM, ends the job: every rank gets SIGCONT, then
+    SIGTERM 0.25 s later, then SIGKILL 0.25 s after that, and none of their output is forwarded any
+    more (hpcdl/runtime/launcher.py). Where Open MPI's launcher started the rank, a SIGTERM within
+    LAUNCHER_KILL_WINDOW_S of a SIGCONT is taken for that (SLURM's scancel sends the same pair to
+    srun's tasks, and there it asks for a checkpoint); so is SIGINT (Ctrl-C to a rank run alone),
+    and SIGTERM where no `StopRequest` takes it (no --checkpoint-dir). Then rank 0 writes one line,
+    where the user still sees it (mpirun's own stderr): what stopped the run, where it stood
+    (`where()`, set by the trainer), and how to go on (`resuming.resume_advice`); every rank leaves
+    at once with status 128 + the signal, without a checkpoint (there is no time for one), MPI
+    unfinalized. A SIGTERM on its own (to the ranks: `kill`, SLURM's --signal=TERM) is the
+    StopRequest's, as before.
     """
 
     #: The run's Interruption while one is installed: a StopRequest hands it SIGTERM.
@@ -55,9 +57,11 @@ class Interruption:
         self.on_stop_signal: Callable[[int, Any], None] | None = None
         self._continued_at = -float("inf")
         self._saved: dict[int, Any] = {}
+        self._under_mpirun = False
 
     def __enter__(self) -> Interruption:
         self._saved = {s: signal.getsignal(s) for s in self.SIGNALS}
+        self._under_mpirun = launcher_pid() is not None  # read here: a handler should not walk /proc
         for signum in self.SIGNALS:
             signal.signal(signum, self._handle)
         Interruption.active = self
@@ -74,7 +78,8 @@ class Interruption:
         if signum == signal.SIGCONT:
             self._continued_at = now
             return
-        from_mpirun = signum == signal.SIGTERM and now - self._continued_at < LAUNCHER_KILL_WINDOW_S
+        from_mpirun = (signum == signal.SIGTERM and self._under_mpirun
+                       and now - self._continued_at < LAUNCHER_KILL_WINDOW_S)
         if signum == signal.SIGTERM and not from_mpirun and self.on_stop_signal is not None:
             self.on_stop_signal(signum, frame)
             return
