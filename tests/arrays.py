@@ -12,6 +12,8 @@ body checks every backend.
   The runtime counts its calls, so tests can check that the device path really ran. Its streams
   and events follow CUDA's rules on a simulated clock (`FakeDeviceRuntime`), and a copy may be
   given a cost in wall time, so the staged pipeline's overlap is measurable without a GPU.
+  `FakeTensorStreams` puts DDP's GPU path (`hpcdl.tensors.streams`) over CPU tensors on the same
+  fake device, which then counts what a training step does (`FakeDeviceRuntime` lists the counts).
 - `cupy`: real CuPy arrays on a real GPU; unavailable (tests skip) without CuPy or a GPU.
 """
 from __future__ import annotations
@@ -51,13 +53,14 @@ class FakeDeviceArray:
 
     No buffer protocol, no `__array_interface__`: anything that reads it must go through the
     interface's raw pointer, as it would for a GPU array. `host` keeps the memory alive and lets
-    the tests look at it.
+    the tests look at it. `stream`: the interface's producer stream (None: no pending work).
     """
 
-    __slots__ = ("host",)
+    __slots__ = ("host", "stream")
 
-    def __init__(self, host: np.ndarray) -> None:
+    def __init__(self, host: np.ndarray, stream: int | None = None) -> None:
         self.host = host
+        self.stream = stream
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -68,7 +71,7 @@ class FakeDeviceArray:
             "data": (int(self.host.ctypes.data), False),
             "strides": None if contiguous else tuple(self.host.strides),
             "version": 3,
-            "stream": None,  # the "producer" (the test) has no pending work
+            "stream": self.stream,
         }
 
     @property
@@ -98,13 +101,27 @@ def view_of_interface(iface: dict[str, Any]) -> np.ndarray:
     return np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides)
 
 
+#: The stream pointer of CUDA's legacy default stream in `__cuda_array_interface__`: the fake's
+#: compute stream, as torch's default stream (and CuPy's null stream) is on a GPU.
+LEGACY_DEFAULT_STREAM = 1
+_STREAM_POINTERS = itertools.count(16)
+
+
 class FakeStream:
-    """A copy stream of the fake device: when the work given to it so far will have finished."""
+    """A stream of the fake device: when the work given to it so far will have finished.
 
-    __slots__ = ("ready_at",)
+    Copies queued on it finish on the simulated clock. Arithmetic (a CPU tensor's or NumPy's) runs
+    at once on the calling thread whatever stream is current, so a stream that `computes` (compute,
+    DDP's side stream) ordered after an event has the host wait for it.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("ready_at", "name", "ptr", "computes")
+
+    def __init__(self, name: str = "copy", ptr: int | None = None, computes: bool = False) -> None:
         self.ready_at = 0.0  # time.perf_counter() seconds
+        self.name = name
+        self.ptr = next(_STREAM_POINTERS) if ptr is None else ptr
+        self.computes = computes
 
 
 @dataclass(frozen=True)
@@ -114,11 +131,43 @@ class FakeEvent:
     at: float
 
 
+class _CountingNumpy:
+    """NumPy as the fake device's xp: each elementwise operation (a ufunc, copyto) counts as a
+    kernel launch (`calls["kernels"]`)."""
+
+    def __init__(self, calls: Counter) -> None:
+        self._calls = calls
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(np, name)
+        if not isinstance(value, np.ufunc) and name != "copyto":
+            return value
+
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self._calls["kernels"] += 1
+            return value(*args, **kwargs)
+        return launch
+
+
+def _on_communication_thread() -> bool:
+    return threading.current_thread().name.startswith("hpcdl-comm")
+
+
 @dataclass
 class FakeDeviceRuntime:
     """A `collectives.buffers.DeviceRuntime` whose "device" is host memory and whose xp is NumPy.
 
-    `calls` counts every method call by name, so tests can assert which device path ran.
+    `calls` counts every method call by name, so tests can assert which device path ran, and
+    what a device step does:
+    - `synchronize <stream>`: the host waited for everything given to that stream ("compute":
+      the legacy default stream, torch's compute stream, also CuPy's null stream and so what
+      CuPy's current stream is on a thread that set none; "side": DDP's own), by
+      `synchronize`, or by `wait_for_producer` as `collectives.buffers.CupyRuntime` does it; with
+      " on the communication thread" appended when the collectives' thread did it;
+    - `copy_to_host`, `copy_to_device` and `bytes to host`, `bytes to device`: staging copies;
+    - `kernels`: elementwise operations through `xp` (the collectives' folds and divisions);
+    - `events recorded`, `events waited` (the host blocked), `stream waits` (a stream ordered
+      after an event on the device): DDP's, through `FakeTensorStreams`.
     Setting `fail_copies` makes both staging copies raise (to provoke a communication failure).
 
     Arithmetic and copies without a stream run at once on the calling thread (the "current
@@ -140,6 +189,33 @@ class FakeDeviceRuntime:
     _queued: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list, repr=False)
     _order: Any = field(default_factory=itertools.count, repr=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False)
+    #: the stream compute runs on (CUDA's legacy default stream), current where none is set
+    compute: FakeStream = field(default_factory=lambda: FakeStream("compute", LEGACY_DEFAULT_STREAM,
+                                                                   computes=True))
+    _streams: dict[int, FakeStream] = field(default_factory=dict, repr=False)  # by pointer
+    _current: Any = field(default_factory=threading.local, repr=False)  # .stream: this thread's
+
+    def __post_init__(self) -> None:
+        if self.xp is np:
+            self.xp = _CountingNumpy(self.calls)
+
+    def current_stream(self) -> FakeStream:
+        """The calling thread's current stream (`use`), the compute stream where none is set."""
+        return getattr(self._current, "stream", None) or self.compute
+
+    @contextlib.contextmanager
+    def use(self, stream: FakeStream) -> Iterator[None]:
+        """Make `stream` the calling thread's current stream inside the context."""
+        previous = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            self._current.stream = previous
+
+    def _synchronized(self, stream: FakeStream) -> None:
+        where = " on the communication thread" if _on_communication_thread() else ""
+        self.calls[f"synchronize {stream.name}{where}"] += 1
 
     def _cost(self, nbytes: int) -> float:
         if self.copy_bandwidth is None:
@@ -170,10 +246,15 @@ class FakeDeviceRuntime:
         return np.from_dlpack(obj)
 
     def wait_for_producer(self, obj: Any) -> None:
+        # As CupyRuntime: the producer's stream named in the interface, else the current one.
         self.calls["wait_for_producer"] += 1
+        pointer = obj.__cuda_array_interface__.get("stream")
+        stream = self._streams.get(pointer) if pointer not in (None, 1, 2) else None
+        self._synchronized(stream or self.current_stream())
 
     def synchronize(self) -> None:
         self.calls["synchronize"] += 1
+        self._synchronized(self.current_stream())
 
     def mpi_buffer(self, arr: np.ndarray) -> FakeDeviceArray:
         # MPI must get a device-pointer object, as with real CUDA-aware MPI, not a host array.
@@ -186,12 +267,14 @@ class FakeDeviceRuntime:
 
     def copy_to_host(self, src: np.ndarray, dst: np.ndarray, stream: Any = None) -> None:
         self.calls["copy_to_host"] += 1
+        self.calls["bytes to host"] += src.nbytes
         if self.fail_copies:
             raise RuntimeError("fake device: copy_to_host failed")
         self._copy(src, dst, stream)
 
     def copy_to_device(self, src: np.ndarray, dst: np.ndarray, stream: Any = None) -> None:
         self.calls["copy_to_device"] += 1
+        self.calls["bytes to device"] += src.nbytes
         if self.fail_copies:
             raise RuntimeError("fake device: copy_to_device failed")
         self._copy(src, dst, stream)
@@ -206,13 +289,15 @@ class FakeDeviceRuntime:
             self.calls["async_copies"] += 1
             self._enqueue(stream, src.nbytes, lambda: np.copyto(dst, src))
 
-    def stream(self) -> FakeStream:
+    def stream(self, name: str = "copy", computes: bool = False) -> FakeStream:
         self.calls["stream"] += 1
-        return FakeStream()
+        stream = FakeStream(name, computes=computes)
+        self._streams[stream.ptr] = stream
+        return stream
 
     def record(self, stream: FakeStream | None) -> FakeEvent:
-        # The current stream's work (arithmetic) has run already: its events are in the past.
-        return FakeEvent(time.perf_counter() if stream is None else stream.ready_at)
+        # Arithmetic has run already, on any stream: only queued copies finish later.
+        return FakeEvent(max(time.perf_counter(), 0.0 if stream is None else stream.ready_at))
 
     def done(self, event: FakeEvent) -> bool:
         return self._advance() >= event.at
@@ -227,6 +312,53 @@ class FakeDeviceRuntime:
             self.wait(event)
         else:
             stream.ready_at = max(stream.ready_at, event.at)
+            if stream.computes:  # its arithmetic runs at once, on the host: the host waits
+                time.sleep(max(event.at - time.perf_counter(), 0.0))
+                self._advance()
+
+
+class FakeTensorStreams:
+    """`hpcdl.tensors.streams.DeviceStreams` for CPU tensors on a `FakeDeviceRuntime`: DDP's GPU path
+    over CPU tensors, which the runtime then counts (install with
+    `hpcdl.tensors.streams.treat_host_as_device`, the runtime with `device_runtime_installed`).
+
+    The arrays handed to the collectives are `FakeCupyArray`s over the tensors' memory that name
+    the current stream as their producer, as CuPy arrays do. `lag`: how far the device's compute
+    runs behind the host, in seconds (a GPU's usually does): an event recorded on the compute
+    stream is done that long after it was recorded.
+    """
+
+    def __init__(self, runtime: FakeDeviceRuntime, lag: float = 0.0) -> None:
+        self.runtime = runtime
+        self.side = runtime.stream("side", computes=True)
+        self.lag = lag
+
+    def current(self) -> FakeStream:
+        return self.runtime.current_stream()
+
+    def record(self, stream: FakeStream) -> FakeEvent:
+        self.runtime.calls["events recorded"] += 1
+        event = self.runtime.record(stream)
+        return FakeEvent(event.at + self.lag) if stream is self.runtime.compute else event
+
+    def done(self, event: FakeEvent) -> bool:
+        return self.runtime.done(event)
+
+    def wait(self, event: FakeEvent) -> None:
+        self.runtime.calls["events waited"] += 1
+        self.runtime.wait(event)
+
+    def order(self, stream: FakeStream, event: FakeEvent) -> None:
+        self.runtime.calls["stream waits"] += 1
+        self.runtime.order(stream, event)
+
+    def on(self, stream: FakeStream) -> contextlib.AbstractContextManager[None]:
+        return self.runtime.use(stream)
+
+    def array(self, tensor: Any) -> FakeCupyArray:
+        from hpcdl.tensors.arrays import as_array
+
+        return FakeCupyArray(as_array(tensor), self.runtime.current_stream().ptr)
 
 
 @contextlib.contextmanager
@@ -265,7 +397,7 @@ class FakeCupyArray(FakeDeviceArray):
         return value.host if isinstance(value, FakeDeviceArray) else value
 
     def __getitem__(self, key: Any) -> FakeCupyArray:
-        return FakeCupyArray(self.host[key])
+        return FakeCupyArray(self.host[key], self.stream)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.host[key] = self._host_of(value)

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ..comm.tensors import dense_view, flat_in_memory_order
+from ..tensors.arrays import dense_view, flat_in_memory_order
+from ..tensors.streams import DeviceStreams, streams_of
 
 
 @dataclass
@@ -40,6 +41,8 @@ class Bucket:
     in_place: list[bool]  # exchanged in its own gradient tensor instead of in `flat`
     numel: int = 0  # gradient elements in the bucket, in-place parameters included
     fused_numel: int = 0  # elements of `flat` when allocated
+    #: the streams of the bucket's device (`hpcdl.tensors.streams`); None on the host
+    streams: DeviceStreams | None = None
     # -- this step ----------------------------------------------------------------------------
     pending: int = 0
     ready: list[bool] = field(default_factory=list)
@@ -47,6 +50,7 @@ class Bucket:
     #: the tensor autograd accumulated it in; the exchange leaves the average here
     gradients: list[torch.Tensor | None] = field(default_factory=list)
     ready_at: float | None = None
+    ready_event: Any = None  # on a device: recorded on the compute stream after the last gradient
     link: Any = None  # the exchange's `hpcdl.ddp.ExchangeLink` once launched
     context: Any = None  # what the exchange hook's launch() returned, for its finish()
     launch_span: tuple[float, float] | None = None
@@ -118,7 +122,7 @@ class Bucket:
         self.ready = [False] * len(self.params)
         self.pending = len(self.params)
         self.gradients = [None] * len(self.params)
-        self.ready_at = None
+        self.ready_at = self.ready_event = None
         self.link = self.context = None
         self.launch_span = self.finish_span = None
         self.finished = False
@@ -183,7 +187,7 @@ def _bucket(index: int, group: list[tuple[str, torch.nn.Parameter]], in_place_by
     fused = sum(p.numel() for p, solo in zip(params, in_place) if not solo)
     empty = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
     bucket = Bucket(index, [n for n, _ in group], params, [None] * len(params), empty, in_place,
-                    sum(p.numel() for p in params), fused)
+                    sum(p.numel() for p in params), fused, streams_of(params[0].device))
     if fused:
         bucket._allocate_flat()
     bucket.reset()

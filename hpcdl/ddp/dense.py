@@ -38,6 +38,9 @@ class Average(GradientExchange):
 
     launch_span = finish_span = None  # queueing only: the spans would be noise on the trace
 
+    def moves_nothing(self, size: int) -> bool:
+        return size == 1  # the average over one rank is its own gradient
+
     def launch(self, bucket: Bucket, link: ExchangeLink) -> None:
         _average(bucket.flat_gradients(), bucket.dtype, link)
 

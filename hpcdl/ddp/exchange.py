@@ -27,9 +27,10 @@ from mpi4py import MPI
 import collectives
 from collectives import Handle
 
-from ..comm.tensors import as_array
+from ..tensors.arrays import as_array
 
 if TYPE_CHECKING:
+    from ..tensors.streams import DeviceStreams
     from .buckets import Bucket
 
 
@@ -39,10 +40,14 @@ class ExchangeLink:
 
     `bytes_sent` counts what this rank contributed (the input of each collective): the payload,
     not the algorithm's traffic on the wire (docs/algorithms.md gives that per algorithm).
+    `streams`: the bucket's device (`hpcdl.tensors.streams`), whose arrays the collectives get (None:
+    host tensors, or a blocking view of a CUDA tensor: `hpcdl.tensors.arrays.as_array`).
     """
 
-    def __init__(self, comm: MPI.Comm, *, algorithm: str = "auto", chunk_bytes: int = 8 << 20) -> None:
+    def __init__(self, comm: MPI.Comm, *, algorithm: str = "auto", chunk_bytes: int = 8 << 20,
+                 streams: DeviceStreams | None = None) -> None:
         self.comm = comm
+        self.streams = streams
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.algorithm = algorithm
@@ -61,10 +66,13 @@ class ExchangeLink:
         self.bytes_sent += nbytes
         return handle
 
+    def _array(self, tensor: torch.Tensor) -> Any:
+        return as_array(tensor) if self.streams is None else self.streams.array(tensor.detach())
+
     def allreduce(self, tensor: torch.Tensor, op: str = "avg") -> list[Handle]:
         """Reduce the 1-D `tensor` over the ranks in place, in slices of at most `chunk_bytes`
         (the same slices on every rank); one handle per slice."""
-        array = as_array(tensor)
+        array = self._array(tensor)
         step = max(1, self.chunk_bytes // array.dtype.itemsize)
         started = []
         for i in range(0, array.shape[0], step):
@@ -78,18 +86,18 @@ class ExchangeLink:
         (blocks as `collectives.partition.partition_counts(tensor.numel(), P)` cuts them); one
         handle. Uses the wrapper's algorithm where reduce_scatter has it (ring,
         halving_doubling, mpi), else auto."""
-        array = as_array(tensor)
+        array = self._array(tensor)
         algorithm = self.algorithm if self.algorithm in collectives.ALGORITHMS["reduce_scatter"] else "auto"
         return self._record("reduce_scatter", collectives.ireduce_scatter(
-            array, self.comm, op=op, algorithm=algorithm, out=as_array(out)), array.nbytes)
+            array, self.comm, op=op, algorithm=algorithm, out=self._array(out)), array.nbytes)
 
     def allgatherv(self, tensor: torch.Tensor) -> Handle:
         """Gather every rank's 1-D `tensor` (lengths may differ, zero included) in rank order;
-        `wait()` returns the concatenation as an array (`hpcdl.comm.tensors.as_tensor` makes it a tensor).
+        `wait()` returns the concatenation as an array (`hpcdl.tensors.arrays.as_tensor` makes it a tensor).
 
         Uses the wrapper's algorithm where allgatherv has it (ring, butterfly, mpi), else auto.
         """
-        array = as_array(tensor)
+        array = self._array(tensor)
         algorithm = self.algorithm if self.algorithm in collectives.ALGORITHMS["allgatherv"] else "auto"
         return self._record("allgatherv", collectives.iallgatherv(array, self.comm, algorithm=algorithm),
                             array.nbytes)
@@ -112,6 +120,12 @@ class GradientExchange:
         them for this scheme (the wrapper raises it on every rank) or []. Allocate state here."""
         self.size = comm.Get_size()
         return []
+
+    def moves_nothing(self, size: int) -> bool:
+        """Whether over `size` ranks this scheme leaves every gradient exactly as it is (the dense
+        average over one rank): the reducer then neither copies gradients into buckets nor starts
+        a collective. False unless a scheme says so."""
+        return False
 
     def launch(self, bucket: Bucket, link: ExchangeLink) -> Any:
         """Start the exchange of `bucket` (gradients ready); return a context for `finish`."""

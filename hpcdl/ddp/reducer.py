@@ -12,6 +12,13 @@ launched in bucket order and waited for before the optimizer step.
   (`hpcdl.compression.GradientExchange.launch`) runs on the training thread and starts its
   collectives on the communication thread (through an `ExchangeLink`), while backward goes on. Launching
   strictly in bucket order means every rank exchanges the same buckets in the same order.
+- On a device (`hpcdl/tensors/streams.py`) a complete bucket is ready when the compute stream reaches
+  the event recorded after its last gradient: it is launched once that event is done (looked at
+  in later gradients' hooks, waited for at the end of backward), never after a synchronize of
+  the compute stream; the hook's own kernels run on the side stream, and the compute stream waits
+  on the device for an event recorded there after the step's last bucket is finished.
+- Over one rank the dense average is the gradient itself (`GradientExchange.moves_nothing`):
+  gradients stay where autograd left them and no collective starts.
 - `synchronize` waits for every launched collective, then lets the hook finish each bucket
   (decompress) in bucket order. A wait longer than `stall_warning_s` warns, naming the bucket;
   `timeout` turns it into a TimeoutError.
@@ -24,8 +31,10 @@ launched in bucket order and waited for before the optimizer step.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ContextManager
 
 import numpy as np
 import torch
@@ -37,8 +46,11 @@ from collectives import Handle
 from ..runtime import stall
 from .buckets import Bucket, assign_buckets
 from .exchange import ExchangeLink, GradientExchange
-from ..comm.tensors import same_memory_order
+from ..tensors.arrays import same_memory_order
 from .timeline import Timeline
+
+if TYPE_CHECKING:
+    from ..tensors.streams import DeviceStreams
 
 _MB = 1024 * 1024
 
@@ -105,6 +117,8 @@ class Reducer:
         #: what this step's averages are multiplied by (join(): P / contributing ranks)
         self.scale = 1.0
         self._next_finish = 0  # buckets before it are finished this step (released early)
+        #: nothing moves (one rank, the dense average): gradients stay where autograd left them
+        self.moves_nothing = exchange.moves_nothing(comm.Get_size())
 
     # -- bucket assignment -----------------------------------------------------------------------
 
@@ -149,9 +163,16 @@ class Reducer:
                 "DistributedDataParallel supports one gradient per parameter per backward")
         if self.ready_order is not None:
             self.ready_order.append(self.index[id(param)])
+        if self._still():  # no copy, no collective: the gradient is already the average
+            bucket.ready[i] = True
+            bucket.pending -= 1
+            return
         self.place_gradient(bucket, i)
-        if self.overlap and bucket.pending == 0:
-            self.launch_ready_buckets()
+        # Each gradient's hook also looks whether the compute stream reached a waiting bucket's
+        # event (on the host every complete bucket goes at once).
+        if self.overlap and self.next_launch < len(self.buckets) \
+                and self.buckets[self.next_launch].pending == 0:
+            self.launch_ready_buckets(wait=False)
         if self.release_reduced:
             self.finish_reduced()
 
@@ -174,6 +195,9 @@ class Reducer:
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.ready_at = time.perf_counter()
+            # On a device: ready once the compute stream gets here, not now.
+            if bucket.streams is not None and not self._still():
+                bucket.ready_event = bucket.streams.record(bucket.streams.current())
 
     def fill_unready(self, used_locally: set[int]) -> list[Unready]:
         """End of a synchronized backward: every gradient still missing becomes a zero
@@ -195,7 +219,8 @@ class Reducer:
         used = np.ones(len(self.named), dtype=np.int32)
         for item in unready:
             used[self.index[id(item.param)]] = item.used_locally
-        collectives.allreduce(used, self.comm, op="max", out=used)
+        if self.comm.Get_size() > 1:
+            collectives.allreduce(used, self.comm, op="max", out=used)
         dropped = set()
         for item in unready:
             index = self.index[id(item.param)]
@@ -204,19 +229,33 @@ class Reducer:
                 dropped.add(index)
         return dropped
 
-    def launch_ready_buckets(self) -> None:
+    def launch_ready_buckets(self, wait: bool = True) -> None:
         """Launch, strictly in bucket order, every complete bucket not launched yet, so every rank
-        queues the same collectives in the same order."""
+        queues the same collectives in the same order. A device bucket goes once its ready event
+        is done: waited for (`wait`, the end of backward), else only if it already is."""
+        if self._still():
+            return
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
-            self._launch(self.buckets[self.next_launch])
+            bucket = self.buckets[self.next_launch]
+            streams, event = bucket.streams, bucket.ready_event
+            if streams is not None and event is not None and not streams.done(event):
+                if not wait:
+                    return
+                streams.wait(event)
+            self._launch(bucket)
             self.next_launch += 1
 
+    def _still(self) -> bool:
+        """Whether this step moves nothing: one rank, the dense average, no scaling (join)."""
+        return self.moves_nothing and self.scale == 1.0
+
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.flat.is_cuda:  # MPI and the engine's stream must see finished grads
-            torch.cuda.current_stream(bucket.flat.device).synchronize()
-        bucket.link = ExchangeLink(self.comm, algorithm=self.algorithm, chunk_bytes=self.chunk_bytes)
+        streams = bucket.streams
+        bucket.link = ExchangeLink(self.comm, algorithm=self.algorithm, chunk_bytes=self.chunk_bytes,
+                                   streams=streams)
         started = time.perf_counter()
-        bucket.context = self.exchange.launch(bucket, bucket.link)
+        with _on_side(streams):
+            bucket.context = self.exchange.launch(bucket, bucket.link)
         bucket.launch_span = (started, time.perf_counter())
         numel = bucket.numel
         sent = bucket.link.elements_sent
@@ -244,9 +283,10 @@ class Reducer:
         if bucket.finished:
             return
         begun = time.perf_counter()
-        self.exchange.finish(bucket, bucket.context)
-        if self.scale != 1.0:
-            self.exchange.scale(bucket, self.scale)
+        with _on_side(bucket.streams):
+            self.exchange.finish(bucket, bucket.context)
+            if self.scale != 1.0:
+                self.exchange.scale(bucket, self.scale)
         bucket.finish_span = (begun, time.perf_counter())
         bucket.finished = True
         if self.release_reduced:
@@ -277,11 +317,22 @@ class Reducer:
                 continue
             self._record(bucket)
             handles.extend(bucket.handles)
+        self._hand_back()
         self.last_handles = handles
         self.traffic.steps += 1
         self.reset_step()
         if error is not None:
             raise error
+
+    def _hand_back(self) -> None:
+        """The compute stream waits (on the device, the host goes on) for the side stream's work
+        of this step: the exchanges' arithmetic on the averaged gradients."""
+        done = set()
+        for bucket in self.buckets:
+            streams = bucket.streams
+            if streams is not None and bucket.link is not None and id(streams) not in done:
+                done.add(id(streams))
+                streams.order(streams.current(), streams.record(streams.side))
 
     def _record(self, bucket: Bucket) -> None:
         if self.timeline is None:
@@ -318,6 +369,7 @@ class Reducer:
                 handle.settled()  # ended, with a result or an error
         self.reset_step()
         self.comm = comm
+        self.moves_nothing = self.exchange.moves_nothing(comm.Get_size())
         order = np.array([self.index[id(p)] for bucket in self.buckets for p in bucket.params],
                          dtype=np.int64)
         collectives.broadcast(order, 0, comm)
@@ -336,3 +388,8 @@ class Reducer:
     def traffic_snapshot(self) -> GradientTraffic:
         """A copy of the running totals."""
         return replace(self.traffic)
+
+
+def _on_side(streams: DeviceStreams | None) -> ContextManager[None]:
+    """Inside: the exchange hook's kernels go to the device's side stream (nothing on the host)."""
+    return contextlib.nullcontext() if streams is None else streams.on(streams.side)
