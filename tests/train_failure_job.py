@@ -126,7 +126,7 @@ class Killer:
             wait_all(requests, what, timeout)
         ps_worker.wait_all = pushing
 
-        handle = ps_server.ShardServer._handle
+        handle = ps_server.Server._handle
         pushes: dict[int, int] = {}  # PUSH messages matched, by worker
 
         def handling(self: Any, message: Any, status: Any, on_checkpoint: Any) -> None:
@@ -139,7 +139,7 @@ class Killer:
                         time.sleep(0.01)
                     time.sleep(0.2)
             handle(self, message, status, on_checkpoint)
-        ps_server.ShardServer._handle = handling  # type: ignore[method-assign]
+        ps_server.Server._handle = handling  # type: ignore[method-assign]
 
         save = checkpoint.atomic_save
 
