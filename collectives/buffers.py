@@ -11,8 +11,10 @@ bytes move; this module starts no MPI. Tests swap in a device runtime over host 
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ContextManager, Iterator, Protocol
 
 import numpy as np
 
@@ -25,11 +27,16 @@ _DLPACK_CUDA_HOST = 3
 class DeviceRuntime(Protocol):
     """What the collectives need from a GPU array library. `CupyRuntime` is the real one.
 
-    Arithmetic runs on the library's current stream. The staged path (`staging.py`) also copies
+    Arithmetic runs on the library's current stream. While a collective runs, that is the calling
+    thread's communication stream (`communicating`): a non-blocking stream of its own, so the
+    folds, copies and landings neither queue behind the caller's compute stream (torch's default
+    stream, CUDA's legacy default stream, all of backward) nor make the host wait for it, and
+    `synchronize` waits for that stream alone. The staged path (`staging.py`) also copies
     on streams of its own (`stream`), asynchronously, and orders its work with events: `record`
     marks what a stream has been given so far, `done` asks whether that has finished, `wait`
     blocks the host until it has, and `order` makes a stream (None: the current one) wait for it
-    on the device, without blocking the host. A copy without a stream is synchronous.
+    on the device, without blocking the host. A copy without a stream is synchronous: it runs on
+    the current stream, which it then synchronizes.
     """
 
     xp: Any  # array module that runs elementwise arithmetic on the device
@@ -47,6 +54,7 @@ class DeviceRuntime(Protocol):
     def done(self, event: Any) -> bool: ...
     def wait(self, event: Any) -> None: ...
     def order(self, stream: Any, event: Any) -> None: ...
+    def communicating(self) -> ContextManager[None]: ...
 
 
 class CupyRuntime:
@@ -58,6 +66,7 @@ class CupyRuntime:
 
         self.xp = cupy
         self._cupyx = cupyx
+        self._threads = threading.local()  # .stream: the thread's communication stream
 
     def from_cuda_array_interface(self, obj: Any) -> Any:
         return self.xp.asarray(obj)  # zero-copy for __cuda_array_interface__
@@ -67,8 +76,14 @@ class CupyRuntime:
 
     def wait_for_producer(self, obj: Any) -> None:
         # CUDA Array Interface v3: a consumer must order itself after the producer's stream.
+        # Stream 1 is CUDA's legacy default stream, 2 the per-thread one; none named: the current.
         stream = getattr(obj, "__cuda_array_interface__", {}).get("stream")
-        if stream and stream not in (1, 2):
+        streams = self.xp.cuda.Stream
+        if stream == 1:
+            streams.null.synchronize()
+        elif stream == 2:
+            streams.ptds.synchronize()
+        elif stream:
             self.xp.cuda.ExternalStream(stream).synchronize()
         else:
             self.xp.cuda.get_current_stream().synchronize()
@@ -85,20 +100,22 @@ class CupyRuntime:
         return pinned
 
     def copy_to_host(self, src: Any, dst: np.ndarray, stream: Any = None) -> None:
-        if stream is None:
-            src.get(out=dst)
-        elif src.nbytes:  # raw bytes: every dtype alike, bfloat16 included
-            runtime = self.xp.cuda.runtime
-            runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, src.nbytes,
-                                runtime.memcpyDeviceToHost, stream.ptr)
+        self._copy(dst.ctypes.data, src.data.ptr, src.nbytes, self.xp.cuda.runtime.memcpyDeviceToHost,
+                   stream)
 
     def copy_to_device(self, src: np.ndarray, dst: Any, stream: Any = None) -> None:
+        self._copy(dst.data.ptr, src.ctypes.data, src.nbytes, self.xp.cuda.runtime.memcpyHostToDevice,
+                   stream)
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: int, stream: Any) -> None:
+        # Raw bytes, every dtype alike (bfloat16 included), always cudaMemcpyAsync: a plain
+        # cudaMemcpy runs on the legacy default stream and so waits for all of the compute
+        # stream's queued work. Without a stream: on the current one, then synchronized.
+        current = stream if stream is not None else self.xp.cuda.get_current_stream()
+        if nbytes:
+            self.xp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, current.ptr)
         if stream is None:
-            dst.set(src)
-        elif src.nbytes:
-            runtime = self.xp.cuda.runtime
-            runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
-                                runtime.memcpyHostToDevice, stream.ptr)
+            current.synchronize()
 
     def stream(self) -> Any:
         # non_blocking: staging copies must not wait for (or hold up) the legacy default stream
@@ -117,6 +134,14 @@ class CupyRuntime:
 
     def order(self, stream: Any, event: Any) -> None:
         (stream if stream is not None else self.xp.cuda.get_current_stream()).wait_event(event)
+
+    @contextlib.contextmanager
+    def communicating(self) -> Iterator[None]:
+        stream = getattr(self._threads, "stream", None)
+        if stream is None:
+            stream = self._threads.stream = self.stream()
+        with stream:  # CuPy's current stream, for this thread only
+            yield
 
 
 _runtime: DeviceRuntime | None = None

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from .buffers import device_runtime
 from .channels import Channel, Lane, channel_of
 from .engine import Handle
 from .errors import CollectiveArgumentError
@@ -43,8 +44,16 @@ def _execute(call: Call, lane: Lane, number: int, plan: Plan | None, error: str 
     """The collective half: cross-check with every rank, then run the algorithm.
 
     Runs on the lane's thread (the caller's for blocking calls, the engine's for `i*`); scratch
-    memory comes from that lane.
+    memory comes from that lane. A device call's own device work (copies, folds, landings) runs
+    on that thread's communication stream (`buffers.DeviceRuntime.communicating`).
     """
+    if plan is None or not plan.source.on_device:
+        return _run_checked(call, lane, number, plan, error)
+    with device_runtime().communicating():
+        return _run_checked(call, lane, number, plan, error)
+
+
+def _run_checked(call: Call, lane: Lane, number: int, plan: Plan | None, error: str | None) -> Any:
     site, where = call.site
     if plan is None:
         signature = [COLLECTIVE_CODES[call.collective]] + [0] * (SIGNATURE_FIELDS - 3) + [site, number]

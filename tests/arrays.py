@@ -161,9 +161,11 @@ class FakeDeviceRuntime:
     what a device step does:
     - `synchronize <stream>`: the host waited for everything given to that stream ("compute":
       the legacy default stream, torch's compute stream, also CuPy's null stream and so what
-      CuPy's current stream is on a thread that set none; "side": DDP's own), by
+      CuPy's current stream is on a thread that set none; "side": DDP's own; "comm": a thread's
+      communication stream, current while a collective runs there, `communicating`), by
       `synchronize`, or by `wait_for_producer` as `collectives.buffers.CupyRuntime` does it; with
       " on the communication thread" appended when the collectives' thread did it;
+    - `comm streams`: communication streams made (one per thread that ran a device collective);
     - `copy_to_host`, `copy_to_device` and `bytes to host`, `bytes to device`: staging copies;
     - `kernels`: elementwise operations through `xp` (the collectives' folds and divisions);
     - `events recorded`, `events waited` (the host blocked), `stream waits` (a stream ordered
@@ -194,6 +196,7 @@ class FakeDeviceRuntime:
                                                                    computes=True))
     _streams: dict[int, FakeStream] = field(default_factory=dict, repr=False)  # by pointer
     _current: Any = field(default_factory=threading.local, repr=False)  # .stream: this thread's
+    _communicating: Any = field(default_factory=threading.local, repr=False)  # .stream: its comm
 
     def __post_init__(self) -> None:
         if self.xp is np:
@@ -212,6 +215,16 @@ class FakeDeviceRuntime:
             yield
         finally:
             self._current.stream = previous
+
+    def communicating(self) -> contextlib.AbstractContextManager[None]:
+        """Make the calling thread's communication stream ("comm", made at its first use) current
+        inside the context, as `collectives.buffers.CupyRuntime.communicating` does."""
+        stream = getattr(self._communicating, "stream", None)
+        if stream is None:
+            self.calls["comm streams"] += 1
+            stream = self._communicating.stream = FakeStream("comm", computes=True)
+            self._streams[stream.ptr] = stream
+        return self.use(stream)
 
     def _synchronized(self, stream: FakeStream) -> None:
         where = " on the communication thread" if _on_communication_thread() else ""
