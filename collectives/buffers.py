@@ -37,9 +37,19 @@ class DeviceRuntime(Protocol):
     blocks the host until it has, and `order` makes a stream (None: the current one) wait for it
     on the device, without blocking the host. A copy without a stream is synchronous: it runs on
     the current stream, which it then synchronizes.
+
+    CUDA IPC (`ipc.py`, ranks of one host reading each other's device memory): `ipc_export` gives
+    the allocation holding an array as (handle, base address, the array's byte offset from it),
+    or None where its memory cannot be shared; `ipc_open` maps a peer's allocation by its handle
+    (once: `ipc.Registrations` caches it), `ipc_close` unmaps it, `ipc_array` is an array over
+    mapped memory, and `copy_device` copies between device arrays.
     """
 
     xp: Any  # array module that runs elementwise arithmetic on the device
+    #: its "device" memory is host memory (a stand-in for tests): any MPI library reads it
+    memory_on_host: bool
+    #: whether `ipc_*` can work at all (a handshake still checks that they do: `ipc.handshake`)
+    ipc_capable: bool
 
     def from_cuda_array_interface(self, obj: Any) -> Any: ...
     def from_dlpack(self, obj: Any) -> Any: ...
@@ -55,10 +65,18 @@ class DeviceRuntime(Protocol):
     def wait(self, event: Any) -> None: ...
     def order(self, stream: Any, event: Any) -> None: ...
     def communicating(self) -> ContextManager[None]: ...
+    def copy_device(self, src: Any, dst: Any, stream: Any = None) -> None: ...
+    def ipc_export(self, arr: Any) -> tuple[bytes, int, int] | None: ...
+    def ipc_open(self, handle: bytes) -> Any: ...
+    def ipc_close(self, mapped: Any) -> None: ...
+    def ipc_array(self, mapped: Any, offset: int, count: int, dtype: np.dtype) -> Any: ...
 
 
 class CupyRuntime:
     """CuPy: arithmetic runs as CuPy kernels on the current stream, staging uses pinned memory."""
+
+    memory_on_host = False
+    ipc_capable = True
 
     def __init__(self) -> None:
         import cupy
@@ -67,6 +85,8 @@ class CupyRuntime:
         self.xp = cupy
         self._cupyx = cupyx
         self._threads = threading.local()  # .stream: the thread's communication stream
+        self._exported: dict[int, tuple[int, bytes]] = {}  # base -> (buffer id, IPC handle)
+        self._driver: Any = None  # libcuda, for what CuPy does not expose (ipc_export)
 
     def from_cuda_array_interface(self, obj: Any) -> Any:
         return self.xp.asarray(obj)  # zero-copy for __cuda_array_interface__
@@ -142,6 +162,65 @@ class CupyRuntime:
             stream = self._threads.stream = self.stream()
         with stream:  # CuPy's current stream, for this thread only
             yield
+
+    def copy_device(self, src: Any, dst: Any, stream: Any = None) -> None:
+        # cudaMemcpyDefault: the source may be a peer's memory mapped by CUDA IPC (unified
+        # addressing tells where each side lives)
+        kind = getattr(self.xp.cuda.runtime, "memcpyDefault", 4)  # cudaMemcpyDefault
+        self._copy(dst.data.ptr, src.data.ptr, src.nbytes, kind, stream)
+
+    def ipc_export(self, arr: Any) -> tuple[bytes, int, int] | None:
+        ptr = arr.data.ptr
+        driver = self._driver
+        if driver is None:
+            driver = self._driver = _CudaDriver()
+        if not driver.attribute(ptr, _IS_LEGACY_CUDA_IPC_CAPABLE):  # cudaMallocAsync, VMM, ...
+            return None
+        base, buffer = driver.attribute(ptr, _RANGE_START_ADDR), driver.attribute(ptr, _BUFFER_ID)
+        known = self._exported.get(base)
+        if known is None or known[0] != buffer:  # a new allocation at this address: a new handle
+            known = self._exported[base] = (buffer, self.xp.cuda.runtime.ipcGetMemHandle(base))
+        return known[1], base, ptr - base
+
+    def ipc_open(self, handle: bytes) -> Any:
+        return self.xp.cuda.runtime.ipcOpenMemHandle(handle)  # lazily enabling peer access
+
+    def ipc_close(self, mapped: Any) -> None:
+        self.xp.cuda.runtime.ipcCloseMemHandle(mapped)
+
+    def ipc_array(self, mapped: Any, offset: int, count: int, dtype: np.dtype) -> Any:
+        cuda = self.xp.cuda
+        nbytes = count * np.dtype(dtype).itemsize
+        memory = cuda.UnownedMemory(mapped + offset, nbytes, None)
+        raw = self.xp.ndarray((nbytes,), dtype=np.uint8, memptr=cuda.MemoryPointer(memory, 0))
+        return raw.view(dtype)  # through bytes: every dtype alike, bfloat16 included
+
+
+# cuPointerGetAttribute's attributes (cuda.h, CUpointer_attribute)
+_BUFFER_ID = 7  # unsigned long long: unique per allocation in the process
+_IS_LEGACY_CUDA_IPC_CAPABLE = 10  # int: cudaIpcGetMemHandle works on it
+_RANGE_START_ADDR = 11  # CUdeviceptr: the allocation's base address
+
+
+class _CudaDriver:
+    """The one CUDA driver call CuPy does not expose: cuPointerGetAttribute (an allocation's base
+    address, its unique id, whether legacy CUDA IPC may share it)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        self._get = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+        self._get.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        self._get.restype = ctypes.c_int
+
+    def attribute(self, ptr: int, attribute: int) -> int:
+        ctypes = self._ctypes
+        value = ctypes.c_uint64(0)  # wide enough for each of the three (little-endian)
+        status = self._get(ctypes.byref(value), attribute, ptr)
+        if status:
+            raise RuntimeError(f"cuPointerGetAttribute({attribute}) failed with CUDA error {status}")
+        return int(value.value)
 
 
 _runtime: DeviceRuntime | None = None

@@ -69,6 +69,8 @@ def _run_checked(call: Call, lane: Lane, number: int, plan: Plan | None, error: 
         layout = layout.complete(counts)
         described = ALGORITHMS[call.collective][algorithm]
         link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
+        if src.on_device:
+            lane.settle_routes(link)
         work = layout.work
         assert layout.fill is not None  # a completed layout always places this rank's input
         layout.fill(link, work)
@@ -93,6 +95,8 @@ def _run_checked(call: Call, lane: Lane, number: int, plan: Plan | None, error: 
         np.copyto(work, fused.reduce(lane, number, call.site, work))
     else:
         lane.agreement.check(call.collective, [*plan.signature, site, number], error, where)
+        if src.on_device:
+            lane.settle_routes(link)
         if layout.fill is not None:
             layout.fill(link, work)
         described.run(link, work, *layout.args)

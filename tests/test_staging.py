@@ -42,7 +42,8 @@ BLOCK_BYTES = 2 * SEGMENT_BYTES + SEGMENT_BYTES // 4 + 24
 DEEP_BLOCK_BYTES = (DEPTH + 2) * SEGMENT_BYTES + 40
 
 
-@pytest.fixture(params=[p for p in backend_params() if p.id in ("fake-device-staged", "cupy")])
+@pytest.fixture(params=[p for p in backend_params()
+                        if p.id in ("fake-device-staged", "fake-device-ipc", "cupy")])
 def backend(request: Any) -> Any:
     yield from backend_fixture(request)
 
