@@ -49,7 +49,7 @@ from mpi4py import MPI
 
 import collectives
 from hpcdl.optim import DistributedLBFGS
-from hpcdl.comm.tensors import as_array
+from hpcdl.tensors.arrays import as_array
 
 
 class StaticSplitLBFGS(DistributedLBFGS):

@@ -6,9 +6,10 @@ The layers, each one folder, each importing only those below it (docs/design.md)
     training/ tuning/   the libraries the commands call: training from a TrainConfig; the cost
     benchmarking/       model fitted and put to work; one collective timed and checked exactly
     horovod/ torch_distributed/                   front ends: Horovod's API, a torch.distributed backend
-    compression/ local_sgd parameter_server/ parallel/ optim/             the strategies
+    compression/ local_sgd/ parameter_server/ parallel/                   the strategies
     ddp/                DistributedDataParallel: wrapper, reducer, buckets, the exchange-hook contract
-    comm/ runtime/      collectives on tensors; init, launch checks, agreement, stalls, checkpoints
+    optim/              distributed optimizers: Sandblaster L-BFGS, ZeRO's sharded optimizer
+    tensors/ runtime/   collectives on tensors; init, launch checks, agreement, stalls, checkpoints
     collectives         (a package of its own, no torch) the hand-written collectives
 
 This module only offers the public names, imported on first use.
@@ -44,7 +45,7 @@ _LAZY = {
     "ProcessGrid": ".parallel",
     "init_torch_distributed": ".torch_distributed",
     # the collectives on torch tensors (and, untouched, on any array); torch-free for arrays
-    **{name: ".comm.tensor_collectives" for name in _COLLECTIVES},
+    **{name: ".tensors.calls" for name in _COLLECTIVES},
     "elastic": ".ddp.elastic",  # the module itself (hpcdl.elastic.State, hpcdl.elastic.run)
     "compression": None,  # submodules and subpackages
     "horovod": None,

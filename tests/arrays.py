@@ -12,7 +12,7 @@ body checks every backend.
   The runtime counts its calls, so tests can check that the device path really ran. Its streams
   and events follow CUDA's rules on a simulated clock (`FakeDeviceRuntime`), and a copy may be
   given a cost in wall time, so the staged pipeline's overlap is measurable without a GPU.
-  `FakeTensorStreams` puts DDP's GPU path (`hpcdl.comm.streams`) over CPU tensors on the same
+  `FakeTensorStreams` puts DDP's GPU path (`hpcdl.tensors.streams`) over CPU tensors on the same
   fake device, which then counts what a training step does (`FakeDeviceRuntime` lists the counts).
 - `cupy`: real CuPy arrays on a real GPU; unavailable (tests skip) without CuPy or a GPU.
 """
@@ -480,9 +480,9 @@ class FakeIpcRuntime(FakeDeviceRuntime):
 
 
 class FakeTensorStreams:
-    """`hpcdl.comm.streams.DeviceStreams` for CPU tensors on a `FakeDeviceRuntime`: DDP's GPU path
+    """`hpcdl.tensors.streams.DeviceStreams` for CPU tensors on a `FakeDeviceRuntime`: DDP's GPU path
     over CPU tensors, which the runtime then counts (install with
-    `hpcdl.comm.streams.treat_host_as_device`, the runtime with `device_runtime_installed`).
+    `hpcdl.tensors.streams.treat_host_as_device`, the runtime with `device_runtime_installed`).
 
     The arrays handed to the collectives are `FakeCupyArray`s over the tensors' memory that name
     the current stream as their producer, as CuPy arrays do. `lag`: how far the device's compute
@@ -518,7 +518,7 @@ class FakeTensorStreams:
         return self.runtime.use(stream)
 
     def array(self, tensor: Any) -> FakeCupyArray:
-        from hpcdl.comm.tensors import as_array
+        from hpcdl.tensors.arrays import as_array
 
         return FakeCupyArray(as_array(tensor), self.runtime.current_stream().ptr)
 

@@ -608,7 +608,7 @@ def test_bad_arguments(comm):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
 def test_as_array_shares_memory(dtype):
-    from hpcdl.comm.tensors import as_array, numpy_dtype
+    from hpcdl.tensors.arrays import as_array, numpy_dtype
 
     tensor = torch.arange(6, dtype=dtype).reshape(2, 3)
     array = as_array(tensor)

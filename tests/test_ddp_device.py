@@ -21,7 +21,7 @@ import hpcdl
 from arrays import FakeDeviceRuntime, FakeTensorStreams, device_runtime_installed
 from conftest import all_ranks_agree
 from collectives.cuda_awareness import CHECK_BYTES
-from hpcdl.comm.streams import treat_host_as_device
+from hpcdl.tensors.streams import treat_host_as_device
 from hpcdl.compression import TopK
 
 pytestmark = pytest.mark.mpi

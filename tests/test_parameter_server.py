@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 import hpcdl
 from conftest import all_ranks_agree
-from hpcdl.parameter_server import ALIGN, ShardServer, plan_layout
+from hpcdl.parameter_server import ALIGN, Server, plan_placement
 from hpcdl.parameter_server.protocol import HEADER_BYTES
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -94,7 +94,7 @@ def _relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
        st.integers(1, 9))
 def test_shards_cover_every_parameter_exactly_once(params, servers):
     numels, itemsizes = [n for n, _ in params], [s for _, s in params]
-    layout = plan_layout(numels, itemsizes, servers)
+    layout = plan_placement(numels, itemsizes, servers)
     covered = [[0] * n for n in numels]
     assert layout.shards[0].start == 0 and layout.shards[-1].stop == layout.nbytes
     for shard, following in zip(layout.shards, layout.shards[1:]):
@@ -344,7 +344,7 @@ def test_sync_equals_synchronous_allreduce_sgd(comm, servers):
 
 # -- the consistency models' guarantees ---------------------------------------------------------
 
-def _served_parameters(server: ShardServer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+def _served_parameters(server: Server, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `params` with the elements the server holds replaced by its shard's values."""
     out = [p.detach().clone() for p in params]
     for piece in server.shard.pieces:

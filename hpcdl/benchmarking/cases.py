@@ -281,6 +281,8 @@ class Case:
     def _gloo(self) -> Runner:
         import torch.distributed as dist
 
+        from ..tensors.arrays import as_tensor
+
         c, root = self.collective, self.root
         x, out = as_tensor(self.x), as_tensor(self.out)
         op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
@@ -297,17 +299,6 @@ class Case:
         if c == "broadcast":
             return Runner(lambda: dist.broadcast(x, root), self.x)
         return Runner(lambda: dist.reduce(x, root, op=op), self.x if self.has_output else None)
-
-
-def as_tensor(arr: Any) -> Any:
-    """A torch tensor over the same memory as `arr` (NumPy or CuPy), without copying."""
-    import torch
-
-    if isinstance(arr, np.ndarray):
-        if arr.dtype.name == "bfloat16":  # NumPy has no bfloat16 torch knows: reinterpret bits
-            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(arr)
-    return torch.from_dlpack(arr)
 
 
 def static_unavailable(collective: str, algorithm: str, dtype: str, op: str, in_place: bool,

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..comm.tensors import dense_view
+from ..tensors.arrays import dense_view
 
 
 class ErrorFeedback:

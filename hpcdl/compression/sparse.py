@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from mpi4py import MPI
 
-from ..comm.tensors import as_tensor, dense_view, flat_in_memory_order
+from ..tensors.arrays import as_tensor, dense_view, flat_in_memory_order
 from ..ddp.exchange import ExchangeLink, GradientExchange
 from .feedback import ErrorFeedback
 

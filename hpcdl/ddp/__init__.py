@@ -1,6 +1,7 @@
 """Synchronous data parallelism: `DistributedDataParallel`, the wrapper a torch user knows.
 
     wrapper.py     the module wrapper: forward, no_sync, buffers, the start-up broadcast
+    torch_arguments.py   torch DDP's other arguments: accepted, refused by name, device_ids checked
     bucket_options.py   the bucket sizes' defaults and their check (torch-free)
     buckets.py     which gradients travel together, and where they live
     reducer.py     launches each bucket's exchange during backward, waits, rebuilds buckets
@@ -9,9 +10,8 @@
     dense.py       the dense hooks: `Average` (the default), `FP16`, `BF16`
     timeline.py    the Chrome trace of both threads
     shards.py      sharding (ZeRO stages 1 and 2): each rank's block of every bucket, the
-                   reduce-scatter exchange, the allgathers of the parameters after the step
-    sharded_optimizer.py   the user's optimizer over this rank's pieces (`ShardedOptimizer`);
-                   gathered state dicts that any number of ranks loads
+                   reduce-scatter exchange, the allgathers of the parameters after the step; the
+                   optimizer over this rank's pieces is `hpcdl.optim.zero.ShardedOptimizer`
     join.py        `join()`: uneven inputs, a rank without data answering with zeros
     elastic.py     `hpcdl.elastic`: training loops that go on after lost ranks (ULFM)
 
@@ -29,13 +29,13 @@ if TYPE_CHECKING:
     from .dense import BF16, FP16, Average, Cast, resolve
     from .exchange import ExchangeLink, GradientExchange
     from .join import Join
-    from .sharded_optimizer import ShardedOptimizer
+    from ..optim.zero import ShardedOptimizer
     from .wrapper import DistributedDataParallel, broadcast_in_place
 
 #: The public names, each with the module that defines it (imported on first use).
 _HOMES = {"Average": ".dense", "BF16": ".dense", "Cast": ".dense", "FP16": ".dense", "resolve": ".dense",
           "ExchangeLink": ".exchange", "GradientExchange": ".exchange", "Join": ".join",
-          "ShardedOptimizer": ".sharded_optimizer", "DistributedDataParallel": ".wrapper",
+          "ShardedOptimizer": "..optim.zero", "DistributedDataParallel": ".wrapper",
           "broadcast_in_place": ".wrapper"}
 
 __all__ = ["Average", "BF16", "Cast", "DistributedDataParallel", "ExchangeLink",

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..comm.streams import DeviceStreams, streams_of
-from ..comm.tensors import dense_view, flat_in_memory_order
+from ..tensors.arrays import dense_view, flat_in_memory_order
+from ..tensors.streams import DeviceStreams, streams_of
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Bucket:
     in_place: list[bool]  # exchanged in its own gradient tensor instead of in `flat`
     numel: int = 0  # gradient elements in the bucket, in-place parameters included
     fused_numel: int = 0  # elements of `flat` when allocated
-    #: the streams of the bucket's device (`hpcdl.comm.streams`); None on the host
+    #: the streams of the bucket's device (`hpcdl.tensors.streams`); None on the host
     streams: DeviceStreams | None = None
     # -- this step ----------------------------------------------------------------------------
     pending: int = 0

@@ -27,10 +27,10 @@ from mpi4py import MPI
 import collectives
 from collectives import Handle
 
-from ..comm.tensors import as_array
+from ..tensors.arrays import as_array
 
 if TYPE_CHECKING:
-    from ..comm.streams import DeviceStreams
+    from ..tensors.streams import DeviceStreams
     from .buckets import Bucket
 
 
@@ -40,8 +40,8 @@ class ExchangeLink:
 
     `bytes_sent` counts what this rank contributed (the input of each collective): the payload,
     not the algorithm's traffic on the wire (docs/algorithms.md gives that per algorithm).
-    `streams`: the bucket's device (`hpcdl.comm.streams`), whose arrays the collectives get (None:
-    host tensors, or a blocking view of a CUDA tensor: `hpcdl.comm.tensors.as_array`).
+    `streams`: the bucket's device (`hpcdl.tensors.streams`), whose arrays the collectives get (None:
+    host tensors, or a blocking view of a CUDA tensor: `hpcdl.tensors.arrays.as_array`).
     """
 
     def __init__(self, comm: MPI.Comm, *, algorithm: str = "auto", chunk_bytes: int = 8 << 20,
@@ -93,7 +93,7 @@ class ExchangeLink:
 
     def allgatherv(self, tensor: torch.Tensor) -> Handle:
         """Gather every rank's 1-D `tensor` (lengths may differ, zero included) in rank order;
-        `wait()` returns the concatenation as an array (`hpcdl.comm.tensors.as_tensor` makes it a tensor).
+        `wait()` returns the concatenation as an array (`hpcdl.tensors.arrays.as_tensor` makes it a tensor).
 
         Uses the wrapper's algorithm where allgatherv has it (ring, butterfly, mpi), else auto.
         """

@@ -12,7 +12,7 @@ launched in bucket order and waited for before the optimizer step.
   (`hpcdl.compression.GradientExchange.launch`) runs on the training thread and starts its
   collectives on the communication thread (through an `ExchangeLink`), while backward goes on. Launching
   strictly in bucket order means every rank exchanges the same buckets in the same order.
-- On a device (`hpcdl/comm/streams.py`) a complete bucket is ready when the compute stream reaches
+- On a device (`hpcdl/tensors/streams.py`) a complete bucket is ready when the compute stream reaches
   the event recorded after its last gradient: it is launched once that event is done (looked at
   in later gradients' hooks, waited for at the end of backward), never after a synchronize of
   the compute stream; the hook's own kernels run on the side stream, and the compute stream waits
@@ -46,11 +46,11 @@ from collectives import Handle
 from ..runtime import stall
 from .buckets import Bucket, assign_buckets
 from .exchange import ExchangeLink, GradientExchange
-from ..comm.tensors import same_memory_order
+from ..tensors.arrays import same_memory_order
 from .timeline import Timeline
 
 if TYPE_CHECKING:
-    from ..comm.streams import DeviceStreams
+    from ..tensors.streams import DeviceStreams
 
 _MB = 1024 * 1024
 

@@ -10,7 +10,7 @@ element more), so a bucket's reduce-scatter leaves each rank exactly its block o
 an allgather of the blocks gives every rank the whole bucket again. A block cuts across
 parameters: the part of each parameter inside it is a `Piece`, a Parameter viewing the
 parameter's own memory, whose `.grad` views the block's averaged gradient. The rank's optimizer
-(`hpcdl/ddp/sharded_optimizer.py`) steps its pieces only, so it holds state for 1/P of the model.
+(`hpcdl/optim/zero.py`) steps its pieces only, so it holds state for 1/P of the model.
 
 One step:
 1. backward: each complete bucket is reduce-scattered (`ShardExchange`, our `ireduce_scatter`,
@@ -38,7 +38,7 @@ import collectives
 from collectives import Handle
 from collectives.partition import partition_offsets
 
-from ..comm.tensors import as_array, dense_view
+from ..tensors.arrays import as_array, dense_view
 from ..runtime import stall
 from .dense import BF16, FP16, Average, narrows
 from .exchange import ExchangeLink, GradientExchange

@@ -52,9 +52,15 @@ Uneven inputs: inside `join()` a rank whose data ran out keeps answering the oth
 with zeros, and averages are over the ranks that contributed (`hpcdl/ddp/join.py`).
 
 CUDA tensors go to the collectives as CuPy arrays over the same memory, each bucket once its
-ready event is done; the compute stream is never synchronized (`hpcdl/comm/streams.py`,
+ready event is done; the compute stream is never synchronized (`hpcdl/tensors/streams.py`,
 docs/training.md#a-step-on-a-gpu). Over one rank the dense average moves nothing: no copy, no
 collective. First run on a GPU (one H200) on 2026-11-27: docs/gpu_check.md.
+One concept, though over 600 lines: the module wrapper a torch user knows (construction, forward,
+no_sync, shard_optimizer, join, the start and end of each backward, buffers, state), with the
+reducer construction and ready hooks Horovod's DistributedOptimizer shares. What it builds on
+lives apart: the buckets and their launches (buckets.py, reducer.py), the exchange (exchange.py,
+dense.py, hpcdl.compression), sharding (shards.py, hpcdl/optim/zero.py), uneven inputs (join.py),
+torch DDP's other arguments (torch_arguments.py).
 """
 from __future__ import annotations
 
@@ -74,17 +80,18 @@ from collectives import Handle
 
 from .. import runtime
 from ..runtime import stall
-from ..runtime.agreement import raise_together, raise_unless_agreed
+from ..runtime.agreement import raise_unless_agreed
 from .bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, check_bucket_options
 from .dense import Average, Cast, resolve
 from .exchange import GradientExchange
 from .join import Join
-from .sharded_optimizer import ShardedOptimizer, build_sharded_optimizer
+from ..optim.zero import ShardedOptimizer, build_sharded_optimizer
 from .shards import STAGES, ShardExchange, Sharding, shard_exchange
 from ..runtime.memory import small_pages_warning
 from .reducer import GradientTraffic, Reducer
-from ..comm.tensors import as_array, collective_array, flat_in_memory_order
+from ..tensors.arrays import as_array, collective_array, flat_in_memory_order
 from .timeline import Timeline
+from .torch_arguments import bound_device, check_torch_options
 
 _MB = 1024 * 1024
 #: A bucket is reduced as consecutive allreduces of at most this many bytes (same slicing on every
@@ -101,21 +108,6 @@ IN_PLACE_BYTES = 1 * _MB
 #: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket
 #: (HPCDL_STALL_WARNING_S, when set, overrides it: hpcdl/runtime/stall.py).
 STALL_WARNING_S = stall.DEFAULT_WARNING_S
-
-#: torch DDP's other constructor arguments: the value that means what this wrapper does anyway
-#: (accepted), and what to do instead of any other value. `process_group` has no accepted value.
-_TORCH_ONLY: dict[str, tuple[Any, str]] = {
-    "dim": (0, "inputs are never scattered here (one device per rank); drop dim"),
-    "process_group": (None, "pass comm= (an MPI communicator), or use torch's own DDP with "
-                            "hpcdl.init_torch_distributed() for a torch process group"),
-    "check_reduction": (False, "drop check_reduction (deprecated in torch too)"),
-    "init_sync": (True, "parameters are always broadcast from rank 0 at construction"),
-    "skip_all_reduce_unused_params": (False, "use find_unused_parameters=True"),
-    "mixed_precision": (None, "use compression='fp16' (float16 on the wire)"),
-    "device_mesh": (None, "pass comm= (an MPI communicator)"),
-    "delay_all_reduce_named_params": (None, "not offered: every gradient is averaged in backward"),
-    "param_to_hook_all_reduce": (None, "not offered: every gradient is averaged in backward"),
-}
 
 #: The wrapper in charge of each module's gradients; building a new one around a module detaches
 #: the old one (its hooks would otherwise go on reducing every backward).
@@ -201,7 +193,7 @@ class DistributedDataParallel(torch.nn.Module):
         if comm is not None and not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm must be an MPI communicator, got {type(comm).__name__}; pass "
                             "torch's device_ids= by keyword")
-        _check_torch_options(torch_options)
+        check_torch_options(torch_options)
         check_bucket_options(bucket_cap_mb, first_bucket_mb, algorithm, sharded=shard is not None)
         exchange = resolve(compression)
         if shard is not None:
@@ -226,7 +218,7 @@ class DistributedDataParallel(torch.nn.Module):
                 warnings.warn(advice, RuntimeWarning, stacklevel=2)
         self.module = module
         self.comm = comm if comm is not None else MPI.COMM_WORLD
-        self.device_ids, self.output_device = _bound_device(module, device_ids, output_device, self.comm)
+        self.device_ids, self.output_device = bound_device(module, device_ids, output_device, self.comm)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = bool(static_graph)
         self.algorithm = algorithm
@@ -394,7 +386,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Collective: `optimizer` (built over this model's parameters, any param groups) rebuilt
         to keep state for this rank's shard only; use the returned optimizer instead of it.
 
-        It must step each element on its own (`hpcdl.ddp.sharded_optimizer.ELEMENTWISE`: SGD,
+        It must step each element on its own (`hpcdl.optim.zero.ELEMENTWISE`: SGD,
         Adam, AdamW, ...; `elementwise=True` vouches for another); LBFGS and the like are refused
         on every rank with what to use instead. State it already holds is sharded too.
         """
@@ -657,59 +649,6 @@ def register_ready_hooks(owner: Any, method: str, params: list[torch.nn.Paramete
     handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
     weakref.finalize(owner, _remove_hooks, list(handles))
     return handles
-
-
-def _check_torch_options(options: dict[str, Any]) -> None:
-    """Refuse torch DDP arguments this wrapper cannot honour, by name, saying what to do instead."""
-    unknown = sorted(set(options) - set(_TORCH_ONLY))
-    if unknown:
-        raise TypeError(f"DistributedDataParallel got unexpected arguments {', '.join(unknown)}")
-    for name, value in options.items():
-        default, advice = _TORCH_ONLY[name]
-        if value is not default and value != default:
-            raise ValueError(f"torch DDP's {name}={value!r} is not supported by "
-                             f"hpcdl.DistributedDataParallel: {advice}")
-
-
-def _bound_device(module: torch.nn.Module, device_ids: Any, output_device: Any,
-                  comm: MPI.Comm) -> tuple[list[int] | None, int | None]:
-    """Collective: torch's device_ids/output_device checked against the GPU this rank is bound to
-    (`runtime`); raises ValueError on every rank if any rank's are wrong (GPUs differ per rank, so
-    one rank alone could be wrong). Returns them as GPU indices."""
-    def index(device: Any) -> int | None:
-        if isinstance(device, int) and not isinstance(device, bool):
-            return device
-        if isinstance(device, str):
-            device = torch.device(device)
-        if isinstance(device, torch.device) and device.type == "cuda":
-            return device.index if device.index is not None else torch.cuda.current_device()
-        return None
-
-    bound = runtime.topology().gpu
-    devices = {p.device for p in module.parameters()}
-    error = None
-    ids: list[Any] | None = None
-    if device_ids is not None:
-        ids = [index(d) for d in device_ids]
-        if devices and all(d.type == "cpu" for d in devices):
-            error = f"device_ids={list(device_ids)} is for a module on a GPU; this one is on the CPU: pass None"
-        elif len(ids) != 1 or ids[0] is None:
-            error = (f"device_ids={list(device_ids)}: pass one CUDA device (one per rank), or None")
-        elif bound is None:
-            error = f"device_ids={list(device_ids)}, but this rank has no GPU bound (no CUDA found)"
-        elif ids[0] != bound:
-            error = (f"device_ids={list(device_ids)}, but hpcdl.init() bound this rank to cuda:{bound} "
-                     f"(local rank % GPUs): pass device_ids=[{bound}] (hpcdl.topology().gpu)")
-    out = None
-    if error is None and output_device is not None:
-        out = index(output_device)
-        expected = ids[0] if ids else bound
-        if out is None or out != expected:
-            error = (f"output_device={output_device!r} is not this rank's GPU "
-                     f"({'none' if expected is None else f'cuda:{expected}'}); pass "
-                     f"{'None' if expected is None else expected}")
-    raise_together(error, comm, ValueError)
-    return ids, out
 
 
 def _first_tensor_needing_grad(output: Any) -> torch.Tensor | None:

@@ -27,7 +27,8 @@ the Adasum reduction, the timeline (`hpcdl.DistributedDataParallel(timeline=...)
 SyncBatchNorm, `horovod.run`.
 
 Split as Horovod's own `horovod.torch` is: basics.py (init, sizes, ranks, the build, the ops),
-process_sets.py, negotiation.py, mpi_ops.py (the collectives on tensors and their handles),
+process_sets.py, negotiation.py, mpi_ops.py (the collectives on tensors; what each call tells the
+other ranks and its check in specs.py, the asynchronous calls' handles in handles.py),
 functions.py (broadcasts of models, optimizer states and objects), compression.py, optimizer.py
 (DistributedOptimizer), sync_batch_norm.py (not offered), elastic.py (`hvd.elastic` on hpcdl's
 recovery from lost ranks, under `mpirun --with-ft ulfm`) and errors.py; this module only gathers

@@ -1,176 +1,45 @@
 """Horovod's collectives on tensors (`horovod.torch.mpi_ops`) over hpcdl's collectives:
 allreduce, allgather, broadcast, alltoall, reducescatter (grouped, in place, asynchronous, and
-differentiable as Horovod's are), sparse allreduce, the integer handles of the asynchronous calls
-(`poll`, `synchronize`), `barrier` and `join`, on any process set.
+differentiable as Horovod's are), sparse allreduce, `barrier` and `join`, on any process set; the
+integer handles of the asynchronous calls (`poll`, `synchronize`) are handles.py's.
 
-Every call is negotiated first (negotiation.py): its spec (dtypes, shapes, op, scale factors,
-root, splits) goes to the other ranks of its process set, is checked against theirs, and the call
-is issued once every rank has made it, on the set's data communicator. So arguments that differ
-between ranks raise `NegotiationError` on every rank (a RuntimeError, as Horovod's errors are),
-a tensor one rank cannot send is refused on every rank with the reason, and allgather and
-alltoall know every rank's rows before moving data. Each kind's check, its start and, for
-allreduce, what a joined rank contributes (zeros) are defined here and registered with the
-negotiation.
+Every call is negotiated first (negotiation.py): its spec (specs.py: dtypes, shapes, op, scale
+factors, root, splits) goes to the other ranks of its process set, is checked against theirs, and
+the call is issued once every rank has made it, on the set's data communicator. So arguments that
+differ between ranks raise `NegotiationError` on every rank (a RuntimeError, as Horovod's errors
+are), a tensor one rank cannot send is refused on every rank with the reason, and allgather and
+alltoall know every rank's rows before moving data. Each kind's start and, for allreduce, what a
+joined rank contributes (zeros) are defined here and registered with the negotiation, with the
+kind's check from specs.py. One concept, Horovod's calls: each kind's start, its autograd function
+(whose backward makes another kind's call) and its grouped, in-place and asynchronous variants.
 """
 from __future__ import annotations
 
-import itertools
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 import collectives
-from collectives.ops import DTYPES, MOVED_DTYPES
 
-from ..comm.alltoall import pairwise_alltoall
-from ..comm.handle import TensorHandle
-from ..comm.tensors import as_array, collective_array, numpy_dtype, refusal
+from ..tensors.alltoall import pairwise_alltoall
+from ..tensors.handle import TensorHandle
+from ..tensors.arrays import as_array, collective_array
 from . import process_sets
 from .basics import _OP_NAMES, Adasum, Average, Sum, _not_offered
 from .compression import Compression, Compressor
+from .handles import new_handle, pending, synchronize
+from .handles import poll as poll  # Horovod's mpi_ops offers it
 from .negotiation import Controller, Request, finished, register
 from .process_sets import ProcessSet, global_process_set
-
-_pending: dict[int, Request] = {}
-_counter = itertools.count(1)
-
-# A tensor's spec: (dtype name, shape, what is wrong with it or None).
-TensorSpec = tuple[str, tuple[int, ...], "str | None"]
-
-
-def _handle(request: Request) -> int:
-    handle = next(_counter)
-    _pending[handle] = request
-    return handle
-
-
-def poll(handle: int) -> bool:
-    """Whether the asynchronous operation `handle` has finished (synchronize then returns at
-    once). Advances the negotiation without blocking."""
-    if handle not in _pending:
-        raise ValueError(f"handle {handle} was not returned by an asynchronous call, or was "
-                         "already synchronized")
-    return _pending[handle].done()
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the asynchronous operation `handle`; return its output (a tensor, or a tuple/list)."""
-    request = _pending.pop(handle, None)
-    return None if request is None else request.wait()  # None for an unknown handle, as Horovod
+from .specs import (TensorSpec, alltoall_spec, check_allgather, check_alltoall, check_broadcast, check_reduction,
+                    check_sparse, tensor_spec, torch_dtype)
 
 
 def _first(request: Request) -> Request:
     """The same call, its result the first of the list it makes (the single-tensor calls)."""
     return request.then(lambda outputs: outputs[0])
-
-
-# -- specs and their checks ------------------------------------------------------------------------
-
-def _problem(tensor: torch.Tensor, *, reduced: bool, in_place: bool) -> str | None:
-    """Why this rank cannot send `tensor` (every rank raises it), or None."""
-    if not isinstance(tensor, torch.Tensor):
-        return f"expected a torch.Tensor, got {type(tensor).__name__}"
-    if tensor.layout != torch.strided or tensor.device.type not in ("cpu", "cuda"):
-        return refusal(tensor.detach())
-    if in_place and not tensor.is_contiguous():
-        return refusal(tensor.detach())
-    try:
-        name = numpy_dtype(tensor.dtype).name
-    except (TypeError, RuntimeError):
-        name = str(tensor.dtype)
-    table = DTYPES if reduced else {**DTYPES, **MOVED_DTYPES}
-    if name not in table:
-        what = "reduced" if reduced else "moved"
-        return f"{tensor.dtype} tensors cannot be {what} (dtypes: {', '.join(sorted(table))})"
-    return None
-
-
-def _spec(tensor: torch.Tensor, *, reduced: bool, in_place: bool = False) -> TensorSpec:
-    problem = _problem(tensor, reduced=reduced, in_place=in_place)
-    return (str(tensor.dtype), tuple(tensor.shape) if problem is None else (), problem)
-
-
-def _problems(tensor_specs: Mapping[int, Sequence[TensorSpec]]) -> list[str]:
-    return [f"rank {rank}: {problem}" for rank, specs in tensor_specs.items()
-            for _, _, problem in specs if problem]
-
-
-def _listing(values: dict[int, Any]) -> str:
-    return ", ".join(f"rank {rank}: {value}" for rank, value in values.items())
-
-
-def _check_tensors(what: str, tensor_specs: Mapping[int, Sequence[TensorSpec]], *, rows_may_differ: bool,
-                   dims: int = 0) -> str | None:
-    """The first difference between the ranks' tensors: their number, dtypes, shapes (all but the
-    first dimension where `rows_may_differ`), at least `dims` dimensions; None if they agree."""
-    problems = _problems(tensor_specs)
-    if problems:
-        return "; ".join(problems)
-    counts = {rank: len(specs) for rank, specs in tensor_specs.items()}
-    if len(set(counts.values())) > 1:
-        return f"the ranks passed different numbers of tensors ({_listing(counts)})"
-    for i in range(next(iter(counts.values()))):
-        dtypes = {rank: specs[i][0] for rank, specs in tensor_specs.items()}
-        if len(set(dtypes.values())) > 1:
-            return f"mismatched {what} dtypes ({_listing(dtypes)})"
-        shapes = {rank: list(specs[i][1]) for rank, specs in tensor_specs.items()}
-        short = {rank: shape for rank, shape in shapes.items() if len(shape) < dims}
-        if short:
-            return f"{what} needs tensors of at least {dims} dimension{'s' * (dims > 1)} ({_listing(short)})"
-        compared = {rank: shape[1:] if rows_may_differ else shape for rank, shape in shapes.items()}
-        if len({tuple(s) for s in compared.values()}) > 1:
-            but = " but for the first" if rows_may_differ else ""
-            return (f"mismatched {what} shapes: every rank must pass the same shape{but} "
-                    f"({_listing(shapes)})")
-    return None
-
-
-def _check_reduction(what: str, dims: int) -> Callable[[dict[int, Any]], str | None]:
-    """The check of allreduce (`dims` 0) and reducescatter (1): one op, one pair of scale
-    factors, the same tensors everywhere."""
-    def check(specs: dict[int, Any]) -> str | None:
-        settings = {rank: "op {}, prescale {}, postscale {}".format(*spec[:3]) for rank, spec in specs.items()}
-        if len(set(settings.values())) > 1:
-            return f"the ranks passed different ops or scale factors ({_listing(settings)}); pass the same everywhere"
-        return _check_tensors(what, {rank: spec[3] for rank, spec in specs.items()}, rows_may_differ=False,
-                              dims=dims)
-    return check
-
-
-def _check_allgather(specs: dict[int, Any]) -> str | None:
-    return _check_tensors("allgather", specs, rows_may_differ=True, dims=1)
-
-
-def _check_broadcast(specs: dict[int, Any]) -> str | None:
-    roots = {rank: spec[0] for rank, spec in specs.items()}
-    if len(set(roots.values())) > 1:
-        return f"the ranks passed different root ranks ({_listing(roots)})"
-    root, flexible, _ = next(iter(specs.values()))
-    if root is None:
-        return "the root rank is not in the process set"
-    tensor_specs = {rank: [spec[2]] for rank, spec in specs.items()}
-    if flexible:  # objects: any length; one dtype
-        return "; ".join(_problems(tensor_specs)) or None
-    return _check_tensors("broadcast", tensor_specs, rows_may_differ=False)
-
-
-def _check_alltoall(specs: dict[int, Any]) -> str | None:
-    return _check_tensors("alltoall", {rank: [spec[0]] for rank, spec in specs.items()}, rows_may_differ=True,
-                          dims=1)
-
-
-def _check_sparse(specs: dict[int, Any]) -> str | None:
-    settings = {rank: spec[:2] for rank, spec in specs.items()}
-    if len(set(settings.values())) > 1:
-        return f"the ranks passed different ops or dense shapes ({_listing(settings)})"
-    return _check_tensors("sparse allreduce", {rank: spec[2] for rank, spec in specs.items()},
-                          rows_may_differ=True, dims=1)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
 
 
 # -- allreduce -------------------------------------------------------------------------------------
@@ -229,7 +98,7 @@ def _reduce_start(tensors: list[torch.Tensor], outputs: list[torch.Tensor], op: 
 
 
 def _zeros(spec: TensorSpec, device: Any) -> torch.Tensor:
-    return torch.zeros(spec[1], dtype=_torch_dtype(spec[0]), device=device)
+    return torch.zeros(spec[1], dtype=torch_dtype(spec[0]), device=device)
 
 
 def _allreduce_stand_in(spec: Any, controller: Controller) -> TensorHandle:
@@ -239,7 +108,7 @@ def _allreduce_stand_in(spec: Any, controller: Controller) -> TensorHandle:
     return _reduce_start(zeros, zeros, op, prescale, postscale, controller.data, controller.size)
 
 
-register("allreduce", _check_reduction("allreduce", 0), _allreduce_stand_in)
+register("allreduce", check_reduction("allreduce", 0), _allreduce_stand_in)
 
 
 def _allreduce_request(tensors: list[torch.Tensor], outputs: list[torch.Tensor] | None, name: str | None,
@@ -248,7 +117,7 @@ def _allreduce_request(tensors: list[torch.Tensor], outputs: list[torch.Tensor] 
     controller = process_sets.controller(process_set)
     in_place = outputs is not None
     spec = (op, float(prescale), float(postscale),
-            tuple(_spec(t, reduced=True, in_place=in_place) for t in tensors))
+            tuple(tensor_spec(t, reduced=True, in_place=in_place) for t in tensors))
 
     def start(specs: dict[int, Any]) -> TensorHandle:
         targets = outputs if outputs is not None else [
@@ -263,7 +132,7 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
                             process_set: ProcessSet = global_process_set) -> int:
     """Start reducing each of `tensors` (not modified); `synchronize` returns the list of results."""
     op = _op(op, average)
-    return _handle(_allreduce_request(list(tensors), None, name, op, prescale_factor, postscale_factor,
+    return new_handle(_allreduce_request(list(tensors), None, name, op, prescale_factor, postscale_factor,
                                       process_set))
 
 
@@ -274,7 +143,7 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
     """Start reducing each of `tensors` in place; `synchronize` returns them."""
     op = _op(op, average)
     tensors = list(tensors)
-    return _handle(_allreduce_request(tensors, tensors, name, op, prescale_factor, postscale_factor,
+    return new_handle(_allreduce_request(tensors, tensors, name, op, prescale_factor, postscale_factor,
                                       process_set))
 
 
@@ -323,7 +192,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     """Start reducing `tensor` (not modified); `synchronize(handle)` returns the result."""
     handle = grouped_allreduce_async([tensor], average, name, op, prescale_factor, postscale_factor,
                                      process_set)
-    _first(_pending[handle])
+    _first(pending(handle))
     return handle
 
 
@@ -333,7 +202,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """Start reducing `tensor` in place; `synchronize(handle)` returns it."""
     handle = grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor,
                                       process_set)
-    _first(_pending[handle])
+    _first(pending(handle))
     return handle
 
 
@@ -371,14 +240,14 @@ def _gather_start(tensors: list[torch.Tensor], specs: dict[int, Any], comm: Any,
     return TensorHandle(handles, lambda _: outputs)
 
 
-register("allgather", _check_allgather)
+register("allgather", check_allgather)
 
 
 def _allgather_request(tensors: list[torch.Tensor], name: str | None, process_set: ProcessSet,
                        rows: list[list[int]] | None = None) -> Request:
     """Submit an allgather of `tensors`; `rows`, if given, receives every rank's row counts."""
     controller = process_sets.controller(process_set)
-    spec = tuple(_spec(t, reduced=False) for t in tensors)
+    spec = tuple(tensor_spec(t, reduced=False) for t in tensors)
 
     def start(specs: dict[int, Any]) -> TensorHandle:
         if rows is not None:
@@ -411,7 +280,7 @@ class _Allgather(torch.autograd.Function):
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start gathering each of `tensors` along dim 0; `synchronize` returns the list."""
-    return _handle(_allgather_request(list(tensors), name, process_set))
+    return new_handle(_allgather_request(list(tensors), name, process_set))
 
 
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
@@ -424,7 +293,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start gathering `tensor` along dim 0; `synchronize(handle)` returns the concatenation."""
     handle = grouped_allgather_async([tensor], name, process_set)
-    _first(_pending[handle])
+    _first(pending(handle))
     return handle
 
 
@@ -437,7 +306,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 # -- sparse allreduce ------------------------------------------------------------------------------
 
-register("sparse_allreduce", _check_sparse)
+register("sparse_allreduce", check_sparse)
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int,
@@ -459,7 +328,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int,
         values, indices = coalesced.values(), coalesced.indices().t().contiguous()
         problem = None
     parts = [values, indices]
-    specs = (_spec(values, reduced=False), _spec(indices, reduced=False))
+    specs = (tensor_spec(values, reduced=False), tensor_spec(indices, reduced=False))
     if problem:
         specs = ((specs[0][0], specs[0][1], problem), specs[1])
     dense_shape = tuple(tensor.shape)
@@ -479,7 +348,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int,
 
 # -- broadcast -------------------------------------------------------------------------------------
 
-register("broadcast", _check_broadcast)
+register("broadcast", check_broadcast)
 
 
 def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
@@ -488,7 +357,7 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: str | None, p
     `flexible`: the root's length wins (objects), only the dtype must agree."""
     controller = process_sets.controller(process_set)
     root = process_sets.set_rank(process_set, root_rank)
-    spec = (root, flexible, _spec(tensor, reduced=False, in_place=in_place))
+    spec = (root, flexible, tensor_spec(tensor, reduced=False, in_place=in_place))
 
     def start(specs: dict[int, Any]) -> TensorHandle:
         assert root is not None
@@ -507,13 +376,13 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
                      process_set: ProcessSet = global_process_set) -> int:
     """Start overwriting `tensor` with root's, in place; `synchronize(handle)` returns it.
     `root_rank` is a rank of the global set, as in Horovod."""
-    return _handle(_broadcast_request(tensor, root_rank, name, process_set, in_place=True))
+    return new_handle(_broadcast_request(tensor, root_rank, name, process_set, in_place=True))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start broadcasting root's `tensor` into a new tensor; `synchronize` returns it."""
-    return _handle(_broadcast_request(tensor, root_rank, name, process_set, in_place=False))
+    return new_handle(_broadcast_request(tensor, root_rank, name, process_set, in_place=False))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -546,39 +415,12 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 # -- alltoall --------------------------------------------------------------------------------------
 
-register("alltoall", _check_alltoall)
-
-
-def _alltoall_spec(tensor: torch.Tensor, splits: Any, size: int) -> tuple[TensorSpec, tuple[int, ...]]:
-    """This rank's tensor spec and rows for each rank; a problem with the splits is the tensor's."""
-    spec = _spec(tensor, reduced=False)
-    rows = tensor.shape[0] if tensor.dim() else 0
-    problem = spec[2]
-    if splits is None:
-        row_splits = [rows // size] * size
-        if problem is None and rows % size:
-            problem = (f"the first dimension {rows} does not divide by the {size} ranks of the set; "
-                       "pass splits=")
-    else:
-        if isinstance(splits, torch.Tensor):
-            if splits.dtype not in (torch.int32, torch.int64):
-                problem = problem or f"splits must hold integers (an int32 tensor or a list), got {splits.dtype}"
-            values = splits.tolist()
-        else:
-            values = list(splits)
-        row_splits = [int(s) for s in values]
-        if problem is None and len(row_splits) != size:
-            problem = f"{len(row_splits)} splits for the {size} ranks of the set"
-        elif problem is None and (sum(row_splits) != rows or min(row_splits, default=0) < 0):
-            problem = f"splits {row_splits} do not add up to the first dimension {rows}"
-    if problem is None and tensor.dim() == 0:
-        problem = "alltoall needs a tensor of at least one dimension"
-    return (spec[0], spec[1], problem), tuple(row_splits)
+register("alltoall", check_alltoall)
 
 
 def _alltoall_now(tensor: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int],
                   comm: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairwise exchange (`hpcdl.comm.alltoall`, blocking): `send_rows[j]` rows to rank j."""
+    """The pairwise exchange (`hpcdl.tensors.alltoall`, blocking): `send_rows[j]` rows to rank j."""
     data = tensor.detach().contiguous()
     row = int(np.prod(data.shape[1:])) if data.dim() > 1 else 1
     output = torch.empty((sum(recv_rows), *data.shape[1:]), dtype=data.dtype, device=data.device)
@@ -589,7 +431,7 @@ def _alltoall_now(tensor: torch.Tensor, send_rows: Sequence[int], recv_rows: Seq
 
 def _alltoall_request(tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet) -> Request:
     controller = process_sets.controller(process_set)
-    spec, send_rows = _alltoall_spec(tensor, splits, controller.size)
+    spec, send_rows = alltoall_spec(tensor, splits, controller.size)
 
     def start(specs: dict[int, Any]) -> Any:
         recv_rows = [specs[rank][1][controller.rank] for rank in sorted(specs)]
@@ -618,7 +460,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Send rows of `tensor` to every rank of the set: `splits[j]` rows to rank j (default: equal
     shares). Returns the received rows (in rank order), and with `splits` given also the number of
-    rows received from each rank. A pairwise exchange (`hpcdl.comm.alltoall`) once the
+    rows received from each rank. A pairwise exchange (`hpcdl.tensors.alltoall`) once the
     negotiation has told every rank the others' splits. Differentiable."""
     output, received = _Alltoall.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
@@ -629,12 +471,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """Start an alltoall; `synchronize(handle)` returns its result (the exchange itself blocks,
     once every rank has made the call)."""
     request = _alltoall_request(tensor, splits, name, process_set)
-    return _handle(request.then(lambda result: result[0] if splits is None else result))
+    return new_handle(request.then(lambda result: result[0] if splits is None else result))
 
 
 # -- reducescatter ---------------------------------------------------------------------------------
 
-register("reducescatter", _check_reduction("reducescatter", 1))
+register("reducescatter", check_reduction("reducescatter", 1))
 
 
 def _shares(rows: int, size: int) -> list[int]:
@@ -683,7 +525,7 @@ def _reducescatter_request(tensors: list[torch.Tensor], name: str | None, op: in
     if op not in _OP_NAMES:
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
     controller = process_sets.controller(process_set)
-    spec = (op, float(prescale), float(postscale), tuple(_spec(t, reduced=True) for t in tensors))
+    spec = (op, float(prescale), float(postscale), tuple(tensor_spec(t, reduced=True) for t in tensors))
     return controller.submit("reducescatter", name, spec, lambda specs: _reducescatter_start(
         tensors, op, prescale, postscale, controller))
 
@@ -711,7 +553,7 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
                                 op: int = Average, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start reduce-scattering each of `tensors` by rows; `synchronize` returns this rank's rows."""
-    return _handle(_reducescatter_request(list(tensors), name, op, prescale_factor, postscale_factor,
+    return new_handle(_reducescatter_request(list(tensors), name, op, prescale_factor, postscale_factor,
                                           process_set))
 
 
@@ -732,7 +574,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
     """Start reduce-scattering `tensor` by rows; `synchronize(handle)` returns this rank's rows."""
     handle = grouped_reducescatter_async([tensor], name, op, process_set, prescale_factor,
                                          postscale_factor)
-    _first(_pending[handle])
+    _first(pending(handle))
     return handle
 
 

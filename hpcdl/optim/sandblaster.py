@@ -53,7 +53,7 @@ from collectives import inflight
 
 from .. import runtime
 from ..runtime.agreement import check_same, raise_together
-from ..comm.tensors import as_array
+from ..tensors.arrays import as_array
 
 TAG_TASK, TAG_RESULT, TAG_END = 1, 2, 3
 COORDINATOR = 0

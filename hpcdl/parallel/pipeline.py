@@ -53,7 +53,7 @@ from collectives import inflight
 from .. import runtime
 from ..runtime.agreement import check_same
 from .grid import ProcessGrid
-from ..comm.tensors import as_array
+from ..tensors.arrays import as_array
 
 #: dtypes an activation may have, by their code in the header
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,

@@ -37,7 +37,7 @@ from mpi4py import MPI
 import collectives
 
 from ..runtime.agreement import check_same
-from ..comm.tensors import as_array
+from ..tensors.arrays import as_array
 
 
 def _allreduce_sum(tensor: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 One concept per module:
 
-- `sharding`: which server holds which contiguous byte range of the parameters;
+- `placement`: which server holds which contiguous byte range of the parameters;
 - `protocol`: message tags and the header every message starts with (bytes per pull and push);
 - `consistency`: async, softsync, ssp and sync as rules for applying pushes and answering pulls;
 - `optimizers`: the torch optimizers a server runs on its shard;
@@ -15,10 +15,10 @@ docs/strategies.md describes the design, the protocol and the tests.
 from .consistency import CONSISTENCIES
 from .job import ParameterServer
 from .optimizers import OPTIMIZERS
-from .server import ServerStats, ShardServer
-from .sharding import ALIGN, ShardLayout, Piece, Shard, plan_layout
+from .server import ServerStats, Server
+from .placement import ALIGN, Placement, Piece, ServerRange, plan_placement
 from .staleness import Staleness
 from .worker import WorkerClient
 
-__all__ = ["ALIGN", "CONSISTENCIES", "ShardLayout", "OPTIMIZERS", "ParameterServer", "Piece",
-           "ServerStats", "Shard", "ShardServer", "Staleness", "WorkerClient", "plan_layout"]
+__all__ = ["ALIGN", "CONSISTENCIES", "Placement", "OPTIMIZERS", "ParameterServer", "Piece",
+           "ServerStats", "ServerRange", "Server", "Staleness", "WorkerClient", "plan_placement"]

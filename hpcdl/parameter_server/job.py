@@ -27,11 +27,11 @@ from mpi4py import MPI
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
-from ..comm.fusion import fused_broadcast
+from ..tensors.fusion import fused_broadcast
 from .consistency import CONSISTENCIES, make_consistency
 from .optimizers import check_optimizer
-from .server import CheckpointHook, LearningRateSchedule, ServerStats, ShardServer
-from .sharding import plan_layout
+from .server import CheckpointHook, LearningRateSchedule, ServerStats, Server
+from .placement import plan_placement
 from .staleness import Staleness
 from .worker import WorkerClient
 
@@ -58,10 +58,10 @@ class ParameterServer:
             raises TimeoutError naming what it waited for; None waits for ever.
         record_events: servers keep every update and answered pull in `server.events`.
         lr_schedule: the servers' learning rate as a function of the workers' mean step (see
-            ShardServer); it replaces `lr` from the first update on. Every rank passes the same
+            Server); it replaces `lr` from the first update on. Every rank passes the same
             function (only whether one is given is compared between ranks).
         drop_lost_workers: in a job under ULFM, a server counts a worker that died out and goes
-            on with the others (ShardServer); otherwise a lost rank raises on the servers.
+            on with the others (Server); otherwise a lost rank raises on the servers.
 
     Roles: `is_server` ranks call `serve()`; workers call `pull()`, `push()`, and `close()` (or use
     `with ps:`), and may call `checkpoint(step)` and `staleness()`. Bytes each rank sent and
@@ -93,24 +93,24 @@ class ParameterServer:
         self.module = module
         self.comm = comm.Dup()  # our tags never meet the user's messages
         self.consistency = consistency
-        self.layout = plan_layout([p.numel() for p in params], [p.element_size() for p in params],
-                                  servers)
+        self.layout = plan_placement([p.numel() for p in params], [p.element_size() for p in params],
+                                     servers)
         workers = size - servers
         self.rank = rank = comm.Get_rank()
         self.server_ranks = list(range(workers, size))
         self.worker_ranks = list(range(workers))
         self.is_server = rank >= workers
-        self.server: ShardServer | None = None
+        self.server: Server | None = None
         self.worker: WorkerClient | None = None
         if self.is_server:
             options = {"lr": lr, "weight_decay": weight_decay}
             if optimizer == "momentum":
                 options["momentum"] = momentum
-            self.server = ShardServer(self.comm, self.layout, rank - workers, params,
-                                      self.worker_ranks, make_consistency(consistency, s),
-                                      (optimizer, options), timeout=timeout,
-                                      record_events=record_events, lr_schedule=lr_schedule,
-                                      drop_lost_workers=drop_lost_workers)
+            self.server = Server(self.comm, self.layout, rank - workers, params,
+                                self.worker_ranks, make_consistency(consistency, s),
+                                (optimizer, options), timeout=timeout,
+                                record_events=record_events, lr_schedule=lr_schedule,
+                                drop_lost_workers=drop_lost_workers)
         else:
             slowdown = straggler[1] if straggler is not None and straggler[0] == rank else 1.0
             self.worker = WorkerClient(self.comm, self.layout, params, self.server_ranks,
@@ -133,7 +133,7 @@ class ParameterServer:
     # -- servers -------------------------------------------------------------------------------
 
     def serve(self, on_checkpoint: CheckpointHook | None = None) -> ServerStats:
-        """Server ranks: run the event loop until every worker has closed; see ShardServer.serve."""
+        """Server ranks: run the event loop until every worker has closed; see Server.serve."""
         server = self._role(True, "serve")
         try:
             return server.serve(on_checkpoint)

@@ -3,7 +3,7 @@
 Every message is one MPI point-to-point message of bytes on the job's own communicator (a
 duplicate of the user's), tagged with what it is. It starts with a header of HEADER_FIELDS int64
 values; shard data, where there is any, follows directly (HEADER_BYTES is a multiple of
-sharding.ALIGN, so the data keeps its alignment).
+placement.ALIGN, so the data keeps its alignment).
 
     tag          direction        header                              then               bytes
     PULL         worker -> server  clock, until                        -                  32

@@ -1,6 +1,6 @@
 """A server: one shard of the parameters, its optimizer, and the event loop that serves workers.
 
-The loop (`ShardServer.serve`) probes for the next message from any worker (`Improbe` on
+The loop (`Server.serve`) probes for the next message from any worker (`Improbe` on
 ANY_SOURCE and ANY_TAG), receives it into a buffer of the right kind, and acts on it:
 
 - PUSH: keep it as pending, then apply whatever the consistency model says is ready (one optimizer
@@ -49,7 +49,7 @@ from .optimizers import make_optimizer
 from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK,
                        PUSH_STEPS, RESET, STATS_VERSION, STEP, STOP, SUM, UNTIL, VERSION, Tag, header,
                        header_message)
-from .sharding import ShardLayout, segments
+from .placement import Placement, segments
 from .staleness import Staleness, StalenessLog
 from .waiting import Backoff, wait_all
 
@@ -78,7 +78,7 @@ class ServerStats:
     dropped: int = 0
 
 
-class ShardServer:
+class Server:
     """Server `index` of `layout`, for the workers at ranks `workers` of `comm`.
 
     `params` are the model's parameters (their values at construction seed the shard), `dtypes`
@@ -96,7 +96,7 @@ class ShardServer:
     `drop_lost_workers`: see the module's docstring.
     """
 
-    def __init__(self, comm: MPI.Comm, layout: ShardLayout, index: int, params: Sequence[torch.Tensor],
+    def __init__(self, comm: MPI.Comm, layout: Placement, index: int, params: Sequence[torch.Tensor],
                  workers: Sequence[int], consistency: Async, optimizer: tuple[str, dict[str, Any]],
                  *, timeout: float | None = None, record_events: bool = False,
                  lr_schedule: LearningRateSchedule | None = None, drop_lost_workers: bool = False) -> None:

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
                        STOP, SUM, VERSION, Tag, header, header_message)
-from .sharding import ShardLayout
+from .placement import Placement
 from .staleness import Staleness, StalenessLog
 from .waiting import wait_all
 
@@ -32,7 +32,7 @@ class WorkerClient:
     many times its length by sleeping: the straggler of experiments.
     """
 
-    def __init__(self, comm: MPI.Comm, layout: ShardLayout, params: Sequence[torch.Tensor],
+    def __init__(self, comm: MPI.Comm, layout: Placement, params: Sequence[torch.Tensor],
                  servers: Sequence[int], *, n_fetch: int = 1, n_push: int = 1,
                  must_pull: bool = False, slowdown: float = 1.0,
                  timeout: float | None = None) -> None:

@@ -14,7 +14,7 @@ to the non-blocking collectives (`collectives.iallreduce`, `iallgather`, `ireduc
 when their handles do. Supported: allreduce (SUM, AVG, MIN, MAX, PRODUCT; coalesced), broadcast,
 reduce, allgather (lists, into one tensor, coalesced), reduce_scatter (lists, from one tensor,
 coalesced), gather, scatter, barrier, alltoall (lists and single tensor, uneven splits; a
-hand-written pairwise exchange, `hpcdl.comm.alltoall`), send/recv (MPI point-to-point), and
+hand-written pairwise exchange, `hpcdl.tensors.alltoall`), send/recv (MPI point-to-point), and
 `new_group` subgroups (communicators made with `MPI_Comm_create_group` over the members only).
 BAND/BOR/BXOR and PREMUL_SUM are refused naming what to use. Operation timeouts are not enforced.
 

@@ -12,9 +12,9 @@ from mpi4py import MPI
 
 import collectives
 
-from ..comm.alltoall import exchange_counts, pairwise_alltoall
-from ..comm.handle import TensorHandle
-from ..comm.tensors import as_array, collective_array, refusal
+from ..tensors.alltoall import exchange_counts, pairwise_alltoall
+from ..tensors.handle import TensorHandle
+from ..tensors.arrays import as_array, collective_array, refusal
 from .work import Completer, PointToPointWork, Work, in_callback
 
 BACKEND = "hpcdl"
@@ -288,7 +288,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
             finishes.append(functools.partial(_copy_into, output, block))
         return self._issue(calls, output_tensors, _all(finishes))
 
-    # -- all-to-all (hpcdl.comm.alltoall: pairwise exchange over point-to-point) -------------------------
+    # -- all-to-all (hpcdl.tensors.alltoall: pairwise exchange over point-to-point) -------------------------
 
     def _exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv: torch.Tensor,
                   recv_counts: Sequence[int] | None, result: list[torch.Tensor],

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from collectives import inflight
 
-from ..comm.handle import TensorHandle
+from ..tensors.handle import TensorHandle
 
 _thread = threading.local()  # .completer: the Completer whose thread this is
 

@@ -15,7 +15,7 @@ from torch import nn
 import collectives
 
 from ..parallel import ColumnParallelLinear, RowParallelLinear
-from ..comm.tensors import as_array
+from ..tensors.arrays import as_array
 
 if TYPE_CHECKING:
     from ..parallel.grid import ProcessGrid

@@ -208,7 +208,7 @@ class Allreduce(Strategy):
     def checkpoint_state(self, step: int) -> dict[str, Any]:
         # Every rank holds the same model and optimizer: rank 0's stand for all. Sharded, the
         # optimizer's state is gathered there, as the unsharded SGD's.
-        from ...ddp.sharded_optimizer import ShardedOptimizer
+        from ...optim.zero import ShardedOptimizer
 
         optimizer = self.optimizer
         if isinstance(optimizer, ShardedOptimizer):

@@ -98,7 +98,7 @@ class LocalSGDStrategy(Strategy):
     def evaluation_model(self) -> torch.nn.Module:
         if self.in_step:
             return self.module
-        from ...comm.fusion import fused_average
+        from ...tensors.fusion import fused_average
 
         averaged = copy.deepcopy(self.module)
         fused_average(list(averaged.parameters()), self.comm, algorithm=self.algorithm)

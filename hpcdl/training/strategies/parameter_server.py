@@ -60,7 +60,7 @@ class Downpour(ParameterServerStrategy):
         return f", fetch every {fetch}, push every {push} steps" if fetch > 1 or push > 1 else ""
 
 
-class Softsync(ParameterServerStrategy):
+class SoftSyncParameterServer(ParameterServerStrategy):
     """Each update averages `staleness` pushes, its rate scaled by 1/staleness (Zhang et al. 2016)."""
 
     drops_lost_workers = True
@@ -95,7 +95,7 @@ class Softsync(ParameterServerStrategy):
         return f", {plan.options['staleness']} pushes per update"
 
 
-class StaleSynchronous(ParameterServerStrategy):
+class StaleSynchronousParameterServer(ParameterServerStrategy):
     """No worker more than `staleness` steps ahead of the slowest (Ho et al. 2013)."""
 
     drops_lost_workers = True
@@ -134,4 +134,4 @@ class SyncParameterServer(ParameterServerStrategy):
         return plan.trainers
 
 
-STRATEGIES = (Downpour, Softsync, StaleSynchronous, SyncParameterServer)
+STRATEGIES = (Downpour, SoftSyncParameterServer, StaleSynchronousParameterServer, SyncParameterServer)

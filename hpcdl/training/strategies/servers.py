@@ -6,7 +6,7 @@ naming its consistency model.
 
 Lost ranks (--on-rank-failure continue, under ULFM; docs/failures.md#training). Under
 `drops_lost_workers` (every strategy here) a lost WORKER is dropped and the others
-go on: each server counts it out (ShardServer's `lost`) and the workers' own communicator is
+go on: each server counts it out (Server's `lost`) and the workers' own communicator is
 shrunk (recovery.py) at their next collective. Those paced by `Meetings` keep each epoch's
 planned size, steps per epoch x the workers the job started with, pushed by the workers left
 (the rest of the lost worker's shard is not trained any more); sync-ps (`Lockstep`) splits each
@@ -125,7 +125,7 @@ class ParameterServerStrategy(Strategy):
     @classmethod
     def resume_errors(cls, plan: Plan, trainers: int) -> list[str]:
         # A resume on other workers: the servers give them the places of the workers that wrote
-        # the checkpoint (and were not lost), in order (ShardServer.load_state_dict). Workers at
+        # the checkpoint (and were not lost), in order (Server.load_state_dict). Workers at
         # their own paces each train their own shard of the run's (shard_order), so there are at
         # most as many as the run's shards; in lockstep (sync-ps) the global batch is split.
         if cls.pacing is Meetings and trainers > plan.trainers:
@@ -214,7 +214,7 @@ class ParameterServerStrategy(Strategy):
             self._evaluated = copy.deepcopy(self.module)
         import torch
 
-        from ...comm.fusion import fused_broadcast
+        from ...tensors.fusion import fused_broadcast
 
         if self.comm.Get_rank() == 0:
             self.ps.pull(self._until)

@@ -31,7 +31,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Shard:
+class ServerRange:
     """Server `index` holds bytes [start, stop) of the layout: these pieces of parameters."""
 
     index: int
@@ -45,21 +45,21 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class ShardLayout:
+class Placement:
     """Where every parameter lies in the flat byte space, and how that space is sharded."""
 
     itemsizes: tuple[int, ...]
     numels: tuple[int, ...]
     offsets: tuple[int, ...]  # byte offset of each parameter, a multiple of ALIGN
     nbytes: int  # the whole space, a multiple of ALIGN
-    shards: tuple[Shard, ...]
+    shards: tuple[ServerRange, ...]
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def plan_layout(numels: Sequence[int], itemsizes: Sequence[int], servers: int) -> ShardLayout:
+def plan_placement(numels: Sequence[int], itemsizes: Sequence[int], servers: int) -> Placement:
     """Lay out parameters of `numels` elements of `itemsizes` bytes and cut them into `servers`
     shards of about nbytes / servers bytes each (some may be empty when the model is tiny)."""
     if len(numels) != len(itemsizes):
@@ -77,10 +77,10 @@ def plan_layout(numels: Sequence[int], itemsizes: Sequence[int], servers: int) -
     units = end // ALIGN
     # Cut k at units * k // servers: sizes differ by at most one ALIGN unit.
     cuts = [units * k // servers * ALIGN for k in range(servers + 1)]
-    shards = tuple(Shard(k, cuts[k], cuts[k + 1],
-                         _pieces(cuts[k], cuts[k + 1], numels, itemsizes, offsets))
+    shards = tuple(ServerRange(k, cuts[k], cuts[k + 1],
+                               _pieces(cuts[k], cuts[k + 1], numels, itemsizes, offsets))
                    for k in range(servers))
-    return ShardLayout(tuple(itemsizes), tuple(numels), tuple(offsets), end, shards)
+    return Placement(tuple(itemsizes), tuple(numels), tuple(offsets), end, shards)
 
 
 def _pieces(start: int, stop: int, numels: Sequence[int], itemsizes: Sequence[int],
@@ -98,7 +98,7 @@ def _pieces(start: int, stop: int, numels: Sequence[int], itemsizes: Sequence[in
     return tuple(pieces)
 
 
-def segments(layout: ShardLayout, shard: Shard, dtypes: Sequence[object]) -> list[tuple[object, int, int]]:
+def segments(layout: Placement, shard: ServerRange, dtypes: Sequence[object]) -> list[tuple[object, int, int]]:
     """The shard as (dtype, byte offset, byte length) runs of consecutive pieces of one dtype.
 
     A run spans the padding between its pieces (a whole number of elements: parameters start at

@@ -27,7 +27,7 @@ from typing import Any, ContextManager, Iterator, Protocol
 
 import torch
 
-from .tensors import numpy_dtype
+from .arrays import numpy_dtype
 
 
 class DeviceStreams(Protocol):

@@ -19,7 +19,7 @@ those is w - lr mean_r(g_r), which is the step one process takes on the combined
 rank has the same number of examples (the mean loss's gradient is the mean of the ranks' means).
 
 Communication: averaging is a fused, chunked `collectives.allreduce(op="avg")` of the parameters
-(and state), one call per dtype and 8 MiB (`hpcdl.comm.fusion`); nothing between averagings. Buffers
+(and state), one call per dtype and 8 MiB (`hpcdl.tensors.fusion`); nothing between averagings. Buffers
 (batch-norm statistics) stay per rank, as in torch's averagers. A rank missing from an averaging
 is warned about (hpcdl/runtime/stall.py, HPCDL_STALL_WARNING_S), as DDP's waits are.
 
@@ -37,11 +37,11 @@ from mpi4py import MPI
 
 import collectives
 
-from . import runtime
-from .comm.fusion import fused_average, fused_broadcast
-from .ddp.join import Join
-from .runtime import stall
-from .runtime.agreement import raise_unless_agreed
+from .. import runtime
+from ..tensors.fusion import fused_average, fused_broadcast
+from ..ddp.join import Join
+from ..runtime import stall
+from ..runtime.agreement import raise_unless_agreed
 
 
 #: What LocalSGD's stall warning advises.

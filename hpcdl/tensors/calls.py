@@ -15,7 +15,7 @@ memory. Anything that is not a tensor (NumPy, CuPy, any array) goes to `collecti
 A tensor the collectives cannot take (it requires grad outside `torch.no_grad()`, is sparse or not
 contiguous, or its dtype or device is not supported) is refused on every rank of the call with
 `collectives.CollectiveArgumentError`, by the collectives' own cross-rank check
-(`hpcdl.comm.tensors.collective_array`), so a bad tensor on one rank never leaves the others waiting. No
+(`hpcdl.tensors.arrays.collective_array`), so a bad tensor on one rank never leaves the others waiting. No
 extra communication is added to a call that passes: the conversions cost a few microseconds.
 
 torch is imported only if the caller already did: a NumPy-only program stays torch-free.
@@ -46,15 +46,15 @@ def _torch_among(*values: Any) -> Any:
     return None
 
 
-_tensors: Any = None  # hpcdl.comm.tensors, imported with torch on the first tensor
+_tensors: Any = None  # hpcdl.tensors.arrays, imported with torch on the first tensor
 
 
 def _bridge() -> Any:
     global _tensors
     if _tensors is None:
-        from . import tensors
+        from . import arrays
 
-        _tensors = tensors
+        _tensors = arrays
     return _tensors
 
 

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from mpi4py import MPI
 
-from ..comm.tensors import dense_view
+from ..tensors.arrays import dense_view
 from ..runtime.agreement import raise_unless_agreed
 
 if TYPE_CHECKING:
-    from .shards import Piece, Sharding
+    from ..ddp.shards import Piece, Sharding
 
 #: torch optimizers whose step treats every element of a parameter on its own (state shaped like
 #: the parameter, no norm or factorization over a whole tensor): they step pieces as they would

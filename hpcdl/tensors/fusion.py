@@ -17,7 +17,7 @@ from mpi4py import MPI
 import collectives
 from collectives import Handle
 
-from .tensors import as_array
+from .arrays import as_array
 
 #: Slices of a fused buffer: the same figure as DDP's (hpcdl/ddp/wrapper.py), measured there: the MPI
 #: library's allreduce on shared memory is ~3x faster per byte at 8 MiB than at 32-64 MiB.

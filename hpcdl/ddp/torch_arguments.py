@@ -1,0 +1,81 @@
+"""torch DDP's constructor arguments that `hpcdl.DistributedDataParallel` takes besides its own:
+accepted where their value means what the wrapper does anyway, refused by name otherwise with
+what to use instead; `device_ids` and `output_device` checked against the GPU this rank is bound
+to, on every rank together."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from .. import runtime
+from ..runtime.agreement import raise_together
+
+#: torch DDP's other constructor arguments: the value that means what this wrapper does anyway
+#: (accepted), and what to do instead of any other value. `process_group` has no accepted value.
+_TORCH_ONLY: dict[str, tuple[Any, str]] = {
+    "dim": (0, "inputs are never scattered here (one device per rank); drop dim"),
+    "process_group": (None, "pass comm= (an MPI communicator), or use torch's own DDP with "
+                            "hpcdl.init_torch_distributed() for a torch process group"),
+    "check_reduction": (False, "drop check_reduction (deprecated in torch too)"),
+    "init_sync": (True, "parameters are always broadcast from rank 0 at construction"),
+    "skip_all_reduce_unused_params": (False, "use find_unused_parameters=True"),
+    "mixed_precision": (None, "use compression='fp16' (float16 on the wire)"),
+    "device_mesh": (None, "pass comm= (an MPI communicator)"),
+    "delay_all_reduce_named_params": (None, "not offered: every gradient is averaged in backward"),
+    "param_to_hook_all_reduce": (None, "not offered: every gradient is averaged in backward"),
+}
+
+
+def check_torch_options(options: dict[str, Any]) -> None:
+    """Refuse torch DDP arguments this wrapper cannot honour, by name, saying what to do instead."""
+    unknown = sorted(set(options) - set(_TORCH_ONLY))
+    if unknown:
+        raise TypeError(f"DistributedDataParallel got unexpected arguments {', '.join(unknown)}")
+    for name, value in options.items():
+        default, advice = _TORCH_ONLY[name]
+        if value is not default and value != default:
+            raise ValueError(f"torch DDP's {name}={value!r} is not supported by "
+                             f"hpcdl.DistributedDataParallel: {advice}")
+
+
+def bound_device(module: torch.nn.Module, device_ids: Any, output_device: Any,
+                  comm: MPI.Comm) -> tuple[list[int] | None, int | None]:
+    """Collective: torch's device_ids/output_device checked against the GPU this rank is bound to
+    (`runtime`); raises ValueError on every rank if any rank's are wrong (GPUs differ per rank, so
+    one rank alone could be wrong). Returns them as GPU indices."""
+    def index(device: Any) -> int | None:
+        if isinstance(device, int) and not isinstance(device, bool):
+            return device
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return device.index if device.index is not None else torch.cuda.current_device()
+        return None
+
+    bound = runtime.topology().gpu
+    devices = {p.device for p in module.parameters()}
+    error = None
+    ids: list[Any] | None = None
+    if device_ids is not None:
+        ids = [index(d) for d in device_ids]
+        if devices and all(d.type == "cpu" for d in devices):
+            error = f"device_ids={list(device_ids)} is for a module on a GPU; this one is on the CPU: pass None"
+        elif len(ids) != 1 or ids[0] is None:
+            error = (f"device_ids={list(device_ids)}: pass one CUDA device (one per rank), or None")
+        elif bound is None:
+            error = f"device_ids={list(device_ids)}, but this rank has no GPU bound (no CUDA found)"
+        elif ids[0] != bound:
+            error = (f"device_ids={list(device_ids)}, but hpcdl.init() bound this rank to cuda:{bound} "
+                     f"(local rank % GPUs): pass device_ids=[{bound}] (hpcdl.topology().gpu)")
+    out = None
+    if error is None and output_device is not None:
+        out = index(output_device)
+        expected = ids[0] if ids else bound
+        if out is None or out != expected:
+            error = (f"output_device={output_device!r} is not this rank's GPU "
+                     f"({'none' if expected is None else f'cuda:{expected}'}); pass "
+                     f"{'None' if expected is None else expected}")
+    raise_together(error, comm, ValueError)
+    return ids, out
