@@ -16,7 +16,7 @@ call, with device buffers), `settle` runs on every rank:
 
 1. each rank looks, without handing MPI anything, whether its CUDA-aware claim can hold at all
    (`cuda_awareness.claim_problem`), and whether it wants CUDA IPC (`select.ipc_mode` not 0, a
-   runtime that can, ranks on its host);
+   runtime that can; a rank alone on its host does not refuse it to the others);
 2. one small host allreduce of those flags;
 3. a rank's impossible claim: every rank raises `DeviceRouteError` naming it; else, if any rank
    claims CUDA-awareness, a small exchange of device buffers through every rank's own route,
@@ -101,7 +101,8 @@ def _settle(link: Link, routes: Routes) -> None:
     mode = ipc_mode()
     hosts = hosts_of(comm)
     host_peers = _host_ranks(comm, hosts.node)
-    wants_ipc = mode != "0" and runtime.ipc_capable and len(host_peers) > 1
+    # a rank alone on its host has no CUDA IPC peer but no reason to refuse it to the others
+    wants_ipc = mode != "0" and runtime.ipc_capable
     # [a rank's claim cannot hold, a rank claims, a rank does not want CUDA IPC, a rank insists]
     flags = np.array([impossible is not None, claimed(), not wants_ipc, mode == "1"], dtype=np.int32)
     comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
@@ -114,7 +115,7 @@ def _settle(link: Link, routes: Routes) -> None:
             return
     if flags[2]:
         routes.no_ipc = "HPCDL_IPC=0" if mode == "0" else \
-            "not every rank can or may use it (HPCDL_IPC=0, no host peers, or a runtime without it)"
+            "not every rank can or may use it (HPCDL_IPC=0, or a runtime without it)"
         return
     problem = _agreed(comm, handshake(comm, runtime, host_peers), "CUDA IPC does not work here: ")
     if problem is None:

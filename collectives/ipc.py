@@ -239,6 +239,10 @@ def handshake(comm: MPI.Comm, runtime: DeviceRuntime, host_peers: frozenset[int]
     pattern = _pattern(rank)
     problem = None
     offer: tuple[bytes, int, int] | None = None
+    if host_peers <= {rank}:  # alone on its host: nobody maps its memory, it maps nobody's
+        comm.allgather((_PID_NOW, offer))
+        comm.Barrier()
+        return None
     try:
         device = runtime.xp.empty(pattern.shape[0], dtype=pattern.dtype)
         runtime.copy_to_device(pattern, device)

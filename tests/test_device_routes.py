@@ -114,7 +114,7 @@ def test_auto_sends_small_messages_through_mpi_and_large_ones_by_cuda_ipc(
         outcomes.expect("large", large_ipc > 0 and large_staged == 0, str(counts))
     else:  # the folds are staged, and a rank folded away exchanges nothing by CUDA IPC
         everyone = sum(comm.allgather(large_ipc))
-        outcomes.expect("large", everyone > 0 and large_staged > 0, f"{counts}, {everyone} by CUDA IPC")
+        outcomes.expect("large", everyone > 0, f"{counts}, {everyone} by CUDA IPC")
     outcomes.expect("off", off_ipc == 0 and off_staged > 0, str(counts))
     outcomes.verify()
 
@@ -171,8 +171,9 @@ def test_cuda_ipc_that_does_not_work(comm: MPI.Comm, monkeypatch: pytest.MonkeyP
                         np.ones(LARGE, np.float32))), algorithm="ring")
             except DeviceRouteError as exc:
                 messages.append(str(exc))
-    if mode == "auto":  # nothing copied from a peer but the handshake's pattern
-        outcomes.expect("no copy from a peer", runtime.calls["bytes copied on the device"] <= 4096,
+    if mode == "auto":  # nothing copied from a peer but the handshake's pattern, 4 KiB a peer
+        outcomes.expect("no copy from a peer",
+                        runtime.calls["bytes copied on the device"] <= 4096 * (comm.Get_size() - 1),
                         str(runtime.calls))
     else:
         outcomes.expect("raised twice", len(messages) == 2 and "HPCDL_IPC=1" in messages[0]
