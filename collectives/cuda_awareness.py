@@ -139,18 +139,19 @@ def check_claim(link: Any) -> str | None:
     got wrong (the caller agrees on the outcome with every rank)."""
     xp, rank, size = link.xp, link.rank, link.size
     right, left = (rank + 1) % size, (rank - 1) % size
-    for nbytes in CHECK_BYTES:
+    problem = None
+    for nbytes in CHECK_BYTES:  # every size on every rank, whatever arrived: its peers send it
         count = nbytes // 4
         send = xp.asarray(_claim_pattern(rank, count))
         expected = xp.asarray(_claim_pattern(left, count))
         recv = xp.zeros(count, dtype=np.uint32)
         link.runtime.synchronize()  # the arrays are written before MPI may read them
         link.sendrecv(send, right, recv, left)
-        if not bool(xp.array_equal(recv, expected)):
-            return (f"HPCDL_CUDA_AWARE=1, but {nbytes} bytes of device memory from rank {left} "
-                    "arrived wrong: this MPI does not read device memory (unset HPCDL_CUDA_AWARE "
-                    "to stage device messages through host memory)")
-    return None
+        if problem is None and not bool(xp.array_equal(recv, expected)):
+            problem = (f"HPCDL_CUDA_AWARE=1, but {nbytes} bytes of device memory from rank {left} "
+                       "arrived wrong: this MPI does not read device memory (unset HPCDL_CUDA_AWARE "
+                       "to stage device messages through host memory)")
+    return problem
 
 
 def _claim_pattern(rank: int, count: int) -> np.ndarray:
