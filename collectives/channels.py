@@ -11,23 +11,26 @@ the user's communicator as an MPI attribute (`channel_of`), so it goes away with
 from __future__ import annotations
 
 import threading
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, cast
 
 from mpi4py import MPI
 
 from .buffers import Buffer, DeviceRuntime, device_runtime
 from .cuda_awareness import cuda_aware
+from .device_routes import DeviceRoutes, settle
 from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError
+from .expectation import Expectation
 from .failures import Failure, failed_ranks, failure_of, revoke
 from .host_communicators import derived_communicators
 from .ops import OPS
-from .select import choose_level, staging_piece
+from .select import choose_level, ipc_route, staging_piece
 from .transport import Link, ScratchPool
 from .validation import Agreement
 
 if TYPE_CHECKING:
-    from .execution import FusedPlan
+    from .small import FusedPlan, SmallPlan
 
 
 class _Duplicate:
@@ -65,36 +68,49 @@ class Lane:
     `i*` calls on the communication thread), and what is cached for it. The two lanes of a
     communicator never run at once (`Channel.drain`), but each keeps its own buffers."""
 
-    def __init__(self, dup: _Duplicate, patient: Callable[[], bool] | None) -> None:
+    #: the argument check on the duplicate for this lane's calls, made at its first use
+    agreement: Agreement
+
+    def __init__(self, dup: _Duplicate, patient: Callable[[], bool] | None,
+                 expectation: Expectation, routes: DeviceRoutes) -> None:
         self._dup = dup
         self.patient = patient
+        #: the channel's, shared by both lanes: they run its calls one at a time, in order
+        self.expectation = expectation
+        self.routes = routes  # what the ranks agreed about device messages: one for both lanes
         #: scratch arrays by the device runtime (None: host) that allocated them, with the runtime
         #: held so that its id is not reused while its pool lives
         self._scratch: dict[int, tuple[DeviceRuntime | None, ScratchPool]] = {}
-        self.fused: dict[tuple[Any, ...], FusedPlan | None] = {}
+        #: small host allreduces' plans by shape, dtype, op and algorithm (`small.small_plan`)
+        self.small: dict[tuple[Any, ...], SmallPlan | None] = {}
+        #: the plans of calls on the general path whose data rides in the check, by signature
+        self.fused: dict[tuple[int, ...], FusedPlan] = {}
         self._links: dict[tuple[Any, ...], Link] = {}
-        self._agreement: Agreement | None = None
 
-    @property
-    def agreement(self) -> Agreement:
-        """The argument check on the duplicate, for this lane's calls (made at its first use)."""
-        if self._agreement is None:
-            self._agreement = Agreement(self._dup.get(), patient=self.patient)
-        return self._agreement
+    def __getattr__(self, name: str) -> Any:
+        # `agreement` is made at its first use (and the duplicate with it), then is an attribute:
+        # it is read on every call.
+        if name != "agreement":
+            raise AttributeError(name)
+        agreement = self.agreement = Agreement(self._dup.get(), patient=self.patient)
+        return agreement
 
     def abandon(self) -> None:
         """After a process failure: settle every message this lane's calls left outstanding."""
         for link in self._links.values():
             link.abandon()
-        if self._agreement is not None:
-            self._agreement.abandon()
+        agreement = self.__dict__.get("agreement")
+        if agreement is not None:
+            agreement.abandon()
 
     def release(self) -> None:
         """Drop everything planned and allocated for the communicator (it is used no more)."""
         self._scratch.clear()
+        self.small.clear()
         self.fused.clear()
         self._links.clear()
-        self._agreement = None
+        self.__dict__.pop("agreement", None)
+        self.expectation.forget()
 
     def scratch(self, runtime: DeviceRuntime | None) -> ScratchPool:
         """The reusable arrays of buffers of `runtime` (None: host memory). One pool per runtime:
@@ -118,9 +134,18 @@ class Lane:
             link = self._links[key] = Link(
                 self._dup.get(), OPS[op], src.xp, on_device=src.on_device, cuda_aware=aware,
                 runtime=runtime, scratch=self.scratch(runtime), patient=self.patient, finishes_blocks=finishes,
-                choose_level=choose_level, staging_piece=staging_piece)
+                choose_level=choose_level, staging_piece=staging_piece,
+                routes=None if runtime is None else self.routes.of(runtime), ipc_route=ipc_route)
         link.tag = tag
         return link
+
+    def settle_routes(self, link: Link) -> None:
+        """Before a device call's algorithm, after its argument check: the routes of its device
+        messages, settled by every rank at the communicator's first device call
+        (`device_routes.settle`, collective then); raises DeviceRouteError where a claim fails."""
+        assert link.routes is not None
+        if not link.routes.settled or link.routes.error is not None:
+            settle(link, link.routes)
 
 
 class Channel:
@@ -152,14 +177,17 @@ class Channel:
         self.last: Handle | None = None  # the last `i*` call issued
         dup = self.dup = _Duplicate(comm, nonblocking=multiple)
         self.engine = Engine(f"hpcdl-comm-{comm.py2f()}") if multiple else _serial_engine()
-        self.background = Lane(dup, self.engine.nobody_waiting)
+        #: what the ranks agreed on so far, and the call they expect next (`expectation.py`)
+        self.expectation = Expectation(dup.get)
+        routes = DeviceRoutes()
+        self.background = Lane(dup, self.engine.nobody_waiting, self.expectation, routes)
         # Below MPI_THREAD_MULTIPLE only the engine may call MPI: blocking calls go through it too.
-        self.blocking = Lane(dup, None) if multiple else self.background
+        self.blocking = Lane(dup, None, self.expectation, routes) if multiple else self.background
 
     def enter(self) -> int:
         """Start issuing a call from this thread; its call number. Raises ConcurrentUseError if
         another thread is issuing one."""
-        if not self.busy.acquire(blocking=False):
+        if not self.busy.acquire(False):  # positional: keywords cost 100 ns here
             me = threading.current_thread().name
             self.intruders.append(me)
             raise ConcurrentUseError(
@@ -167,7 +195,7 @@ class Channel:
                 f"{_thread_name(self.issuer)!r} was in a call on it; MPI requires the calls on a "
                 "communicator to come in one order, which two threads cannot keep. Give each "
                 "thread its own communicator (comm.Dup()).")
-        self.issuer = threading.get_ident()
+        self.issuer = get_ident()
         self.calls += 1
         return self.calls
 

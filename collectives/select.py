@@ -19,9 +19,15 @@ table's row.
 
 `staging_piece` picks the staged path's copy granularity the same way: `HPCDL_STAGING_PIECE_BYTES`,
 else the tuning file's model where it has copy parameters, else `partition.default_staging_piece`.
-It is each rank's own choice (the messages on the wire do not depend on it). `choose_level` and
-`staging_piece` are handed to every Link by the channel that makes it (`channels.Lane.link`): the
-transport below reads no setting and no tuning file itself.
+It is each rank's own choice (the messages on the wire do not depend on it). `choose_level`,
+`staging_piece` and `ipc_route` are handed to every Link by the channel that makes it
+(`channels.Lane.link`): the transport below reads no setting and no tuning file itself.
+
+`ipc_route` picks the device messages between ranks of one host that go by CUDA IPC (`ipc.py`),
+where the ranks agreed they can (`device_routes.py`): `HPCDL_IPC=1` all of them, `0` none, `auto`
+(the default) those the tuning file's model predicts faster that way where it has CUDA IPC
+parameters, else those of IPC_BYTES or more. Both ends of a message must decide alike, so every
+rank must see the same setting and tuning file, as for `choose`.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from typing import Any
 
 from .algorithms.description import Algorithm
 from .cost.params import LEVELS, ModelParams
-from .cost.prediction import best, best_part, model_bytes
+from .cost.prediction import best, best_part, ipc_wins, model_bytes
 from .cost.prediction import staging_piece as model_staging_piece
 from .partition import default_staging_piece
 from .registry import ALGORITHMS, COLLECTIVES, single_communicator
@@ -43,26 +49,30 @@ BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")
 # os.environ.get encodes the name on every call (about 250 ns); `auto`'s settings are read on every
 # small call, so they are looked up in the mapping's own encoded store, which CPython keeps in step
 # with every change made through os.environ on POSIX (the only platform MPI jobs run on here).
-_ENCODED = getattr(os.environ, "_data", None)
+#: That store, or None where it cannot be read so (not POSIX).
+ENCODED_ENVIRONMENT: dict[bytes, bytes] | None = (
+    getattr(os.environ, "_data", None) if os.name == "posix" else None)
+#: What `auto`'s choice for each collective depends on besides the call, by encoded name: its
+#: override and the tuning file (`settings_key`).
+SETTINGS_NAMES: dict[str, tuple[bytes, bytes]] = {
+    name: (f"HPCDL_ALGORITHM_{name.upper()}".encode(), b"HPCDL_TUNING_FILE") for name in COLLECTIVES}
 
 
 def setting(name: str) -> str | None:
     """The environment variable `name`, read as cheaply as the platform allows."""
-    if _ENCODED is None or os.name != "posix":
+    if ENCODED_ENVIRONMENT is None:
         return os.environ.get(name)
-    value = _ENCODED.get(name.encode())
+    value = ENCODED_ENVIRONMENT.get(name.encode())
     return None if value is None else os.fsdecode(value)
 
 
 def settings_key(collective: str) -> tuple[Any, Any]:
     """What `auto`'s choice for `collective` depends on besides the call: its override and the
     tuning file (raw values, for cache keys; about 100 ns)."""
-    if _ENCODED is None or os.name != "posix":
-        return setting(f"HPCDL_ALGORITHM_{collective.upper()}"), setting("HPCDL_TUNING_FILE")
-    return _ENCODED.get(_OVERRIDE_KEYS[collective]), _ENCODED.get(b"HPCDL_TUNING_FILE")
-
-
-_OVERRIDE_KEYS = {name: f"HPCDL_ALGORITHM_{name.upper()}".encode() for name in COLLECTIVES}
+    override, tuning = SETTINGS_NAMES[collective]
+    if ENCODED_ENVIRONMENT is None:
+        return os.environ.get(override.decode()), os.environ.get(tuning.decode())
+    return ENCODED_ENVIRONMENT.get(override), ENCODED_ENVIRONMENT.get(tuning)
 
 
 @functools.lru_cache(maxsize=8)
@@ -240,3 +250,44 @@ def _staging_piece(forced: str | None, path: str | None, nbytes: int) -> int:
     if params is not None and params.copy_beta > 0:
         return model_staging_piece(nbytes, params)
     return default_staging_piece(nbytes)
+
+
+#: Without a setting or a model, CUDA IPC carries the device messages of this many bytes or more
+#: between ranks of one host (`ipc_route`). Below it a message costs its handshake (two MPI
+#: messages and a copy's launch and wait, some 10-20 us) whatever the route; above it the copy
+#: from the peer's memory runs at device bandwidth, hundreds of GB/s against the tens of the
+#: staged path's two copies over PCIe. A guess until a GPU measures it (docs/collectives.md).
+IPC_BYTES = 64 << 10
+
+#: HPCDL_IPC's values: what each means.
+IPC_MODES = {"auto": "where it pays", "1": "every exchange between ranks of one host (and fail "
+             "loudly where CUDA IPC does not work)", "0": "never"}
+
+
+def ipc_mode() -> str:
+    """HPCDL_IPC as one of IPC_MODES ("auto" when unset); raises ValueError for anything else."""
+    value = (setting("HPCDL_IPC") or "auto").strip().lower()
+    value = {"on": "1", "yes": "1", "true": "1", "off": "0", "no": "0", "false": "0"}.get(value, value)
+    if value not in IPC_MODES:
+        raise ValueError(f"HPCDL_IPC={setting('HPCDL_IPC')!r}: choose auto (the default), 1 or 0")
+    return value
+
+
+def ipc_route(nbytes: int) -> bool:
+    """Whether a device message of `nbytes` between ranks of one host goes by CUDA IPC rather
+    than through MPI. A function of the message's length, the setting and the tuning file only,
+    so both ends of a message decide alike. Cached per setting."""
+    return _ipc_route(setting("HPCDL_IPC"), setting("HPCDL_TUNING_FILE"), nbytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ipc_route(forced: str | None, path: str | None, nbytes: int) -> bool:
+    mode = ipc_mode()
+    if mode != "auto":
+        return mode == "1"
+    params = model_params(path) if path else None
+    if params is not None and params.peer_beta > 0:
+        # against the staged path where the model has copy costs (measured on device buffers
+        # that MPI did not read itself), else against MPI reading device memory
+        return ipc_wins(nbytes, params, staged=params.copy_beta > 0)
+    return nbytes >= IPC_BYTES

@@ -10,14 +10,19 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collectives import cuda_awareness, execution, inflight, layouts, packet, patience, planning, registry, validation
+from collectives import (cuda_awareness, device_routes, execution, expectation, inflight, ipc, layouts, packet,
+                         patience, planning, registry, small, validation)
 from collectives.algorithms import (butterfly, halving_doubling, hierarchical, mpi, reduce_scatter_gather, ring,
                                     scatter_allgather, tree)
 from collectives.algorithms.description import Algorithm
 from collectives.algorithms.fold import Fold
 from collectives.buffers import UnusableArray, as_buffer
+from collectives.channels import channel_of
 from collectives.cost.counts import NOTHING, Cost
 from collectives.errors import LocalArgumentError
+from collectives.ops import DTYPE_CODES, OPS
+from collectives.packet import PAYLOAD_BYTES, PLACEMENTS
+from collectives.registry import ALGORITHM_CODES, COLLECTIVE_CODES
 
 ALGORITHM_MODULES = (butterfly, halving_doubling, hierarchical, mpi, reduce_scatter_gather, ring, scatter_allgather,
                      tree)
@@ -68,17 +73,6 @@ def test_cuda_awareness_can_be_forced(monkeypatch: pytest.MonkeyPatch, value: st
     assert cuda_awareness.cuda_aware() is aware
 
 
-def test_the_small_message_path_takes_only_outputs_it_can_write() -> None:
-    x = np.zeros(4, dtype=np.float32)
-    assert execution.fused_out(x, None) and execution.fused_out(x, x)
-    assert execution.fused_out(x, np.empty(4, dtype=np.float32))
-    assert not execution.fused_out(x, np.empty(4, dtype=np.float64))
-    assert not execution.fused_out(x, np.empty(5, dtype=np.float32))
-    frozen = np.empty(4, dtype=np.float32)
-    frozen.flags.writeable = False
-    assert not execution.fused_out(x, frozen)
-
-
 class _Owner:
     pass
 
@@ -120,11 +114,11 @@ def test_layouts_price_the_copies_around_the_algorithm() -> None:
 def test_the_argument_checks_packet_holds_the_header_and_the_payload() -> None:
     assert packet.HEADER_BYTES == 8 * (len(packet.FIELDS) + 1)
     p = validation.Packet(np.dtype(np.float32), (2, 3))
-    assert p.send.nbytes == packet.HEADER_BYTES + 24 and p.recv.nbytes == packet.HEADER_BYTES + packet.PAYLOAD_BYTES
+    assert len(p.send) == packet.HEADER_BYTES + 24 and len(p.recv) == packet.HEADER_BYTES + packet.PAYLOAD_BYTES
     p.set_header(list(range(packet.SIGNATURE_FIELDS)), error=True)
     assert p.header[packet.CALL_NUMBER] == packet.CALL_NUMBER and p.header[packet.STATUS] != 0
     p.payload[...] = 1.5
-    assert p.send[packet.HEADER_BYTES:].view(np.float32).tolist() == [1.5] * 6
+    assert np.frombuffer(p.send, np.float32, offset=packet.HEADER_BYTES).tolist() == [1.5] * 6
 
 
 def test_a_call_site_is_the_same_for_the_same_line() -> None:
@@ -144,3 +138,101 @@ def test_an_unknown_choice_lists_the_valid_ones() -> None:
     validation.check_choice("algorithm", "ring", {"ring", "tree"})
     with pytest.raises(LocalArgumentError, match=r"unknown algorithm 'rnig'; choose one of ring, tree"):
         validation.check_choice("algorithm", "rnig", {"tree", "ring"})
+
+
+def test_which_arrays_may_take_the_small_plan() -> None:
+    """`small.suits`: C-ordered input, and no output, the input itself or a writable twin."""
+    x = np.zeros(4)
+    assert small.suits(x, None) and small.suits(x, x) and small.suits(x, np.empty(4))
+    assert not small.suits(np.zeros(8)[::2], None)  # strided: the general path copies it
+    frozen = np.zeros(4)
+    frozen.flags.writeable = False
+    assert not small.suits(frozen, frozen)
+    assert not small.suits(x, np.empty(4, np.float32)) and not small.suits(x, np.empty(5))
+    assert not small.suits(x, [0.0] * 4)
+
+
+def test_which_calls_carry_their_data_in_the_check() -> None:
+    """Only an algorithm that says so, on host memory, up to the packet's payload."""
+    assert small.rides_in_check("allreduce", "butterfly", False, PAYLOAD_BYTES)
+    assert not small.rides_in_check("allreduce", "butterfly", False, PAYLOAD_BYTES + 1)
+    assert not small.rides_in_check("allreduce", "butterfly", True, 8)
+    assert not small.rides_in_check("allreduce", "ring", False, 8)
+
+
+def _signature(count: int, algorithm: str = "mpi") -> tuple[int, ...]:
+    return (COLLECTIVE_CODES["allreduce"], ALGORITHM_CODES[algorithm], OPS["sum"].code, DTYPE_CODES["float64"],
+            count, 0, PLACEMENTS["host memory"])
+
+
+def test_the_call_that_followed_an_agreed_call_is_expected_after_it_again() -> None:
+    """`expectation.Expectation` on COMM_SELF: plans only for small library allreduces; after the
+    sequence ring, small mpi, ring the small call is expected; declined, refused, it is not."""
+    expected = expectation.Expectation(lambda: MPI.COMM_SELF)
+    lean, large, ring = (_signature(4), _signature(expectation.LEAN_BYTES // 8 + 1),
+                         _signature(4, "ring"))
+    assert [expected.ident(s) for s in (lean, large, lean, ring)] == [1, 2, 1, 3]
+    plan = expected.plan(lean)
+    assert plan is not None and plan is expected.plan(lean)
+    assert expected.plan(large) is None and expected.plan(ring) is None
+    expected.agreed(expected.ident(ring), 10, 1, None)
+    expected.agreed(plan.ident, 20, 2, plan)
+    assert expected.expected is None  # nothing has followed a small call yet
+    expected.agreed(expected.ident(ring), 10, 3, None)
+    assert expected.expected == (plan, 20)
+    assert plan.attempt(np.arange(4.0)) and np.array_equal(plan.data, np.arange(4.0))
+    expected.decline()  # another call came: the attempt says no, and nothing is expected now
+    assert expected.expected is None and plan.flag[0] == plan.disagreeing
+    expected.refused(4)
+    expected.agreed(expected.ident(ring), 10, 5, None)
+    assert expected.expected is None and expected.number == 5 and not expected.follows
+
+
+def test_device_routes_per_runtime_and_of_a_sub_communicator() -> None:
+    parent = device_routes.Routes(True, frozenset({0, 1, 2, 3}))
+    assert parent.sub(2, True) == device_routes.Routes(True, frozenset({0, 1}))
+    assert parent.sub(2, False).ipc_peers == frozenset()  # split across hosts: no CUDA IPC
+    failed = device_routes.Routes(True, frozenset(), "no peer on this host", "the claim failed")
+    assert failed.sub(2, True) == failed
+    routes, first, second = device_routes.DeviceRoutes(), object(), object()
+    assert routes.of(first) is routes.of(first) and routes.of(first) is not routes.of(second)
+    assert not routes.of(second).settled
+
+
+class _Mapper:
+    """A device runtime's CUDA IPC calls, recorded."""
+
+    def __init__(self) -> None:
+        self.opened: list[bytes] = []
+        self.closed: list[object] = []
+
+    def ipc_open(self, handle: bytes) -> tuple[str, bytes]:
+        self.opened.append(handle)
+        return ("mapped", handle)
+
+    def ipc_close(self, mapped: object) -> None:
+        self.closed.append(mapped)
+
+
+def test_a_peer_allocation_is_mapped_once_and_again_when_its_address_is_reused() -> None:
+    runtime = _Mapper()
+    cache = ipc.Registrations(runtime)
+    first = cache.mapping(7, 0x1000, b"one")
+    assert cache.mapping(7, 0x1000, b"one") is first and runtime.opened == [b"one"]
+    # freed there, and another allocation exported at the same address: unmapped, mapped anew
+    assert cache.mapping(7, 0x1000, b"two") == ("mapped", b"two") and runtime.closed == [first]
+    cache.mapping(8, 0x1000, b"one")  # another process's allocation at the same address
+    assert len(cache) == 2 and runtime.opened == [b"one", b"two", b"one"]
+    assert ipc.registrations(runtime) is ipc.registrations(runtime)
+
+
+def test_a_call_run_blocking_or_submitted_is_counted_completed() -> None:
+    """`execution` on COMM_SELF: a blocking call (general path: ring) and a queued one (small
+    path: auto) give the input back, and the channel counts both completed."""
+    channel = channel_of(MPI.COMM_SELF)
+    before = channel.completed
+    x = np.arange(6.0)
+    blocking = execution.run_blocking(planning.Call("allreduce", x, MPI.COMM_SELF, "sum", "ring", None))
+    handle = execution.submit(planning.Call("allreduce", x, MPI.COMM_SELF, "max", "auto", None))
+    assert np.array_equal(blocking, x) and blocking is not x and np.array_equal(handle.wait(), x)
+    assert channel.completed == before + 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
-from hpcdl.runtime import agreement, recovery, spares, world
+from hpcdl.runtime import agreement, launcher, recovery, spares, world
 from hpcdl.runtime.lazy import lazy_attributes
 
 
@@ -68,3 +68,27 @@ def test_the_world_is_comm_world_until_replaced(monkeypatch: pytest.MonkeyPatch)
     world.set_world(MPI.COMM_SELF)
     world.set_member(7)
     assert world.world() is MPI.COMM_SELF and world.member() == 7
+
+
+def test_without_an_open_mpi_launcher_the_user_reads_this_process_s_stderr(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    assert launcher.launcher_pid() is None
+    launcher.tell_user("stopped at step 3")
+    assert capsys.readouterr().err == "stopped at step 3\n"
+    assert launcher.user_terminal() is False  # captured: no terminal
+
+
+def test_the_launcher_found_up_the_process_tree_is_one(monkeypatch) -> None:
+    """Under tests/run.py mpirun started this rank; alone, nothing did: either way a pid found is
+    a launcher's."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    pid = launcher.launcher_pid()
+    if pid is not None:
+        with open(f"/proc/{pid}/comm") as comm:
+            assert comm.read().strip() in launcher.LAUNCHERS
+
+
+def test_one_rank_exits_with_its_own_status() -> None:
+    if MPI.COMM_WORLD.Get_size() != 1:
+        pytest.skip("collective over MPI.COMM_WORLD: the one-rank job checks it")
+    assert launcher.exit_status(6) == 6 and launcher.exit_status(0) == 0

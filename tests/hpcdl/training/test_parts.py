@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hpcdl.training import resuming
 from hpcdl.training.pacing import Meetings
 from hpcdl.training.status_file import clear_status, write_status
 from hpcdl.training.straggler import Straggler
@@ -80,3 +81,13 @@ def test_a_straggler_sleeps_its_factor_less_one_times_the_steps_computing() -> N
     on_time.start()
     on_time.delay()
     assert on_time.slept == 0.0
+
+
+def test_the_advice_on_going_on_names_the_newest_checkpoint(tmp_path: Path) -> None:
+    assert resuming.resume_advice(None).startswith("There is no checkpoint to resume from (no --checkpoint-dir)")
+    assert resuming.newest_step(tmp_path) is None
+    assert resuming.resume_advice(tmp_path).startswith(f"No checkpoint was written to {tmp_path} yet")
+    for name in ("checkpoint-8.pt", "checkpoint-12.pt", "checkpoint-40.pt.tmp", ".checkpoint-99.tmp"):
+        (tmp_path / name).write_bytes(b"")
+    assert resuming.newest_step(tmp_path) == 12
+    assert resuming.resume_advice(tmp_path) == f"Resume from the checkpoint of step 12 in {tmp_path} with --resume."
