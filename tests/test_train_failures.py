@@ -689,3 +689,42 @@ def test_elastic_loop_goes_on_after_a_lost_rank(tmp_path, api, victim, respawn):
     states = list(final.values())
     assert identical(states, "model") and {s["size"] for s in states} == {3 if respawn else 2}
     assert all(s["losses"] == [((victim,), 3 if respawn else 2)] for m, s in final.items() if m < 3)  # survivors
+
+
+# -- the engine's bookkeeping (hpcdl/elastic/membership.py) ------------------------------------------
+
+class _Holding:
+    """A participant of the engine that holds nothing: only what a replacement is told."""
+
+    shares_always = False
+
+    def respawn_info(self) -> dict[str, Any]:
+        return {"plan_ranks": 4}
+
+
+def test_a_replacement_knows_the_jobs_ids_before_it_takes_its_place(monkeypatch):
+    """Survivors with ids 0, 1, 3 respawn two ranks: the replacements are told their ids (4, 5),
+    the ids of the job (0, 1, 3, 4, 5) and the next free one (6) with the participant's own info,
+    and take them before they rejoin, so that a loss while they join (before the holder's state
+    reaches them) is recovered from with the job's ids, not a lone process's ([0])."""
+    from hpcdl.elastic.membership import Membership
+
+    told: dict[str, Any] = {}
+
+    def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any) -> MPI.Comm:
+        told.update(ids=ids, info=info)
+        return comm
+
+    monkeypatch.setattr(ulfm, "respawn", respawn)
+    monkeypatch.setattr(ulfm, "free", lambda comm: None)
+    survivors = Membership(MPI.COMM_SELF, _Holding(), keep=2, respawn=True, members=[0, 1, 3], next_member=4)
+    assert survivors._respawn(MPI.COMM_SELF, 2) == (MPI.COMM_SELF, [4, 5])
+    assert told == {"ids": [4, 5], "info": {"plan_ranks": 4, "members": [0, 1, 3, 4, 5], "next_member": 6}}
+    assert survivors.members == [0, 1, 3, 4, 5] and survivors.next_member == 6 and survivors.spawned == {4, 5}
+
+    replacement = Membership(MPI.COMM_SELF, _Holding(), keep=2)
+    seen: list[tuple[list[int], int, bool]] = []
+    monkeypatch.setattr(replacement, "_rejoin", lambda comm: seen.append(
+        (list(replacement.members), replacement.next_member, replacement.empty)))
+    replacement.join(MPI.COMM_SELF, told["info"])
+    assert seen == [([0, 1, 3, 4, 5], 6, True)]

@@ -68,10 +68,10 @@ class Participant(Rebindable, Protocol):
     #: ranks ahead of the holder and the replacements.
     shares_always: bool
 
-    def shared_state(self, own: Any | None) -> Any:
+    def shared_state(self, own: Any | None, holder: bool) -> Any:
         """Collective over the ranks now: what the holder gives the others, from its own state of
-        the agreed commit (`own`; None on a rank that holds none of it). Every rank calls it; the
-        holder's result is broadcast."""
+        the agreed commit (`own`; None on a rank that holds none of it). Every rank calls it (a
+        participant may gather from every rank first); only the `holder`'s result is sent."""
 
     def take_shared_state(self, shared: Any) -> None:
         """Take the holder's `shared_state` (on ranks ahead of it, replacements, or all)."""
@@ -90,8 +90,9 @@ class Participant(Rebindable, Protocol):
         """Collective over `comm`, at the end of a rejoin: go on (callbacks, what depends on the
         number of ranks)."""
 
-    def respawn_info(self) -> Any:
-        """What a replacement needs to build its part before it joins (rank 0's is sent)."""
+    def respawn_info(self) -> dict[str, Any]:
+        """What a replacement needs to build its part before it joins (rank 0's is sent, with the
+        ids: `runtime.recovery.join()` returns it)."""
 
 
 def cloned(value: Any) -> Any:
@@ -210,11 +211,14 @@ class Membership:
         self.losses.append(loss)
         return loss
 
-    def join(self, comm: MPI.Comm) -> None:
+    def join(self, comm: MPI.Comm, info: dict[str, Any] | None = None) -> None:
         """In a replacement (or a spare called): take a lost rank's place in the job that `comm`
-        holds, from the survivors' state. Collective with the survivors' `recover`."""
+        holds, from the survivors' state. Collective with the survivors' `recover`. `info`: what
+        `runtime.recovery.join()` returned with `comm` in a replacement (the ids of the ranks)."""
         self.empty = True
         self.comm = comm  # a loss while joining is recovered from on it
+        if info is not None and "members" in info:
+            self.members, self.next_member = list(info["members"]), info["next_member"]
         try:
             self._rejoin(comm)
         except BaseException as exc:  # noqa: BLE001 - a loss while joining: recover with the others
@@ -244,7 +248,9 @@ class Membership:
         fails, say why (rank 0) and go on without them, and without respawning."""
         ids = list(range(self.next_member, self.next_member + count))
         try:
-            merged = ulfm.respawn(survivors, ulfm.own_command(), ids, self.participant.respawn_info())
+            info = {**self.participant.respawn_info(), "members": self.members + ids,
+                    "next_member": self.next_member + count}
+            merged = ulfm.respawn(survivors, ulfm.own_command(), ids, info)
         except ulfm.RespawnError as exc:
             if survivors.Get_rank() == 0:
                 print(f"{self.prog}: warning: respawning lost ranks: {exc}; going on with "
@@ -277,7 +283,7 @@ class Membership:
         self.participant.agreed(least, greatest)
         own = None if self.empty else self.snapshots.get(least)
         if greatest > least or agreed[2] < 0 or self.participant.shares_always:
-            shared = self.participant.shared_state(own)
+            shared = self.participant.shared_state(own, rank == holder)
             payload = None
             if rank == holder:
                 buffer = io.BytesIO()

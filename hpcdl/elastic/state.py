@@ -159,10 +159,10 @@ class State:
         joined = ulfm.join()
         if joined is None:
             return False
-        self._membership.join(joined[0])
+        self._membership.join(*joined)
         return True
 
-    def shared_state(self, own: dict[str, Any] | None) -> dict[str, Any]:
+    def shared_state(self, own: dict[str, Any] | None, holder: bool) -> dict[str, Any]:
         return self._shared_values(own["values"] if own is not None else {})
 
     def take_shared_state(self, shared: dict[str, Any]) -> None:
@@ -181,8 +181,8 @@ class State:
         self.commit()  # what was synced is what a further loss goes back to
         self.on_reset()
 
-    def respawn_info(self) -> None:
-        return None  # a replacement runs this program, which builds its objects itself
+    def respawn_info(self) -> dict[str, Any]:
+        return {}  # a replacement runs this program, which builds its objects itself
 
 
 def run(func: Callable[..., T]) -> Callable[..., T]:

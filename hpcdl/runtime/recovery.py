@@ -1,9 +1,10 @@
-"""Going on after ranks die: the survivors' side of ULFM, for the training layers to build on.
+"""Going on after ranks die: the survivors' side of ULFM, the primitives that the recovery engine
+(`hpcdl.elastic.membership`) is built of.
 
 Under `mpirun --with-ft ulfm` a dead rank makes every survivor's collective raise
 `collectives.ProcessFailure` (docs/failures.md); mpi4py's own calls on a communicator with a dead
 rank raise an MPI error of the same classes. What comes next is the same for every user of it
-(`hpcdl train`, `hpcdl.elastic`, `hpcdl.horovod.elastic`):
+(`hpcdl train`, `hpcdl.elastic`, `hpcdl.horovod.elastic`, all through the engine):
 
 1. `settled(comm, ok)`: every survivor learns that something failed. A rank whose calls all
    completed (one at the end of its work, say) would otherwise never hear of it, and the others

@@ -257,10 +257,11 @@ class Recovery:
         """The spares waiting (--spares) for the lost ranks' places."""
         self.membership.attach_spares(spares)
 
-    def join(self, comm: MPI.Comm) -> None:
+    def join(self, comm: MPI.Comm, info: dict[str, Any] | None = None) -> None:
         """In a replacement or a spare called (its trainer built alone): take a lost rank's place
-        in the job that `comm` holds. Collective with the survivors' recovery."""
-        self.membership.join(comm)
+        in the job that `comm` holds (`info`: what the survivors told a replacement). Collective
+        with the survivors' recovery."""
+        self.membership.join(comm, info)
 
     def release_spares(self) -> None:
         """Collective over the training ranks and the spares still waiting, at the run's end: they
@@ -333,8 +334,8 @@ class Recovery:
                                 "collectives of a meeting), and the servers hold pushes of steps the "
                                 "others have not met at")
 
-    def shared_state(self, own: LocalState | None) -> dict[str, Any]:
-        if own is None:  # not the holder: nothing of it is sent
+    def shared_state(self, own: LocalState | None, holder: bool) -> dict[str, Any]:
+        if not holder:  # nothing of it is sent
             return {}
         return {"replicated": self.trainer.strategy.replicated_state(), "local": own,
                 "lr_factor": self.lr_factor, "reports": self.reports}

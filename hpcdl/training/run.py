@@ -79,7 +79,7 @@ def _train(config: TrainConfig, topology: runtime.Topology, comm: MPI.Comm,
         if rank == 0:
             write_status(config.status_file, status)
         return status
-    if joined is not None:  # built alone, then in the survivors' place (recovery.py)
+    if joined is not None:  # built alone, then in the survivors' place (rank_loss.py)
         torch.set_num_threads(joined[1]["torch_threads"])
         return run_training(config, device, topology, MPI.COMM_SELF, joined, start=start)
     if not config.spares:
@@ -139,7 +139,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
 
     `joined`: in a replacement of a lost rank (--respawn), the communicator it shares with the
     survivors and what they told it; it builds everything alone (`comm` is MPI.COMM_SELF) for the
-    job's first size, then takes the state of the survivors (recovery.py). A spare (--spares) does
+    job's first size, then takes the state of the survivors (rank_loss.py). A spare (--spares) does
     the same, then waits to be called (`joined[1]["spare"]`); `spares`: the spares waiting (on a
     spare: its own view of them, emptied once it has waited). A process that lived
     through a lost rank ends without MPI_Finalize (`runtime.recovery.exit_after_loss`). `start`:
@@ -189,7 +189,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
                           "(--checkpoint-dir keeps the newest few)"], rank)
         if made_with.get("ranks") != size and refusal is None:
             # A data-parallel run goes on with the data order and global batch of the ranks it
-            # started with, split over however many ranks it is resumed on (recovery.py); a
+            # started with, split over however many ranks it is resumed on (rank_loss.py); a
             # parameter server's with the shards of the workers it started with.
             plan_ranks = made_with["ranks"]
             plan = strategies.plan(config, plan_ranks)
@@ -318,7 +318,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     elif spares is not None:
         trainer.recovery.attach_spares(spares)
     if joined is not None:
-        trainer.recovery.join(joined[0])
+        trainer.recovery.join(*joined)
     try:
         status = trainer.run()
     finally:
