@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 
 import pytest
@@ -10,7 +11,8 @@ from mpi4py import MPI
 
 from conftest import all_ranks_agree
 from hpcdl.commands import info
-from run import mpi_environment, run_own_job  # the settings tests/run.py gives its own jobs
+from run import mpi_environment, own_job_environment, run_own_job  # tests/run.py's settings for its jobs
+from test_docs import readme_mpirun_commands
 
 ROW = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$", re.MULTILINE)
 
@@ -103,3 +105,14 @@ def test_mpirun_with_ulfm_smoke() -> None:
     done = run_own_job(["mpirun", "--with-ft", "ulfm", "-n", "2", "hpcdl", "info"], timeout=120)
     assert done.returncode == 0, done.stdout
     assert "fault tolerance ULFM" in done.stdout and "2 ranks on 1 host" in done.stdout
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N=1 job only")
+def test_the_readme_s_info_command_runs_here_as_written() -> None:
+    """The README's tour command as written, without the oversubscribing default tests/run.py gives
+    its jobs (PRTE_MCA_rmaps_default_mapping_policy), which hid that `mpirun -n 4 hpcdl info`
+    stops with Open MPI's slot error on the 2-core reference machine (issue 42)."""
+    command = next(c for c in readme_mpirun_commands() if c.endswith("hpcdl info"))
+    env = {k: v for k, v in own_job_environment().items() if k != "PRTE_MCA_rmaps_default_mapping_policy"}
+    done = run_own_job(shlex.split(command), timeout=120, env=env)
+    assert done.returncode == 0 and "hpcdl 0.1.0: 4 ranks on 1 host" in done.stdout, done.stdout
