@@ -1,6 +1,6 @@
 """DDP's parts, each called directly: bucket options and assignment, the exchange link's slices
-and counts, sharding a bucket, the traffic totals, the timeline, join's last rank, the elastic
-state's commits and torch's arguments. test_ddp.py runs them through the wrapper. Collectives run on
+and counts, sharding a bucket, the traffic totals, the timeline, join's last rank and torch's
+arguments. test_ddp.py runs them through the wrapper. Collectives run on
 COMM_SELF (every rank alone), except `last_joiner`, whose allgather every rank makes.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from mpi4py import MPI
 
 from hpcdl.ddp.bucket_options import DEFAULT_BUCKET_CAP_MB, check_bucket_options
 from hpcdl.ddp.buckets import assign_buckets
-from hpcdl.ddp.elastic import State
 from hpcdl.ddp.exchange import ExchangeLink
 from hpcdl.ddp.join import last_joiner
 from hpcdl.ddp.reducer import GradientTraffic
@@ -92,17 +91,6 @@ def test_the_timeline_writes_its_events_as_a_trace(tmp_path: Path) -> None:
 def test_the_last_joiner_is_the_lowest_rank_with_the_most_steps(comm: MPI.Comm) -> None:
     steps = [3, 5, 5, 4, 5][comm.Get_rank() % 5]
     assert last_joiner(steps, comm) == (0 if comm.Get_size() == 1 else 1)
-
-
-def test_an_elastic_state_goes_back_to_its_commit() -> None:
-    model = torch.nn.Linear(2, 1)
-    state = State(MPI.COMM_SELF, model=model, epoch=3)
-    state.commit()
-    with torch.no_grad():
-        model.weight.fill_(7.0)
-    state.epoch = 4
-    state.restore()
-    assert state.epoch == 3 and not torch.all(model.weight == 7.0) and (state.rank, state.size) == (0, 1)
 
 
 def test_torch_only_arguments_are_refused_with_what_to_do() -> None:
