@@ -2,9 +2,9 @@
 
     e = quantum_exponent(bound, weight)             # every rank: the same bound, the same e
     acc = np.zeros(x.size, np.int64)
-    add_fixed(acc, x, e, weight=n)                  # per term: acc += n * round(x / 2**e)
+    add_fixed(acc, x, n * 2.0 ** -e)                # per term: acc += round(n x / 2**e)
     allreduce(acc, op="sum", algorithm=...)         # any algorithm: int64 sums are exact
-    y = from_fixed(acc, e, divisor=total)           # once: the same bits on every rank
+    y = from_fixed(acc, 2.0 ** e, divisor=total)    # once: the same bits on every rank
 
 A floating-point sum depends on the order of its additions, so the same gradients summed by ring
 and by tree, or over 2 and 4 ranks, differ in their last bits. Here every term is rounded once, by
@@ -36,6 +36,9 @@ import numpy as np
 #: Bits of int64 a sum may use; the 63rd is left so that a sum of terms at the bound, each rounded
 #: up by half a quantum, still fits.
 SUM_BITS = 62
+#: Bounds below 2**MIN_BOUND_EXPONENT count as that (zero included), so that 2**-e of any quantum
+#: exponent e is a finite float64 (float32 gradients end at 2**-149 anyway).
+MIN_BOUND_EXPONENT = -900
 
 
 def headroom_bits(weight: int) -> int:
@@ -46,12 +49,16 @@ def headroom_bits(weight: int) -> int:
 
 
 def bound_exponent(bound: float) -> int:
-    """The smallest E with `bound` < 2**E (a magnitude; 0 gives the smallest float64 exponent)."""
+    """The smallest E >= MIN_BOUND_EXPONENT with |`bound`| < 2**E."""
     if not math.isfinite(bound):
         raise ValueError(f"a term is not finite ({bound}): it has no exact sum")
-    if bound == 0.0:
-        return -1074
-    return math.frexp(abs(bound))[1]
+    return max(math.frexp(abs(bound))[1], MIN_BOUND_EXPONENT)
+
+
+def bound_exponents(bounds: np.ndarray) -> np.ndarray:
+    """`bound_exponent` of each of `bounds` (finite magnitudes), as int64."""
+    exponents: np.ndarray = np.maximum(np.frexp(np.abs(bounds))[1].astype(np.int64), MIN_BOUND_EXPONENT)
+    return exponents
 
 
 def quantum_exponent(bound: float, weight: int) -> int:
@@ -60,29 +67,28 @@ def quantum_exponent(bound: float, weight: int) -> int:
     return bound_exponent(bound) - (SUM_BITS - headroom_bits(weight))
 
 
-def quanta_limit(weight: int) -> int:
-    """The most quanta one term may hold when `weight` terms are summed."""
-    return 1 << (SUM_BITS - headroom_bits(weight))
+def add_fixed(acc: np.ndarray, x: Any, scale: Any, work: np.ndarray | None = None) -> None:
+    """acc += round(x x scale), elementwise, in int64 (`acc` flat, of x's size), where `scale` is
+    weight x 2**-e for the quantum exponent e and an integer weight (a float, or one per element:
+    np.ldexp(weight, -e)); `work`, a float64 array of x's size to use (else one is allocated).
+
+    The product is exact for float32 x and weights below 2**29 (24 + 29 bits fit float64's 53),
+    and the rounding (to nearest, ties to even) is of each value alone, so who adds it does not
+    matter; the caller keeps every |x| x weight below 2**(SUM_BITS - headroom_bits(total
+    weight)) quanta (`quantum_exponent` of a bound of |x|). Multiplying beats np.ldexp with one
+    exponent per element eightfold (0.35 against 2.8 ms for 85 K float32 here)."""
+    scaled = np.multiply(np.asarray(x).reshape(-1), scale, out=work, dtype=np.float64)
+    np.rint(scaled, out=scaled)
+    np.add(acc, scaled.astype(np.int64), out=acc)
 
 
-def add_fixed(acc: np.ndarray, x: Any, exponent: int, weight: int = 1) -> None:
-    """acc += weight x round(x / 2**exponent), elementwise, in int64 (`acc` flat, of x's size).
-
-    The rounding (to nearest, ties to even) is of each value alone; the caller keeps every |x|
-    within `quanta_limit` quanta (`quantum_exponent` of a bound of |x|)."""
-    scaled = np.ldexp(np.asarray(x, dtype=np.float64).reshape(-1), -exponent)
-    quanta = np.rint(scaled, out=scaled).astype(np.int64)
-    if weight != 1:
-        quanta *= weight
-    acc += quanta
-
-
-def from_fixed(acc: np.ndarray, exponent: int, divisor: int = 1, dtype: Any = np.float32) -> np.ndarray:
-    """The float value of `acc` quanta of 2**exponent, divided by `divisor`, as `dtype`: rounded
-    to float64 once (and divided there), then to `dtype`, the same bits everywhere."""
-    value = np.ldexp(acc.astype(np.float64), exponent)
+def from_fixed(acc: np.ndarray, quantum: Any, divisor: int = 1, dtype: Any = np.float32) -> np.ndarray:
+    """The float value of `acc` quanta of `quantum` (2**e: a float, or one per element), divided
+    by `divisor`, as `dtype`: rounded to float64 once (and divided there), then to `dtype`, the
+    same bits everywhere."""
+    value = np.multiply(acc, quantum, dtype=np.float64)
     if divisor != 1:
-        value /= divisor
+        np.divide(value, divisor, out=value)
     result: np.ndarray = value.astype(dtype, copy=False)
     return result
 
@@ -103,9 +109,9 @@ def exact_total(values: Any, comm: Any = None) -> float:
     count = int(allreduce(np.array([data.size], dtype=np.int64), comm, op="sum")[0])
     exponent = quantum_exponent(bound, max(count, 1))
     acc = np.zeros(data.size, dtype=np.int64)
-    add_fixed(acc, data, exponent)
+    add_fixed(acc, data, np.ldexp(1.0, -exponent))
     total = allreduce(np.array([acc.sum()], dtype=np.int64), comm, op="sum")
-    return float(from_fixed(total, exponent, dtype=np.float64)[0])
+    return float(from_fixed(total, np.ldexp(1.0, exponent), dtype=np.float64)[0])
 
 
 def exact_allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
@@ -131,6 +137,6 @@ def exact_allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str
     bound = float(allreduce(local, comm, op="max")[0])
     exponent = quantum_exponent(bound, size)
     acc = np.zeros(data.size, dtype=np.int64)
-    add_fixed(acc, data, exponent)
+    add_fixed(acc, data, np.ldexp(1.0, -exponent))
     allreduce(acc, comm, op="sum", algorithm=algorithm, out=acc)
-    return from_fixed(acc, exponent, size if op == "avg" else 1, data.dtype).reshape(data.shape)
+    return from_fixed(acc, np.ldexp(1.0, exponent), size if op == "avg" else 1, data.dtype).reshape(data.shape)

@@ -45,9 +45,9 @@ def test_fixed_point_sum_of_multiples_of_the_quantum_is_exact():
     for order in (range(7), reversed(range(7)), [3, 0, 6, 1, 5, 2, 4]):
         acc = np.zeros(1000, dtype=np.int64)
         for i in order:
-            add_fixed(acc, terms[i], exponent)
+            add_fixed(acc, terms[i], np.ldexp(1.0, -exponent))
         exact = [math.fsum(float(t[j]) for t in terms) for j in range(1000)]
-        assert from_fixed(acc, exponent, dtype=np.float64).tolist() == exact
+        assert from_fixed(acc, np.ldexp(1.0, exponent), dtype=np.float64).tolist() == exact
 
 
 def test_fixed_point_weights_and_headroom():
@@ -57,8 +57,8 @@ def test_fixed_point_weights_and_headroom():
     exponent = quantum_exponent(bound, weight)
     acc = np.zeros(2, dtype=np.int64)
     for _ in range(10):
-        add_fixed(acc, np.array([bound, -bound], dtype=np.float64), exponent, weight=100)
-    result = from_fixed(acc, exponent, divisor=weight, dtype=np.float64)
+        add_fixed(acc, np.array([bound, -bound], dtype=np.float64), np.ldexp(100.0, -exponent))
+    result = from_fixed(acc, np.ldexp(1.0, exponent), divisor=weight, dtype=np.float64)
     assert result.tolist() == pytest.approx([bound, -bound], rel=1e-15)
     with pytest.raises(ValueError, match="not finite"):
         quantum_exponent(float("nan"), 4)
@@ -78,8 +78,8 @@ def test_exact_allreduce_same_bits_for_every_algorithm_and_placement():
     exponent = quantum_exponent(bound, size)
     acc = np.zeros(3001, dtype=np.int64)
     for x in everyone:
-        add_fixed(acc, x, exponent)
-    expected = from_fixed(acc, exponent, divisor=size)  # what any placement and order must give
+        add_fixed(acc, x, np.ldexp(1.0, -exponent))
+    expected = from_fixed(acc, np.ldexp(1.0, exponent), divisor=size)  # what any placement and order must give
     exact = np.array([math.fsum(float(x[j]) for x in everyone) / size for j in range(3001)])
     # within the float32 rounding plus a quantum per term (an absolute bound: terms far below the
     # largest keep fewer bits)

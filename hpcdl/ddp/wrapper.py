@@ -180,13 +180,13 @@ class DistributedDataParallel(torch.nn.Module):
     raises).
     """
 
-    def __new__(cls, module: torch.nn.Module, comm: MPI.Comm | None = None, *, reproducible: bool = False,
-                **options: Any) -> DistributedDataParallel:
-        # reproducible=True selects the exact micro-batch path, a module of its own (reproducible.py)
+    def __new__(cls, *args: Any, reproducible: bool = False, **options: Any) -> DistributedDataParallel:
+        # reproducible=True selects the exact micro-batch path, a module of its own (reproducible.py);
+        # no arguments at all is copy's and pickle's call
         if reproducible:
             from .reproducible import ReproducibleDataParallel
 
-            return ReproducibleDataParallel(module, comm, **options)  # type: ignore[return-value]
+            return ReproducibleDataParallel(*args, **options)  # type: ignore[return-value]
         return super().__new__(cls)
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *,
