@@ -34,6 +34,14 @@ from hpcdl.training.strategies import option_errors
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """The reproducible wrapper sets torch's intra-op threads: the tests after these keep theirs."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- the fixed-point sum -------------------------------------------------------------------------
 
 def test_fixed_point_sum_of_multiples_of_the_quantum_is_exact():

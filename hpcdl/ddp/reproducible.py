@@ -145,15 +145,19 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel()]
         self._torch_dtype = self._named[0][1].dtype if self._named else torch.float32
         self._dtype = _NUMPY[self._torch_dtype]
-        # One flat layout: each parameter's gradient, the loss, then the count of correct predictions.
-        sizes = [p.numel() for _, p in self._named] + [1, 1]
+        # One flat int64 layout, one allreduce a step: each parameter's gradient and the loss, in
+        # quanta (their slots start at `_offsets`); the count of correct predictions; then the
+        # flags that say whether the step's quanta were right (`_flag`): the ranks whose gradients
+        # outgrew them, and per slot the ranks whose largest value kept enough bits.
+        sizes = [p.numel() for _, p in self._named] + [1]
         self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._acc = np.zeros(int(self._offsets[-1]), dtype=np.int64)
+        self._quantized = int(self._offsets[-1])
+        self._acc = np.zeros(self._quantized + 2 + len(sizes), dtype=np.int64)
         #: per parameter and the loss: the quantum's bound exponent (None before the first step)
         self._bounds: np.ndarray | None = None
         self._cached: tuple[Any, np.ndarray, np.ndarray] | None = None  # (bounds and batch, scales, quanta)
         self._weighted_for: tuple[np.ndarray | None, dict[int, np.ndarray]] = (None, {})
-        self._work = np.empty(self._acc.size - 1, dtype=np.float64)
+        self._work = np.empty(self._quantized, dtype=np.float64)
         #: what this rank contributed to the integer allreduces (int64: twice float32's bytes)
         self.traffic = GradientTraffic()
         broadcast_in_place([*module.parameters(), *module.buffers()], self.comm)
@@ -187,17 +191,18 @@ class ReproducibleDataParallel(torch.nn.Module):
         if keep < SLACK_BITS:
             raise ValueError(f"a global batch of {total} samples leaves too few bits for an exact int64 sum "
                              f"(at most {2 ** (SUM_BITS - KEEP_BITS - SLACK_BITS)} samples)")
-        runs = 0
+        runs, acc, quantized = 0, self._acc, self._quantized
         while True:
             runs += 1
             maxima = self._run(inputs, targets, loss_fn, step, mine, total)
-            need = self._agreed_exponents(maxima)
-            if self._bounds is not None and bool(np.all((need <= self._bounds) & (self._bounds - need <= keep))):
-                break
-            self._bounds = need + SLACK_BITS  # the same on every rank: every rank runs again
-        acc = self._acc
-        collectives.allreduce(acc, self.comm, op="sum", algorithm=self.algorithm, out=acc)
-        elements = int(self._offsets[-2]) - 1
+            if self._bounds is not None:  # the quanta of the last step: the sum and its verdict
+                self._flag(maxima, bool(mine), keep)
+                collectives.allreduce(acc, self.comm, op="sum", algorithm=self.algorithm, out=acc)
+                if acc[quantized + 1] == 0 and bool(np.all(acc[quantized + 2:] > 0)):
+                    break
+            # the same verdict on every rank: all agree the quanta of this step's maxima, run again
+            self._bounds = self._agreed_exponents(maxima) + SLACK_BITS
+        elements = quantized - 1
         self.traffic.steps += 1
         self.traffic.bytes_sent += acc.nbytes
         self.traffic.dense_fp32_bytes += 4 * elements
@@ -207,8 +212,25 @@ class ReproducibleDataParallel(torch.nn.Module):
         grads = torch.from_numpy(from_fixed(acc[:elements], quanta[:elements], total, self._dtype))
         for i, (_, param) in enumerate(self._named):
             param.grad = grads[self._offsets[i]:self._offsets[i + 1]].view_as(param)
-        loss = from_fixed(acc[elements:elements + 1], quanta[elements:], total, np.float64)
-        return StepResult(float(loss[0]), int(acc[-1]), total, runs)
+        loss = from_fixed(acc[elements:quantized], quanta[elements:], total, np.float64)
+        return StepResult(float(loss[0]), int(acc[quantized]), total, runs)
+
+    def _flag(self, maxima: np.ndarray, computed: bool, keep: int) -> None:
+        """This rank's verdict on the step's quanta, as integers summed with the gradients: 1 where
+        its largest values outgrew a bound (or are not finite), and per slot 1 where its largest
+        value lies within `keep` bits of the bound (some rank must: else the quanta are coarser
+        than KEEP_BITS allow). A rank without micro-batches has no say."""
+        assert self._bounds is not None, "flags judge the quanta of a step that had them"
+        tail = self._acc[self._quantized + 1:]
+        tail.fill(0)
+        if not computed:
+            return
+        if not np.all(np.isfinite(maxima)):
+            tail[0] = 1
+            return
+        need = bound_exponents(maxima)
+        tail[0] = int(np.any(need > self._bounds))
+        tail[1:] = self._bounds - need <= keep
 
     def _scales(self, total: int) -> tuple[np.ndarray, np.ndarray]:
         """Each element's 2**-e and quantum 2**e (float64) for a global batch of `total` samples:
@@ -218,7 +240,7 @@ class ReproducibleDataParallel(torch.nn.Module):
         key = (tuple(self._bounds.tolist()), total)
         if self._cached is None or self._cached[0] != key:
             exponents = self._bounds - (SUM_BITS - headroom_bits(total))
-            sizes = np.diff(self._offsets[:-1])
+            sizes = np.diff(self._offsets)
             self._cached = (key, np.repeat(np.ldexp(1.0, -exponents), sizes),
                             np.repeat(np.ldexp(1.0, exponents), sizes))
         return self._cached[1], self._cached[2]
@@ -261,14 +283,14 @@ class ReproducibleDataParallel(torch.nn.Module):
                 flat = torch.cat(grads).numpy()
             # each parameter's largest magnitude (NumPy's reduceat: 14 us for 85 K values here,
             # torch's per-tensor inf-norms 960 us); a NaN stays, and is refused after
-            largest = np.maximum.reduceat(np.abs(flat), self._offsets[:-2])
+            largest = np.maximum.reduceat(np.abs(flat), self._offsets[:-1])
             np.maximum(maxima, largest, out=maxima)
             if scales is not None and bounds is not None:
                 if np.all(np.isfinite(largest)) and np.all(bound_exponents(largest) <= bounds):
-                    add_fixed(acc[:-1], flat, self._weighted(scales, len(y)), self._work)
+                    add_fixed(acc[:self._quantized], flat, self._weighted(scales, len(y)), self._work)
                 else:
                     scales = None  # outgrown: this run is done again, with coarser quanta
-        acc[-1] = correct
+        acc[self._quantized] = correct
         for _, param in named:
             param.grad = None
         return maxima
