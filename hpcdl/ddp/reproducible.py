@@ -15,11 +15,12 @@ power-of-two quantum per parameter (`collectives.fixed_point`); one int64 allred
 algorithm) and one conversion back give every rank the same average, whatever P. The mean loss and
 the count of correct predictions travel in the same integers.
 
-The quantum of a parameter is agreed from the largest gradient magnitude of the last step over
-every micro-batch (an allreduce MAX, exact), with SLACK_BITS of room to grow. A step whose
-gradients outgrow it, or shrink so far that fewer than KEEP_BITS bits would be left, is run again
-with the quantum of its own maximum: the decision depends on the data only, so every P redoes the
-same steps (the first step always runs twice, having no maximum before it).
+The quantum of a parameter comes from the largest gradient magnitude of the last step over every
+micro-batch, with SLACK_BITS of room to grow. Whether a step's gradients outgrew it, or shrank so
+far that fewer than KEEP_BITS bits would be left, travels as integer flags in the same allreduce;
+such a step is run again with the quanta of its own maxima (an allreduce MAX, exact): the decision
+depends on the data only, so every P redoes the same steps (the first step always runs twice,
+having no maximum before it). One int64 allreduce a step otherwise.
 
 What a micro-batch's gradient depends on is fixed too: torch's intra-op threads (`threads`, 1 by
 default: the bits of a matrix product change with them), and the parameters, which are rank 0's
