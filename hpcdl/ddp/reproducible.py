@@ -45,8 +45,8 @@ from collectives.fixed_point import SUM_BITS, add_fixed, bound_exponent, bound_e
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
+from ..tensors.calls import broadcast
 from .reducer import GradientTraffic
-from .wrapper import broadcast_in_place
 
 #: Bits of room a parameter's quantum leaves above the last step's largest gradient: a step whose
 #: gradients grow more than 2**SLACK_BITS times is run again.
@@ -161,7 +161,8 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._work = np.empty(self._quantized, dtype=np.float64)
         #: what this rank contributed to the integer allreduces (int64: twice float32's bytes)
         self.traffic = GradientTraffic()
-        broadcast_in_place([*module.parameters(), *module.buffers()], self.comm)
+        for tensor in [*module.parameters(), *module.buffers()]:  # rank 0's, in place
+            broadcast(tensor.detach(), 0, self.comm)
 
     #: never sharded (DistributedDataParallel's attribute, read where optimizers are built)
     shard = None
