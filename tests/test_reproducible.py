@@ -121,13 +121,13 @@ def data(steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 LOSS_SCALES = (1.0, 1.0, 1000.0, 1e-6)
 
 
-def train_reproducible(comm: MPI.Comm, algorithm: str, steps: int = len(LOSS_SCALES),
+def train_reproducible(comm: MPI.Comm, algorithm: str, micro_batch: int = 4, steps: int = len(LOSS_SCALES),
                        batch: int = 22) -> tuple[str, list[float], list[int]]:
-    """AdamW with clipping over `steps` global batches of `batch` (micro-batches of 4, the last
-    short), the loss scaled by LOSS_SCALES; the parameter digest, the losses and how often each
-    step ran."""
+    """AdamW with clipping over `steps` global batches of `batch` (in micro-batches of
+    `micro_batch`, the last short), the loss scaled by LOSS_SCALES; the parameter digest, the
+    losses and how often each step ran."""
     net = small_net()
-    model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=4, seed=3,
+    model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=micro_batch, seed=3,
                                           algorithm=algorithm)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     x, y = data(steps, batch)
@@ -153,6 +153,9 @@ def test_reproducible_ddp_gives_one_process_bits_with_every_algorithm():
     # fell far below the last step's quanta, the others once
     assert all_ranks_agree(reference[2] == [2, 1, 2, 2] and all(v == reference for v in seen.values()), comm), \
         (reference, seen)
+    # 3 micro-batches: from N = 4 on, some ranks compute none
+    few = train_reproducible(MPI.COMM_SELF, "auto", micro_batch=8)
+    assert all_ranks_agree(train_reproducible(comm, "auto", micro_batch=8) == few and few[0] != reference[0], comm)
 
 
 def train_default(comm: MPI.Comm, steps: int = 3, batch: int = 60) -> str:
