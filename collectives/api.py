@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .channels import channel_of
 from .engine import Handle
-from .execution import fused_blocking, fused_out, fused_plan, run_blocking, submit
+from .execution import run_blocking, submit
 from .planning import Call
+from .small import NOT_SMALL, allreduce_now
 
 
 def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorithm: str = "auto",
@@ -46,12 +46,10 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
     2 log2 P alpha + 2(P-1)/P N beta + (P-1)/P N gamma; hierarchical: a reduce within each
     host, an allreduce among one rank per host, a broadcast within each host (docs/algorithms.md).
     """
-    if type(x) is np.ndarray and fused_out(x, out):
-        channel = channel_of(comm)
-        if channel.blocking is not channel.background:  # MPI_THREAD_MULTIPLE: on this thread
-            fused = fused_plan(channel.blocking, channel, x, op, algorithm, out is x)
-            if fused is not None:
-                return fused_blocking(channel, fused, x, out)
+    if type(x) is np.ndarray:
+        result = allreduce_now(x, comm, op, algorithm, out)
+        if result is not NOT_SMALL:
+            return result
     return run_blocking(Call("allreduce", x, comm, op, algorithm, out))
 
 

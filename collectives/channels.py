@@ -11,6 +11,7 @@ the user's communicator as an MPI attribute (`channel_of`), so it goes away with
 from __future__ import annotations
 
 import threading
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, cast
 
 from mpi4py import MPI
@@ -19,6 +20,7 @@ from .buffers import Buffer, DeviceRuntime, device_runtime
 from .cuda_awareness import cuda_aware
 from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError
+from .expectation import Expectation
 from .failures import Failure, failed_ranks, failure_of, revoke
 from .host_communicators import derived_communicators
 from .ops import OPS
@@ -27,7 +29,7 @@ from .transport import Link, ScratchPool
 from .validation import Agreement
 
 if TYPE_CHECKING:
-    from .execution import FusedPlan
+    from .small import FusedPlan, SmallPlan
 
 
 class _Duplicate:
@@ -65,36 +67,48 @@ class Lane:
     `i*` calls on the communication thread), and what is cached for it. The two lanes of a
     communicator never run at once (`Channel.drain`), but each keeps its own buffers."""
 
-    def __init__(self, dup: _Duplicate, patient: Callable[[], bool] | None) -> None:
+    #: the argument check on the duplicate for this lane's calls, made at its first use
+    agreement: Agreement
+
+    def __init__(self, dup: _Duplicate, patient: Callable[[], bool] | None,
+                 expectation: Expectation) -> None:
         self._dup = dup
         self.patient = patient
+        #: the channel's, shared by both lanes: they run its calls one at a time, in order
+        self.expectation = expectation
         #: scratch arrays by the device runtime (None: host) that allocated them, with the runtime
         #: held so that its id is not reused while its pool lives
         self._scratch: dict[int, tuple[DeviceRuntime | None, ScratchPool]] = {}
-        self.fused: dict[tuple[Any, ...], FusedPlan | None] = {}
+        #: small host allreduces' plans by shape, dtype, op and algorithm (`small.small_plan`)
+        self.small: dict[tuple[Any, ...], SmallPlan | None] = {}
+        #: the plans of calls on the general path whose data rides in the check, by signature
+        self.fused: dict[tuple[int, ...], FusedPlan] = {}
         self._links: dict[tuple[Any, ...], Link] = {}
-        self._agreement: Agreement | None = None
 
-    @property
-    def agreement(self) -> Agreement:
-        """The argument check on the duplicate, for this lane's calls (made at its first use)."""
-        if self._agreement is None:
-            self._agreement = Agreement(self._dup.get(), patient=self.patient)
-        return self._agreement
+    def __getattr__(self, name: str) -> Any:
+        # `agreement` is made at its first use (and the duplicate with it), then is an attribute:
+        # it is read on every call.
+        if name != "agreement":
+            raise AttributeError(name)
+        agreement = self.agreement = Agreement(self._dup.get(), patient=self.patient)
+        return agreement
 
     def abandon(self) -> None:
         """After a process failure: settle every message this lane's calls left outstanding."""
         for link in self._links.values():
             link.abandon()
-        if self._agreement is not None:
-            self._agreement.abandon()
+        agreement = self.__dict__.get("agreement")
+        if agreement is not None:
+            agreement.abandon()
 
     def release(self) -> None:
         """Drop everything planned and allocated for the communicator (it is used no more)."""
         self._scratch.clear()
+        self.small.clear()
         self.fused.clear()
         self._links.clear()
-        self._agreement = None
+        self.__dict__.pop("agreement", None)
+        self.expectation.forget()
 
     def scratch(self, runtime: DeviceRuntime | None) -> ScratchPool:
         """The reusable arrays of buffers of `runtime` (None: host memory). One pool per runtime:
@@ -152,14 +166,16 @@ class Channel:
         self.last: Handle | None = None  # the last `i*` call issued
         dup = self.dup = _Duplicate(comm, nonblocking=multiple)
         self.engine = Engine(f"hpcdl-comm-{comm.py2f()}") if multiple else _serial_engine()
-        self.background = Lane(dup, self.engine.nobody_waiting)
+        #: what the ranks agreed on so far, and the call they expect next (`expectation.py`)
+        self.expectation = Expectation(dup.get)
+        self.background = Lane(dup, self.engine.nobody_waiting, self.expectation)
         # Below MPI_THREAD_MULTIPLE only the engine may call MPI: blocking calls go through it too.
-        self.blocking = Lane(dup, None) if multiple else self.background
+        self.blocking = Lane(dup, None, self.expectation) if multiple else self.background
 
     def enter(self) -> int:
         """Start issuing a call from this thread; its call number. Raises ConcurrentUseError if
         another thread is issuing one."""
-        if not self.busy.acquire(blocking=False):
+        if not self.busy.acquire(False):  # positional: keywords cost 100 ns here
             me = threading.current_thread().name
             self.intruders.append(me)
             raise ConcurrentUseError(
@@ -167,7 +183,7 @@ class Channel:
                 f"{_thread_name(self.issuer)!r} was in a call on it; MPI requires the calls on a "
                 "communicator to come in one order, which two threads cannot keep. Give each "
                 "thread its own communicator (comm.Dup()).")
-        self.issuer = threading.get_ident()
+        self.issuer = get_ident()
         self.calls += 1
         return self.calls
 

@@ -53,23 +53,36 @@ class ReduceOp:
     mpi_name: str
     #: divide the combined result by the number of ranks at the end
     divide_by_size: bool = False
+    #: what each rank puts in the element that says whether it made the call every rank expected
+    #: (`expectation.py`): `agreeing` if it did, else `disagreeing`; the op's reduction of them is
+    #: `agreeing` only where every rank agreed (0 or 1 for sums and max, 0 or -1 for min, 1 or 0
+    #: for products), exactly in every supported dtype
+    agreeing: int = 0
+    disagreeing: int = 1
 
     def combine(self, xp: Any, dst: Any, src: Any) -> None:
         """dst <- dst (op) src, elementwise, in place, on the arrays' own device."""
         getattr(xp, self.ufunc)(dst, src, out=dst)
 
-    def finalize(self, xp: Any, buf: Any, size: int) -> None:
-        """Apply the post-processing that `avg` needs once the sum is complete."""
+    def finishing(self, dtype: np.dtype, size: int) -> tuple[str, Any] | None:
+        """How `avg` finishes a complete sum of `dtype` over `size` ranks: (the array-module
+        function that does it in place, its second operand), or None where nothing is left to do.
+        """
         if not self.divide_by_size or size == 1:
-            return
-        if buf.dtype.kind in "iu":
-            xp.floor_divide(buf, size, out=buf)
-        elif size & (size - 1) == 0:
+            return None
+        if dtype.kind in "iu":
+            return "floor_divide", size
+        if size & (size - 1) == 0:
             # 1/size is exact for a power of two, so the product is the quotient, bit for bit, and
             # multiplying is about twice as fast as dividing (measured with NumPy on 512 KiB).
-            xp.multiply(buf, buf.dtype.type(1 / size), out=buf)
-        else:
-            xp.divide(buf, buf.dtype.type(size), out=buf)
+            return "multiply", dtype.type(1 / size)
+        return "divide", dtype.type(size)
+
+    def finalize(self, xp: Any, buf: Any, size: int) -> None:
+        """Apply the post-processing that `avg` needs once the sum is complete."""
+        finishing = self.finishing(buf.dtype, size)
+        if finishing is not None:
+            getattr(xp, finishing[0])(buf, finishing[1], out=buf)
 
 
 OPS: dict[str, ReduceOp] = {
@@ -78,8 +91,8 @@ OPS: dict[str, ReduceOp] = {
         ReduceOp("sum", 1, "add", "SUM"),
         ReduceOp("avg", 2, "add", "SUM", divide_by_size=True),
         ReduceOp("max", 3, "maximum", "MAX"),
-        ReduceOp("min", 4, "minimum", "MIN"),
-        ReduceOp("prod", 5, "multiply", "PROD"),
+        ReduceOp("min", 4, "minimum", "MIN", disagreeing=-1),
+        ReduceOp("prod", 5, "multiply", "PROD", agreeing=1, disagreeing=0),
     )
 }
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numbers
 import os
-import sys
 import zlib
 from dataclasses import dataclass
+from sys import _getframe
 from typing import TYPE_CHECKING, Any
 
 from .buffers import Buffer, as_buffer
@@ -49,7 +49,7 @@ class Call:
 #: turns it off for programs whose ranks deliberately pair calls made from different lines.
 CHECK_CALL_SITES = os.environ.get("HPCDL_CHECK_CALL_SITES", "1").strip().lower() not in (
     "0", "false", "no", "off")
-_SITES: dict[tuple[Any, int], tuple[int, str]] = {}
+_SITES: dict[tuple[int, int], tuple[tuple[int, str], Any]] = {}
 
 
 def call_site(depth: int = 3) -> tuple[int, str]:
@@ -61,14 +61,15 @@ def call_site(depth: int = 3) -> tuple[int, str]:
     """
     if not CHECK_CALL_SITES:
         return 0, ""
-    frame = sys._getframe(depth)
-    key = (frame.f_code, frame.f_lineno)
-    found = _SITES.get(key)
+    frame = _getframe(depth)
+    code = frame.f_code
+    # Keyed by the code's id (hashing a code object hashes its contents) and the call's
+    # instruction (cheaper to read than its line); the code is kept, so its id is not reused.
+    found = _SITES.get((id(code), frame.f_lasti))
     if found is None:
-        code = frame.f_code
         text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
-        found = _SITES[key] = (zlib.crc32(text.encode()) + 1, text)
-    return found
+        found = _SITES[id(code), frame.f_lasti] = ((zlib.crc32(text.encode()) + 1, text), code)
+    return found[0]
 
 
 @dataclass

@@ -43,26 +43,30 @@ BUILTIN_TABLE = Path(__file__).with_name("decision_table.json")
 # os.environ.get encodes the name on every call (about 250 ns); `auto`'s settings are read on every
 # small call, so they are looked up in the mapping's own encoded store, which CPython keeps in step
 # with every change made through os.environ on POSIX (the only platform MPI jobs run on here).
-_ENCODED = getattr(os.environ, "_data", None)
+#: That store, or None where it cannot be read so (not POSIX).
+ENCODED_ENVIRONMENT: dict[bytes, bytes] | None = (
+    getattr(os.environ, "_data", None) if os.name == "posix" else None)
+#: What `auto`'s choice for each collective depends on besides the call, by encoded name: its
+#: override and the tuning file (`settings_key`).
+SETTINGS_NAMES: dict[str, tuple[bytes, bytes]] = {
+    name: (f"HPCDL_ALGORITHM_{name.upper()}".encode(), b"HPCDL_TUNING_FILE") for name in COLLECTIVES}
 
 
 def setting(name: str) -> str | None:
     """The environment variable `name`, read as cheaply as the platform allows."""
-    if _ENCODED is None or os.name != "posix":
+    if ENCODED_ENVIRONMENT is None:
         return os.environ.get(name)
-    value = _ENCODED.get(name.encode())
+    value = ENCODED_ENVIRONMENT.get(name.encode())
     return None if value is None else os.fsdecode(value)
 
 
 def settings_key(collective: str) -> tuple[Any, Any]:
     """What `auto`'s choice for `collective` depends on besides the call: its override and the
     tuning file (raw values, for cache keys; about 100 ns)."""
-    if _ENCODED is None or os.name != "posix":
-        return setting(f"HPCDL_ALGORITHM_{collective.upper()}"), setting("HPCDL_TUNING_FILE")
-    return _ENCODED.get(_OVERRIDE_KEYS[collective]), _ENCODED.get(b"HPCDL_TUNING_FILE")
-
-
-_OVERRIDE_KEYS = {name: f"HPCDL_ALGORITHM_{name.upper()}".encode() for name in COLLECTIVES}
+    override, tuning = SETTINGS_NAMES[collective]
+    if ENCODED_ENVIRONMENT is None:
+        return os.environ.get(override.decode()), os.environ.get(tuning.decode())
+    return ENCODED_ENVIRONMENT.get(override), ENCODED_ENVIRONMENT.get(tuning)
 
 
 @functools.lru_cache(maxsize=8)

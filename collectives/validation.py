@@ -50,25 +50,33 @@ class Packet:
     """One call's packet: what this rank sends (header, then payload) and where it receives.
 
     With `payload_dtype`, `payload` (shaped `payload_shape`) lives in the packet after the header
-    and `incoming` is the same place in the receive buffer.
+    and `incoming` is the same place in the receive buffer. The buffers are bytearrays, so headers
+    compare in one C call (`sent_header`, `got_header`: memoryviews of their first bytes); the
+    views also keep them from being resized while MPI may hold their address.
     """
 
-    __slots__ = ("send", "recv", "header", "sent_header", "got_header", "payload", "incoming")
+    __slots__ = ("send", "recv", "outgoing", "arriving", "header", "sent_header", "got_header",
+                 "payload", "incoming")
 
     def __init__(self, payload_dtype: np.dtype | None = None, payload_shape: tuple[int, ...] = ()
                  ) -> None:
-        nbytes = 0 if payload_dtype is None else int(np.prod(payload_shape)) * payload_dtype.itemsize
-        self.send = np.zeros(HEADER_BYTES + nbytes, dtype=np.uint8)
-        self.recv = np.zeros(HEADER_BYTES + PAYLOAD_BYTES, dtype=np.uint8)
-        self.header = self.send[:HEADER_BYTES].view(np.int64)
-        self.sent_header = self.send[:HEADER_BYTES]
-        self.got_header = self.recv[:HEADER_BYTES]
+        count = 0 if payload_dtype is None else int(np.prod(payload_shape))
+        nbytes = 0 if payload_dtype is None else count * payload_dtype.itemsize
+        self.send = bytearray(HEADER_BYTES + nbytes)
+        self.recv = bytearray(HEADER_BYTES + PAYLOAD_BYTES)
+        # The messages as mpi4py reads them fastest: a buffer, its byte count and MPI.BYTE.
+        self.outgoing = [self.send, len(self.send), MPI.BYTE]
+        self.arriving = [self.recv, len(self.recv), MPI.BYTE]
+        self.header = np.frombuffer(self.send, np.int64, SIGNATURE_FIELDS + 1)
+        self.sent_header = memoryview(self.send)[:HEADER_BYTES]
+        self.got_header = memoryview(self.recv)[:HEADER_BYTES]
         self.payload: Any = None
         self.incoming: Any = None
         if payload_dtype is not None:
-            end = HEADER_BYTES + nbytes
-            self.payload = self.send[HEADER_BYTES:end].view(payload_dtype).reshape(payload_shape)
-            self.incoming = self.recv[HEADER_BYTES:end].view(payload_dtype).reshape(payload_shape)
+            self.payload = np.frombuffer(self.send, payload_dtype, count, HEADER_BYTES
+                                         ).reshape(payload_shape)
+            self.incoming = np.frombuffer(self.recv, payload_dtype, count, HEADER_BYTES
+                                          ).reshape(payload_shape)
 
     def set_header(self, signature: list[int], error: bool) -> None:
         """Write this call's signature (with its call number) and this rank's own status."""
@@ -96,12 +104,15 @@ class Agreement:
             while mask < fold.pof2:
                 self.peers.append(fold.real_rank(fold.newrank ^ mask))
                 mask <<= 1
+        #: the peer of the last round where no partner waits for the result: that round's
+        #: combine writes the result (`exchange`)
+        self._last = self.peers[-1] if self.partner is None and self.peers else None
         self.packet = Packet()  # for checks that carry no payload
         self._link: Link | None = None  # for the exchanges after a check (counts, diagnosis)
 
     # -- messages -----------------------------------------------------------------------------
 
-    def _sendrecv(self, send: np.ndarray, peer: int, recv: np.ndarray) -> None:
+    def _sendrecv(self, send: Any, peer: int, recv: Any) -> None:
         if self.patient is None:
             self.comm.Sendrecv(send, peer, CHECK_TAG, recv, peer, CHECK_TAG)
             return
@@ -113,13 +124,13 @@ class Agreement:
             settle(self.comm, requests)
             raise
 
-    def _send(self, send: np.ndarray, peer: int) -> None:
+    def _send(self, send: Any, peer: int) -> None:
         if self.patient is None:
             self.comm.Send(send, peer, CHECK_TAG)
         else:
             self._complete(self.comm.Isend(send, peer, CHECK_TAG))
 
-    def _recv(self, recv: np.ndarray, peer: int) -> None:
+    def _recv(self, recv: Any, peer: int) -> None:
         if self.patient is None:
             self.comm.Recv(recv, peer, CHECK_TAG)
         else:
@@ -135,39 +146,52 @@ class Agreement:
 
     # -- the check ------------------------------------------------------------------------------
 
-    def exchange(self, packet: Packet, combine: Callable[..., Any] | None = None) -> bool:
-        """Exchange `packet` with every rank; True on every rank iff all headers were identical
-        and no rank reported an error of its own.
+    def exchange(self, packet: Packet, combine: Callable[..., Any] | None = None,
+                 out: Any = None) -> Any:
+        """Exchange `packet` with every rank: None on every rank if some rank's header differed
+        from another's (in its arguments, or in its status word: an error of its own), else not
+        None.
 
-        With `combine` (a ufunc), the payload is reduced with it wherever the headers agree: when
-        this returns True, `packet.payload` holds the reduction of every rank's payload.
+        With `combine` (a ufunc), payloads are combined with it wherever the headers agree, and
+        the reduction of every rank's payload is returned: in `out` where given, else in a new
+        array (the payload is left holding a partial reduction).
         """
-        send, recv, header = packet.send, packet.recv, packet.header
+        send, recv = packet.outgoing, packet.arriving
         mine, got = packet.sent_header, packet.got_header
         partner = self.partner
         if partner is not None and self.sits_out:  # hand my packet over, get the result back
             self._send(send, partner)
             self._recv(recv, partner)
-            if got.tobytes() != mine.tobytes():
-                header[STATUS] |= MISMATCH
-            elif combine is not None:
-                packet.payload[...] = packet.incoming
-            return not header[STATUS]
+            if got != mine:
+                return None
+            return True if combine is None else _landed(packet.incoming, out)
+        same = True
+        value = packet.payload
         if partner is not None:  # fold in the partner's packet
             self._recv(recv, partner)
-            if got.tobytes() != mine.tobytes():
-                header[STATUS] |= MISMATCH
+            if got != mine:
+                same = _saw_difference(packet)
             elif combine is not None:
-                combine(packet.payload, packet.incoming, out=packet.payload)
+                combine(value, packet.incoming, out=value)
+        last = self._last
         for peer in self.peers:
             self._sendrecv(send, peer, recv)
-            if got.tobytes() != mine.tobytes():
-                header[STATUS] |= MISMATCH
+            if got != mine:
+                same = _saw_difference(packet)
             elif combine is not None:
-                combine(packet.payload, packet.incoming, out=packet.payload)
+                if peer != last:
+                    combine(value, packet.incoming, out=value)
+                elif out is None:  # a new array (without `out` a 0-d one would come back a scalar)
+                    value = combine(value, packet.incoming, out=np.empty_like(value))
+                else:
+                    value = combine(value, packet.incoming, out=out)
         if partner is not None:
             self._send(send, partner)
-        return not header[STATUS]
+        if not same:
+            return None
+        if combine is None:
+            return True
+        return _landed(value, out) if value is packet.payload else value
 
     def check(self, collective: str, signature: list[int], error: str | None, site: str) -> None:
         """The check alone, for a call whose data moves afterwards; raises on every rank.
@@ -176,7 +200,8 @@ class Agreement:
         """
         packet = self.packet
         packet.set_header(signature, error is not None)
-        if not self.exchange(packet):
+        # Identical headers everywhere carry identical status words: the error is everyone's.
+        if self.exchange(packet) is None or error is not None:
             raise self.failure(collective, signature, error, site)
 
     def abandon(self) -> None:
@@ -242,6 +267,21 @@ class Agreement:
         if rows[:, _CALL_SITE].min() != rows[:, _CALL_SITE].max():  # the same verdict everywhere
             sites = _gather_text(link, site)
         return CollectiveArgumentError(_mismatch(collective, rows, sites))
+
+
+def _saw_difference(packet: Packet) -> bool:
+    """Mark this rank's header as having seen a difference, so that it differs from every later
+    partner's; returns False, what the exchange records."""
+    packet.header[STATUS] |= MISMATCH
+    return False
+
+
+def _landed(value: Any, out: Any) -> Any:
+    """The packet's `value`, copied into `out` or else into a new array."""
+    if out is None:
+        return value.copy()
+    np.copyto(out, value)
+    return out
 
 
 def _share_message(link: Link, error: str | None, bad_rank: int) -> str:

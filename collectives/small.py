@@ -1,0 +1,184 @@
+"""The small-message path: a host allreduce planned once per call signature, then only re-run.
+
+An allreduce of a C-ordered NumPy array (with `out` None, the array itself, or a writable
+C-ordered array like it) finds its plan in its lane's cache, by shape, dtype, op and algorithm
+(and, for `auto`, the settings it chose under), and skips planning, buffer wrapping and the
+`Call` record:
+
+- `FusedPlan`, for an algorithm whose data rides in the argument check (butterfly) on at most
+  `packet.PAYLOAD_BYTES`: the call is the check's one exchange, its data after the header, combined
+  round by round straight into the result (log2 P messages, +2 where P is not a power of two);
+- `expectation.LibraryPlan`, for `algorithm="mpi"` on at most `expectation.LEAN_BYTES`: one
+  library call carrying its own check where every rank expected the call.
+
+Every other call (None in the cache) takes the general path (`execution.py`), which also finds
+and reports every argument error, on every rank.
+"""
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from .channels import channel_of
+from .errors import CollectiveArgumentError
+from .expectation import LibraryPlan
+from .ops import DTYPE_CODES, OPS, dtype_name
+from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, STATUS
+from .planning import ALGORITHM_CHOICES, call_site
+from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES
+from .select import ENCODED_ENVIRONMENT, SETTINGS_NAMES, choose, settings_key
+from .validation import Packet
+
+if TYPE_CHECKING:
+    from .channels import Channel, Lane
+
+#: What `allreduce_now` returns for a call that takes the general path.
+NOT_SMALL: Any = object()
+_UNPLANNED: Any = object()
+# What `auto`'s choice depends on besides the call (`select.settings_key`), read inline.
+_ENCODED = ENCODED_ENVIRONMENT
+_OVERRIDE, _TUNING = SETTINGS_NAMES["allreduce"]
+
+# The header's fields that change from call to call, packed in one go.
+assert CALL_NUMBER == CALL_SITE + 1 and STATUS == CALL_NUMBER + 1
+_CHANGING = struct.Struct("=qqq")  # call site, call number, status
+
+
+def rides_in_check(collective: str, algorithm: str, on_device: bool, nbytes: int) -> bool:
+    """Whether a call's data travels inside its argument check: a function of the checked
+    signature alone, so ranks whose headers agree take the same path."""
+    return (ALGORITHMS[collective][algorithm].rides_in_check and not on_device
+            and nbytes <= PAYLOAD_BYTES)
+
+
+class FusedPlan:
+    """A small host allreduce whose data rides in the argument check: everything about it that
+    does not change from call to call, decided once per call signature."""
+
+    __slots__ = ("ident", "signature", "packet", "combine", "finish")
+
+    def __init__(self, signature: list[int], dtype: np.dtype, shape: tuple[int, ...], op: str,
+                 size: int, ident: int) -> None:
+        self.ident = ident  # the signature's number on the communicator (`expectation.py`)
+        self.signature = signature
+        self.packet = Packet(dtype, shape)
+        self.packet.set_header([*signature, 0, 0], False)
+        self.combine = getattr(np, OPS[op].ufunc)
+        finishing = OPS[op].finishing(dtype, size)
+        self.finish: tuple[Callable[..., Any], Any] | None = (
+            None if finishing is None else (getattr(np, finishing[0]), finishing[1]))
+
+    def run(self, lane: Lane, number: int, site: tuple[int, str], x: Any, out: Any,
+            finish: bool = True) -> Any:
+        """Call `number` for a C-ordered host array `x` shaped like the payload: checked and
+        reduced over all ranks in one exchange, into `out` (`x` itself, another array like `x`,
+        or None for a new one); `finish=False` leaves avg's division to the caller."""
+        expectation = lane.expectation
+        if expectation.expected is not None:
+            expectation.decline()
+        packet = self.packet
+        _CHANGING.pack_into(packet.send, 8 * CALL_SITE, site[0], number, 0)
+        packet.payload[...] = x  # so `out` may overlap `x`
+        agreement = lane.agreement
+        result = agreement.exchange(packet, self.combine, out)
+        if result is None:
+            raise agreement.failure("allreduce", [*self.signature, site[0], number], None, site[1])
+        expectation.agreed(self.ident, site[0], number, None)
+        if finish and self.finish is not None:
+            self.finish[0](result, self.finish[1], out=result)
+        return result
+
+
+SmallPlan = Union[FusedPlan, LibraryPlan]
+
+
+def suits(x: np.ndarray, out: Any) -> bool:
+    """Whether a call on `x` into `out` may take its small plan: `x` C-ordered, and `out` None,
+    `x` itself (writable), or a writable C-ordered NumPy array of `x`'s shape and dtype
+    (anything else takes the general path, which checks it)."""
+    flags = x.flags
+    if not flags.c_contiguous:
+        return False
+    if out is None:
+        return True
+    if out is x:
+        return bool(flags.writeable)
+    return (type(out) is np.ndarray and out.flags.writeable and out.flags.c_contiguous
+            and out.shape == x.shape and out.dtype == x.dtype)
+
+
+def small_plan(lane: Lane, channel: Channel, x: np.ndarray, op: str, algorithm: str
+               ) -> SmallPlan | None:
+    """The small plan of an allreduce of `x` on `lane`, or None where the call takes the general
+    path (a larger or unusual call, or one whose error the general path reports)."""
+    key = (x.shape, x.dtype, op, algorithm, *settings_key("allreduce"))
+    plan = lane.small.get(key, _UNPLANNED)
+    return _planned(lane, channel, x, op, algorithm, key) if plan is _UNPLANNED else plan
+
+
+def _planned(lane: Lane, channel: Channel, x: np.ndarray, op: str, algorithm: str,
+             key: tuple[Any, ...]) -> SmallPlan | None:
+    """Plan an allreduce of `x` on `lane` and keep the plan (or None) under `key`."""
+    plan: SmallPlan | None = None
+    dtype = dtype_name(x.dtype)
+    if dtype is not None and op in OPS and algorithm in ALGORITHM_CHOICES["allreduce"]:
+        try:
+            chosen = algorithm if algorithm != "auto" else choose(
+                "allreduce", x.nbytes, channel.size, hand_written=dtype == "bfloat16")
+        except ValueError:
+            chosen = None
+        if chosen is not None:
+            signature = [COLLECTIVE_CODES["allreduce"], ALGORITHM_CODES[chosen], OPS[op].code,
+                         DTYPE_CODES[dtype], x.size, 0, PLACEMENTS["host memory"]]
+            if rides_in_check("allreduce", chosen, False, x.nbytes):
+                plan = FusedPlan(signature, x.dtype, x.shape, op, channel.size,
+                                 lane.expectation.ident(tuple(signature)))
+            else:
+                plan = lane.expectation.plan(tuple(signature))
+    lane.small[key] = plan
+    return plan
+
+
+def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str, out: Any) -> Any:
+    """A blocking allreduce of the NumPy array `x` on its small plan, on the caller's thread, once
+    the `i*` calls issued before it have finished; NOT_SMALL where it takes the general path.
+
+    Does what `execution.run_blocking` and `execution._guarded` do for every call (numbered,
+    checked for concurrent use, counted completed, failures reported as ProcessFailure), inline,
+    and looks its plan up as `small_plan` and `suits` do: every 100 ns shows at 8 bytes.
+    """
+    channel = channel_of(comm)
+    lane = channel.blocking
+    if lane is channel.background:  # below MPI_THREAD_MULTIPLE only the engine calls MPI
+        return NOT_SMALL
+    key = (x.shape, x.dtype, op, algorithm, _ENCODED.get(_OVERRIDE), _ENCODED.get(_TUNING)) \
+        if _ENCODED is not None else (x.shape, x.dtype, op, algorithm, *settings_key("allreduce"))
+    plan = lane.small.get(key, _UNPLANNED)
+    if plan is _UNPLANNED:
+        plan = _planned(lane, channel, x, op, algorithm, key)
+    if plan is None:
+        return NOT_SMALL
+    flags = x.flags
+    if not flags.c_contiguous or out is not None and (
+            not flags.writeable if out is x else not suits(x, out)):
+        return NOT_SMALL
+    site = call_site()
+    number = channel.enter()
+    try:
+        channel.drain()
+        if channel.failure is not None:
+            channel.refuse("allreduce", number)
+        result = plan.run(lane, number, site, x, out)
+        channel.completed = number
+    except CollectiveArgumentError:  # refused on every rank alike: the call is over everywhere
+        channel.completed = number
+        channel.expectation.refused(number)
+        raise
+    except MPI.Exception as exc:
+        channel.fail("allreduce", number, exc)
+    finally:
+        channel.leave()
+    return result
