@@ -40,12 +40,14 @@ import statistics
 import time
 from typing import Callable
 
+# hpcdl first: importing it sets THP_MEM_ALLOC_ENABLE=1 (hpcdl/runtime/memory.py) before torch is
+# loaded, so no tensor of this benchmark lives in small pages, the configuration DDP warns about.
+import hpcdl
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 from torch import nn
 
-import hpcdl
 from hpcdl.training.emulation import EmulatedCompute, ShapeModel, StepTimes
 from hpcdl.training.model_sizes import SIZED_MODELS, shape_of_module
 from hpcdl.training.models import heavy_mlp

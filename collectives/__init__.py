@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import CollectiveArgumentError, CommunicationError, ConcurrentUseError, ProcessFailure
+from .errors import (CollectiveArgumentError, CommunicationError, ConcurrentUseError, DeviceRouteError,
+                     ProcessFailure)
 from .ops import DTYPES, OPS
 from .partition import partition_counts
 from .registry import ALGORITHMS, COLLECTIVES
@@ -34,7 +35,7 @@ _LAZY = {
 
 __all__ = [
     "ALGORITHMS", "COLLECTIVES", "DTYPES", "OPS", "CollectiveArgumentError", "CommunicationError",
-    "ConcurrentUseError", "ProcessFailure", "partition_counts", *_LAZY,
+    "ConcurrentUseError", "DeviceRouteError", "ProcessFailure", "partition_counts", *_LAZY,
 ]
 
 

@@ -11,8 +11,10 @@ bytes move; this module starts no MPI. Tests swap in a device runtime over host 
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ContextManager, Iterator, Protocol
 
 import numpy as np
 
@@ -25,14 +27,29 @@ _DLPACK_CUDA_HOST = 3
 class DeviceRuntime(Protocol):
     """What the collectives need from a GPU array library. `CupyRuntime` is the real one.
 
-    Arithmetic runs on the library's current stream. The staged path (`staging.py`) also copies
+    Arithmetic runs on the library's current stream. While a collective runs, that is the calling
+    thread's communication stream (`communicating`): a non-blocking stream of its own, so the
+    folds, copies and landings neither queue behind the caller's compute stream (torch's default
+    stream, CUDA's legacy default stream, all of backward) nor make the host wait for it, and
+    `synchronize` waits for that stream alone. The staged path (`staging.py`) also copies
     on streams of its own (`stream`), asynchronously, and orders its work with events: `record`
     marks what a stream has been given so far, `done` asks whether that has finished, `wait`
     blocks the host until it has, and `order` makes a stream (None: the current one) wait for it
-    on the device, without blocking the host. A copy without a stream is synchronous.
+    on the device, without blocking the host. A copy without a stream is synchronous: it runs on
+    the current stream, which it then synchronizes.
+
+    CUDA IPC (`ipc.py`, ranks of one host reading each other's device memory): `ipc_export` gives
+    the allocation holding an array as (handle, base address, the array's byte offset from it),
+    or None where its memory cannot be shared; `ipc_open` maps a peer's allocation by its handle
+    (once: `ipc.Registrations` caches it), `ipc_close` unmaps it, `ipc_array` is an array over
+    mapped memory, and `copy_device` copies between device arrays.
     """
 
     xp: Any  # array module that runs elementwise arithmetic on the device
+    #: its "device" memory is host memory (a stand-in for tests): any MPI library reads it
+    memory_on_host: bool
+    #: whether `ipc_*` can work at all (a handshake still checks that they do: `ipc.handshake`)
+    ipc_capable: bool
 
     def from_cuda_array_interface(self, obj: Any) -> Any: ...
     def from_dlpack(self, obj: Any) -> Any: ...
@@ -47,10 +64,19 @@ class DeviceRuntime(Protocol):
     def done(self, event: Any) -> bool: ...
     def wait(self, event: Any) -> None: ...
     def order(self, stream: Any, event: Any) -> None: ...
+    def communicating(self) -> ContextManager[None]: ...
+    def copy_device(self, src: Any, dst: Any, stream: Any = None) -> None: ...
+    def ipc_export(self, arr: Any) -> tuple[bytes, int, int] | None: ...
+    def ipc_open(self, handle: bytes) -> Any: ...
+    def ipc_close(self, mapped: Any) -> None: ...
+    def ipc_array(self, mapped: Any, offset: int, count: int, dtype: np.dtype) -> Any: ...
 
 
 class CupyRuntime:
     """CuPy: arithmetic runs as CuPy kernels on the current stream, staging uses pinned memory."""
+
+    memory_on_host = False
+    ipc_capable = True
 
     def __init__(self) -> None:
         import cupy
@@ -58,6 +84,9 @@ class CupyRuntime:
 
         self.xp = cupy
         self._cupyx = cupyx
+        self._threads = threading.local()  # .stream: the thread's communication stream
+        self._exported: dict[int, tuple[int, bytes]] = {}  # base -> (buffer id, IPC handle)
+        self._driver: Any = None  # libcuda, for what CuPy does not expose (ipc_export)
 
     def from_cuda_array_interface(self, obj: Any) -> Any:
         return self.xp.asarray(obj)  # zero-copy for __cuda_array_interface__
@@ -67,8 +96,14 @@ class CupyRuntime:
 
     def wait_for_producer(self, obj: Any) -> None:
         # CUDA Array Interface v3: a consumer must order itself after the producer's stream.
+        # Stream 1 is CUDA's legacy default stream, 2 the per-thread one; none named: the current.
         stream = getattr(obj, "__cuda_array_interface__", {}).get("stream")
-        if stream and stream not in (1, 2):
+        streams = self.xp.cuda.Stream
+        if stream == 1:
+            streams.null.synchronize()
+        elif stream == 2:
+            streams.ptds.synchronize()
+        elif stream:
             self.xp.cuda.ExternalStream(stream).synchronize()
         else:
             self.xp.cuda.get_current_stream().synchronize()
@@ -85,20 +120,22 @@ class CupyRuntime:
         return pinned
 
     def copy_to_host(self, src: Any, dst: np.ndarray, stream: Any = None) -> None:
-        if stream is None:
-            src.get(out=dst)
-        elif src.nbytes:  # raw bytes: every dtype alike, bfloat16 included
-            runtime = self.xp.cuda.runtime
-            runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, src.nbytes,
-                                runtime.memcpyDeviceToHost, stream.ptr)
+        self._copy(dst.ctypes.data, src.data.ptr, src.nbytes, self.xp.cuda.runtime.memcpyDeviceToHost,
+                   stream)
 
     def copy_to_device(self, src: np.ndarray, dst: Any, stream: Any = None) -> None:
+        self._copy(dst.data.ptr, src.ctypes.data, src.nbytes, self.xp.cuda.runtime.memcpyHostToDevice,
+                   stream)
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: int, stream: Any) -> None:
+        # Raw bytes, every dtype alike (bfloat16 included), always cudaMemcpyAsync: a plain
+        # cudaMemcpy runs on the legacy default stream and so waits for all of the compute
+        # stream's queued work. Without a stream: on the current one, then synchronized.
+        current = stream if stream is not None else self.xp.cuda.get_current_stream()
+        if nbytes:
+            self.xp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, current.ptr)
         if stream is None:
-            dst.set(src)
-        elif src.nbytes:
-            runtime = self.xp.cuda.runtime
-            runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
-                                runtime.memcpyHostToDevice, stream.ptr)
+            current.synchronize()
 
     def stream(self) -> Any:
         # non_blocking: staging copies must not wait for (or hold up) the legacy default stream
@@ -117,6 +154,73 @@ class CupyRuntime:
 
     def order(self, stream: Any, event: Any) -> None:
         (stream if stream is not None else self.xp.cuda.get_current_stream()).wait_event(event)
+
+    @contextlib.contextmanager
+    def communicating(self) -> Iterator[None]:
+        stream = getattr(self._threads, "stream", None)
+        if stream is None:
+            stream = self._threads.stream = self.stream()
+        with stream:  # CuPy's current stream, for this thread only
+            yield
+
+    def copy_device(self, src: Any, dst: Any, stream: Any = None) -> None:
+        # cudaMemcpyDefault: the source may be a peer's memory mapped by CUDA IPC (unified
+        # addressing tells where each side lives)
+        kind = getattr(self.xp.cuda.runtime, "memcpyDefault", 4)  # cudaMemcpyDefault
+        self._copy(dst.data.ptr, src.data.ptr, src.nbytes, kind, stream)
+
+    def ipc_export(self, arr: Any) -> tuple[bytes, int, int] | None:
+        ptr = arr.data.ptr
+        driver = self._driver
+        if driver is None:
+            driver = self._driver = _CudaDriver()
+        if not driver.attribute(ptr, _IS_LEGACY_CUDA_IPC_CAPABLE):  # cudaMallocAsync, VMM, ...
+            return None
+        base, buffer = driver.attribute(ptr, _RANGE_START_ADDR), driver.attribute(ptr, _BUFFER_ID)
+        known = self._exported.get(base)
+        if known is None or known[0] != buffer:  # a new allocation at this address: a new handle
+            known = self._exported[base] = (buffer, self.xp.cuda.runtime.ipcGetMemHandle(base))
+        return known[1], base, ptr - base
+
+    def ipc_open(self, handle: bytes) -> Any:
+        return self.xp.cuda.runtime.ipcOpenMemHandle(handle)  # lazily enabling peer access
+
+    def ipc_close(self, mapped: Any) -> None:
+        self.xp.cuda.runtime.ipcCloseMemHandle(mapped)
+
+    def ipc_array(self, mapped: Any, offset: int, count: int, dtype: np.dtype) -> Any:
+        cuda = self.xp.cuda
+        nbytes = count * np.dtype(dtype).itemsize
+        memory = cuda.UnownedMemory(mapped + offset, nbytes, None)
+        raw = self.xp.ndarray((nbytes,), dtype=np.uint8, memptr=cuda.MemoryPointer(memory, 0))
+        return raw.view(dtype)  # through bytes: every dtype alike, bfloat16 included
+
+
+# cuPointerGetAttribute's attributes (cuda.h, CUpointer_attribute)
+_BUFFER_ID = 7  # unsigned long long: unique per allocation in the process
+_IS_LEGACY_CUDA_IPC_CAPABLE = 10  # int: cudaIpcGetMemHandle works on it
+_RANGE_START_ADDR = 11  # CUdeviceptr: the allocation's base address
+
+
+class _CudaDriver:
+    """The one CUDA driver call CuPy does not expose: cuPointerGetAttribute (an allocation's base
+    address, its unique id, whether legacy CUDA IPC may share it)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        self._get = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+        self._get.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        self._get.restype = ctypes.c_int
+
+    def attribute(self, ptr: int, attribute: int) -> int:
+        ctypes = self._ctypes
+        value = ctypes.c_uint64(0)  # wide enough for each of the three (little-endian)
+        status = self._get(ctypes.byref(value), attribute, ptr)
+        if status:
+            raise RuntimeError(f"cuPointerGetAttribute({attribute}) failed with CUDA error {status}")
+        return int(value.value)
 
 
 _runtime: DeviceRuntime | None = None

@@ -18,13 +18,14 @@ from mpi4py import MPI
 
 from .buffers import Buffer, DeviceRuntime, device_runtime
 from .cuda_awareness import cuda_aware
+from .device_routes import DeviceRoutes, settle
 from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError
 from .expectation import Expectation
 from .failures import Failure, failed_ranks, failure_of, revoke
 from .host_communicators import derived_communicators
 from .ops import OPS
-from .select import choose_level, staging_piece
+from .select import choose_level, ipc_route, staging_piece
 from .transport import Link, ScratchPool
 from .validation import Agreement
 
@@ -71,11 +72,12 @@ class Lane:
     agreement: Agreement
 
     def __init__(self, dup: _Duplicate, patient: Callable[[], bool] | None,
-                 expectation: Expectation) -> None:
+                 expectation: Expectation, routes: DeviceRoutes) -> None:
         self._dup = dup
         self.patient = patient
         #: the channel's, shared by both lanes: they run its calls one at a time, in order
         self.expectation = expectation
+        self.routes = routes  # what the ranks agreed about device messages: one for both lanes
         #: scratch arrays by the device runtime (None: host) that allocated them, with the runtime
         #: held so that its id is not reused while its pool lives
         self._scratch: dict[int, tuple[DeviceRuntime | None, ScratchPool]] = {}
@@ -132,9 +134,18 @@ class Lane:
             link = self._links[key] = Link(
                 self._dup.get(), OPS[op], src.xp, on_device=src.on_device, cuda_aware=aware,
                 runtime=runtime, scratch=self.scratch(runtime), patient=self.patient, finishes_blocks=finishes,
-                choose_level=choose_level, staging_piece=staging_piece)
+                choose_level=choose_level, staging_piece=staging_piece,
+                routes=None if runtime is None else self.routes.of(runtime), ipc_route=ipc_route)
         link.tag = tag
         return link
+
+    def settle_routes(self, link: Link) -> None:
+        """Before a device call's algorithm, after its argument check: the routes of its device
+        messages, settled by every rank at the communicator's first device call
+        (`device_routes.settle`, collective then); raises DeviceRouteError where a claim fails."""
+        assert link.routes is not None
+        if not link.routes.settled or link.routes.error is not None:
+            settle(link, link.routes)
 
 
 class Channel:
@@ -168,9 +179,10 @@ class Channel:
         self.engine = Engine(f"hpcdl-comm-{comm.py2f()}") if multiple else _serial_engine()
         #: what the ranks agreed on so far, and the call they expect next (`expectation.py`)
         self.expectation = Expectation(dup.get)
-        self.background = Lane(dup, self.engine.nobody_waiting, self.expectation)
+        routes = DeviceRoutes()
+        self.background = Lane(dup, self.engine.nobody_waiting, self.expectation, routes)
         # Below MPI_THREAD_MULTIPLE only the engine may call MPI: blocking calls go through it too.
-        self.blocking = Lane(dup, None, self.expectation) if multiple else self.background
+        self.blocking = Lane(dup, None, self.expectation, routes) if multiple else self.background
 
     def enter(self) -> int:
         """Start issuing a call from this thread; its call number. Raises ConcurrentUseError if

@@ -7,6 +7,13 @@ class CollectiveArgumentError(ValueError):
     communicator, which stays usable afterwards."""
 
 
+class DeviceRouteError(CollectiveArgumentError):
+    """A route for device messages that a setting claims does not work here (HPCDL_CUDA_AWARE=1
+    with an MPI that cannot read device memory, HPCDL_IPC=1 where CUDA IPC fails): found by every
+    rank together at a communicator's first device call, and raised by it and by every later one
+    (`device_routes.settle`); host calls go on."""
+
+
 class CommunicationError(RuntimeError):
     """A collective failed inside a communication thread, or after an earlier one did."""
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from .buffers import device_runtime
 from .channels import Channel, Lane, channel_of
 from .engine import Handle
 from .errors import CollectiveArgumentError
@@ -34,8 +35,16 @@ def _execute(call: Call, lane: Lane, number: int, plan: Plan | None, error: str 
     """The collective half: cross-check with every rank, then run the algorithm.
 
     Runs on the lane's thread (the caller's for blocking calls, the engine's for `i*`); scratch
-    memory comes from that lane.
+    memory comes from that lane. A device call's own device work (copies, folds, landings) runs
+    on that thread's communication stream (`buffers.DeviceRuntime.communicating`).
     """
+    if plan is None or not plan.source.on_device:
+        return _run_checked(call, lane, number, plan, error)
+    with device_runtime().communicating():
+        return _run_checked(call, lane, number, plan, error)
+
+
+def _run_checked(call: Call, lane: Lane, number: int, plan: Plan | None, error: str | None) -> Any:
     site, where = call.site
     expectation = lane.expectation
     if expectation.expected is not None:
@@ -56,6 +65,8 @@ def _execute(call: Call, lane: Lane, number: int, plan: Plan | None, error: str 
         layout = layout.complete(counts)
         described = ALGORITHMS[call.collective][algorithm]
         link = lane.link(call.op, src, described.finishes_avg, 1 + number % _MAX_TAG)
+        if src.on_device:
+            lane.settle_routes(link)
         work = layout.work
         assert layout.fill is not None  # a completed layout always places this rank's input
         layout.fill(link, work)
@@ -79,6 +90,8 @@ def _execute(call: Call, lane: Lane, number: int, plan: Plan | None, error: str 
     else:
         lane.agreement.check(call.collective, [*plan.signature, site, number], error, where)
         expectation.agreed(expectation.ident(key), site, number, expectation.plan(key))
+        if src.on_device:
+            lane.settle_routes(link)
         if layout.fill is not None:
             layout.fill(link, work)
         described.run(link, work, *layout.args)

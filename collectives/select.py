@@ -19,9 +19,15 @@ table's row.
 
 `staging_piece` picks the staged path's copy granularity the same way: `HPCDL_STAGING_PIECE_BYTES`,
 else the tuning file's model where it has copy parameters, else `partition.default_staging_piece`.
-It is each rank's own choice (the messages on the wire do not depend on it). `choose_level` and
-`staging_piece` are handed to every Link by the channel that makes it (`channels.Lane.link`): the
-transport below reads no setting and no tuning file itself.
+It is each rank's own choice (the messages on the wire do not depend on it). `choose_level`,
+`staging_piece` and `ipc_route` are handed to every Link by the channel that makes it
+(`channels.Lane.link`): the transport below reads no setting and no tuning file itself.
+
+`ipc_route` picks the device messages between ranks of one host that go by CUDA IPC (`ipc.py`),
+where the ranks agreed they can (`device_routes.py`): `HPCDL_IPC=1` all of them, `0` none, `auto`
+(the default) those the tuning file's model predicts faster that way where it has CUDA IPC
+parameters, else those of IPC_BYTES or more. Both ends of a message must decide alike, so every
+rank must see the same setting and tuning file, as for `choose`.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from typing import Any
 
 from .algorithms.description import Algorithm
 from .cost.params import LEVELS, ModelParams
-from .cost.prediction import best, best_part, model_bytes
+from .cost.prediction import best, best_part, ipc_wins, model_bytes
 from .cost.prediction import staging_piece as model_staging_piece
 from .partition import default_staging_piece
 from .registry import ALGORITHMS, COLLECTIVES, single_communicator
@@ -244,3 +250,44 @@ def _staging_piece(forced: str | None, path: str | None, nbytes: int) -> int:
     if params is not None and params.copy_beta > 0:
         return model_staging_piece(nbytes, params)
     return default_staging_piece(nbytes)
+
+
+#: Without a setting or a model, CUDA IPC carries the device messages of this many bytes or more
+#: between ranks of one host (`ipc_route`). Below it a message costs its handshake (two MPI
+#: messages and a copy's launch and wait, some 10-20 us) whatever the route; above it the copy
+#: from the peer's memory runs at device bandwidth, hundreds of GB/s against the tens of the
+#: staged path's two copies over PCIe. A guess until a GPU measures it (docs/collectives.md).
+IPC_BYTES = 64 << 10
+
+#: HPCDL_IPC's values: what each means.
+IPC_MODES = {"auto": "where it pays", "1": "every exchange between ranks of one host (and fail "
+             "loudly where CUDA IPC does not work)", "0": "never"}
+
+
+def ipc_mode() -> str:
+    """HPCDL_IPC as one of IPC_MODES ("auto" when unset); raises ValueError for anything else."""
+    value = (setting("HPCDL_IPC") or "auto").strip().lower()
+    value = {"on": "1", "yes": "1", "true": "1", "off": "0", "no": "0", "false": "0"}.get(value, value)
+    if value not in IPC_MODES:
+        raise ValueError(f"HPCDL_IPC={setting('HPCDL_IPC')!r}: choose auto (the default), 1 or 0")
+    return value
+
+
+def ipc_route(nbytes: int) -> bool:
+    """Whether a device message of `nbytes` between ranks of one host goes by CUDA IPC rather
+    than through MPI. A function of the message's length, the setting and the tuning file only,
+    so both ends of a message decide alike. Cached per setting."""
+    return _ipc_route(setting("HPCDL_IPC"), setting("HPCDL_TUNING_FILE"), nbytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ipc_route(forced: str | None, path: str | None, nbytes: int) -> bool:
+    mode = ipc_mode()
+    if mode != "auto":
+        return mode == "1"
+    params = model_params(path) if path else None
+    if params is not None and params.peer_beta > 0:
+        # against the staged path where the model has copy costs (measured on device buffers
+        # that MPI did not read itself), else against MPI reading device memory
+        return ipc_wins(nbytes, params, staged=params.copy_beta > 0)
+    return nbytes >= IPC_BYTES

@@ -9,7 +9,12 @@ decided here, once:
   wrote them has finished (`runtime.synchronize`);
 - device arrays without CUDA-aware MPI: staged through pinned host buffers, so MPI only ever sees
   host memory while arithmetic stays on the device; large messages pipelined, their copies
-  overlapping their transfer on copy streams of their own (`staging.py`).
+  overlapping their transfer on copy streams of their own (`staging.py`);
+- device arrays of two ranks of one host, in the exchanges of `sendrecv` and `sendrecv_combine`
+  that the ranks agreed on (`device_routes.py`) and `select.ipc_route` gives it: copied from the
+  peer's device memory by CUDA IPC, MPI carrying only a handshake (`ipc.py`). A message sent by
+  `sendrecv` is received by `sendrecv` (the algorithms that use them are symmetric), and both
+  ends decide its route alike, from its length and whether their ranks share a host.
 
 Messages are typed as bytes, so every dtype (float16 and bfloat16 included) moves the same way.
 The transport reads no setting and no tuning file: what depends on them (the staging piece, the
@@ -17,7 +22,7 @@ algorithm of each part of a composed call) is handed to each Link by the channel
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -26,10 +31,17 @@ from . import inflight
 from .buffers import DeviceRuntime
 from .failures import settle
 from .host_communicators import hosts_of
+from .ipc import IpcExchange
 from .ops import ReduceOp
 from .partition import PIECEWISE_BYTES, cut, cut_bounds, default_staging_piece
 from .patience import complete_patiently
 from .staging import Combine, Stager
+
+if TYPE_CHECKING:
+    from .device_routes import Routes
+
+#: A message of an exchange as `Link._through_mpi` takes it: (view, peer, wire bounds), or None.
+Part = Optional[Tuple[Any, int, List[int]]]
 
 
 #: Staging slots of one Link (pinned host copies of whole device messages, outside the pipelined
@@ -114,8 +126,16 @@ class Link:
                  tag: int = 0, patient: Callable[[], bool] | None = None,
                  finishes_blocks: bool = False,
                  choose_level: Callable[[str, int, int, str], Any] | None = None,
-                 staging_piece: Callable[[int], int] = default_staging_piece) -> None:
+                 staging_piece: Callable[[int], int] = default_staging_piece,
+                 routes: Routes | None = None,
+                 ipc_route: Callable[[int], bool] | None = None) -> None:
         self.comm = comm
+        #: what the ranks agreed about device messages (`device_routes.Routes`: the ranks reached
+        #: by CUDA IPC), read at every exchange, settled after this Link is made; None on the host
+        self.routes = routes
+        #: nbytes -> whether an exchange of that many bytes with such a rank goes by CUDA IPC
+        #: (`select.ipc_route`, handed down like `staging_piece`)
+        self.ipc_route = ipc_route
         #: (collective, nbytes, ranks, level) -> the `Algorithm` of one part of a composed
         #: algorithm (`select.choose_level`); None where no composed algorithm runs
         self.choose_level = choose_level
@@ -141,6 +161,7 @@ class Link:
         self._scratch = scratch
         self._staging_slot = 0
         self._stager: Stager | None = None
+        self._ipc: IpcExchange | None = None
         self._splits: dict[str, Link | None] = {}
         #: messages posted and not yet completed by `wait` (a pipelined step posts its next piece
         #: before waiting for this one): what `abandon` settles after an error
@@ -163,10 +184,13 @@ class Link:
         if kind not in self._splits:
             hosts = hosts_of(self.comm)
             for name, sub in (("node", hosts.node), ("leaders", hosts.leaders)):
+                routes = None if self.routes is None or sub == MPI.COMM_NULL else \
+                    self.routes.sub(sub.Get_size(), on_one_host=name == "node")
                 self._splits[name] = None if sub == MPI.COMM_NULL else Link(
                     sub, self.op, self.xp, on_device=self.on_device, cuda_aware=not self._staged,
                     runtime=self.runtime, scratch=self._scratch, patient=self.patient,
-                    choose_level=self.choose_level, staging_piece=self.staging_piece)
+                    choose_level=self.choose_level, staging_piece=self.staging_piece,
+                    routes=routes, ipc_route=self.ipc_route)
         link = self._splits[kind]
         if link is not None:
             link.tag, link.patient = self.tag, self.patient
@@ -201,6 +225,15 @@ class Link:
                                   lambda slot, nbytes: self._pinned(nbytes, np.dtype(np.uint8), slot),
                                   lambda count, dtype, slot: self.scratch(count, dtype, slot))
         return self._stager
+
+    @property
+    def ipc(self) -> IpcExchange:
+        """How this Link moves device messages by CUDA IPC (where its routes say it may)."""
+        if self._ipc is None:
+            assert self.runtime is not None
+            self._ipc = IpcExchange(self.runtime,
+                                    lambda count, dtype, slot: self.scratch(count, dtype, slot))
+        return self._ipc
 
     # -- arithmetic ---------------------------------------------------------------------------
 
@@ -274,8 +307,14 @@ class Link:
         exchange in both directions moved at about half the link rate, the same bytes in pieces at
         the full rate (see docs/algorithms.md). Both sides cut a message the same way, from its
         length alone. A staged device message goes as the same pieces, its copies to and from
-        host memory overlapping their transfer (`staging.Stager`).
+        host memory overlapping their transfer (`staging.Stager`). A device message to or from a
+        rank of this host may go by CUDA IPC instead (`_by_peers`).
         """
+        routes = self.routes
+        if routes is not None and routes.ipc_peers and self._by_peers(
+                (send, dest, cut_bounds(send.shape[0], send.dtype.itemsize)),
+                (recv, source, cut_bounds(recv.shape[0], recv.dtype.itemsize))):
+            return
         if max(send.nbytes, recv.nbytes) > PIECEWISE_BYTES:
             if self._staged:
                 self._staged_exchange(send, dest, cut_bounds(send.shape[0], send.dtype.itemsize),
@@ -309,8 +348,8 @@ class Link:
             self.sendrecv(send, dest, tmp, source)
             self.combine(recv, tmp, completes=completes)
             return
-        if self._staged:
-            def combine(dst: Any, src: Any) -> None:  # on the device; the Stager synchronizes
+        if self.on_device:
+            def combine(dst: Any, src: Any) -> None:  # on the device; the mover synchronizes
                 self.op.combine(self.xp, dst, src)
                 if completes and self.finishes_blocks:
                     self.op.finalize(self.xp, dst, self.size)
@@ -318,9 +357,15 @@ class Link:
             def bounds(n: int) -> list[int]:
                 return [min(k * segment, n) for k in range(pieces + 1)]
 
-            self._staged_exchange(send, dest, bounds(send.shape[0]), recv, source,
-                                  bounds(recv.shape[0]), combine)
-            return
+            routes = self.routes
+            if routes is not None and routes.ipc_peers and self._by_peers(
+                    (send, dest, bounds(send.shape[0])), (recv, source, bounds(recv.shape[0])),
+                    combine):
+                return
+            if self._staged:
+                self._staged_exchange(send, dest, bounds(send.shape[0]), recv, source,
+                                      bounds(recv.shape[0]), combine)
+                return
 
         def post(k: int) -> tuple[Pending, Pending, Any]:
             lo = k * segment
@@ -334,6 +379,51 @@ class Link:
                 ahead = post(k + 1)
             self.wait(incoming, outgoing)
             self.combine(recv[k * segment:(k + 1) * segment], tmp, completes=completes)
+
+    def _by_peers(self, send: tuple[Any, int, list[int]], recv: tuple[Any, int, list[int]],
+                  combine: Combine | None = None) -> bool:
+        """Move what goes by CUDA IPC of the exchange `send`, `recv` = (device view, peer, wire
+        bounds), then the rest through MPI as it would have gone; False (nothing moved) where
+        neither message goes by CUDA IPC. A message goes so where its two ranks share a host and
+        `ipc_route` takes its length (with one peer both ways: the longer one's, so that both
+        messages go alike), which both ends see alike. The CUDA IPC part first on every rank: it
+        waits only for other ranks' CUDA IPC parts, so no rank waits for one still in MPI."""
+        (out, dest, _), (into, source, _) = send, recv
+        assert self.routes is not None and self.ipc_route is not None
+        peers, route = self.routes.ipc_peers, self.ipc_route
+        if dest == source:
+            outgoing = incoming = dest in peers and route(max(out.nbytes, into.nbytes))
+        else:
+            outgoing, incoming = dest in peers and route(out.nbytes), source in peers and route(into.nbytes)
+        if not (outgoing or incoming):
+            return False
+        self.ipc.exchange(self.comm, self.tag, (out, dest) if outgoing else None,
+                          (into, source) if incoming else None, combine=combine, patient=self.patient)
+        if not (outgoing and incoming):
+            self._through_mpi(None if outgoing else send, None if incoming else recv, combine)
+        return True
+
+    def _through_mpi(self, send: Part, recv: Part, combine: Combine | None) -> None:
+        """One way of a device exchange (the other went by CUDA IPC): its message in the wire
+        pieces `bounds` of `send` or `recv` = (view, peer, bounds), as the peer sends or
+        receives it; `combine`: fold what arrives into the view."""
+        if self._staged:
+            piece = self.staging_piece(max(part[0].nbytes for part in (send, recv) if part is not None))
+            self.stager.exchange(self.comm, self.tag, send, recv, piece_bytes=piece, combine=combine,
+                                 patient=self.patient)
+            return
+        pending, landing = [], None
+        if recv is not None:
+            view, source, bounds = recv
+            landing = view if combine is None else self.scratch(view.shape[0], view.dtype)
+            pending += [self.irecv(landing[lo:hi], source) for lo, hi in zip(bounds, bounds[1:])]
+        if send is not None:
+            view, dest, bounds = send
+            pending += [self.isend(view[lo:hi], dest) for lo, hi in zip(bounds, bounds[1:])]
+        self.wait(*pending)
+        if combine is not None and recv is not None and recv[0].shape[0]:
+            combine(recv[0], landing)
+            self.runtime.synchronize()  # type: ignore[union-attr]
 
     def _staged_exchange(self, send: Any, dest: int, send_bounds: list[int], recv: Any,
                          source: int, recv_bounds: list[int], combine: Combine | None = None) -> None:
@@ -403,6 +493,7 @@ class Link:
         """After an MPI error: settle (`failures.settle`) every message this Link and its sub-Links
         still have outstanding, so that none writes into a buffer once the collective has raised."""
         staged = self._stager.outstanding() if self._stager is not None else []
+        staged += self._ipc.outstanding() if self._ipc is not None else []
         settle(self.comm, [p.request for p in self._posted] + staged)
         self._posted.clear()
         for link in self._splits.values():

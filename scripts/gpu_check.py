@@ -192,6 +192,35 @@ def _bench(report: Any) -> tuple[list[str], dict[str, Any]]:
     return lines, best
 
 
+#: The routes of device messages the check measures: the JSON each step writes, and its name.
+ROUTES = {"bench.json": "staged", "route-ipc.json": "CUDA IPC", "route-ucx.json": "pml ucx"}
+
+
+def _routes(work: Path) -> tuple[list[str], dict[str, Any]]:
+    """Ring allreduce on each route of device messages (scripts/gpu_check.sh: bench, route-ipc,
+    route-ucx), median us (busbw GB/s) by size, and every route's count of wrong results."""
+    found = {name: _load(work / path) for path, name in ROUTES.items()}
+    rows = {name: {r["nbytes"]: r for r in report["results"]
+                   if r["algorithm"] == "ring" and r["unavailable"] is None}
+            for name, report in found.items() if report}
+    summary: dict[str, Any] = {name: {"wrong": sum(r["wrong"] for r in report["results"]),
+                                      "ring": {str(n): {"median_s": r["median_s"], "busbw_gbs": r["busbw_gbs"]}
+                                               for n, r in rows[name].items()}}
+                               for name, report in found.items() if report}
+    missing = [name for name in ROUTES.values() if name not in rows]
+    if not rows:
+        return ["routes of device messages: no results"], summary
+    sizes = sorted(set().union(*(set(r) for r in rows.values())))
+    lines = ["ring allreduce by route of device messages, median us (busbw GB/s):",
+             f"{'bytes':>11} " + " ".join(f"{name:>18}" for name in rows)]
+    lines += [f"{size:>11} " + " ".join(
+        f"{r[size]['median_s'] * 1e6:9.1f} ({r[size]['busbw_gbs']:6.2f})" if size in r else f"{'-':>18}"
+        for r in rows.values()) for size in sizes]
+    lines.append("wrong results: " + ", ".join(f"{n} {v['wrong']}" for n, v in summary.items())
+                 + (f"; not measured: {', '.join(missing)}" if missing else ""))
+    return lines, summary
+
+
 def report(work: Path, out: Path, fake: bool) -> int:
     steps = _steps(work)
     env = _load(work / "environment.json") or {}
@@ -233,6 +262,8 @@ def report(work: Path, out: Path, fake: bool) -> int:
             lines.append(f"{step}: {summary}")
     bench_lines, best = _bench(bench)
     lines += [""] + bench_lines
+    route_lines, routes = _routes(work)
+    lines += [""] + route_lines
     if staging:
         lines += ["", f"staged pipeline (copies {staging['copies']} {staging['copy_gbps']:.3g} GB/s + "
                   f"{staging['copy_latency_us']:.3g} us), whole / pipelined, measured (predicted):"]
@@ -261,7 +292,7 @@ def report(work: Path, out: Path, fake: bool) -> int:
     (out / "gpu_check.json").write_text(json.dumps({
         "machine": machine, "fake": fake, "mps": mps, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "steps": steps, "environment": env, "device": dev, "tuning": tuning, "bench": bench,
-        "bench_vs_gloo": best,
+        "bench_vs_gloo": best, "routes": routes,
         "staging": staging, "train": train, "accuracy": accuracy,
         "tests": {s: _tests(work, s) for s in ("tests-p2", "tests-p4")}}, indent=1) + "\n")
     print(text)

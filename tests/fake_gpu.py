@@ -6,7 +6,9 @@
 `cupy` is `arrays.fake_cupy_module()` (one GPU whose memory is host memory) and the collectives'
 device runtime a `FakeDeviceRuntime`, MPI treated as not CUDA-aware (the staged path, as with the
 PyPI Open MPI) unless HPCDL_CUDA_AWARE says otherwise; HPCDL_FAKE_COPY_GBPS gives its copies a
-cost in wall time. `scripts/gpu_check.sh --fake` runs its device steps through this, so CI runs
+cost in wall time; HPCDL_FAKE_IPC=1 makes it a `FakeIpcRuntime`, whose ranks of one host reach
+each other's memory by (fake) CUDA IPC, the `cupy` arrays allocated where it can map them.
+`scripts/gpu_check.sh --fake` runs its device steps through this, so CI runs
 every step of the GPU check without a GPU.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from arrays import FakeDeviceRuntime, fake_cupy_module  # noqa: E402
+from arrays import FakeDeviceRuntime, FakeIpcRuntime, fake_cupy_module  # noqa: E402
 
 import collectives  # noqa: E402
 
@@ -27,10 +29,16 @@ def main() -> None:
     args = sys.argv[1:]
     if not args or args[0] in ("-h", "--help") or (args[0] == "-m" and len(args) < 2):
         raise SystemExit(__doc__)
-    sys.modules["cupy"] = fake_cupy_module()
     os.environ.setdefault("HPCDL_CUDA_AWARE", "0")
     gbps = os.environ.get("HPCDL_FAKE_COPY_GBPS")
-    collectives.set_device_runtime(FakeDeviceRuntime(copy_bandwidth=float(gbps) * 1e9 if gbps else None))
+    bandwidth = float(gbps) * 1e9 if gbps else None
+    if os.environ.get("HPCDL_FAKE_IPC") == "1":
+        runtime = FakeIpcRuntime(copy_bandwidth=bandwidth)
+        sys.modules["cupy"] = fake_cupy_module(runtime.arena.empty)
+    else:
+        runtime = FakeDeviceRuntime(copy_bandwidth=bandwidth)
+        sys.modules["cupy"] = fake_cupy_module()
+    collectives.set_device_runtime(runtime)
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)

@@ -88,7 +88,9 @@ def check_placement(outcomes: Outcomes, label: str, placement: str, x: Any, out:
 def check_device_path(backend: Backend, comm: MPI.Comm, *, computes: bool = True) -> None:
     """On the fake device, the device path must really have run: producer waits, syncs after
     device arithmetic or copies (when the collective `computes`), and either interface objects
-    handed to MPI (CUDA-aware) or staging copies (not)."""
+    handed to MPI (CUDA-aware) or staging copies (not), or, with CUDA IPC, copies from the peers'
+    memory or staging copies (the algorithms that exchange with `sendrecv` go by CUDA IPC, the
+    others are staged)."""
     if backend.runtime is None:
         return
     everyone = comm.allgather(dict(backend.runtime.calls))
@@ -97,7 +99,11 @@ def check_device_path(backend: Backend, comm: MPI.Comm, *, computes: bool = True
     needed += ["synchronize"] if computes else []
     forbidden: list[str] = []
     if comm.Get_size() > 1:
-        if backend.name.endswith("aware"):
+        if backend.name.endswith("ipc"):
+            forbidden.append("mpi_buffer")
+            assert total.get("copy_device", 0) + total.get("copy_to_host", 0) > 0, \
+                f"{backend.name}: nothing moved by CUDA IPC or staged: {total}"
+        elif backend.name.endswith("aware"):
             needed.append("mpi_buffer")
             forbidden += ["copy_to_host", "copy_to_device"]
         else:

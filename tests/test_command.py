@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
+import sys
 
 import pytest
 from mpi4py import MPI
@@ -80,3 +83,15 @@ def test_one_process_needs_no_mpi(capsys: pytest.CaptureFixture[str]) -> None:
         command.agree(["no"])
     assert command.fail(CommandError(caught.value.messages, status=3)) == 3
     assert capsys.readouterr().err == "hpcdl demo: error: no\n"
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts one process per command: one job is enough")
+@pytest.mark.parametrize("command", ["info", "train", "bench", "tune", "slurm", "slurm render"])
+def test_help_names_no_file_of_hpcdl_s_own(command: str) -> None:
+    """Issue 42: `hpcdl tune --help` named its implementation files (fit.py, predict.py), and
+    `hpcdl slurm --help` setup.py and the package's template folder: a user's help names options,
+    documents (docs/, slurm/README.md) and commands, never the source."""
+    done = subprocess.run([sys.executable, "-m", "hpcdl", *command.split(), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: hpcdl"), done.stdout + done.stderr
+    assert not re.findall(r"[\w/]+\.py\b|\bhpcdl/|\bcollectives/", done.stdout), done.stdout

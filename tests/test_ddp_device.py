@@ -20,6 +20,7 @@ import collectives
 import hpcdl
 from arrays import FakeDeviceRuntime, FakeTensorStreams, device_runtime_installed
 from conftest import all_ranks_agree
+from collectives.cuda_awareness import CHECK_BYTES
 from hpcdl.tensors.streams import treat_host_as_device
 from hpcdl.compression import TopK
 
@@ -102,11 +103,15 @@ def test_one_rank_moves_nothing(comm: MPI.Comm) -> None:
 @pytest.mark.parametrize("cuda_aware", [True, False], ids=["aware", "staged"])
 def test_a_device_step_never_synchronizes_the_compute_stream(comm: MPI.Comm, cuda_aware: bool) -> None:
     """Per step on the fake device: one ready event per bucket and one for the results, which the
-    compute stream waits for; no synchronize of the compute stream on the training thread; the
-    collectives wait for the side stream only (one synchronize per collective call); staging
-    copies only where MPI is not CUDA-aware, exactly the bytes the ring sends and receives; P
-    kernels per bucket (P - 1 folds and the division). Over one rank: nothing at all. The
-    gradients are the host path's, bit for bit."""
+    compute stream waits for; no synchronize of the compute stream on any thread; the
+    collectives wait for the side stream only (one synchronize per collective call) before they
+    start, and then for their own communication stream only: after each of the ring's P - 1 folds
+    per bucket, and, where MPI is not CUDA-aware, after each of its 2 (P - 1) staged landings;
+    staging copies only where MPI is not CUDA-aware, exactly the bytes the ring sends and
+    receives; P kernels per bucket (P - 1 folds and the division). At the first step on a
+    CUDA-aware MPI that the fake device only claims (HPCDL_CUDA_AWARE=1), the communicator's
+    check of that claim too: one synchronize per message it sends (`cuda_awareness.check_claim`).
+    Over one rank: nothing at all. The gradients are the host path's, bit for bit."""
     rank, size = comm.Get_rank(), comm.Get_size()
     host = hpcdl.DistributedDataParallel(_net(), comm, algorithm="ring", **SMALL)
     _, expected = _train(host, comm, 3)
@@ -120,13 +125,21 @@ def test_a_device_step_never_synchronizes_the_compute_stream(comm: MPI.Comm, cud
     else:
         sent = sum(_ring_bytes(n, 4, rank, size)[0] for n in sizes)
         received = sum(_ring_bytes(n, 4, rank, size)[1] for n in sizes)
+        waits = (1 if cuda_aware else 3) * (size - 1) * buckets
         want = Counter({"events recorded": buckets + 1, "stream waits": 1, "synchronize side": buckets,
+                        "synchronize comm on the communication thread": waits,
                         "kernels": buckets * size, "bytes to host": 0 if cuda_aware else sent,
                         "bytes to device": 0 if cuda_aware else received})
-    keys = ["synchronize compute", "synchronize side", "events recorded", "events waited",
+    keys = ["synchronize compute", "synchronize compute on the communication thread",
+            "synchronize side", "synchronize side on the communication thread",
+            "synchronize comm", "synchronize comm on the communication thread", "events recorded",
+            "events waited",
             "stream waits", "bytes to host", "bytes to device", "kernels"]
-    problems = [f"step {k}: {key} {step[key]}, expected {want[key]}" for k, step in enumerate(counts)
-                for key in keys if step[key] != want[key]]
+    checked = Counter({"synchronize comm on the communication thread": len(CHECK_BYTES)}) \
+        if cuda_aware and size > 1 else Counter()
+    wanted = [want + checked if k == 0 else want for k in range(len(counts))]
+    problems = [f"step {k}: {key} {step[key]}, expected {wanted[k][key]}" for k, step in enumerate(counts)
+                for key in keys if step[key] != wanted[k][key]]
     if size == 1:
         problems += [f"step {k}: {dict(step)}, expected nothing" for k, step in enumerate(counts) if step]
     problems += [f"gradient {i} differs from the host path's"

@@ -78,6 +78,36 @@ def test_the_readme_stays_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 220
 
 
+#: The reference machine's cores: the README's commands run there as shown (README, quick start).
+REFERENCE_CORES = 2
+
+
+def readme_mpirun_commands() -> list[str]:
+    """Every `mpirun ... hpcdl ...` command of the README, in code blocks and inline code, up to a
+    comment."""
+    text = (ROOT / "README.md").read_text()
+    lines = [line for block in FENCE.finditer(text) for line in block.group(0).splitlines()]
+    lines += [span.strip("`") for span in INLINE_CODE.findall(FENCE.sub("", text))]
+    return [match.group(0).strip() for line in lines
+            if not line.lstrip().startswith("#") and (match := re.search(r"\bmpirun [^#&]*\bhpcdl\b[^#&]*", line))]
+
+
+def test_the_readme_starts_more_ranks_than_cores_with_oversubscribe_only() -> None:
+    """Issue 42: on the 2-core reference machine the tour's `mpirun -n 4 ...` stopped with Open MPI's
+    slot error."""
+    commands = readme_mpirun_commands()
+    ranks = [int(re.search(r"-n (\d+)", c).group(1)) for c in commands]
+    assert len(commands) >= 8 and max(ranks) > REFERENCE_CORES, commands
+    crowded = [c for c, n in zip(commands, ranks) if n > REFERENCE_CORES and "--oversubscribe" not in c]
+    assert not crowded, crowded
+
+
+def test_the_readme_says_how_long_the_tests_take_and_what_they_install() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert "python tests/run.py" in text and "20-30 min" in text
+    assert "`slurm-wlm munge libpmix2 libpmix-dev`" in text and "local SLURM cluster" in text
+
+
 # -- the project layout map of docs/design.md ------------------------------------------------------
 
 DESIGN = ROOT / "docs" / "design.md"

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(420)
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["setup", "environment", "info", "device", "tests-p2", "tests-p4", "tune", "bench",
-         "staging", "train-p1", "train-p2", "train-accuracy"]
+         "route-ipc", "route-ucx", "staging", "train-p1", "train-p2", "train-accuracy"]
 
 
 def check(out: Path, *args: str, timeout: float = 400) -> tuple[int, str, dict]:
@@ -50,6 +50,10 @@ def test_every_step_runs_on_the_fake_device(tmp_path: Path) -> None:
     timed = {r["algorithm"] for r in rows if r["unavailable"] is None}
     assert {"ring", "butterfly", "tree", "halving_doubling", "mpi", "auto", "gloo"} <= timed
     assert all(r["wrong"] == 0 for r in rows)
+    # the routes of device messages: staged (bench) and CUDA IPC measured, exact; no libucx wheel
+    assert {n: v["wrong"] for n, v in report["routes"].items()} == {"staged": 0, "CUDA IPC": 0}
+    assert report["routes"]["CUDA IPC"]["ring"] and report["bench"]["metadata"]["hpcdl_ipc"] == "0"
+    assert "not measured: pml ucx" in (tmp_path / "gpu_check.txt").read_text()
     assert report["tuning"]["copy_beta"] > 0  # hpcdl tune --device gpu measured the copies
     assert any(r["predicted_s"] for r in rows)  # and the bench priced its rows with that model
     assert {r["operation"] for r in report["staging"]["rows"]} == {"exchange", "reduce step",

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 
 import pytest
 from mpi4py import MPI
 
+from collectives import cuda_awareness
 from conftest import all_ranks_agree
 from hpcdl.commands import info
-from run import mpi_environment, run_own_job  # the settings tests/run.py gives its own jobs
+from run import mpi_environment, own_job_environment, run_own_job  # tests/run.py's settings for its jobs
+from test_docs import readme_mpirun_commands
 
 ROW = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$", re.MULTILINE)
 
@@ -56,12 +59,37 @@ def test_report_counts_ranks_per_host() -> None:
     assert [int(r[0]) for r in ROW.findall(text)] == [0, 1, 2]
 
 
-def test_cuda_aware_override_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_aware_override_is_checked_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HPCDL_CUDA_AWARE=1 on this Open MPI (no CUDA of its own): not used, in one line saying why
+    and what to do, unless pml ucx runs over UCX's CUDA transports; 0: staged."""
     rows = [info.RankRow("a", 0, 0, 1, None, 10, "multiple", ())]
     monkeypatch.setenv("HPCDL_CUDA_AWARE", "1")
-    assert "CUDA-aware MPI  yes (HPCDL_CUDA_AWARE=1)" in info.format_report(rows)
+    monkeypatch.delenv("OMPI_MCA_pml", raising=False)
+    line = next(x for x in info.format_report(rows).splitlines() if "CUDA-aware MPI" in x)
+    assert line.startswith("  CUDA-aware MPI  not used: HPCDL_CUDA_AWARE=1, but this Open MPI cannot "
+                           "read device memory") and "OMPI_MCA_pml=ucx" in line, line
+    assert "device buffers  staged through pinned host memory" in info.format_report(rows)
+    monkeypatch.setattr(cuda_awareness, "ucx_cuda_transports", lambda: "/u/libuct_cuda.so")
+    assert ("CUDA-aware MPI  claimed (HPCDL_CUDA_AWARE=1; pml ucx with UCX's CUDA transports "
+            "(/u/libuct_cuda.so)), checked by an exchange of device buffers at each "
+            "communicator's first device call\n") in info.format_report(rows)
     monkeypatch.setenv("HPCDL_CUDA_AWARE", "0")
-    assert "CUDA-aware MPI  no (HPCDL_CUDA_AWARE=0)" in info.format_report(rows)
+    assert ("CUDA-aware MPI  no (HPCDL_CUDA_AWARE=0): device messages are staged through pinned "
+            "host memory\n") in info.format_report(rows)
+
+
+def test_cuda_ipc_setting_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [info.RankRow("a", 0, 0, 1, None, 10, "multiple", ())]
+    monkeypatch.delenv("HPCDL_TUNING_FILE", raising=False)
+    monkeypatch.delenv("HPCDL_IPC", raising=False)
+    assert "CUDA IPC        HPCDL_IPC=auto: between ranks of one host, messages of 64 KiB or more " \
+        "(no measured prices)" in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_IPC", "0")
+    assert "CUDA IPC        off (HPCDL_IPC=0)" in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_IPC", "1")
+    assert "CUDA IPC        HPCDL_IPC=1: every exchange" in info.format_report(rows)
+    monkeypatch.setenv("HPCDL_IPC", "maybe")
+    assert "CUDA IPC        HPCDL_IPC='maybe': choose auto (the default), 1 or 0" in info.format_report(rows)
 
 
 def test_fault_tolerance_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,6 +106,7 @@ def test_device_buffer_path_is_reported(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("HPCDL_TUNING_FILE", raising=False)
     monkeypatch.delenv("HPCDL_STAGING_PIECE_BYTES", raising=False)
     monkeypatch.setenv("HPCDL_CUDA_AWARE", "1")
+    monkeypatch.setattr(cuda_awareness, "ucx_cuda_transports", lambda: "/u/libuct_cuda.so")
     assert "device buffers  handed to MPI as they are (CUDA-aware)" in info.format_report(rows)
     monkeypatch.setenv("HPCDL_CUDA_AWARE", "0")
     assert ("device buffers  staged through pinned host memory, pipelined in 2 MiB staging pieces "
@@ -103,3 +132,14 @@ def test_mpirun_with_ulfm_smoke() -> None:
     done = run_own_job(["mpirun", "--with-ft", "ulfm", "-n", "2", "hpcdl", "info"], timeout=120)
     assert done.returncode == 0, done.stdout
     assert "fault tolerance ULFM" in done.stdout and "2 ranks on 1 host" in done.stdout
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N=1 job only")
+def test_the_readme_s_info_command_runs_here_as_written() -> None:
+    """The README's tour command as written, without the oversubscribing default tests/run.py gives
+    its jobs (PRTE_MCA_rmaps_default_mapping_policy), which hid that `mpirun -n 4 hpcdl info`
+    stops with Open MPI's slot error on the 2-core reference machine (issue 42)."""
+    command = next(c for c in readme_mpirun_commands() if c.endswith("hpcdl info"))
+    env = {k: v for k, v in own_job_environment().items() if k != "PRTE_MCA_rmaps_default_mapping_policy"}
+    done = run_own_job(shlex.split(command), timeout=120, env=env)
+    assert done.returncode == 0 and "hpcdl 0.1.0: 4 ranks on 1 host" in done.stdout, done.stdout

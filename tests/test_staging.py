@@ -42,7 +42,8 @@ BLOCK_BYTES = 2 * SEGMENT_BYTES + SEGMENT_BYTES // 4 + 24
 DEEP_BLOCK_BYTES = (DEPTH + 2) * SEGMENT_BYTES + 40
 
 
-@pytest.fixture(params=[p for p in backend_params() if p.id in ("fake-device-staged", "cupy")])
+@pytest.fixture(params=[p for p in backend_params()
+                        if p.id in ("fake-device-staged", "fake-device-ipc", "cupy")])
 def backend(request: Any) -> Any:
     yield from backend_fixture(request)
 
@@ -294,6 +295,39 @@ def test_cuda_aware_and_staged_ranks_meet(comm: MPI.Comm, monkeypatch: pytest.Mo
         if ran:
             outcomes.expect_equal("ring allgather", result.host if hasattr(result, "host")
                                   else np.asarray(result), np.stack(inputs))
+    outcomes.verify()
+
+
+@pytest.mark.parametrize("cuda_aware", [True, False], ids=["aware", "staged"])
+def test_device_work_waits_for_its_own_stream_only(comm: MPI.Comm, cuda_aware: bool) -> None:
+    """A device collective's folds, copies and landings run on the calling thread's
+    communication stream ("comm", one per thread), which is all it synchronizes once it has
+    started: the compute stream (CUDA's legacy default stream, torch's default) only where the
+    input's producer is waited for (`wait_for_producer`, on the caller's thread), never on the
+    communication thread. Blocking (the caller's thread) and non-blocking (the communication
+    thread), ring and butterfly, pipelined or not."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    outcomes = Outcomes(comm)
+    runtime = FakeDeviceRuntime()
+    with device_runtime_installed(runtime, cuda_aware=cuda_aware):
+        for n in (1031, size * BLOCK_BYTES // 4 + 3):
+            inputs = [rank_data(q, n, "float32") for q in range(size)]
+            for algorithm in ("ring", "butterfly"):
+                for blocking in (True, False):
+                    x = FakeDeviceArray(inputs[rank].copy())
+                    label = f"{algorithm}, n={n}, {'blocking' if blocking else 'non-blocking'}"
+                    ran, _ = run_case(outcomes, label, False, lambda: call(
+                        "allreduce", blocking, x, out=x, algorithm=algorithm))
+                    if ran:
+                        outcomes.expect_equal(label, x.host, reduce_reference(inputs, "sum"))
+    calls = runtime.calls
+    outcomes.expect("compute stream", calls["synchronize compute"] == calls["wait_for_producer"]
+                    and not calls["synchronize compute on the communication thread"], str(calls))
+    # one stream per thread that ran a device collective: the caller's, the communication thread's
+    outcomes.expect("comm streams", calls["comm streams"] == 2, str(calls))
+    if size > 1:
+        outcomes.expect("comm stream waited for", calls["synchronize comm"] > 0 and
+                        calls["synchronize comm on the communication thread"] > 0, str(calls))
     outcomes.verify()
 
 

@@ -209,8 +209,66 @@ def test_resume_without_checkpoint_fails_on_every_rank(tmp_path, comm, capsys):
     directory = shared_directory(tmp_path, comm)
     status = train.main(["--checkpoint-dir", str(directory / "empty"), "--resume"])
     err = capsys.readouterr().err
-    ok = status == 2 and (comm.Get_rank() != 0 or "no complete checkpoint" in err)
+    ok = status == 2 and (comm.Get_rank() != 0 or (
+        f"--resume: {directory / 'empty'} holds no checkpoint yet: run without --resume to start the run" in err))
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_damaged_checkpoints_only_say_how_to_start_afresh_and_that_works(tmp_path, comm, capsys):
+    """Issue 42: with every checkpoint damaged, --resume advised a run without --resume, which
+    refused the directory and advised --resume. Now --resume says to move them out; doing so, a
+    run without --resume starts."""
+    directory = shared_directory(tmp_path, comm) / "ck"
+    if comm.Get_rank() == 0:
+        directory.mkdir()
+        for step in (10, 20):
+            checkpoint_path(directory, step).write_bytes(b"damaged")
+    comm.Barrier()
+    status = train.main(["--epochs", "1", "--checkpoint-dir", str(directory), "--resume"])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or (
+        f"--resume: none of the 2 checkpoint(s) in {directory} can be resumed from (see above): to start "
+        "afresh, move them out of it (or give another --checkpoint-dir) and run without --resume" in err))
+    status = train.main(["--epochs", "1", "--checkpoint-dir", str(directory)])
+    err = capsys.readouterr().err
+    ok &= status == 2 and (comm.Get_rank() != 0 or "to start afresh move them out of it" in err)
+    if comm.Get_rank() == 0:  # as advised
+        (directory.parent / "aside").mkdir()
+        for _, path in list_checkpoints(directory):
+            path.rename(directory.parent / "aside" / path.name)
+    comm.Barrier()
+    ok &= train.main(["--epochs", "1", "--stop-after-steps", "1", "--checkpoint-dir", str(directory)]) == 0
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_a_run_starting_in_a_directory_removes_the_temporaries_of_killed_writers(tmp_path, comm, capsys):
+    """Issue 42: `.checkpoint-*.tmp` files left by a writer killed mid-write (empty or partial)
+    stayed for good. A run that starts there, fresh or resumed, removes them (rank 0 says so)
+    and nothing else."""
+    directory = shared_directory(tmp_path, comm) / "ck"
+    argv = ["--epochs", "1", "--checkpoint-dir", str(directory), "--checkpoint-every", "1"]
+    left = [".checkpoint-000000007.pt.a1b2c3.tmp", ".checkpoint-000000008.pt.d4e5f6.tmp"]
+
+    def leave_temporaries() -> None:
+        if comm.Get_rank() == 0:
+            directory.mkdir(exist_ok=True)
+            (directory / left[0]).write_bytes(b"")
+            (directory / left[1]).write_bytes(b"hpcdl-checkpoint 1 sha256 0000")
+            (directory / "notes.tmp").write_text("not a checkpoint's")
+        comm.Barrier()
+
+    ok = True
+    for resume in ([], ["--resume"]):
+        leave_temporaries()
+        # --stop-after-steps stops before that step's checkpoint: 1, 2 written, then 3 after the resume
+        ok &= train.main(argv + ["--stop-after-steps", str(3 + len(resume))] + resume) == 0
+        err = capsys.readouterr().err
+        if comm.Get_rank() == 0:
+            expected = [checkpoint_path(directory, step).name for step in range(1, 3 + len(resume))]
+            ok &= sorted(p.name for p in directory.iterdir()) == expected + ["notes.tmp"]
+            ok &= (f"hpcdl train: removed 2 unfinished checkpoint file(s) from {directory}, left by a writer that "
+                   f"was stopped while writing: {', '.join(left)}") in err
+    assert all_ranks_agree(ok, comm), err
 
 
 @pytest.mark.parametrize("argv,status,stream,texts", [
@@ -272,8 +330,8 @@ def test_fresh_run_refuses_a_directory_holding_checkpoints(tmp_path, comm, capsy
     status = train.main(["--epochs", "1", "--checkpoint-dir", str(directory)])
     err = capsys.readouterr().err
     ok = status == 2 and (comm.Get_rank() != 0 or (
-        "already holds checkpoints (newest: checkpoint-000000900.pt, step 900)" in err
-        and "add --resume" in err))
+        "already holds checkpoints (newest: checkpoint-000000900.pt, step 900); add --resume to continue that "
+        "run, or to start afresh move them out of it or give an empty or new directory" in err))
     ok &= [s for s, _ in list_checkpoints(directory)] == [900]  # nothing written, nothing deleted
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -446,6 +447,36 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
 
 
 @own_jobs
+def test_a_worker_lost_with_its_push_half_received_is_dropped(tmp_path):
+    """downpour, 3 ranks, 2 workers + 1 server: worker 0 posts the push of its step 21 and dies;
+    the server has matched the message and receives it only once the worker is dead, so the
+    receive fails (issue 42: that failure ended the job). The server counts the worker out as
+    its probes do, the push unapplied (its clock stays 20); worker 1 trains to the end, exit 0."""
+    code, out, final = train_losing(tmp_path, 3, ["push:20:0"],
+                                    ["--strategy", "downpour", "--epochs", "2", "--batch-size", "8"])
+    assert code == 0 and sorted(final) == [1, 2], out[-4000:]
+    assert final[2]["lost"] == [0] and final[2]["clocks"][0] == 20, final[2]
+    assert final[1]["step"] == 180 and "lost rank 0 of 2" in out and "MPI_ERR" not in out, out[-4000:]
+
+
+@own_jobs
+def test_losing_every_worker_ends_the_job_naming_them(tmp_path):
+    """downpour, 3 ranks: both workers die as their 101st step starts (after the checkpoint of
+    epoch 1, step 90). The server has nobody left to serve: the job ends with status 5 (issue 42:
+    it ended 0, silently, without a status file), one line naming the lost workers and the
+    checkpoint to resume from, the status file written."""
+    status = tmp_path / "status"
+    code, out, final = train_losing(
+        tmp_path, 3, ["step:100:0+1"], ["--strategy", "downpour", "--epochs", "2", "--batch-size", "8",
+                                        "--checkpoint-dir", str(tmp_path / "ck"), "--status-file", str(status)])
+    assert code == recovery.RANK_LOST and not final, out[-4000:]
+    assert status.read_text() == f"{recovery.RANK_LOST}\n"
+    assert ("hpcdl train: error: ranks 0, 1 of 3 failed while this rank served its parameter-server shard; "
+            "every worker was lost, so none is left to train: the job ends (exit status 5)") in out, out[-4000:]
+    assert "Resume from the checkpoint of step 90" in out and "MPI_ERR" not in out, out[-4000:]
+
+
+@own_jobs
 def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_others(tmp_path):
     """sync-ps, 4 ranks, 3 workers + 1 server: worker 1 dies as its 6th step starts. The server's
     step 6 waits for it no longer (one update per step all the same: 30), the others learn of it
@@ -577,7 +608,10 @@ def test_the_job_ends_naming_the_lost_rank(tmp_path, ranks, argv, kill, expected
     assert code == recovery.RANK_LOST and not final, out[-4000:]
     assert (tmp_path / "status").read_text() == f"{recovery.RANK_LOST}\n"  # what a batch script reads
     assert expected in out and "MPI_ERR" not in out, out[-4000:]
-    assert ("Resume from the newest checkpoint with --resume" in out) == bool(checkpoints), out[-4000:]
+    # how to go on: from the newest checkpoint, or (none written yet in 1 epoch) start over
+    advice = re.search(r"Resume from the checkpoint of step \d+ in \S+ with --resume|No checkpoint was written "
+                       r"to \S+ yet: run it again without --resume", out)
+    assert bool(advice) == bool(checkpoints), out[-4000:]
 
 
 def test_a_majority_is_a_quorum_and_the_detector_is_read_from_open_mpis_setting(monkeypatch):

@@ -7,9 +7,11 @@ and 3), from rank 0 only; the other ranks wait for its verdict without spinning.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import pty
 import random
 import re
 import signal
@@ -113,7 +115,7 @@ def test_resume_refuses_a_file_that_is_not_a_training_checkpoint(write, reason, 
     err = capsys.readouterr().err
     ok = status == train.ARGUMENT_ERROR and (comm.Get_rank() != 0 or (
         f"warning: --resume: skipping checkpoint-000000007.pt: {reason}" in err
-        and "error: --resume: no complete checkpoint in" in err and "(1 unusable, see above)" in err))
+        and "error: --resume: none of the 1 checkpoint(s) in" in err and "can be resumed from (see above)" in err))
     assert all_ranks_agree(ok, comm), err
 
 
@@ -192,6 +194,66 @@ def test_a_crash_in_the_epoch_end_checkpoint_write_leaves_one_metrics_row_per_ep
     results = ("epoch", "step", "train_loss", "test_loss", "accuracy", "lr", "ranks")
     want, have = metric_rows(directory / "whole.jsonl"), metric_rows(directory / "m.jsonl")
     assert [[r[k] for k in results] for r in have] == [[r[k] for k in results] for r in want], have
+
+
+# -- a full disk --------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_filesystem(tmp_path, comm):
+    """A 2 MB tmpfs, mounted by rank 0 where every rank sees it: room for one checkpoint of the
+    digits CNN (1.25 MB), not two. Skips where it cannot be mounted (not root)."""
+    mount = shared_directory(tmp_path, comm) / "small"
+    problem = None
+    if comm.Get_rank() == 0:
+        mount.mkdir()
+        try:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=True,
+                           capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            problem = getattr(exc, "stderr", None) or str(exc)
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        pytest.skip(f"mounting a 2 MB tmpfs (a disk that fills up) needs root: {problem.strip()}")
+    yield mount
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@at_most_3_ranks
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_full_disk_stops_the_run_with_one_message_or_trains_on(policy, small_filesystem, comm, capsys):
+    """Two epochs, a checkpoint at each end: the first fits, the second does not (issue 42: a
+    traceback and MPI_ABORT). stop (the default): every rank ends with status 6, rank 0 saying
+    once which checkpoint, where, the space it needs against the space free, and how to go on;
+    continue: a warning, and the run trains to its end. Either way the partial file is gone and
+    the first checkpoint is kept."""
+    directory = small_filesystem / "ck"
+    argv = ["--epochs", "2", "--seed", "1", "--checkpoint-dir", str(directory)]
+    status = train.main(argv + ([] if policy == "stop" else ["--on-checkpoint-failure", "continue"]))
+    err = capsys.readouterr().err
+    steps = [s for s, _ in ckpt.list_checkpoints(directory)] if comm.Get_rank() == 0 else []
+    left = sorted(p.name for p in directory.iterdir()) if comm.Get_rank() == 0 else []
+    ok = status == (train.CHECKPOINT_FAILED if policy == "stop" else 0) and "Traceback" not in err
+    if comm.Get_rank() == 0:
+        first, second = (steps[0], 2 * steps[0]) if len(steps) == 1 else (None, None)
+        written = re.search(rf"checkpoint {second} could not be written to {re.escape(str(directory))} \(\[Errno 28\] "
+                            r"No space left on device\): it needs about ([\d.]+) MB there besides the checkpoints "
+                            r"kept, and ([\d.]+) MB are free; the partial file was removed and the older "
+                            "checkpoints are kept", err)
+        ok &= len(steps) == 1 and left == [ckpt.checkpoint_path(directory, first).name] and written is not None
+        ok &= written is not None and float(written.group(1)) > float(written.group(2))
+        if policy == "stop":
+            ok &= err.count("hpcdl train: error:") == 1 and (
+                f"The run stops (exit status 6): free space in {directory} or give another --checkpoint-dir, "
+                f"then resume from step {first} with --resume; or add --on-checkpoint-failure continue") in err
+        else:
+            ok &= err.count("hpcdl train: warning: checkpoint") == 1 and (
+                "training goes on without it (--on-checkpoint-failure continue)") in err
+        ok &= ckpt.is_complete(ckpt.checkpoint_path(directory, first))
+    else:
+        ok &= "error" not in err and "warning: checkpoint" not in err
+    assert all_ranks_agree(ok, comm), (status, left, err[-3000:])
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
@@ -367,6 +429,106 @@ def test_sigterm_to_a_server_rank_alone_checkpoints_and_stops_the_job(tmp_path, 
     assert isinstance(outcome, dict) and "error" not in outcome, outcome
     assert outcome["status"] == train.CHECKPOINTED_ON_SIGNAL, outcome
     assert outcome["stopped"] and outcome["checkpoints"], outcome
+
+
+def launch_and_signal(command: list[str], signum: int | None, after: str, env: dict[str, str] | None = None,
+                      stdout: int | None = None) -> dict[str, Any]:
+    """Run `command` (an mpirun) from this rank, send `signum` to mpirun once its output matches
+    `after` (None: no signal); its status and output (carriage returns kept)."""
+    chunks: list[str] = []
+    proc = subprocess.Popen(command, cwd=ROOT, env=env or own_job_environment(), stdout=stdout or subprocess.PIPE,
+                            stderr=subprocess.STDOUT if stdout is None else stdout)
+    if stdout is not None:  # the caller reads it (a terminal)
+        return {"proc": proc}
+
+    def read() -> None:
+        assert proc.stdout is not None
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            chunks.append(chunk.decode(errors="replace"))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if signum is not None:
+            if not wait_until(lambda: re.search(after, "".join(chunks)) is not None, 180):
+                return {"error": f"no {after!r} in the output", "output": "".join(chunks)[-3000:]}
+            proc.send_signal(signum)
+        status = proc.wait(timeout=240)
+        reader.join(timeout=10)
+        return {"status": status, "output": "".join(chunks)}
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+
+
+@own_job
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1], ids=["INT", "TERM", "USR1"])
+def test_a_signal_to_mpirun_ends_the_run_with_one_line_and_nothing_else(signum, tmp_path, comm):
+    """Issue 42. Ctrl-C (SIGINT to mpirun) and SIGTERM to mpirun: mpirun ends the ranks and
+    forwards none of their output, and the run ended silently. Now one line, on mpirun's stderr,
+    says where the run stood, what ended it and which checkpoint resumes it (the newest there);
+    no status file (the run was stopped from outside), mpirun's status 1. SIGUSR1 (the documented
+    stop): the checkpoint is written and the run stops with status 3, without mpirun's block about
+    processes that exited with a non-zero status."""
+    directory = shared_directory(tmp_path, comm)
+    ck, status_file = directory / "ck", directory / "status"
+    command = ["mpirun", "-n", str(comm.Get_size()), sys.executable, "-m", "hpcdl", "train", "--epochs", "100",
+               "--batch-size", "8", "--checkpoint-dir", str(ck), "--checkpoint-every", "20", "--status-file",
+               str(status_file)]
+    outcome = on_rank0(comm, lambda: launch_and_signal(command, signum, r"epoch +1/100 +loss"))
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    out, steps = outcome["output"], [s for s, _ in ckpt.list_checkpoints(ck)]
+    assert "Traceback" not in out and "exited with non-zero status" not in out and "\r" not in out, out[-3000:]
+    if signum == signal.SIGUSR1:
+        stopped = re.findall(r"stopping at step (\d+) on SIGUSR1: checkpoint written, exit status 3 \(resume with "
+                             r"--resume\)", out)
+        assert outcome["status"] == 3 and len(stopped) == 1 and steps[-1] == int(stopped[0]), out[-3000:]
+        assert status_file.read_text() == "3\n"
+        return
+    lines = re.findall(r"hpcdl train: interrupted at step (\d+) \(epoch \d+\): mpirun ended the job \(it got "
+                       r"Ctrl-C, SIGINT or SIGTERM; SIGUSR1 to mpirun stops the run with a checkpoint of its step "
+                       rf"instead\)\. Resume from the checkpoint of step (\d+) in {re.escape(str(ck))} with --resume\.",
+                       out)
+    assert outcome["status"] == 1 and len(lines) == 1 and out.count("hpcdl train: interrupted") == 1, out[-3000:]
+    (step, newest), = lines
+    assert int(newest) == steps[-1] <= int(step) and not status_file.exists(), (steps, out[-3000:])
+
+
+@own_job
+def test_bad_options_under_mpirun_exit_2_without_mpirun_s_block(comm):
+    """Every rank refuses the option; mpirun reports 2 and prints the one message, not its own block."""
+    command = ["mpirun", "-n", str(comm.Get_size()), sys.executable, "-m", "hpcdl", "train", "--batch-size", "0"]
+    outcome = on_rank0(comm, lambda: launch_and_signal(command, None, ""))
+    out = outcome["output"]
+    assert outcome["status"] == 2 and out.count("hpcdl train: error: --batch-size must be at least 1, got 0") == 1
+    assert "exited with non-zero status" not in out, out
+
+
+@own_job
+@pytest.mark.parametrize("where", ["log", "log with --progress bar", "terminal"])
+def test_progress_bars_show_on_a_terminal_only(where, comm):
+    """Issue 42: redirected to a file, the progress bars' carriage returns interleaved with the
+    epoch lines. A rank's stderr is a pipe to mpirun whatever mpirun's own is: the bars follow
+    mpirun's stderr (a terminal here from a pseudo-terminal), or --progress."""
+    command = ["mpirun", "-n", str(comm.Get_size()), sys.executable, "-m", "hpcdl", "train", "--epochs", "1",
+               *(["--progress", "bar"] if "bar" in where else [])]
+
+    def run() -> dict[str, Any]:
+        if where != "terminal":
+            return launch_and_signal(command, None, "")
+        controller, terminal = pty.openpty()
+        launched = launch_and_signal(command, None, "", stdout=terminal)
+        os.close(terminal)
+        chunks = []
+        with contextlib.suppress(OSError):  # EIO once mpirun, the last holder of the terminal, is gone
+            while chunk := os.read(controller, 1 << 16):
+                chunks.append(chunk.decode(errors="replace"))
+        os.close(controller)
+        return {"status": launched["proc"].wait(timeout=240), "output": "".join(chunks)}
+
+    outcome = on_rank0(comm, run)
+    out = outcome["output"]
+    assert outcome["status"] == 0 and "final held-out accuracy" in out, out[-3000:]
+    assert ("it/s]" in out and "\r" in out) == (where != "log"), out[-3000:]
 
 
 def wait_until(condition: Callable[[], bool], seconds: float) -> bool:

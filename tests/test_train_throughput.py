@@ -3,6 +3,10 @@ the ranks of the pytest job and reports a positive rate. Speed is never asserted
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,3 +38,32 @@ def test_every_mode_reports_samples_per_second(comm: MPI.Comm, tmp_path_factory:
     if rank == 0:
         table = capsys.readouterr().out
         assert f"| {size} | cnn |" in table and "hpcdl/DDP" in table
+
+
+#: Run in a fresh interpreter: load the benchmark as its command line does, and say what torch's
+#: allocator variable held when torch itself was first imported (a finder that sees the import).
+_IMPORT_ORDER_PROBE = """
+import importlib.util, os, sys
+seen = []
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("THP_MEM_ALLOC_ENABLE"))
+        return None
+sys.meta_path.insert(0, Watch())
+spec = importlib.util.spec_from_file_location("bench", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print(seen)
+"""
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts one interpreter: one job is enough")
+def test_the_benchmark_requests_huge_pages_before_torch_is_loaded() -> None:
+    """Issue 42: the benchmark imported torch before hpcdl, and warned about itself that its tensors
+    were in small pages (averaging over shared memory slower). THP_MEM_ALLOC_ENABLE must be 1
+    before torch is loaded at all."""
+    path = Path(train_throughput.__file__)
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ORDER_PROBE, str(path)], capture_output=True, text=True,
+                          env=env, cwd=path.parent.parent, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "['1']", done.stdout + done.stderr

@@ -5,8 +5,11 @@ Nothing is downloaded: the wheel is built without build isolation (the setuptool
 installed with --no-index --no-deps, and the environment reuses this interpreter's packages
 (torch, mpi4py, numpy, Open MPI) through a .pth file naming this interpreter's site-packages.
 Not `--system-site-packages`: from inside a virtual environment that gives the base interpreter's
-packages, not this environment's, so the test would fail in the README's venv. Runs in the
-one-rank job only.
+packages, not this environment's, so the test would fail in the README's venv. Open MPI's library
+is no Python package: mpi4py looks for it under the running environment's prefix, where the new
+one has none, so the new environment is told (MPI4PY_LIBMPI) the one this interpreter loaded (in
+the README's venv, under the venv, which pytest run alone does not find otherwise; under mpirun its
+LD_LIBRARY_PATH hid that). Runs in the one-rank job only.
 """
 from __future__ import annotations
 
@@ -32,12 +35,26 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def clean_environment(venv: Path) -> dict[str, str]:
-    """mpirun's settings for a small machine, the venv first on PATH, nothing of the checkout."""
+    """mpirun's settings for a small machine, the venv first on PATH, nothing of the checkout, and
+    this interpreter's Open MPI library for mpi4py (unless one is named already)."""
     env = own_job_environment()
     env.pop("PYTHONPATH", None)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.pop("VIRTUAL_ENV", None)
+    libmpi = loaded_libmpi()
+    if libmpi is not None:
+        env.setdefault("MPI4PY_LIBMPI", libmpi)
     return env
+
+
+def loaded_libmpi() -> str | None:
+    """The path of the MPI library this process loaded (mpi4py.MPI is imported above), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi.so" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
 
 
 def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,

@@ -11,6 +11,9 @@ themselves at `phase` once they have applied `step` updates:
 - `optimizer`: in the next step's update (allreduce: its gradients were averaged on every rank;
   local-sgd: before the update and its averaging, if due; a parameter server's worker: before its
   push);
+- `push`: a parameter server's worker, in the next step's push, once its messages to the servers
+  are posted and before they complete; each server matches the message and waits until the
+  victim is dead before it receives the data (which it then cannot);
 - `checkpoint`: while writing the checkpoint taken after that many steps (rank 0 writes: it
   dies with the file half written);
 - `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last);
@@ -51,7 +54,9 @@ from hpcdl.training import compute, pacing
 from hpcdl.training import run as train_run
 from hpcdl.training import trainer as trainer_module
 from hpcdl.training.strategies import allreduce, local_sgd, parameter_server, servers
-from hpcdl.parameter_server.protocol import HEADER_BYTES
+from hpcdl.parameter_server import server as ps_server
+from hpcdl.parameter_server import worker as ps_worker
+from hpcdl.parameter_server.protocol import HEADER_BYTES, Tag
 from hpcdl.runtime import checkpoint, world
 
 
@@ -64,6 +69,7 @@ class Killer:
         self.spares = spares
         me = MPI.COMM_WORLD.Get_rank() if not recovery.is_replacement() else -1
         self.mine = {(phase, step) for phase, step, victims in kills if me in victims}
+        self.pushers = {(victim, step) for phase, step, victims in kills if phase == "push" for victim in victims}
         self.steps = 0  # updates applied on this rank
         self.armed_checkpoint = False
 
@@ -111,6 +117,29 @@ class Killer:
                 finish(self)
                 killer.steps += 1
             strategy.finish_step = finished  # type: ignore[method-assign]
+
+        wait_all = ps_worker.wait_all
+
+        def pushing(requests: Any, what: str, timeout: Any = None) -> None:
+            if what.startswith("push "):
+                killer.die_if("push")
+            wait_all(requests, what, timeout)
+        ps_worker.wait_all = pushing
+
+        handle = ps_server.Server._handle
+        pushes: dict[int, int] = {}  # PUSH messages matched, by worker
+
+        def handling(self: Any, message: Any, status: Any, on_checkpoint: Any) -> None:
+            source = status.Get_source()
+            if status.Get_tag() == Tag.PUSH:
+                pushes[source] = pushes.get(source, 0) + 1
+                if (source, pushes[source] - 1) in killer.pushers:  # matched: receive once it is dead
+                    deadline = time.monotonic() + 60
+                    while not (killer.directory / f"killed-{source}").exists() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    time.sleep(0.2)
+            handle(self, message, status, on_checkpoint)
+        ps_server.Server._handle = handling  # type: ignore[method-assign]
 
         save = checkpoint.atomic_save
 

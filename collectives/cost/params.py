@@ -29,6 +29,11 @@ class ModelParams:
     Staging: `copy_alpha` (per copy between device and pinned host memory, launching and waiting
     for it included) and `copy_beta` (per byte copied, one way), priced only for staged device
     calls (`predict(..., staged=True)`); 0 where nothing was measured.
+
+    CUDA IPC (`ipc.py`, device messages between ranks of one host): `peer_alpha` per message (its
+    handshake: a control message, the copy's launch and wait, the ack) and `peer_beta` per byte
+    copied from the peer's device memory, in place of alpha and beta for the messages that go
+    that way (`by_ipc`, `predict(..., ipc=True)`); 0 where nothing was measured.
     """
 
     alpha: float  # per message
@@ -42,9 +47,12 @@ class ModelParams:
     beta_pairwise_inter: float | None = None  # per byte of a plain two-way exchange between hosts
     copy_alpha: float = 0.0  # per copy between device and host memory (staged device calls)
     copy_beta: float = 0.0  # per byte copied between device and host memory
+    peer_alpha: float = 0.0  # per device message by CUDA IPC (ranks of one host)
+    peer_beta: float = 0.0  # per byte of such a message
 
     def __post_init__(self) -> None:
-        required = ("alpha", "beta", "gamma", "overhead", "copy_alpha", "copy_beta")
+        required = ("alpha", "beta", "gamma", "overhead", "copy_alpha", "copy_beta", "peer_alpha",
+                    "peer_beta")
         for name in (*required, "beta_pairwise", "alpha_inter", "beta_inter",
                      "beta_pairwise_inter"):
             value = getattr(self, name)
@@ -95,6 +103,11 @@ class ModelParams:
             return self.pairwise
         return self.beta_across if self.beta_pairwise_inter is None else self.beta_pairwise_inter
 
+    def by_ipc(self) -> "ModelParams":
+        """A one-level model of device messages between ranks of one host by CUDA IPC: `peer_alpha`
+        and `peer_beta` per message and byte, nothing staged."""
+        return ModelParams(self.peer_alpha, self.peer_beta, self.gamma, self.overhead)
+
     def hosts(self, size: int) -> int:
         """The hosts `size` ranks span: ceil(size / ranks_per_host), 1 in a one-level model."""
         return 1 if self.ranks_per_host is None else -(-size // self.ranks_per_host)
@@ -106,7 +119,8 @@ class ModelParams:
             raise ValueError(f"unknown level {name!r}; choose one of {', '.join(LEVELS)}")
         if name == "node":
             return ModelParams(self.alpha, self.beta, self.gamma, self.overhead, self.beta_pairwise,
-                               copy_alpha=self.copy_alpha, copy_beta=self.copy_beta)
+                               copy_alpha=self.copy_alpha, copy_beta=self.copy_beta,
+                               peer_alpha=self.peer_alpha, peer_beta=self.peer_beta)
         return ModelParams(self.alpha_across, self.beta_across, self.gamma, self.overhead,
                            self.pairwise_across if self.two_level else self.beta_pairwise,
                            copy_alpha=self.copy_alpha, copy_beta=self.copy_beta)
@@ -123,13 +137,16 @@ class ModelParams:
                    ranks_per_host=data.get("ranks_per_host"), alpha_inter=data.get("alpha_inter"),
                    beta_inter=data.get("beta_inter"),
                    beta_pairwise_inter=data.get("beta_pairwise_inter"),
-                   copy_alpha=data.get("copy_alpha", 0.0), copy_beta=data.get("copy_beta", 0.0))
+                   copy_alpha=data.get("copy_alpha", 0.0), copy_beta=data.get("copy_beta", 0.0),
+                   peer_alpha=data.get("peer_alpha", 0.0), peer_beta=data.get("peer_beta", 0.0))
 
     def as_dict(self) -> dict[str, float]:
         values = {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma,
                   "overhead": self.overhead}
         if self.copy_alpha or self.copy_beta:
             values.update(copy_alpha=self.copy_alpha, copy_beta=self.copy_beta)
+        if self.peer_alpha or self.peer_beta:
+            values.update(peer_alpha=self.peer_alpha, peer_beta=self.peer_beta)
         for name in ("beta_pairwise", "ranks_per_host", "alpha_inter", "beta_inter",
                      "beta_pairwise_inter"):
             value = getattr(self, name)

@@ -109,15 +109,30 @@ def picker(params: ModelParams, itemsize: int = 4) -> Pick:
 
 
 def predict(collective: str, algorithm: str, nbytes: int, size: int, params: ModelParams, *,
-            itemsize: int = 4, staged: bool = False) -> float:
+            itemsize: int = 4, staged: bool = False, ipc: bool = False) -> float:
     """Predicted seconds of one call of `algorithm` (see `cost` for the arguments); `staged`: on
     device buffers staged through host memory (MPI not CUDA-aware), priced with `copy_alpha` and
-    `copy_beta`.
+    `copy_beta`; `ipc`: on device buffers of ranks of one host whose messages go by CUDA IPC,
+    priced with `peer_alpha` and `peer_beta` (`ModelParams.by_ipc`).
 
     Raises ValueError for `mpi`: the model does not describe the MPI library's own collective.
     """
+    if ipc:
+        params, staged = params.by_ipc(), False
     counts = cost(collective, algorithm, nbytes, size, itemsize=itemsize, params=params)
     return params.overhead + counts.seconds(params, staged)
+
+
+def ipc_wins(nbytes: int, params: ModelParams, *, staged: bool) -> bool:
+    """Whether one device message of `nbytes` between ranks of one host is predicted faster by
+    CUDA IPC (`peer_alpha` + nbytes `peer_beta`) than through MPI: staged (`staging_seconds` at
+    its best piece) where MPI is not CUDA-aware, else handed to MPI (a message per wire piece)."""
+    by_ipc = params.peer_alpha + nbytes * params.peer_beta
+    if staged:
+        through_mpi = staging_seconds(nbytes, staging_piece(nbytes, params), params)
+    else:
+        through_mpi = max(-(-nbytes // SEGMENT_BYTES), 1) * params.alpha + nbytes * params.beta
+    return by_ipc < through_mpi
 
 
 def staging_seconds(nbytes: int, piece: int, params: ModelParams, *,

@@ -15,6 +15,9 @@ from __future__ import annotations
 import importlib
 import sys
 
+#: Exit status after Ctrl-C, the shell's convention (128 + SIGINT).
+INTERRUPTED = 130
+
 SUBCOMMANDS = {
     "info": ("hpcdl.commands.info", "print the MPI/GPU environment as every rank sees it"),
     "train": ("hpcdl.commands.train", "train a model data-parallel: allreduce, local SGD or a parameter server"),
@@ -40,8 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     if command not in SUBCOMMANDS:
         print(f"hpcdl: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[command][0])
+        status = int(module.main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C on a command run alone (under mpirun, see training/signals.py)
+        print(f"hpcdl {command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
+    # Exits ordered so that mpirun reports the status without a block of its own
+    from ..runtime.launcher import exit_status
+
+    return exit_status(status)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mpi4py
 
 import collectives
-from collectives import select
+from collectives import cuda_awareness, select
 
 from .. import __version__
 from .collective_command import Command
@@ -96,6 +96,29 @@ def device_buffers(cuda_aware: bool) -> str:
     return f"staged through pinned host memory, {how} ({source})"
 
 
+def cuda_ipc() -> str:
+    """Which device messages between ranks of one host go by CUDA IPC (HPCDL_IPC), as far as the
+    setting says; the ranks check that it works at a communicator's first device call."""
+    try:
+        mode = select.ipc_mode()
+    except ValueError as exc:  # every device call would raise it too
+        return str(exc)
+    if mode == "0":
+        return "off (HPCDL_IPC=0): device messages between ranks of one host go through MPI"
+    if mode == "1":
+        return ("HPCDL_IPC=1: every exchange between ranks of one host; device calls raise "
+                "DeviceRouteError where CUDA IPC fails (checked at a communicator's first device call)")
+    tuning = os.environ.get("HPCDL_TUNING_FILE")
+    try:
+        model = select.model_params(tuning) if tuning else None
+    except ValueError as exc:
+        return str(exc)
+    which = f"where the CUDA IPC prices in {tuning} say it pays" if model is not None and \
+        model.peer_beta > 0 else f"messages of {select.IPC_BYTES >> 10} KiB or more (no measured prices)"
+    return (f"HPCDL_IPC=auto: between ranks of one host, {which}; off for all where a rank "
+            "cannot (checked at a communicator's first device call)")
+
+
 def gather_rows(comm: MPI.Comm = MPI.COMM_WORLD) -> list[RankRow] | None:
     """Collective: every rank's `RankRow`, in rank order, on rank 0; None on the other ranks."""
     # Look for GPUs before init(), so that a torch import here lets init() bind the device too.
@@ -111,8 +134,9 @@ def format_report(rows: list[RankRow]) -> str:
     hosts = Counter(row.host for row in rows)
     levels = sorted({row.thread_level for row in rows})
     gpus_by_host = {row.host: row.gpu_names for row in rows}
-    cuda_aware = collectives.cuda_aware()
-    forced = os.environ.get("HPCDL_CUDA_AWARE")
+    # a claim this library certainly cannot keep is not how device buffers move (they raise)
+    cuda_aware = collectives.cuda_aware() and not (cuda_awareness.claimed()
+                                                   and cuda_awareness.library_problem())
     major, minor = MPI.Get_version()
     lines = [
         f"hpcdl {__version__}: {len(rows)} rank{'s' if len(rows) != 1 else ''} on "
@@ -122,9 +146,9 @@ def format_report(rows: list[RankRow]) -> str:
         f"  mpi4py          {mpi4py.__version__} (Python {platform.python_version()})",
         f"  thread level    {', '.join(levels)}"
         + ("" if levels == ["multiple"] else "  (hpcdl needs multiple or serialized)"),
-        f"  CUDA-aware MPI  {'yes' if cuda_aware else 'no'}"
-        + (f" (HPCDL_CUDA_AWARE={forced})" if forced is not None else " (detected)"),
+        f"  CUDA-aware MPI  {cuda_awareness.route()}",
         f"  device buffers  {device_buffers(cuda_aware)}",
+        f"  CUDA IPC        {cuda_ipc()}",
         "  fault tolerance " + (
             "ULFM: a lost rank raises collectives.ProcessFailure on the survivors"
             if collectives.fault_tolerant() else

@@ -10,10 +10,11 @@
 Arguments after `--` go to the program the template runs (`hpcdl train`, or `hpcdl bench`).
 The srun `--mpi` type defaults to the one that matches the MPI library mpi4py loads here (pmix for
 Open MPI, pmi2 for MPICH and its derivatives); render on the cluster's login node, in the same
-environment the job will use. Templates are Jinja2 files, `slurm/<name>.sbatch.j2` in a checkout;
-a wheel ships them inside the package (`hpcdl/slurm_templates/`, copied there by setup.py), so
-`hpcdl slurm render` works after a plain `pip install`. slurm/README.md is the guide to them.
+environment the job will use. The templates are Jinja2 files that ship inside the package (so
+`hpcdl slurm render` works after a plain `pip install`); slurm/README.md is the guide to them.
 """
+# In a checkout the templates are slurm/<name>.sbatch.j2; setup.py copies them into the package
+# (hpcdl/slurm_templates/) for a wheel.
 from __future__ import annotations
 
 import argparse

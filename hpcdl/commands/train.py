@@ -15,8 +15,8 @@ import collectives
 from ..ddp.bucket_options import DEFAULT_BUCKET_CAP_MB
 from ..runtime import recovery as ulfm
 from ..runtime.agreement import ARGUMENT_ERROR
-from ..training.config import (DEFAULT_MICRO_BATCH, DEVICES, KEEP_CHECKPOINTS, LAYER_TIMES, MODELS, PROG, SHARDS,
-                               TrainConfig)
+from ..training.config import (CHECKPOINT_FAILURE_POLICIES, DEFAULT_MICRO_BATCH, DEVICES, KEEP_CHECKPOINTS, LAYER_TIMES,
+                               MODELS, PROG, PROGRESS, SHARDS, TrainConfig)
 from ..training.model_sizes import SIZED_MODELS
 from ..training.recovery import POLICIES, RANK_LOST
 from ..training.run import train
@@ -28,10 +28,11 @@ from ..training.strategies.parameter_server import DEFAULT_SSP_STALENESS
 from ..training.strategies.servers import (DEFAULT_N_FETCH, DEFAULT_N_PUSH, DEFAULT_SERVER_OPTIMIZER,
                                            DEFAULT_SERVERS, SERVER_OPTIMIZERS)
 from ..training.strategies.sync_backup import DEFAULT_BACKUP_WORKERS
-from ..training.trainer import DIVERGED
+from ..training.trainer import CHECKPOINT_FAILED, DIVERGED
 from .collective_command import Command, CommandError
 
-__all__ = ["ARGUMENT_ERROR", "CHECKPOINTED_ON_SIGNAL", "DIVERGED", "build_parser", "main", "parse_config"]
+__all__ = ["ARGUMENT_ERROR", "CHECKPOINTED_ON_SIGNAL", "CHECKPOINT_FAILED", "DIVERGED", "build_parser", "main",
+           "parse_config"]
 
 DESCRIPTION = """`hpcdl train`: data-parallel training over MPI, synchronous allreduce or another strategy.
 
@@ -141,10 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also checkpoint every STEPS steps (0: only at epoch ends)")
     state.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in --checkpoint-dir")
+    state.add_argument("--on-checkpoint-failure", choices=CHECKPOINT_FAILURE_POLICIES,
+                       help="when a checkpoint cannot be written (a full disk; the partial file is removed, "
+                            f"the older checkpoints kept): stop (the default; exit status {CHECKPOINT_FAILED}) "
+                            "or continue: warn and train on without it")
     state.add_argument("--metrics", metavar="PATH",
                        help="write per-epoch metrics to PATH (.csv, or .jsonl/.json for JSON lines): "
                             "a fresh run truncates PATH, --resume appends to it (after the rows of "
                             "the epochs its checkpoint finished; later rows are dropped)")
+    state.add_argument("--progress", choices=PROGRESS,
+                       help="rank 0's progress bar of each epoch: auto (the default) shows it where the user sees "
+                            "a terminal (mpirun's own stderr is one), never in a log file; bar: always; none: "
+                            "never. The per-epoch lines are printed either way")
     state.add_argument("--status-file", metavar="PATH",
                        help="when the run ends, write its exit status here (one line; rank 0 of the "
                             "ranks left writes). mpirun's own status can be 0 after a loss ended the "

@@ -20,14 +20,17 @@ When every worker has sent DONE the server applies what is still pending, comple
 returns.
 
 Lost workers (`drop_lost_workers`, in a job under ULFM, docs/failures.md#training): a probe on any
-source raises MPI_ERR_PROC_FAILED once a process of the communicator has died. The server
-acknowledges the failure (`Ack_failed`), and if only workers died it counts them out as if they
-had sent DONE (`lost`): the consistency model waits for them no longer (SSP's slowest clock, a
-checkpoint's barrier), their deferred pulls and unanswered replies are dropped; their clocks stay
-in the job's progress, since their pushes were applied. A lost server (its shard is gone), or a
-lost worker without `drop_lost_workers`, raises the MPI error. An error raises out of `serve()`
-on the server's rank (the runtime's abort hook then ends the job with the rank and traceback),
-and a malformed message is an error naming its sender.
+source raises MPI_ERR_PROC_FAILED once a process of the communicator has died, and so does the
+receive of a message whose sender died before all of it arrived. Every call of the loop goes
+through the same handling (`_on_failure`): the server acknowledges the failure (`Ack_failed`),
+and if only workers died it counts them out as if they had sent DONE (`lost`): the consistency
+model waits for them no longer (SSP's slowest clock, a checkpoint's barrier), their deferred pulls
+and unanswered replies are dropped (a reply that fails is dropped where it fails: `_send`,
+`_drop_failed_sends`); their clocks stay in the job's progress, since their pushes were applied.
+`serve()` returns once no worker is active, whether they sent DONE (`finished`) or were lost. A
+lost server (its shard is gone), or a lost worker without `drop_lost_workers`, raises the MPI
+error. An error raises out of `serve()` on the server's rank (the runtime's abort hook then ends
+the job with the rank and traceback), and a malformed message is an error naming its sender.
 """
 from __future__ import annotations
 
@@ -54,6 +57,8 @@ from .staleness import Staleness, StalenessLog
 from .waiting import Backoff, wait_all
 
 _TAGS = {int(t) for t in Tag}
+#: The MPI error classes of a lost process: a probe's or a receive's, a failed request's among several.
+_FAILED = collectives.failures.FAILURE_CLASSES | {MPI.ERR_IN_STATUS}
 #: on_checkpoint(step, state): called on each server when every worker asked for checkpoint `step`.
 CheckpointHook = Callable[[int, dict[str, Any]], None]
 #: lr_schedule(t): the learning rate of an update made when the workers have pushed t steps each on
@@ -104,6 +109,8 @@ class Server:
         self.drop_lost_workers = drop_lost_workers
         #: workers this server learned were lost (counted out, as if they had sent DONE)
         self.lost: set[int] = set()
+        #: workers that sent DONE
+        self.finished: set[int] = set()
         self.layout = layout
         self.shard = layout.shards[index]
         self.consistency = consistency
@@ -173,35 +180,31 @@ class Server:
         while self.active:
             try:
                 message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            except MPI.Exception as exc:
+                if message is None:
+                    self._reap_sends()
+                    if self.timeout is not None and time.monotonic() - heard_at > self.timeout:
+                        raise TimeoutError(
+                            f"rank {self.comm.Get_rank()} (server {self.shard.index}): no message for "
+                            f"{self.timeout} s while workers {sorted(self.active)} are still active")
+                    backoff.idle()
+                    continue
+                backoff.reset()
+                heard_at = time.monotonic()
+                self._handle(message, status, on_checkpoint)
+            except MPI.Exception as exc:  # the probe, a receive, a checkpoint hook's send
                 self._on_failure(exc, on_checkpoint)
-                continue
-            if message is None:
-                self._reap_sends()
-                if self.timeout is not None and time.monotonic() - heard_at > self.timeout:
-                    raise TimeoutError(
-                        f"rank {self.comm.Get_rank()} (server {self.shard.index}): no message for "
-                        f"{self.timeout} s while workers {sorted(self.active)} are still active")
-                backoff.idle()
-                continue
-            backoff.reset()
-            heard_at = time.monotonic()
-            self._handle(message, status, on_checkpoint)
         self._apply_ready(draining=True)
         self._finish_sends()
         return self.stats()
 
     def _on_failure(self, exc: MPI.Exception, on_checkpoint: CheckpointHook | None) -> None:
-        """A probe raised `exc`: count out the workers that died (`drop_lost_workers`), or raise
-        it where a server died or lost workers are not dropped."""
-        if not (self.drop_lost_workers and collectives.fault_tolerant()
-                and exc.Get_error_class() in collectives.failures.FAILURE_CLASSES):
-            raise exc
+        """A call of the loop raised `exc`: count out the workers that died (`drop_lost_workers`),
+        or raise it where a server died or lost workers are not dropped."""
+        self._check_tolerated(exc)
+        # Acknowledged before the dead are listed: a worker that dies in between is listed too,
+        # or else its failure, unacknowledged, makes the next probe raise again.
         self.comm.Ack_failed()  # probes on any source work again, among the live ranks
-        dead = set(_failed_ranks(self.comm))
-        if not dead <= set(self.workers):
-            raise exc  # a server: its shard is gone
-        for worker in sorted(dead - self.lost):
+        for worker in sorted(self._dead_workers(exc) - self.lost):
             self.lost.add(worker)
             if worker in self.active:  # one that had sent DONE changes nothing
                 self.consistency.lose_worker()
@@ -214,6 +217,20 @@ class Server:
         self._apply_ready()
         self._answer_deferred()
         self._check_saves(on_checkpoint)
+
+    def _check_tolerated(self, exc: MPI.Exception) -> None:
+        """Raise `exc` unless it reports a lost process that this server may go on without."""
+        if not (self.drop_lost_workers and collectives.fault_tolerant()
+                and exc.Get_error_class() in _FAILED):
+            raise exc
+
+    def _dead_workers(self, exc: MPI.Exception) -> set[int]:
+        """After `exc` (tolerated): the dead ranks, all workers; raises `exc` where none is
+        known dead or a server is (its shard is gone)."""
+        dead = set(_failed_ranks(self.comm))
+        if not dead or not dead <= set(self.workers):
+            raise exc
+        return dead
 
     def _handle(self, message: MPI.Message, status: MPI.Status,
                 on_checkpoint: CheckpointHook | None) -> None:
@@ -231,7 +248,12 @@ class Server:
             buffer = self._free.pop() if self._free else torch.empty_like(self.message)
         else:
             buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        message.Recv([buffer.numpy(), MPI.BYTE])
+        try:
+            message.Recv([buffer.numpy(), MPI.BYTE])
+        except MPI.Exception:  # its sender died before all of it arrived: serve() counts it out
+            if tag == Tag.PUSH:
+                self._free.append(buffer)
+            raise
         self.bytes_received += nbytes
         fields = header(buffer.numpy())
         if tag == Tag.PUSH:
@@ -242,6 +264,7 @@ class Server:
             self._answer_deferred()
         elif tag == Tag.DONE:
             self.active.discard(source)
+            self.finished.add(source)
             self._apply_ready()
             self._answer_deferred()
             self._check_saves(on_checkpoint)
@@ -286,6 +309,7 @@ class Server:
             if batch is None:
                 return
             indices, weights = batch
+            self._finish_sends()  # the replies in flight read the shard this update changes
             pushes = [self.pending[i] for i in indices]
             chosen = set(indices)
             self.pending = [p for i, p in enumerate(self.pending) if i not in chosen]
@@ -293,8 +317,7 @@ class Server:
 
     @torch.no_grad()
     def _apply(self, pushes: list[Push], weights: list[float]) -> None:
-        """One optimizer step on sum(weight * gradient) of `pushes`."""
-        self._finish_sends()  # the replies in flight read the shard this step changes
+        """One optimizer step on sum(weight * gradient) of `pushes` (no reply in flight)."""
         if len(pushes) == 1 and weights[0] == 1.0:
             grads = self._typed(pushes[0].message)
         else:
@@ -363,10 +386,16 @@ class Server:
         self.pulls += 1
 
     def _send(self, buffer: np.ndarray, worker: int, tag: Tag) -> None:
+        try:
+            request = self.comm.Isend([buffer, MPI.BYTE], worker, tag)
+        except MPI.Exception as exc:  # to a worker known dead: the probe counts it out
+            self._check_tolerated(exc)
+            if worker not in self._dead_workers(exc):
+                raise
+            return
         # Held beyond this server's life: serve() may raise, and the server be dropped, while a
         # reply is still being read from `buffer`.
-        request = inflight.hold(self, self.comm.Isend([buffer, MPI.BYTE], worker, tag),
-                                f"server {self.shard.index}'s {tag.name} reply")
+        inflight.hold(self, request, f"server {self.shard.index}'s {tag.name} reply")
         self._sends.append((request, buffer, worker))
         self.bytes_sent += buffer.nbytes
 
@@ -374,27 +403,28 @@ class Server:
         if self._sends:
             try:
                 self._sends = [(r, b, w) for r, b, w in self._sends if not r.Test()]
-            except MPI.Exception:
-                self._drop_failed_sends()
+            except MPI.Exception as exc:
+                self._drop_failed_sends(exc)
 
     def _finish_sends(self) -> None:
-        if self._sends:
+        # Until every reply completed or went to a lost worker: a caller (an update) goes on
+        # only once no reply reads the shard.
+        while self._sends:
             try:
                 wait_all([r for r, _, _ in self._sends], "replies to workers", self.timeout)
-            except MPI.Exception:
-                self._drop_failed_sends()
-                wait_all([r for r, _, _ in self._sends], "replies to workers", self.timeout)
-            self._sends.clear()
+                self._sends.clear()
+            except MPI.Exception as exc:
+                self._drop_failed_sends(exc)
 
-    def _drop_failed_sends(self) -> None:
-        """A reply failed: drop those to lost workers (`drop_lost_workers`), or raise."""
-        if not (self.drop_lost_workers and collectives.fault_tolerant()):
-            raise
-        dead = set(_failed_ranks(self.comm))
-        if not dead or not dead <= set(self.workers):
-            raise  # no worker died, or a server did
-        for worker in dead:
+    def _drop_failed_sends(self, exc: MPI.Exception) -> None:
+        """A reply failed with `exc`: drop those to lost workers (`drop_lost_workers`), or raise
+        `exc` where none was (no worker died, a server did, or a reply to a live one failed)."""
+        self._check_tolerated(exc)
+        before = len(self._sends)
+        for worker in self._dead_workers(exc):
             self._drop_sends(worker)
+        if len(self._sends) == before:
+            raise exc
 
     def _drop_sends(self, worker: int) -> None:
         """Forget the replies to lost `worker`: each completes (in error, under ULFM) once its

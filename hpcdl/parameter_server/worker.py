@@ -1,8 +1,11 @@
 """A worker's side of the parameter server: pull the shards into the model, push its gradients.
 
-Every exchange is with every server at once: receives are posted before the requests go out (so a
-server's reply never waits for this rank), and the worker then waits politely (waiting.wait_all)
-until all are done. One copy each way: a pull copies the received shards into the parameters, a
+Every exchange is with every server at once, and goes through `_exchange`: receives are posted
+before the requests go out (so a server's reply never waits for this rank), and the worker then
+waits politely (waiting.wait_all) until all are done. However an exchange fails (a lost server's
+MPI error, raised by a post or by the wait; a timeout), what it posted is left to
+`collectives.inflight`, and the error is raised to the caller: for `hpcdl train`, a lost server
+ends the job (docs/failures.md#training). One copy each way: a pull copies the received shards into the parameters, a
 push copies (or, accumulating several steps, adds) the gradients into per-server messages.
 """
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from mpi4py import MPI
+
+from collectives import inflight
 
 from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
                        STOP, SUM, VERSION, Tag, header, header_message)
@@ -81,12 +86,9 @@ class WorkerClient:
         """
         self._check_open()
         if self._since_fetch is None or self._since_fetch >= self.n_fetch:
-            receives = [self.comm.Irecv([m.numpy(), MPI.BYTE], server, Tag.PARAMS)
-                        for m, server in zip(self._pulled, self.servers)]
             request = header_message(self.clock, until)
-            sends = [self.comm.Isend([request, MPI.BYTE], server, Tag.PULL) for server in self.servers]
-            wait_all(receives + sends, f"pull at clock {self.clock} from servers {self.servers}",
-                     self.timeout)
+            self._exchange([(m.numpy(), Tag.PARAMS) for m in self._pulled], request, Tag.PULL,
+                           f"pull at clock {self.clock} from servers {self.servers}")
             for k, message in enumerate(self._pulled):
                 self.versions[k] = header(message.numpy())[VERSION]
             self.progress = int(min(header(m.numpy())[PROGRESS] for m in self._pulled))
@@ -153,9 +155,8 @@ class WorkerClient:
             fields[VERSION] = self._push_versions[k]
             fields[PUSH_CLOCK] = self.clock
             fields[PUSH_STEPS] = self._accumulated
-        sends = [self.comm.Isend([m.numpy(), MPI.BYTE], server, Tag.PUSH)
-                 for m, server in zip(self._pushed, self.servers)]
-        wait_all(sends, f"push at clock {self.clock} to servers {self.servers}", self.timeout)
+        self._exchange([], [m.numpy() for m in self._pushed], Tag.PUSH,
+                       f"push at clock {self.clock} to servers {self.servers}")
         self.bytes_sent += sum(m.numel() for m in self._pushed)
         self._accumulated = 0
 
@@ -164,11 +165,8 @@ class WorkerClient:
     def _request(self, tag: Tag, value: int, reply_tag: Tag, reply_bytes: int) -> list[np.ndarray]:
         """Send a header-only request to every server; their replies, in server order."""
         replies = [np.empty(reply_bytes, dtype=np.uint8) for _ in self.servers]
-        receives = [self.comm.Irecv([r, MPI.BYTE], server, reply_tag)
-                    for r, server in zip(replies, self.servers)]
         request = header_message(value)
-        sends = [self.comm.Isend([request, MPI.BYTE], server, tag) for server in self.servers]
-        wait_all(receives + sends, f"{tag.name} to servers {self.servers}", self.timeout)
+        self._exchange([(r, reply_tag) for r in replies], request, tag, f"{tag.name} to servers {self.servers}")
         self.bytes_sent += request.nbytes * len(self.servers)
         self.bytes_received += reply_bytes * len(self.servers)
         return replies
@@ -203,9 +201,26 @@ class WorkerClient:
         if self._accumulated:
             self._send_push()
         message = header_message(self.clock)
-        sends = [self.comm.Isend([message, MPI.BYTE], server, Tag.DONE) for server in self.servers]
-        wait_all(sends, f"DONE to servers {self.servers}", self.timeout)
+        self._exchange([], message, Tag.DONE, f"DONE to servers {self.servers}")
         self.bytes_sent += message.nbytes * len(self.servers)
+
+    def _exchange(self, replies: list[tuple[np.ndarray, Tag]], sent: np.ndarray | list[np.ndarray],
+                  tag: Tag, what: str) -> None:
+        """With every server at once: post a receive of each of `replies` (one buffer and tag per
+        server, in server order), then send `sent` (one message for all, or one per server) with
+        `tag`, and wait for all. On any error (see the module's docstring) what was posted is
+        left to `collectives.inflight`, which keeps it and its buffer until it completes."""
+        messages = sent if isinstance(sent, list) else [sent] * len(self.servers)
+        posted: list[MPI.Request] = []
+        try:
+            for (buffer, reply_tag), server in zip(replies, self.servers):
+                posted.append(self.comm.Irecv([buffer, MPI.BYTE], server, reply_tag))
+            for message, server in zip(messages, self.servers):
+                posted.append(self.comm.Isend([message, MPI.BYTE], server, tag))
+        except BaseException:
+            inflight.keep(posted, what)
+            raise
+        wait_all(posted, what, self.timeout)
 
     def _check_open(self) -> None:
         if self.closed:

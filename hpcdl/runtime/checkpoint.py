@@ -19,7 +19,11 @@ wrote them: a fresh run into a directory holding an older run's later steps woul
 (`hpcdl train` refuses such a directory without --resume).
 
 Writes are atomic (`atomic_file.write_atomically`): a reader sees either no file or a complete one,
-and a crash mid-write leaves nothing that looks like a checkpoint. What a later reader cannot
+and a crash mid-write leaves nothing that looks like a checkpoint (a killed writer leaves its
+temporary file, `.checkpoint-<step>.pt.*.tmp`, which `remove_temporaries` removes at the next
+start). A write that fails (a full disk, a quota, a storage error) removes its partial file,
+keeps the older checkpoints, and raises `CheckpointWriteError` on every rank of `save_checkpoint`,
+naming the directory and the space the checkpoint needs against the space there. What a later reader cannot
 trust is the storage: a flipped bit in a tensor loads without complaint, and one in torch's
 archive can crash the loader (UnicodeDecodeError, NotImplementedError, RuntimeError) in ways a
 zip CRC check does not catch. So the file is a one-line header carrying the SHA-256 of everything
@@ -38,6 +42,7 @@ import hashlib
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, cast
 
@@ -45,10 +50,14 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+import collectives
+
 from . import stall
 from .atomic_file import write_atomically
 
 _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+#: A checkpoint's temporary file while it is written (`atomic_file.write_atomically`'s naming).
+_TEMPORARY = re.compile(r"^\.checkpoint-\d+\.pt\..*\.tmp$")
 _MAGIC = b"hpcdl-checkpoint 1 sha256 "
 #: Bytes before the torch.save archive: the magic, 64 hex digits of SHA-256, a newline.
 CHECKPOINT_HEADER_BYTES = len(_MAGIC) + 64 + 1
@@ -56,6 +65,17 @@ CHECKPOINT_HEADER_BYTES = len(_MAGIC) + 64 + 1
 
 class CheckpointError(Exception):
     """A checkpoint file that cannot be used; the message says why (damaged, foreign, unreadable)."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint that could not be written (a full disk, a quota, a storage error), raised by
+    `save_checkpoint` on every rank alike. The message names the directory, the error, and the
+    space the checkpoint needs against the space free there; the partial file is removed and the
+    older checkpoints are kept. `needed` and `free` are those bytes (`free` None if unknown)."""
+
+    def __init__(self, message: str, *, directory: str, step: int, needed: int, free: int | None) -> None:
+        super().__init__(message)
+        self.directory, self.step, self.needed, self.free = directory, step, needed, free
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -174,6 +194,21 @@ def prune_checkpoints(directory: str | os.PathLike[str], keep: int,
             path.unlink(missing_ok=True)
 
 
+def remove_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files that writers killed while writing a checkpoint left in
+    `directory` (`.checkpoint-<step>.pt.*.tmp`: empty or partial, never a checkpoint); the paths
+    removed. Call it where no other process writes checkpoints there (a run's start)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for entry in sorted(directory.iterdir()):
+        if _TEMPORARY.match(entry.name) and entry.is_file():
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
 def rng_state() -> dict[str, Any]:
     """This process's torch, NumPy and Python RNG states, as tensors and plain values."""
     np_name, np_keys, np_pos, np_has_gauss, np_cached = cast(
@@ -219,11 +254,69 @@ def save_checkpoint(directory: str | os.PathLike[str], training_state: dict[str,
     stall.barrier(comm, f"checkpoint {step} (the gather of every rank's state)", stacklevel=2)
     states = comm.gather({"rng": rng_state(), **(rank_state or {})}, root=0)
     path = checkpoint_path(directory, step)
+    failure: CheckpointWriteError | None = None
     if comm.Get_rank() == 0:
-        atomic_save({**training_state, "step": step, "ranks": states}, path)
-        prune_checkpoints(directory, keep, spare=path)
-    stall.barrier(comm, f"checkpoint {step} (rank 0 writing it)", stacklevel=2)
+        checkpoint = {**training_state, "step": step, "ranks": states}
+        try:
+            atomic_save(checkpoint, path)
+        except Exception as exc:  # noqa: BLE001 - the storage's errors only; the others go on up
+            failure = _write_failure(exc, directory, step, checkpoint)
+        else:
+            prune_checkpoints(directory, keep, spare=path)
+    # The barrier after the write says whether it failed: every rank raises alike.
+    failed = np.array([failure is not None], dtype=np.int32)
+    stall.wait_for(collectives.iallreduce(failed, comm, op="max", out=failed),
+                   f"checkpoint {step} (rank 0 writing it)", rank=comm.Get_rank(), stacklevel=2)
+    if failed[0]:
+        directory_, needed, free, message = comm.bcast(
+            None if failure is None else (failure.directory, failure.needed, failure.free, str(failure)), root=0)
+        raise CheckpointWriteError(message, directory=directory_, step=step, needed=needed, free=free)
     return path
+
+
+def _write_failure(exc: Exception, directory: str | os.PathLike[str], step: int,
+                   checkpoint: dict[str, Any]) -> CheckpointWriteError:
+    """The CheckpointWriteError of a write of `checkpoint` that raised `exc` because the storage
+    failed (an OSError in `exc`'s chain: torch reports a full disk as its own RuntimeError while
+    handling the OSError); `exc` itself otherwise, raised again."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        raise exc
+    needed = _tensor_bytes(checkpoint)
+    try:
+        free: int | None = shutil.disk_usage(directory).free  # the partial file is gone by now
+    except OSError:
+        free = None
+    space = (f"it needs about {_megabytes(needed)} there besides the checkpoints kept"
+             + (f", and {_megabytes(free)} are free" if free is not None else ""))
+    return CheckpointWriteError(
+        f"checkpoint {step} could not be written to {directory} ({cause}): {space}; the partial file was "
+        "removed and the older checkpoints are kept", directory=str(directory), step=step, needed=needed, free=free)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensor storages in `obj` (each counted once): what torch.save writes, but
+    for the pickled structure around them."""
+    seen: dict[int, int] = {}
+
+    def visit(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            for value in item.values():
+                visit(value)
+        elif isinstance(item, (list, tuple)):
+            for value in item:
+                visit(value)
+    visit(obj)
+    return sum(seen.values())
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.2f} MB" if count < 10e9 else f"{count / 1e9:.1f} GB"
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -50,9 +50,13 @@ def as_array(tensor: torch.Tensor) -> Any:
 
 
 def _cuda_array(tensor: torch.Tensor) -> Any:
-    # Run on a GPU by the GPU check (docs/gpu_check.md), never in CI. Synchronizing the
-    # producing stream is the simple way to be correct by construction: the collectives run on
-    # another thread and another stream, and MPI reads device memory behind CUDA's back.
+    # Run on a GPU by the GPU check (docs/gpu_check.md), never in CI. The one wait a tensor
+    # handed to the collectives needs: its producer, torch's current stream, must have finished,
+    # since the collectives work on it from their own communication stream (on another thread for
+    # `i*` calls) and MPI, where CUDA-aware, reads device memory outside any stream's order. The
+    # collectives' own wait (`wait_for_producer`) would wait for CuPy's current stream instead,
+    # which is torch's only where the caller set none. DDP does not come here: it hands over
+    # arrays produced on its side stream, whose event-ordered work is what gets waited for.
     import cupy
 
     torch.cuda.current_stream(tensor.device).synchronize()

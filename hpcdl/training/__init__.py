@@ -16,6 +16,7 @@ model over MPI with a strategy of the registry, from a typed configuration.
     strategies/     the registry of strategies and one module per family
     metrics.py      the per-epoch metrics file and gradient-traffic figures
     signals.py      SIGUSR1/SIGTERM: checkpoint and stop
+    resuming.py     what a run that ends early says about going on (the newest checkpoint)
     waiting.py      the trainer's waits on other ranks, with stall warnings
     schedule.py     the linear scaling rule, warm-up and cosine decay
     status_file.py  the run's exit status, written for the SLURM templates
@@ -38,14 +39,15 @@ if TYPE_CHECKING:
     from .run import train
     from .signals import CHECKPOINTED_ON_SIGNAL
     from .strategies import STRATEGIES
-    from .trainer import DIVERGED, Trainer
+    from .trainer import CHECKPOINT_FAILED, DIVERGED, Trainer
 
 #: The public names, each with the module that defines it.
 _HOMES = {"TrainConfig": ".config", "config_errors": ".config", "train": ".run", "Trainer": ".trainer",
-          "STRATEGIES": ".strategies", "DIVERGED": ".trainer", "CHECKPOINTED_ON_SIGNAL": ".signals",
+          "STRATEGIES": ".strategies", "DIVERGED": ".trainer", "CHECKPOINT_FAILED": ".trainer",
+          "CHECKPOINTED_ON_SIGNAL": ".signals",
           "RANK_LOST": ".recovery"}
 
-__all__ = ["CHECKPOINTED_ON_SIGNAL", "DIVERGED", "RANK_LOST", "STRATEGIES",
+__all__ = ["CHECKPOINTED_ON_SIGNAL", "CHECKPOINT_FAILED", "DIVERGED", "RANK_LOST", "STRATEGIES",
            "TrainConfig", "Trainer", "config_errors", "train"]
 
 __getattr__ = lazy_attributes(__name__, _HOMES)

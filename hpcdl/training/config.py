@@ -39,6 +39,11 @@ from .strategies.servers import SERVER_OPTIMIZERS
 PROG = "hpcdl train"
 #: Checkpoints kept in `checkpoint_dir`: the newest by step number, whichever run wrote them.
 KEEP_CHECKPOINTS = 3
+#: What `progress` takes: progress bars on rank 0 where the user sees a terminal (auto), always, or never.
+PROGRESS = ("auto", "bar", "none")
+#: What `on_checkpoint_failure` takes (a checkpoint that cannot be written: a full disk); the
+#: first is the default: the run stops (exit status CHECKPOINT_FAILED), or trains on without it.
+CHECKPOINT_FAILURE_POLICIES = ("stop", "continue")
 
 #: `model`'s choices: the networks models.py builds, the digits CNN split over a process grid, and
 #: those described by their layers' sizes only (emulated compute only).
@@ -113,7 +118,9 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    on_checkpoint_failure: str = CHECKPOINT_FAILURE_POLICIES[0]
     metrics: str | None = None
+    progress: str = PROGRESS[0]
     status_file: str | None = None
     stop_after_steps: int | None = None
     # lost ranks
@@ -154,7 +161,9 @@ def choice_errors(config: TrainConfig) -> list[str]:
                "server_optimizer": (SERVER_OPTIMIZERS, config.server_optimizer),
                "layer_time": (LAYER_TIMES, config.layer_time),
                "algorithm": (("auto", *collectives.ALGORITHMS["allreduce"]), config.algorithm),
-               "shard": (SHARDS, config.shard), "on_rank_failure": (POLICIES, config.on_rank_failure)}
+               "shard": (SHARDS, config.shard), "on_rank_failure": (POLICIES, config.on_rank_failure),
+               "on_checkpoint_failure": (CHECKPOINT_FAILURE_POLICIES, config.on_checkpoint_failure),
+               "progress": (PROGRESS, config.progress)}
     optional = ("model", "server_optimizer", "shard")
     return [f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}"
             for name, (allowed, value) in choices.items()
@@ -239,7 +248,9 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
             if used:
                 errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
     if config.checkpoint_dir is None:
-        for flag, used in (("--resume", config.resume), ("--checkpoint-every", config.checkpoint_every)):
+        policy_set = config.on_checkpoint_failure != TrainConfig.on_checkpoint_failure
+        for flag, used in (("--resume", config.resume), ("--checkpoint-every", config.checkpoint_every),
+                           ("--on-checkpoint-failure", policy_set)):
             if used:
                 errors.append(f"{flag} needs --checkpoint-dir DIR")
     elif not config.synthetic:

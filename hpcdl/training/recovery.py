@@ -60,6 +60,7 @@ import collectives
 from ..runtime import recovery as ulfm
 from ..runtime import world
 from ..runtime.spares import Spares
+from .resuming import resume_advice
 from .status_file import write_status
 
 if TYPE_CHECKING:
@@ -517,7 +518,7 @@ def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: s
     who = loss.describe() if loss is not None else (
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {job.Get_size()}" if ranks
         else "a rank")
-    resume = " Resume from the newest checkpoint with --resume." if checkpoint_dir else ""
+    resume = f" {resume_advice(checkpoint_dir)}" if checkpoint_dir else ""
     sys.stderr.write(f"hpcdl train: error: {who} failed {when}; {reason}: the job ends (exit status "
                      f"{RANK_LOST}).{resume} (reported by rank {job.Get_rank()})\n")
     sys.stderr.flush()

@@ -23,6 +23,7 @@ from . import strategies
 from .config import KEEP_CHECKPOINTS, PROG, TrainConfig, config_errors
 from .pacing import Meetings
 from .recovery import end_job
+from .signals import Interruption
 from .status_file import clear_status, write_status
 
 
@@ -42,7 +43,15 @@ def train(config: TrainConfig) -> int:
     A replacement for a lost rank (`respawn`) joins the survivors here, before torch is imported,
     unless the script imported it already: they wait in the merge, then asleep while it builds
     (`gather_quietly`). `hpcdl train` joins earlier still, before it parses its command line.
+
+    Ctrl-C, and mpirun ending the job, stop the run at once with one line saying so
+    (signals.Interruption, for the length of the call).
     """
+    with Interruption(config.checkpoint_dir):
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> int:
     topology, comm = init(), MPI.COMM_WORLD
     joined = ulfm.join()
     rank = comm.Get_rank()
@@ -146,6 +155,8 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     job = {name: getattr(config, name) for name in _TRAJECTORY_OPTIONS} | plan.job | {"ranks": plan_ranks}
 
     checkpoint = None
+    if joined is None and config.checkpoint_dir is not None and rank == 0:
+        remove_temporaries_left(config.checkpoint_dir)
     if joined is not None:
         pass  # the survivors hold the state
     elif config.resume:
@@ -161,9 +172,12 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
                       + (f"; resuming from {path.name} instead" if path is not None else ""),
                       file=sys.stderr, flush=True)
         if path is None or checkpoint is None:
-            return _fail([f"--resume: no complete checkpoint in {config.checkpoint_dir}"
-                          + (f" ({len(skipped)} unusable, see above)" if skipped else "")
-                          + "; run once without --resume to create one"], rank)
+            if not skipped:
+                return _fail([f"--resume: {config.checkpoint_dir} holds no checkpoint yet: run without --resume "
+                              "to start the run"], rank)
+            return _fail([f"--resume: none of the {len(skipped)} checkpoint(s) in {config.checkpoint_dir} can be "
+                          "resumed from (see above): to start afresh, move them out of it (or give another "
+                          "--checkpoint-dir) and run without --resume"], rank)
         made_with = checkpoint["job"]
         refusal = plan.strategy.rank_loss_refusal(plan, resume=True)
         if "elastic" in checkpoint and refusal is not None:
@@ -195,9 +209,9 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
         if newest:
             return _fail([(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints (newest: "
                            f"{newest[0][1].name}, step {newest[0][0]}); add --resume to continue that "
-                           "run, or give an empty or new directory (only the newest "
-                           f"{KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's would be "
-                           "deleted)")], rank)
+                           "run, or to start afresh move them out of it or give an empty or new directory "
+                           f"(only the newest {KEEP_CHECKPOINTS} checkpoints by step are kept, so this run's "
+                           "would be deleted)")], rank)
 
     if config.emulate_compute:  # nothing reads the data: the digits' sizes, without scikit-learn
         from .emulation import placeholder_digits
@@ -287,6 +301,8 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
         return status
     trainer = Trainer(config, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
                       checkpoint, replacement=joined is not None)
+    if Interruption.active is not None:  # what a line on Ctrl-C says
+        Interruption.active.where = lambda: f"at step {trainer.step} (epoch {trainer.epoch + 1})"
     if joined is not None and joined[1].get("spare"):  # built: wait for a lost rank's place
         called = wait_for_call(joined[0])
         if spares is not None:
@@ -307,7 +323,15 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
         status = trainer.run()
     finally:
         trainer.compute.close()
-        strategy.close()
+        try:
+            strategy.close()
+        except BaseException as exc:
+            # A parameter server's worker tells the servers it is done: one lost meanwhile (after
+            # the last exchange of the training) ends the job as any lost server does.
+            if not ulfm.is_process_failure(exc):
+                raise
+            end_job(exc, "as this worker finished", strategy.lost_state() or "a lost rank",
+                    config.checkpoint_dir, config.status_file)
     status = strategy.agree_status(status)
     if trainer.rank == 0:  # of the ranks left
         write_status(config.status_file, status)
@@ -316,6 +340,18 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     if trainer.recovery.lived_through_a_loss():
         ulfm.exit_after_loss(status)
     return status
+
+
+def remove_temporaries_left(directory: str) -> None:
+    """Remove what writers killed mid-checkpoint left in `directory`, saying so (rank 0, as a run
+    starts: no other process writes there)."""
+    from ..runtime.checkpoint import remove_temporaries
+
+    removed = remove_temporaries(directory)
+    if removed:
+        print(f"{PROG}: removed {len(removed)} unfinished checkpoint file(s) from {directory}, left by a "
+              f"writer that was stopped while writing: {', '.join(p.name for p in removed)}", file=sys.stderr,
+              flush=True)
 
 
 def warmup_warning(warmup_steps: int, total_steps: int, scaled_lr: float, start_factor: float) -> str | None:

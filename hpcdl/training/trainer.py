@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.agreement import report_failure
+from ..runtime.launcher import user_terminal
 from .compute import columns as compute_columns
 from .compute import compute_for
 from .compute import describe as describe_compute
@@ -20,16 +21,20 @@ from .metrics import EpochTraffic, MetricsLog, gradient_report, staleness_column
 from .config import KEEP_CHECKPOINTS, PROG
 from .pacing import EPOCH_DONE, TAKE_STEP
 from .recovery import Recovery
+from .resuming import newest_step, resume_advice
 from .signals import CHECKPOINTED_ON_SIGNAL, StopRequest
 from .waiting import reduce_over_ranks
 
 if TYPE_CHECKING:
+    from ..runtime.checkpoint import CheckpointWriteError
     from .config import TrainConfig
     from .schedule import Schedule
     from .strategies import Plan, Strategy
 
 #: Exit status when the training loss stops being a finite number: continuing would only waste time.
 DIVERGED = 4
+#: Exit status when a checkpoint could not be written (a full disk) under --on-checkpoint-failure stop.
+CHECKPOINT_FAILED = 6
 #: This rank's sums over an epoch's batches so far: loss x samples, samples, seconds, bytes sent.
 Sums = Tuple[float, int, float, int]
 
@@ -97,6 +102,10 @@ class Trainer:
         if self.stop_request is not None:
             self.stop_request.listen(strategy.stop_signal)  # a serving rank's, passed on
         self.resumed = checkpoint is not None
+        # Progress bars on rank 0 (whichever rank it is after a loss), where the user sees them on a
+        # terminal or asks for them: in a log file their carriage returns interleave with the epoch lines.
+        self.bars = not replacement and (
+            config.progress == "bar" or (config.progress == "auto" and user_terminal()))
         self.pacing = strategy.pacing(self, mine)
         # Ranks lost under ULFM (--on-rank-failure): commits, recovery, and their reports.
         self.recovery = Recovery.for_trainer(self, checkpoint)
@@ -104,7 +113,8 @@ class Trainer:
     # -- the run -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Train every epoch left; the exit status (0, CHECKPOINTED_ON_SIGNAL or DIVERGED)."""
+        """Train every epoch left; the exit status (0, CHECKPOINTED_ON_SIGNAL, DIVERGED or
+        CHECKPOINT_FAILED)."""
         config, plan, schedule = self.config, self.plan, self.schedule
         self.say(f"training {config.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
                  f"held out) on {self.recovery.ranks_now()} rank(s)"
@@ -121,7 +131,21 @@ class Trainer:
                  + (f"; {describe_compute(config)}" if self.compute.emulated else "")
                  + (f"; resuming at epoch {self.epoch + 1}, step {self.step}" if self.resumed else ""),
                  flush=True)
-        while True:  # once, unless ranks are lost (recovery.py)
+        from ..runtime.checkpoint import CheckpointWriteError
+
+        try:
+            status, closing = self.train_and_recover()
+        except CheckpointWriteError as exc:  # --on-checkpoint-failure stop, the same on every rank
+            status, closing = report_failure(PROG, [f"{exc}. {self.checkpoint_failure_advice(exc)}"], self.rank,
+                                             CHECKPOINT_FAILED), None
+        if closing:
+            self.say(closing, flush=True)
+        self.close_metrics()
+        return status
+
+    def train_and_recover(self) -> tuple[int, str | None]:
+        """`train`, and after ranks are lost (recovery.py) train on, until every rank finished."""
+        while True:
             try:
                 status, closing = self.train()
             except BaseException as exc:
@@ -130,12 +154,16 @@ class Trainer:
                 self.recovery.recover(exc)
                 continue
             if self.recovery.settled():  # every rank got here
-                break
+                return status, closing
             self.recovery.recover(None)
-        if closing:
-            self.say(closing, flush=True)
-        self.close_metrics()
-        return status
+
+    def checkpoint_failure_advice(self, exc: CheckpointWriteError) -> str:
+        """How to go on after checkpoint `exc` could not be written and the run stopped."""
+        newest = newest_step(exc.directory)
+        resume = f"resume from step {newest} with --resume" if newest is not None else "run it again"
+        return (f"The run stops (exit status {CHECKPOINT_FAILED}): free space in {exc.directory} or give "
+                f"another --checkpoint-dir, then {resume}; or add --on-checkpoint-failure continue to train on "
+                "without the checkpoints that cannot be written")
 
     def train(self) -> tuple[int, str | None]:
         """Train every epoch left and evaluate: the exit status, and what to print at the end."""
@@ -166,7 +194,7 @@ class Trainer:
         if strategy.gradient_traffic is not None:
             self.traffic = EpochTraffic(lambda: strategy.gradient_traffic, **self.traffic_before)
         self.traffic_before = {}
-        bar = tqdm(total=self.steps_per_epoch, initial=self.done_in_epoch, disable=self.rank != 0,
+        bar = tqdm(total=self.steps_per_epoch, initial=self.done_in_epoch, disable=not self.bars or self.rank != 0,
                    leave=False, desc=f"epoch {self.epoch + 1}/{config.epochs}", file=sys.stderr)
         # Set back by what the resumed run spent on this epoch up to its checkpoint: the epoch's
         # time (so its throughput) and bytes cover all its batches in both runs, not the start-up
@@ -213,9 +241,12 @@ class Trainer:
 
     def stop_on_signal(self, sums: Sums) -> int:
         assert self.stop_request is not None
-        self.checkpoint_now(self.done_in_epoch, sums)
-        self.say(f"stopping at step {self.step} on {self.stop_request.name}: checkpoint written, exit status "
-                 f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
+        if self.checkpoint_now(self.done_in_epoch, sums):
+            self.say(f"stopping at step {self.step} on {self.stop_request.name}: checkpoint written, exit status "
+                     f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)
+        else:  # --on-checkpoint-failure continue: said above
+            self.say(f"stopping at step {self.step} on {self.stop_request.name} without a checkpoint of it, exit "
+                     f"status {CHECKPOINTED_ON_SIGNAL}. {resume_advice(self.config.checkpoint_dir)}", flush=True)
         return CHECKPOINTED_ON_SIGNAL
 
     def end_epoch(self, sums: Sums) -> int | None:
@@ -294,10 +325,13 @@ class Trainer:
             self.checkpoint_now(0, (0.0, 0, 0.0, 0))
         return None
 
-    def checkpoint_now(self, batches_done: int, sums: Sums) -> None:
+    def checkpoint_now(self, batches_done: int, sums: Sums) -> bool:
         """Collective over the training ranks (and through a parameter server's servers): write
-        checkpoint `self.step` at `batches_done` batches into epoch `self.epoch`."""
-        from ..runtime.checkpoint import save_checkpoint
+        checkpoint `self.step` at `batches_done` batches into epoch `self.epoch`; whether it was
+        written. One that cannot be written (a full disk) raises CheckpointWriteError on every
+        training rank (--on-checkpoint-failure stop: `run` stops), or is warned about, once, and
+        training goes on without it (continue)."""
+        from ..runtime.checkpoint import CheckpointWriteError, save_checkpoint
 
         extra = self.strategy.checkpoint_state(self.step)
         state = {"model": self.model.state_dict(), **extra, "epoch": self.epoch,
@@ -308,8 +342,17 @@ class Trainer:
         if self.traffic is not None:  # inside an epoch (the epoch-end checkpoint has none)
             rank_state["traffic"] = self.traffic.state()
         assert self.config.checkpoint_dir is not None, "checkpoints are taken only with checkpoint_dir"
-        save_checkpoint(self.config.checkpoint_dir, state, step=self.step, comm=self.comm, keep=KEEP_CHECKPOINTS,
-                        rank_state=rank_state)
+        try:
+            save_checkpoint(self.config.checkpoint_dir, state, step=self.step, comm=self.comm, keep=KEEP_CHECKPOINTS,
+                            rank_state=rank_state)
+        except CheckpointWriteError as exc:
+            if self.config.on_checkpoint_failure == "stop":
+                raise
+            if self.rank == 0:
+                print(f"{PROG}: warning: {exc}; training goes on without it (--on-checkpoint-failure continue)",
+                      file=sys.stderr, flush=True)
+            return False
+        return True
 
     def rebind(self, comm: MPI.Comm) -> None:
         """Collective over `comm`: train with its ranks from now on (recovery.py)."""

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from collectives import cuda_awareness
 
 from ... import __version__
 from ...benchmarking.measurement import PEERS, PLACEMENTS, Measurement
@@ -128,6 +129,9 @@ def run_metadata(comm: MPI.Comm, argv: Sequence[str], args: argparse.Namespace) 
         "command": shlex.join(["hpcdl", "bench", *argv]),
         "device": args.device, "check_every_call": args.check, "rounds": args.rounds,
         "tuning_file": os.environ.get("HPCDL_TUNING_FILE"),
+        # the routes device messages were offered (docs/collectives.md#device-messages)
+        "cuda_aware_mpi": cuda_awareness.route() if args.device == "gpu" else None,
+        "hpcdl_ipc": os.environ.get("HPCDL_IPC", "auto") if args.device == "gpu" else None,
     }
 
 

@@ -14,7 +14,8 @@ later global batch over the workers left, as allreduce does; sync-backup's updat
 at the cost of a backup, or with none left average the workers left (sync_backup.py, whose
 `after_loss` the loss's line and the epoch line print). What the lost worker pushed stays
 applied. A lost SERVER takes its shard of the parameters with it: the job ends (exit status 5)
-naming it (`lost_state`), and --resume from the newest checkpoint continues the run. A checkpoint,
+naming it (`lost_state`), and --resume from the newest checkpoint continues the run; so does
+losing every worker (the servers end the job naming them, `serve`). A checkpoint,
 one written after a lost worker too, resumes on other workers (the ranks left, or the ranks the
 run started with): the servers give them the places of the workers left, in order, and each
 worker paced by `Meetings` trains the shard of the worker whose place it took (`shard_order`).
@@ -267,7 +268,10 @@ class ParameterServerStrategy(Strategy):
 
         # A loss was caught, so some rank is known dead, or soon will be.
         servers = [r for r in failed_ranks(self.world, KNOWLEDGE_WAIT_S)[0] if r in self.ps.server_ranks]
+        server = self.ps.server
         if not servers:
+            if server is not None and server.lost and not server.finished and not server.active:
+                return "every worker was lost, so none is left to train"
             return None
         return (f"the lost server{'s' if len(servers) > 1 else ''} (rank{'s' if len(servers) > 1 else ''} "
                 f"{', '.join(map(str, servers))}) held a shard of the parameters that no other rank holds "
@@ -298,6 +302,11 @@ class ParameterServerStrategy(Strategy):
             sends.append((self._states.isend(state, dest=dest, tag=_CHECKPOINT_TAG), dest))
 
         self.ps.serve(hand_to_rank_0)
+        if server.lost and not server.finished:  # no worker is left to train (`lost_state`)
+            import collectives
+
+            raise collectives.ProcessFailure(f"every worker of server rank {self.world.Get_rank()} was lost",
+                                             ranks=tuple(sorted(server.lost)))
         for request, dest in sends:
             try:
                 request.wait()
