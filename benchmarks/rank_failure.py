@@ -70,7 +70,7 @@ def child(directory: Path, kills: dict[int, int], options: dict[str, Any]) -> in
     from hpcdl.runtime import world
     from hpcdl.training import TrainConfig, train
     from hpcdl.training import run as train_run
-    from hpcdl.training.recovery import Recovery
+    from hpcdl.training.rank_loss import Recovery
     from hpcdl.training.strategies import allreduce
 
     me = MPI.COMM_WORLD.Get_rank() if not recovery.is_replacement() else -1

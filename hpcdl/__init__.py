@@ -46,8 +46,8 @@ _LAZY = {
     "init_torch_distributed": ".torch_distributed",
     # the collectives on torch tensors (and, untouched, on any array); torch-free for arrays
     **{name: ".tensors.calls" for name in _COLLECTIVES},
-    "elastic": ".ddp.elastic",  # the module itself (hpcdl.elastic.State, hpcdl.elastic.run)
     "compression": None,  # submodules and subpackages
+    "elastic": None,
     "horovod": None,
     "optim": None,
     "parallel": None,

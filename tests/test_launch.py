@@ -343,16 +343,21 @@ done
     ("cpu", None, 0, 5, False),       # mpirun said 0, the run never ended: a lost node
     ("cpu", "5", 0, 5, False),        # the one survivor of 2 ranks aborted, mpirun said 0
     ("cpu", None, 1, 1, False),       # mpirun's own failure stands
+    ("cpu", "0", 137, 0, False),      # --respawn: a replacement died, the run succeeded (issue 42, item 3)
+    ("cpu", "5", 1, 5, False),        # the run's status, not mpirun's, whatever mpirun says
     ("requeue", "0", 0, 0, False),
     ("requeue", None, 0, 0, True),    # stopped from outside: back to the queue, to resume
     ("requeue", "3", 0, 0, True),     # checkpointed on a stop signal
     ("requeue", "4", 0, 4, False),    # diverged: requeueing would not help
+    ("requeue", "0", 1, 0, False),    # --respawn: a replacement left without MPI_Finalize; the run ended
 ])
 def test_fault_tolerant_scripts_take_the_runs_own_status(tmp_path: Path, template: str, written: str | None,
                                                          mpirun_exit: int, expected_exit: int,
                                                          requeued: bool) -> None:
     """Under --fault-tolerant the batch script's status is the run's (its --status-file), not
-    mpirun's 0: a job whose ranks were stopped from outside is not taken for a finished one."""
+    mpirun's: a job whose ranks were stopped from outside (mpirun's 0) is not taken for a finished
+    one, nor a run that finished with --respawn for a failed one (mpirun's 137 or 1 after a
+    replacement died or left without MPI_Finalize)."""
     script = tmp_path / "job.sbatch"
     logs = tmp_path / "logs"
     logs.mkdir()

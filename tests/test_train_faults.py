@@ -586,6 +586,6 @@ def test_the_default_warmup_fits_any_run(epochs, expected, monkeypatch, comm):
     covers the whole run (which would warn about an option the user did not give)."""
     seen = []
     monkeypatch.setattr(run, "run_training",
-                        lambda config, device, topology, comm_: seen.append(config.warmup_epochs) or 0)
+                        lambda config, *args, **kwargs: seen.append(config.warmup_epochs) or 0)
     assert train.main(["--epochs", epochs]) == 0 and seen == [expected]
     assert math.isfinite(seen[0])

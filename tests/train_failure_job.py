@@ -2,8 +2,10 @@
 
 Run under `mpirun --with-ft ulfm -n K python tests/train_failure_job.py DIR KILL [KILL ...] --
 TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the other: one start
-of the ranks for them all). Each KILL is `phase:step:victims`: the victims (world ranks joined by `+`) SIGKILL
-themselves at `phase` once they have applied `step` updates:
+of the ranks for them all). Each KILL is `phase:step:victims`: the victims (ids joined by `+`:
+world ranks, or a replacement's) SIGKILL themselves at `phase` once they have applied `step`
+updates (a replacement (--respawn), whose id comes after the ranks mpirun started, counts the
+updates it applied since it joined):
 
 - `step`: as the next step starts, before its forward (a parameter server's worker: after its pull);
 - `backward`: in the next step, after its first gradient bucket is launched, so buckets are in
@@ -18,9 +20,12 @@ themselves at `phase` once they have applied `step` updates:
   dies with the file half written);
 - `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last);
 - `after`: that many milliseconds after training (or a parameter server's serving) started on
-  this rank, whatever it is doing then.
+  this rank, whatever it is doing then;
+- before training (`step` 0): `parse`, as `hpcdl train` parses its command line (rank 0 parses,
+  the others wait for it); `spares`, as the spares are set aside (--spares); `waiting`, a spare
+  as it starts waiting to be called.
 
-With `--spares K` a victim dies only once the K spares are ready (each writes DIR/spare-ready-<id>
+With `--spares K` a victim in training dies only once the K spares are ready (each writes DIR/spare-ready-<id>
 when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
 Every checkpoint is kept (not only the newest three), for the tests to resume from any.
 Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
@@ -46,9 +51,9 @@ from hpcdl.runtime import recovery
 
 recovery.join()  # a replacement (--respawn) joins before importing torch, as `hpcdl train` does
 import torch
-from mpi4py import MPI
 
 from hpcdl.commands import train
+from hpcdl.commands.collective_command import Command
 from hpcdl.ddp import reducer
 from hpcdl.training import compute, pacing
 from hpcdl.training import run as train_run
@@ -60,6 +65,10 @@ from hpcdl.parameter_server.protocol import HEADER_BYTES, Tag
 from hpcdl.runtime import checkpoint, world
 
 
+#: The phases before training: a victim there does not wait for the spares to be ready.
+BEFORE_TRAINING = ("parse", "spares", "waiting")
+
+
 class Killer:
     """SIGKILLs this process at the chosen phase of the chosen step (after writing the time to
     DIR/killed-<id>, for the test to measure from)."""
@@ -67,7 +76,7 @@ class Killer:
     def __init__(self, directory: Path, kills: list[tuple[str, int, set[int]]], spares: int = 0) -> None:
         self.directory = directory
         self.spares = spares
-        me = MPI.COMM_WORLD.Get_rank() if not recovery.is_replacement() else -1
+        me = world.member()  # a replacement's id: the survivors gave it when it joined
         self.mine = {(phase, step) for phase, step, victims in kills if me in victims}
         self.pushers = {(victim, step) for phase, step, victims in kills if phase == "push" for victim in victims}
         self.steps = 0  # updates applied on this rank
@@ -75,11 +84,12 @@ class Killer:
 
     def die_if(self, phase: str) -> None:
         if (phase, self.steps) in self.mine:
-            self.die()
+            self.die(training=phase not in BEFORE_TRAINING)
 
-    def die(self) -> None:
+    def die(self, training: bool = True) -> None:
         deadline = time.monotonic() + 120
-        while len(list(self.directory.glob("spare-ready-*"))) < self.spares and time.monotonic() < deadline:
+        while (training and len(list(self.directory.glob("spare-ready-*"))) < self.spares
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         (self.directory / f"killed-{world.member()}").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
@@ -187,8 +197,23 @@ class Killer:
 
         def waiting(pool: Any) -> Any:
             (killer.directory / f"spare-ready-{world.member()}").write_text("")
+            killer.die_if("waiting")
             return wait_for_call(pool)
         train_run.wait_for_call = waiting
+
+        parse = Command.parse
+
+        def parsing(self: Any, *args: Any) -> Any:
+            killer.die_if("parse")
+            return parse(self, *args)
+        Command.parse = parsing  # type: ignore[method-assign]
+
+        set_aside = train_run.set_aside
+
+        def setting_aside(*args: Any) -> Any:
+            killer.die_if("spares")
+            return set_aside(*args)
+        train_run.set_aside = setting_aside
 
 
 def keep_final_state(directory: Path) -> None:

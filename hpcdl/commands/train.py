@@ -18,7 +18,7 @@ from ..runtime.agreement import ARGUMENT_ERROR
 from ..training.config import (CHECKPOINT_FAILURE_POLICIES, DEFAULT_MICRO_BATCH, DEVICES, KEEP_CHECKPOINTS, LAYER_TIMES,
                                MODELS, PROG, PROGRESS, SHARDS, TrainConfig)
 from ..training.model_sizes import SIZED_MODELS
-from ..training.recovery import POLICIES, RANK_LOST
+from ..training.rank_loss import POLICIES, RANK_LOST, StartUp
 from ..training.run import train
 from ..training.signals import CHECKPOINTED_ON_SIGNAL
 from ..training.strategies import STRATEGIES
@@ -274,7 +274,8 @@ def main(argv: list[str]) -> int:
     # torch: they wait in the merge, then asleep while it builds (`gather_quietly`).
     ulfm.join()
     try:
-        config = command.parse(parse_config, argv)
+        with StartUp("parsing the command line"):  # a rank lost here: one line, exit status 5
+            config = command.parse(parse_config, argv)
     except CommandError as exc:
         return command.fail(exc)
     return train(config)

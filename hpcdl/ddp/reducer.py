@@ -44,6 +44,7 @@ import collectives
 from collectives import Handle
 
 from ..runtime import stall
+from ..runtime.agreement import raise_unless_agreed
 from .buckets import Bucket, assign_buckets
 from .exchange import ExchangeLink, GradientExchange
 from ..tensors.arrays import same_memory_order
@@ -360,15 +361,19 @@ class Reducer:
                               "inside a step leaves its peers waiting here.")
 
     def rebind(self, comm: MPI.Comm) -> None:
-        """Collective over `comm`: exchange over its ranks from now on. The step under way (one a
-        process failure interrupted) is dropped once its collectives have ended, so that none
-        writes into a bucket later; every rank takes rank 0's bucket layout (a replacement process
-        has none yet, and survivors may differ on whether the first step rebuilt theirs)."""
+        """Collective over `comm`: exchange over its ranks from now on (`hpcdl.elastic.Rebindable`).
+        The step under way (one a process failure interrupted) is dropped once its collectives
+        have ended, so that none writes into a bucket later; the exchange is set up for the new
+        size (its per-size state) and checked to be the same on every rank; every rank takes rank
+        0's bucket layout (a replacement process has none yet, and survivors may differ on
+        whether the first step rebuilt theirs)."""
         for bucket in self.buckets:
             for handle in bucket.handles:
                 handle.settled()  # ended, with a result or an error
         self.reset_step()
         self.comm = comm
+        raise_unless_agreed("the gradient exchange", self.exchange.setup(self.named, comm),
+                            {"compression": repr(self.exchange)}, comm)
         self.moves_nothing = self.exchange.moves_nothing(comm.Get_size())
         order = np.array([self.index[id(p)] for bucket in self.buckets for p in bucket.params],
                          dtype=np.int64)

@@ -323,15 +323,19 @@ class DistributedDataParallel(torch.nn.Module):
         replaced (`hpcdl.elastic`, `hpcdl train --on-rank-failure continue`; docs/failures.md).
 
         The step a process failure interrupted is dropped (its gradients are not averaged; redo
-        it), every rank takes rank 0's bucket layout, and the exchange scheme is set up for the
-        new size and checked to be the same on every rank. Parameters, buffers and the scheme's
-        state (error feedback) are not touched: bring them in line first (data-parallel replicas
-        are identical, so any survivor's parameters are everyone's).
+        it); the reducer rebinds itself (every rank takes rank 0's bucket layout, and the exchange
+        scheme is set up for the new size and checked to be the same on every rank), the
+        timeline follows. Parameters, buffers and the scheme's state (error feedback) are not
+        touched: bring them in line first (data-parallel replicas are identical, so any
+        survivor's parameters are everyone's). A sharded wrapper cannot: each rank held its
+        piece of the optimizer state (RuntimeError).
         """
+        if self._sharding is not None:
+            raise RuntimeError(f"DistributedDataParallel(shard={self.shard!r}) cannot go on with other ranks: "
+                               "each rank held its piece of the optimizer state, which a lost rank took "
+                               "with it; resume from a checkpoint instead")
         self._reducer.rebind(comm)
         self.comm = comm
-        raise_unless_agreed("DistributedDataParallel", self.compression.setup(self._named, comm),
-                            {"compression": repr(self.compression)}, comm)
         if self.timeline is not None:
             self.timeline.rebind(comm)
         self._pass = _Pass()

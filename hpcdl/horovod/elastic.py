@@ -1,5 +1,5 @@
 """`hvd.elastic` (`horovod.torch.elastic`): Horovod's elastic training API on hpcdl's recovery
-(`hpcdl.elastic`, hpcdl/ddp/elastic.py), for jobs launched with `mpirun --with-ft ulfm`.
+(`hpcdl.elastic`, hpcdl/elastic/), for jobs launched with `mpirun --with-ft ulfm`.
 
     state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
     state.register_reset_callbacks([on_reset])
@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from mpi4py import MPI
 
-from ..ddp import elastic as _elastic
+from .. import elastic as _elastic
 from .basics import init, rank, size
 from .errors import HorovodInternalError
 
@@ -64,13 +64,17 @@ class State(_elastic.State):
         init(comm=comm)  # hvd.size(), hvd.rank() and the collectives follow
         super().rebind(comm)
 
-    def sync(self, root: int = 0) -> None:
-        """Rank `root`'s state everywhere; an `ElasticSampler`'s processed samples are first
-        united over the ranks (each recorded its own), as Horovod's sampler handler does."""
-        for value in self._values().values():
+    def _shared_values(self, values: dict[str, Any]) -> dict[str, Any]:
+        """What a sync gives every rank: an `ElasticSampler`'s processed samples united over the
+        ranks first (each recorded its own), as Horovod's sampler handler does."""
+        values = dict(values)
+        for name, value in self._values().items():
             if isinstance(value, ElasticSampler):
-                value.processed_indices = set().union(*self.comm.allgather(value.processed_indices))
-        super().sync(root)
+                mine = values.get(name, {}).get("processed_indices", [])
+                united = set().union(*self.comm.allgather(set(mine)))
+                if name in values:
+                    values[name] = {**values[name], "processed_indices": sorted(united)}
+        return values
 
     def check_host_updates(self) -> None:
         """Horovod checks for added or removed hosts here; no host is ever added to an MPI job,

@@ -230,9 +230,9 @@ class _Synchronizing:
 
     def rebind(self, comm: MPI.Comm) -> None:
         """Collective over `comm`: reduce over its ranks from now on (`hvd.elastic` after ranks
-        were lost or replaced); the reduction a failure interrupted is dropped."""
+        were lost or replaced); the reduction a failure interrupted is dropped (the reducer
+        rebinds itself and its exchange)."""
         self._hvd_reducer.rebind(comm)
-        self._hvd_reducer.exchange.setup(self._hvd_named, comm)
         self._hvd_comm = comm
         self._hvd_delay = [self.backward_passes_per_step] * len(self._hvd_named)
         self._hvd_touched = self._hvd_marked = self._hvd_synchronized = False

@@ -11,7 +11,7 @@
     atomic_file.py  writes a reader never sees half of
     checkpoint.py   checkpoints with checksums, written atomically, and resume
     world.py        the job's communicator now: MPI.COMM_WORLD until ranks are lost or replaced
-    recovery.py     going on after lost ranks (ULFM): agree, shrink, respawn, join, share state
+    recovery.py     ULFM for the recovery engine (hpcdl/elastic/): agree, shrink, respawn, join, leave
     spares.py       spare ranks set aside at the start, called to a lost rank's place
     lazy.py         packages that offer their names on first use (hpcdl.ddp, hpcdl.training)
 

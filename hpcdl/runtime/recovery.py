@@ -1,9 +1,10 @@
-"""Going on after ranks die: the survivors' side of ULFM, for the training layers to build on.
+"""Going on after ranks die: the survivors' side of ULFM, the primitives that the recovery engine
+(`hpcdl.elastic.membership`) is built of.
 
 Under `mpirun --with-ft ulfm` a dead rank makes every survivor's collective raise
 `collectives.ProcessFailure` (docs/failures.md); mpi4py's own calls on a communicator with a dead
 rank raise an MPI error of the same classes. What comes next is the same for every user of it
-(`hpcdl train`, `hpcdl.elastic`, `hpcdl.horovod.elastic`):
+(`hpcdl train`, `hpcdl.elastic`, `hpcdl.horovod.elastic`, all through the engine):
 
 1. `settled(comm, ok)`: every survivor learns that something failed. A rank whose calls all
    completed (one at the end of its work, say) would otherwise never hear of it, and the others
@@ -62,9 +63,10 @@ class RankLoss:
 
     `ranks`: the lost ranks in the communicator before the loss; `members`: their stable ids
     (`hpcdl.runtime.world.member`); `size_before`, `size_after`: the ranks before and after
-    (after any replacements joined); `replaced`: how many replacements were started;
-    `detected`: when this rank learned of it (time.time()); `seconds`: how long the agreement,
-    shrink and respawn took here.
+    (after any replacements joined); `replaced`: how many ranks took the lost ones' places
+    (`spares_called` of them spares, the rest replacements started); `spares_lost`: the ids of
+    waiting spares found dead when called; `detected`: when this rank learned of it
+    (time.time()); `seconds`: how long the agreement, shrink and respawn took here.
     """
 
     ranks: tuple[int, ...]
@@ -74,12 +76,21 @@ class RankLoss:
     replaced: int
     detected: float
     seconds: float
+    spares_called: int = 0
+    spares_lost: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """'rank 2 of 4' or 'ranks 0, 3 of 4' (ids where they differ from the ranks; a rank of
-        -1 is a replacement lost before it joined)."""
+        -1 is a replacement lost before it joined), and 'and spare 4' for spares found dead."""
         who = ", ".join(str(r) if r == m else f"{r} (id {m})" for r, m in zip(self.ranks, self.members))
-        return f"rank{'s' if len(self.ranks) > 1 else ''} {who} of {self.size_before}"
+        spares = (f" and spare{'s' if len(self.spares_lost) > 1 else ''} {', '.join(map(str, self.spares_lost))}"
+                  if self.spares_lost else "")
+        return f"rank{'s' if len(self.ranks) > 1 else ''} {who} of {self.size_before}{spares}"
+
+    @property
+    def lost_ids(self) -> tuple[int, ...]:
+        """Every id lost: the ranks', then the spares'."""
+        return self.members + self.spares_lost
 
 
 def settled(comm: MPI.Comm, ok: bool) -> bool:
@@ -237,13 +248,43 @@ def join() -> tuple[MPI.Comm, Any] | None:
     return _joined
 
 
+#: The tag of `gather_quietly`'s messages on the caller's communicator (the collectives talk on
+#: a private duplicate of it; MPI guarantees tags up to 32767).
+QUIET_TAG = 32767
+_NOTHING = np.empty(0, dtype=np.uint8)  # what its messages carry: alive for as long as the module
+
+
 def gather_quietly(comm: MPI.Comm, poll_s: float = 0.002) -> None:
     """Collective over `comm`: return once every rank has called it, sleeping between polls (a
-    non-blocking barrier). Ranks that wait for a replacement to start (seconds: Python, torch)
-    leave it the cores, where a blocking wait would spin on them."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(poll_s)
+    barrier: every rank tells rank 0, rank 0 answers each). Ranks that wait for a replacement to
+    start (seconds: Python, torch) leave it the cores, where a blocking wait would spin on them.
+
+    Point to point, not MPI_Ibarrier: Open MPI's non-blocking collectives (libnbc) print
+    "NBC_Progress: an error 77 was found during schedule ..." to stderr when their communicator is
+    revoked, which is how spares waiting here are called. A lost rank, or `comm` revoked, raises
+    its MPI error on every rank waiting (after revoking `comm` and completing every message).
+    """
+    if comm.Get_rank() == 0:
+        requests = [comm.Irecv([_NOTHING, MPI.BYTE], r, QUIET_TAG) for r in range(1, comm.Get_size())]
+        _wait_quietly(comm, requests, poll_s)
+        requests = [comm.Isend([_NOTHING, MPI.BYTE], r, QUIET_TAG) for r in range(1, comm.Get_size())]
+    else:
+        requests = [comm.Isend([_NOTHING, MPI.BYTE], 0, QUIET_TAG), comm.Irecv([_NOTHING, MPI.BYTE], 0, QUIET_TAG)]
+    _wait_quietly(comm, requests, poll_s)
+
+
+def _wait_quietly(comm: MPI.Comm, requests: list[MPI.Request], poll_s: float) -> None:
+    """Poll `requests` with sleeps until they complete. On an error: revoke `comm` (which
+    completes the others, with errors), wait for all of them, raise the first error."""
+    try:
+        while not MPI.Request.Testall(requests):
+            time.sleep(poll_s)
+    except MPI.Exception:
+        revoke(comm)
+        for request in requests:
+            with contextlib.suppress(MPI.Exception):
+                request.Wait()
+        raise
 
 
 def is_replacement() -> bool:

@@ -10,19 +10,21 @@ ranks, then the spares) without spinning. On a loss:
 1. the survivors shrink their own communicator (`recovery.shrink_world`), then `Spares.call`:
    they revoke the pool, which wakes the waiting spares (a spare that learns of the loss first
    revokes it itself), and survivors and spares shrink it together;
-2. the survivors' lowest rank says which spares are called (one per lost rank, as many as there
-   are); the pool splits into the new training communicator (the survivors, then the called
+2. the survivors' lowest rank says which spares are called (one per lost rank, as many as are
+   left: a waiting spare missing from the shrunk pool died, and is reported as lost, not
+   called); the pool splits into the new training communicator (the survivors, then the called
    spares) and the rest, who go back to waiting on the shrunk pool;
 3. the caller brings the called spares in as it brings in replacements (their state by
    broadcast).
 
 At the job's end the training ranks `release` the spares still waiting: a barrier on the pool
-that the spares' wait completes with, and they leave without training. The spares are ranks of
-the job, not spawned processes: no MPI_Comm_spawn, nothing to disconnect at the end, and the
-launcher places them like any rank (a host list can keep them on spare nodes). Torch-free.
+that the spares' wait completes with, and they leave without training (a spare that died
+meanwhile is found there and reported). The spares are ranks of the job, not spawned processes:
+no MPI_Comm_spawn, nothing to disconnect at the end, and the launcher places them like any rank
+(a host list can keep them on spare nodes). Torch-free.
 
-Limits: a spare that dies is not noticed until it is called (the call then fails as a further
-loss does); a further loss during a call is not survived by the spares still waiting.
+Limits: a spare that dies is noticed when spares are next called, or at the release; a further
+loss during a call is not survived by the spares still waiting.
 """
 from __future__ import annotations
 
@@ -45,28 +47,56 @@ class Spares:
     pool: MPI.Comm
     waiting: list[int]
 
-    def call(self, survivors: MPI.Comm, count: int) -> tuple[MPI.Comm, list[int]]:
+    def call(self, survivors: MPI.Comm, count: int) -> tuple[MPI.Comm, list[int], list[int]]:
         """Collective over `survivors` and the waiting spares: up to `count` spares join; the new
         training communicator (the survivors in their order, then the spares called, made the
-        job's world) and the ids called. Without a waiting spare: `survivors` and []."""
-        if not self.waiting or count <= 0:
-            return survivors, []
+        job's world), the ids called, and the ids of waiting spares found dead (never called).
+        Without a waiting spare: `survivors`, [] and []."""
+        if not self.waiting:
+            return survivors, [], []
         revoke(self.pool)
         pool = self.pool.Shrink()
-        called = self.waiting[:count]
-        pool.bcast((called, self.waiting) if pool.Get_rank() == 0 else None, root=0)
+        alive = self._alive(pool)
+        called = alive[:count]
+        pool.bcast((called, alive) if pool.Get_rank() == 0 else None, root=0)
         training = pool.Split(0, survivors.Get_rank())
+        dead = [i for i in self.waiting if i not in alive]
         free(self.pool)
-        self.pool, self.waiting = pool, self.waiting[len(called):]
+        self.pool, self.waiting = pool, alive[len(called):]
         set_world(training)
-        return training, called
+        return training, called, dead
 
-    def release(self) -> None:
-        """Collective over the training ranks and the waiting spares, at the job's end: the spares
-        leave without training (nothing to do without a waiting spare, or a second time)."""
-        if self.waiting:
-            gather_quietly(self.pool, POLL_S)
-            self.waiting = []
+    def _alive(self, shrunk: MPI.Comm) -> list[int]:
+        """The waiting spares still in `shrunk` (the pool shrunk to its live processes), in order:
+        the pool holds the training ranks, then the waiting spares."""
+        old, new = self.pool.Get_group(), shrunk.Get_group()
+        try:
+            first = self.pool.Get_size() - len(self.waiting)
+            kept = MPI.Group.Translate_ranks(old, list(range(first, self.pool.Get_size())), new)
+        finally:
+            old.Free()
+            new.Free()
+        return [spare for spare, rank in zip(self.waiting, kept) if rank != MPI.UNDEFINED]
+
+    def release(self, training: MPI.Comm | None) -> list[int]:
+        """Collective over the training ranks (`training`; None on a spare that stopped before it
+        waited) and the waiting spares, at the job's end: the spares leave without training
+        (nothing to do without a waiting spare, or a second time). Spares found dead are dropped
+        (the others are called by none and go back to waiting, then are released); their ids
+        are returned."""
+        dead: list[int] = []
+        while self.waiting:
+            try:
+                gather_quietly(self.pool, POLL_S)
+                self.waiting = []
+            except MPI.Exception as exc:
+                if training is None or not is_process_failure(exc):
+                    raise
+                comm, _, lost = self.call(training, 0)
+                set_world(training)
+                free(comm)
+                dead += lost
+        return dead
 
 
 def set_aside(comm: MPI.Comm, count: int) -> tuple[MPI.Comm | None, Spares]:
@@ -97,7 +127,7 @@ def wait_for_call(pool: MPI.Comm) -> tuple[MPI.Comm, Spares] | None:
                 raise
         revoke(pool)  # a loss: wake any spare still waiting, should the training ranks not have yet
         shrunk = pool.Shrink()
-        called, waiting = shrunk.bcast(None, root=0)
+        called, waiting = shrunk.bcast(None, root=0)  # the spares left, the dead ones not among them
         me = member()
         survivors = shrunk.Get_size() - len(waiting)
         index = waiting.index(me)

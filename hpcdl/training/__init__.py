@@ -11,7 +11,7 @@ model over MPI with a strategy of the registry, from a typed configuration.
     trainer.py      the training loop, the same for every strategy
     compute.py      a step's forward and backward (real, or emulation.py's emulated accelerator);
                     the held-out evaluation
-    recovery.py     on_rank_failure: commits, recovery after lost ranks, the data split
+    rank_loss.py    on_rank_failure: the trainer on the recovery engine, the data split after a loss
     pacing.py       lockstep steps, or ranks at their own pace meeting at the job's progress
     strategies/     the registry of strategies and one module per family
     metrics.py      the per-epoch metrics file and gradient-traffic figures
@@ -35,7 +35,7 @@ from ..runtime.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .config import TrainConfig, config_errors
-    from .recovery import RANK_LOST
+    from .rank_loss import RANK_LOST
     from .run import train
     from .signals import CHECKPOINTED_ON_SIGNAL
     from .strategies import STRATEGIES
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 _HOMES = {"TrainConfig": ".config", "config_errors": ".config", "train": ".run", "Trainer": ".trainer",
           "STRATEGIES": ".strategies", "DIVERGED": ".trainer", "CHECKPOINT_FAILED": ".trainer",
           "CHECKPOINTED_ON_SIGNAL": ".signals",
-          "RANK_LOST": ".recovery"}
+          "RANK_LOST": ".rank_loss"}
 
 __all__ = ["CHECKPOINTED_ON_SIGNAL", "CHECKPOINT_FAILED", "DIVERGED", "RANK_LOST", "STRATEGIES",
            "TrainConfig", "Trainer", "config_errors", "train"]

@@ -48,7 +48,7 @@ class RealCompute:
         if self.straggler is not None:
             self.straggler.start()
         loss = F.cross_entropy(strategy.forward(self.x[indices]), self.y[indices])
-        weight = getattr(indices, "weight", 1.0)  # ranks with uneven shares after a loss (recovery.py)
+        weight = getattr(indices, "weight", 1.0)  # ranks with uneven shares after a loss (rank_loss.py)
         strategy.zero_grad()
         (loss * weight if weight != 1.0 else loss).backward()
         if self.straggler is not None:

@@ -30,7 +30,7 @@ from ..runtime.atomic_file import unwritable_directory, unwritable_file
 from . import strategies
 from .metrics import METRICS_FORMATS
 from .model_sizes import SIZED_MODELS
-from .recovery import POLICIES
+from .rank_loss import POLICIES
 from .strategies.base import DEFAULT_WARMUP_EPOCHS
 from .strategies.servers import SERVER_OPTIMIZERS
 

@@ -10,7 +10,7 @@ pacing (`Strategy.pacing`), the trainer asks it where steps and epochs end.
   learnt from each pull (`Strategy.begin_step(until)`), so a fast rank takes more of the epoch's
   steps than a straggler instead of waiting for it. `step` counts mean steps per training rank
   (the count at the last meeting); signals are agreed on at meetings. The targets count the
-  ranks the job started with: after a lost rank the others push its share (recovery.py).
+  ranks the job started with: after a lost rank the others push its share (rank_loss.py).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Lockstep(Pacing):
     """Every training rank takes the same steps; signals are agreed on after each."""
 
     def batches(self) -> Iterator[list[int]]:
-        # The epoch's global batches split over the ranks training now (recovery.py).
+        # The epoch's global batches split over the ranks training now (rank_loss.py).
         return self.trainer.recovery.batches()
 
     def before_step(self, epoch_end: int, sums: Callable[[], Sums]) -> int:
@@ -134,7 +134,7 @@ class Meetings(Pacing):
             t.step = meeting
             checkpoint = bool(meeting != epoch_end and t.config.checkpoint_every
                               and t.step % t.config.checkpoint_every == 0)
-            # A rank lost from here on goes back no further (recovery.py); a checkpoint due here
+            # A rank lost from here on goes back no further (rank_loss.py); a checkpoint due here
             # that not every rank finished is written again.
             t.recovery.commit(sums(), checkpoint_due=checkpoint)
             if meeting == epoch_end:

@@ -22,7 +22,7 @@ from ..runtime.spares import Spares, set_aside, wait_for_call
 from . import strategies
 from .config import KEEP_CHECKPOINTS, PROG, TrainConfig, config_errors
 from .pacing import Meetings
-from .recovery import end_job
+from .rank_loss import StartUp, end_job
 from .signals import Interruption
 from .status_file import clear_status, write_status
 
@@ -44,16 +44,22 @@ def train(config: TrainConfig) -> int:
     unless the script imported it already: they wait in the merge, then asleep while it builds
     (`gather_quietly`). `hpcdl train` joins earlier still, before it parses its command line.
 
+    A rank lost before training starts (or as the run ends) ends the job with one line naming
+    it and the phase, exit status RANK_LOST (`StartUp`).
+
     Ctrl-C, and mpirun ending the job, stop the run at once with one line saying so
     (signals.Interruption, for the length of the call).
     """
     with Interruption(config.checkpoint_dir):
-        return _train(config)
+        topology, comm = init(), MPI.COMM_WORLD
+        joined = ulfm.join()
+        with StartUp("checking the configuration", config.status_file) as start:
+            return _train(config, topology, comm, joined, start)
 
 
-def _train(config: TrainConfig) -> int:
-    topology, comm = init(), MPI.COMM_WORLD
-    joined = ulfm.join()
+def _train(config: TrainConfig, topology: runtime.Topology, comm: MPI.Comm,
+           joined: tuple[MPI.Comm, Any] | None, start: StartUp) -> int:
+    """`train` from its checks on, `start` saying where it stands."""
     rank = comm.Get_rank()
     available = host_available_bytes()  # every rank: collective over each host
     errors = agreed_errors(config_errors(config, topology.local_size, topology.size, available), comm)
@@ -73,31 +79,33 @@ def _train(config: TrainConfig) -> int:
     if config.synthetic:
         from .synthetic import run_synthetic_benchmark
 
+        start.phase = "running the synthetic benchmark"
         status = run_synthetic_benchmark(config, device, topology, comm)
         if rank == 0:
             write_status(config.status_file, status)
         return status
-    if joined is not None:  # built alone, then in the survivors' place (recovery.py)
+    if joined is not None:  # built alone, then in the survivors' place (rank_loss.py)
         torch.set_num_threads(joined[1]["torch_threads"])
-        return run_training(config, device, topology, MPI.COMM_SELF, joined)
+        return run_training(config, device, topology, MPI.COMM_SELF, joined, start=start)
     if not config.spares:
-        return run_training(config, device, topology, comm)
+        return run_training(config, device, topology, comm, start=start)
     # --spares: the last ranks wait, built, to take a lost rank's place (runtime/spares.py)
     plan = strategies.plan(config, comm.Get_size() - config.spares)
     refusal = plan.strategy.rank_loss_refusal(plan)
     if refusal is not None:  # the same verdict on every rank
         return _fail([f"--spares: {refusal}"], rank)
+    start.phase = "setting the spares aside"
     training, spares = set_aside(comm, config.spares)
     if training is None:  # a spare
         status = run_training(config, device, topology, MPI.COMM_SELF, (spares.pool, {
-            "spare": True, "plan_ranks": plan.ranks, "torch_threads": torch.get_num_threads()}), spares)
+            "spare": True, "plan_ranks": plan.ranks, "torch_threads": torch.get_num_threads()}), spares, start)
         # Here only if it stopped before waiting (a failed check): it still answers the release.
-        spares.release()
+        spares.release(None)
         return status
     try:
-        return run_training(config, device, topology, training, spares=spares)
+        return run_training(config, device, topology, training, spares=spares, start=start)
     finally:
-        spares.release()  # an early return (a failed check) too: the spares leave with the job
+        spares.release(training)  # an early return (a failed check) too: the spares leave with the job
 
 
 def torch_device(device: str, local_rank: int, comm: MPI.Comm) -> Any:
@@ -128,17 +136,19 @@ _TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentu
 
 
 def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, comm: MPI.Comm,
-                 joined: tuple[MPI.Comm, dict[str, Any]] | None = None, spares: Spares | None = None) -> int:
+                 joined: tuple[MPI.Comm, dict[str, Any]] | None = None, spares: Spares | None = None,
+                 start: StartUp | None = None) -> int:
     """Train on digits on torch `device` as the checked and resolved `config` says (`train`);
     print per-epoch metrics on rank 0. Sets everything up (every rank), then serving ranks serve
     and training ranks run the `Trainer`; all return the same exit status.
 
     `joined`: in a replacement of a lost rank (--respawn), the communicator it shares with the
     survivors and what they told it; it builds everything alone (`comm` is MPI.COMM_SELF) for the
-    job's first size, then takes the state of the survivors (recovery.py). A spare (--spares) does
+    job's first size, then takes the state of the survivors (rank_loss.py). A spare (--spares) does
     the same, then waits to be called (`joined[1]["spare"]`); `spares`: the spares waiting (on a
     spare: its own view of them, emptied once it has waited). A process that lived
-    through a lost rank ends without MPI_Finalize (`runtime.recovery.exit_after_loss`)."""
+    through a lost rank ends without MPI_Finalize (`runtime.recovery.exit_after_loss`). `start`:
+    where the run stands, for a rank lost outside the training loop (`StartUp`)."""
     import torch
     from torch.utils.data import TensorDataset
 
@@ -149,6 +159,8 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     from .schedule import Schedule, scaled_learning_rate, warmup_start_factor
     from .trainer import Trainer
 
+    start = start if start is not None else StartUp(None)
+    start.phase, start.checkpoint_dir = "building the data, the model and the strategy", config.checkpoint_dir
     rank, size = comm.Get_rank(), comm.Get_size()
     plan_ranks = size if joined is None else joined[1]["plan_ranks"]
     plan = strategies.plan(config, plan_ranks)
@@ -187,7 +199,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
                           "(--checkpoint-dir keeps the newest few)"], rank)
         if made_with.get("ranks") != size and refusal is None:
             # A data-parallel run goes on with the data order and global batch of the ranks it
-            # started with, split over however many ranks it is resumed on (recovery.py); a
+            # started with, split over however many ranks it is resumed on (rank_loss.py); a
             # parameter server's with the shards of the workers it started with.
             plan_ranks = made_with["ranks"]
             plan = strategies.plan(config, plan_ranks)
@@ -284,6 +296,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
             from .signals import StopRequest
 
             StopRequest(relay=strategy.request_stop)
+        start.phase = None  # the serving loop ends the job itself (below)
         try:
             status = strategy.agree_status(strategy.serve())
         except BaseException as exc:
@@ -301,6 +314,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
         return status
     trainer = Trainer(config, strategy, plan, schedule, (train_set, test_set, sampler, steps_per_epoch), job,
                       checkpoint, replacement=joined is not None)
+    start.phase = None  # from here on the trainer's recovery deals with lost ranks
     if Interruption.active is not None:  # what a line on Ctrl-C says
         Interruption.active.where = lambda: f"at step {trainer.step} (epoch {trainer.epoch + 1})"
     if joined is not None and joined[1].get("spare"):  # built: wait for a lost rank's place
@@ -318,7 +332,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     elif spares is not None:
         trainer.recovery.attach_spares(spares)
     if joined is not None:
-        trainer.recovery.join(joined[0])
+        trainer.recovery.join(*joined)
     try:
         status = trainer.run()
     finally:
@@ -332,11 +346,14 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
                 raise
             end_job(exc, "as this worker finished", strategy.lost_state() or "a lost rank",
                     config.checkpoint_dir, config.status_file)
+    start.phase, start.reason = "the run ended", "its training was done"
     status = strategy.agree_status(status)
     if trainer.rank == 0:  # of the ranks left
         write_status(config.status_file, status)
-    if trainer.recovery.spares is not None:
-        trainer.recovery.spares.release()
+        note = trainer.recovery.status_note(status, config.status_file)
+        if note is not None:
+            print(note, file=sys.stderr, flush=True)
+    trainer.recovery.release_spares()
     if trainer.recovery.lived_through_a_loss():
         ulfm.exit_after_loss(status)
     return status

@@ -20,7 +20,7 @@ from .compute import describe as describe_compute
 from .metrics import EpochTraffic, MetricsLog, gradient_report, staleness_columns
 from .config import KEEP_CHECKPOINTS, PROG
 from .pacing import EPOCH_DONE, TAKE_STEP
-from .recovery import Recovery
+from .rank_loss import Recovery
 from .resuming import newest_step, resume_advice
 from .signals import CHECKPOINTED_ON_SIGNAL, StopRequest
 from .waiting import reduce_over_ranks
@@ -118,6 +118,7 @@ class Trainer:
         config, plan, schedule = self.config, self.plan, self.schedule
         self.say(f"training {config.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
                  f"held out) on {self.recovery.ranks_now()} rank(s)"
+                 + (f" + {config.spares} spare(s)" if config.spares else "")
                  + ((f" (the data of the run's {plan.trainers} workers)" if plan.servers else
                      f" (the data split and global batch of {plan.ranks})") if self.recovery.regrouped else "")
                  + f" with {plan.name} ({plan.describe()}): batch "
@@ -144,7 +145,7 @@ class Trainer:
         return status
 
     def train_and_recover(self) -> tuple[int, str | None]:
-        """`train`, and after ranks are lost (recovery.py) train on, until every rank finished."""
+        """`train`, and after ranks are lost (rank_loss.py) train on, until every rank finished."""
         while True:
             try:
                 status, closing = self.train()
@@ -355,7 +356,7 @@ class Trainer:
         return True
 
     def rebind(self, comm: MPI.Comm) -> None:
-        """Collective over `comm`: train with its ranks from now on (recovery.py)."""
+        """Collective over `comm`: train with its ranks from now on (rank_loss.py)."""
         self.strategy.rebind(comm)
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()

@@ -272,7 +272,7 @@ class Strategy:
         """How many of the trainer's commits (one per step) the training ranks may be apart when a
         loss is caught: 1 where every step makes a collective call (no rank completes one before
         every rank finished the one before); more where steps between collectives are local. The
-        recovery keeps each rank's own state that far back (recovery.py)."""
+        recovery keeps each rank's own state that far back (rank_loss.py)."""
         return 1
 
     def rebind(self, comm: MPI.Comm) -> None:

@@ -5,7 +5,7 @@ Between averagings the ranks' parameters and momentum buffers differ, so each ra
 its own, and evaluation averages a copy of the parameters (the training model is left alone, so
 that evaluating does not change the run).
 
-A lost rank (--on-rank-failure continue, recovery.py) is dropped: its progress since the last
+A lost rank (--on-rank-failure continue, rank_loss.py) is dropped: its progress since the last
 averaging goes with it, every survivor goes back to its own state before the interrupted step
 (up to a period back: the steps between averagings make no collective call, so ranks may be that
 far apart) and the next averaging is over the survivors. A replacement (--respawn) starts from a

@@ -7,7 +7,7 @@ naming its consistency model.
 Lost ranks (--on-rank-failure continue, under ULFM; docs/failures.md#training). Under
 `drops_lost_workers` (every strategy here) a lost WORKER is dropped and the others
 go on: each server counts it out (Server's `lost`) and the workers' own communicator is
-shrunk (recovery.py) at their next collective. Those paced by `Meetings` keep each epoch's
+shrunk (rank_loss.py) at their next collective. Those paced by `Meetings` keep each epoch's
 planned size, steps per epoch x the workers the job started with, pushed by the workers left
 (the rest of the lost worker's shard is not trained any more); sync-ps (`Lockstep`) splits each
 later global batch over the workers left, as allreduce does; sync-backup's updates keep N pushes

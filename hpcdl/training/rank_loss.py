@@ -1,5 +1,6 @@
 """What `hpcdl train` does when ranks die in a job launched with `mpirun --with-ft ulfm`
-(`--on-rank-failure`, docs/failures.md#training).
+(`--on-rank-failure`, docs/failures.md#training): the trainer as a participant of the recovery
+engine (`hpcdl.elastic.membership`), and what only training has on top of it.
 
 `continue` (the default): the survivors redo the step the failure interrupted, from the state
 before it, on the ranks left, and train on. It works because the ranks of a data-parallel job hold
@@ -12,21 +13,22 @@ loss; strategies/servers.py.)
 - Commits. The trainer calls `commit()` where its state is settled: at the start, right after
   each step's update (before any other collective of that step), or where ranks that run at
   their own pace meet (a parameter server's workers, pacing.py `Meetings`), and after each
-  epoch's end (its summary, metrics row and checkpoint). Each rank counts its commits (its position) and keeps
-  what only it holds at its last ones (`LocalState`: counters, the epoch's running sums, its random
-  numbers, its buffers, the strategy's own state: the exchange's error feedback; local SGD's
-  parameters and optimizer state). Every step of allreduce and every epoch end makes a collective
-  call, and no rank completes one before every rank has finished the one before, so the
-  survivors' positions differ by at most one; local SGD's steps between averagings make none, so
-  its ranks may be up to a period apart (`Strategy.commits_apart`: how many commits are kept).
-- Recovery (`recover`). Every survivor learns of the failure (`runtime.recovery.settled`), the
-  survivors shrink the communicator, optionally call in spare ranks waiting for it (--spares,
-  `runtime.spares`) and start replacements for the rest (--respawn), rebind the
-  strategy (DDP's reducer and buckets, for the new size) and agree on their least position: a
-  survivor there broadcasts the model, optimizer and schedule to the ranks that went one update
-  further (or hold nothing yet), and every rank restores its own `LocalState` of that position.
-  A --checkpoint-every checkpoint due there that did not complete everywhere is written again. A
-  further loss meanwhile starts the recovery over on the ranks left.
+  epoch's end (its summary, metrics row and checkpoint). The engine numbers them (each rank's
+  position) and keeps what only this rank holds at its last ones (`LocalState`: counters, the
+  epoch's running sums, its random numbers, its buffers, the strategy's own state: the
+  exchange's error feedback; local SGD's parameters and optimizer state). Every step of
+  allreduce and every epoch end makes a collective call, and no rank completes one before every
+  rank has finished the one before, so the survivors' positions differ by at most one; local
+  SGD's steps between averagings make none, so its ranks may be up to a period apart
+  (`Strategy.commits_apart`: how many commits are kept).
+- Recovery (`recover`): the engine's. The survivors agree on the loss, shrink, call spares
+  (--spares, `runtime.spares`), start replacements for the rest (--respawn), rebind the trainer
+  (which rebinds its strategy, which rebinds DDP, ...: `hpcdl.elastic.Rebindable`) and agree on
+  their least position: a survivor there broadcasts the model, optimizer and schedule
+  (`Strategy.replicated_state`) to the ranks that went one update further (or hold nothing yet),
+  and every rank restores its own `LocalState` of that position. On top: a --checkpoint-every
+  checkpoint due there that did not complete everywhere is written again; --on-rank-failure
+  abort, refusals, lost state and quorum end the job (`end_job`).
 - Data (`batches`). The epoch goes on as the same global batches (the sampler's order for the
   ranks the job started with), split over the ranks training now (`data.shared_batches`), so
   every sample is still seen once per epoch; with --keep-rank-batch the global batch becomes the
@@ -38,6 +40,8 @@ loss; strategies/servers.py.)
   metrics file (keeping its rows of the epochs finished at the position gone back to).
 - The end. A run agrees that every rank finished (`settled`), or recovers and goes on; a process
   that lived through a loss leaves without MPI_Finalize (`runtime.recovery.exit_after_loss`).
+- Start-up (`StartUp`): a rank lost before training starts (parsing, checks, spares set aside,
+  building) ends the job with one line naming it and the phase (exit status RANK_LOST).
 
 `abort`, and strategies that cannot go on (`Strategy.rank_loss_refusal`), or not without what the
 lost ranks alone held (`Strategy.lost_state`: a parameter server's shard): the job ends with exit
@@ -45,7 +49,6 @@ status RANK_LOST and a message naming the lost rank and how to resume.
 """
 from __future__ import annotations
 
-import io
 import math
 import sys
 import time
@@ -57,6 +60,7 @@ from mpi4py import MPI
 
 import collectives
 
+from ..elastic.membership import Membership, cloned
 from ..runtime import recovery as ulfm
 from ..runtime import world
 from ..runtime.spares import Spares
@@ -68,14 +72,11 @@ if TYPE_CHECKING:
 
     from .trainer import Sums, Trainer
 
-#: Exit status when the job ends because ranks were lost (--on-rank-failure abort, or a strategy
-#: that cannot go on); the newest checkpoint resumes it.
+#: Exit status when the job ends because ranks were lost (--on-rank-failure abort, a strategy
+#: that cannot go on, a rank lost during start-up); the newest checkpoint resumes it.
 RANK_LOST = 5
 #: What `--on-rank-failure` takes; the first is the default.
 POLICIES = ("continue", "abort")
-#: A replacement's position in the agreement: it holds no state yet.
-_EMPTY = np.iinfo(np.int64).max
-
 
 @dataclass(frozen=True)
 class DataCursor:
@@ -126,17 +127,20 @@ class LossReport:
 
 
 class Recovery:
-    """`--on-rank-failure` for one trainer: its commits, recovery, data split and reports.
+    """`--on-rank-failure` for one trainer: its commits, the engine's participant (rebind,
+    states shared and restored), the data split and the reports.
 
     `plan_ranks`: the ranks the data order and the global batch are for (the job's first size).
     A replacement (--respawn) runs this process's own command line.
     """
 
+    #: Only the ranks ahead of the holder, and replacements, take its state (membership.py).
+    shares_always = False
+
     def __init__(self, trainer: Trainer, plan_ranks: int) -> None:
         config = trainer.config
         self.trainer = trainer
         self.policy: str = config.on_rank_failure
-        self.respawn: bool = config.respawn
         self.keep_rank_batch: bool = config.keep_rank_batch
         self.plan_ranks = plan_ranks
         self.enabled = collectives.fault_tolerant()
@@ -145,17 +149,17 @@ class Recovery:
         self.planned_steps = self.steps_in_epoch()
         #: whether the data is split over the ranks now rather than by the sampler's own shards
         self.regrouped = False
-        self.members: list[int] = []
-        self.next_member = 0
         self.lr_factor = 1.0
-        self.position = 0
-        self.snapshots: dict[int, LocalState] = {}
         self.in_step = False
-        self.spares: Spares | None = None  # --spares: started with the job, waiting
-        self.called_spares: set[int] = set()  # the ids of the spares called so far
-        self.reports: list[LossReport] = []  # every loss lived through, in order
+        self.reports: list[LossReport] = []  # every loss of the job, in order (a replacement's: adopted)
         self.unreported: list[LossReport] = []  # since the last epoch's row
-        self.empty = False  # a replacement until it has the job's state
+        #: whether a loss happened with replacement processes in the job (mpirun's status then
+        #: is not the run's: `status_note`)
+        self.replacements_met_a_loss = False
+        # Ids: the ranks mpirun started; replacements get the next ones (and learn the list).
+        keep = 1 + trainer.strategy.commits_apart if self.enabled else 0
+        self.membership = Membership(trainer.comm, self, keep=keep, respawn=config.respawn, prog="hpcdl train",
+                                     next_member=max(trainer.size, plan_ranks))
 
     @classmethod
     def for_trainer(cls, trainer: Trainer, checkpoint: dict[str, Any] | None) -> Recovery:
@@ -171,8 +175,6 @@ class Recovery:
         if saved is not None or other_size:
             self.regrouped = True  # resumed after a loss, or on another number of ranks
             self.rescale(trainer.size)
-        # Ids: the ranks mpirun started; replacements get the next ones (and learn the list).
-        self.members, self.next_member = list(range(trainer.size)), max(trainer.size, plan_ranks)
         self.commit()
         return self
 
@@ -190,16 +192,13 @@ class Recovery:
         if self.lr_factor != 1.0 and sums is not None and t.done_in_epoch >= t.steps_per_epoch:
             # The epoch's last update: the schedule's epochs end where the planned run's do.
             t.strategy.scale_learning_rate(self.lr_factor, (t.epoch + 1) * self.planned_steps)
-        if not self.enabled:
-            return
-        self.position += 1
-        self.snapshots[self.position] = self._local_state(sums, checkpoint_due)
-        self.snapshots.pop(self.position - 1 - self.trainer.strategy.commits_apart, None)
+        if self.enabled:
+            self.membership.commit(self._local_state(sums, checkpoint_due))
 
     def checkpoint_written(self) -> None:
         """The checkpoint due at the last commit is written (every rank has returned from it)."""
         if self.enabled:
-            self.snapshots[self.position] = replace(self.snapshots[self.position], checkpoint_due=False)
+            self.membership.amend_latest(replace(self.membership.latest, checkpoint_due=False))
 
     def epoch_done(self) -> None:
         """The epoch's end is reported and checkpointed: the next epoch starts its global batches
@@ -239,7 +238,7 @@ class Recovery:
         cursor = self.cursor if batches_done else DataCursor(self.cursor.global_batch)  # an epoch's end
         return {"elastic": {"cursor": [cursor.global_batch, cursor.since, cursor.offset],
                             "lr_factor": self.lr_factor, "ranks": self.trainer.size,
-                            "members": list(self.members)}}
+                            "members": list(self.membership.members)}}
 
     def handles(self, exc: BaseException) -> bool:
         """Whether `exc` is a lost rank this recovery deals with (under ULFM)."""
@@ -248,36 +247,66 @@ class Recovery:
     def settled(self) -> bool:
         """Collective at the end of the run: True if every rank got there; False if a rank was
         lost meanwhile (then `recover(None)`, and the run goes on)."""
-        return ulfm.settled(self.trainer.comm, True)
+        return self.membership.settled(True)
 
     def lived_through_a_loss(self) -> bool:
-        """Whether this process was in a job that lost ranks (it must not call MPI_Finalize).
-        A replacement that saw no loss after it joined calls it: mpirun counts a spawned process
-        that leaves without it as failed (exit status 1)."""
-        return self.enabled and (bool(self.reports) or ulfm.knows_failed(self.trainer.comm)
-                                 or ulfm.knows_failed(MPI.COMM_WORLD))
+        """Whether this process was in a job that lost ranks since it joined (it must not call
+        MPI_Finalize)."""
+        return self.enabled and self.membership.lived_through_a_loss()
+
+    def attach_spares(self, spares: Spares) -> None:
+        """The spares waiting (--spares) for the lost ranks' places."""
+        self.membership.attach_spares(spares)
+
+    def join(self, comm: MPI.Comm, info: dict[str, Any] | None = None) -> None:
+        """In a replacement or a spare called (its trainer built alone): take a lost rank's place
+        in the job that `comm` holds (`info`: what the survivors told a replacement). Collective
+        with the survivors' recovery."""
+        self.membership.join(comm, info)
+
+    def release_spares(self) -> None:
+        """Collective over the training ranks and the spares still waiting, at the run's end: they
+        leave; spares found dead meanwhile are reported (rank 0)."""
+        spares = self.membership.spares
+        if spares is None:
+            return
+        dead = spares.release(self.trainer.comm)
+        if dead:
+            self.trainer.say(f"hpcdl train: spare{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} "
+                             "died while waiting (not needed: the run did not lose a training rank after it)",
+                             file=sys.stderr, flush=True)
+
+    def status_note(self, status: int, status_file: str | None) -> str | None:
+        """The line saying that mpirun's exit status may not be the run's (`status`): after a loss
+        with replacement processes in the job (--respawn), mpirun counts a replacement that died,
+        or that left without MPI_Finalize after it lived through a loss, as failed. None
+        otherwise."""
+        if not self.replacements_met_a_loss:
+            return None
+        where = f" (written to {status_file})" if status_file else " (--status-file writes it)"
+        return (f"hpcdl train: the run's exit status is {status}{where}; mpirun's may differ (137 or 1): it "
+                "counts a replacement process that died, or that left without MPI_Finalize after a loss, as "
+                "failed, unless started with `--prtemca state_base_recoverable 1` (docs/failures.md)")
 
     # -- recovery --------------------------------------------------------------------------------
 
     def recover(self, exc: BaseException | None) -> None:
         """Every survivor, after catching `exc` (None: `settled()` said a rank was lost): go on
         with the ranks left from the state at the survivors' least position, or end the job
-        (--on-rank-failure abort, a strategy that cannot go on)."""
+        (--on-rank-failure abort, a strategy that cannot go on, no quorum)."""
         t = self.trainer
-        detected, started = time.time(), time.perf_counter()
+        started = time.perf_counter()
         caught = t.step + (1 if self.in_step else 0)
         if t.timeline is not None:
             t.timeline.instant("rank lost", started)
         refusal = t.strategy.rank_loss_refusal(t.plan) or t.strategy.lost_state()
         if self.policy == "abort" or refusal is not None:
             self._end_job(exc, refusal)
-        size_before, members_before = t.size, list(self.members)
-        lost, replaced = self._go_on(t.comm, settle=exc is not None)
-        seconds = time.perf_counter() - started
-        # In the numbering of the ranks before the loss (-1: a replacement lost before it joined).
-        ranks = tuple(members_before.index(m) if m in members_before else -1 for m in lost)
-        loss = ulfm.RankLoss(ranks, tuple(lost), size_before, t.size, len(replaced), detected, seconds)
-        survivors = size_before - sum(1 for r in ranks if r >= 0)
+        if self.membership.spawned:
+            self.replacements_met_a_loss = True
+        size_before = t.size
+        loss = self.membership.recover(settle=exc is not None)
+        survivors = size_before - sum(1 for r in loss.ranks if r >= 0)
         if ulfm.detector_on() and not ulfm.has_quorum(size_before, survivors):
             self._end_job(exc, f"{survivors} of {size_before} ranks are left, no majority, and Open MPI's "
                           "heartbeat detector is on (mpi_ft_detector): a network partition looks the same "
@@ -287,154 +316,47 @@ class Recovery:
         self.unreported.append(report)
         if t.timeline is not None:
             t.timeline.span(f"recovery from the loss of {loss.describe()}", started, time.perf_counter())
-        spared = sum(1 for m in replaced if m in self.called_spares)
-        joined = ([f"{spared} spare(s) called"] if spared else []) + (
-            [f"{len(replaced) - spared} replacement(s) started"] if len(replaced) > spared else [])
+        respawned = loss.replaced - loss.spares_called
+        joined = ([f"{loss.spares_called} spare(s) called"] if loss.spares_called else []) + (
+            [f"{respawned} replacement(s) started"] if respawned else [])
         t.say(f"hpcdl train: lost {loss.describe()} at step {caught} (epoch {t.epoch + 1}); going on "
-              f"with {t.size} rank(s) from step {t.step} after {seconds:.2f} s"
+              f"with {t.size} rank(s) from step {t.step} after {loss.seconds:.2f} s"
               + (f" ({', '.join(joined)})" if joined else "") + (f"; {report.change}" if report.change else ""),
               file=sys.stderr, flush=True)
 
-    def join(self, comm: MPI.Comm) -> None:
-        """In a replacement (its trainer built alone): take a lost rank's place in the job that
-        `comm` merged it into. Collective with the survivors' recovery."""
-        self.empty = True
-        self._go_on(comm, settle=False, joined=True)
+    # -- the engine's calls (hpcdl.elastic.membership.Participant) -------------------------------
 
-    def _go_on(self, comm: MPI.Comm, settle: bool, joined: bool = False) -> tuple[list[int], list[int]]:
-        """Shrink, respawn and rejoin until no further loss interrupts it; the ids lost and the
-        ids of the replacements started."""
-        lost: list[int] = []
-        replaced: list[int] = []
-        while True:
-            try:
-                if not joined:
-                    if settle:
-                        ulfm.settled(comm, False)
-                    before = self.members
-                    comm, dead, self.members = ulfm.shrink_world(comm, before)
-                    lost += [before[r] for r in dead]
-                    missing = len(dead)
-                    if self.spares is not None:
-                        comm, missing = self._call_spares(comm, missing, replaced)
-                    if self.respawn and missing:
-                        comm = self._respawn(comm, missing, replaced)
-                joined, settle = False, True
-                self.rejoin(comm)
-                return lost, replaced
-            except BaseException as again:  # noqa: BLE001 - a further loss: start over
-                if not ulfm.is_process_failure(again):
-                    raise
-                joined, settle = False, True
+    def rebind(self, comm: MPI.Comm) -> None:
+        self.trainer.rebind(comm)
 
-    def attach_spares(self, spares: Spares) -> None:
-        """The spares waiting (--spares) for the lost ranks' places; new ids come after theirs."""
-        self.spares = spares
-        self.next_member = max([self.next_member, *(i + 1 for i in spares.waiting)])
-
-    def _call_spares(self, survivors: MPI.Comm, count: int, replaced: list[int]) -> tuple[MPI.Comm, int]:
-        """Up to `count` waiting spares join the survivors; the communicator with them, and how
-        many lost ranks are still not replaced."""
-        assert self.spares is not None
-        merged, called = self.spares.call(survivors, count)
-        if called:
-            self.called_spares.update(called)
-            self.members = self.members + called
-            replaced.extend(called)
-            ulfm.free(survivors)
-        return merged, count - len(called)
-
-    def _respawn(self, survivors: MPI.Comm, count: int, replaced: list[int]) -> MPI.Comm:
-        """`count` replacements merged in after the survivors; where spawning fails, say why and
-        go on without them (and without --respawn)."""
-        ids = list(range(self.next_member, self.next_member + count))
-        try:
-            import torch
-
-            from .data import dataset_arrays
-
-            t = self.trainer
-            info = {"plan_ranks": self.plan_ranks, "torch_threads": torch.get_num_threads(),
-                    "digits": dataset_arrays((t.train_set, t.test_set))}
-            merged = ulfm.respawn(survivors, ulfm.own_command(), ids, info)
-        except ulfm.RespawnError as exc:
-            if survivors.Get_rank() == 0:
-                print(f"hpcdl train: warning: --respawn: {exc}; going on with {survivors.Get_size()} "
-                      "rank(s)", file=sys.stderr, flush=True)
-            self.respawn = False
-            return survivors
-        self.next_member += count
-        self.members = self.members + ids
-        replaced.extend(ids)
-        ulfm.free(survivors)
-        return merged
-
-    def rejoin(self, comm: MPI.Comm) -> None:
-        """Collective over `comm` (survivors and any replacements): rebind, agree on the least
-        position, share the state from a rank there, restore this rank's own."""
-        import torch
-
-        t = self.trainer
-        ulfm.gather_quietly(comm)  # a replacement may take seconds to start: wait without spinning
-        before = t.comm
-        t.rebind(comm)
-        if before is not comm:
-            ulfm.free(before)
-        rank, size = comm.Get_rank(), comm.Get_size()
-        # One allreduce (min): the least position and the lowest rank there (position x size +
-        # rank), the greatest position (negated), and whether a replacement needs everything.
-        agreed = np.array([_EMPTY if self.empty else self.position * size + rank,
-                           _EMPTY if self.empty else -self.position, -1 if self.empty else 0], dtype=np.int64)
-        collectives.allreduce(agreed, comm, op="min", out=agreed)
-        least, holder = divmod(int(agreed[0]), size)
-        if -int(agreed[1]) > least and not t.strategy.shares_replicas:
+    def agreed(self, least: int, greatest: int) -> None:
+        if greatest > least and not self.trainer.strategy.shares_replicas:
             self._end_job(None, "the workers were lost at different meetings (one inside the "
                                 "collectives of a meeting), and the servers hold pushes of steps the "
                                 "others have not met at")
-        if -int(agreed[1]) > least or agreed[2] < 0:
-            payload = None
-            if rank == holder:
-                buffer = io.BytesIO()
-                torch.save({"replicated": t.strategy.replicated_state(), "position": least,
-                            "local": self.snapshots[least], "members": self.members,
-                            "next_member": self.next_member, "lr_factor": self.lr_factor,
-                            "reports": self.reports}, buffer)
-                payload = buffer.getvalue()
-            shared = torch.load(io.BytesIO(ulfm.broadcast_bytes(comm, holder, payload)), weights_only=False)
-            if self.empty or self.position > least:
-                t.strategy.load_replicated_state(shared["replicated"])
-            if self.empty:
-                self._adopt(shared)
-        self._restore(self.snapshots[least])
-        self.position = least
-        for later in [p for p in self.snapshots if p > least]:
-            del self.snapshots[later]
-        self.regrouped = True
-        self.rescale(size)
-        t.reopen_metrics()
-        if t.config.checkpoint_every:  # a checkpoint due here that not every rank finished
-            due = np.array([1 if self.snapshots[least].checkpoint_due else 0], dtype=np.int32)
-            collectives.allreduce(due, comm, op="max", out=due)
-            if due[0]:
-                t.checkpoint_now(t.done_in_epoch, t.epoch_sums)
-                self.checkpoint_written()
 
-    def _adopt(self, shared: dict[str, Any]) -> None:
+    def shared_state(self, own: LocalState | None, holder: bool) -> dict[str, Any]:
+        if not holder:  # nothing of it is sent
+            return {}
+        return {"replicated": self.trainer.strategy.replicated_state(), "local": own,
+                "lr_factor": self.lr_factor, "reports": self.reports}
+
+    def take_shared_state(self, shared: dict[str, Any]) -> None:
+        self.trainer.strategy.load_replicated_state(shared["replicated"])
+
+    def adopt(self, shared: dict[str, Any]) -> LocalState:
         """A replacement takes its place: the holder's counters and data position, its own
         random numbers (seeded by its id), no sums of its own yet."""
         import torch
 
         local: LocalState = shared["local"]
         torch.manual_seed(self.trainer.config.seed + 1 + world.member())
-        self.position = shared["position"]
-        self.snapshots = {self.position: replace(local, sums=(0.0, 0, local.sums[2], 0), rng=torch.get_rng_state(),
-                                                 buffers={}, rank_state={}, traffic=None)}
-        self.members, self.next_member = shared["members"], shared["next_member"]
         self.lr_factor = shared["lr_factor"]
         self.reports = list(shared["reports"])
-        self.empty = False
+        return replace(local, sums=(0.0, 0, local.sums[2], 0), rng=torch.get_rng_state(), buffers={},
+                       rank_state={}, traffic=None)
 
-    def _restore(self, state: LocalState) -> None:
+    def restore_own(self, state: LocalState) -> None:
         """Go back to this rank's own state at a commit."""
         import torch
 
@@ -449,10 +371,34 @@ class Recovery:
                 if name in state.buffers:
                     buffer.copy_(state.buffers[name])
         if state.rank_state:
-            t.strategy.load_rank_state(_cloned(state.rank_state))
+            t.strategy.load_rank_state(cloned(state.rank_state))
         t.traffic_before = dict(state.traffic or {})
         self.cursor = state.cursor
         self.in_step = False
+
+    def rejoined(self, comm: MPI.Comm) -> None:
+        t = self.trainer
+        self.regrouped = True
+        self.rescale(comm.Get_size())
+        t.reopen_metrics()
+        own = self.membership.latest
+        if t.config.checkpoint_every:  # a checkpoint due here that not every rank finished
+            due = np.array([1 if own is not None and own.checkpoint_due else 0], dtype=np.int32)
+            collectives.allreduce(due, comm, op="max", out=due)
+            if due[0]:
+                t.checkpoint_now(t.done_in_epoch, t.epoch_sums)
+                self.checkpoint_written()
+
+    def respawn_info(self) -> dict[str, Any]:
+        import torch
+
+        from .data import dataset_arrays
+
+        t = self.trainer
+        return {"plan_ranks": self.plan_ranks, "torch_threads": torch.get_num_threads(),
+                "digits": dataset_arrays((t.train_set, t.test_set))}
+
+    # -- what depends on the ranks now -----------------------------------------------------------
 
     def rescale(self, size: int) -> None:
         """With --keep-rank-batch: the global batch becomes the per-rank batch x `size` from the
@@ -481,9 +427,8 @@ class Recovery:
         t = self.trainer
         return LocalState(
             t.epoch, t.step, t.done_in_epoch, t.own_steps, sums if sums is not None else (0.0, 0, 0.0, 0),
-            time.perf_counter(), torch.get_rng_state(),
-            {name: b.detach().clone() for name, b in t.model.named_buffers()},
-            _cloned(t.strategy.rank_state()), t.traffic.state() if t.traffic is not None else None,
+            time.perf_counter(), torch.get_rng_state(), cloned(dict(t.model.named_buffers())),
+            cloned(t.strategy.rank_state()), t.traffic.state() if t.traffic is not None else None,
             self.cursor, checkpoint_due)
 
     # -- what the epoch reports ------------------------------------------------------------------
@@ -500,7 +445,7 @@ class Recovery:
         """For the metrics row: the ids lost since the last row, the seconds spent recovering,
         the steps lost (None where nothing was lost)."""
         lost = self.unreported
-        return {"lost_ranks": " ".join(str(m) for r in lost for m in r.loss.members) if lost else None,
+        return {"lost_ranks": " ".join(str(m) for r in lost for m in r.loss.lost_ids) if lost else None,
                 "recovery_s": sum(r.loss.seconds for r in lost) if lost else None,
                 "steps_lost": sum(r.steps_lost for r in lost) if lost else None}
 
@@ -526,14 +471,25 @@ def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: s
     ulfm.end_job_after_loss(job, RANK_LOST)
 
 
-def _cloned(state: Any) -> Any:
-    """A copy of a state dict whose tensors are cloned."""
-    import torch
 
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _cloned(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_cloned(v) for v in state)
-    return state
+
+class StartUp:
+    """Where a run stands outside its training loop, for the line that ends the job when a rank
+    is lost there (under ULFM; the trainer's own loop recovers). A context: a process failure
+    raised inside it ends the job naming the lost rank, the `phase` ("while <phase>") and the
+    `reason` (`end_job`: one line, exit status RANK_LOST), where it would otherwise end as an
+    uncaught error does (MPI_Abort, a traceback). Set them as the run goes on; `phase` None while
+    the trainer's loop runs."""
+
+    def __init__(self, phase: str | None, status_file: str | None = None) -> None:
+        self.phase = phase
+        self.reason = "no step had been trained yet"
+        self.status_file = status_file
+        self.checkpoint_dir: str | None = None  # where the advice to resume points, once known
+
+    def __enter__(self) -> StartUp:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and self.phase is not None and ulfm.is_process_failure(exc):
+            end_job(exc, f"while {self.phase}", self.reason, self.checkpoint_dir, self.status_file)
