@@ -23,6 +23,7 @@ _LAZY = {
     **{name: "api" for name in ("allgather", "allgatherv", "allreduce", "broadcast", "iallgather",
                                 "iallgatherv", "iallreduce", "ibroadcast", "ireduce",
                                 "ireduce_scatter", "reduce", "reduce_scatter")},
+    "exact_allreduce": "fixed_point",
     "agree_completed": "survivors",
     "calls_issued": "survivors",
     "shrink": "survivors",

@@ -15,8 +15,8 @@ import collectives
 from ..ddp.bucket_options import DEFAULT_BUCKET_CAP_MB
 from ..runtime import recovery as ulfm
 from ..runtime.agreement import ARGUMENT_ERROR
-from ..training.config import (CHECKPOINT_FAILURE_POLICIES, DEVICES, KEEP_CHECKPOINTS, LAYER_TIMES, MODELS, PROG,
-                               PROGRESS, SHARDS, TrainConfig)
+from ..training.config import (CHECKPOINT_FAILURE_POLICIES, DEFAULT_MICRO_BATCH, DEVICES, KEEP_CHECKPOINTS, LAYER_TIMES,
+                               MODELS, PROG, PROGRESS, SHARDS, TrainConfig)
 from ..training.model_sizes import SIZED_MODELS
 from ..training.rank_loss import POLICIES, RANK_LOST, StartUp
 from ..training.run import train
@@ -44,6 +44,7 @@ DESCRIPTION = """`hpcdl train`: data-parallel training over MPI, synchronous all
     mpirun -n 4 hpcdl train --synthetic --image-size 64          # images/s, Horovod-style
     mpirun -n 4 hpcdl train --compression topk:0.01              # DGC: 1 % of the gradient sent
     mpirun -n 4 hpcdl train --shard gradients                    # ZeRO stage 2: state sharded
+    mpirun -n 3 hpcdl train --reproducible --batch-size 64       # the same bits as on 1 or 5 ranks
 
 Each rank trains on its `DistributedSampler` shard; by default `hpcdl.DistributedDataParallel`
 averages the gradients (the other strategies: docs/strategies.md). The learning rate follows the
@@ -119,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "(ZeRO stage 1: each rank keeps optimizer state for 1/P of the "
                            "parameters) or gradients (stage 2: the gradients too); gradients are "
                            "reduce-scattered, parameters allgathered")
+    comm.add_argument("--reproducible", action="store_true",
+                      help="the same bits on any number of ranks and with any --algorithm: "
+                           "--batch-size is then the whole step's batch, cut into --micro-batch "
+                           "pieces whose gradients are summed exactly; a parameter digest is "
+                           "printed per epoch (docs/training.md#reproducible-training)")
+    comm.add_argument("--micro-batch", type=int, metavar="SAMPLES",
+                      help=f"with --reproducible: samples per micro-batch (default {DEFAULT_MICRO_BATCH})")
     comm.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
                       help="with topk or threshold: the exchange accumulates velocities (DGC's "
                            f"momentum correction, momentum {MOMENTUM}, with masking) and the optimizer "

@@ -170,13 +170,28 @@ class DistributedDataParallel(torch.nn.Module):
             halving_doubling, mpi; else auto), parameters allgathered after the step
             (ring, butterfly, mpi; else auto). compression may be None, "fp16" or "bf16".
 
+        reproducible: True builds `hpcdl.ddp.reproducible.ReproducibleDataParallel` instead: the
+            same bits on any number of ranks and with any algorithm, its steps taken by
+            `backward_batch` over fixed micro-batches (its arguments: `micro_batch`, `seed`,
+            `algorithm`, `threads`; docs/training.md#reproducible-training).
+
     torch's other arguments are refused by name, with what to use instead (their default values
     pass). Building a second wrapper around the same module detaches the first (its forward then
     raises).
     """
 
+    def __new__(cls, *args: Any, reproducible: bool = False, **options: Any) -> DistributedDataParallel:
+        # reproducible=True selects the exact micro-batch path, a module of its own (reproducible.py);
+        # no arguments at all is copy's and pickle's call
+        if reproducible:
+            from .reproducible import ReproducibleDataParallel
+
+            return ReproducibleDataParallel(*args, **options)  # type: ignore[return-value]
+        return super().__new__(cls)
+
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
+                 reproducible: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                 first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
                  algorithm: str = "auto",
                  compression: GradientExchange | str | None = None, overlap: bool = True,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = False,

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from .config import TrainConfig
     from .emulation import EmulatedCompute
+    from .reproducible import ReproducibleCompute
     from .strategies import Plan, Strategy
 
 
@@ -64,8 +65,15 @@ class RealCompute:
 
 
 def compute_for(config: TrainConfig, strategy: Strategy, plan: Plan, rank: int, train_set: Any
-                ) -> RealCompute | EmulatedCompute:
-    """The compute of this training rank: emulated where --emulate-compute says so."""
+                ) -> RealCompute | EmulatedCompute | ReproducibleCompute:
+    """The compute of this training rank: emulated where --emulate-compute says so, exact over
+    fixed micro-batches where --reproducible does (reproducible.py)."""
+    if config.reproducible:
+        from .reproducible import ReproducibleCompute
+        from .strategies.allreduce import ReproducibleAllreduce
+
+        assert isinstance(strategy, ReproducibleAllreduce), "--reproducible trains with allreduce"
+        return ReproducibleCompute(strategy, train_set)
     if not config.emulate_compute:
         return RealCompute(strategy, train_set, math.prod(f for r, f in plan.stragglers if r == rank))
     from .emulation import EmulatedCompute, ShapeModel, Slowdowns, StepTimes

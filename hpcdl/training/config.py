@@ -62,6 +62,8 @@ SHARDS = ("optimizer", "gradients")
 #: More epochs than any run could finish; far more would overflow torch's schedulers, which count
 #: steps in floating point.
 MAX_EPOCHS = 10 ** 9
+#: --micro-batch's default under --reproducible: samples per logical micro-batch.
+DEFAULT_MICRO_BATCH = 8
 #: Seeds go to torch.manual_seed (plus the rank, and the epoch for the sampler), which takes 64 bits.
 SEEDS = range(-2**63, 2**63)
 
@@ -109,6 +111,9 @@ class TrainConfig:
     compression: str = "none"
     shard: str | None = None
     momentum_correction: bool | None = None  # None: on for topk, off for threshold
+    # reproducible training (allreduce): --batch-size is then the whole step's batch
+    reproducible: bool = False
+    micro_batch: int | None = None  # None: DEFAULT_MICRO_BATCH with reproducible
     # checkpoints and output
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -139,10 +144,13 @@ class TrainConfig:
 
     def resolved(self) -> TrainConfig:
         """This configuration with the defaults that depend on other fields filled in: the model,
-        and a warm-up of at most half the run (so that the rate peaks, then decays)."""
+        a warm-up of at most half the run (so that the rate peaks, then decays), and the micro-batch
+        of a reproducible run."""
         warmup = self.warmup_epochs if self.warmup_epochs is not None else min(DEFAULT_WARMUP_EPOCHS,
                                                                                 self.epochs / 2)
-        return replace(self, model=self.model_name, warmup_epochs=warmup)
+        micro_batch = self.micro_batch if self.micro_batch is not None or not self.reproducible \
+            else DEFAULT_MICRO_BATCH
+        return replace(self, model=self.model_name, warmup_epochs=warmup, micro_batch=micro_batch)
 
 
 def choice_errors(config: TrainConfig) -> list[str]:
@@ -273,6 +281,7 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
             errors.append("--device cuda does not take --model hybrid-cnn (its model-parallel layers "
                           "run on the CPU); use --device cpu")
     errors += emulation_errors(config, ranks_on_host, available)
+    errors += reproducible_errors(config)
     return errors + strategies.option_errors(config, ranks) + hybrid_errors(config, ranks)
 
 
@@ -295,6 +304,36 @@ def rank_failure_errors(config: TrainConfig, ranks: int = 1) -> list[str]:
                           "`mpirun --with-ft ulfm` (srun cannot carry it; docs/failures.md#training)")
         if used and config.synthetic:
             errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
+    return errors
+
+
+def reproducible_errors(config: TrainConfig) -> list[str]:
+    """What --reproducible cannot be combined with (docs/training.md#reproducible-training): what
+    cannot give the same bits on any number of ranks, and what this version does not cover yet."""
+    if not config.reproducible:
+        return [] if config.micro_batch is None else ["--micro-batch applies to --reproducible; add it or drop "
+                                                      "--micro-batch"]
+    errors = []
+    micro_batch = config.micro_batch if config.micro_batch is not None else DEFAULT_MICRO_BATCH
+    if micro_batch < 1:
+        errors.append(f"--micro-batch must be at least 1, got {micro_batch}")
+    elif config.batch_size >= 1 and micro_batch > config.batch_size:
+        errors.append(f"--micro-batch {micro_batch} is more than --batch-size {config.batch_size} (with "
+                      "--reproducible, the whole step's batch); use a smaller --micro-batch")
+    refused = {
+        f"--model {config.model}": (config.model in ("resnet", "hybrid-cnn"),
+                                    "its batch-norm running statistics (resnet) or model-parallel layers "
+                                    "(hybrid-cnn) are not summed exactly; use --model cnn or mlp"),
+        f"--shard {config.shard}": (config.shard is not None, "not reproducible yet; drop --shard"),
+        f"--compression {config.compression}": (config.compression != "none",
+                                                 "it sends part of the gradient; use --compression none"),
+        "--synthetic": (config.synthetic, "the benchmark has no fixed data; drop one of them"),
+        "--emulate-compute": (config.emulate_compute is not None, "no real gradients to sum; drop one of them"),
+        "--device cuda": (config.device == "cuda", "GPU kernels give no bitwise guarantee; use --device cpu"),
+        "--resume": (config.resume, "not reproducible yet (the step's quantum is not checkpointed); "
+                     "start afresh"),
+    }
+    errors += [f"--reproducible does not take {flag}: {why}" for flag, (used, why) in refused.items() if used]
     return errors
 
 

@@ -257,6 +257,8 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     if checkpoint is not None and plan.strategy.pacing is Meetings and rank < size - plan.servers:
         # each worker at its own pace trains the shard of the worker whose place it took
         replica = shard_order(checkpoint.get("elastic", {}).get("members"), trainers)[rank]
+    if config.reproducible:  # every rank takes each whole step's batch, in one rank's order
+        trainers, replica = 1, 0
     sampler = shard_sampler(train_set, seed=config.seed, num_replicas=trainers, replica_rank=replica)
     if config.batch_size > len(sampler):
         # Every step would take the whole share, so the global batch the rate is scaled for never

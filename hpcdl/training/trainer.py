@@ -122,7 +122,9 @@ class Trainer:
                  + ((f" (the data of the run's {plan.trainers} workers)" if plan.servers else
                      f" (the data split and global batch of {plan.ranks})") if self.recovery.regrouped else "")
                  + f" with {plan.name} ({plan.describe()}): batch "
-                 f"{config.batch_size} per rank, {plan.update_batch} per update, lr {schedule.lr:g} (base "
+                 + (f"{config.batch_size} per step in micro-batches of {config.micro_batch}"
+                    if config.reproducible else f"{config.batch_size} per rank")
+                 + f", {plan.update_batch} per update, lr {schedule.lr:g} (base "
                  f"{config.lr:g} x {plan.update_batch}/{config.reference_batch}"
                  + (f" x {plan.asynchrony:.3g} for asynchrony" if plan.asynchrony != 1 else "") + "), warm-up "
                  f"{schedule.warmup_steps} steps, {self.steps_per_epoch} steps per epoch"
@@ -218,8 +220,11 @@ class Trainer:
                 if self.traffic is not None:
                     self.traffic.step()
                 self.own_steps += 1
-                loss_sum += loss * len(indices)
-                samples += len(indices)
+                if self.rank == 0 or not config.reproducible:
+                    # --reproducible: every rank holds the whole step's batch and its exact mean
+                    # loss, so rank 0 alone counts them (the epoch's sums are then exact too)
+                    loss_sum += loss * len(indices)
+                    samples += len(indices)
                 bar.update(1)
                 stop = self.pacing.after_step(sums)
                 if stop is not None:
@@ -294,6 +299,11 @@ class Trainer:
                     print(f"hpcdl train: warning: epoch {self.epoch}: --compression {config.compression} "
                           "sent no gradient element (every residual stayed below the threshold), so "
                           "the model did not change; use a smaller threshold", file=sys.stderr, flush=True)
+            digest = None
+            if config.reproducible:
+                from .reproducible import parameter_digest  # torch: not for `hpcdl train --help`
+
+                digest = parameter_digest(self.model)
             quality = (f"loss {train_loss:.4f}  held-out loss {test_loss:.4f}  accuracy {accuracy:.4f}"
                        if accuracy is not None else "EMULATED compute, no loss or accuracy")
             self.say(f"epoch {self.epoch:3d}/{config.epochs}  {quality}  {throughput:,.0f} samples/s  lr {lr:.4g}  "
@@ -301,6 +311,7 @@ class Trainer:
                      + (f"  gradients {totals[4] / self.size / 1e6:.3g} MB/rank = fp32/"
                         f"{gradients['grad_ratio']:.3g}" if traffic is not None else "")
                      + (f"  staleness mean {staleness.mean:.2f} max {staleness.max}" if staleness else "")
+                     + (f"  params {digest}" if digest else "")
                      + self.recovery.epoch_note(), flush=True)
             if self.metrics is not None:
                 self.metrics.write({
@@ -309,7 +320,8 @@ class Trainer:
                     "accuracy": accuracy, "samples_per_s": throughput, "seconds": seconds,
                     "lr": lr, "ranks": ranks, "strategy": self.plan.name, "samples": int(totals[1]),
                     "bytes_sent_per_rank": bytes_per_rank, **gradients, **staleness_columns(staleness),
-                    **self.recovery.epoch_columns(), **compute_columns(config)})
+                    **self.recovery.epoch_columns(), **compute_columns(config),
+                    **({"params_sha256": digest} if digest else {})})
         if config.checkpoint_dir:
             self.checkpoint_now(0, (0.0, 0, 0.0, 0))
         return None

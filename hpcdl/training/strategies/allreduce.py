@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 #: the one named where it has it, else auto).
 SHARDED_ALGORITHMS = tuple(dict.fromkeys([*collectives.ALGORITHMS["reduce_scatter"],
                                           *collectives.ALGORITHMS["allgatherv"]]))
+#: Why --reproducible refuses to go on after a lost rank (or to resume on other ranks), for now.
+NOT_ACROSS_LOSSES = ("--reproducible does not yet carry its guarantee across a lost rank or onto another "
+                     "number of ranks; rerun the job from its start")
 #: The --compression schemes with error feedback, which can apply the momentum themselves.
 SPARSE = ("topk:", "threshold:")
 
@@ -70,6 +73,9 @@ def data_parallel(module: torch.nn.Module, comm: MPI.Comm, settings: Mapping[str
     (`Allreduce.configure`; --compression included)."""
     from ...ddp import DistributedDataParallel
 
+    if settings.get("reproducible"):
+        return DistributedDataParallel(module, comm, reproducible=True, micro_batch=settings["micro_batch"],
+                                       seed=settings["seed"], algorithm=settings["algorithm"])
     return DistributedDataParallel(module, comm, bucket_cap_mb=settings["bucket_cap_mb"],
                                    algorithm=settings["algorithm"], overlap=settings["overlap"],
                                    timeline=settings["timeline"], compression=gradient_exchange(settings),
@@ -95,7 +101,7 @@ class Allreduce(Strategy):
     name = "allreduce"
     summary = "average gradients every step (DDP; the default)"
     options = ("algorithm", "bucket_cap_mb", "no_overlap", "timeline", "compression", "momentum_correction",
-               "shard")
+               "shard", "reproducible", "micro_batch")
     checkpoint_keys = ("optimizer", "scheduler")
     @classmethod
     def option_errors(cls, given: Mapping[str, Any], ranks: int) -> list[str]:
@@ -137,10 +143,20 @@ class Allreduce(Strategy):
                     "overlap": not given.get("no_overlap"), "timeline": given.get("timeline"),
                     "compression": given["compression"], "shard": given.get("shard"),
                     "momentum_correction": momentum_correction(given),
+                    "reproducible": bool(given.get("reproducible")), "micro_batch": given.get("micro_batch"),
+                    "seed": given.get("seed", 0),
                     "sparsity_warmup_epochs": math.ceil(warmup) if math.isfinite(warmup) else 0}
 
     @classmethod
+    def update_batch(cls, plan: Plan) -> int:
+        # --reproducible: --batch-size is the whole step's batch, whatever the ranks
+        return plan.batch_size if plan.settings.get("reproducible") else super().update_batch(plan)
+
+    @classmethod
     def describe(cls, plan: Plan) -> str:
+        if plan.settings.get("reproducible"):
+            return (f"gradients summed exactly over micro-batches of {plan.settings['micro_batch']}: the same "
+                    "bits on any number of ranks")
         shard = plan.settings.get("shard")
         return "gradients averaged every step" + (
             f", {shard} sharded over the ranks" if shard else "") + (
@@ -150,6 +166,8 @@ class Allreduce(Strategy):
     @classmethod
     def build(cls, plan: Plan, module: torch.nn.Module, schedule: Schedule, comm: MPI.Comm,
               grid: ProcessGrid | None = None) -> Strategy:
+        if plan.settings.get("reproducible"):
+            return ReproducibleAllreduce(module, comm, schedule, plan, grid)
         return cls(module, comm, schedule, plan, grid)
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm, schedule: Schedule, plan: Plan,
@@ -241,6 +259,8 @@ class Allreduce(Strategy):
 
     @classmethod
     def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
+        if plan.settings.get("reproducible"):
+            return NOT_ACROSS_LOSSES
         if plan.settings.get("shard") and not resume:
             # Its checkpoints hold the state gathered, so a resume on other ranks reshards it.
             return (f"--shard {plan.settings['shard']} keeps each rank's piece of the optimizer state "
@@ -269,3 +289,46 @@ class Allreduce(Strategy):
 
 
 STRATEGIES = (Allreduce,)
+
+
+class ReproducibleAllreduce(Allreduce):
+    """--reproducible: `DistributedDataParallel(reproducible=True)` sums each step's fixed
+    micro-batches exactly (hpcdl/ddp/reproducible.py), so the run gives the same bits on any number
+    of ranks and with any --algorithm; every rank is handed the whole step's batch and computes its
+    own micro-batches of it (`backward_batch`, called by the trainer's compute)."""
+
+    def __init__(self, module: torch.nn.Module, comm: MPI.Comm, schedule: Schedule, plan: Plan,
+                 grid: ProcessGrid | None = None) -> None:
+        super().__init__(module, comm, schedule, plan, grid)
+        self.steps_taken = 0  # numbers the steps, which seed their micro-batches' random numbers
+
+    def backward_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Collective: the gradients of the step's whole batch (x, y), exact; its mean loss."""
+        import torch.nn.functional as F
+
+        from ...ddp.reproducible import ReproducibleDataParallel
+
+        ddp = self.ddp
+        assert isinstance(ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
+        result = ddp.backward_batch(x, y, F.cross_entropy, step=self.steps_taken)
+        self.steps_taken += 1
+        return result.loss
+
+    def start_epoch(self, epoch: int) -> None:
+        """No compression schedule: nothing to do."""
+
+    def rank_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_rank_state(self, mine: dict[str, Any]) -> None:
+        """Ranks hold nothing of their own."""
+
+    def write_timeline(self) -> str | None:
+        return None
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return None
+
+    def rebind(self, comm: MPI.Comm) -> None:
+        raise RuntimeError(NOT_ACROSS_LOSSES)
