@@ -23,7 +23,7 @@ from collectives import DeviceRouteError, host_communicators, select
 from collectives.cost.params import ModelParams
 from collectives.cost.prediction import ipc_wins, predict
 from tests.conftest import all_ranks_agree
-from test_ddp_device import _ring_bytes
+from tests.hpcdl.ddp.test_device import _ring_bytes
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 

@@ -12,8 +12,8 @@ from mpi4py import MPI
 from collectives import cuda_awareness
 from tests.conftest import all_ranks_agree
 from hpcdl.commands import info
-from run import mpi_environment, own_job_environment, run_own_job  # tests/run.py's settings for its jobs
-from test_docs import readme_mpirun_commands
+from tests.run import mpi_environment, own_job_environment, run_own_job  # tests/run.py's settings for its jobs
+from tests.project.test_docs import readme_mpirun_commands
 
 ROW = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$", re.MULTILINE)
 
