@@ -24,6 +24,7 @@ import heapq
 import itertools
 import math
 import os
+import secrets
 import threading
 import time
 from collections import Counter
@@ -360,6 +361,9 @@ class SharedArena:
     last view is gone (the mapping's finalizer; at exit those left)."""
 
     _counter = itertools.count()
+    #: this process's token in the files' names: a killed process leaves its files behind, and a
+    #: later process given the same pid must not run into them
+    _token = secrets.token_hex(4)
 
     def __init__(self, directory: str = "/dev/shm") -> None:
         self.directory = directory
@@ -373,7 +377,7 @@ class SharedArena:
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        path = f"{self.directory}/hpcdl-fake-ipc-{os.getpid()}-{next(self._counter)}"
+        path = f"{self.directory}/hpcdl-fake-ipc-{os.getpid()}-{self._token}-{next(self._counter)}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))

@@ -57,8 +57,8 @@ def test_no_spares_leaves_every_rank_training(monkeypatch: pytest.MonkeyPatch) -
     training, pool = spares.set_aside(MPI.COMM_SELF, 0)
     assert training is not None and training.Get_size() == 1 and pool.waiting == []
     assert world.world() is training
-    assert pool.call(training, 1) == (training, [])
-    pool.release()
+    assert pool.call(training, 1) == (training, [], [])  # no spare joined, none found lost
+    assert pool.release(training) == []  # none waited, none found dead
 
 
 def test_the_world_is_comm_world_until_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
