@@ -6,7 +6,7 @@ measurement: on the fake device (default) or on the GPU.
 
 Device buffers where MPI is not CUDA-aware are staged through pinned host memory
 (`collectives/staging.py`). `--device fake` runs the staged path on the fake device of
-`tests/arrays.py`, whose copies take `--copy-gbps` and `--copy-latency-us` of wall time each while
+`tests/helpers/arrays.py`, whose copies take `--copy-gbps` and `--copy-latency-us` of wall time each while
 the host goes on (as a GPU's copy engines do), so what pipelining saves can be measured without a
 GPU; `--device gpu` on the installed device runtime (CuPy's), with real copies. Rows, per message
 size, taking turns round after round on the same two ranks:
@@ -44,8 +44,8 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from arrays import FakeDeviceArray, FakeDeviceRuntime, device_runtime_installed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for its tests' fake device
+from tests.helpers.arrays import FakeDeviceArray, FakeDeviceRuntime, device_runtime_installed  # noqa: E402
 
 import collectives  # noqa: E402
 from collectives.buffers import device_runtime  # noqa: E402
@@ -131,7 +131,7 @@ def main() -> None:
             host_send, host_recv = np.ones(n, np.float32), np.zeros(n, np.float32)
             segment, pieces = pieces_of(n, 4)
             # the API's own device array: the fake's, or the cupy module's (a fake one under
-            # tests/fake_gpu.py)
+            # tests/helpers/fake_gpu.py)
             x = FakeDeviceArray(np.ones(n, np.float32)) if fake else \
                 importlib.import_module("cupy").asarray(np.ones(n, np.float32))
             exchange: dict[str, Callable[[], Any]] = {

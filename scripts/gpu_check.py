@@ -6,7 +6,7 @@ ceilings, and the report.
     python scripts/gpu_check.py report --work DIR --out DIR [--fake]
 
 `device` measures what no collective can beat on this GPU, with the installed device runtime
-(CuPy's; the fake device's under tests/fake_gpu.py): a device-to-device copy, an elementwise
+(CuPy's; the fake device's under tests/helpers/fake_gpu.py): a device-to-device copy, an elementwise
 float32 add (the reduction the collectives run on the device), and copies between device and
 pinned host memory the way the staged path makes them (`collectives.calibrate.measure_staging`,
 fitted to copy_alpha and copy_beta). `report` gathers every step's outcome and outputs from the

@@ -42,9 +42,9 @@
 # The setup starts NVIDIA's MPS daemon (unless --no-mps), so the ranks sharing the one GPU do not
 # wait for each other's time slices; the report says whether it ran.
 #
-# --fake: no GPU needed: the device steps run on the fake device of tests/arrays.py (through
-# tests/fake_gpu.py), torch on the CPU, every size tiny, the local MPI as it is. The whole check
-# then takes well under a minute; tests/test_gpu_check.py runs it in CI so that every step is
+# --fake: no GPU needed: the device steps run on the fake device of tests/helpers/arrays.py (through
+# tests/helpers/fake_gpu.py), torch on the CPU, every size tiny, the local MPI as it is. The whole check
+# then takes well under a minute; tests/scripts/test_gpu_check.py runs it in CI so that every step is
 # wired before a machine is lent.
 set -u
 BEGAN=$(date +%s)
@@ -82,7 +82,7 @@ export HPCDL_TEST_LOGS="$WORK/test-logs"
 
 if [ "$FAKE" = 1 ]; then
     export OMPI_MCA_mpi_yield_when_idle=1 HPCDL_CUDA_AWARE=0
-    DEV=(tests/fake_gpu.py)            # prefix of every device step's Python command
+    DEV=(tests/helpers/fake_gpu.py)            # prefix of every device step's Python command
     TORCH_DEVICE=cpu
     TESTS_K="test_one_copy_per_staging_piece or test_fake_device_moves"
     ROUTES_K="test_a_buffer_reused or test_one_rank_moves_nothing"
@@ -203,12 +203,12 @@ step environment 15 "$PY" "${DEV[@]}" scripts/gpu_check.py environment --json "$
 step info 10 mpirun -n 2 "${HPCDL[@]}" info
 step device 20 "$PY" "${DEV[@]}" scripts/gpu_check.py device --json "$WORK/device.json" \
     $([ "$FAKE" = 1 ] && echo --small)
-TEST_FILES=(tests/test_collectives.py tests/test_nonblocking.py tests/test_staging.py
-            tests/test_torch_collectives.py tests/test_ddp_device.py tests/test_device_routes.py)
+TEST_FILES=(tests/collectives/test_algorithms.py tests/collectives/test_nonblocking.py tests/collectives/test_staging.py
+            tests/hpcdl/tensors/test_calls.py tests/hpcdl/ddp/test_device.py tests/collectives/test_device_routes.py)
 step tests-p2 120 "$PY" tests/run.py -n 2 --no-emulated --timeout 100 -- "${TEST_FILES[@]}" -v \
     -k "$TESTS_K or $ROUTES_K"
-step tests-p4 60 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/test_collectives.py \
-    tests/test_staging.py -v -k "$TESTS_K"
+step tests-p4 60 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/collectives/test_algorithms.py \
+    tests/collectives/test_staging.py -v -k "$TESTS_K"
 # tune, bench and staging measure the staged route (HPCDL_IPC=0); the tests and the trainings
 # run as a user's job does (HPCDL_IPC=auto: CUDA IPC for messages of 64 KiB or more)
 step tune 25 env HPCDL_IPC=0 mpirun -n 2 "${HPCDL[@]}" tune --device gpu --model-only --iters "$TUNE_ITERS" \

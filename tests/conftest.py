@@ -26,6 +26,9 @@ settings.register_profile(
 )
 settings.load_profile("mpi")
 
+#: The repository's root: where tests find the scripts, docs and jobs they run.
+ROOT = Path(__file__).resolve().parent.parent
+
 
 @pytest.fixture
 def comm() -> MPI.Comm:

@@ -41,8 +41,8 @@ LOGS = Path(os.environ.get("HPCDL_TEST_LOGS", ROOT / "test-logs"))
 CLUSTER_SCRIPT = ROOT / "scripts" / "emulated_cluster.sh"
 CANNOT_RUN = 3  # scripts/emulated_cluster.sh's exit status for "no namespaces on this machine"
 # The correctness tests of the collectives: what must hold over real TCP between hosts.
-EMULATED_TESTS = ["tests/test_collectives.py", "tests/test_nonblocking.py",
-                  "tests/test_collectives_errors.py"]
+EMULATED_TESTS = ["tests/collectives/test_algorithms.py", "tests/collectives/test_nonblocking.py",
+                  "tests/collectives/test_errors.py"]
 # This run's cluster prefix; the pid keeps concurrent runs (and a developer's cluster) apart.
 NETNS_PREFIX = f"hpcdlt{os.getpid()}"
 
@@ -173,7 +173,7 @@ def cluster_script(*args: str, timeout: float, prefix: str = NETNS_PREFIX
 def remove_stale_clusters() -> None:
     """Remove clusters of earlier runs of this script that died before tearing theirs down.
 
-    Only prefixes `hpcdlt<pid>`, and `hpcdlt<pid><letters>` of tests/test_emulated_cluster.py, whose
+    Only prefixes `hpcdlt<pid>`, and `hpcdlt<pid><letters>` of tests/scripts/test_emulated_cluster.py, whose
     process is gone: a concurrent run keeps its cluster.
     """
     if shutil.which("ip") is None or os.geteuid() != 0:

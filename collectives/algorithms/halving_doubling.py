@@ -43,7 +43,7 @@ def _halving_reduce_scatter(link: Link, buf: Any, fold: Fold, new: list[int]) ->
         kept, given = buf[new[keep[0]]:new[keep[1]]], buf[new[give[0]]:new[give[1]]]
         # Every pair of this round cuts its halves like the round's largest half (the first: the
         # larger blocks and the folded pairs come first), so the round's messages are alike
-        # everywhere and the cost model's critical path is exact (tests/test_cost_simulation.py).
+        # everywhere and the cost model's critical path is exact (tests/collectives/test_cost_simulation.py).
         segment, pieces = pieces_of(new[mask] - new[0], buf.dtype.itemsize)
         link.sendrecv_combine(given, peer, kept, peer, segment=segment, pieces=pieces,
                               completes=mask == 1)

@@ -3,7 +3,7 @@
 SGD, momentum and Adagrad (Downpour's choice, Dean et al. 2012) all update each element from that
 element's own gradient and state only, so running them on pieces of parameters gives bit for bit
 what they give on whole parameters, and one worker with `async` trains exactly as one process
-would (tests/test_parameter_server.py). Optimizers that look at a whole tensor (LARS, LAMB's
+would (tests/hpcdl/parameter_server/test_parameter_server.py). Optimizers that look at a whole tensor (LARS, LAMB's
 norms) would not shard this way and are not offered.
 """
 from __future__ import annotations

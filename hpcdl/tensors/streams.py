@@ -18,7 +18,7 @@ backward runs on, torch's current stream):
 `DeviceStreams` is that API; `CudaStreams` implements it with torch.cuda (and CuPy, whose arrays
 the collectives take). CPU tensors have none (the host path: nothing to order), except in the
 tests, which treat CPU tensors as the memory of a fake device that counts every synchronize,
-event and copy (`tests/arrays.py`, `treat_host_as_device`).
+event and copy (`tests/helpers/arrays.py`, `treat_host_as_device`).
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def streams_of(device: torch.device) -> DeviceStreams | None:
 def treat_host_as_device(streams: DeviceStreams | None) -> DeviceStreams | None:
     """Order the work on CPU tensors as if they were device memory with these streams (None: the
     host path again); returns what was set before. For tests: the fake device of
-    `tests/arrays.py` runs the GPU path of DDP over CPU tensors and counts what a step does."""
+    `tests/helpers/arrays.py` runs the GPU path of DDP over CPU tensors and counts what a step does."""
     global _host
     previous, _host = _host, streams
     return previous

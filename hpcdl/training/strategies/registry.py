@@ -4,7 +4,7 @@ is for algorithms.
 Everything else reads it instead of keeping its own list: the --strategy choices and their help,
 which options each strategy takes (and so which are refused), the plan every rank builds from,
 the checkpoint entries a resume expects, the pacing of the trainer, and the docs' table (checked
-by tests/test_strategies.py).
+by tests/hpcdl/training/test_strategies.py).
 
 Adding a strategy: write `<name>.py` here with a `Strategy` subclass (base.py says what it
 declares) and a `STRATEGIES` tuple naming it, and add the module to `_STRATEGY_MODULES`. Its

@@ -1,0 +1,286 @@
+"""The small-message path (issue 40) keeps every guarantee of the general path.
+
+A small host allreduce runs on a plan cached by shape, dtype, op and algorithm (`small.py`): with
+`auto` or `butterfly` its data rides in the argument check, with `mpi` it runs as the call every
+rank expected, one library call carrying its own check (`expectation.py`). Each test first warms a
+plan up (the same call a few times: cached, and for `mpi` expected), then changes something on one
+rank: every rank must raise what the general path raises, none may hang, and the communicator must
+be in step afterwards. Results are compared bit for bit with exact references.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives
+from tests.helpers.arrays import bitwise_equal, rank_data, reduce_reference
+from collectives import CollectiveArgumentError
+from collectives.channels import channel_of
+from collectives.validation import Agreement
+from tests.conftest import all_ranks_agree
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+#: A plan riding in the check (auto and butterfly choose it at these sizes) and the expected call.
+SMALL = ["auto", "butterfly", "mpi"]
+N = 4
+
+
+@pytest.fixture
+def side(comm: MPI.Comm) -> Any:
+    """A communicator of the test's own: its plans, expectations and call numbers start afresh."""
+    fresh = comm.Dup()
+    yield fresh
+    fresh.Free()
+
+
+def _error(call: Callable[[], Any]) -> str | None:
+    try:
+        call()
+    except CollectiveArgumentError as exc:
+        return str(exc)
+    return None
+
+
+def _in_step(side: MPI.Comm, algorithm: str) -> bool:
+    """An allreduce after the error gives the exact sum on this rank."""
+    size = side.Get_size()
+    got = collectives.allreduce(np.arange(N, dtype=np.float32), side, algorithm=algorithm)
+    return bitwise_equal(got, np.arange(N, dtype=np.float32) * size) is None
+
+
+def _step(x: np.ndarray, side: MPI.Comm, op: str, algorithm: str, blocking: bool = True) -> Any:
+    """One allreduce, always made from this line, so that only its arguments can differ."""
+    if blocking:
+        return collectives.allreduce(x, side, op=op, algorithm=algorithm)
+    return collectives.iallreduce(x, side, op=op, algorithm=algorithm).wait(timeout=60)
+
+
+# (name, what the odd rank passes instead of float32[N] "sum", what every message names)
+CHANGES = [
+    ("dtype", lambda: (np.ones(N, np.float64), "sum"), "different dtypes"),
+    ("count", lambda: (np.ones(N + 1, np.float32), "sum"), "different element counts"),
+    ("op", lambda: (np.ones(N, np.float32), "max"), "different ops"),
+]
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+@pytest.mark.parametrize("algorithm", SMALL)
+@pytest.mark.parametrize("change", CHANGES, ids=[c[0] for c in CHANGES])
+def test_a_rank_that_changes_its_call_after_the_plan_was_cached_raises_everywhere(
+        change: Any, algorithm: str, blocking: bool, comm: MPI.Comm, side: MPI.Comm) -> None:
+    """After three alike calls, the last rank changes its dtype, count or op at the same line:
+    every rank raises naming the field (a cache that ignored it would pair the calls, and send a
+    float64 array's elements as float32)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    name, odd_call, says = change
+    x = np.ones(N, np.float32)
+    for _ in range(3):
+        _step(x, side, "sum", algorithm, blocking)
+    odd = rank == size - 1 and size > 1
+    y, op = odd_call() if odd else (x, "sum")
+    message = _error(lambda: _step(y, side, op, algorithm, blocking))
+    ok = (message is None) if size == 1 else (message is not None and says in message)
+    assert all_ranks_agree(ok and _in_step(side, algorithm), comm), f"{name}: {message}"
+
+
+@pytest.mark.parametrize("algorithm", SMALL)
+def test_a_rank_that_swaps_two_cached_calls_raises_everywhere(algorithm: str, comm: MPI.Comm,
+                                                                side: MPI.Comm) -> None:
+    """Two alike calls from two lines, in a loop (for `mpi` each the expected one): once, the last
+    rank makes them in the other order, so each meets the others' other call: both raise on every
+    rank, naming the lines, and the loop goes on in step."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        pytest.skip("needs a rank whose order differs")
+    a, b = np.ones(N, np.float32), np.full(N, 2.0, np.float32)
+    calls = [lambda: collectives.allreduce(a, side, algorithm=algorithm),
+             lambda: collectives.allreduce(b, side, algorithm=algorithm)]
+    errors = []
+    for i in range(5):
+        for call in (calls[::-1] if i == 2 and rank == size - 1 else calls):
+            message = _error(call)
+            if message is not None:
+                errors.append(message)
+    ok = len(errors) == 2 and all("from different lines" in e for e in errors)
+    assert all_ranks_agree(ok and _in_step(side, algorithm), comm), errors
+
+
+@pytest.mark.parametrize("other", ["broadcast", "auto allreduce", "iallreduce", "allgather",
+                                   "bad local argument"])
+def test_the_expected_call_meeting_another_call_raises_everywhere(other: str, comm: MPI.Comm,
+                                                                    side: MPI.Comm) -> None:
+    """While every rank expects a small `mpi` allreduce, the last rank makes another call (another
+    collective, another algorithm, a non-blocking call, or one with an argument refused on that
+    rank alone): it still takes part in the expected call's library allreduce, so nobody hangs,
+    and every rank raises."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        pytest.skip("needs a rank whose call differs")
+    x = np.ones(N, np.float32)
+    for _ in range(3):
+        collectives.allreduce(x, side, algorithm="mpi")
+    calls: dict[str, Callable[[], Any]] = {
+        "broadcast": lambda: collectives.broadcast(x.copy(), 0, side),
+        "auto allreduce": lambda: collectives.allreduce(x, side),
+        "iallreduce": lambda: collectives.iallreduce(x, side, algorithm="mpi").wait(timeout=60),
+        "allgather": lambda: collectives.allgather(x, side),
+        "bad local argument": lambda: collectives.allreduce(np.ones(2 * N, np.float32)[::2], side,
+                                                            algorithm="mpi"),
+    }
+    odd = rank == size - 1
+    if odd:
+        message = _error(calls[other])
+    else:
+        message = _error(lambda: collectives.allreduce(x, side, algorithm="mpi"))
+    says = "not contiguous" if other == "bad local argument" else "different"
+    ok = message is not None and says in message
+    assert all_ranks_agree(ok and _in_step(side, "mpi") and _in_step(side, "auto"), comm), message
+
+
+@pytest.mark.parametrize("algorithm", SMALL)
+def test_ranks_that_all_change_alike_need_no_error(algorithm: str, comm: MPI.Comm,
+                                                   side: MPI.Comm) -> None:
+    """Every rank changes shape, dtype and op together (a legal program): exact results, no error;
+    a rank may also reshape its array alone, as the element count is what ranks agree on."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    problems = []
+    for shape, dtype, op in [((N,), "float32", "sum"), ((N,), "float32", "sum"),
+                             ((2, N), "float64", "max"), ((3,), "int32", "prod"),
+                             ((N,), "float32", "sum"), ((N,), "float32", "avg")]:
+        inputs = [rank_data(r, shape, dtype, op) for r in range(size)]
+        mine = inputs[rank] if rank != size - 1 or len(shape) == 1 else inputs[rank].reshape(-1)
+        got = _step(mine, side, op, algorithm)
+        problem = bitwise_equal(np.asarray(got).reshape(shape), reduce_reference(inputs, op))
+        if problem:
+            problems.append(f"{shape} {dtype} {op}: {problem}")
+    assert all_ranks_agree(not problems, comm), problems
+
+
+@pytest.mark.parametrize("algorithm", SMALL)
+def test_exact_results_for_every_op_dtype_and_output(algorithm: str, comm: MPI.Comm,
+                                                     side: MPI.Comm) -> None:
+    """Each call three times (cached, then expected), into a new array, into `out`, in place,
+    and as a non-blocking call: the exact reduction, bit for bit, on every rank."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    problems = []
+    dtypes = ["float16", "float32", "float64", "int32", "int64"]
+    if algorithm != "mpi" and "bfloat16" in collectives.DTYPES:
+        dtypes.append("bfloat16")
+    for dtype in dtypes:
+        for op in collectives.OPS:
+            for count in ((), 1, 2, 16, 1000):  # 0-d, then 8 B..8 KB: both sides of PAYLOAD_BYTES
+                inputs = [rank_data(r, count, dtype, op) for r in range(size)]
+                want = reduce_reference(inputs, op)
+                for output in ("new", "out", "in place", "nonblocking"):
+                    for _ in range(3):
+                        x = inputs[rank].copy()
+                        if output == "new":
+                            got = collectives.allreduce(x, side, op=op, algorithm=algorithm)
+                        elif output == "out":
+                            got = collectives.allreduce(x, side, op=op, algorithm=algorithm,
+                                                        out=np.empty_like(x))
+                        elif output == "in place":
+                            got = collectives.allreduce(x, side, op=op, algorithm=algorithm, out=x)
+                        else:
+                            got = collectives.iallreduce(x, side, op=op, algorithm=algorithm).wait()
+                        problem = bitwise_equal(got, want)
+                        if type(got) is not np.ndarray or got.shape != np.shape(want):
+                            problem = f"got {type(got).__name__} {np.shape(got)}"
+                        if problem:
+                            problems.append(f"{dtype} {op} {count} {output}: {problem}")
+    assert all_ranks_agree(not problems, comm), problems[:5]
+
+
+def test_ranks_on_different_paths_for_one_signature_stay_in_step(comm: MPI.Comm,
+                                                                 side: MPI.Comm) -> None:
+    """Rank 0 passes its array in Fortran order (the general path), the others in C order (the
+    cached plan), with one signature: whether a call may be expected depends on the signature
+    alone, so the ranks never disagree about the library call's element count, and each call
+    joins the expected call's attempt once, whichever path it takes."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    problems = []
+    inputs = [rank_data(r, (2, 3), "float32") for r in range(size)]
+    want = reduce_reference(inputs, "sum")
+    for i in range(5):
+        x = np.asfortranarray(inputs[rank]) if rank == 0 and i % 2 else inputs[rank]
+        problem = bitwise_equal(collectives.allreduce(x, side, algorithm="mpi"), want)
+        if problem:
+            problems.append(f"call {i}: {problem}")
+    # An `auto` call while the `mpi` one is expected: rank 0's takes the general path, which
+    # hands the data riding in the check on to the small plan; it joins the attempt only once.
+    x = np.asfortranarray(inputs[rank]) if rank == 0 else inputs[rank]
+    problem = bitwise_equal(collectives.allreduce(x, side), want)
+    if problem:
+        problems.append(f"auto: {problem}")
+    assert all_ranks_agree(not problems and _in_step(side, "mpi"), comm), problems
+
+
+def test_a_call_that_is_expected_makes_no_check_message(comm: MPI.Comm, side: MPI.Comm,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop of two `mpi` allreduces from two lines: once every rank expects them, they exchange
+    no argument-check packet at all (one library call each); a small `auto` allreduce makes
+    exactly one exchange (its data rides in it)."""
+    size = comm.Get_size()
+    exchanges = [0]
+    original = Agreement.exchange
+
+    def counted(self: Agreement, *args: Any, **kwargs: Any) -> Any:
+        exchanges[0] += 1
+        return original(self, *args, **kwargs)
+
+    a, b = np.ones(2, np.float32), np.ones(16, np.float64)
+
+    def two_calls() -> list[Any]:  # the same two lines every time: an expectation names its line
+        return [collectives.allreduce(a, side, algorithm="mpi"),
+                collectives.allreduce(b, side, algorithm="mpi")]
+
+    for _ in range(2):  # learnt: each call is then the expected one
+        two_calls()
+    monkeypatch.setattr(Agreement, "exchange", counted)
+    results = []
+    for _ in range(5):
+        results += two_calls()
+    expected_calls = exchanges[0]
+    collectives.allreduce(a, side)  # auto: butterfly, riding in its check
+    riding = exchanges[0] - expected_calls
+    monkeypatch.undo()
+    exact = all(bitwise_equal(r, np.full(r.shape, size, r.dtype)) is None for r in results)
+    ok = exact and expected_calls == 0 and riding == 1
+    assert all_ranks_agree(ok, comm), (exact, expected_calls, riding)
+
+
+def test_the_small_plan_is_reused(comm: MPI.Comm, side: MPI.Comm) -> None:
+    """One plan per shape, dtype, op and algorithm: a thousand alike calls add none."""
+    x = np.ones(3, np.float32)
+    collectives.allreduce(x, side)
+    lane = channel_of(side).blocking
+    before = len(lane.small)
+    for _ in range(1000):
+        collectives.allreduce(x, side)
+    collectives.allreduce(np.ones(3, np.float64), side)
+    assert all_ranks_agree(len(lane.small) == before + 1, comm), (before, len(lane.small))
+
+
+@pytest.mark.parametrize("ranks", range(1, 9))
+def test_every_op_s_agreeing_value_survives_only_unanimity(ranks: int) -> None:
+    """The element of the expected call: the op's reduction of the ranks' values is the agreeing
+    value exactly when every rank passed it, in every dtype the library reduces."""
+    problems = []
+    for op in collectives.OPS.values():
+        for name, dtype in collectives.DTYPES.items():
+            if name == "bfloat16":
+                continue
+            ufunc = getattr(np, op.ufunc)
+            for disagreeing in range(ranks + 1):
+                values = [dtype.type(op.disagreeing)] * disagreeing + \
+                    [dtype.type(op.agreeing)] * (ranks - disagreeing)
+                reduced = values[0]
+                for value in values[1:]:
+                    reduced = ufunc(reduced, value, dtype=dtype)
+                if (reduced == dtype.type(op.agreeing)) != (disagreeing == 0):
+                    problems.append(f"{op.name} {name} {disagreeing}/{ranks}: {reduced}")
+    assert not problems, problems

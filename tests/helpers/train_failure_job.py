@@ -1,0 +1,285 @@
+"""`hpcdl train` in a job that loses ranks, for tests/hpcdl/training/test_rank_loss.py.
+
+Run under `mpirun --with-ft ulfm -n K python tests/helpers/train_failure_job.py DIR KILL [KILL ...] --
+TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the other: one start
+of the ranks for them all). Each KILL is `phase:step:victims`: the victims (ids joined by `+`:
+world ranks, or a replacement's) SIGKILL themselves at `phase` once they have applied `step`
+updates (a replacement (--respawn), whose id comes after the ranks mpirun started, counts the
+updates it applied since it joined):
+
+- `step`: as the next step starts, before its forward (a parameter server's worker: after its pull);
+- `backward`: in the next step, after its first gradient bucket is launched, so buckets are in
+  flight on the other ranks (run with a small --bucket-cap-mb to have several);
+- `optimizer`: in the next step's update (allreduce: its gradients were averaged on every rank;
+  local-sgd: before the update and its averaging, if due; a parameter server's worker: before its
+  push);
+- `push`: a parameter server's worker, in the next step's push, once its messages to the servers
+  are posted and before they complete; each server matches the message and waits until the
+  victim is dead before it receives the data (which it then cannot);
+- `checkpoint`: while writing the checkpoint taken after that many steps (rank 0 writes: it
+  dies with the file half written);
+- `evaluation`: in the epoch-end evaluation after that many steps (an epoch's last);
+- `after`: that many milliseconds after training (or a parameter server's serving) started on
+  this rank, whatever it is doing then;
+- before training (`step` 0): `parse`, as `hpcdl train` parses its command line (rank 0 parses,
+  the others wait for it); `spares`, as the spares are set aside (--spares); `waiting`, a spare
+  as it starts waiting to be called.
+
+With `--spares K` a victim in training dies only once the K spares are ready (each writes DIR/spare-ready-<id>
+when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
+Every checkpoint is kept (not only the newest three), for the tests to resume from any.
+Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
+replacement's) with its model, optimizer and scheduler state (a parameter server's worker: the
+model it evaluated last, its own counters; a server: its shard's values put into the model, its
+clocks, progress, the workers it lost and its consistency model's state), and DIR/done-<id> with
+the exit status, so the test can compare the survivors bit for bit; every process appends each
+run's status to DIR/statuses-<id> as the run returns (a line per run), for tests whose runs share
+one job. The rest is `hpcdl train` itself.
+"""
+# ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from hpcdl.runtime import recovery
+
+recovery.join()  # a replacement (--respawn) joins before importing torch, as `hpcdl train` does
+import torch
+
+from hpcdl.commands import train
+from hpcdl.commands.collective_command import Command
+from hpcdl.ddp import reducer
+from hpcdl.training import compute, pacing
+from hpcdl.training import run as train_run
+from hpcdl.training import trainer as trainer_module
+from hpcdl.training.strategies import allreduce, local_sgd, parameter_server, servers
+from hpcdl.parameter_server import server as ps_server
+from hpcdl.parameter_server import worker as ps_worker
+from hpcdl.parameter_server.protocol import HEADER_BYTES, Tag
+from hpcdl.runtime import checkpoint, world
+
+
+#: The phases before training: a victim there does not wait for the spares to be ready.
+BEFORE_TRAINING = ("parse", "spares", "waiting")
+
+
+class Killer:
+    """SIGKILLs this process at the chosen phase of the chosen step (after writing the time to
+    DIR/killed-<id>, for the test to measure from)."""
+
+    def __init__(self, directory: Path, kills: list[tuple[str, int, set[int]]], spares: int = 0) -> None:
+        self.directory = directory
+        self.spares = spares
+        me = world.member()  # a replacement's id: the survivors gave it when it joined
+        self.mine = {(phase, step) for phase, step, victims in kills if me in victims}
+        self.pushers = {(victim, step) for phase, step, victims in kills if phase == "push" for victim in victims}
+        self.steps = 0  # updates applied on this rank
+        self.armed_checkpoint = False
+
+    def die_if(self, phase: str) -> None:
+        if (phase, self.steps) in self.mine:
+            self.die(training=phase not in BEFORE_TRAINING)
+
+    def die(self, training: bool = True) -> None:
+        deadline = time.monotonic() + 120
+        while (training and len(list(self.directory.glob("spare-ready-*"))) < self.spares
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        (self.directory / f"killed-{world.member()}").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def install(self) -> None:
+        killer = self
+        launch = reducer.Reducer._launch
+
+        def launched(self: Any, bucket: Any) -> None:
+            launch(self, bucket)
+            killer.die_if("backward")
+        reducer.Reducer._launch = launched  # type: ignore[method-assign]
+
+        before_step = pacing.Lockstep.before_step
+
+        def starting(self: Any, *args: Any) -> int:
+            status = before_step(self, *args)
+            if status == pacing.TAKE_STEP:
+                killer.die_if("step")
+            return status
+        pacing.Lockstep.before_step = starting  # type: ignore[method-assign]
+
+        meet = pacing.Meetings.before_step
+
+        def meeting(self: Any, *args: Any) -> int:
+            status = meet(self, *args)
+            if status == pacing.TAKE_STEP:
+                killer.die_if("step")
+            return status
+        pacing.Meetings.before_step = meeting  # type: ignore[method-assign]
+
+        for strategy in (allreduce.Allreduce, local_sgd.LocalSGDStrategy, servers.ParameterServerStrategy):
+            def finished(self: Any, finish: Callable[[Any], None] = strategy.finish_step) -> None:
+                killer.die_if("optimizer")
+                finish(self)
+                killer.steps += 1
+            strategy.finish_step = finished  # type: ignore[method-assign]
+
+        wait_all = ps_worker.wait_all
+
+        def pushing(requests: Any, what: str, timeout: Any = None) -> None:
+            if what.startswith("push "):
+                killer.die_if("push")
+            wait_all(requests, what, timeout)
+        ps_worker.wait_all = pushing
+
+        handle = ps_server.Server._handle
+        pushes: dict[int, int] = {}  # PUSH messages matched, by worker
+
+        def handling(self: Any, message: Any, status: Any, on_checkpoint: Any) -> None:
+            source = status.Get_source()
+            if status.Get_tag() == Tag.PUSH:
+                pushes[source] = pushes.get(source, 0) + 1
+                if (source, pushes[source] - 1) in killer.pushers:  # matched: receive once it is dead
+                    deadline = time.monotonic() + 60
+                    while not (killer.directory / f"killed-{source}").exists() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    time.sleep(0.2)
+            handle(self, message, status, on_checkpoint)
+        ps_server.Server._handle = handling  # type: ignore[method-assign]
+
+        save = checkpoint.atomic_save
+
+        def saving(obj: Any, path: Any) -> None:
+            if ("checkpoint", killer.steps) in killer.mine:
+                write = checkpoint._HashingWriter.write
+
+                def half(self: Any, data: bytes) -> int:
+                    written = write(self, data[:len(data) // 2])
+                    self.file.flush()
+                    killer.die_if("checkpoint")
+                    return written
+                checkpoint._HashingWriter.write = half  # type: ignore[method-assign]
+            save(obj, path)
+        checkpoint.atomic_save = saving
+
+        checkpoint.prune_checkpoints = lambda *args, **kwargs: None
+
+        evaluate = compute.evaluate
+
+        def evaluating(*args: Any, **kwargs: Any) -> Any:
+            killer.die_if("evaluation")
+            return evaluate(*args, **kwargs)
+        compute.evaluate = evaluating
+
+        def start_timers() -> None:
+            for phase, delay in killer.mine:
+                if phase == "after":
+                    timer = threading.Timer(delay / 1000, killer.die)
+                    timer.daemon = True  # a process that finishes first is not kept waiting
+                    timer.start()
+        run, serve = trainer_module.Trainer.run, parameter_server.ParameterServerStrategy.serve
+
+        def running(self: Any) -> int:
+            start_timers()
+            return run(self)
+
+        def serving(self: Any) -> int:
+            start_timers()
+            return serve(self)
+        trainer_module.Trainer.run = running  # type: ignore[method-assign]
+        parameter_server.ParameterServerStrategy.serve = serving  # type: ignore[method-assign]
+
+        wait_for_call = train_run.wait_for_call
+
+        def waiting(pool: Any) -> Any:
+            (killer.directory / f"spare-ready-{world.member()}").write_text("")
+            killer.die_if("waiting")
+            return wait_for_call(pool)
+        train_run.wait_for_call = waiting
+
+        parse = Command.parse
+
+        def parsing(self: Any, *args: Any) -> Any:
+            killer.die_if("parse")
+            return parse(self, *args)
+        Command.parse = parsing  # type: ignore[method-assign]
+
+        set_aside = train_run.set_aside
+
+        def setting_aside(*args: Any) -> Any:
+            killer.die_if("spares")
+            return set_aside(*args)
+        train_run.set_aside = setting_aside
+
+
+def keep_final_state(directory: Path) -> None:
+    """After the run, each process saves what it trained (before it leaves without Finalize)."""
+    run = trainer_module.Trainer.run
+
+    def running(self: Any) -> int:
+        status = run(self)
+        strategy = self.strategy
+        state = {"step": self.step, "size": self.size, "rank": self.rank,
+                 "reports": [(r.loss.members, r.steps_lost) for r in self.recovery.reports]}
+        if isinstance(strategy, servers.ParameterServerStrategy):  # the servers hold the model
+            state |= {"model": strategy.evaluation_model().state_dict(), "own_steps": self.own_steps}
+        else:
+            state |= {"model": self.model.state_dict(), "optimizer": strategy.optimizer.state_dict(),
+                      "scheduler": strategy.scheduler.state_dict()}
+        torch.save(state, directory / f"final-{world.member()}.pt")
+        (directory / f"done-{world.member()}").write_text(str(status))
+        return status
+    trainer_module.Trainer.run = running  # type: ignore[method-assign]
+
+    serve = servers.ParameterServerStrategy.serve
+
+    def serving(self: Any) -> int:
+        status = serve(self)
+        server = self.ps.server
+        flats = [p.detach().view(-1) for p in self.module.parameters()]
+        with torch.no_grad():
+            for piece in server.shard.pieces:  # the shard's values into the model, as a pull does
+                size = server.layout.itemsizes[piece.param]
+                start = HEADER_BYTES + piece.offset
+                raw = server.message[start:start + (piece.stop - piece.start) * size]
+                flats[piece.param][piece.start:piece.stop].copy_(raw.view(flats[piece.param].dtype))
+        torch.save({"model": self.module.state_dict(), "clocks": dict(server.clocks), "lost": sorted(server.lost),
+                    "stats": server.stats(), "progress": server.progress,
+                    "consistency": server.consistency.state_dict()}, directory / f"final-{world.member()}.pt")
+        (directory / f"done-{world.member()}").write_text(str(status))
+        return status
+    servers.ParameterServerStrategy.serve = serving  # type: ignore[method-assign]
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    directory = Path(argv[0])
+    kills = []
+    for spec in argv[1:split]:
+        phase, step, victims = spec.split(":")
+        kills.append((phase, int(step), {int(v) for v in victims.split("+")}))
+    after = argv[split + 1:]
+    spares = int(after[after.index("--spares") + 1]) if "--spares" in after else 0
+    Killer(directory, kills, spares).install()
+    keep_final_state(directory)
+    runs: list[list[str]] = [[]]  # several runs one after the other, separated by `--`
+    for arg in argv[split + 1:]:
+        if arg == "--":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    statuses = []
+    for run in runs:
+        statuses.append(train.main(run))
+        with open(directory / f"statuses-{world.member()}", "a") as file:  # what ended, should a later run not
+            file.write(f"{statuses[-1]}\n")
+    return max(statuses)
+
+
+if __name__ == "__main__":
+    status: Callable[[], int] = lambda: main(sys.argv[1:])  # noqa: E731
+    sys.exit(status())

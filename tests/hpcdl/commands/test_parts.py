@@ -1,0 +1,88 @@
+"""The commands' smaller parts, each called directly: the dispatcher and `python -m hpcdl`, the
+units of the command lines, the options of `hpcdl train`, `hpcdl tune` and `hpcdl bench`, the bench's
+table and defaults, SLURM times. The other tests of this folder run whole commands. No
+communication: every rank checks the same things alone.
+"""
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+
+import pytest
+
+from hpcdl.benchmarking.measurement import Measurement
+from hpcdl.commands import cli, slurm, train, tune, units
+from hpcdl.commands.bench import options, report
+from hpcdl.commands.bench.sweep import default_iterations, default_warmup
+from hpcdl.training.config import TrainConfig
+
+
+def test_the_dispatcher_lists_the_commands_and_refuses_an_unknown_one(capsys: pytest.CaptureFixture[str]
+                                                                      ) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hpcdl <command> [options]") and all(f"  {name} " in out for name in cli.SUBCOMMANDS)
+    assert cli.main([]) == 2
+    assert cli.main(["trian"]) == 2
+    assert "hpcdl: unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_python_dash_m_hpcdl_is_the_command(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["hpcdl", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("hpcdl.__main__", run_name="__main__")
+    assert done.value.code == 0 and capsys.readouterr().out == cli.usage() + "\n"
+
+
+def test_units_read_bandwidths_times_counts_and_sizes() -> None:
+    assert units.parse_bandwidth("100gbit") == 12.5e9
+    assert units.parse_bandwidth("12.5GB/s") == 12.5e9
+    assert units.parse_bandwidth("1KiB/s") == 1024
+    assert units.parse_duration("1.5ms") == pytest.approx(1.5e-3) and units.parse_duration("2us") == pytest.approx(2e-6)
+    assert units.parse_count("1.3B") == 1_300_000_000 and units.parse_count("350k") == 350_000
+    assert units.parse_bytes("64K") == 65536 and units.parse_bytes("1.5K") == 1536 and units.parse_bytes("4KiB") == 4096
+    assert units.positive(int)("3") == 3
+    for parse, text in ((units.parse_bandwidth, "100"), (units.parse_duration, "2"), (units.parse_bytes, "0.5"),
+                        (units.parse_count, "0"), (units.positive(float), "0")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+
+def test_slurm_times_in_seconds() -> None:
+    assert slurm.slurm_time_seconds("30") == 30 * 60
+    assert slurm.slurm_time_seconds("1:30:00") == 5400
+    assert slurm.slurm_time_seconds("2-01:00:00") == (2 * 24 + 1) * 3600
+    assert slurm.slurm_time_seconds("UNLIMITED") is None
+    with pytest.raises(ValueError, match="minutes must be below 60"):
+        slurm.slurm_time_seconds("1:60:00")
+    assert "cpu" in slurm.available_templates()
+
+
+def test_train_options_become_a_train_config() -> None:
+    assert train.parse_slowdown("0.05:4:10") == (0.05, 4.0, 10)
+    assert train.grid_shape("2x3") == (2, 3) and train.parse_straggler("3:2") == (3, 2.0)
+    with pytest.raises(argparse.ArgumentTypeError, match="expected DxM"):
+        train.grid_shape("2x0")
+    config = train.parse_config(["--epochs", "3"])
+    assert isinstance(config, TrainConfig) and config.epochs == 3
+
+
+def test_tune_options_keep_the_configurations_defaults() -> None:
+    args = tune.parse_args(["-b", "1K", "-e", "1M"])
+    assert (args.minbytes, args.maxbytes) == (1024, 1 << 20)
+    fit = tune.config_of(tune.FitConfig, args)
+    assert (fit.minbytes, fit.maxbytes, fit.stepfactor) == (1024, 1 << 20, tune.FitConfig.stepfactor)
+
+
+def test_bench_options_table_and_defaults() -> None:
+    args = options.build_parser().parse_args(["-b", "8", "-e", "64K", "-C", "allgather"])
+    assert (args.minbytes, args.maxbytes, args.collective) == (8, 65536, ["allgather"])
+    assert default_iterations(8) == 200 and default_iterations(1 << 30) == 10
+    assert default_warmup(200) == 20 and default_warmup(5) == 1
+    header = report.table_header("allreduce")
+    assert header[0] == "# allreduce" and "busbw" in header[1] and "(us)" in header[2]
+    row = report.table_row(Measurement("allreduce", "ring", 1024, 256, "float32", "sum", None, False, 2, 10, 1,
+                                       2e-6, 1e-6, 3e-6, 2e-6, 0.5, 0.5, 0, 20))
+    assert row.split()[:7] == ["1024", "256", "float32", "sum", "-", "out", "ring"]

@@ -1,0 +1,138 @@
+"""`DistributedDataParallel(reproducible=True)` (issue 39): a few AdamW steps with clipping and
+dropout give the parameters one process computes in process (MPI.COMM_SELF), at every N of the job
+and with every algorithm; today's default path gives other bits on N ranks than on one; what
+cannot be reproduced is refused on every rank together.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import collectives
+import hpcdl
+from hpcdl.ddp.reproducible import micro_batch_range, micro_batch_seed
+from hpcdl.training.reproducible import parameter_digest
+from tests.conftest import all_ranks_agree
+
+ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
+
+
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """The reproducible wrapper sets torch's intra-op threads: the tests after these keep theirs."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_net(dropout: float = 0.2) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(64, 10))
+
+
+def data(steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return (torch.randn(steps * batch, 32, generator=generator),
+            torch.randint(0, 10, (steps * batch,), generator=generator))
+
+
+#: Each step's loss scale: step 2's gradients outgrow the quanta of step 1's, step 3's shrink far
+#: below step 2's, so both run again (as the first does, having no quanta yet).
+LOSS_SCALES = (1.0, 1.0, 1000.0, 1e-6)
+
+
+def train_reproducible(comm: MPI.Comm, algorithm: str, micro_batch: int = 4, steps: int = len(LOSS_SCALES),
+                       batch: int = 22) -> tuple[str, list[float], list[int]]:
+    """AdamW with clipping over `steps` global batches of `batch` (in micro-batches of
+    `micro_batch`, the last short), the loss scaled by LOSS_SCALES; the parameter digest, the
+    losses and how often each step ran."""
+    net = small_net()
+    model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=micro_batch, seed=3,
+                                          algorithm=algorithm)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    x, y = data(steps, batch)
+    losses, runs = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        part = slice(step * batch, (step + 1) * batch)
+        scale = LOSS_SCALES[step]
+        result = model.backward_batch(x[part], y[part], lambda out, target: F.cross_entropy(out, target) * scale,
+                                      step=step)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        optimizer.step()
+        losses.append(result.loss)
+        runs.append(result.runs if result.samples == batch else -1)
+    return parameter_digest(net), losses, runs
+
+
+def test_reproducible_ddp_gives_one_process_bits_with_every_algorithm():
+    comm = MPI.COMM_WORLD
+    reference = train_reproducible(MPI.COMM_SELF, "auto")  # P = 1, computed in process
+    seen = {algorithm: train_reproducible(comm, algorithm) for algorithm in ALGORITHMS}
+    # the first step runs twice (it has no quanta yet), so do the steps whose gradients outgrew or
+    # fell far below the last step's quanta, the others once
+    assert all_ranks_agree(reference[2] == [2, 1, 2, 2] and all(v == reference for v in seen.values()), comm), \
+        (reference, seen)
+    # 3 micro-batches: from N = 4 on, some ranks compute none
+    few = train_reproducible(MPI.COMM_SELF, "auto", micro_batch=8)
+    assert all_ranks_agree(train_reproducible(comm, "auto", micro_batch=8) == few and few[0] != reference[0], comm)
+
+
+def train_default(comm: MPI.Comm, steps: int = 3, batch: int = 60) -> str:
+    """Today's default DDP: each rank's share of the same global batches, averaged as floats."""
+    net = small_net(dropout=0.0)
+    model = hpcdl.DistributedDataParallel(net, comm)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = data(steps, batch)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    for step in range(steps):
+        optimizer.zero_grad()
+        mine = slice(step * batch + rank * batch // size, step * batch + (rank + 1) * batch // size)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        optimizer.step()
+    return parameter_digest(net)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() == 1, reason="compares N ranks with one")
+def test_default_ddp_gives_other_bits_on_other_ranks():
+    # what --reproducible is for: the same training on N ranks and on one differs in its bits
+    comm = MPI.COMM_WORLD
+    assert all_ranks_agree(train_default(comm) != train_default(MPI.COMM_SELF), comm)
+
+
+@pytest.mark.parametrize("layer,named", [
+    (torch.nn.BatchNorm1d(64), "BatchNorm1d with running statistics"),
+    (torch.nn.SyncBatchNorm(64), "SyncBatchNorm"),
+])
+def test_reproducible_refuses_what_cannot_be_reproduced(layer, named):
+    comm = MPI.COMM_WORLD
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), layer, torch.nn.Linear(64, 10))
+    with pytest.raises(ValueError) as caught:
+        hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=4)
+    message = str(caught.value)
+    assert all_ranks_agree(message.startswith("DistributedDataParallel(reproducible=True)") and named in message
+                           and "1 is a" in message, comm), message
+
+
+def test_reproducible_refuses_other_options_and_takes_unsharded_batch_norm():
+    comm = MPI.COMM_WORLD
+    with pytest.raises(ValueError) as caught:
+        hpcdl.DistributedDataParallel(small_net(), comm, reproducible=True, micro_batch=4, shard="optimizer")
+    ok = "shard= does not apply" in str(caught.value)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64, track_running_stats=False))
+    model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=4)
+    assert all_ranks_agree(ok and model.micro_batch == 4, comm), str(caught.value)
+
+
+def test_micro_batches_are_contiguous_ranges_and_seeds_depend_on_index_only():
+    for batches in (1, 6, 7):
+        for size in range(1, 9):
+            ranges = [micro_batch_range(batches, r, size) for r in range(size)]
+            assert [k for r in ranges for k in r] == list(range(batches))
+    seeds = {micro_batch_seed(0, step, k) for step in range(4) for k in range(8)}
+    assert len(seeds) == 32 and micro_batch_seed(-1, 2, 3) == micro_batch_seed(-1, 2, 3)
+
+

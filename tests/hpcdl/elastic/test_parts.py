@@ -1,0 +1,45 @@
+"""The recovery engine's parts, each called directly on COMM_SELF (every rank alone): commits kept
+and dropped, copies that later steps cannot change, and `hpcdl.elastic.State` going back to its
+commit. Recoveries themselves need lost ranks: tests/hpcdl/training/test_rank_loss.py runs them
+(hpcdl train, hpcdl.elastic and hvd.elastic in jobs of their own).
+"""
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from hpcdl.elastic import State
+from hpcdl.elastic.membership import Membership, cloned
+
+
+def test_a_commit_copies_tensors_and_containers_so_later_steps_cannot_change_it() -> None:
+    weight = torch.ones(3)
+    state = {"model": {"weight": weight}, "steps": [1, 2], "pair": (weight, 4)}
+    copy = cloned(state)
+    weight.add_(5.0)
+    assert torch.equal(copy["model"]["weight"], torch.ones(3)) and torch.equal(copy["pair"][0], torch.ones(3))
+    assert copy["steps"] == [1, 2] and copy["steps"] is not state["steps"] and type(copy["pair"]) is tuple
+
+
+def test_a_membership_keeps_its_last_commits_only() -> None:
+    membership = Membership(MPI.COMM_SELF, participant=None, keep=2)  # type: ignore[arg-type]
+    assert membership.latest is None and membership.members == [0] and membership.next_member == 1
+    for step in range(1, 5):
+        membership.commit({"step": step})
+    assert membership.latest == {"step": 4} and sorted(membership.snapshots) == [3, 4]
+    membership.amend_latest({"step": 4, "checkpoint": True})
+    assert membership.latest == {"step": 4, "checkpoint": True} and not membership.lived_through_a_loss()
+    unkept = Membership(MPI.COMM_SELF, participant=None, keep=0)  # type: ignore[arg-type]
+    unkept.commit({"step": 1})
+    assert unkept.latest is None  # nothing can be lost without ULFM: nothing is kept
+
+
+def test_an_elastic_state_goes_back_to_its_commit() -> None:
+    model = torch.nn.Linear(2, 1)
+    state = State(MPI.COMM_SELF, model=model, epoch=3)
+    state.commit()
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    state.epoch = 4
+    state.restore()
+    assert state.epoch == 3 and not torch.all(model.weight == 7.0) and (state.rank, state.size) == (0, 1)

@@ -1,0 +1,120 @@
+"""hpcdl.runtime: init, where each rank sits, and abort-on-uncaught-exception.
+
+The abort tests start their own `mpirun -n 3` and run only in the N=1 job.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from mpi4py import MPI
+
+import hpcdl
+from tests.conftest import all_ranks_agree
+from tests.run import mpi_environment  # the settings tests/run.py gives its own jobs
+
+ABORT_DEADLINE_S = 60  # a hung job would sit until killed; an aborted one ends in seconds
+
+
+def test_init_is_idempotent() -> None:
+    first = hpcdl.init()
+    assert hpcdl.init() is first
+    assert hpcdl.topology() is first
+
+
+def test_topology_matches_comm_world_and_shared_memory_split(comm: MPI.Comm) -> None:
+    topo = hpcdl.init()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    expected = (comm.Get_rank(), comm.Get_size(), node.Get_rank(), node.Get_size(),
+                MPI.Get_processor_name())
+    node.Free()
+    got = (hpcdl.rank(), hpcdl.size(), hpcdl.local_rank(), hpcdl.local_size(), topo.host)
+    # On every host, local ranks are 0..local_size-1, each exactly once.
+    local: dict[str, list[tuple[int, int]]] = {}
+    for host, local_rank, local_size in comm.allgather((topo.host, topo.local_rank, topo.local_size)):
+        local.setdefault(host, []).append((local_rank, local_size))
+    dense = all(sorted(pairs) == [(i, len(pairs)) for i in range(len(pairs))] for pairs in local.values())
+    assert all_ranks_agree(got == expected and dense), f"rank {comm.Get_rank()}: {got} != {expected}"
+
+
+def test_thread_level_is_multiple() -> None:
+    hpcdl.init()
+    assert hpcdl.thread_level() == "multiple"
+    assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def test_gpu_binding_follows_local_rank() -> None:
+    from hpcdl.runtime import gpu_count
+
+    topo = hpcdl.init()
+    if gpu_count():
+        assert topo.gpu == topo.local_rank % gpu_count()
+    else:
+        assert topo.gpu is None
+
+
+# -- abort on an uncaught exception --------------------------------------------------------------
+
+RAISE_IN_MAIN = """
+    import numpy as np
+    import collectives, hpcdl
+    topo = hpcdl.init()
+    if topo.rank == 1:
+        raise ValueError("deliberate failure on rank 1")
+    collectives.allreduce(np.ones(4))  # ranks 0 and 2 wait here for rank 1, forever without abort
+    print("unreachable: allreduce finished without rank 1", flush=True)
+"""
+
+RAISE_IN_THREAD = """
+    import threading, time
+    import numpy as np
+    import collectives, hpcdl
+    topo = hpcdl.init()
+    if topo.rank == 1:
+        def work():
+            raise RuntimeError("deliberate failure in a thread on rank 1")
+        threading.Thread(target=work, name="worker").start()
+        time.sleep(600)  # the main thread lives on; only the thread's hook can end the job
+    collectives.allreduce(np.ones(4))
+    print("unreachable: allreduce finished without rank 1", flush=True)
+"""
+
+
+def run_job(ranks: int, script: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`mpirun -n ranks python -c script`: its result and how long it took."""
+    start = time.monotonic()
+    done = subprocess.run(["mpirun", "-n", str(ranks), sys.executable, "-c", textwrap.dedent(script)],
+                          env=mpi_environment(), capture_output=True, text=True,
+                          timeout=ABORT_DEADLINE_S)
+    return done, time.monotonic() - start
+
+
+single_job = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
+                                reason="launches its own mpirun; N=1 job only")
+
+
+@single_job
+@pytest.mark.parametrize("script, message", [
+    (RAISE_IN_MAIN, "ValueError: deliberate failure on rank 1"),
+    (RAISE_IN_THREAD, "RuntimeError: deliberate failure in a thread on rank 1"),
+], ids=["main-thread", "other-thread"])
+def test_uncaught_exception_aborts_every_rank(script: str, message: str) -> None:
+    done, elapsed = run_job(3, script)  # raises TimeoutExpired if the job hangs
+    assert done.returncode != 0
+    assert "[hpcdl rank 1] uncaught exception; aborting all ranks" in done.stderr, done.stderr
+    assert "Traceback (most recent call last)" in done.stderr
+    assert message in done.stderr
+    assert "unreachable" not in done.stdout
+    assert elapsed < ABORT_DEADLINE_S
+
+
+@single_job
+def test_single_process_keeps_the_normal_traceback() -> None:
+    # With one rank nobody waits, so the hook leaves Python's own report and exit status alone.
+    done, _ = run_job(1, "import hpcdl; hpcdl.init(); raise KeyError('x')")
+    assert done.returncode == 1
+    assert "KeyError: 'x'" in done.stderr
+    assert "aborting all ranks" not in done.stderr

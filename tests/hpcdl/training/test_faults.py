@@ -1,0 +1,590 @@
+"""`hpcdl train` under faults: damaged and foreign checkpoints, a crash inside the epoch-end
+checkpoint write, a frozen rank, and option values that would overflow or exhaust memory.
+
+The in-process tests call `hpcdl.commands.train.main` on every rank of the pytest job. The tests that need
+a job to crash or freeze launch their own `mpirun` with as many ranks as the pytest job (N = 2
+and 3), from rank 0 only; the other ranks wait for its verdict without spinning.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pty
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import collectives
+from tests.conftest import ROOT, all_ranks_agree, same_state, shared_directory
+from hpcdl.runtime import checkpoint as ckpt
+from hpcdl.commands import train
+from hpcdl.training import compute, metrics, run, signals, waiting
+from hpcdl.training.data import load_digits_split
+from hpcdl.training.models import build_model
+from tests.run import own_job_environment, run_own_job, stop  # launching jobs of its own
+
+SIZE = MPI.COMM_WORLD.Get_size()
+at_most_3_ranks = pytest.mark.skipif(SIZE > 3, reason="trains; N <= 3 is enough")
+own_job = pytest.mark.skipif(SIZE not in (2, 3), reason="launches its own mpirun of N ranks; N = 2, 3")
+
+
+def flipped(data: bytes, bit: int) -> bytes:
+    damaged = bytearray(data)
+    damaged[bit // 8] ^= 1 << (bit % 8)
+    return bytes(damaged)
+
+
+# -- damaged and foreign checkpoints ---------------------------------------------------------------
+
+@at_most_3_ranks
+def test_resume_falls_back_past_a_flipped_bit_and_ends_where_the_intact_run_ended(tmp_path, comm, capsys):
+    """One epoch with a checkpoint after every step; then, 40 times, one bit of the newest
+    checkpoint (the epoch's end) is flipped and the run resumed. Every time, every rank must skip
+    it (rank 0 saying so once), resume from the one before, train the last step again and write
+    an epoch-end checkpoint equal to the intact one."""
+    directory = shared_directory(tmp_path, comm)
+    argv = ["--epochs", "1", "--batch-size", "128", "--checkpoint-every", "1", "--warmup-epochs", "0.5",
+            "--seed", "5", "--checkpoint-dir", str(directory)]
+    assert train.main(argv) == 0
+    steps = [s for s, _ in ckpt.list_checkpoints(directory)]
+    last = steps[-1]
+    newest, before = ckpt.checkpoint_path(directory, last), ckpt.checkpoint_path(directory, last - 1)
+    intact_bytes = newest.read_bytes()
+    intact = ckpt.load_checkpoint(newest)
+    comm.Barrier()  # every rank has read the intact file before rank 0 damages it
+    rng = random.Random(2024)
+    header_bits = [0, 8 * 17 + 5, 8 * 40 + 6, 8 * (ckpt.CHECKPOINT_HEADER_BYTES - 1)]
+    # torch's archive keeps its structure in the first KiB (the first zip header, the pickle) and
+    # the last (the zip directory), where flips made the unverified loader crash or read wrong
+    # data: a third of the random flips in each, a third anywhere.
+    end = 8 * len(intact_bytes)
+    bits = (header_bits + rng.sample(range(8 * ckpt.CHECKPOINT_HEADER_BYTES, 8 * 4096), 12)
+            + rng.sample(range(end - 8 * 4096, end), 12) + rng.sample(range(end), 12))
+    failures = []
+    capsys.readouterr()
+    for bit in bits:
+        if comm.Get_rank() == 0:
+            newest.write_bytes(flipped(intact_bytes, bit))
+        comm.Barrier()
+        status = train.main(argv + ["--resume"])
+        err = capsys.readouterr().err
+        comm.Barrier()  # rank 0's new checkpoint is written before anyone reads it
+        ok = status == 0 and steps == [s for s, _ in ckpt.list_checkpoints(directory)]
+        if comm.Get_rank() == 0:
+            ok &= (err.count("warning: --resume: skipping") == 1
+                   and f"skipping {newest.name}: it " in err and f"resuming from {before.name} instead" in err)
+        else:
+            ok &= "skipping" not in err
+        ok &= same_state(intact, ckpt.load_checkpoint(newest))
+        if not all_ranks_agree(ok, comm):
+            failures.append((bit, status, err[-600:]))
+    assert not failures, failures
+
+
+@at_most_3_ranks
+@pytest.mark.parametrize("write,reason", [
+    (lambda path: torch.save({"model": {"w": torch.zeros(3)}, "step": 7}, path),
+     "it is a zip archive (torch.save's format) without hpcdl's checksum header"),
+    (lambda path: ckpt.atomic_save({"step": 7, "weights": torch.zeros(3)}, path),
+     "it is not a checkpoint of hpcdl train (it holds no model, optimizer, scheduler, epoch, "
+     "batches_done, job, ranks entries"),
+    (lambda path: path.write_bytes(b"\x00" * 100), "it does not start with the hpcdl checkpoint header"),
+], ids=["torch-archive", "library-checkpoint", "junk"])
+def test_resume_refuses_a_file_that_is_not_a_training_checkpoint(write, reason, tmp_path, comm, capsys):
+    directory = shared_directory(tmp_path, comm)
+    if comm.Get_rank() == 0:
+        write(ckpt.checkpoint_path(directory, 7))
+    comm.Barrier()
+    status = train.main(["--epochs", "1", "--checkpoint-dir", str(directory), "--resume"])
+    err = capsys.readouterr().err
+    ok = status == train.ARGUMENT_ERROR and (comm.Get_rank() != 0 or (
+        f"warning: --resume: skipping checkpoint-000000007.pt: {reason}" in err
+        and "error: --resume: none of the 1 checkpoint(s) in" in err and "can be resumed from (see above)" in err))
+    assert all_ranks_agree(ok, comm), err
+
+
+# -- a crash inside the epoch-end checkpoint write --------------------------------------------------
+
+#: `hpcdl train` whose epoch-end checkpoint of epoch 1 fails halfway through the write, as a full
+#: disk or a dying file server would make it: rank 0 raises, and hpcdl's abort hook ends the job.
+CRASH_IN_FIRST_EPOCH_END_WRITE = """
+    import sys
+    import hpcdl.runtime.checkpoint as checkpoint
+    from hpcdl.commands import cli
+
+    real_save = checkpoint.atomic_save
+
+    def save_or_crash(obj, path):
+        if obj.get("epoch") == 1 and obj.get("batches_done") == 0:  # the end of epoch 1
+            def torn(f):
+                f.write(b"the first bytes of a checkpoint")
+                raise OSError("injected crash inside the checkpoint write")
+            checkpoint.write_atomically(path, torn)
+        real_save(obj, path)
+
+    checkpoint.atomic_save = save_or_crash
+    sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def on_rank0(comm: MPI.Comm, work: Callable[[], Any]) -> Any:
+    """`work()` on rank 0 only, its result on every rank; the other ranks sleep meanwhile instead
+    of busy-waiting in a collective (they would take the cores the launched job needs). An
+    exception on rank 0 comes back as the string "<type>: <message>"."""
+    result: Any = None
+    if comm.Get_rank() == 0:
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, which all fail on it
+            result = f"{type(exc).__name__}: {exc}"
+    done = comm.Ibarrier()
+    while not done.Test():
+        time.sleep(0.05)
+    return comm.bcast(result, root=0)
+
+
+def metric_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@own_job
+def test_a_crash_in_the_epoch_end_checkpoint_write_leaves_one_metrics_row_per_epoch(tmp_path, comm):
+    """The row of epoch 1 is written, then its checkpoint write crashes and ends the job. The
+    resumed run (from the mid-epoch checkpoint) trains the rest of epoch 1 again; the metrics file
+    must then hold each epoch once, with the uninterrupted run's results."""
+    directory = shared_directory(tmp_path, comm)
+    size = comm.Get_size()
+    options = ["--epochs", "2", "--batch-size", "128", "--checkpoint-every", "2", "--warmup-epochs", "0.5",
+               "--seed", "3"]
+    assert train.main(options + ["--checkpoint-dir", str(directory / "whole"),  # the reference
+                                 "--metrics", str(directory / "whole.jsonl")]) == 0
+    crashed = options + ["--checkpoint-dir", str(directory / "ckpt"), "--metrics", str(directory / "m.jsonl")]
+
+    def crash_then_resume() -> dict[str, Any]:
+        mpirun = ["mpirun", "-n", str(size), sys.executable]
+        crash = run_own_job(mpirun + ["-c", textwrap.dedent(CRASH_IN_FIRST_EPOCH_END_WRITE), "train", *crashed],
+                            timeout=240)
+        after_crash = [r["epoch"] for r in metric_rows(directory / "m.jsonl")]
+        resume = run_own_job(mpirun + ["-m", "hpcdl", "train", *crashed, "--resume"], timeout=240)
+        return {"crash": (crash.returncode, crash.stdout[-3000:]), "after_crash": after_crash,
+                "resume": (resume.returncode, resume.stdout[-3000:])}
+
+    outcome = on_rank0(comm, crash_then_resume)
+    assert isinstance(outcome, dict), outcome
+    (crash_status, crash_out), (resume_status, resume_out) = outcome["crash"], outcome["resume"]
+    assert crash_status != 0 and "injected crash inside the checkpoint write" in crash_out, crash_out
+    assert outcome["after_crash"] == [1], outcome  # the row was there, its checkpoint was not
+    assert resume_status == 0 and "resuming at epoch 1" in resume_out, resume_out
+    results = ("epoch", "step", "train_loss", "test_loss", "accuracy", "lr", "ranks")
+    want, have = metric_rows(directory / "whole.jsonl"), metric_rows(directory / "m.jsonl")
+    assert [[r[k] for k in results] for r in have] == [[r[k] for k in results] for r in want], have
+
+
+# -- a full disk --------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_filesystem(tmp_path, comm):
+    """A 2 MB tmpfs, mounted by rank 0 where every rank sees it: room for one checkpoint of the
+    digits CNN (1.25 MB), not two. Skips where it cannot be mounted (not root)."""
+    mount = shared_directory(tmp_path, comm) / "small"
+    problem = None
+    if comm.Get_rank() == 0:
+        mount.mkdir()
+        try:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=True,
+                           capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            problem = getattr(exc, "stderr", None) or str(exc)
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        pytest.skip(f"mounting a 2 MB tmpfs (a disk that fills up) needs root: {problem.strip()}")
+    yield mount
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@at_most_3_ranks
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_full_disk_stops_the_run_with_one_message_or_trains_on(policy, small_filesystem, comm, capsys):
+    """Two epochs, a checkpoint at each end: the first fits, the second does not (issue 42: a
+    traceback and MPI_ABORT). stop (the default): every rank ends with status 6, rank 0 saying
+    once which checkpoint, where, the space it needs against the space free, and how to go on;
+    continue: a warning, and the run trains to its end. Either way the partial file is gone and
+    the first checkpoint is kept."""
+    directory = small_filesystem / "ck"
+    argv = ["--epochs", "2", "--seed", "1", "--checkpoint-dir", str(directory)]
+    status = train.main(argv + ([] if policy == "stop" else ["--on-checkpoint-failure", "continue"]))
+    err = capsys.readouterr().err
+    steps = [s for s, _ in ckpt.list_checkpoints(directory)] if comm.Get_rank() == 0 else []
+    left = sorted(p.name for p in directory.iterdir()) if comm.Get_rank() == 0 else []
+    ok = status == (train.CHECKPOINT_FAILED if policy == "stop" else 0) and "Traceback" not in err
+    if comm.Get_rank() == 0:
+        first, second = (steps[0], 2 * steps[0]) if len(steps) == 1 else (None, None)
+        written = re.search(rf"checkpoint {second} could not be written to {re.escape(str(directory))} \(\[Errno 28\] "
+                            r"No space left on device\): it needs about ([\d.]+) MB there besides the checkpoints "
+                            r"kept, and ([\d.]+) MB are free; the partial file was removed and the older "
+                            "checkpoints are kept", err)
+        ok &= len(steps) == 1 and left == [ckpt.checkpoint_path(directory, first).name] and written is not None
+        ok &= written is not None and float(written.group(1)) > float(written.group(2))
+        if policy == "stop":
+            ok &= err.count("hpcdl train: error:") == 1 and (
+                f"The run stops (exit status 6): free space in {directory} or give another --checkpoint-dir, "
+                f"then resume from step {first} with --resume; or add --on-checkpoint-failure continue") in err
+        else:
+            ok &= err.count("hpcdl train: warning: checkpoint") == 1 and (
+                "training goes on without it (--on-checkpoint-failure continue)") in err
+        ok &= ckpt.is_complete(ckpt.checkpoint_path(directory, first))
+    else:
+        ok &= "error" not in err and "warning: checkpoint" not in err
+    assert all_ranks_agree(ok, comm), (status, left, err[-3000:])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_resumed_metrics_file_keeps_the_rows_of_the_checkpoint_s_epochs_only(suffix, tmp_path):
+    """Rows after the checkpoint's epoch, and a torn last line, are dropped; rows go on after."""
+    path = tmp_path / f"metrics{suffix}"
+
+    def write(rows: list[dict[str, Any]], after_epoch: int | None) -> None:
+        log = metrics.MetricsLog(str(path), after_epoch=after_epoch)
+        for row in rows:
+            log.write(row)
+        log.close()
+
+    def epochs() -> list[int]:
+        if suffix == ".jsonl":
+            return [r["epoch"] for r in metric_rows(path)]
+        lines = path.read_text().splitlines()
+        assert lines.count(lines[0]) == 1 and lines[0].startswith("epoch,")  # one header, first
+        return [int(line.split(",")[0]) for line in lines[1:]]
+
+    row = lambda epoch: {"epoch": epoch, "step": 10 * epoch, "train_loss": 1 / epoch}  # noqa: E731
+    write([row(1), row(2), row(3)], after_epoch=None)
+    with path.open("a") as f:
+        f.write('{"epoch": 4, "st' if suffix == ".jsonl" else "4,40")  # a crash mid-row
+    write([row(3)], after_epoch=2)  # resumed from the end of epoch 2
+    assert epochs() == [1, 2, 3]
+    write([row(1)], after_epoch=0)  # resumed inside epoch 1: nothing finished
+    assert epochs() == [1]
+    path.unlink()
+    write([row(2)], after_epoch=1)  # the file is gone: start it again
+    assert epochs() == [2]
+
+
+# -- stalls --------------------------------------------------------------------------------------
+
+def late_call(comm: MPI.Comm, call: Callable[[], Any], waiting_for: str) -> None:
+    """`call()` on every rank, the last one LATE_S seconds after the others: each of the others
+    must warn, naming `waiting_for`, while it waits (HPCDL_STALL_WARNING_S is 0.2 s here)."""
+    collectives.iallreduce(np.zeros(1), comm).wait()  # the communicator's one-time set-up, not late
+    if comm.Get_rank() == comm.Get_size() - 1:
+        time.sleep(1.0)
+        call()
+        ok = True
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        ok = any(issubclass(w.category, RuntimeWarning)
+                 and str(w.message).startswith(f"rank {comm.Get_rank()}: {waiting_for} has waited ")
+                 for w in caught)
+    assert all_ranks_agree(ok, comm), [str(w.message) for w in caught] if comm.Get_rank() == 0 else None
+
+
+@pytest.fixture
+def signal_handlers():
+    """Put SIGUSR1's and SIGTERM's handlers back after a test that made a StopRequest."""
+    saved = {s: signal.getsignal(s) for s in signals.StopRequest.SIGNALS}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs a peer to wait for")
+@pytest.mark.parametrize("what", ["stop-signal check", "epoch-end sums", "evaluation", "checkpoint"])
+def test_every_collective_the_trainer_waits_on_warns_when_a_rank_is_late(what, tmp_path, comm, monkeypatch,
+                                                                        signal_handlers):
+    monkeypatch.setenv("HPCDL_STALL_WARNING_S", "0.2")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if what == "stop-signal check":
+        request = signals.StopRequest()
+        late_call(comm, lambda: request.agreed(comm),
+                  "the per-step stop-signal check (SIGUSR1/SIGTERM, with --checkpoint-dir)")
+    elif what == "epoch-end sums":
+        late_call(comm, lambda: waiting.reduce_over_ranks(np.ones(3), comm, "the sums of epoch 4's loss"),
+                  "the sums of epoch 4's loss")
+    elif what == "evaluation":
+        _, test_set = load_digits_split()
+        torch.manual_seed(0)
+        model = build_model("cnn", in_channels=1, image_size=8, num_classes=10)
+        late_call(comm, lambda: compute.evaluate(model, test_set, rank, size, comm, "after epoch 2"),
+                  "the held-out evaluation after epoch 2")
+    else:
+        directory = shared_directory(tmp_path, comm)
+        late_call(comm, lambda: ckpt.save_checkpoint(directory, {"epoch": 0}, step=12, comm=comm),
+                  "checkpoint 12 (the gather of every rank's state)")
+
+
+@own_job
+def test_a_frozen_rank_is_warned_about_within_seconds_and_training_finishes_after_it_thaws(tmp_path, comm):
+    """SIGSTOP the last rank of a training job with --checkpoint-dir: the others must warn within
+    seconds (HPCDL_STALL_WARNING_S=1), naming what they wait for; after SIGCONT training finishes."""
+    directory = shared_directory(tmp_path, comm)
+    size = comm.Get_size()
+    train_command = (f"{sys.executable} -m hpcdl train --epochs 6 --batch-size 8 "
+                     f"--checkpoint-dir {directory / 'ckpt'}")
+    # Each rank writes its pid first: `exec` keeps it, so the pid is the training process's.
+    command = ["mpirun", "-n", str(size), "sh", "-c",
+               f'echo $$ > {directory}/rank$OMPI_COMM_WORLD_RANK.pid; exec {train_command}']
+
+    def freeze_and_thaw() -> dict[str, Any]:
+        lines: list[str] = []
+        proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(HPCDL_STALL_WARNING_S="1"),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        frozen = None
+        try:
+            if not wait_until(lambda: any("training cnn on digits" in line for line in lines), 120):
+                return {"error": "training did not start", "output": "".join(lines)[-3000:]}
+            frozen = int((directory / f"rank{size - 1}.pid").read_text())
+            os.kill(frozen, signal.SIGSTOP)
+            stopped_at, seen = time.monotonic(), len(lines)
+            stall_line = re.compile(r"rank \d+: (.*) has waited (\d+\.\d) s for the other ranks")
+            warned = wait_until(lambda: any(stall_line.search(line) for line in lines[seen:]), 30)
+            warned_after = time.monotonic() - stopped_at
+            os.kill(frozen, signal.SIGCONT)
+            frozen = None
+            status = proc.wait(timeout=240)
+            reader.join(timeout=10)
+            found = [m.group(1) for line in lines[seen:] if (m := stall_line.search(line))]
+            return {"warned": warned, "warned_after": warned_after, "waiting_for": found, "status": status,
+                    "finished": any("final held-out accuracy" in line for line in lines),
+                    "output": "".join(lines)[-3000:]}
+        finally:
+            if frozen is not None:
+                os.kill(frozen, signal.SIGCONT)
+            if proc.poll() is None:
+                stop(proc)
+
+    outcome = on_rank0(comm, freeze_and_thaw)
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    assert outcome["warned"], outcome  # within 30 s of the SIGSTOP, with a 1 s warning delay
+    assert all(what for what in outcome["waiting_for"]), outcome
+    assert outcome["status"] == 0 and outcome["finished"], outcome
+
+
+@own_job
+def test_sigterm_to_a_server_rank_alone_checkpoints_and_stops_the_job(tmp_path, comm):
+    """docs/training.md: one signal to one rank is enough. A server takes no part in the workers'
+    agreement on signals: it passes SIGTERM on in its answers to their pulls, and the job
+    checkpoints and stops with status 3 (the signal was lost: the run went on to its end). N=2
+    runs sync-ps (workers agree after every step), N=3 downpour (they agree where they meet)."""
+    directory = shared_directory(tmp_path, comm)
+    size = comm.Get_size()
+    strategy = "sync-ps" if size == 2 else "downpour"
+    train_command = (f"{sys.executable} -m hpcdl train --strategy {strategy} --epochs 100 "
+                     f"--batch-size 8 --checkpoint-dir {directory / 'ckpt'}")
+    command = ["mpirun", "-n", str(size), "sh", "-c",
+               f'echo $$ > {directory}/rank$OMPI_COMM_WORLD_RANK.pid; exec {train_command}']
+
+    def signal_the_server() -> dict[str, Any]:
+        lines: list[str] = []
+        proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        try:
+            # After the first epoch's line the server is surely serving, its handler installed.
+            if not wait_until(lambda: any("epoch   1/100" in line for line in lines), 180):
+                return {"error": "the first epoch did not end", "output": "".join(lines)[-3000:]}
+            os.kill(int((directory / f"rank{size - 1}.pid").read_text()), signal.SIGTERM)
+            status = proc.wait(timeout=240)
+            reader.join(timeout=10)
+            output = "".join(lines)  # searched whole: progress bars may follow the line
+            return {"status": status, "output": output[-3000:],
+                    "stopped": bool(re.search(r"stopping at step \d+ on SIGTERM: checkpoint written", output)),
+                    "checkpoints": [s for s, _ in ckpt.list_checkpoints(directory / "ckpt")]}
+        finally:
+            if proc.poll() is None:
+                stop(proc)
+
+    outcome = on_rank0(comm, signal_the_server)
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    assert outcome["status"] == train.CHECKPOINTED_ON_SIGNAL, outcome
+    assert outcome["stopped"] and outcome["checkpoints"], outcome
+
+
+def launch_and_signal(command: list[str], signum: int | None, after: str, env: dict[str, str] | None = None,
+                      stdout: int | None = None) -> dict[str, Any]:
+    """Run `command` (an mpirun) from this rank, send `signum` to mpirun once its output matches
+    `after` (None: no signal); its status and output (carriage returns kept)."""
+    chunks: list[str] = []
+    proc = subprocess.Popen(command, cwd=ROOT, env=env or own_job_environment(), stdout=stdout or subprocess.PIPE,
+                            stderr=subprocess.STDOUT if stdout is None else stdout)
+    if stdout is not None:  # the caller reads it (a terminal)
+        return {"proc": proc}
+
+    def read() -> None:
+        assert proc.stdout is not None
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            chunks.append(chunk.decode(errors="replace"))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if signum is not None:
+            if not wait_until(lambda: re.search(after, "".join(chunks)) is not None, 180):
+                return {"error": f"no {after!r} in the output", "output": "".join(chunks)[-3000:]}
+            proc.send_signal(signum)
+        status = proc.wait(timeout=240)
+        reader.join(timeout=10)
+        return {"status": status, "output": "".join(chunks)}
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+
+
+@own_job
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1], ids=["INT", "TERM", "USR1"])
+def test_a_signal_to_mpirun_ends_the_run_with_one_line_and_nothing_else(signum, tmp_path, comm):
+    """Issue 42. Ctrl-C (SIGINT to mpirun) and SIGTERM to mpirun: mpirun ends the ranks and
+    forwards none of their output, and the run ended silently. Now one line, on mpirun's stderr,
+    says where the run stood, what ended it and which checkpoint resumes it (the newest there);
+    no status file (the run was stopped from outside), mpirun's status 1. SIGUSR1 (the documented
+    stop): the checkpoint is written and the run stops with status 3, without mpirun's block about
+    processes that exited with a non-zero status."""
+    directory = shared_directory(tmp_path, comm)
+    ck, status_file = directory / "ck", directory / "status"
+    command = ["mpirun", "-n", str(comm.Get_size()), sys.executable, "-m", "hpcdl", "train", "--epochs", "100",
+               "--batch-size", "8", "--checkpoint-dir", str(ck), "--checkpoint-every", "20", "--status-file",
+               str(status_file)]
+    outcome = on_rank0(comm, lambda: launch_and_signal(command, signum, r"epoch +1/100 +loss"))
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    out, steps = outcome["output"], [s for s, _ in ckpt.list_checkpoints(ck)]
+    assert "Traceback" not in out and "exited with non-zero status" not in out and "\r" not in out, out[-3000:]
+    if signum == signal.SIGUSR1:
+        stopped = re.findall(r"stopping at step (\d+) on SIGUSR1: checkpoint written, exit status 3 \(resume with "
+                             r"--resume\)", out)
+        assert outcome["status"] == 3 and len(stopped) == 1 and steps[-1] == int(stopped[0]), out[-3000:]
+        assert status_file.read_text() == "3\n"
+        return
+    lines = re.findall(r"hpcdl train: interrupted at step (\d+) \(epoch \d+\): mpirun ended the job \(it got "
+                       r"Ctrl-C, SIGINT or SIGTERM; SIGUSR1 to mpirun stops the run with a checkpoint of its step "
+                       rf"instead\)\. Resume from the checkpoint of step (\d+) in {re.escape(str(ck))} with --resume\.",
+                       out)
+    assert outcome["status"] == 1 and len(lines) == 1 and out.count("hpcdl train: interrupted") == 1, out[-3000:]
+    (step, newest), = lines
+    assert int(newest) == steps[-1] <= int(step) and not status_file.exists(), (steps, out[-3000:])
+
+
+@own_job
+def test_bad_options_under_mpirun_exit_2_without_mpirun_s_block(comm):
+    """Every rank refuses the option; mpirun reports 2 and prints the one message, not its own block."""
+    command = ["mpirun", "-n", str(comm.Get_size()), sys.executable, "-m", "hpcdl", "train", "--batch-size", "0"]
+    outcome = on_rank0(comm, lambda: launch_and_signal(command, None, ""))
+    out = outcome["output"]
+    assert outcome["status"] == 2 and out.count("hpcdl train: error: --batch-size must be at least 1, got 0") == 1
+    assert "exited with non-zero status" not in out, out
+
+
+@own_job
+@pytest.mark.parametrize("where", ["log", "log with --progress bar", "terminal"])
+def test_progress_bars_show_on_a_terminal_only(where, comm):
+    """Issue 42: redirected to a file, the progress bars' carriage returns interleaved with the
+    epoch lines. A rank's stderr is a pipe to mpirun whatever mpirun's own is: the bars follow
+    mpirun's stderr (a terminal here from a pseudo-terminal), or --progress."""
+    command = ["mpirun", "-n", str(comm.Get_size()), sys.executable, "-m", "hpcdl", "train", "--epochs", "1",
+               *(["--progress", "bar"] if "bar" in where else [])]
+
+    def run() -> dict[str, Any]:
+        if where != "terminal":
+            return launch_and_signal(command, None, "")
+        controller, terminal = pty.openpty()
+        launched = launch_and_signal(command, None, "", stdout=terminal)
+        os.close(terminal)
+        chunks = []
+        with contextlib.suppress(OSError):  # EIO once mpirun, the last holder of the terminal, is gone
+            while chunk := os.read(controller, 1 << 16):
+                chunks.append(chunk.decode(errors="replace"))
+        os.close(controller)
+        return {"status": launched["proc"].wait(timeout=240), "output": "".join(chunks)}
+
+    outcome = on_rank0(comm, run)
+    out = outcome["output"]
+    assert outcome["status"] == 0 and "final held-out accuracy" in out, out[-3000:]
+    assert ("it/s]" in out and "\r" in out) == (where != "log"), out[-3000:]
+
+
+def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    """Poll `condition` every 0.1 s for up to `seconds`; whether it became true."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+# -- option values that overflow or exhaust memory --------------------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--warmup-epochs", "1e308"], "--warmup-epochs 1e+308 is longer than the whole run (--epochs 10)"),
+    (["--epochs", "3", "--warmup-epochs", "3.5"], "--warmup-epochs 3.5 is longer than the whole run"),
+    (["--synthetic", "--image-size", "100000"],
+     "--synthetic --model resnet --image-size 100000 --batch-size 32 needs at least"),
+    (["--synthetic", "--model", "mlp", "--image-size", "30000", "--batch-size", "1"],
+     "--synthetic --model mlp --image-size 30000 --batch-size 1 needs at least"),
+    (["--synthetic", "--image-size", "64", "--batch-size", str(10 ** 9)], "needs at least"),
+    (["--epochs", str(10 ** 400), "--warmup-epochs", "1e308"], "--epochs must be at most 1,000,000,000"),
+    (["--seed", str(2 ** 70)], f"--seed must be a 64-bit integer (-2**63 to 2**63-1), got {2 ** 70}"),
+    (["--synthetic", "--num-warmup-batches", str(10 ** 30)], f"--num-warmup-batches must be at most {sys.maxsize}"),
+    (["--synthetic", "--num-batches-per-iter", str(10 ** 30)],
+     f"--num-batches-per-iter must be at most {sys.maxsize}"),
+    (["--lr", "1e308", "--reference-batch", "1"], "--lr 1e+308 scaled by the linear scaling rule"),
+], ids=["warmup-1e308", "warmup-beyond-epochs", "image-100000", "mlp-image-30000", "batch-1e9",
+        "epochs-1e400", "seed-2**70",
+        "warmup-batches", "batches-per-iter", "lr-overflow"])
+def test_absurd_values_stop_every_rank_with_status_2(argv, message, comm, capsys):
+    status = train.main(argv)
+    err = capsys.readouterr().err
+    ok = status == train.ARGUMENT_ERROR and (comm.Get_rank() != 0 or (
+        message in err and err.count("hpcdl train: error:") == 1 and "Traceback" not in err))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_the_memory_check_says_what_a_run_needs_and_has(comm, capsys):
+    status = train.main(["--synthetic", "--image-size", "100000"])
+    err = capsys.readouterr().err
+    ranks = comm.Get_size()  # one host
+    shown = re.search(r"needs at least ([\d,.]+) GiB per rank, and this host has ([\d,.]+) GiB available "
+                      rf"for its {ranks} rank\(s\)", err)
+    ok = status == 2 and (comm.Get_rank() != 0 or (
+        shown is not None and float(shown.group(1).replace(",", "")) > 1000
+        and "use a smaller --image-size or --batch-size" in err))
+    assert all_ranks_agree(ok, comm), err
+
+
+@pytest.mark.parametrize("epochs,expected", [("1", 0.5), ("2", 1.0), ("3", 1.5), ("5", 2.0)])
+def test_the_default_warmup_fits_any_run(epochs, expected, monkeypatch, comm):
+    """The default warm-up (2 epochs, or half the run if shorter) is never refused, and never
+    covers the whole run (which would warn about an option the user did not give)."""
+    seen = []
+    monkeypatch.setattr(run, "run_training",
+                        lambda config, *args, **kwargs: seen.append(config.warmup_epochs) or 0)
+    assert train.main(["--epochs", epochs]) == 0 and seen == [expected]
+    assert math.isfinite(seen[0])

@@ -1,0 +1,93 @@
+"""The training library's smaller parts, each called directly: the strategies' registry and the
+modules that define them, their option defaults, where a rank at its own pace meets the others,
+the status file, the straggler. test_train.py and test_strategies.py run them through training
+jobs. No communication.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hpcdl.training import resuming
+from hpcdl.training.pacing import Meetings
+from hpcdl.training.status_file import clear_status, write_status
+from hpcdl.training.straggler import Straggler
+from hpcdl.training.strategies import allreduce, base, local_sgd, parameter_server, registry, servers, sync_backup
+
+STRATEGY_MODULES = (allreduce, local_sgd, parameter_server, sync_backup)
+
+
+@pytest.mark.parametrize("module", STRATEGY_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
+def test_the_registry_serves_every_strategy_of_each_module(module) -> None:
+    """A strategy module left out of the registry, or a name registered twice, fails here."""
+    assert module.STRATEGIES
+    for strategy in module.STRATEGIES:
+        assert issubclass(strategy, base.Strategy) and registry.STRATEGIES[strategy.name] is strategy
+
+
+def test_the_parameter_server_strategies_share_the_servers_base() -> None:
+    ps = [*parameter_server.STRATEGIES, *sync_backup.STRATEGIES]
+    assert all(issubclass(s, servers.ParameterServerStrategy) for s in ps)
+    assert not issubclass(allreduce.Allreduce, servers.ParameterServerStrategy)
+    assert servers.DEFAULT_SERVER_OPTIMIZER in servers.SERVER_OPTIMIZERS
+
+
+def test_option_defaults_of_the_strategies() -> None:
+    assert allreduce.momentum_correction({"compression": "topk:0.01"})
+    assert not allreduce.momentum_correction({"compression": "threshold:0.1"})
+    assert allreduce.momentum_correction({"compression": "threshold:0.1", "momentum_correction": True})
+    assert not allreduce.momentum_correction({"compression": "none", "momentum_correction": True})
+    assert sync_backup.backup_workers({}, 1) == 0 and sync_backup.backup_workers({}, 4) == 1
+    assert sync_backup.backup_workers({"backup_workers": 2}, 4) == 2
+
+
+def test_a_rank_at_its_own_pace_meets_the_others_at_the_next_target() -> None:
+    config = SimpleNamespace(checkpoint_every=4, stop_after_steps=7, batch_size=2)
+    trainer = SimpleNamespace(epoch=1, done_in_epoch=3, step=5, config=config, own_steps=9)
+    meetings = Meetings(trainer, None)  # type: ignore[arg-type]
+    assert meetings.stream == (1, 3)
+    assert meetings.next_meeting(epoch_end=10) == 7  # the stop before the checkpoint at 8
+    config.stop_after_steps = None
+    assert meetings.next_meeting(epoch_end=10) == 8 and meetings.next_meeting(epoch_end=6) == 6
+    meetings.after_step(lambda: None)  # type: ignore[arg-type,return-value]
+    assert meetings.rank_state() == {"stream": (1, 4), "own_steps": 9}
+    assert Meetings(trainer, {"stream": [2, 0]}).stream == (2, 0)  # type: ignore[arg-type]
+
+
+def test_the_status_file_holds_one_line_or_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "status"
+    write_status(str(path), 3)
+    assert path.read_text() == "3\n"
+    clear_status(str(path))
+    assert not path.exists()
+    write_status(None, 3)
+    clear_status(None)
+
+
+def test_a_straggler_sleeps_its_factor_less_one_times_the_steps_computing() -> None:
+    model = torch.nn.Linear(64, 64)
+    straggler = Straggler(model, factor=3.0)
+    straggler.start()
+    started = time.perf_counter()
+    model(torch.randn(32, 64)).sum().backward()
+    computed = time.perf_counter() - started
+    straggler.delay()
+    assert 0 < straggler.slept <= 2 * computed + 1e-3
+    on_time = Straggler(torch.nn.Linear(2, 2), factor=1.0)
+    on_time.start()
+    on_time.delay()
+    assert on_time.slept == 0.0
+
+
+def test_the_advice_on_going_on_names_the_newest_checkpoint(tmp_path: Path) -> None:
+    assert resuming.resume_advice(None).startswith("There is no checkpoint to resume from (no --checkpoint-dir)")
+    assert resuming.newest_step(tmp_path) is None
+    assert resuming.resume_advice(tmp_path).startswith(f"No checkpoint was written to {tmp_path} yet")
+    for name in ("checkpoint-8.pt", "checkpoint-12.pt", "checkpoint-40.pt.tmp", ".checkpoint-99.tmp"):
+        (tmp_path / name).write_bytes(b"")
+    assert resuming.newest_step(tmp_path) == 12
+    assert resuming.resume_advice(tmp_path) == f"Resume from the checkpoint of step 12 in {tmp_path} with --resume."

@@ -1,0 +1,63 @@
+"""`hpcdl train --reproducible` (issue 39): what it does not cover is refused with what to do, and
+it prints the same parameter digest, losses and accuracy on 1, 2 and 3 ranks with different
+algorithms (N = 1 job: it launches its own mpirun).
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcdl.training.config import TrainConfig, reproducible_errors
+from hpcdl.training.reproducible import parameter_digest
+from hpcdl.training.strategies import option_errors
+from tests.conftest import ROOT
+from tests.run import run_own_job
+
+
+def test_train_refuses_what_reproducible_does_not_cover():
+    errors = reproducible_errors(TrainConfig(reproducible=True, shard="optimizer", resume=True, model="resnet",
+                                             micro_batch=64, batch_size=32))
+    assert errors == [
+        "--micro-batch 64 is more than --batch-size 32 (with --reproducible, the whole step's batch); use a "
+        "smaller --micro-batch",
+        "--reproducible does not take --model resnet: its batch-norm running statistics (resnet) or "
+        "model-parallel layers (hybrid-cnn) are not summed exactly; use --model cnn or mlp",
+        "--reproducible does not take --shard optimizer: not reproducible yet; drop --shard",
+        "--reproducible does not take --resume: not reproducible yet (the step's quantum is not "
+        "checkpointed); start afresh"]
+    assert reproducible_errors(TrainConfig(micro_batch=8)) == [
+        "--micro-batch applies to --reproducible; add it or drop --micro-batch"]
+    assert option_errors(TrainConfig(reproducible=True, strategy="local-sgd"), 2) == [
+        "--reproducible applies to --strategy allreduce, not local-sgd; drop it"]
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N = 1 job only")
+def test_hpcdl_train_reproducible_prints_the_same_digest_on_1_2_and_3_ranks():
+    digests = {}
+    for ranks, algorithm in ((1, "auto"), (2, "butterfly"), (3, "ring")):
+        command = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "hpcdl", "train",
+                   "--reproducible", "--batch-size", "64", "--micro-batch", "16", "--epochs", "1",
+                   "--algorithm", algorithm]
+        done = run_own_job(command, timeout=240, cwd=ROOT)
+        assert done.returncode == 0, done.stdout
+        found = re.findall(r"epoch   1/1  loss (\S+)  held-out loss (\S+)  accuracy (\S+) .*  params ([0-9a-f]{16})",
+                           done.stdout)
+        assert len(found) == 1, done.stdout  # printed once, by rank 0
+        digests[ranks] = found[0]
+    assert digests[1] == digests[2] == digests[3], digests
+
+
+def test_the_parameter_digest_tells_bitwise_equal_parameters_from_others() -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    twin = torch.nn.Linear(4, 2)
+    twin.load_state_dict(net.state_dict())
+    digest = parameter_digest(net)
+    assert re.fullmatch(r"[0-9a-f]{16}", digest) and parameter_digest(twin) == digest
+    with torch.no_grad():  # the smallest change of one value: another digest
+        twin.bias[0] = torch.nextafter(twin.bias[0], torch.tensor(1.0))
+    assert parameter_digest(twin) != digest
