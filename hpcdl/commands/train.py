@@ -23,10 +23,10 @@ from ..training.run import train
 from ..training.signals import CHECKPOINTED_ON_SIGNAL
 from ..training.strategies import STRATEGIES
 from ..training.strategies.base import DEFAULT_WARMUP_EPOCHS, MOMENTUM
-from ..training.strategies.local_sgd import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS
+from ..local_sgd.options import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS
 from ..training.strategies.parameter_server import DEFAULT_SSP_STALENESS
-from ..training.strategies.servers import (DEFAULT_N_FETCH, DEFAULT_N_PUSH, DEFAULT_SERVER_OPTIMIZER,
-                                           DEFAULT_SERVERS, SERVER_OPTIMIZERS)
+from ..parameter_server.options import DEFAULT_N_FETCH, DEFAULT_N_PUSH, DEFAULT_SERVERS
+from ..training.strategies.servers import DEFAULT_SERVER_OPTIMIZER, SERVER_OPTIMIZERS
 from ..training.strategies.sync_backup import DEFAULT_BACKUP_WORKERS
 from ..training.trainer import CHECKPOINT_FAILED, DIVERGED
 from .collective_command import Command, CommandError

@@ -21,6 +21,7 @@ from collectives import inflight
 
 from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
                        STOP, SUM, VERSION, Tag, header, header_message)
+from .options import DEFAULT_N_FETCH, DEFAULT_N_PUSH
 from .placement import Placement
 from .staleness import Staleness, StalenessLog
 from .waiting import wait_all
@@ -38,7 +39,8 @@ class WorkerClient:
     """
 
     def __init__(self, comm: MPI.Comm, layout: Placement, params: Sequence[torch.Tensor],
-                 servers: Sequence[int], *, n_fetch: int = 1, n_push: int = 1,
+                 servers: Sequence[int], *, n_fetch: int = DEFAULT_N_FETCH,
+                 n_push: int = DEFAULT_N_PUSH,
                  must_pull: bool = False, slowdown: float = 1.0,
                  timeout: float | None = None) -> None:
         self.comm = comm

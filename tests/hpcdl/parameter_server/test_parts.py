@@ -4,6 +4,7 @@ servers and workers. No communication between ranks (requests on COMM_SELF only)
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
@@ -12,9 +13,10 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from hpcdl.parameter_server import optimizers, waiting
+from hpcdl.parameter_server import ParameterServer, WorkerClient, optimizers, options, waiting
 from hpcdl.parameter_server.protocol import HISTOGRAM_BINS
 from hpcdl.parameter_server.staleness import Staleness, StalenessLog
+from hpcdl.training.strategies.servers import ParameterServerStrategy
 
 
 def test_server_optimizers_are_torchs_with_the_same_hyperparameters() -> None:
@@ -70,3 +72,16 @@ def test_waiting_for_requests_ends_or_times_out_naming_them() -> None:
     assert got.tolist() == [4, 5]
     collectives.inflight.reap()
     assert "a probe's pull" not in collectives.inflight.outstanding()
+
+
+def test_the_defaults_shared_with_hpcdl_train_have_one_home() -> None:
+    """`ParameterServer`, `WorkerClient` and hpcdl train's server strategies take --servers,
+    --n-fetch and --n-push from options.py."""
+    job = inspect.signature(ParameterServer).parameters
+    worker = inspect.signature(WorkerClient).parameters
+    assert job["servers"].default == options.DEFAULT_SERVERS
+    assert job["n_fetch"].default == worker["n_fetch"].default == options.DEFAULT_N_FETCH
+    assert job["n_push"].default == worker["n_push"].default == options.DEFAULT_N_PUSH
+    chosen, _ = ParameterServerStrategy.configure({}, 4)
+    assert chosen["servers"] == options.DEFAULT_SERVERS
+    assert (chosen["n_fetch"], chosen["n_push"]) == (options.DEFAULT_N_FETCH, options.DEFAULT_N_PUSH)
