@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "training rank is FACTOR times slower for STEPS steps, e.g. 0.05:4:10")
     comm = parser.add_argument_group("communication (allreduce)")
     comm.add_argument("--algorithm", choices=("auto", *collectives.ALGORITHMS["allreduce"]),
-                      default="auto", help="allreduce algorithm for the gradient buckets")
+                      help="allreduce algorithm for the gradient buckets (default %(default)s)")
     comm.add_argument("--bucket-cap-mb", type=float,
                       help=f"fusion bucket size in MiB (default {DEFAULT_BUCKET_CAP_MB:g})")
     comm.add_argument("--no-overlap", action="store_true",
