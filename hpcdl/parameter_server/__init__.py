@@ -7,7 +7,7 @@ One concept per module:
 - `consistency`: async, softsync, ssp and sync as rules for applying pushes and answering pulls;
 - `optimizers`: the torch optimizers a server runs on its shard;
 - `server`: a server's shard, optimizer and event loop; `worker`: a worker's pull and push;
-- `staleness`: what servers measure; `waiting`: testing requests without spinning on a core;
+- `staleness`: what servers measure; `polling`: testing requests without spinning on a core;
 - `job`: `ParameterServer`, the object every rank builds (see its docstring for a training loop);
 - `options`: the defaults its options share with `hpcdl train` (torch-free).
 

@@ -54,7 +54,7 @@ from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS
                        header_message)
 from .placement import Placement, segments
 from .staleness import Staleness, StalenessLog
-from .waiting import Backoff, wait_all
+from .polling import Backoff, wait_all
 
 _TAGS = {int(t) for t in Tag}
 #: The MPI error classes of a lost process: a probe's or a receive's, a failed request's among several.

@@ -2,7 +2,7 @@
 
 Every exchange is with every server at once, and goes through `_exchange`: receives are posted
 before the requests go out (so a server's reply never waits for this rank), and the worker then
-waits politely (waiting.wait_all) until all are done. However an exchange fails (a lost server's
+waits politely (polling.wait_all) until all are done. However an exchange fails (a lost server's
 MPI error, raised by a post or by the wait; a timeout), what it posted is left to
 `collectives.inflight`, and the error is raised to the caller: for `hpcdl train`, a lost server
 ends the job (docs/failures.md#training). One copy each way: a pull copies the received shards into the parameters, a
@@ -24,7 +24,7 @@ from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_
 from .options import DEFAULT_N_FETCH, DEFAULT_N_PUSH
 from .placement import Placement
 from .staleness import Staleness, StalenessLog
-from .waiting import wait_all
+from .polling import wait_all
 
 
 class WorkerClient:
