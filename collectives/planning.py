@@ -113,9 +113,7 @@ def _plan(call: Call, rank: int, size: int) -> Plan:
     algorithm = call.algorithm
     hand_written = collective.reducing and dtype == "bfloat16"
     if collective.varying_counts:  # counts differ between ranks: auto decides after exchanging them
-        signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES.get(algorithm, 0), 0,
-                     DTYPE_CODES[dtype], -1, 0,
-                     PLACEMENTS["device memory" if src.on_device else "host memory"]]
+        signature = call_signature(call.collective, algorithm, None, dtype, -1, 0, src.on_device)
         if out is not None and not getattr(out.array.flags, "writeable", True):
             raise LocalArgumentError("out is read-only, but the result is written into it")
         layout = collective.plan(Request(src, out, call.x, call.out, in_place, OPS[call.op], rank,
@@ -128,9 +126,7 @@ def _plan(call: Call, rank: int, size: int) -> Plan:
             raise LocalArgumentError(str(exc)) from exc
     if algorithm == "mpi" and hand_written:
         raise LocalArgumentError("the MPI library cannot reduce bfloat16; pick a hand-written algorithm")
-    signature = [COLLECTIVE_CODES[call.collective], ALGORITHM_CODES[algorithm], OPS[call.op].code,
-                 DTYPE_CODES[dtype], n, call.root,
-                 PLACEMENTS["device memory" if src.on_device else "host memory"]]
+    signature = call_signature(call.collective, algorithm, call.op, dtype, n, call.root, src.on_device)
     # A buffer the result goes into must be writable: found out mid-collective, the error would
     # leave the other ranks waiting for this one's messages.
     writes = {"allreduce": [out or src] if in_place or out is not None else [],
@@ -145,6 +141,15 @@ def _plan(call: Call, rank: int, size: int) -> Plan:
     layout = collective.plan(Request(src, None if in_place else out, call.x, call.out, in_place,
                                      OPS[call.op], rank, size, call.root))
     return Plan(algorithm, signature, src, layout)
+
+
+def call_signature(collective: str, algorithm: str, op: str | None, dtype: str, count: int,
+                   root: int = 0, on_device: bool = False) -> list[int]:
+    """The fields of a call that every rank compares in the argument check (packet.py's layout):
+    collective, algorithm (0 while `auto` has not chosen yet), op (0: none or not compared),
+    dtype, element count (-1: counts that differ between ranks), root and memory placement."""
+    return [COLLECTIVE_CODES[collective], ALGORITHM_CODES.get(algorithm, 0), OPS[op].code if op else 0,
+            DTYPE_CODES[dtype], count, root, PLACEMENTS["device memory" if on_device else "host memory"]]
 
 
 def prepare(call: Call, rank: int, size: int) -> tuple[Plan | None, str | None]:

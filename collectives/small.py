@@ -25,10 +25,10 @@ from mpi4py import MPI
 from .channels import channel_of
 from .errors import CollectiveArgumentError
 from .expectation import LibraryPlan
-from .ops import DTYPE_CODES, OPS, dtype_name
-from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, PLACEMENTS, STATUS
-from .planning import ALGORITHM_CHOICES, call_site
-from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES
+from .ops import OPS, dtype_name
+from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, STATUS
+from .planning import ALGORITHM_CHOICES, call_signature, call_site
+from .registry import ALGORITHMS
 from .select import ENCODED_ENVIRONMENT, SETTINGS_NAMES, choose, settings_key
 from .validation import Packet
 
@@ -131,8 +131,7 @@ def _planned(lane: Lane, channel: Channel, x: np.ndarray, op: str, algorithm: st
         except ValueError:
             chosen = None
         if chosen is not None:
-            signature = [COLLECTIVE_CODES["allreduce"], ALGORITHM_CODES[chosen], OPS[op].code,
-                         DTYPE_CODES[dtype], x.size, 0, PLACEMENTS["host memory"]]
+            signature = call_signature("allreduce", chosen, op, dtype, x.size)
             if rides_in_check("allreduce", chosen, False, x.nbytes):
                 plan = FusedPlan(signature, x.dtype, x.shape, op, channel.size,
                                  lane.expectation.ident(tuple(signature)))

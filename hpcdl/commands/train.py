@@ -23,10 +23,10 @@ from ..training.run import train
 from ..training.signals import CHECKPOINTED_ON_SIGNAL
 from ..training.strategies import STRATEGIES
 from ..training.strategies.base import DEFAULT_WARMUP_EPOCHS, MOMENTUM
-from ..training.strategies.local_sgd import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS
+from ..local_sgd.options import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS
 from ..training.strategies.parameter_server import DEFAULT_SSP_STALENESS
-from ..training.strategies.servers import (DEFAULT_N_FETCH, DEFAULT_N_PUSH, DEFAULT_SERVER_OPTIMIZER,
-                                           DEFAULT_SERVERS, SERVER_OPTIMIZERS)
+from ..parameter_server.options import DEFAULT_N_FETCH, DEFAULT_N_PUSH, DEFAULT_SERVERS
+from ..training.strategies.servers import DEFAULT_SERVER_OPTIMIZER, SERVER_OPTIMIZERS
 from ..training.strategies.sync_backup import DEFAULT_BACKUP_WORKERS
 from ..training.trainer import CHECKPOINT_FAILED, DIVERGED
 from .collective_command import Command, CommandError
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "training rank is FACTOR times slower for STEPS steps, e.g. 0.05:4:10")
     comm = parser.add_argument_group("communication (allreduce)")
     comm.add_argument("--algorithm", choices=("auto", *collectives.ALGORITHMS["allreduce"]),
-                      default="auto", help="allreduce algorithm for the gradient buckets")
+                      help="allreduce algorithm for the gradient buckets (default %(default)s)")
     comm.add_argument("--bucket-cap-mb", type=float,
                       help=f"fusion bucket size in MiB (default {DEFAULT_BUCKET_CAP_MB:g})")
     comm.add_argument("--no-overlap", action="store_true",

@@ -42,6 +42,7 @@ from ..tensors.fusion import fused_average, fused_broadcast
 from ..ddp.join import Join
 from ..runtime import stall
 from ..runtime.agreement import raise_unless_agreed
+from .options import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS
 
 
 #: What LocalSGD's stall warning advises.
@@ -71,7 +72,8 @@ class LocalSGD:
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: MPI.Comm | None = None, *, period: int = 8, warmup_steps: int = 0,
+                 comm: MPI.Comm | None = None, *, period: int = DEFAULT_PERIOD,
+                 warmup_steps: int = DEFAULT_WARMUP_STEPS,
                  average_optimizer_state: bool = False, algorithm: str = "auto") -> None:
         runtime.init()
         self.comm = comm if comm is not None else MPI.COMM_WORLD

@@ -30,6 +30,7 @@ from ..runtime.agreement import raise_unless_agreed
 from ..tensors.fusion import fused_broadcast
 from .consistency import CONSISTENCIES, make_consistency
 from .optimizers import check_optimizer
+from .options import DEFAULT_N_FETCH, DEFAULT_N_PUSH, DEFAULT_SERVERS
 from .server import CheckpointHook, LearningRateSchedule, ServerStats, Server
 from .placement import plan_placement
 from .staleness import Staleness
@@ -68,10 +69,12 @@ class ParameterServer:
     received are in `bytes_sent` / `bytes_received`.
     """
 
-    def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *, servers: int = 1,
+    def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *,
+                 servers: int = DEFAULT_SERVERS,
                  consistency: str = "async", s: int | None = None, optimizer: str = "sgd",
                  lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0,
-                 n_fetch: int = 1, n_push: int = 1, straggler: tuple[int, float] | None = None,
+                 n_fetch: int = DEFAULT_N_FETCH, n_push: int = DEFAULT_N_PUSH,
+                 straggler: tuple[int, float] | None = None,
                  timeout: float | None = None, record_events: bool = False,
                  lr_schedule: LearningRateSchedule | None = None, drop_lost_workers: bool = False) -> None:
         runtime.init()

@@ -2,7 +2,7 @@
 
 Every exchange is with every server at once, and goes through `_exchange`: receives are posted
 before the requests go out (so a server's reply never waits for this rank), and the worker then
-waits politely (waiting.wait_all) until all are done. However an exchange fails (a lost server's
+waits politely (polling.wait_all) until all are done. However an exchange fails (a lost server's
 MPI error, raised by a post or by the wait; a timeout), what it posted is left to
 `collectives.inflight`, and the error is raised to the caller: for `hpcdl train`, a lost server
 ends the job (docs/failures.md#training). One copy each way: a pull copies the received shards into the parameters, a
@@ -21,9 +21,10 @@ from collectives import inflight
 
 from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
                        STOP, SUM, VERSION, Tag, header, header_message)
+from .options import DEFAULT_N_FETCH, DEFAULT_N_PUSH
 from .placement import Placement
 from .staleness import Staleness, StalenessLog
-from .waiting import wait_all
+from .polling import wait_all
 
 
 class WorkerClient:
@@ -38,7 +39,8 @@ class WorkerClient:
     """
 
     def __init__(self, comm: MPI.Comm, layout: Placement, params: Sequence[torch.Tensor],
-                 servers: Sequence[int], *, n_fetch: int = 1, n_push: int = 1,
+                 servers: Sequence[int], *, n_fetch: int = DEFAULT_N_FETCH,
+                 n_push: int = DEFAULT_N_PUSH,
                  must_pull: bool = False, slowdown: float = 1.0,
                  timeout: float | None = None) -> None:
         self.comm = comm

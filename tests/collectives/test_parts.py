@@ -20,9 +20,7 @@ from collectives.buffers import UnusableArray, as_buffer
 from collectives.channels import channel_of
 from collectives.cost.counts import NOTHING, Cost
 from collectives.errors import LocalArgumentError
-from collectives.ops import DTYPE_CODES, OPS
-from collectives.packet import PAYLOAD_BYTES, PLACEMENTS
-from collectives.registry import ALGORITHM_CODES, COLLECTIVE_CODES
+from collectives.packet import PAYLOAD_BYTES
 
 ALGORITHM_MODULES = (butterfly, halving_doubling, hierarchical, mpi, reduce_scatter_gather, ring, scatter_allgather,
                      tree)
@@ -161,8 +159,7 @@ def test_which_calls_carry_their_data_in_the_check() -> None:
 
 
 def _signature(count: int, algorithm: str = "mpi") -> tuple[int, ...]:
-    return (COLLECTIVE_CODES["allreduce"], ALGORITHM_CODES[algorithm], OPS["sum"].code, DTYPE_CODES["float64"],
-            count, 0, PLACEMENTS["host memory"])
+    return tuple(planning.call_signature("allreduce", algorithm, "sum", "float64", count))
 
 
 def test_the_call_that_followed_an_agreed_call_is_expected_after_it_again() -> None:

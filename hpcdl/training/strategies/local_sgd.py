@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ...local_sgd.options import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS
 from .base import MOMENTUM, Plan, Strategy
 
 if TYPE_CHECKING:
@@ -25,11 +26,6 @@ if TYPE_CHECKING:
 
     from ...parallel import ProcessGrid
     from ..schedule import Schedule
-
-#: --period's and --warmup-steps' defaults: average every 8 steps, from the first.
-DEFAULT_PERIOD = 8
-DEFAULT_WARMUP_STEPS = 0
-
 
 class LocalSGDStrategy(Strategy):
     """SGD with momentum and the run's schedule on every rank, averaged by `LocalSGD`."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
+from ...parameter_server.options import DEFAULT_N_FETCH, DEFAULT_N_PUSH, DEFAULT_SERVERS
 from ..pacing import Meetings, Pacing
 from .base import MOMENTUM, Plan, Strategy
 
@@ -37,10 +38,9 @@ if TYPE_CHECKING:
     from ..schedule import Schedule
 
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adagrad")
-#: The defaults of --servers, --server-optimizer, --n-fetch and --n-push (pull and push every step).
-DEFAULT_SERVERS = 1
+#: --server-optimizer's default (the servers' own default is plain SGD: a training run steps
+#: with momentum, as the synchronous strategies do).
 DEFAULT_SERVER_OPTIMIZER = "momentum"
-DEFAULT_N_FETCH = DEFAULT_N_PUSH = 1
 
 #: Tag of the servers' checkpoint states on the strategy's own communicator.
 _CHECKPOINT_TAG = 1

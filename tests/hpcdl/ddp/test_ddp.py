@@ -21,6 +21,8 @@ import collectives
 import hpcdl
 import hpcdl.ddp.wrapper
 from tests.conftest import all_ranks_agree
+from tests.helpers import gated
+from tests.helpers.gated import GatedNet
 
 pytestmark = pytest.mark.mpi
 
@@ -419,46 +421,16 @@ def test_no_sync_accumulation(comm):
         assert all_ranks_agree(len(set(hashes)) == size, comm)
 
 
-class _WaitForFirstBucket(torch.autograd.Function):
-    """Identity whose backward waits until bucket 0's allreduce has started, if it was launched.
-
-    Backward of everything before this point (the first layer) cannot finish earlier, so with
-    overlap the first bucket's reduction must start before the first layer's gradient exists.
-    """
-
-    model: hpcdl.DistributedDataParallel | None = None
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        handles = _WaitForFirstBucket.model._buckets[0].handles
-        handle = handles[0] if handles else None
-        deadline = time.perf_counter() + 30
-        while handle is not None and handle.started_at is None and time.perf_counter() < deadline:
-            time.sleep(0.001)
-        return grad
-
-
-class _SlowStart(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = torch.nn.Linear(12, 32)
-        self.rest = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(32, 3))
-
-    def forward(self, x):
-        return self.rest(_WaitForFirstBucket.apply(self.first(x)))
-
-
 @pytest.mark.parametrize("overlap", [True, False])
 def test_first_bucket_starts_before_backward_ends(comm, overlap):
     _exchanges(comm)
     rank = comm.Get_rank()
-    model = hpcdl.DistributedDataParallel(_SlowStart(), comm, overlap=overlap,
+    # bucket 0 holds `rest`; backward of `first` waits until its allreduce has started, so with
+    # overlap the reduction must start before the first layer's gradient exists
+    net = GatedNet(12, 32, 3, until=gated.started)
+    model = hpcdl.DistributedDataParallel(net, comm, overlap=overlap,
                                           first_bucket_mb=0.0001, bucket_cap_mb=0.0001)
-    _WaitForFirstBucket.model = model
+    net.watch(model)
     assert model.bucket_layout()[0] == ["rest.1.bias", "rest.1.weight"]
     first_layer_done: list[float] = []
     # registered after the wrapper's hook, so it runs once first.weight's gradient is final

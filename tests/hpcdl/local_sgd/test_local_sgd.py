@@ -8,6 +8,10 @@ replicas side by side), so checking needs no extra communication.
 from __future__ import annotations
 
 import copy
+import inspect
+import os
+import subprocess
+import sys
 import time
 import warnings
 
@@ -15,6 +19,8 @@ import pytest
 import torch
 
 import hpcdl
+from hpcdl.local_sgd import options
+from hpcdl.training.strategies.local_sgd import LocalSGDStrategy
 from tests.conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -250,3 +256,18 @@ def test_a_late_rank_is_warned_about_while_the_others_average(comm, when, monkey
                  and str(w.message).startswith(f"rank {rank}: LocalSGD: {what} has waited ")
                  for w in caught)
     assert all_ranks_agree(ok, comm)
+
+
+def test_the_defaults_have_one_home_that_the_class_and_hpcdl_train_read_without_torch(comm, tmp_path):
+    """`LocalSGD` and `hpcdl train --strategy local-sgd` take --period and --warmup-steps from
+    options.py, which a command's --help reads without importing torch."""
+    signature = inspect.signature(hpcdl.LocalSGD).parameters
+    chosen, _ = LocalSGDStrategy.configure({"algorithm": "auto"}, comm.Get_size())
+    ok = (signature["period"].default == chosen["period"] == options.DEFAULT_PERIOD
+          and signature["warmup_steps"].default == chosen["warmup_steps"] == options.DEFAULT_WARMUP_STEPS)
+    if comm.Get_rank() == 0:  # a fresh interpreter, outside this MPI job
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        code = "import sys, hpcdl.local_sgd.options; sys.exit('torch' in sys.modules)"
+        ok &= subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=120).returncode == 0
+    assert all_ranks_agree(ok, comm), (signature, chosen)

@@ -25,6 +25,7 @@ from mpi4py import MPI
 import hpcdl
 import hpcdl.ddp.wrapper
 from tests.conftest import all_ranks_agree, shared_directory
+from tests.helpers.gated import GatedNet, done
 from hpcdl.runtime.checkpoint import atomic_save, load_checkpoint
 
 pytestmark = pytest.mark.mpi
@@ -204,41 +205,15 @@ def test_stage_2_frees_gradients_and_refuses_a_second_backward(comm):
     assert all_ranks_agree(freed and "no_sync" in message and stage_1_keeps, comm), message
 
 
-class _WaitForBucket(torch.autograd.Function):
-    """Identity whose backward waits until bucket 0's reduce-scatter is done: backward of the
-    first layer cannot begin before, so what the wrapper does meanwhile is seen deterministically."""
-
-    model: hpcdl.DistributedDataParallel | None = None
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        handles = _WaitForBucket.model._buckets[0].handles
-        deadline = time.perf_counter() + 30
-        while handles and not handles[0].done() and time.perf_counter() < deadline:
-            time.sleep(0.001)
-        return grad
-
-
-class _Gated(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = torch.nn.Linear(13, 7)
-        self.rest = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(7, 1))
-
-    def forward(self, x):
-        return self.rest(_WaitForBucket.apply(self.first(x)))
-
-
 def test_reduce_scatter_runs_during_backward_and_stage_2_frees_its_bucket_then(comm):
     rank, size = comm.Get_rank(), comm.Get_size()
-    model = hpcdl.DistributedDataParallel(_Gated(), comm, shard="gradients", first_bucket_mb=0.00001,
+    # backward of `first` waits until bucket 0's reduce-scatter is done, so what the wrapper does
+    # meanwhile is seen deterministically
+    net = GatedNet(13, 7, 1, until=done)
+    model = hpcdl.DistributedDataParallel(net, comm, shard="gradients", first_bucket_mb=0.00001,
                                           bucket_cap_mb=0.00001)
     opt = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    _WaitForBucket.model = model
+    net.watch(model)
     assert model.bucket_layout()[0] == ["rest.1.bias", "rest.1.weight"]
     seen: list[tuple[float, int]] = []
     # registered after the wrapper's hook: runs once first.weight's gradient is final

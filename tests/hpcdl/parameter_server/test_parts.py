@@ -4,6 +4,7 @@ servers and workers. No communication between ranks (requests on COMM_SELF only)
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
@@ -12,9 +13,10 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from hpcdl.parameter_server import optimizers, waiting
+from hpcdl.parameter_server import ParameterServer, WorkerClient, optimizers, options, polling
 from hpcdl.parameter_server.protocol import HISTOGRAM_BINS
 from hpcdl.parameter_server.staleness import Staleness, StalenessLog
+from hpcdl.training.strategies.servers import ParameterServerStrategy
 
 
 def test_server_optimizers_are_torchs_with_the_same_hyperparameters() -> None:
@@ -45,17 +47,17 @@ def test_the_staleness_log_counts_every_tau_and_merges() -> None:
 
 
 def test_backoff_yields_then_sleeps_longer_up_to_its_cap() -> None:
-    backoff = waiting.Backoff()
+    backoff = polling.Backoff()
     backoff.idle()
-    assert backoff.delay == waiting.IDLE_SLEEP_MIN  # within YIELD_S: only yielded
+    assert backoff.delay == polling.IDLE_SLEEP_MIN  # within YIELD_S: only yielded
     backoff.idle_since = time.perf_counter() - 1.0
     delays = []
     for _ in range(12):
         backoff.idle()
         delays.append(backoff.delay)
-    assert delays[0] == 2 * waiting.IDLE_SLEEP_MIN and delays[-1] == waiting.IDLE_SLEEP_MAX
+    assert delays[0] == 2 * polling.IDLE_SLEEP_MIN and delays[-1] == polling.IDLE_SLEEP_MAX
     backoff.reset()
-    assert backoff.delay == waiting.IDLE_SLEEP_MIN and backoff.idle_since is None
+    assert backoff.delay == polling.IDLE_SLEEP_MIN and backoff.idle_since is None
 
 
 def test_waiting_for_requests_ends_or_times_out_naming_them() -> None:
@@ -63,10 +65,23 @@ def test_waiting_for_requests_ends_or_times_out_naming_them() -> None:
     got = np.zeros(2, dtype=np.int32)
     request = comm.Irecv(got, source=0, tag=21)
     with pytest.raises(TimeoutError, match="a probe's pull did not finish within 0.05 s"):
-        waiting.wait_all([request], "a probe's pull", timeout=0.05)
+        polling.wait_all([request], "a probe's pull", timeout=0.05)
     assert "a probe's pull" in collectives.inflight.outstanding()  # kept, with its buffer
     comm.Send(np.array([4, 5], dtype=np.int32), dest=0, tag=21)
-    waiting.wait_all([request], "a probe's pull", timeout=5)
+    polling.wait_all([request], "a probe's pull", timeout=5)
     assert got.tolist() == [4, 5]
     collectives.inflight.reap()
     assert "a probe's pull" not in collectives.inflight.outstanding()
+
+
+def test_the_defaults_shared_with_hpcdl_train_have_one_home() -> None:
+    """`ParameterServer`, `WorkerClient` and hpcdl train's server strategies take --servers,
+    --n-fetch and --n-push from options.py."""
+    job = inspect.signature(ParameterServer).parameters
+    worker = inspect.signature(WorkerClient).parameters
+    assert job["servers"].default == options.DEFAULT_SERVERS
+    assert job["n_fetch"].default == worker["n_fetch"].default == options.DEFAULT_N_FETCH
+    assert job["n_push"].default == worker["n_push"].default == options.DEFAULT_N_PUSH
+    chosen, _ = ParameterServerStrategy.configure({}, 4)
+    assert chosen["servers"] == options.DEFAULT_SERVERS
+    assert (chosen["n_fetch"], chosen["n_push"]) == (options.DEFAULT_N_FETCH, options.DEFAULT_N_PUSH)
