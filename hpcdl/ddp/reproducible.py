@@ -28,7 +28,14 @@ at construction and identical afterwards. Refused on every rank together, with t
 batch-norm layers that keep running statistics (each rank would update them from its own
 micro-batches only; build them with track_running_stats=False), SyncBatchNorm, parameters off
 the CPU (GPU kernels have no bitwise guarantee across batch shapes), and DistributedDataParallel's
-other options (compression, sharding, ...), which do not apply.
+other options (compression, buckets, shard="gradients", ...), which do not apply.
+
+`shard="optimizer"` (ZeRO stage 1) keeps the optimizer's state for this rank's block of the
+parameters only (`hpcdl/ddp/shards.py` cuts one flat space of all of them into P blocks,
+`model.shard_optimizer(optimizer)` steps the block's pieces, an allgather brings the others'):
+every rank still gets the whole exact gradient (clip it as a whole: the same norm everywhere), and
+an elementwise optimizer steps a piece to the bits it gives the whole parameter (torch 2.13's SGD
+and AdamW, checked by the tests), so the parameters are the unsharded run's bits on any P.
 """
 from __future__ import annotations
 
@@ -45,8 +52,12 @@ from collectives.fixed_point import SUM_BITS, add_fixed, bound_exponent, bound_e
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
+from ..optim.zero import ShardedOptimizer, build_sharded_optimizer
+from ..tensors.arrays import dense_view
 from ..tensors.calls import broadcast
+from .buckets import assign_buckets
 from .reducer import GradientTraffic
+from .shards import ShardExchange, Sharding
 
 #: Bits of room a parameter's quantum leaves above the last step's largest gradient: a step whose
 #: gradients grow more than 2**SLACK_BITS times is run again.
@@ -121,10 +132,13 @@ class ReproducibleDataParallel(torch.nn.Module):
         seed: with the step and the micro-batch's number, seeds each micro-batch's random numbers.
         algorithm: the int64 allreduce's algorithm (any of allreduce's, or "auto": same bits).
         threads: torch's intra-op threads, set here (the gradient's bits depend on them).
+        shard: None, or "optimizer": the optimizer's state sharded over the ranks (ZeRO stage 1;
+            build the optimizer with `shard_optimizer`).
     """
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *, micro_batch: int = 0,
-                 seed: int = 0, algorithm: str = "auto", threads: int = 1, **options: Any) -> None:
+                 seed: int = 0, algorithm: str = "auto", threads: int = 1, shard: str | None = None,
+                 **options: Any) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -139,8 +153,12 @@ class ReproducibleDataParallel(torch.nn.Module):
                           f"got {algorithm!r}")
         if not isinstance(threads, int) or threads < 1:
             errors.append(f"threads must be at least 1, got {threads!r}")
+        if shard is not None and shard != "optimizer":
+            errors.append(f"shard={shard!r} does not apply: the exact sum leaves the whole gradient on every "
+                          "rank; use shard='optimizer' (ZeRO stage 1) or none")
         raise_unless_agreed("DistributedDataParallel(reproducible=True)", errors,
-                            {"micro_batch": micro_batch, "seed": seed, "threads": threads}, self.comm)
+                            {"micro_batch": micro_batch, "seed": seed, "threads": threads, "shard": shard},
+                            self.comm)
         torch.set_num_threads(threads)
         self.micro_batch, self.seed, self.algorithm, self.threads = micro_batch, seed, algorithm, threads
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel()]
@@ -163,9 +181,34 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.traffic = GradientTraffic()
         for tensor in [*module.parameters(), *module.buffers()]:  # rank 0's, in place
             broadcast(tensor.detach(), 0, self.comm)
+        #: None or "optimizer" (DistributedDataParallel's attribute, read where optimizers are built)
+        self.shard = shard
+        self._sharding: Sharding | None = None
+        if shard is not None:
+            # One bucket of every parameter, one flat space cut into P even blocks; its exchange
+            # is never launched (the exact allreduce gives every rank the whole gradient).
+            inf = float("inf")
+            buckets = assign_buckets(self._named, cap=inf, first_cap=inf, in_place_bytes=inf)
+            index = {id(p): i for i, (_, p) in enumerate(self._named)}
+            self._sharding = Sharding(1, buckets, index, self.comm, ShardExchange(), algorithm="auto",
+                                      timeline=None)
+            self._sharding.register_forward_waits(module)
 
-    #: never sharded (DistributedDataParallel's attribute, read where optimizers are built)
-    shard = None
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, *, elementwise: bool = False) -> ShardedOptimizer:
+        """Collective (shard="optimizer"): `optimizer` rebuilt over this rank's pieces, as
+        `DistributedDataParallel.shard_optimizer` does (its `step()` starts the allgathers, the
+        next forward waits for them)."""
+        if self._sharding is None:
+            raise RuntimeError("shard_optimizer() needs DistributedDataParallel(reproducible=True, "
+                               "shard='optimizer')")
+        return build_sharded_optimizer(optimizer, self._sharding, self.comm, {id(p) for _, p in self._named},
+                                       elementwise)
+
+    def wait_for_parameters(self) -> None:
+        """Sharded: wait for the allgathers of the last step, so every parameter is whole (the
+        next forward waits by itself). Nothing to do otherwise."""
+        if self._sharding is not None:
+            self._sharding.wait_all()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward (evaluation; training steps go through `backward_batch`)."""
@@ -214,8 +257,22 @@ class ReproducibleDataParallel(torch.nn.Module):
         grads = torch.from_numpy(from_fixed(acc[:elements], quanta[:elements], total, self._dtype))
         for i, (_, param) in enumerate(self._named):
             param.grad = grads[self._offsets[i]:self._offsets[i + 1]].view_as(param)
+        if self._sharding is not None:
+            self._attach_pieces()
         loss = from_fixed(acc[elements:quantized], quanta[elements:], total, np.float64)
         return StepResult(float(loss[0]), int(acc[quantized]), total, runs)
+
+    def _attach_pieces(self) -> None:
+        """Sharded: each piece's `.grad` views its part of its parameter's whole gradient, laid
+        out as the parameter, so clipping the parameters' gradients clips the pieces' too."""
+        assert self._sharding is not None
+        for _, param in self._named:
+            if param.grad is not None and param.grad.stride() != param.stride():
+                param.grad = torch.empty_like(param).copy_(param.grad)  # the parameter's memory order
+        for piece in self._sharding.pieces.values():
+            owner_grad = piece.owner.grad
+            assert owner_grad is not None, "backward_batch gives every parameter a gradient"
+            piece.param.grad = dense_view(owner_grad)[piece.start:piece.stop]
 
     def _flag(self, maxima: np.ndarray, computed: bool, keep: int) -> None:
         """This rank's verdict on the step's quanta, as integers summed with the gradients: 1 where

@@ -324,7 +324,9 @@ def reproducible_errors(config: TrainConfig) -> list[str]:
         f"--model {config.model}": (config.model in ("resnet", "hybrid-cnn"),
                                     "its batch-norm running statistics (resnet) or model-parallel layers "
                                     "(hybrid-cnn) are not summed exactly; use --model cnn or mlp"),
-        f"--shard {config.shard}": (config.shard is not None, "not reproducible yet; drop --shard"),
+        f"--shard {config.shard}": (config.shard == "gradients",
+                                    "the exact sum leaves the whole gradient on every rank; use --shard "
+                                    "optimizer"),
         f"--compression {config.compression}": (config.compression != "none",
                                                  "it sends part of the gradient; use --compression none"),
         "--synthetic": (config.synthetic, "the benchmark has no fixed data; drop one of them"),

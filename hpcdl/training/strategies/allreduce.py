@@ -75,7 +75,8 @@ def data_parallel(module: torch.nn.Module, comm: MPI.Comm, settings: Mapping[str
 
     if settings.get("reproducible"):
         return DistributedDataParallel(module, comm, reproducible=True, micro_batch=settings["micro_batch"],
-                                       seed=settings["seed"], algorithm=settings["algorithm"])
+                                       seed=settings["seed"], algorithm=settings["algorithm"],
+                                       shard=settings.get("shard"))
     return DistributedDataParallel(module, comm, bucket_cap_mb=settings["bucket_cap_mb"],
                                    algorithm=settings["algorithm"], overlap=settings["overlap"],
                                    timeline=settings["timeline"], compression=gradient_exchange(settings),
@@ -313,6 +314,11 @@ class ReproducibleAllreduce(Allreduce):
         result = ddp.backward_batch(x, y, F.cross_entropy, step=self.steps_taken)
         self.steps_taken += 1
         return result.loss
+
+    def finish_step(self) -> None:
+        super().finish_step()
+        # --shard optimizer: the parameters whole before anything reads them (the digest)
+        self.ddp.wait_for_parameters()
 
     def start_epoch(self, epoch: int) -> None:
         """No compression schedule: nothing to do."""
