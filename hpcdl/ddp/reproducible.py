@@ -194,6 +194,32 @@ class ReproducibleDataParallel(torch.nn.Module):
                                       timeline=None)
             self._sharding.register_forward_waits(module)
 
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Collective over `comm`: sum over its ranks from now on, after ranks were lost or
+        replaced (`hpcdl.elastic`): the micro-batches are spread over its ranks, each step
+        the same bits as before. The step a failure interrupted is redone from the state before
+        it (`load_quanta` of that state's `quanta()`). A sharded wrapper cannot (RuntimeError):
+        each rank held its piece of the optimizer state."""
+        if self._sharding is not None:
+            raise RuntimeError("DistributedDataParallel(reproducible=True, shard='optimizer') cannot go on with "
+                               "other ranks: each rank held its piece of the optimizer state, which a lost rank "
+                               "took with it; resume from a checkpoint instead")
+        self.comm = comm
+
+    def quanta(self) -> list[int] | None:
+        """What the next step's quanta come from (each parameter's and the loss's bound exponent;
+        None before the first step), the same on every rank and any P: with the parameters, the
+        optimizer and the step number, what a run needs to go on to the same bits (a rank lost,
+        a checkpoint resumed on other ranks)."""
+        return None if self._bounds is None else [int(v) for v in self._bounds]
+
+    def load_quanta(self, quanta: list[int] | None) -> None:
+        """Go back to `quanta()` of an earlier state (of this model, on any number of ranks)."""
+        if quanta is not None and len(quanta) != len(self._named) + 1:
+            raise ValueError(f"the saved quanta are for {len(quanta) - 1} parameters, this model has "
+                             f"{len(self._named)}")
+        self._bounds = None if quanta is None else np.array(quanta, dtype=np.int64)
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, *, elementwise: bool = False) -> ShardedOptimizer:
         """Collective (shard="optimizer"): `optimizer` rebuilt over this rank's pieces, as
         `DistributedDataParallel.shard_optimizer` does (its `step()` starts the allgathers, the

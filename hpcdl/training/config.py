@@ -332,6 +332,8 @@ def reproducible_errors(config: TrainConfig) -> list[str]:
         "--synthetic": (config.synthetic, "the benchmark has no fixed data; drop one of them"),
         "--emulate-compute": (config.emulate_compute is not None, "no real gradients to sum; drop one of them"),
         "--device cuda": (config.device == "cuda", "GPU kernels give no bitwise guarantee; use --device cpu"),
+        "--keep-rank-batch": (config.keep_rank_batch, "the global batch, and the bits with it, would change with "
+                              "the ranks left; drop it (the survivors take over the lost ranks' micro-batches)"),
         "--resume": (config.resume, "not reproducible yet (the step's quantum is not checkpointed); "
                      "start afresh"),
     }

@@ -41,9 +41,9 @@ if TYPE_CHECKING:
 #: the one named where it has it, else auto).
 SHARDED_ALGORITHMS = tuple(dict.fromkeys([*collectives.ALGORITHMS["reduce_scatter"],
                                           *collectives.ALGORITHMS["allgatherv"]]))
-#: Why --reproducible refuses to go on after a lost rank (or to resume on other ranks), for now.
-NOT_ACROSS_LOSSES = ("--reproducible does not yet carry its guarantee across a lost rank or onto another "
-                     "number of ranks; rerun the job from its start")
+#: Why --reproducible refuses to resume on other ranks, for now.
+NOT_ACROSS_LOSSES = ("--reproducible does not yet carry its guarantee onto another number of ranks; rerun "
+                     "the job from its start")
 #: The --compression schemes with error feedback, which can apply the momentum themselves.
 SPARSE = ("topk:", "threshold:")
 
@@ -260,7 +260,7 @@ class Allreduce(Strategy):
 
     @classmethod
     def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
-        if plan.settings.get("reproducible"):
+        if plan.settings.get("reproducible") and resume:
             return NOT_ACROSS_LOSSES
         if plan.settings.get("shard") and not resume:
             # Its checkpoints hold the state gathered, so a resume on other ranks reshards it.
@@ -323,11 +323,36 @@ class ReproducibleAllreduce(Allreduce):
     def start_epoch(self, epoch: int) -> None:
         """No compression schedule: nothing to do."""
 
+    def exact_state(self) -> dict[str, Any]:
+        """What the next step depends on besides the model, optimizer and schedule: its number
+        (it seeds the micro-batches' random numbers) and the quanta; the same on every rank."""
+        from ...ddp.reproducible import ReproducibleDataParallel
+
+        assert isinstance(self.ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
+        return {"steps": self.steps_taken, "quanta": self.ddp.quanta()}
+
+    def load_exact_state(self, state: dict[str, Any]) -> None:
+        """Go back to `exact_state()` of an earlier step (of any rank)."""
+        from ...ddp.reproducible import ReproducibleDataParallel
+
+        assert isinstance(self.ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
+        self.steps_taken = int(state["steps"])
+        self.ddp.load_quanta(state["quanta"])
+
     def rank_state(self) -> dict[str, Any]:
-        return {}
+        # kept at every commit: a survivor of a lost rank redoes the interrupted step from there
+        return {"reproducible": self.exact_state()}
 
     def load_rank_state(self, mine: dict[str, Any]) -> None:
-        """Ranks hold nothing of their own."""
+        if "reproducible" in mine:
+            self.load_exact_state(mine["reproducible"])
+
+    def replicated_state(self) -> dict[str, Any]:
+        return {**super().replicated_state(), "reproducible": self.exact_state()}
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        super().load_replicated_state(state)
+        self.load_exact_state(state["reproducible"])
 
     def write_timeline(self) -> str | None:
         return None
@@ -335,6 +360,3 @@ class ReproducibleAllreduce(Allreduce):
     @property
     def timeline(self) -> Timeline | None:
         return None
-
-    def rebind(self, comm: MPI.Comm) -> None:
-        raise RuntimeError(NOT_ACROSS_LOSSES)

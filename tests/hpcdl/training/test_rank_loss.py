@@ -301,6 +301,31 @@ def test_respawn_brings_the_job_back_to_its_size(tmp_path, victim):
     assert row["ranks"] == 3 and row["lost_ranks"] == str(victim) and row["steps_lost"] == 1
 
 
+#: A short --reproducible run: 8 steps of 4 micro-batches.
+REPRODUCIBLE = ["--reproducible", "--batch-size", "64", "--micro-batch", "16", "--epochs", "1", "--seed", "2",
+                "--stop-after-steps", "8"]
+
+
+@own_jobs
+def test_reproducible_runs_end_with_the_undisturbed_bits_after_a_lost_rank(tmp_path):
+    """--reproducible (issue 39): an undisturbed 1-rank run, and 3-rank runs that lose a rank (rank
+    2 before step 4: the other two redo the step and take over its micro-batches; rank 1 in the
+    update of step 6, replaced by --respawn; rank 1 before step 3, its place taken by a spare) end
+    with the same parameters and optimizer state, bit for bit."""
+    code, out, undisturbed = train_losing(tmp_path / "undisturbed", 1, [], REPRODUCIBLE)
+    assert code == 0 and sorted(undisturbed) == [0], out[-4000:]
+    runs = {"continue": (3, "step:3:2", [], [0, 1]), "respawn": (3, "optimizer:5:1", ["--respawn"], [0, 2, 3]),
+            "spares": (4, "step:2:1", ["--spares", "1"], [0, 2, 3])}
+    out_of = {}
+    for name, (ranks, kill, extra, left) in runs.items():
+        code, out, final = train_losing(tmp_path / name, ranks, [kill], [*REPRODUCIBLE, *extra])
+        out_of[name] = out
+        assert code == 0 and sorted(final) == left, (name, out[-4000:])
+        assert "lost rank" in out and all(s["step"] == 8 for s in final.values()), (name, out[-4000:])
+        assert identical([undisturbed[0], *final.values()], "model", "optimizer"), name
+    assert "lost rank 2 of 3 at step 4 (epoch 1); going on with 2 rank(s) from step 3" in out_of["continue"]
+
+
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="a fresh interpreter's imports: one job is enough")
 def test_importing_hpcdl_train_does_not_import_torch():
     """`hpcdl train`'s main lets a replacement (--respawn) join the survivors before it imports

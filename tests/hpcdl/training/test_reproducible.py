@@ -20,7 +20,7 @@ from tests.run import run_own_job
 
 def test_train_refuses_what_reproducible_does_not_cover():
     errors = reproducible_errors(TrainConfig(reproducible=True, shard="gradients", resume=True, model="resnet",
-                                             micro_batch=64, batch_size=32))
+                                             micro_batch=64, batch_size=32, keep_rank_batch=True))
     assert errors == [
         "--micro-batch 64 is more than --batch-size 32 (with --reproducible, the whole step's batch); use a "
         "smaller --micro-batch",
@@ -28,6 +28,8 @@ def test_train_refuses_what_reproducible_does_not_cover():
         "model-parallel layers (hybrid-cnn) are not summed exactly; use --model cnn or mlp",
         "--reproducible does not take --shard gradients: the exact sum leaves the whole gradient on every "
         "rank; use --shard optimizer",
+        "--reproducible does not take --keep-rank-batch: the global batch, and the bits with it, would change "
+        "with the ranks left; drop it (the survivors take over the lost ranks' micro-batches)",
         "--reproducible does not take --resume: not reproducible yet (the step's quantum is not "
         "checkpointed); start afresh"]
     assert reproducible_errors(TrainConfig(micro_batch=8)) == [
