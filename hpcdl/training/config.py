@@ -334,8 +334,6 @@ def reproducible_errors(config: TrainConfig) -> list[str]:
         "--device cuda": (config.device == "cuda", "GPU kernels give no bitwise guarantee; use --device cpu"),
         "--keep-rank-batch": (config.keep_rank_batch, "the global batch, and the bits with it, would change with "
                               "the ranks left; drop it (the survivors take over the lost ranks' micro-batches)"),
-        "--resume": (config.resume, "not reproducible yet (the step's quantum is not checkpointed); "
-                     "start afresh"),
     }
     errors += [f"--reproducible does not take {flag}: {why}" for flag, (used, why) in refused.items() if used]
     return errors

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from ...ddp import DistributedDataParallel, GradientExchange
     from ...ddp.reducer import GradientTraffic
+    from ...ddp.reproducible import ReproducibleDataParallel
     from ...ddp.timeline import Timeline
     from ...parallel import ProcessGrid
     from ..schedule import Schedule
@@ -41,9 +42,6 @@ if TYPE_CHECKING:
 #: the one named where it has it, else auto).
 SHARDED_ALGORITHMS = tuple(dict.fromkeys([*collectives.ALGORITHMS["reduce_scatter"],
                                           *collectives.ALGORITHMS["allgatherv"]]))
-#: Why --reproducible refuses to resume on other ranks, for now.
-NOT_ACROSS_LOSSES = ("--reproducible does not yet carry its guarantee onto another number of ranks; rerun "
-                     "the job from its start")
 #: The --compression schemes with error feedback, which can apply the momentum themselves.
 SPARSE = ("topk:", "threshold:")
 
@@ -260,8 +258,6 @@ class Allreduce(Strategy):
 
     @classmethod
     def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
-        if plan.settings.get("reproducible") and resume:
-            return NOT_ACROSS_LOSSES
         if plan.settings.get("shard") and not resume:
             # Its checkpoints hold the state gathered, so a resume on other ranks reshards it.
             return (f"--shard {plan.settings['shard']} keeps each rank's piece of the optimizer state "
@@ -303,15 +299,19 @@ class ReproducibleAllreduce(Allreduce):
         super().__init__(module, comm, schedule, plan, grid)
         self.steps_taken = 0  # numbers the steps, which seed their micro-batches' random numbers
 
+    @property
+    def exact(self) -> ReproducibleDataParallel:
+        """The wrapper, as what `data_parallel` built it: `ReproducibleDataParallel`."""
+        from ...ddp.reproducible import ReproducibleDataParallel
+
+        assert isinstance(self.ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
+        return self.ddp
+
     def backward_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Collective: the gradients of the step's whole batch (x, y), exact; its mean loss."""
         import torch.nn.functional as F
 
-        from ...ddp.reproducible import ReproducibleDataParallel
-
-        ddp = self.ddp
-        assert isinstance(ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
-        result = ddp.backward_batch(x, y, F.cross_entropy, step=self.steps_taken)
+        result = self.exact.backward_batch(x, y, F.cross_entropy, step=self.steps_taken)
         self.steps_taken += 1
         return result.loss
 
@@ -326,18 +326,21 @@ class ReproducibleAllreduce(Allreduce):
     def exact_state(self) -> dict[str, Any]:
         """What the next step depends on besides the model, optimizer and schedule: its number
         (it seeds the micro-batches' random numbers) and the quanta; the same on every rank."""
-        from ...ddp.reproducible import ReproducibleDataParallel
-
-        assert isinstance(self.ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
-        return {"steps": self.steps_taken, "quanta": self.ddp.quanta()}
+        return {"steps": self.steps_taken, "quanta": self.exact.quanta()}
 
     def load_exact_state(self, state: dict[str, Any]) -> None:
         """Go back to `exact_state()` of an earlier step (of any rank)."""
-        from ...ddp.reproducible import ReproducibleDataParallel
-
-        assert isinstance(self.ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
         self.steps_taken = int(state["steps"])
-        self.ddp.load_quanta(state["quanta"])
+        self.exact.load_quanta(state["quanta"])
+
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        state = super().checkpoint_state(step)  # sharded: on rank 0 only
+        return {**state, "reproducible": self.exact_state()} if state else state
+
+    def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
+        super().load_state(checkpoint, mine)
+        # also on a rank that did not write the checkpoint (resumed on more ranks): it has no `mine`
+        self.load_exact_state(checkpoint["reproducible"])
 
     def rank_state(self) -> dict[str, Any]:
         # kept at every commit: a survivor of a lost rank redoes the interrupted step from there
@@ -346,13 +349,6 @@ class ReproducibleAllreduce(Allreduce):
     def load_rank_state(self, mine: dict[str, Any]) -> None:
         if "reproducible" in mine:
             self.load_exact_state(mine["reproducible"])
-
-    def replicated_state(self) -> dict[str, Any]:
-        return {**super().replicated_state(), "reproducible": self.exact_state()}
-
-    def load_replicated_state(self, state: dict[str, Any]) -> None:
-        super().load_replicated_state(state)
-        self.load_exact_state(state["reproducible"])
 
     def write_timeline(self) -> str | None:
         return None

@@ -307,13 +307,19 @@ REPRODUCIBLE = ["--reproducible", "--batch-size", "64", "--micro-batch", "16", "
 
 
 @own_jobs
-def test_reproducible_runs_end_with_the_undisturbed_bits_after_a_lost_rank(tmp_path):
-    """--reproducible (issue 39): an undisturbed 1-rank run, and 3-rank runs that lose a rank (rank
-    2 before step 4: the other two redo the step and take over its micro-batches; rank 1 in the
-    update of step 6, replaced by --respawn; rank 1 before step 3, its place taken by a spare) end
-    with the same parameters and optimizer state, bit for bit."""
-    code, out, undisturbed = train_losing(tmp_path / "undisturbed", 1, [], REPRODUCIBLE)
-    assert code == 0 and sorted(undisturbed) == [0], out[-4000:]
+def test_reproducible_runs_end_with_the_undisturbed_bits_after_a_lost_rank_or_a_resume(tmp_path):
+    """--reproducible (issue 39): an undisturbed 4-rank run, the same resumed on 3 ranks from its
+    checkpoint of step 4, and 3-rank runs that lose a rank (rank 2 before step 4: the other two
+    redo the step and take over its micro-batches; rank 1 in the update of step 6, replaced by
+    --respawn; rank 1 before step 3, its place taken by a spare) end with the same parameters and
+    optimizer state, bit for bit."""
+    ck = tmp_path / "undisturbed" / "ck"
+    code, out, undisturbed = train_losing(tmp_path / "undisturbed", 4, [], [
+        *REPRODUCIBLE, "--checkpoint-every", "4", "--checkpoint-dir", str(ck)])
+    assert code == 0 and sorted(undisturbed) == [0, 1, 2, 3], out[-4000:]
+    code, out, resumed = resume_on(3, ck, 4, tmp_path / "resumed", REPRODUCIBLE)
+    assert code == 0 and sorted(resumed) == [0, 1, 2] and resumed[0]["step"] == 8, out[-4000:]
+    assert identical([undisturbed[0], *resumed.values()], "model", "optimizer", "scheduler")
     runs = {"continue": (3, "step:3:2", [], [0, 1]), "respawn": (3, "optimizer:5:1", ["--respawn"], [0, 2, 3]),
             "spares": (4, "step:2:1", ["--spares", "1"], [0, 2, 3])}
     out_of = {}

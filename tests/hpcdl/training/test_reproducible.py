@@ -29,9 +29,7 @@ def test_train_refuses_what_reproducible_does_not_cover():
         "--reproducible does not take --shard gradients: the exact sum leaves the whole gradient on every "
         "rank; use --shard optimizer",
         "--reproducible does not take --keep-rank-batch: the global batch, and the bits with it, would change "
-        "with the ranks left; drop it (the survivors take over the lost ranks' micro-batches)",
-        "--reproducible does not take --resume: not reproducible yet (the step's quantum is not "
-        "checkpointed); start afresh"]
+        "with the ranks left; drop it (the survivors take over the lost ranks' micro-batches)"]
     assert reproducible_errors(TrainConfig(micro_batch=8)) == [
         "--micro-batch applies to --reproducible; add it or drop --micro-batch"]
     assert option_errors(TrainConfig(reproducible=True, strategy="local-sgd"), 2) == [
