@@ -28,7 +28,14 @@ at construction and identical afterwards. Refused on every rank together, with t
 batch-norm layers that keep running statistics (each rank would update them from its own
 micro-batches only; build them with track_running_stats=False), SyncBatchNorm, parameters off
 the CPU (GPU kernels have no bitwise guarantee across batch shapes), and DistributedDataParallel's
-other options (compression, sharding, ...), which do not apply.
+other options (compression, buckets, shard="gradients", ...), which do not apply.
+
+`shard="optimizer"` (ZeRO stage 1) keeps the optimizer's state for this rank's block of the
+parameters only (`hpcdl/ddp/shards.py` cuts one flat space of all of them into P blocks,
+`model.shard_optimizer(optimizer)` steps the block's pieces, an allgather brings the others'):
+every rank still gets the whole exact gradient (clip it as a whole: the same norm everywhere), and
+an elementwise optimizer steps a piece to the bits it gives the whole parameter (torch 2.13's SGD
+and AdamW, checked by the tests), so the parameters are the unsharded run's bits on any P.
 """
 from __future__ import annotations
 
@@ -45,8 +52,12 @@ from collectives.fixed_point import SUM_BITS, add_fixed, bound_exponent, bound_e
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
+from ..optim.zero import ShardedOptimizer, build_sharded_optimizer
+from ..tensors.arrays import dense_view
 from ..tensors.calls import broadcast
+from .buckets import assign_buckets
 from .reducer import GradientTraffic
+from .shards import ShardExchange, Sharding
 
 #: Bits of room a parameter's quantum leaves above the last step's largest gradient: a step whose
 #: gradients grow more than 2**SLACK_BITS times is run again.
@@ -121,10 +132,13 @@ class ReproducibleDataParallel(torch.nn.Module):
         seed: with the step and the micro-batch's number, seeds each micro-batch's random numbers.
         algorithm: the int64 allreduce's algorithm (any of allreduce's, or "auto": same bits).
         threads: torch's intra-op threads, set here (the gradient's bits depend on them).
+        shard: None, or "optimizer": the optimizer's state sharded over the ranks (ZeRO stage 1;
+            build the optimizer with `shard_optimizer`).
     """
 
     def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *, micro_batch: int = 0,
-                 seed: int = 0, algorithm: str = "auto", threads: int = 1, **options: Any) -> None:
+                 seed: int = 0, algorithm: str = "auto", threads: int = 1, shard: str | None = None,
+                 **options: Any) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -139,8 +153,12 @@ class ReproducibleDataParallel(torch.nn.Module):
                           f"got {algorithm!r}")
         if not isinstance(threads, int) or threads < 1:
             errors.append(f"threads must be at least 1, got {threads!r}")
+        if shard is not None and shard != "optimizer":
+            errors.append(f"shard={shard!r} does not apply: the exact sum leaves the whole gradient on every "
+                          "rank; use shard='optimizer' (ZeRO stage 1) or none")
         raise_unless_agreed("DistributedDataParallel(reproducible=True)", errors,
-                            {"micro_batch": micro_batch, "seed": seed, "threads": threads}, self.comm)
+                            {"micro_batch": micro_batch, "seed": seed, "threads": threads, "shard": shard},
+                            self.comm)
         torch.set_num_threads(threads)
         self.micro_batch, self.seed, self.algorithm, self.threads = micro_batch, seed, algorithm, threads
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel()]
@@ -158,14 +176,71 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._bounds: np.ndarray | None = None
         self._cached: tuple[Any, np.ndarray, np.ndarray] | None = None  # (bounds and batch, scales, quanta)
         self._weighted_for: tuple[np.ndarray | None, dict[int, np.ndarray]] = (None, {})
+        # a micro-batch's gradients and loss, flat, their magnitudes, and the quantization's
+        # float64 and int64 passes: allocated once (fresh pages each micro-batch cost faults)
+        self._flat = torch.empty(self._quantized, dtype=self._torch_dtype)
+        self._magnitudes = np.empty(self._quantized, dtype=self._dtype)
         self._work = np.empty(self._quantized, dtype=np.float64)
+        self._rounded = np.empty(self._quantized, dtype=np.int64)
+        self._grads = torch.empty(self._quantized - 1, dtype=self._torch_dtype)  # the average, flat
         #: what this rank contributed to the integer allreduces (int64: twice float32's bytes)
         self.traffic = GradientTraffic()
         for tensor in [*module.parameters(), *module.buffers()]:  # rank 0's, in place
             broadcast(tensor.detach(), 0, self.comm)
+        #: None or "optimizer" (DistributedDataParallel's attribute, read where optimizers are built)
+        self.shard = shard
+        self._sharding: Sharding | None = None
+        if shard is not None:
+            # One bucket of every parameter, one flat space cut into P even blocks; its exchange
+            # is never launched (the exact allreduce gives every rank the whole gradient).
+            inf = float("inf")
+            buckets = assign_buckets(self._named, cap=inf, first_cap=inf, in_place_bytes=inf)
+            index = {id(p): i for i, (_, p) in enumerate(self._named)}
+            self._sharding = Sharding(1, buckets, index, self.comm, ShardExchange(), algorithm="auto",
+                                      timeline=None)
+            self._sharding.register_forward_waits(module)
 
-    #: never sharded (DistributedDataParallel's attribute, read where optimizers are built)
-    shard = None
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Collective over `comm`: sum over its ranks from now on, after ranks were lost or
+        replaced (`hpcdl.elastic`): the micro-batches are spread over its ranks, each step
+        the same bits as before. The step a failure interrupted is redone from the state before
+        it (`load_quanta` of that state's `quanta()`). A sharded wrapper cannot (RuntimeError):
+        each rank held its piece of the optimizer state."""
+        if self._sharding is not None:
+            raise RuntimeError("DistributedDataParallel(reproducible=True, shard='optimizer') cannot go on with "
+                               "other ranks: each rank held its piece of the optimizer state, which a lost rank "
+                               "took with it; resume from a checkpoint instead")
+        self.comm = comm
+
+    def quanta(self) -> list[int] | None:
+        """What the next step's quanta come from (each parameter's and the loss's bound exponent;
+        None before the first step), the same on every rank and any P: with the parameters, the
+        optimizer and the step number, what a run needs to go on to the same bits (a rank lost,
+        a checkpoint resumed on other ranks)."""
+        return None if self._bounds is None else [int(v) for v in self._bounds]
+
+    def load_quanta(self, quanta: list[int] | None) -> None:
+        """Go back to `quanta()` of an earlier state (of this model, on any number of ranks)."""
+        if quanta is not None and len(quanta) != len(self._named) + 1:
+            raise ValueError(f"the saved quanta are for {len(quanta) - 1} parameters, this model has "
+                             f"{len(self._named)}")
+        self._bounds = None if quanta is None else np.array(quanta, dtype=np.int64)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, *, elementwise: bool = False) -> ShardedOptimizer:
+        """Collective (shard="optimizer"): `optimizer` rebuilt over this rank's pieces, as
+        `DistributedDataParallel.shard_optimizer` does (its `step()` starts the allgathers, the
+        next forward waits for them)."""
+        if self._sharding is None:
+            raise RuntimeError("shard_optimizer() needs DistributedDataParallel(reproducible=True, "
+                               "shard='optimizer')")
+        return build_sharded_optimizer(optimizer, self._sharding, self.comm, {id(p) for _, p in self._named},
+                                       elementwise)
+
+    def wait_for_parameters(self) -> None:
+        """Sharded: wait for the allgathers of the last step, so every parameter is whole (the
+        next forward waits by itself). Nothing to do otherwise."""
+        if self._sharding is not None:
+            self._sharding.wait_all()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward (evaluation; training steps go through `backward_batch`)."""
@@ -211,11 +286,26 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.traffic.elements += elements
         self.traffic.elements_sent += elements
         quanta = self._scales(total)[1]
-        grads = torch.from_numpy(from_fixed(acc[:elements], quanta[:elements], total, self._dtype))
+        grads = self._grads  # each step's average in the same memory, as DDP's buckets keep theirs
+        from_fixed(acc[:elements], quanta[:elements], total, out=grads.numpy(), work=self._work[:elements])
         for i, (_, param) in enumerate(self._named):
             param.grad = grads[self._offsets[i]:self._offsets[i + 1]].view_as(param)
+        if self._sharding is not None:
+            self._attach_pieces()
         loss = from_fixed(acc[elements:quantized], quanta[elements:], total, np.float64)
         return StepResult(float(loss[0]), int(acc[quantized]), total, runs)
+
+    def _attach_pieces(self) -> None:
+        """Sharded: each piece's `.grad` views its part of its parameter's whole gradient, laid
+        out as the parameter, so clipping the parameters' gradients clips the pieces' too."""
+        assert self._sharding is not None
+        for _, param in self._named:
+            if param.grad is not None and param.grad.stride() != param.stride():
+                param.grad = torch.empty_like(param).copy_(param.grad)  # the parameter's memory order
+        for piece in self._sharding.pieces.values():
+            owner_grad = piece.owner.grad
+            assert owner_grad is not None, "backward_batch gives every parameter a gradient"
+            piece.param.grad = dense_view(owner_grad)[piece.start:piece.stop]
 
     def _flag(self, maxima: np.ndarray, computed: bool, keep: int) -> None:
         """This rank's verdict on the step's quanta, as integers summed with the gradients: 1 where
@@ -282,14 +372,15 @@ class ReproducibleDataParallel(torch.nn.Module):
                     correct += int((output.argmax(dim=1) == y).sum())
                 grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named]
                 grads.append(loss.detach().reshape(1).to(self._torch_dtype))
-                flat = torch.cat(grads).numpy()
+                flat = torch.cat(grads, out=self._flat).numpy()
             # each parameter's largest magnitude (NumPy's reduceat: 14 us for 85 K values here,
             # torch's per-tensor inf-norms 960 us); a NaN stays, and is refused after
-            largest = np.maximum.reduceat(np.abs(flat), self._offsets[:-1])
+            largest = np.maximum.reduceat(np.abs(flat, out=self._magnitudes), self._offsets[:-1])
             np.maximum(maxima, largest, out=maxima)
             if scales is not None and bounds is not None:
                 if np.all(np.isfinite(largest)) and np.all(bound_exponents(largest) <= bounds):
-                    add_fixed(acc[:self._quantized], flat, self._weighted(scales, len(y)), self._work)
+                    add_fixed(acc[:self._quantized], flat, self._weighted(scales, len(y)), self._work,
+                              self._rounded)
                 else:
                     scales = None  # outgrown: this run is done again, with coarser quanta
         acc[self._quantized] = correct

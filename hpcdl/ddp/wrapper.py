@@ -173,7 +173,7 @@ class DistributedDataParallel(torch.nn.Module):
         reproducible: True builds `hpcdl.ddp.reproducible.ReproducibleDataParallel` instead: the
             same bits on any number of ranks and with any algorithm, its steps taken by
             `backward_batch` over fixed micro-batches (its arguments: `micro_batch`, `seed`,
-            `algorithm`, `threads`; docs/training.md#reproducible-training).
+            `algorithm`, `threads`, `shard="optimizer"`; docs/training.md#reproducible-training).
 
     torch's other arguments are refused by name, with what to use instead (their default values
     pass). Building a second wrapper around the same module detaches the first (its forward then

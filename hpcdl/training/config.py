@@ -324,14 +324,16 @@ def reproducible_errors(config: TrainConfig) -> list[str]:
         f"--model {config.model}": (config.model in ("resnet", "hybrid-cnn"),
                                     "its batch-norm running statistics (resnet) or model-parallel layers "
                                     "(hybrid-cnn) are not summed exactly; use --model cnn or mlp"),
-        f"--shard {config.shard}": (config.shard is not None, "not reproducible yet; drop --shard"),
+        f"--shard {config.shard}": (config.shard == "gradients",
+                                    "the exact sum leaves the whole gradient on every rank; use --shard "
+                                    "optimizer"),
         f"--compression {config.compression}": (config.compression != "none",
                                                  "it sends part of the gradient; use --compression none"),
         "--synthetic": (config.synthetic, "the benchmark has no fixed data; drop one of them"),
         "--emulate-compute": (config.emulate_compute is not None, "no real gradients to sum; drop one of them"),
         "--device cuda": (config.device == "cuda", "GPU kernels give no bitwise guarantee; use --device cpu"),
-        "--resume": (config.resume, "not reproducible yet (the step's quantum is not checkpointed); "
-                     "start afresh"),
+        "--keep-rank-batch": (config.keep_rank_batch, "the global batch, and the bits with it, would change with "
+                              "the ranks left; drop it (the survivors take over the lost ranks' micro-batches)"),
     }
     errors += [f"--reproducible does not take {flag}: {why}" for flag, (used, why) in refused.items() if used]
     return errors

@@ -212,7 +212,10 @@ class Recovery:
         from .data import shared_batches  # torch: not for `hpcdl train --help`
 
         t = self.trainer
-        rank, size = (t.rank, t.size) if self.regrouped else (t.sampler.rank, t.sampler.num_replicas)
+        # --reproducible: every rank takes the whole global batch (the sampler's one replica),
+        # whatever the ranks now, and computes its micro-batches of it
+        regrouped = self.regrouped and not t.config.reproducible
+        rank, size = (t.rank, t.size) if regrouped else (t.sampler.rank, t.sampler.num_replicas)
         shares = shared_batches(
             t.sampler, t.epoch, global_batch=self.cursor.global_batch, rank=rank, size=size,
             offset=self.cursor.offset_at(t.done_in_epoch))

@@ -130,9 +130,10 @@ def torch_device(device: str, local_rank: int, comm: MPI.Comm) -> Any:
 # -- training on digits --------------------------------------------------------------------------
 
 _TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch", "warmup_epochs", "seed",
-                       "compression", "momentum_correction")
+                       "compression", "momentum_correction", "reproducible", "micro_batch")
 #: What checkpoints written before an entry of their job existed stand for.
-_TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentum_correction": None}
+_TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentum_correction": None,
+                        "reproducible": False, "micro_batch": None}
 
 
 def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, comm: MPI.Comm,

@@ -220,11 +220,10 @@ class Trainer:
                 if self.traffic is not None:
                     self.traffic.step()
                 self.own_steps += 1
-                if self.rank == 0 or not config.reproducible:
-                    # --reproducible: every rank holds the whole step's batch and its exact mean
-                    # loss, so rank 0 alone counts them (the epoch's sums are then exact too)
-                    loss_sum += loss * len(indices)
-                    samples += len(indices)
+                # --reproducible: every rank counts the whole step's batch and its exact mean loss
+                # (any survivor of a lost rank 0 holds the epoch's sums); rank 0's are summed up
+                loss_sum += loss * len(indices)
+                samples += len(indices)
                 bar.update(1)
                 stop = self.pacing.after_step(sums)
                 if stop is not None:
@@ -259,6 +258,8 @@ class Trainer:
         # Gradient traffic (zeros where the strategy has none, the same on every training rank).
         sent = traffic.so_far() if traffic is not None else None
         sent_sums = [sent.bytes_sent, sent.dense_fp32_bytes, sent.elements_sent, sent.elements] if sent else [0] * 4
+        if config.reproducible and self.rank != 0:  # every rank counted the same exact loss: rank 0's stand
+            sums = (0.0, 0, *sums[2:])
         totals = reduce_over_ranks(np.array([*sums, *sent_sums], dtype=np.float64), self.comm,
                                    f"the sums of epoch {self.epoch + 1}'s loss, samples, time and traffic")
         # The epoch's time is its slowest rank's: ranks that run at their own pace (async) finish

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from ...ddp import DistributedDataParallel, GradientExchange
     from ...ddp.reducer import GradientTraffic
+    from ...ddp.reproducible import ReproducibleDataParallel
     from ...ddp.timeline import Timeline
     from ...parallel import ProcessGrid
     from ..schedule import Schedule
@@ -41,9 +42,6 @@ if TYPE_CHECKING:
 #: the one named where it has it, else auto).
 SHARDED_ALGORITHMS = tuple(dict.fromkeys([*collectives.ALGORITHMS["reduce_scatter"],
                                           *collectives.ALGORITHMS["allgatherv"]]))
-#: Why --reproducible refuses to go on after a lost rank (or to resume on other ranks), for now.
-NOT_ACROSS_LOSSES = ("--reproducible does not yet carry its guarantee across a lost rank or onto another "
-                     "number of ranks; rerun the job from its start")
 #: The --compression schemes with error feedback, which can apply the momentum themselves.
 SPARSE = ("topk:", "threshold:")
 
@@ -75,7 +73,8 @@ def data_parallel(module: torch.nn.Module, comm: MPI.Comm, settings: Mapping[str
 
     if settings.get("reproducible"):
         return DistributedDataParallel(module, comm, reproducible=True, micro_batch=settings["micro_batch"],
-                                       seed=settings["seed"], algorithm=settings["algorithm"])
+                                       seed=settings["seed"], algorithm=settings["algorithm"],
+                                       shard=settings.get("shard"))
     return DistributedDataParallel(module, comm, bucket_cap_mb=settings["bucket_cap_mb"],
                                    algorithm=settings["algorithm"], overlap=settings["overlap"],
                                    timeline=settings["timeline"], compression=gradient_exchange(settings),
@@ -259,8 +258,6 @@ class Allreduce(Strategy):
 
     @classmethod
     def rank_loss_refusal(cls, plan: Plan, resume: bool = False) -> str | None:
-        if plan.settings.get("reproducible"):
-            return NOT_ACROSS_LOSSES
         if plan.settings.get("shard") and not resume:
             # Its checkpoints hold the state gathered, so a resume on other ranks reshards it.
             return (f"--shard {plan.settings['shard']} keeps each rank's piece of the optimizer state "
@@ -302,26 +299,56 @@ class ReproducibleAllreduce(Allreduce):
         super().__init__(module, comm, schedule, plan, grid)
         self.steps_taken = 0  # numbers the steps, which seed their micro-batches' random numbers
 
+    @property
+    def exact(self) -> ReproducibleDataParallel:
+        """The wrapper, as what `data_parallel` built it: `ReproducibleDataParallel`."""
+        from ...ddp.reproducible import ReproducibleDataParallel
+
+        assert isinstance(self.ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
+        return self.ddp
+
     def backward_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Collective: the gradients of the step's whole batch (x, y), exact; its mean loss."""
         import torch.nn.functional as F
 
-        from ...ddp.reproducible import ReproducibleDataParallel
-
-        ddp = self.ddp
-        assert isinstance(ddp, ReproducibleDataParallel), "data_parallel builds it with reproducible=True"
-        result = ddp.backward_batch(x, y, F.cross_entropy, step=self.steps_taken)
+        result = self.exact.backward_batch(x, y, F.cross_entropy, step=self.steps_taken)
         self.steps_taken += 1
         return result.loss
+
+    def finish_step(self) -> None:
+        super().finish_step()
+        # --shard optimizer: the parameters whole before anything reads them (the digest)
+        self.ddp.wait_for_parameters()
 
     def start_epoch(self, epoch: int) -> None:
         """No compression schedule: nothing to do."""
 
+    def exact_state(self) -> dict[str, Any]:
+        """What the next step depends on besides the model, optimizer and schedule: its number
+        (it seeds the micro-batches' random numbers) and the quanta; the same on every rank."""
+        return {"steps": self.steps_taken, "quanta": self.exact.quanta()}
+
+    def load_exact_state(self, state: dict[str, Any]) -> None:
+        """Go back to `exact_state()` of an earlier step (of any rank)."""
+        self.steps_taken = int(state["steps"])
+        self.exact.load_quanta(state["quanta"])
+
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        state = super().checkpoint_state(step)  # sharded: on rank 0 only
+        return {**state, "reproducible": self.exact_state()} if state else state
+
+    def load_state(self, checkpoint: dict[str, Any], mine: dict[str, Any] | None) -> None:
+        super().load_state(checkpoint, mine)
+        # also on a rank that did not write the checkpoint (resumed on more ranks): it has no `mine`
+        self.load_exact_state(checkpoint["reproducible"])
+
     def rank_state(self) -> dict[str, Any]:
-        return {}
+        # kept at every commit: a survivor of a lost rank redoes the interrupted step from there
+        return {"reproducible": self.exact_state()}
 
     def load_rank_state(self, mine: dict[str, Any]) -> None:
-        """Ranks hold nothing of their own."""
+        if "reproducible" in mine:
+            self.load_exact_state(mine["reproducible"])
 
     def write_timeline(self) -> str | None:
         return None
@@ -329,6 +356,3 @@ class ReproducibleAllreduce(Allreduce):
     @property
     def timeline(self) -> Timeline | None:
         return None
-
-    def rebind(self, comm: MPI.Comm) -> None:
-        raise RuntimeError(NOT_ACROSS_LOSSES)

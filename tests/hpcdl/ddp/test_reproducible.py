@@ -45,14 +45,19 @@ LOSS_SCALES = (1.0, 1.0, 1000.0, 1e-6)
 
 
 def train_reproducible(comm: MPI.Comm, algorithm: str, micro_batch: int = 4, steps: int = len(LOSS_SCALES),
-                       batch: int = 22) -> tuple[str, list[float], list[int]]:
-    """AdamW with clipping over `steps` global batches of `batch` (in micro-batches of
-    `micro_batch`, the last short), the loss scaled by LOSS_SCALES; the parameter digest, the
-    losses and how often each step ran."""
+                       batch: int = 22, shard: str | None = None,
+                       optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
+                       ) -> tuple[str, list[float], list[int]]:
+    """AdamW (or `optimizer_class`) with clipping over `steps` global batches of `batch` (in
+    micro-batches of `micro_batch`, the last short), the loss scaled by LOSS_SCALES; the parameter
+    digest, the losses and how often each step ran."""
     net = small_net()
     model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=micro_batch, seed=3,
-                                          algorithm=algorithm)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+                                          algorithm=algorithm, shard=shard)
+    options = {"momentum": 0.9, "weight_decay": 1e-3} if optimizer_class is torch.optim.SGD else {}
+    optimizer = optimizer_class(net.parameters(), lr=1e-2, **options)
+    if shard is not None:
+        optimizer = model.shard_optimizer(optimizer)
     x, y = data(steps, batch)
     losses, runs = [], []
     for step in range(steps):
@@ -65,6 +70,7 @@ def train_reproducible(comm: MPI.Comm, algorithm: str, micro_batch: int = 4, ste
         optimizer.step()
         losses.append(result.loss)
         runs.append(result.runs if result.samples == batch else -1)
+    model.wait_for_parameters()
     return parameter_digest(net), losses, runs
 
 
@@ -79,6 +85,16 @@ def test_reproducible_ddp_gives_one_process_bits_with_every_algorithm():
     # 3 micro-batches: from N = 4 on, some ranks compute none
     few = train_reproducible(MPI.COMM_SELF, "auto", micro_batch=8)
     assert all_ranks_agree(train_reproducible(comm, "auto", micro_batch=8) == few and few[0] != reference[0], comm)
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_sharded_optimizer_gives_the_unsharded_bits(optimizer_class):
+    # ZeRO stage 1: each rank steps its block of one flat space cut across parameters (at N = 3
+    # inside both weights), clipping the whole exact gradient; the same bits as one process unsharded
+    comm = MPI.COMM_WORLD
+    reference = train_reproducible(MPI.COMM_SELF, "auto", optimizer_class=optimizer_class)
+    sharded = train_reproducible(comm, "ring", shard="optimizer", optimizer_class=optimizer_class)
+    assert all_ranks_agree(sharded == reference, comm), (sharded, reference)
 
 
 def train_default(comm: MPI.Comm, steps: int = 3, batch: int = 60) -> str:
@@ -120,8 +136,10 @@ def test_reproducible_refuses_what_cannot_be_reproduced(layer, named):
 def test_reproducible_refuses_other_options_and_takes_unsharded_batch_norm():
     comm = MPI.COMM_WORLD
     with pytest.raises(ValueError) as caught:
-        hpcdl.DistributedDataParallel(small_net(), comm, reproducible=True, micro_batch=4, shard="optimizer")
-    ok = "shard= does not apply" in str(caught.value)
+        hpcdl.DistributedDataParallel(small_net(), comm, reproducible=True, micro_batch=4, shard="gradients",
+                                      bucket_cap_mb=1)
+    ok = ("shard='gradients' does not apply: the exact sum leaves the whole gradient on every rank; use "
+          "shard='optimizer'" in str(caught.value) and "bucket_cap_mb= does not apply" in str(caught.value))
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64, track_running_stats=False))
     model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=4)
     assert all_ranks_agree(ok and model.micro_batch == 4, comm), str(caught.value)

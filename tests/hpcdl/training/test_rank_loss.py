@@ -301,6 +301,45 @@ def test_respawn_brings_the_job_back_to_its_size(tmp_path, victim):
     assert row["ranks"] == 3 and row["lost_ranks"] == str(victim) and row["steps_lost"] == 1
 
 
+#: A short --reproducible run: an epoch of 23 steps of 4 micro-batches.
+REPRODUCIBLE = ["--reproducible", "--batch-size", "64", "--micro-batch", "16", "--epochs", "1", "--seed", "2"]
+
+
+def epoch_report(out: str) -> tuple[str, ...]:
+    """The training loss, held-out loss, accuracy and parameter digest of the run's epoch line."""
+    [found] = re.findall(r"epoch   1/1  loss (\S+)  held-out loss (\S+)  accuracy (\S+) .*  params ([0-9a-f]{16})", out)
+    return tuple(found)
+
+
+@own_jobs
+def test_reproducible_runs_end_with_the_undisturbed_bits_after_a_lost_rank_or_a_resume(tmp_path):
+    """--reproducible (issue 39): an undisturbed 4-rank run, the same resumed on 3 ranks from its
+    checkpoint of step 4, and 3-rank runs that lose a rank (rank 0, which prints and counts the
+    epoch's loss, before step 4: the other two redo the step and take over its micro-batches; rank
+    1 in the update of step 6, replaced by --respawn; rank 1 before step 3, its place taken by a
+    spare) end with the same parameters and optimizer state, bit for bit, and the same epoch line:
+    loss, held-out loss, accuracy and digest."""
+    ck = tmp_path / "undisturbed" / "ck"
+    code, out, undisturbed = train_losing(tmp_path / "undisturbed", 4, [], [
+        *REPRODUCIBLE, "--checkpoint-every", "4", "--checkpoint-dir", str(ck)])
+    assert code == 0 and sorted(undisturbed) == [0, 1, 2, 3], out[-4000:]
+    report = epoch_report(out)
+    code, out, resumed = resume_on(3, ck, 4, tmp_path / "resumed", REPRODUCIBLE)
+    assert code == 0 and sorted(resumed) == [0, 1, 2] and resumed[0]["step"] == 23, out[-4000:]
+    assert identical([undisturbed[0], *resumed.values()], "model", "optimizer", "scheduler")
+    assert epoch_report(out) == report, out[-4000:]
+    runs = {"continue": (3, "step:3:0", [], [1, 2]), "respawn": (3, "optimizer:5:1", ["--respawn"], [0, 2, 3]),
+            "spares": (4, "step:2:1", ["--spares", "1"], [0, 2, 3])}
+    for name, (ranks, kill, extra, left) in runs.items():
+        code, out, final = train_losing(tmp_path / name, ranks, [kill], [*REPRODUCIBLE, *extra])
+        assert code == 0 and sorted(final) == left, (name, out[-4000:])
+        assert "lost rank" in out and all(s["step"] == 23 for s in final.values()), (name, out[-4000:])
+        assert identical([undisturbed[0], *final.values()], "model", "optimizer"), name
+        assert epoch_report(out) == report, (name, out[-4000:])
+        if name == "continue":
+            assert "lost rank 0 of 3 at step 4 (epoch 1); going on with 2 rank(s) from step 3" in out, out[-4000:]
+
+
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="a fresh interpreter's imports: one job is enough")
 def test_importing_hpcdl_train_does_not_import_torch():
     """`hpcdl train`'s main lets a replacement (--respawn) join the survivors before it imports

@@ -19,16 +19,17 @@ from tests.run import run_own_job
 
 
 def test_train_refuses_what_reproducible_does_not_cover():
-    errors = reproducible_errors(TrainConfig(reproducible=True, shard="optimizer", resume=True, model="resnet",
-                                             micro_batch=64, batch_size=32))
+    errors = reproducible_errors(TrainConfig(reproducible=True, shard="gradients", resume=True, model="resnet",
+                                             micro_batch=64, batch_size=32, keep_rank_batch=True))
     assert errors == [
         "--micro-batch 64 is more than --batch-size 32 (with --reproducible, the whole step's batch); use a "
         "smaller --micro-batch",
         "--reproducible does not take --model resnet: its batch-norm running statistics (resnet) or "
         "model-parallel layers (hybrid-cnn) are not summed exactly; use --model cnn or mlp",
-        "--reproducible does not take --shard optimizer: not reproducible yet; drop --shard",
-        "--reproducible does not take --resume: not reproducible yet (the step's quantum is not "
-        "checkpointed); start afresh"]
+        "--reproducible does not take --shard gradients: the exact sum leaves the whole gradient on every "
+        "rank; use --shard optimizer",
+        "--reproducible does not take --keep-rank-batch: the global batch, and the bits with it, would change "
+        "with the ranks left; drop it (the survivors take over the lost ranks' micro-batches)"]
     assert reproducible_errors(TrainConfig(micro_batch=8)) == [
         "--micro-batch applies to --reproducible; add it or drop --micro-batch"]
     assert option_errors(TrainConfig(reproducible=True, strategy="local-sgd"), 2) == [
@@ -37,18 +38,20 @@ def test_train_refuses_what_reproducible_does_not_cover():
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N = 1 job only")
 def test_hpcdl_train_reproducible_prints_the_same_digest_on_1_2_and_3_ranks():
+    # and with the optimizer's state sharded (ZeRO stage 1) on 2 and 3 ranks
     digests = {}
-    for ranks, algorithm in ((1, "auto"), (2, "butterfly"), (3, "ring")):
+    for ranks, algorithm, shard in ((1, "auto", []), (2, "butterfly", ["--shard", "optimizer"]), (3, "ring", []),
+                                    (3, "auto", ["--shard", "optimizer"])):
         command = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "hpcdl", "train",
                    "--reproducible", "--batch-size", "64", "--micro-batch", "16", "--epochs", "1",
-                   "--algorithm", algorithm]
+                   "--algorithm", algorithm, *shard]
         done = run_own_job(command, timeout=240, cwd=ROOT)
         assert done.returncode == 0, done.stdout
         found = re.findall(r"epoch   1/1  loss (\S+)  held-out loss (\S+)  accuracy (\S+) .*  params ([0-9a-f]{16})",
                            done.stdout)
         assert len(found) == 1, done.stdout  # printed once, by rank 0
-        digests[ranks] = found[0]
-    assert digests[1] == digests[2] == digests[3], digests
+        digests[ranks, bool(shard)] = found[0]
+    assert len(set(digests.values())) == 1, digests
 
 
 def test_the_parameter_digest_tells_bitwise_equal_parameters_from_others() -> None:
