@@ -1,0 +1,101 @@
+"""hpcdl/runtime/arrivals.py: the last rank at a step's first collective and its lateness, from
+the ranks' own waits; the waits exchanged in batches; the ranks named stragglers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcdl.runtime.arrivals import Arrival, Arrivals, attribute, stragglers
+from tests.conftest import all_ranks_agree
+
+# -- the attribution, on synthetic waits (no communication) ------------------------------------
+
+
+def test_the_rank_that_waited_least_arrived_last_by_the_others_median_wait_minus_its_own():
+    # step 0: rank 2 arrived 30 ms after rank 0, 20 ms after rank 1 and 10 ms after rank 3 (each
+    # waited until it came, plus the collective's own 1 ms); step 1: rank 1 came last, 4 ms late
+    waits = np.array([[0.031, 0.006], [0.021, 0.001], [0.001, 0.005], [0.011, 0.004]])
+    last, lateness = attribute(waits)
+    assert last.tolist() == [2, 1]
+    assert lateness.tolist() == pytest.approx([0.020, 0.004])  # median(31, 21, 11) - 1 ms; median(6, 5, 4) - 1
+
+
+def test_the_attribution_over_an_even_number_of_others_takes_their_median():
+    last, lateness = attribute([[0.004], [0.010], [0.001], [0.002], [0.008]])
+    assert last.tolist() == [2]
+    assert lateness[0] == pytest.approx((0.004 + 0.008) / 2 - 0.001)
+
+
+def test_over_one_rank_it_is_always_last_and_never_late():
+    last, lateness = attribute([[0.5, 0.2]])
+    assert last.tolist() == [0, 0] and lateness.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("waits", [[0.1, 0.2], [[0.1, float("nan")]], np.zeros((0, 3))])
+def test_waits_that_are_not_a_finite_rank_by_step_table_are_refused(waits):
+    with pytest.raises(ValueError, match="one row per rank"):
+        attribute(waits)
+
+
+def test_a_rank_last_in_far_more_than_its_share_is_named_with_its_median_lateness():
+    steps = [Arrival(i, 2, 0.010 + 0.001 * (i % 3)) for i in range(90)]
+    steps += [Arrival(90 + i, i % 4, 0.001) for i in range(10)]
+    named = stragglers(steps, 4)
+    assert [(s.rank, s.steps_last, s.steps) for s in named] == [(2, 92, 100)]  # 90 slow steps, 2 others
+    assert named[0].median_lateness_s == pytest.approx(0.011)
+    assert named[0].describe() == "rank 2 last in 92% of 100 steps, median 11 ms late"
+
+
+def test_ranks_that_take_turns_being_last_are_no_stragglers():
+    steps = [Arrival(i, i % 4, 0.001) for i in range(400)]
+    assert stragglers(steps, 4) == []
+    # a rank last in a little more than its share is noise too: 120 of 400 (expected 100, sd 8.7)
+    noisy = [Arrival(i, 0 if i < 120 else 1 + i % 3, 0.001) for i in range(400)]
+    assert stragglers(noisy, 4) == []
+    assert stragglers([], 4) == [] and stragglers(steps, 1) == []
+
+
+# -- the exchange in batches (every rank) -------------------------------------------------------
+
+
+def slow_rank_waits(rank: int, size: int, step: int) -> float:
+    """The wait rank `rank` would measure at `step` if rank (step % size) came 10 ms x rank late."""
+    late = step % size
+    return 0.001 if rank == late else 0.001 + 0.010 * (1 + (rank + step) % 3)
+
+
+def test_the_steps_are_attributed_once_a_batch_of_waits_is_exchanged(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    arrivals = Arrivals(comm, batch=4)
+    for step in range(3):
+        arrivals.record(slow_rank_waits(rank, size, step))
+    before = list(arrivals.steps)  # three waits pending: nothing known yet
+    arrivals.record(slow_rank_waits(rank, size, 3))  # the fourth: an allgather
+    after = list(arrivals.steps)
+    for step in range(4, 6):
+        arrivals.record(slow_rank_waits(rank, size, step))
+    arrivals.flush()  # the last two
+    steps = [a.step for a in arrivals.steps]
+    last = [a.last_rank for a in arrivals.steps]
+    expected_last = [0] * 6 if size == 1 else [step % size for step in range(6)]
+    ok = (before == [] and len(after) == 4 and steps == list(range(6)) and last == expected_last
+          and arrivals.recorded == 6)
+    if size > 1:
+        ok = ok and all(a.lateness_s > 0.005 for a in arrivals.steps)
+        ok = ok and arrivals.since(4) == list(arrivals.steps)[4:]
+    assert all_ranks_agree(ok), (before, after, list(arrivals.steps))
+
+
+def test_a_flush_with_nothing_pending_exchanges_nothing_and_a_rebind_drops_the_pending(comm):
+    arrivals = Arrivals(comm, batch=8)
+    arrivals.flush()  # nothing recorded: no collective, nothing known
+    arrivals.record(0.001)
+    arrivals.rebind(comm)
+    arrivals.flush()
+    assert all_ranks_agree(list(arrivals.steps) == [] and arrivals.recorded == 0)
+
+
+@pytest.mark.parametrize("batch", [0, -1, 2.5])
+def test_a_batch_that_is_not_a_positive_number_of_steps_is_refused(comm, batch):
+    with pytest.raises(ValueError, match="batch must be a positive number of steps"):
+        Arrivals(comm, batch=batch)
