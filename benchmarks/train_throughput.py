@@ -11,6 +11,9 @@ Every mode runs in this one invocation on the same ranks:
   local        no gradient communication: the compute-only ceiling
   hpcdl        hpcdl.DistributedDataParallel, buckets reduced during backward
   hpcdl-nolap  the same with overlap=False (all buckets after backward)
+  hpcdl-noarrivals  `hpcdl` without its straggler attribution (`ddp.arrivals.record` a no-op):
+               the "before" of the attribution's cost, which the report also gives directly as
+               the time spent recording and exchanging waits per step (`arrivals_us`)
   torch-ddp    torch.nn.parallel.DistributedDataParallel, gloo backend (torch.distributed set up
                from our MPI rank and size by hpcdl/runtime/rendezvous.py)
   torch-ddp-hpcdl  torch's DistributedDataParallel over the "hpcdl" torch.distributed backend
@@ -53,7 +56,10 @@ from hpcdl.training.model_sizes import SIZED_MODELS, shape_of_module
 from hpcdl.training.models import heavy_mlp
 from hpcdl.runtime.rendezvous import init_gloo
 
-MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
+MODES = ("local", "hpcdl", "hpcdl-nolap", "hpcdl-noarrivals", "torch-ddp", "torch-ddp-hpcdl")
+#: Seconds the `hpcdl` mode spent in `ddp.arrivals.record` (the attribution: hpcdl/runtime/arrivals.py)
+#: during the timed steps of its last measurement.
+ARRIVALS = {"seconds": 0.0}
 
 
 def small_cnn() -> nn.Module:
@@ -87,9 +93,21 @@ def wrap(mode: str, net: nn.Module, comm: MPI.Comm, args: argparse.Namespace,
     if mode == "torch-ddp-hpcdl":
         return nn.parallel.DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb,
                                                    process_group=hpcdl_group)
-    return hpcdl.DistributedDataParallel(
+    ddp = hpcdl.DistributedDataParallel(
         net, comm, bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
-        algorithm=args.algorithm, overlap=(mode == "hpcdl"), timeline=timeline)
+        algorithm=args.algorithm, overlap=(mode != "hpcdl-nolap"), timeline=timeline)
+    arrivals = ddp.arrivals
+    if mode == "hpcdl-noarrivals":
+        arrivals.record = lambda wait_s: None  # type: ignore[method-assign]
+    elif mode == "hpcdl":
+        record = arrivals.record
+
+        def timed(wait_s: float) -> None:
+            began = time.perf_counter()
+            record(wait_s)
+            ARRIVALS["seconds"] += time.perf_counter() - began
+        arrivals.record = timed  # type: ignore[method-assign]
+    return ddp
 
 
 def synchronize(device: torch.device) -> None:
@@ -134,6 +152,7 @@ def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace
         step()
     synchronize(device)
     comm.Barrier()
+    ARRIVALS["seconds"] = 0.0
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -145,6 +164,9 @@ def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace
     if timeline is not None:
         model.write_timeline()
     slowest = comm.allreduce(elapsed, op=MPI.MAX)
+    if mode == "hpcdl":
+        ARRIVALS["us_per_step"] = comm.allreduce(ARRIVALS["seconds"], op=MPI.MAX) / args.steps * 1e6
+        ARRIVALS["step_us"] = slowest / args.steps * 1e6
     return comm.Get_size() * args.batch * args.steps / slowest
 
 
@@ -189,14 +211,19 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, float]] = {}
     for model_name in args.models:
         rounds: dict[str, list[float]] = {mode: [] for mode in args.modes}
+        arrival_share: list[float] = []  # the attribution's time / the step's, per round
         for _ in range(args.rounds):
             for mode in args.modes:
                 rounds[mode].append(measure(model_name, mode, comm, args, hpcdl_group=hpcdl_group))
+                if mode == "hpcdl":
+                    arrival_share.append(ARRIVALS["us_per_step"] / ARRIVALS["step_us"])
         if args.timeline and "hpcdl" in args.modes:
             root, ext = os.path.splitext(args.timeline)
             measure(model_name, "hpcdl", comm, args, timeline=f"{root}.{model_name}{ext or '.json'}")
         results[model_name] = {mode: statistics.median(v) for mode, v in rounds.items()}
         results[model_name].update({f"{mode}_rounds": v for mode, v in rounds.items()})
+        if arrival_share:
+            results[model_name]["arrivals_share_of_step"] = statistics.median(arrival_share)
 
     if topo.rank == 0:
         if args.emulate_compute:
@@ -210,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             ratio = lambda a, b: f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"  # noqa: E731
             print(f"| {size} | {model_name} | " + " | ".join(f"{r[m]:.0f}" for m in args.modes)
                   + f" | {ratio('hpcdl', 'torch-ddp')} | {ratio('hpcdl', 'hpcdl-nolap')} |")
+        for model_name, r in results.items():
+            if "arrivals_share_of_step" in r:
+                print(f"{model_name}: straggler attribution {r['arrivals_share_of_step']:.3%} of the step "
+                      f"(hpcdl/hpcdl-noarrivals {r['hpcdl'] / r['hpcdl-noarrivals']:.3f})"
+                      if "hpcdl-noarrivals" in r else
+                      f"{model_name}: straggler attribution {r['arrivals_share_of_step']:.3%} of the step")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"size": size, "args": vars(args), "samples_per_s": results,

@@ -21,7 +21,8 @@ after the next exchange.
 
 Who records: `hpcdl.DistributedDataParallel` and Horovod's `DistributedOptimizer` (the wait of
 bucket 0's first collective, hpcdl/ddp/reducer.py), `hpcdl.LocalSGD` (the averaging's first
-collective); `hpcdl train` reads them per epoch (docs/troubleshooting.md#which-rank-is-slow).
+collective); `hpcdl train` reads them per epoch
+(docs/troubleshooting.md#which-rank-is-slow-the-last-rank-at-every-step).
 """
 from __future__ import annotations
 

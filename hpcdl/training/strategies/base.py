@@ -215,7 +215,7 @@ class Strategy:
         """Which training rank arrived last at each step's first collective
         (`hpcdl.runtime.arrivals`), where steps have one: allreduce's (bucket 0), local SGD's (each
         averaging); None for the parameter servers' workers, whose pushes and pulls meet no
-        other worker (docs/troubleshooting.md#which-rank-is-slow)."""
+        other worker (docs/troubleshooting.md#which-rank-is-slow-the-last-rank-at-every-step)."""
         return None
 
     def staleness(self) -> Staleness | None:
