@@ -14,10 +14,12 @@ Differences of durations on each rank's own clock: no clock is compared across r
 (Ring and tree algorithms finish a few messages apart on different ranks; that error is one
 message's time, microseconds on a host, and counts against every rank alike.)
 
-The waits travel in batches: every `batch` recorded steps (and on `flush()`) one allgather of
-`batch` float64s per rank, so attribution costs one small collective per `batch` steps and none
-per step. `steps` holds what is known so far; the latest up to `batch - 1` steps are known only
-after the next exchange.
+The waits travel in batches: every `batch` recorded steps one non-blocking allgather of `batch`
+float64s per rank, launched on the training thread and run by the communication thread while the
+next steps compute (the training thread never waits in it: by the next batch it is long done), so
+attribution costs one small collective per `batch` steps and none per step. `steps` holds what is
+known so far: up to the latest 2 x `batch` - 1 steps are known only after a later exchange, or
+`flush()`, collective, which exchanges and waits for everything recorded.
 
 Who records: `hpcdl.DistributedDataParallel` and Horovod's `DistributedOptimizer` (the wait of
 bucket 0's first collective, hpcdl/ddp/reducer.py), `hpcdl.LocalSGD` (the averaging's first
@@ -35,6 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
+from collectives import Handle
 
 #: Steps whose waits are exchanged at once (one allgather of this many float64s per rank).
 ARRIVAL_BATCH = 64
@@ -111,9 +114,11 @@ def stragglers(arrivals: Sequence[Arrival], size: int) -> list[Straggler]:
 class Arrivals:
     """The per-step attribution of one communicator's ranks (see the module's docstring).
 
-    `record(wait_s)` once per step on every rank (collective every `batch` calls); `flush()`
-    (collective) exchanges what is pending; `steps` are the attributed steps known (the latest
-    KEPT_STEPS), `recorded` the steps recorded on this rank so far.
+    `record(wait_s)` once per step on every rank: every `batch`-th call launches the exchange of
+    the batch's waits (a non-blocking allgather, done while the next steps compute) and takes in
+    the previous batch's. `flush()` (collective) exchanges everything recorded and waits for it.
+    `steps` are the attributed steps known (the latest KEPT_STEPS), `recorded` the steps recorded
+    on this rank so far.
     """
 
     def __init__(self, comm: MPI.Comm, *, batch: int = ARRIVAL_BATCH) -> None:
@@ -125,29 +130,54 @@ class Arrivals:
         self.recorded = 0
         self._pending = np.zeros(batch, dtype=np.float64)
         self._count = 0  # waits in _pending
+        # The batch under exchange: its allgather's handle, the buffer it sends (kept alive until
+        # the handle is done, as every buffer of a non-blocking call), its first step.
+        self._exchange: tuple[Handle, np.ndarray, int] | None = None
 
     def record(self, wait_s: float) -> None:
         """This rank waited `wait_s` seconds in this step's first collective. Every rank calls it
-        for the same steps: the `batch`-th call since the last exchange is a collective."""
+        for the same steps: the `batch`-th call since the last exchange starts a collective."""
         self._pending[self._count] = wait_s
         self._count += 1
         self.recorded += 1
         if self._count == self.batch:
-            self.flush()
+            self._launch()
 
     def flush(self) -> None:
         """Collective: exchange the waits recorded since the last exchange (the same number on
-        every rank) and attribute their steps."""
+        every rank) and attribute every step recorded."""
+        self._launch()
+        self._take_in()
+
+    def _launch(self) -> None:
+        """Start exchanging the pending waits (after taking in the batch before: done by now)."""
+        self._take_in()
         count = self._count
         if count == 0:  # then on every rank: they record the same steps
             return
         mine = self._pending[:count].copy()
-        waits = collectives.allgather(mine, self.comm) if self.comm.Get_size() > 1 else mine[None]
-        last, lateness = attribute(waits)
         first = self.recorded - count
+        self._count = 0
+        if self.comm.Get_size() == 1:
+            self._attribute(mine[None], first)
+        else:
+            self._exchange = (collectives.iallgather(mine, self.comm), mine, first)
+
+    def _take_in(self) -> None:
+        """Wait for the exchange under way, if any, and attribute its steps."""
+        if self._exchange is None:
+            return
+        handle, _, first = self._exchange
+        try:
+            waits = handle.wait()
+        finally:
+            self._exchange = None
+        self._attribute(waits, first)
+
+    def _attribute(self, waits: np.ndarray, first: int) -> None:
+        last, lateness = attribute(waits)
         self.steps.extend(Arrival(first + i, int(r), float(late))
                           for i, (r, late) in enumerate(zip(last, lateness)))
-        self._count = 0
 
     def since(self, step: int) -> list[Arrival]:
         """The attributed steps from `step` (a value of `recorded`) on."""
@@ -160,6 +190,9 @@ class Arrivals:
     def rebind(self, comm: MPI.Comm) -> None:
         """Attribute over `comm`'s ranks from now on (after ranks were lost): waits not yet
         exchanged are dropped, ranks may have recorded different numbers of them."""
+        if self._exchange is not None:  # ended (with an error, after a failure): dropped
+            self._exchange[0].settled()
+            self._exchange = None
         self.comm = comm
         self.recorded -= self._count
         self._count = 0

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 #: How late the slow rank starts each step: many times a small step's own time on two cores.
-SLOW_S = 0.05
+SLOW_S = 0.1
 STEPS = 20
 
 
