@@ -80,10 +80,11 @@ def arrival_columns(arrivals: Sequence[Arrival] | None, size: int) -> dict[str, 
     strategy attributes no steps."""
     if not arrivals:
         return dict.fromkeys(("last_rank", "last_rank_share", "last_rank_lateness_ms", "last_rank_counts"))
-    counts = [0] * size
+    # (a step before ranks were lost may name a rank beyond the survivors)
+    counts = [0] * max(size, 1 + max(a.last_rank for a in arrivals))
     for arrival in arrivals:
         counts[arrival.last_rank] += 1
-    most = max(range(size), key=lambda r: counts[r])
+    most = max(range(len(counts)), key=lambda r: counts[r])
     late = [a.lateness_s for a in arrivals if a.last_rank == most]
     return {"last_rank": most, "last_rank_share": counts[most] / len(arrivals),
             "last_rank_lateness_ms": statistics.median(late) * 1e3, "last_rank_counts": counts}

@@ -13,6 +13,15 @@ SLOW_S = 0.1
 STEPS = 20
 
 
+def optimizer_step(model: Any, optimizer: Any, x: Any) -> Callable[[int], None]:
+    """A step of `model` on the batch `x` with `optimizer`: zero, forward, backward, step."""
+    def step(_: int) -> None:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    return step
+
+
 def slow_rank_named(comm: MPI.Comm, take_step: Callable[[int], Any], arrivals: Callable[[], Any]
                     ) -> tuple[bool, str]:
     """Run STEPS steps of `take_step(step)` (collective), the last rank sleeping SLOW_S before

@@ -7,7 +7,7 @@ import torch
 
 import hpcdl
 from tests.conftest import all_ranks_agree
-from tests.helpers.slow_rank import slow_rank_named
+from tests.helpers.slow_rank import optimizer_step, slow_rank_named
 
 
 @pytest.mark.parametrize("shard", [None, "gradients"])
@@ -20,14 +20,7 @@ def test_a_rank_that_starts_each_step_late_is_named_last_by_about_its_delay(comm
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     if shard:
         optimizer = ddp.shard_optimizer(optimizer)
-    x = torch.randn(4, 8)
-
-    def step(_: int) -> None:
-        optimizer.zero_grad()
-        ddp(x).sum().backward()
-        optimizer.step()
-
-    ok, seen = slow_rank_named(comm, step, lambda: ddp.arrivals)
+    ok, seen = slow_rank_named(comm, optimizer_step(ddp, optimizer, torch.randn(4, 8)), lambda: ddp.arrivals)
     assert all_ranks_agree(ok), seen
 
 
