@@ -41,7 +41,7 @@ from collectives import Handle
 
 #: Steps whose waits are exchanged at once (one allgather of this many float64s per rank).
 ARRIVAL_BATCH = 64
-#: Steps whose attribution is kept (the latest ones; counts cover every step).
+#: Steps whose attribution is kept (about the latest ones, whole batches).
 KEPT_STEPS = 100_000
 #: A rank is named a straggler when it was last in more steps than its share (1/P of them) by at
 #: least this many binomial standard deviations: in a run where no rank is slow, each rank is last
@@ -126,7 +126,9 @@ class Arrivals:
             raise ValueError(f"batch must be a positive number of steps, got {batch!r}")
         self.comm = comm
         self.batch = batch
-        self.steps: deque[Arrival] = deque(maxlen=KEPT_STEPS)
+        # The attributed batches, as arrays (an object per step only when asked: `steps`): each
+        # batch's first step, last ranks and latenesses.
+        self._attributed: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=KEPT_STEPS // batch + 1)
         self.recorded = 0
         self._pending = np.zeros(batch, dtype=np.float64)
         self._count = 0  # waits in _pending
@@ -175,13 +177,18 @@ class Arrivals:
         self._attribute(waits, first)
 
     def _attribute(self, waits: np.ndarray, first: int) -> None:
-        last, lateness = attribute(waits)
-        self.steps.extend(Arrival(first + i, int(r), float(late))
-                          for i, (r, late) in enumerate(zip(last, lateness)))
+        self._attributed.append((first, *attribute(waits)))
+
+    @property
+    def steps(self) -> list[Arrival]:
+        """The attributed steps known, oldest first (about the latest KEPT_STEPS)."""
+        return self.since(0)
 
     def since(self, step: int) -> list[Arrival]:
         """The attributed steps from `step` (a value of `recorded`) on."""
-        return [a for a in self.steps if a.step >= step]
+        return [Arrival(first + i, int(r), float(late)) for first, last, lateness in self._attributed
+                if first + len(last) > step
+                for i, (r, late) in enumerate(zip(last.tolist(), lateness.tolist())) if first + i >= step]
 
     def stragglers(self, since: int = 0) -> list[Straggler]:
         """The ranks last in more than their share of the attributed steps from `since` on."""
