@@ -26,6 +26,16 @@ def test_the_attribution_over_an_even_number_of_others_takes_their_median():
     assert lateness[0] == pytest.approx((0.004 + 0.008) / 2 - 0.001)
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5, 6])
+def test_the_lateness_is_the_others_median_wait_less_the_last_ranks_for_any_number_of_ranks(ranks):
+    waits = np.random.default_rng(ranks).random((ranks, 50))
+    last, lateness = attribute(waits)
+    for i in range(50):
+        others = np.delete(waits[:, i], last[i])
+        assert last[i] == np.argmin(waits[:, i])
+        assert lateness[i] == np.median(others) - waits[last[i], i]
+
+
 def test_over_one_rank_it_is_always_last_and_never_late():
     last, lateness = attribute([[0.5, 0.2]])
     assert last.tolist() == [0, 0] and lateness.tolist() == [0.0, 0.0]
