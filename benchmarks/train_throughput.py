@@ -11,6 +11,10 @@ Every mode runs in this one invocation on the same ranks:
   local        no gradient communication: the compute-only ceiling
   hpcdl        hpcdl.DistributedDataParallel, buckets reduced during backward
   hpcdl-nolap  the same with overlap=False (all buckets after backward)
+  hpcdl-noarrivals  `hpcdl` without its straggler attribution (`ddp.arrivals.record` a no-op):
+               the "before" of the attribution's cost, which the report also gives directly: the
+               time and CPU time per step inside `record` (hpcdl) and inside the no-op under the
+               same timer (hpcdl-noarrivals: what timing costs by itself)
   torch-ddp    torch.nn.parallel.DistributedDataParallel, gloo backend (torch.distributed set up
                from our MPI rank and size by hpcdl/runtime/rendezvous.py)
   torch-ddp-hpcdl  torch's DistributedDataParallel over the "hpcdl" torch.distributed backend
@@ -53,7 +57,12 @@ from hpcdl.training.model_sizes import SIZED_MODELS, shape_of_module
 from hpcdl.training.models import heavy_mlp
 from hpcdl.runtime.rendezvous import init_gloo
 
-MODES = ("local", "hpcdl", "hpcdl-nolap", "torch-ddp", "torch-ddp-hpcdl")
+MODES = ("local", "hpcdl", "hpcdl-nolap", "hpcdl-noarrivals", "torch-ddp", "torch-ddp-hpcdl")
+#: Seconds the last measurement of `hpcdl` or `hpcdl-noarrivals` spent in `ddp.arrivals.record` (the
+#: attribution: hpcdl/runtime/arrivals.py), or in the no-op put in its place, during the timed steps:
+#: wall time, and CPU time of the training thread (what it costs whatever else runs on the cores).
+ARRIVALS = {"seconds": 0.0, "cpu_seconds": 0.0}
+ATTRIBUTING = ("hpcdl", "hpcdl-noarrivals")
 
 
 def small_cnn() -> nn.Module:
@@ -87,9 +96,20 @@ def wrap(mode: str, net: nn.Module, comm: MPI.Comm, args: argparse.Namespace,
     if mode == "torch-ddp-hpcdl":
         return nn.parallel.DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb,
                                                    process_group=hpcdl_group)
-    return hpcdl.DistributedDataParallel(
+    ddp = hpcdl.DistributedDataParallel(
         net, comm, bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
-        algorithm=args.algorithm, overlap=(mode == "hpcdl"), timeline=timeline)
+        algorithm=args.algorithm, overlap=(mode != "hpcdl-nolap"), timeline=timeline)
+    arrivals = ddp.arrivals
+    if mode in ATTRIBUTING:
+        record = arrivals.record if mode == "hpcdl" else lambda wait_s: None
+
+        def timed(wait_s: float) -> None:
+            began, cpu = time.perf_counter(), time.thread_time()
+            record(wait_s)
+            ARRIVALS["seconds"] += time.perf_counter() - began
+            ARRIVALS["cpu_seconds"] += time.thread_time() - cpu
+        arrivals.record = timed  # type: ignore[method-assign]
+    return ddp
 
 
 def synchronize(device: torch.device) -> None:
@@ -134,6 +154,7 @@ def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace
         step()
     synchronize(device)
     comm.Barrier()
+    ARRIVALS["seconds"] = ARRIVALS["cpu_seconds"] = 0.0
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -145,6 +166,10 @@ def measure(model_name: str, mode: str, comm: MPI.Comm, args: argparse.Namespace
     if timeline is not None:
         model.write_timeline()
     slowest = comm.allreduce(elapsed, op=MPI.MAX)
+    if mode in ATTRIBUTING:
+        ARRIVALS["us_per_step"] = comm.allreduce(ARRIVALS["seconds"], op=MPI.MAX) / args.steps * 1e6
+        ARRIVALS["cpu_us_per_step"] = comm.allreduce(ARRIVALS["cpu_seconds"], op=MPI.MAX) / args.steps * 1e6
+        ARRIVALS["step_us"] = slowest / args.steps * 1e6
     return comm.Get_size() * args.batch * args.steps / slowest
 
 
@@ -189,14 +214,23 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, float]] = {}
     for model_name in args.models:
         rounds: dict[str, list[float]] = {mode: [] for mode in args.modes}
+        # per mode and round: the time in `record` / the step's, and its CPU microseconds per step
+        arrival_share: dict[str, list[float]] = {mode: [] for mode in ATTRIBUTING if mode in args.modes}
+        arrival_cpu: dict[str, list[float]] = {mode: [] for mode in arrival_share}
         for _ in range(args.rounds):
             for mode in args.modes:
                 rounds[mode].append(measure(model_name, mode, comm, args, hpcdl_group=hpcdl_group))
+                if mode in arrival_share:
+                    arrival_share[mode].append(ARRIVALS["us_per_step"] / ARRIVALS["step_us"])
+                    arrival_cpu[mode].append(ARRIVALS["cpu_us_per_step"])
         if args.timeline and "hpcdl" in args.modes:
             root, ext = os.path.splitext(args.timeline)
             measure(model_name, "hpcdl", comm, args, timeline=f"{root}.{model_name}{ext or '.json'}")
         results[model_name] = {mode: statistics.median(v) for mode, v in rounds.items()}
         results[model_name].update({f"{mode}_rounds": v for mode, v in rounds.items()})
+        for mode in arrival_share:
+            results[model_name][f"{mode}_record_share_of_step"] = statistics.median(arrival_share[mode])
+            results[model_name][f"{mode}_record_cpu_us_per_step"] = statistics.median(arrival_cpu[mode])
 
     if topo.rank == 0:
         if args.emulate_compute:
@@ -210,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
             ratio = lambda a, b: f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"  # noqa: E731
             print(f"| {size} | {model_name} | " + " | ".join(f"{r[m]:.0f}" for m in args.modes)
                   + f" | {ratio('hpcdl', 'torch-ddp')} | {ratio('hpcdl', 'hpcdl-nolap')} |")
+        for model_name, r in results.items():
+            for mode in ATTRIBUTING:
+                if f"{mode}_record_share_of_step" in r:
+                    what = "straggler attribution" if mode == "hpcdl" else "the timer around a no-op in its place"
+                    print(f"{model_name}, {mode}: {what}: {r[f'{mode}_record_share_of_step']:.3%} of the step's "
+                          f"time, {r[f'{mode}_record_cpu_us_per_step']:.2f} us of CPU per step")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"size": size, "args": vars(args), "samples_per_s": results,

@@ -24,7 +24,9 @@ launched in bucket order and waited for before the optimizer step.
   `timeout` turns it into a TimeoutError.
 - After the first synchronized backward the buckets are rebuilt once in the order gradients
   really became ready (rank 0's order, broadcast), as torch's DDP does.
-- `traffic` counts what this rank sent for gradients, for `hpcdl train`'s per-epoch report.
+- `traffic` counts what this rank sent for gradients, for `hpcdl train`'s per-epoch report;
+  `arrivals` which rank arrived last at each step's first collective (bucket 0's first), from
+  this rank's wait in it, launch to completion (hpcdl/runtime/arrivals.py).
 - Sharding stage 2 (`release_reduced`): a bucket's gradients are freed as soon as its exchange is
   done, found by polling the launched buckets' handles at each gradient's hook; `scale` (set for
   a step under `join()`) multiplies each bucket's average after `finish`.
@@ -44,6 +46,7 @@ import collectives
 from collectives import Handle
 
 from ..runtime import stall
+from ..runtime.arrivals import Arrivals
 from ..runtime.agreement import raise_unless_agreed
 from .buckets import Bucket, assign_buckets
 from .exchange import ExchangeLink, GradientExchange
@@ -113,6 +116,8 @@ class Reducer:
         #: the finished handles of the last synchronized step, in bucket then launch order
         self.last_handles: list[Handle] = []
         self.traffic = GradientTraffic()
+        #: which rank arrived last at each step's first collective (collective every few steps)
+        self.arrivals = Arrivals(comm)
         #: free each bucket's gradients once its exchange is done (sharding stage 2)
         self.release_reduced = False
         #: what this step's averages are multiplied by (join(): P / contributing ranks)
@@ -324,6 +329,9 @@ class Reducer:
         self.reset_step()
         if error is not None:
             raise error
+        if handles and handles[0].finished_at is not None:
+            # the step's first collective: from this rank's launch to its completion here
+            self.arrivals.record(handles[0].finished_at - handles[0].queued_at)
 
     def _hand_back(self) -> None:
         """The compute stream waits (on the device, the host goes on) for the side stream's work
@@ -372,6 +380,7 @@ class Reducer:
                 handle.settled()  # ended, with a result or an error
         self.reset_step()
         self.comm = comm
+        self.arrivals.rebind(comm)
         raise_unless_agreed("the gradient exchange", self.exchange.setup(self.named, comm),
                             {"compression": repr(self.exchange)}, comm)
         self.moves_nothing = self.exchange.moves_nothing(comm.Get_size())

@@ -81,6 +81,7 @@ from collectives import Handle
 from .. import runtime
 from ..runtime import stall
 from ..runtime.agreement import raise_unless_agreed
+from ..runtime.arrivals import Arrivals
 from .bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, check_bucket_options
 from .dense import Average, Cast, resolve
 from .exchange import GradientExchange
@@ -613,6 +614,15 @@ class DistributedDataParallel(torch.nn.Module):
         """What this rank has sent for gradients since the wrapper was built (a snapshot;
         subtract two for an interval)."""
         return self._reducer.traffic_snapshot()
+
+    @property
+    def arrivals(self) -> Arrivals:
+        """Which rank arrived last at each step's first collective, and how late
+        (`hpcdl.runtime.arrivals`): `.steps` lists the steps attributed so far (`Arrival(step,
+        last_rank, lateness_s)`), `.stragglers()` names the ranks last in more than their share.
+        The ranks' waits are exchanged every ARRIVAL_BATCH steps; `.flush()`, collective,
+        attributes the steps since."""
+        return self._reducer.arrivals
 
     # -- buffers and traces ----------------------------------------------------------------------
 

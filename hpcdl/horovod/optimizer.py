@@ -40,6 +40,7 @@ from ..ddp.dense import Average as DenseAverage
 from ..ddp.exchange import ExchangeLink, GradientExchange
 from ..ddp.wrapper import STALL_WARNING_S, build_reducer, check_bucket_options, register_ready_hooks
 from ..runtime.agreement import agreed_error, raise_unless_agreed
+from ..runtime.arrivals import Arrivals
 from ..runtime.stall import wait_for, warning_seconds
 from . import process_sets
 from .basics import Adasum, Average, Sum, _not_offered
@@ -241,6 +242,12 @@ class _Synchronizing:
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per bucket, in the order buckets are reduced (as DDP's)."""
         return [list(b.names) for b in self._hvd_reducer.buckets]
+
+    @property
+    def arrivals(self) -> Arrivals:
+        """Which rank arrived last at each synchronized step's first collective, and how late
+        (as `hpcdl.DistributedDataParallel.arrivals`; hpcdl/runtime/arrivals.py)."""
+        return self._hvd_reducer.arrivals
 
 
 def named_optimizer_parameters(optimizer: torch.optim.Optimizer,

@@ -40,6 +40,7 @@ import collectives
 from .. import runtime
 from ..tensors.fusion import fused_average, fused_broadcast
 from ..ddp.join import Join
+from ..runtime.arrivals import Arrivals
 from ..runtime import stall
 from ..runtime.agreement import raise_unless_agreed
 from .options import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS
@@ -95,6 +96,10 @@ class LocalSGD:
         self.averagings = 0
         self.bytes_averaged = 0
         self._join: Join | None = None
+        #: which rank arrived last at each averaging (and warm-up step), and how late: the wait of
+        #: its first allreduce (hpcdl/runtime/arrivals.py; collective every ARRIVAL_BATCH of them)
+        self.arrivals = Arrivals(self.comm)
+        self._first_wait: float | None = None  # the averaging under way's first allreduce's
         fused_broadcast([*module.parameters(), *module.buffers()], self.comm, 0)
 
     @property
@@ -138,6 +143,7 @@ class LocalSGD:
             grads.append(p.grad)
         self.bytes_averaged += fused_average(grads, self.comm, algorithm=self.algorithm,
                                              wait=self._waiting("the warm-up's gradient averaging"))
+        self._record_arrival()
         if scale != 1.0:
             torch._foreach_mul_(grads, scale)
 
@@ -146,6 +152,7 @@ class LocalSGD:
         replacements, `hpcdl train --on-rank-failure continue`). Every rank of `comm` must hold
         the same counters (`state_dict`)."""
         self.comm = comm
+        self.arrivals.rebind(comm)
 
     def average(self) -> None:
         """Collective: average the parameters (and optimizer state if asked) over the ranks now."""
@@ -161,6 +168,7 @@ class LocalSGD:
         tensors = self._averaged()
         self.bytes_averaged += fused_average(tensors, self.comm, algorithm=self.algorithm,
                                              wait=self._waiting("the averaging of the parameters"))
+        self._record_arrival()
         if scale != 1.0:
             with torch.no_grad():
                 torch._foreach_mul_(tensors, scale)
@@ -196,8 +204,20 @@ class LocalSGD:
     def _waiting(self, what: str) -> Callable[[collectives.Handle], Any]:
         """A wait for `what` that warns while a rank is missing (hpcdl/runtime/stall.py)."""
         rank = self.comm.Get_rank()
-        return lambda handle: stall.wait_for(handle, f"LocalSGD: {what}", rank=rank, advice=STALL_ADVICE,
-                                             stacklevel=4)
+        self._first_wait = None
+
+        def wait(handle: collectives.Handle) -> Any:
+            result = stall.wait_for(handle, f"LocalSGD: {what}", rank=rank, advice=STALL_ADVICE, stacklevel=4)
+            if self._first_wait is None and handle.finished_at is not None:
+                self._first_wait = handle.finished_at - handle.queued_at
+            return result
+        return wait
+
+    def _record_arrival(self) -> None:
+        """After an averaging: its first allreduce's wait on this rank, for `arrivals`."""
+        if self._first_wait is not None:
+            self.arrivals.record(self._first_wait)
+            self._first_wait = None
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The optimizer's floating-point state tensors shaped like their parameter, in a fixed

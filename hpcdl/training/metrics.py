@@ -8,13 +8,15 @@ import csv
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from ..runtime.atomic_file import write_atomically
 
 if TYPE_CHECKING:
     from ..parameter_server import Staleness
+    from ..runtime.arrivals import Arrival
 
 METRICS_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 
@@ -69,6 +71,23 @@ def staleness_columns(staleness: Staleness | None) -> dict[str, Any]:
         histogram.pop()
     return {"staleness_mean": staleness.mean, "staleness_max": staleness.max,
             "staleness_histogram": histogram}
+
+
+def arrival_columns(arrivals: Sequence[Arrival] | None, size: int) -> dict[str, Any]:
+    """The metrics file's straggler columns for an epoch's attributed steps (hpcdl/runtime/arrivals.py):
+    the rank last at the first collective in most of them, the fraction it was last in, its median
+    lateness in those (ms), and how many steps each of the `size` ranks was last in; None where the
+    strategy attributes no steps."""
+    if not arrivals:
+        return dict.fromkeys(("last_rank", "last_rank_share", "last_rank_lateness_ms", "last_rank_counts"))
+    # (a step before ranks were lost may name a rank beyond the survivors)
+    counts = [0] * max(size, 1 + max(a.last_rank for a in arrivals))
+    for arrival in arrivals:
+        counts[arrival.last_rank] += 1
+    most = max(range(len(counts)), key=lambda r: counts[r])
+    late = [a.lateness_s for a in arrivals if a.last_rank == most]
+    return {"last_rank": most, "last_rank_share": counts[most] / len(arrivals),
+            "last_rank_lateness_ms": statistics.median(late) * 1e3, "last_rank_counts": counts}
 
 
 class MetricsLog:

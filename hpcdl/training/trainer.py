@@ -17,7 +17,7 @@ from ..runtime.launcher import user_terminal
 from .compute import columns as compute_columns
 from .compute import compute_for
 from .compute import describe as describe_compute
-from .metrics import EpochTraffic, MetricsLog, gradient_report, staleness_columns
+from .metrics import EpochTraffic, MetricsLog, arrival_columns, gradient_report, staleness_columns
 from .config import KEEP_CHECKPOINTS, PROG
 from .pacing import EPOCH_DONE, TAKE_STEP
 from .rank_loss import Recovery
@@ -70,6 +70,7 @@ class Trainer:
         # rank's traffic in the epoch before the checkpoint resumed from (a mid-epoch one).
         self.traffic: EpochTraffic | None = None
         self.traffic_before: dict[str, Any] = {}
+        self.arrivals_from = 0  # the epoch's first step in the strategy's `arrivals` (its `recorded`)
         if checkpoint is not None:
             self.epoch, self.done_in_epoch = checkpoint["epoch"], checkpoint["batches_done"]
             self.step = self.own_steps = checkpoint["step"]
@@ -177,6 +178,14 @@ class Trainer:
         test_loss, accuracy = self.compute.evaluate(self.test_set, self.rank, self.size, self.comm, "at the end")
         closing = (f"final held-out accuracy {accuracy:.4f} (loss {test_loss:.4f}) after {self.step} steps"
                    if accuracy is not None else f"done after {self.step} steps (emulated compute: no accuracy)")
+        arrivals = self.strategy.arrivals
+        if arrivals is not None and arrivals.comm.Get_size() > 1:
+            arrivals.flush()  # collective
+            late = arrivals.stragglers()
+            closing += ("\nstragglers (last at a step's first collective more often than their share): "
+                        + "; ".join(s.describe() for s in late) if late else
+                        f"\nno straggler: no rank was last at the first collective of more than its share "
+                        f"of {len(arrivals.steps)} steps")
         if config.timeline:
             written = self.strategy.write_timeline()
             closing += f"\ntimeline written to {written}"
@@ -195,6 +204,8 @@ class Trainer:
         if strategy.gradient_traffic is not None:
             self.traffic = EpochTraffic(lambda: strategy.gradient_traffic, **self.traffic_before)
         self.traffic_before = {}
+        arrivals = strategy.arrivals
+        self.arrivals_from = arrivals.recorded if arrivals is not None else 0
         bar = tqdm(total=self.steps_per_epoch, initial=self.done_in_epoch, disable=not self.bars or self.rank != 0,
                    leave=False, desc=f"epoch {self.epoch + 1}/{config.epochs}", file=sys.stderr)
         # Set back by what the resumed run spent on this epoch up to its checkpoint: the epoch's
@@ -288,6 +299,9 @@ class Trainer:
                                                         f"after epoch {self.epoch}")
             # After the evaluation's pull: under sync-ps every push of the epoch is applied by then.
             staleness = strategy.staleness() if self.rank == 0 else None
+            arrivals = strategy.arrivals
+            if arrivals is not None:
+                arrivals.flush()  # collective: the epoch's last steps attributed too
             ranks = self.recovery.ranks_now()
             bytes_per_rank = totals[3] / ranks  # servers included: they send what workers receive
             lr = strategy.lr(self.step)
@@ -322,6 +336,8 @@ class Trainer:
                     "lr": lr, "ranks": ranks, "strategy": self.plan.name, "samples": int(totals[1]),
                     "bytes_sent_per_rank": bytes_per_rank, **gradients, **staleness_columns(staleness),
                     **self.recovery.epoch_columns(), **compute_columns(config),
+                    **arrival_columns(None if arrivals is None else arrivals.since(self.arrivals_from),
+                                      0 if arrivals is None else arrivals.comm.Get_size()),
                     **({"params_sha256": digest} if digest else {})})
         if config.checkpoint_dir:
             self.checkpoint_now(0, (0.0, 0, 0.0, 0))

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from ...ddp.reproducible import ReproducibleDataParallel
     from ...ddp.timeline import Timeline
     from ...parallel import ProcessGrid
+    from ...runtime.arrivals import Arrivals
     from ..schedule import Schedule
 
 #: The --algorithm values --shard can use: reduce-scatter's, or allgather's (each collective takes
@@ -198,6 +199,10 @@ class Allreduce(Strategy):
     def gradient_traffic(self) -> GradientTraffic:
         return self.ddp.traffic
 
+    @property
+    def arrivals(self) -> Arrivals | None:
+        return self.ddp.arrivals
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ddp(x)
 
@@ -356,3 +361,7 @@ class ReproducibleAllreduce(Allreduce):
     @property
     def timeline(self) -> Timeline | None:
         return None
+
+    @property
+    def arrivals(self) -> Arrivals | None:
+        return None  # its exact sums are not timed yet

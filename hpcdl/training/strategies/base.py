@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ...ddp.timeline import Timeline
     from ...parallel import ProcessGrid
     from ...parameter_server import Staleness
+    from ...runtime.arrivals import Arrivals
     from ..schedule import Schedule
 
 #: The momentum of `hpcdl train`'s SGD (every strategy's, and the servers' "momentum" optimizer).
@@ -207,6 +208,14 @@ class Strategy:
     def gradient_traffic(self) -> GradientTraffic | None:
         """The running totals of this rank's gradient exchange where the strategy can compress it
         (allreduce's `DistributedDataParallel.traffic`), else None."""
+        return None
+
+    @property
+    def arrivals(self) -> Arrivals | None:
+        """Which training rank arrived last at each step's first collective
+        (`hpcdl.runtime.arrivals`), where steps have one: allreduce's (bucket 0), local SGD's (each
+        averaging); None for the parameter servers' workers, whose pushes and pulls meet no
+        other worker (docs/troubleshooting.md#which-rank-is-slow-the-last-rank-at-every-step)."""
         return None
 
     def staleness(self) -> Staleness | None:

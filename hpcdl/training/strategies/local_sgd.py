@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from ...parallel import ProcessGrid
+    from ...runtime.arrivals import Arrivals
     from ..schedule import Schedule
 
 class LocalSGDStrategy(Strategy):
@@ -84,6 +85,10 @@ class LocalSGDStrategy(Strategy):
     @property
     def bytes_sent(self) -> int:
         return self.local.bytes_sent
+
+    @property
+    def arrivals(self) -> Arrivals | None:
+        return self.local.arrivals
 
     @property
     def in_step(self) -> bool:

@@ -489,3 +489,16 @@ def test_bad_arguments_on_one_rank_fail_every_rank(comm):
                          if odd else named)
         assert message is not None and "different arguments (parameters" in message
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size  # still in step
+
+
+def test_a_rank_that_starts_each_step_late_is_named_last_in_the_optimizers_arrivals(comm):
+    from tests.helpers.slow_rank import optimizer_step, slow_rank_named
+
+    if comm.Get_size() == 1:
+        pytest.skip("needs ranks to compare")
+    hvd.init()
+    model = torch.nn.Linear(8, 2)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    ok, seen = slow_rank_named(comm, optimizer_step(model, optimizer, torch.randn(4, 8)), lambda: optimizer.arrivals)
+    assert all_ranks_agree(ok), seen

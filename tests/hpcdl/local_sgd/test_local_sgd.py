@@ -271,3 +271,23 @@ def test_the_defaults_have_one_home_that_the_class_and_hpcdl_train_read_without_
         code = "import sys, hpcdl.local_sgd.options; sys.exit('torch' in sys.modules)"
         ok &= subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=120).returncode == 0
     assert all_ranks_agree(ok, comm), (signature, chosen)
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 20])
+def test_a_rank_that_starts_each_step_late_is_named_last_at_each_averaging(comm, warmup_steps):
+    from tests.helpers.slow_rank import slow_rank_named
+
+    if comm.Get_size() == 1:
+        pytest.skip("needs ranks to compare")
+    net = _net()
+    local = hpcdl.LocalSGD(net, torch.optim.SGD(net.parameters(), lr=0.01), comm, period=1,
+                           warmup_steps=warmup_steps)  # averaging parameters, or gradients (warm-up)
+    x, y = _batches(comm.Get_size(), 1)[0]
+
+    def step(_: int) -> None:
+        local.optimizer.zero_grad()
+        _loss(net, _shard(x, comm.Get_rank()), _shard(y, comm.Get_rank())).backward()
+        local.step()
+
+    ok, seen = slow_rank_named(comm, step, lambda: local.arrivals)
+    assert all_ranks_agree(ok), seen

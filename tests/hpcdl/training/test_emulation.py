@@ -233,6 +233,31 @@ def test_a_straggler_on_an_emulated_accelerator_holds_allreduce_back_not_downpou
     assert all_ranks_agree(ok, comm), own
 
 
+@trains
+@pytest.mark.parametrize("strategy", [["--strategy", "allreduce"], ["--strategy", "allreduce", "--shard", "gradients"],
+                                      ["--strategy", "local-sgd", "--period", "1"]])
+def test_a_rank_3x_slower_is_named_last_in_the_metrics_and_the_runs_summary(strategy, tmp_path, comm, capsys):
+    """The last rank 3x slower on emulated accelerators (10 ms steps): the metrics row names it last
+    at the first collective of at least 80% of the epoch's steps, some 20 ms late (its extra
+    time; generous bounds on two shared cores), and the run's last lines name it a straggler."""
+    directory = shared_directory(tmp_path, comm)
+    slow = SIZE - 1
+    status = train.main([*strategy, "--epochs", "1", "--batch-size", "32", "--emulate-compute", "10",
+                         "--straggler", f"{slow}:3", "--progress", "none", "--metrics", str(directory / "m.jsonl")])
+    table = from_rank0(comm, rows(directory / "m.jsonl"))
+    out = capsys.readouterr().out
+    ok = status == 0 and len(table) == 1
+    row = table[0] if ok else {}
+    steps = row.get("step", 0)
+    ok = ok and row["last_rank"] == slow and row["last_rank_share"] >= 0.8
+    ok = ok and 5 <= row["last_rank_lateness_ms"] <= 100
+    ok = ok and len(row["last_rank_counts"]) == SIZE and sum(row["last_rank_counts"]) == steps
+    if comm.Get_rank() == 0:
+        ok = ok and (f"stragglers (last at a step's first collective more often than their share): rank {slow} "
+                     f"last in") in out
+    assert all_ranks_agree(ok, comm), (table, out)
+
+
 def test_the_placeholder_data_has_the_digits_sizes():
     from hpcdl.training.data import load_digits_split
     from hpcdl.training.emulation import placeholder_digits

@@ -91,3 +91,16 @@ def test_the_advice_on_going_on_names_the_newest_checkpoint(tmp_path: Path) -> N
         (tmp_path / name).write_bytes(b"")
     assert resuming.newest_step(tmp_path) == 12
     assert resuming.resume_advice(tmp_path) == f"Resume from the checkpoint of step 12 in {tmp_path} with --resume."
+
+
+def test_the_straggler_columns_name_the_rank_last_most_often_with_its_median_lateness() -> None:
+    from hpcdl.runtime.arrivals import Arrival
+    from hpcdl.training.metrics import arrival_columns
+
+    steps = [Arrival(0, 2, 0.010), Arrival(1, 2, 0.030), Arrival(2, 0, 0.001), Arrival(3, 2, 0.020)]
+    assert arrival_columns(steps, 3) == {"last_rank": 2, "last_rank_share": 0.75,
+                                         "last_rank_lateness_ms": pytest.approx(20.0), "last_rank_counts": [1, 0, 3]}
+    # a step from before a rank was lost may name a rank beyond the survivors
+    assert arrival_columns([Arrival(0, 3, 0.5)], 3)["last_rank_counts"] == [0, 0, 0, 1]
+    assert arrival_columns(None, 0) == arrival_columns([], 4) == dict.fromkeys(
+        ("last_rank", "last_rank_share", "last_rank_lateness_ms", "last_rank_counts"))

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -32,7 +33,8 @@ trains = pytest.mark.skipif(SIZE not in (2, 3), reason="trains; N = 2, 3 only (a
 COMMON_COLUMNS = {"epoch", "step", "train_loss", "test_loss", "accuracy", "samples_per_s", "seconds", "lr",
                   "ranks", "strategy", "samples", "bytes_sent_per_rank", "staleness_mean", "staleness_max",
                   "staleness_histogram", "grad_bytes_per_rank", "grad_ratio", "grad_density",
-                  "grad_density_max_step", "lost_ranks", "recovery_s", "steps_lost", "compute", "compute_ms"}
+                  "grad_density_max_step", "lost_ranks", "recovery_s", "steps_lost", "compute", "compute_ms",
+                  "last_rank", "last_rank_share", "last_rank_lateness_ms", "last_rank_counts"}
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
@@ -203,6 +205,15 @@ def test_every_strategy_learns_and_reports_the_same_columns(strategy, tmp_path, 
                   for r in table)
     else:
         ok &= all(r["grad_ratio"] is None and r["grad_bytes_per_rank"] is None for r in table)
+    # Which rank came last at each step's first collective: attributed where steps meet in one
+    # (each averaging of local-sgd), every one counted; not between a parameter server's workers.
+    if strategy in SERVER_STRATEGIES:
+        ok &= all(r["last_rank"] is None and r["last_rank_counts"] is None for r in table)
+    else:
+        period = 2 if strategy == "local-sgd" else 1  # local-sgd: --period 2
+        counted = np.cumsum([sum(r["last_rank_counts"]) for r in table]).tolist()
+        ok &= counted == [r["step"] // period for r in table]
+        ok &= all(0 <= r["last_rank"] < SIZE and r["last_rank_share"] > 0 for r in table)
     if comm.Get_rank() == 0:
         ok &= out.count("epoch   3/3") == 1 and "sent " in out and f"with {strategy} (" in out
     assert all_ranks_agree(ok, comm), (out, table)
