@@ -45,7 +45,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from collectives import inflight
+from collectives import failures, inflight
 
 from .consistency import Async, Push, slowest
 from .optimizers import make_optimizer
@@ -58,7 +58,7 @@ from .waiting import Backoff, wait_all
 
 _TAGS = {int(t) for t in Tag}
 #: The MPI error classes of a lost process: a probe's or a receive's, a failed request's among several.
-_FAILED = collectives.failures.FAILURE_CLASSES | {MPI.ERR_IN_STATUS}
+_FAILED = failures.FAILURE_CLASSES | {MPI.ERR_IN_STATUS}
 #: on_checkpoint(step, state): called on each server when every worker asked for checkpoint `step`.
 CheckpointHook = Callable[[int, dict[str, Any]], None]
 #: lr_schedule(t): the learning rate of an update made when the workers have pushed t steps each on
@@ -531,4 +531,4 @@ class Server:
 
 def _failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
     """The ranks of `comm` this process knows to have died."""
-    return collectives.failures.failed_ranks(comm, collectives.failures.KNOWLEDGE_WAIT_S)[0]
+    return failures.failed_ranks(comm, failures.KNOWLEDGE_WAIT_S)[0]
