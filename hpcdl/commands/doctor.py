@@ -31,9 +31,12 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"hpcdl doctor: {exc}", file=sys.stderr)
         return 2
+    first = min(header["wall"] for header, _ in dumps.values())
     for rank, (header, records) in sorted(dumps.items()):
+        late = header["wall"] - first
         print(f"rank {rank}: {len(records)} calls recorded; dumped on {header['reason']} "
-              f"(pid {header['pid']} on {header['host']})")
+              f"(pid {header['pid']} on {header['host']})"
+              + (f", {late:.1f} s after the first dump (compared as of the first)" if late > 1.0 else ""))
     print("\n".join(flight_dumps.divergence(dumps)))
     if args.trace:
         try:

@@ -86,13 +86,30 @@ def _key(record: dict[str, Any]) -> tuple[Any, ...]:
     return record["collective"], record.get("bytes"), record.get("dtype"), record.get("site")
 
 
+#: Seconds between ranks' clocks (on one host: none) that `at_first_dump` allows.
+_CLOCKS_S = 0.5
+
+
+def at_first_dump(dumps: dict[int, Dump]) -> dict[int, Dump]:
+    """The dumps as they stood when the first of them was written (on the wall clock): a rank that
+    wrote later (stopped meanwhile, then resumed) is compared at the same moment as the others,
+    its later calls left out and those it left afterwards still under way."""
+    cut = min(header["wall"] for header, _ in dumps.values()) + _CLOCKS_S
+    earlier: dict[int, Dump] = {}
+    for rank, (header, records) in dumps.items():
+        offset = header["wall"] - header["monotonic"]
+        earlier[rank] = (header, [dict(record, left=record["left"] if record["left"] + offset <= cut else 0.0)
+                                  for record in records if record["entered"] + offset <= cut])
+    return earlier
+
+
 def divergence(dumps: dict[int, Dump]) -> list[str]:
     """What the dumps say, as lines: per communicator, the first call number at which the ranks
     made different calls (or, where none did, that they agree), and the rank(s) behind (fewest
-    calls there, or a call still under way)."""
+    calls there, or a call still under way), all as of the first dump (`at_first_dump`)."""
     lines = []
     comms: dict[tuple[str, int], dict[int, dict[int, dict[str, Any]]]] = {}
-    for rank, (_, records) in dumps.items():
+    for rank, (_, records) in at_first_dump(dumps).items():
         for record in records:
             comms.setdefault((record["comm"], record["size"]), {}).setdefault(rank, {})[
                 record["number"]] = record
@@ -130,9 +147,15 @@ def divergence(dumps: dict[int, Dump]) -> list[str]:
             lines.append(f"  behind: rank{'s' if len(behind) > 1 else ''} "
                          f"{', '.join(map(str, behind))} (last call #{min(last.values())}; "
                          f"the others reached #{max(last.values())})")
+        under_way: dict[tuple[int, str], list[int]] = {}
         for rank, record in sorted(open_.items()):
-            lines.append(f"  rank {rank} was in call #{record['number']} ({record['collective']}) "
-                         "when it wrote its dump")
+            under_way.setdefault((record["number"], record["collective"]), []).append(rank)
+        for (number, collective), ranks in sorted(under_way.items()):
+            lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                         f"{'were' if len(ranks) > 1 else 'was'} in call #{number} ({collective}) "
+                         "at the first dump" + (" (every rank: the one that wrote its dump late was "
+                                                "stopped or slow inside it)" if len(ranks) == len(by_rank)
+                                                and len(by_rank) > 1 else ""))
         if missing:
             lines.append(f"  no call on it from rank{'s' if len(missing) > 1 else ''} "
                          f"{', '.join(map(str, missing))}")

@@ -19,7 +19,7 @@ def test_doctor_prints_where_the_ranks_part_and_writes_the_trace(tmp_path, capsy
                    "rank 1: 1 calls recorded; dumped on test (pid 1 on h)",
                    "MPI_COMM_WORLD (3 ranks): the ranks' calls agree up to the last one recorded",
                    "  behind: rank 1 (last call #1; the others reached #2)",
-                   "  rank 0 was in call #2 (allreduce) when it wrote its dump",
+                   "  rank 0 was in call #2 (allreduce) at the first dump",
                    f"trace of the last 30 s: {trace} (open in ui.perfetto.dev)"]
     assert [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"] == \
         ["allreduce #1", "allreduce #2", "allreduce #1"]

@@ -43,8 +43,8 @@ def test_where_the_ranks_part_and_who_is_behind(tmp_path):
         "  rank 1: allgather of 64 B float32 at train.py:5 in step",
         "  rank 2: no such call",
         "  behind: rank 2 (last call #2; the others reached #3)",
-        "  rank 0 was in call #3 (allreduce) when it wrote its dump",
-        "  rank 1 was in call #3 (allgather) when it wrote its dump"]
+        "  rank 1 was in call #3 (allgather) at the first dump",
+        "  rank 0 was in call #3 (allreduce) at the first dump"]
 
 
 def test_ranks_that_agree(tmp_path):
@@ -83,3 +83,15 @@ def test_a_directory_that_cannot_be_written_is_warned_about_once(tmp_path, monke
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert flight_dumps.write(0, "a test") is None  # said once
+
+
+def test_a_rank_that_wrote_later_is_compared_as_of_the_first_dump(tmp_path):
+    """Rank 1 was stopped inside call #2 and wrote its dump once resumed, 8 s later, after two more
+    calls: as of the first dump every rank was in #2."""
+    dump(tmp_path, 0, [record(1), record(2, entered=105.0, left=0.0)], wall=1000.0, monotonic=110.0)
+    dump(tmp_path, 1, [record(1), record(2, entered=105.0, left=117.0), record(3, entered=117.5, left=117.6)],
+         wall=1008.0, monotonic=118.0)
+    assert flight_dumps.divergence(flight_dumps.load(tmp_path)) == [
+        "MPI_COMM_WORLD (3 ranks): the ranks' calls agree up to the last one recorded",
+        "  ranks 0, 1 were in call #2 (allreduce) at the first dump (every rank: the one that wrote its "
+        "dump late was stopped or slow inside it)"]
