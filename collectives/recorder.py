@@ -133,16 +133,10 @@ def capacity() -> int:
     """Records kept: $HPCDL_FLIGHT_RECORDER when set (a whole number, 0 or more), else 2,000.
     Raises ValueError naming the variable otherwise."""
     text = os.environ.get(CAPACITY_VARIABLE, "").strip()
-    if not text:
-        return DEFAULT_CAPACITY
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+    if text and not (text.isascii() and text.isdigit()):
         raise ValueError(f"{CAPACITY_VARIABLE}={text!r}: give a whole number of calls to keep "
                          f"(default {DEFAULT_CAPACITY}; 0: keep none)")
-    return value
+    return int(text) if text else DEFAULT_CAPACITY
 
 
 def _made() -> Recorder:
