@@ -120,7 +120,8 @@ def as_dict(record: Any) -> dict[str, Any]:
     (name, size, rank), number, (collective, algorithm, nbytes, dtype), site, user, thread, \
         entered, left = record
     return {"comm": name, "size": size, "rank": rank, "number": number, "collective": collective,
-            "algorithm": algorithm, "bytes": nbytes, "dtype": dtype, "site": site,
+            "algorithm": algorithm, "bytes": nbytes, "dtype": None if dtype is None else str(dtype),
+            "site": site,
             "user": where(user), "thread": thread, "entered": entered, "left": left}
 
 
