@@ -16,6 +16,7 @@ read it as dicts, for dumps and for the answer to "what are you doing" (hpcdl/ru
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from sys import _getframe
@@ -72,6 +73,7 @@ def user_frame(frame: FrameType | None) -> tuple[CodeType, int] | None:
     return None if last is None else (last.f_code, last.f_lasti)
 
 
+@functools.lru_cache(maxsize=4096)
 def where(place: tuple[CodeType, int] | None) -> str:
     """A user frame as "file.py:LINE in function" ("" for None)."""
     if place is None:
@@ -102,16 +104,25 @@ class Recorder:
             self.count += 1
         return record
 
-    def records(self) -> list[dict[str, Any]]:
-        """Every record kept, oldest first, as dicts (`as_dict`)."""
+    def raw(self) -> list[list[Any]]:
+        """Every record kept, oldest first, as the lists they are (fields: LABEL ... LEFT)."""
         if not self.capacity:
             return []
-        start = max(0, self.count - self.capacity)
-        return [as_dict(self.ring[i % self.capacity]) for i in range(start, self.count)]
+        start = self.count % self.capacity if self.count > self.capacity else 0
+        kept = self.ring[start:] + self.ring[:start]
+        return [record for record in kept if record is not None]
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record kept, oldest first, as dicts (`as_dict`)."""
+        return [as_dict(record) for record in self.raw()]
+
+    def latest(self, count: int) -> list[dict[str, Any]]:
+        """The last `count` records, oldest first, as dicts."""
+        return [as_dict(record) for record in self.raw()[-count:]] if count > 0 else []
 
     def in_progress(self) -> list[dict[str, Any]]:
         """The calls entered and not yet left, oldest first, as dicts."""
-        return [record for record in self.records() if record["left"] == 0.0]
+        return [as_dict(record) for record in self.raw() if record[LEFT] == 0.0]
 
 
 def as_dict(record: Any) -> dict[str, Any]:

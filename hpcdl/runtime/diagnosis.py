@@ -27,7 +27,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from collectives.recorder import RECORDER, is_library, library_path
+from collectives.recorder import LEFT, RECORDER, THREAD, is_library, library_path
 
 from . import flight_dumps
 
@@ -139,12 +139,12 @@ class Service:
 def answer(service: Service, dump: bool = False) -> dict[str, Any]:
     """What this rank is doing now (`stall_report.py` describes the fields)."""
     now = time.monotonic()
-    records = RECORDER.records()
-    calls = [dict(record, since=now - record["entered"]) for record in records if record["left"] == 0.0]
-    left = [record["left"] for record in records if record["left"]]
+    calls = [dict(record, since=now - record["entered"]) for record in RECORDER.in_progress()]
+    raw = RECORDER.raw()
+    left = [record[LEFT] for record in raw[-64:] if record[LEFT]]
     waits = list(service.waits.values())
-    thread = records[-1]["thread"] if records else threading.main_thread().ident
-    return {"rank": service.rank, "calls": calls, "last": records[-16:],
+    thread = raw[-1][THREAD] if raw else threading.main_thread().ident
+    return {"rank": service.rank, "calls": calls, "last": RECORDER.latest(16),
             "waiting": [] if not waits else [waits[0][0], now - waits[0][1]],
             "stack": stack(thread), "idle": now - max(left) if left and not calls else None,
             "reported": None if service.reported is None else now - service.reported}

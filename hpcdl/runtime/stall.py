@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives import Handle
-from collectives.recorder import RECORDER, is_library
+from collectives.recorder import ENTERED, LABEL, LEFT, RECORDER, SITE, is_library
 
 from . import diagnosis, flight_dumps, stall_report
 
@@ -86,12 +86,12 @@ def _stretched(bound: float) -> float:
     rank waits in (its step); any other bound as it is."""
     if bound != DEFAULT_WARNING_S or os.environ.get(WARNING_VARIABLE, "").strip():
         return bound
-    records = RECORDER.records()
-    waited = next((record for record in records if record["left"] == 0.0), None)
+    records = RECORDER.raw()
+    waited = next((record for record in records if record[LEFT] == 0.0), None)
     if waited is None:
         return bound
-    starts = [record["entered"] for record in records
-              if record["site"] == waited["site"] and record["comm"] == waited["comm"]][-STEPS - 1:]
+    starts = [record[ENTERED] for record in records
+              if record[SITE] == waited[SITE] and record[LABEL] == waited[LABEL]][-STEPS - 1:]
     if len(starts) < 3:
         return bound
     return max(bound, STEPS * statistics.median(b - a for a, b in zip(starts, starts[1:])))
