@@ -6,12 +6,12 @@ rank), its call number there, what it is (collective, algorithm, bytes, dtype), 
 (the call site the check uses, and the first frame of the caller's program outside the libraries,
 `library_path`), the issuing thread, and when it was entered and left (`time.monotonic()`; left 0.0
 while under way). The ring keeps the last `capacity()` records (HPCDL_FLIGHT_RECORDER, default
-2,000; 0: record nothing).
+2,000; 0: keep none).
 
 Recording costs one list and two clock reads, and outside the small-message path a short walk up
 the caller's frames (its code and instruction are kept; file and line are worked out only when a
-record is read): about 0.3 us, against the small-message path's few microseconds
-(docs/troubleshooting.md#the-flight-recorder). `records()` and `in_progress()`
+record is read): 0.25 us on the small-message path, 0.8 us on the general one
+(benchmarks/results/flight-recorder/). `records()`, `latest()` and `in_progress()`
 read it as dicts, for dumps and for the answer to "what are you doing" (hpcdl/runtime/diagnosis.py).
 """
 from __future__ import annotations
