@@ -166,6 +166,8 @@ class Channel:
     def __init__(self, comm: MPI.Comm, multiple: bool) -> None:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        #: the communicator as its flight records name it (`recorder.py`)
+        self.label = (comm.Get_name(), self.size, self.rank)
         self.calls = 0  # the number of the last call issued on this communicator
         self.completed = 0  # the number of the last call completed (or refused on every rank)
         self.failure: Failure | None = None  # the process failure that ended the collectives

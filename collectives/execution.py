@@ -22,6 +22,7 @@ from .engine import Handle
 from .errors import CollectiveArgumentError
 from .packet import SIGNATURE_FIELDS
 from .planning import Call, Plan, call_site, prepare
+from .recorder import RECORDER, leave
 from .registry import ALGORITHMS, COLLECTIVE_CODES
 from .select import choose
 from .small import FusedPlan, rides_in_check, small_plan, suits
@@ -109,23 +110,35 @@ def _run_now(call: Call, channel: Channel, lane: Lane, number: int) -> Any:
     return _execute(call, lane, number, *prepare(call, channel.rank, channel.size))
 
 
-def _guarded(channel: Channel, collective: str, number: int, work: Callable[..., Any],
-             *args: Any) -> Any:
+def _guarded(channel: Channel, collective: str, number: int, record: list[Any],
+             work: Callable[..., Any], *args: Any) -> Any:
     """Run call `number` on `channel` (`work(*args)`) and count it completed; raise ProcessFailure
-    at once if a process failure ended the communicator, or if the call runs into one.
-    (`small.allreduce_now` does the same inline, to keep the small-message path short.)"""
-    if channel.failure is not None:
-        channel.refuse(collective, number)
+    at once if a process failure ended the communicator, or if the call runs into one. Its flight
+    `record` is left however it ends. (`small.allreduce_now` does the same inline, to keep the
+    small-message path short.)"""
     try:
-        result = work(*args)
-    except CollectiveArgumentError:  # refused on every rank alike: the call is over everywhere
+        if channel.failure is not None:
+            channel.refuse(collective, number)
+        try:
+            result = work(*args)
+        except CollectiveArgumentError:  # refused on every rank alike: the call is over everywhere
+            channel.completed = number
+            channel.expectation.refused(number)
+            raise
+        except MPI.Exception as exc:
+            channel.fail(collective, number, exc)
         channel.completed = number
-        channel.expectation.refused(number)
-        raise
-    except MPI.Exception as exc:
-        channel.fail(collective, number, exc)
-    channel.completed = number
-    return result
+        return result
+    finally:
+        leave(record)
+
+
+def _recorded(call: Call, channel: Channel, number: int) -> list[Any]:
+    """The flight record of `call`, entered now (`recorder.py`)."""
+    x = call.x  # its dtype is kept, not its name: str(dtype) costs microseconds
+    return RECORDER.enter(channel.label, number, (call.collective, call.algorithm,
+                                                 getattr(x, "nbytes", None), getattr(x, "dtype", None)),
+                          call.site[1], channel.issuer, 2)
 
 
 def run_blocking(call: Call) -> Any:
@@ -134,19 +147,21 @@ def run_blocking(call: Call) -> Any:
     channel = channel_of(call.comm)
     call.site = call_site()
     number = channel.enter()
+    record = _recorded(call, channel, number)
     try:
         if channel.blocking is not channel.background or channel.engine.is_comm_thread():
             channel.drain()
-            result = _guarded(channel, call.collective, number, _run_now, call, channel,
+            result = _guarded(channel, call.collective, number, record, _run_now, call, channel,
                               channel.blocking, number)
         else:  # below MPI_THREAD_MULTIPLE only the engine calls MPI
-            result = _queue(call, channel, number).wait()
+            result = _queue(call, channel, number, record).wait()
     finally:
+        leave(record)
         channel.leave()
     return result
 
 
-def _queue(call: Call, channel: Channel, number: int) -> Handle:
+def _queue(call: Call, channel: Channel, number: int, record: list[Any]) -> Handle:
     level = MPI.Query_thread()
     if level < MPI.THREAD_SERIALIZED:
         raise RuntimeError(
@@ -154,19 +169,20 @@ def _queue(call: Call, channel: Channel, number: int) -> Handle:
             "call hpcdl.init() (or let mpi4py initialize MPI) before anything else initializes it")
     lane, name = channel.background, call.collective
     if lane is channel.blocking:  # serialized: the engine plans too, as only it may call MPI
-        return channel.engine.submit(name, lambda: _guarded(channel, name, number, _run_now, call,
-                                                            channel, lane, number))
+        return channel.engine.submit(name, lambda: _guarded(channel, name, number, record, _run_now,
+                                                            call, channel, lane, number))
     if name == "allreduce" and type(call.x) is np.ndarray and suits(call.x, call.out):
         small = small_plan(lane, channel, call.x, call.op, call.algorithm)
         if small is not None:
             x, out, site = call.x, call.out, call.site
-            return channel.engine.submit(name, lambda: _guarded(channel, name, number, small.run,
-                                                                lane, number, site, x, out))
+            return channel.engine.submit(name, lambda: _guarded(channel, name, number, record,
+                                                                small.run, lane, number, site, x,
+                                                                out))
     # Buffer wrapping happens here, in the caller's program order and stream context; only the
     # communication is left to the engine.
     plan, error = prepare(call, channel.rank, channel.size)
-    return channel.engine.submit(name, lambda: _guarded(channel, name, number, _execute, call, lane,
-                                                        number, plan, error))
+    return channel.engine.submit(name, lambda: _guarded(channel, name, number, record, _execute,
+                                                        call, lane, number, plan, error))
 
 
 def submit(call: Call) -> Handle:
@@ -174,8 +190,12 @@ def submit(call: Call) -> Handle:
     channel = channel_of(call.comm)
     call.site = call_site()
     number = channel.enter()
+    record = _recorded(call, channel, number)
     try:
-        handle = channel.last = _queue(call, channel, number)
+        handle = channel.last = _queue(call, channel, number, record)
+    except BaseException:
+        leave(record)
+        raise
     finally:
         channel.leave()
     return handle

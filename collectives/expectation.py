@@ -56,7 +56,8 @@ class LibraryPlan:
     one that says whether every rank agreed."""
 
     __slots__ = ("key", "ident", "signature", "comm", "count", "buffer", "data", "flag", "datatype",
-                 "spec", "mpi_op", "agreeing", "disagreeing", "finish")
+                 "spec", "mpi_op", "agreeing", "disagreeing", "finish", "what")
+    what: tuple[Any, ...]  # what its flight records say (`recorder.py`), set by `small._planned`
 
     def __init__(self, key: Key, ident: int, comm: MPI.Comm) -> None:
         self.key, self.ident = key, ident

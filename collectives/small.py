@@ -17,6 +17,7 @@ and reports every argument error, on every rank.
 from __future__ import annotations
 
 import struct
+from time import monotonic
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
@@ -28,6 +29,7 @@ from .expectation import LibraryPlan
 from .ops import OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, STATUS
 from .planning import ALGORITHM_CHOICES, call_signature, call_site
+from .recorder import LEFT, RECORDER
 from .registry import ALGORITHMS
 from .select import ENCODED_ENVIRONMENT, SETTINGS_NAMES, choose, settings_key
 from .validation import Packet
@@ -58,7 +60,8 @@ class FusedPlan:
     """A small host allreduce whose data rides in the argument check: everything about it that
     does not change from call to call, decided once per call signature."""
 
-    __slots__ = ("ident", "signature", "packet", "combine", "finish")
+    __slots__ = ("ident", "signature", "packet", "combine", "finish", "what")
+    what: tuple[Any, ...]  # what its flight records say (`recorder.py`), set by `_planned`
 
     def __init__(self, signature: list[int], dtype: np.dtype, shape: tuple[int, ...], op: str,
                  size: int, ident: int) -> None:
@@ -137,6 +140,8 @@ def _planned(lane: Lane, channel: Channel, x: np.ndarray, op: str, algorithm: st
                                  lane.expectation.ident(tuple(signature)))
             else:
                 plan = lane.expectation.plan(tuple(signature))
+            if plan is not None:  # what its flight records say (`recorder.py`)
+                plan.what = ("allreduce", chosen, x.nbytes, dtype)
     lane.small[key] = plan
     return plan
 
@@ -166,6 +171,7 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
         return NOT_SMALL
     site = call_site()
     number = channel.enter()
+    record = RECORDER.enter(channel.label, number, plan.what, site[1], channel.issuer, None)
     try:
         channel.drain()
         if channel.failure is not None:
@@ -179,5 +185,6 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
     except MPI.Exception as exc:
         channel.fail("allreduce", number, exc)
     finally:
+        record[LEFT] = monotonic()
         channel.leave()
     return result

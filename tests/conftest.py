@@ -35,6 +35,15 @@ def comm() -> MPI.Comm:
     return MPI.COMM_WORLD
 
 
+def reports_stalls(rank: int, waiting: list[int]) -> bool:
+    """Whether world rank `rank`, one of the world ranks `waiting` for a late one, warns of the
+    stall (hpcdl/runtime/stall.py): every waiting rank where no answerer runs (nothing called
+    `hpcdl.init()` in this process), else only the lowest, with the report."""
+    from hpcdl.runtime import diagnosis
+
+    return rank in waiting and (diagnosis.service() is None or rank == min(waiting))
+
+
 def all_ranks_agree(ok: bool, comm: MPI.Comm = MPI.COMM_WORLD) -> bool:
     """True on every rank iff `ok` is true on every rank (a logical-and over ranks)."""
     flag = np.array([1 if ok else 0], dtype=np.int32)

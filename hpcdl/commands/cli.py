@@ -5,6 +5,7 @@
     hpcdl bench [options]    collective microbenchmarks (OSU / nccl-tests conventions)
     hpcdl tune [options]     fit the alpha-beta-gamma cost model, write a tuning file; --predict
     hpcdl slurm ...          render SLURM batch scripts
+    hpcdl doctor DIR         what the ranks' flight records say about a hung or failed job
 
 Each subcommand (a module or package of hpcdl/commands/) exposes `main(argv: list[str]) -> int`,
 imported only when chosen, so `hpcdl info` never pays for importing torch. `python -m hpcdl` is
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "bench": ("hpcdl.commands.bench", "time every collective algorithm over a size sweep"),
     "tune": ("hpcdl.commands.tune", "measure alpha/beta/gamma, write a tuning file for auto; or --predict"),
     "slurm": ("hpcdl.commands.slurm", "render SLURM batch scripts from the slurm/ templates"),
+    "doctor": ("hpcdl.commands.doctor", "merge the ranks' flight records: where they part, a trace"),
 }
 
 

@@ -159,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "ranks left writes). mpirun's own status can be 0 after a loss ended the "
                             "job (a host lost with its daemon): the SLURM templates with "
                             "--fault-tolerant read this file instead")
+    state.add_argument("--stall-bound", type=float, metavar="SECONDS",
+                       help="after how long a wait on other ranks asks every rank what it is doing and "
+                            "prints one report naming the rank(s) holding the job up (default: "
+                            "HPCDL_STALL_WARNING_S, else max(10, 20 steps); docs/troubleshooting.md)")
+    state.add_argument("--diagnostics-dir", metavar="DIR",
+                       help="each rank writes its last 2,000 collectives here (rank-N.jsonl) on a stall "
+                            "report, an uncaught exception or SIGUSR1 (without --checkpoint-dir); "
+                            "`hpcdl doctor DIR` reads them (default: HPCDL_DIAGNOSTICS_DIR)")
     state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
                        help="for testing resume: stop abruptly after STEPS steps in total, as if "
                             "killed (no final checkpoint)")

@@ -38,6 +38,7 @@ from mpi4py import MPI
 
 import collectives
 
+from ..runtime import flight_dumps
 from ..runtime import recovery as ulfm
 from ..runtime.spares import Spares
 
@@ -176,6 +177,7 @@ class Membership:
         already that one happened): shrink, call spares, respawn, rejoin; a further loss
         meanwhile starts over. The loss, also kept in `losses`."""
         detected, started = time.time(), time.perf_counter()
+        flight_dumps.write(MPI.COMM_WORLD.Get_rank(), "a lost rank")  # where HPCDL_DIAGNOSTICS_DIR is set
         before, size = list(self.members), self.comm.Get_size()
         lost: list[int] = []
         spares_lost: list[int] = []

@@ -70,14 +70,14 @@ def wait_all(requests: Sequence[MPI.Request], what: str, timeout: float | None =
     backoff = Backoff()
     started = time.monotonic()
     requests = list(requests)
-    stall = Stall(what, rank=MPI.COMM_WORLD.Get_rank(), advice=STALL_ADVICE, stacklevel=2)
     try:
-        while not MPI.Request.Testall(requests):
-            stall.check()
-            if timeout is not None and time.monotonic() - started > timeout:
-                raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what} did not finish within "
-                                   f"{timeout} s")
-            backoff.idle()
+        with Stall(what, rank=MPI.COMM_WORLD.Get_rank(), advice=STALL_ADVICE, stacklevel=2) as stall:
+            while not MPI.Request.Testall(requests):
+                stall.check()
+                if timeout is not None and time.monotonic() - started > timeout:
+                    raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what} did not finish "
+                                       f"within {timeout} s")
+                backoff.idle()
     except BaseException:
         inflight.keep(requests, what)
         raise

@@ -91,6 +91,9 @@ def init(*, abort_on_exception: bool = True) -> Topology:
                                                    local_size), address)
         if abort_on_exception:
             install_abort_hook()
+        from . import diagnosis  # collective too: the answerer's communicator
+
+        diagnosis.start()
         return _topology
 
 
@@ -186,6 +189,9 @@ def abort(message: str, code: int = 1) -> None:
 
 def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
                        tb: TracebackType | None) -> None:
+    from . import flight_dumps
+
+    flight_dumps.write(MPI.COMM_WORLD.Get_rank(), f"an uncaught {exc_type.__name__}")
     if issubclass(exc_type, KeyboardInterrupt) or MPI.COMM_WORLD.Get_size() == 1:
         sys.__excepthook__(exc_type, exc, tb)
         return

@@ -1,39 +1,59 @@
-"""Waiting for ranks that may never come: warn after a while, naming what is waited for.
+"""Waiting for ranks that may never come: after a bound, find out who holds the job up, and why.
 
 MPI has no timeouts. A rank that is frozen (SIGSTOP, a debugger), swapping, much slower than its
 peers, or that skipped or failed a step leaves the others blocked in their next collective with
-nothing on the screen. Like Horovod's stall check, every collective `hpcdl train` and
-`DistributedDataParallel` wait on is a non-blocking call whose `Handle` is waited for here:
-after `warning_seconds()` the wait warns once (a RuntimeWarning naming the rank and what it waits
-for) and, if given a `timeout`, raises TimeoutError once that passes. The collective itself keeps
+nothing on the screen. Every collective `hpcdl train`, `DistributedDataParallel`, the Horovod shim
+and the torch backend wait on is a non-blocking call whose `Handle` is waited for here (waits that
+test MPI requests of their own in a loop, the parameter server's, use a `Stall`). Once a wait
+passes its bound, the waiting ranks ask every rank what it is doing (hpcdl/runtime/diagnosis.py)
+and the lowest waiting rank warns once, with a report (`stall_report.py`): the rank(s) that hold
+the job up, what each is doing (the collective and call number, or its Python stack), what the
+others wait in, and the likely cause (stopped or dead, slow, skipped a call, mismatched). The
+warning points at the caller's program, not at torch's or hpcdl's frames. Where no answerer runs
+(`hpcdl.init()` starts it; MPI below MPI_THREAD_MULTIPLE) each waiting rank warns for itself.
+Given a `timeout`, the wait raises TimeoutError once that passes. The collective itself keeps
 running either way: waiting again picks it up, and a rank that comes back lets everyone go on.
-Waits that test MPI requests of their own in a loop (the parameter server's) warn the same way
-through a `Stall`.
 
-HPCDL_STALL_WARNING_S, read at every wait, sets the delay for a whole job (every rank should see
-the same value): lower for tests, `inf` for never.
+The bound: HPCDL_STALL_WARNING_S (read at every wait; every rank should see the same value; `inf`
+for never) when set, else the caller's, else max(10 s, 20 times the median period of the waited
+call: its step). Time the waiting process itself was stopped (SIGSTOP, then SIGCONT) does
+not count: a frozen rank does not, once resumed, claim that it waited for the others.
 """
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 import warnings
-from typing import Any
+from collections import deque
+from sys import _getframe
+from types import FrameType
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
 import collectives
 from collectives import Handle
+from collectives.recorder import ENTERED, LABEL, LEFT, RECORDER, SITE, is_library
 
-#: Seconds a wait lasts before it warns, unless HPCDL_STALL_WARNING_S says otherwise.
-DEFAULT_WARNING_S = 60.0
+from . import diagnosis, flight_dumps, stall_report
+
+#: Seconds a wait lasts before it asks what the ranks are doing, unless HPCDL_STALL_WARNING_S
+#: says otherwise (or 20 steps last longer).
+DEFAULT_WARNING_S = 10.0
 WARNING_VARIABLE = "HPCDL_STALL_WARNING_S"
+#: The bound is at least this many times the waited call's median period (its step).
+STEPS = 20
+#: A wait looks at the clock at least this often (seconds), to tell waiting from being stopped:
+#: a look that comes more than _PAUSE_S late counts as one look (the process was stopped).
+_LOOK_S, _PAUSE_S = 1.0, 2.0
+_pauses: deque[tuple[float, float]] = deque(maxlen=64)  # (when it ended, seconds) of each pause
 
 
 def warning_seconds(default: float = DEFAULT_WARNING_S) -> float:
-    """Seconds before a wait warns: $HPCDL_STALL_WARNING_S when set, else `default`.
+    """Seconds before a wait reports: $HPCDL_STALL_WARNING_S when set, else `default`.
 
     Raises ValueError naming the variable when it is not a positive number (`inf` is allowed).
     """
@@ -55,60 +75,147 @@ def _stalled(rank: int, what: str, waited: float, advice: str) -> str:
         f" {advice}" if advice else "")
 
 
+def _paused_since(moment: float) -> float:
+    """Seconds this process was stopped after `moment` (as far as waits saw)."""
+    return sum(length for end, length in _pauses if end - length >= moment)
+
+
+def _stretched(bound: float) -> float:
+    """The bound of a wait whose caller gave `bound`: the default bound (DEFAULT_WARNING_S, where
+    HPCDL_STALL_WARNING_S is not set) stretched to STEPS times the median period of the call this
+    rank waits in (its step); any other bound as it is."""
+    if bound != DEFAULT_WARNING_S or os.environ.get(WARNING_VARIABLE, "").strip():
+        return bound
+    records = RECORDER.raw()
+    waited = next((record for record in records if record[LEFT] == 0.0), None)
+    if waited is None:
+        return bound
+    starts = [record[ENTERED] for record in records
+              if record[SITE] == waited[SITE] and record[LABEL] == waited[LABEL]][-STEPS - 1:]
+    if len(starts) < 3:
+        return bound
+    return max(bound, STEPS * statistics.median(b - a for a, b in zip(starts, starts[1:])))
+
+
+def _warn(message: str, stacklevel: int) -> None:
+    """Warn at the first frame outside the libraries (torch, hpcdl, collectives), else at
+    `stacklevel` counted from `_warn`'s caller's caller."""
+    frame: FrameType | None = _getframe(1)
+    level = 2
+    while frame is not None and is_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level if frame is not None else stacklevel + 2)
+
+
+def _report(rank: int, what: str, waited: float, advice: str, done: Callable[[], bool],
+            stacklevel: int) -> None:
+    """The wait passed its bound: ask every rank what it is doing, write the flight records where
+    a diagnostics directory is set, and (on the lowest waiting rank only) warn with the report."""
+    service = diagnosis.service()
+    dumping = flight_dumps.directory() is not None
+    if service is None:
+        if dumping:
+            flight_dumps.write(MPI.COMM_WORLD.Get_rank(), "a stall")
+        _warn(_stalled(rank, what, waited, advice), stacklevel + 1)
+        return
+    answers = service.ask(dump=dumping)
+    if dumping:
+        flight_dumps.write(service.rank, "a stall")
+    if done() or stall_report.reporter_of(answers, service.rank, waited) != service.rank:
+        return  # the call completed meanwhile, or another rank reports
+    service.reported = time.monotonic()
+    _warn(_stalled(rank, what, waited, advice) + "\n"
+          + stall_report.report(answers, service.rank, what), stacklevel + 1)
+
+
+class _Clock:
+    """How long a wait has waited: the time since `started` less the time this process was
+    stopped, which a look more than _PAUSE_S later than asked for reveals."""
+
+    def __init__(self, started: float | None) -> None:
+        now = time.monotonic()
+        self.last = now
+        self.waited = 0.0 if started is None else max(0.0, now - started - _paused_since(started))
+
+    def look(self, asked: float) -> float:
+        """Seconds waited, `asked` being how long the last wait was meant to last."""
+        now = time.monotonic()
+        step, self.last = now - self.last, now
+        if step > asked + _PAUSE_S:  # stopped meanwhile: count what was asked for, no more
+            _pauses.append((now, step - asked))
+            step = asked
+        self.waited += step
+        return self.waited
+
+
 class Stall:
     """One wait on other ranks that a loop of its own drives (testing MPI requests): `check()`,
-    called in the loop, warns once as `wait_for` does after `warn_after` seconds (default
-    `warning_seconds()`), counted from the creation. `stacklevel` counts from `check`'s caller."""
+    called in the loop, reports once as `wait_for` does after `warn_after` seconds (default
+    `warning_seconds()`), counted from the creation. `stacklevel` counts from `check`'s caller
+    (used where no frame outside the libraries is found). Use as a context manager, so that the
+    answers of this rank say that it waits."""
 
     def __init__(self, what: str, *, rank: int, advice: str = "", warn_after: float | None = None,
                  stacklevel: int = 1) -> None:
         self.what, self.rank, self.advice, self.stacklevel = what, rank, advice, stacklevel
-        self.started = time.monotonic()
+        self.clock = _Clock(None)
         self.warn_after = warning_seconds() if warn_after is None else warn_after
         self.warned = not math.isfinite(self.warn_after)
+        self.waiting = diagnosis.Waiting(what)
+
+    def __enter__(self) -> Stall:
+        self.waiting.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.waiting.__exit__()
 
     def check(self) -> None:
-        """Warn if the wait has lasted long enough and has not warned yet."""
+        """Report if the wait has lasted long enough and has not reported yet."""
         if self.warned:
             return
-        waited = time.monotonic() - self.started
+        waited = self.clock.look(0.0)
         if waited >= self.warn_after:
             self.warned = True
-            warnings.warn(_stalled(self.rank, self.what, waited, self.advice), RuntimeWarning,
-                          stacklevel=self.stacklevel + 1)
+            _report(self.rank, self.what, waited, self.advice, lambda: False, self.stacklevel)
 
 
 def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started: float | None = None,
              timeout: float | None = None, warn_after: float | None = None, stacklevel: int = 1) -> Any:
-    """`handle.wait()`, warning once if it lasts, optionally giving up.
+    """`handle.wait()`, reporting once if it lasts, optionally giving up.
 
-    The message is "rank RANK: WHAT has waited S s for the other ranks. ADVICE". It is issued
-    as a RuntimeWarning (`stacklevel` counts from the caller, as for `warnings.warn`) once
-    `warn_after` seconds (default `warning_seconds()`) have passed since `started`
-    (a `time.monotonic()` stamp; default now), and raised as TimeoutError once `timeout` seconds
-    have (None: wait for ever). Returns what `handle.wait()` returns, and raises the collective's
-    own error.
+    Once the wait has lasted its bound (`warn_after`, default `warning_seconds()`; see the
+    module's docstring) since `started` (a `time.monotonic()` stamp; default now), every rank is
+    asked what it is doing and one rank warns (a RuntimeWarning "rank RANK: WHAT has waited S s
+    for the other ranks. ADVICE", then the report). Raises TimeoutError with that first line once
+    `timeout` seconds have passed (None: wait for ever). Returns what `handle.wait()` returns, and
+    raises the collective's own error.
     """
-    started = time.monotonic() if started is None else started
-    warn_after = warning_seconds() if warn_after is None else warn_after
-    warned = not math.isfinite(warn_after)
-    while True:
-        waited = time.monotonic() - started
-        limits = [] if warned else [warn_after - waited]
-        if timeout is not None:
-            limits.append(timeout - waited)
-        try:
-            return handle.wait(max(0.0, min(limits)) if limits else None)
-        except TimeoutError:
-            if handle.done():  # finished meanwhile (or failed with a TimeoutError of its own)
-                return handle.wait(0)
-            waited = time.monotonic() - started
-            stalled = _stalled(rank, what, waited, advice)
+    clock = _Clock(started)
+    bound = warning_seconds() if warn_after is None else warn_after
+    reported = not math.isfinite(bound)
+    stretched = False
+    with diagnosis.Waiting(what):
+        while True:
+            waited = clock.waited
+            limits = [_LOOK_S] + ([] if reported else [bound - waited]) + (
+                [] if timeout is None else [timeout - waited])
+            asked = max(0.0, min(limits))
+            try:
+                return handle.wait(asked)
+            except TimeoutError:
+                if handle.done():  # finished meanwhile (or failed with a TimeoutError of its own)
+                    return handle.wait(0)
+            waited = clock.look(asked)
             if timeout is not None and waited >= timeout:
-                raise TimeoutError(stalled) from None
-            if not warned:
-                warnings.warn(stalled, RuntimeWarning, stacklevel=stacklevel + 1)
-                warned = True
+                raise TimeoutError(_stalled(rank, what, waited, advice)) from None
+            if not reported and waited >= bound:
+                if not stretched:
+                    stretched, bound = True, _stretched(bound)
+                    if waited < bound:
+                        continue
+                reported = True
+                _report(rank, what, waited, advice, handle.done, stacklevel)
 
 
 def barrier(comm: MPI.Comm, what: str, *, advice: str = "", timeout: float | None = None,

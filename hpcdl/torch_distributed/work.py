@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from collectives import inflight
 
+from ..runtime import stall
 from ..tensors.handle import TensorHandle
 
 _thread = threading.local()  # .completer: the Completer whose thread this is
@@ -100,6 +101,20 @@ class Future(torch.futures.Future):
         self._schedule(functools.partial(callback, self))
 
 
+class _Settled:
+    """A Work's completion as `stall.wait_for` waits for it (a Handle's done and wait)."""
+
+    def __init__(self, done: threading.Event) -> None:
+        self.event = done
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self.event.wait(timeout):
+            raise TimeoutError
+
+
 class Work(dist.Work):
     """An operation of a `ProcessGroupHpcdl`: `operation` (its collectives, and what makes the
     output tensors of their results), or `error` where it failed before starting.
@@ -143,8 +158,11 @@ class Work(dist.Work):
             self._complete()
         else:
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-            if not self._done.wait(seconds if seconds else None):
-                raise RuntimeError(f"hpcdl: operation did not finish within {timeout}")
+            try:  # a stall wait: past its bound, every rank is asked what it does (stall.py)
+                stall.wait_for(_Settled(self._done), "a torch.distributed operation (the hpcdl backend)",
+                               rank=MPI.COMM_WORLD.Get_rank(), timeout=seconds or None)
+            except TimeoutError:
+                raise RuntimeError(f"hpcdl: operation did not finish within {timeout}") from None
         if self._error is not None:
             raise self._error
         return True

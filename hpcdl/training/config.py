@@ -123,6 +123,9 @@ class TrainConfig:
     progress: str = PROGRESS[0]
     status_file: str | None = None
     stop_after_steps: int | None = None
+    # hang diagnosis (hpcdl/runtime/stall.py, diagnosis.py)
+    stall_bound: float | None = None  # None: HPCDL_STALL_WARNING_S, else max(10 s, 20 steps)
+    diagnostics_dir: str | None = None  # None: HPCDL_DIAGNOSTICS_DIR
     # lost ranks
     on_rank_failure: str = POLICIES[0]
     respawn: bool = False
@@ -272,6 +275,13 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
         stall.warning_seconds()
     except ValueError as exc:
         errors.append(str(exc))
+    if config.stall_bound is not None and not config.stall_bound > 0:  # NaN fails this too
+        errors.append(f"--stall-bound {config.stall_bound}: give a positive number of seconds "
+                      "(inf: never report)")
+    if config.diagnostics_dir is not None:
+        problem = unwritable_directory(Path(config.diagnostics_dir), create=True)
+        if problem:
+            errors.append(f"--diagnostics-dir {config.diagnostics_dir}: {problem}")
     if config.device == "cuda":
         if config.strategy not in CUDA_STRATEGIES:
             errors.append(f"--device cuda trains with {' or '.join(CUDA_STRATEGIES)}, not "

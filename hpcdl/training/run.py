@@ -6,6 +6,7 @@ and calls `train`.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any
 
@@ -14,6 +15,7 @@ from mpi4py import MPI
 import collectives
 
 from .. import runtime
+from ..runtime import flight_dumps, stall
 from ..runtime import recovery as ulfm
 from ..runtime.agreement import ARGUMENT_ERROR, agreed_errors, report_failure
 from ..runtime.memory import host_available_bytes
@@ -57,6 +59,15 @@ def train(config: TrainConfig) -> int:
             return _train(config, topology, comm, joined, start)
 
 
+def diagnose(config: TrainConfig) -> None:
+    """--stall-bound and --diagnostics-dir, for every wait of this process (hpcdl/runtime/stall.py
+    reads them at each wait, the dumps at each write)."""
+    if config.stall_bound is not None:
+        os.environ[stall.WARNING_VARIABLE] = repr(config.stall_bound)
+    if config.diagnostics_dir is not None:
+        os.environ[flight_dumps.DIRECTORY_VARIABLE] = os.path.abspath(config.diagnostics_dir)
+
+
 def _train(config: TrainConfig, topology: runtime.Topology, comm: MPI.Comm,
            joined: tuple[MPI.Comm, Any] | None, start: StartUp) -> int:
     """`train` from its checks on, `start` saying where it stands."""
@@ -66,6 +77,7 @@ def _train(config: TrainConfig, topology: runtime.Topology, comm: MPI.Comm,
     if errors:
         return _fail(errors, rank)
     config = config.resolved()
+    diagnose(config)
 
     import torch
 

@@ -6,6 +6,7 @@ communication is needed to check against it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -20,7 +21,7 @@ from mpi4py import MPI
 import collectives
 import hpcdl
 import hpcdl.ddp.wrapper
-from tests.conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree, reports_stalls
 from tests.helpers import gated
 from tests.helpers.gated import GatedNet
 
@@ -371,12 +372,15 @@ def test_a_stalled_reduction_warns_then_times_out(comm, monkeypatch):
     def step() -> None:
         torch.nn.functional.mse_loss(model(_shard(x, rank)), _shard(y, rank)).backward()
 
+    reports = reports_stalls(rank, [r for r in range(size) if r != 1])
     if rank == 1:
         time.sleep(1.0)  # a slow rank: the others wait for it
         step()
-    else:
+    elif reports:
         with pytest.warns(RuntimeWarning, match="has waited .* for the other ranks"):
             step()
+    else:
+        step()
     comm.Barrier()
     model.timeout = 0.5
     if rank == 1:
@@ -384,7 +388,8 @@ def test_a_stalled_reduction_warns_then_times_out(comm, monkeypatch):
         step()
     else:
         with pytest.raises(TimeoutError, match=f"rank {rank}: the reduction of bucket 0"), \
-                pytest.warns(RuntimeWarning, match="has waited"):  # the warning comes first
+                pytest.warns(RuntimeWarning, match="has waited") if reports else \
+                contextlib.nullcontext():  # the warning comes first
             step()
         model.timeout = None
         with warnings.catch_warnings():  # still waiting for rank 1: warned about above

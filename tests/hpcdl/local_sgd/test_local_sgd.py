@@ -21,7 +21,7 @@ import torch
 import hpcdl
 from hpcdl.local_sgd import options
 from hpcdl.training.strategies.local_sgd import LocalSGDStrategy
-from tests.conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree, reports_stalls
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -254,7 +254,7 @@ def test_a_late_rank_is_warned_about_while_the_others_average(comm, when, monkey
             local.step()
         ok = any(issubclass(w.category, RuntimeWarning)
                  and str(w.message).startswith(f"rank {rank}: LocalSGD: {what} has waited ")
-                 for w in caught)
+                 for w in caught) == reports_stalls(rank, list(range(size - 1)))
     assert all_ranks_agree(ok, comm)
 
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import hpcdl
-from tests.conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree, reports_stalls
 from hpcdl.parameter_server import ALIGN, Server, plan_placement
 from hpcdl.parameter_server.protocol import HEADER_BYTES
 from hpcdl.parameter_server.worker import WorkerClient
@@ -312,9 +312,10 @@ def test_a_wait_on_a_late_rank_warns(comm, wait, monkeypatch):
                     ps.push()
                     net.zero_grad()
         if rank != late:
+            waiting = [r for r in range(size - 1) if r != late]  # the workers but the late one
             ok = any(issubclass(w.category, RuntimeWarning) and re.match(
                 rf"rank {rank}: pull at clock \d+ from servers \[{size - 1}\] has waited", str(w.message))
-                for w in caught)
+                for w in caught) == reports_stalls(rank, waiting)
     assert all_ranks_agree(ok, comm)
 
 

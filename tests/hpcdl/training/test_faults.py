@@ -30,7 +30,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from tests.conftest import ROOT, all_ranks_agree, same_state, shared_directory
+from tests.conftest import ROOT, all_ranks_agree, reports_stalls, same_state, shared_directory
 from hpcdl.runtime import checkpoint as ckpt
 from hpcdl.commands import train
 from hpcdl.training import compute, metrics, run, signals, waiting
@@ -302,7 +302,7 @@ def late_call(comm: MPI.Comm, call: Callable[[], Any], waiting_for: str) -> None
             call()
         ok = any(issubclass(w.category, RuntimeWarning)
                  and str(w.message).startswith(f"rank {comm.Get_rank()}: {waiting_for} has waited ")
-                 for w in caught)
+                 for w in caught) == reports_stalls(comm.Get_rank(), list(range(comm.Get_size() - 1)))
     assert all_ranks_agree(ok, comm), [str(w.message) for w in caught] if comm.Get_rank() == 0 else None
 
 

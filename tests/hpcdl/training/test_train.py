@@ -169,6 +169,10 @@ def test_skipping_batches_resumes_the_same_order():
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--resume"], "--resume needs --checkpoint-dir DIR"),
     (["--metrics", "out.txt"], "unknown format .txt"),
+    (["--stall-bound", "0"], "--stall-bound 0.0: give a positive number of seconds (inf: never report)"),
+    (["--stall-bound", "nan"], "--stall-bound nan: give a positive number of seconds"),
+    (["--stall-bound", "-3"], "--stall-bound -3.0: give a positive number of seconds"),
+    (["--diagnostics-dir", "/dev/null"], "--diagnostics-dir /dev/null: cannot write in /dev/null"),
     (["--synthetic", "--checkpoint-dir", "x"], "--checkpoint-dir applies to training"),
     (["--device", "cuda", "--strategy", "downpour", "--servers", "1"],
      "--device cuda trains with allreduce or local-sgd, not --strategy downpour"),
@@ -480,3 +484,12 @@ def test_hpcdl_train_on_four_ranks_reaches_95_percent(tmp_path):
     assert rows[-1]["accuracy"] >= 0.95, rows[-1]
     assert "final held-out accuracy" in done.stdout and "samples/s" in done.stdout
     assert done.stdout.count("epoch   6/6") == 1  # printed by rank 0 only
+
+
+def test_the_diagnosis_options_are_what_every_wait_reads(tmp_path, monkeypatch):
+    from hpcdl.runtime import flight_dumps, stall
+
+    monkeypatch.setenv(stall.WARNING_VARIABLE, "")  # restored after the test
+    monkeypatch.setenv(flight_dumps.DIRECTORY_VARIABLE, "")
+    run.diagnose(training_config.TrainConfig(stall_bound=4.5, diagnostics_dir=str(tmp_path / "diag")))
+    assert stall.warning_seconds() == 4.5 and flight_dumps.directory() == str(tmp_path / "diag")

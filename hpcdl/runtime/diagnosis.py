@@ -1,0 +1,216 @@
+"""Asking every rank what it is doing: the answerer thread, the question, and when to write dumps.
+
+`start()` (collective over MPI.COMM_WORLD; `hpcdl.init()` calls it, so every front door has it)
+makes a communicator of the diagnosis's own (a duplicate of MPI.COMM_WORLD) and a daemon thread
+per rank that answers "what are you doing": it polls for a question (Iprobe, then sleeps
+`POLL_S`, so an idle answerer costs no core) and answers from the flight recorder
+(`collectives/recorder.py`: the collectives this rank is in now, and since when) and, for a rank
+in none, its training thread's Python stack (`answer`). It answers while the training thread is
+busy in Python, asleep or blocked: only a stopped or dead process does not.
+
+A stall wait that passes its bound (hpcdl/runtime/stall.py) asks every rank (`ask`), and the
+lowest waiting rank prints one report (`stall_report.py`). Every rank also writes its flight
+records to the diagnostics directory (HPCDL_DIAGNOSTICS_DIR, `hpcdl train --diagnostics-dir`)
+when asked, on an uncaught exception and on SIGUSR1 (`flight_dumps.py`).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import linecache
+import signal
+import sys
+import threading
+import time
+from threading import get_ident
+from typing import Any
+
+from mpi4py import MPI
+
+from collectives.recorder import LEFT, RECORDER, THREAD, is_library, library_path
+
+from . import flight_dumps
+
+#: Seconds the answerer sleeps between looks for a question.
+POLL_S = 0.05
+#: Seconds a question waits for the answers before the missing ones count as none.
+ANSWER_S = 2.0
+_QUESTION, _ANSWER = 1, 2
+#: Innermost frames of the training thread an answer carries.
+_STACK_FRAMES = 6
+
+
+def _count_as_library() -> None:
+    """hpcdl's own plumbing and torch count as library frames in flight records and stacks; the
+    training library (hpcdl/training) does not: for `hpcdl train` its strategies are the program."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in sorted(os.listdir(root)):
+        if os.path.isdir(os.path.join(root, name)) and name not in ("training", "__pycache__"):
+            library_path(os.path.join(root, name))
+    library_path(os.path.dirname(threading.__file__))  # the standard library (threading, queue)
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.origin:
+        library_path(os.path.dirname(spec.origin))
+
+
+_count_as_library()
+
+
+class Service:
+    """This rank's answerer: its communicator, its thread, and the waits under way here."""
+
+    def __init__(self, world: MPI.Comm) -> None:
+        self.comm = world.Dup()
+        self.comm.Set_name("hpcdl diagnosis")
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        #: the stall waits under way, by thread: (what, monotonic start)
+        self.waits: dict[int, tuple[str, float]] = {}
+        self.reported: float | None = None  # when this rank last printed a stall report
+        self._numbers = itertools.count(1)
+        self._answers: dict[int, dict[int, Any]] = {}  # by question number, by rank
+        self._asked = threading.Condition()
+        self._sent: list[MPI.Request] = []  # answers and questions in flight: their buffers live here
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hpcdl-diagnosis", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the answerer (before MPI finalizes)."""
+        self._stop.set()
+        self._thread.join(timeout=5 * POLL_S + 1.0)
+
+    def _serve(self) -> None:
+        status = MPI.Status()
+        while not self._stop.is_set():
+            try:
+                if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                    self._stop.wait(POLL_S)
+                    continue
+                source, tag = status.Get_source(), status.Get_tag()
+                message = self.comm.recv(source=source, tag=tag)
+                if tag == _QUESTION:
+                    self._send(answer(self, message.get("dump")), source, _ANSWER, message["number"])
+                    if message.get("dump"):
+                        flight_dumps.write(self.rank, "a stall report asked for it")
+                else:
+                    with self._asked:
+                        number, reply = message
+                        if number in self._answers:  # else a late answer to an old question
+                            self._answers[number][source] = reply
+                            self._asked.notify_all()
+                self._sent = [request for request in self._sent if not request.Test()]
+            except MPI.Exception:  # a lost peer (ULFM): answer what can be answered, slower
+                self._stop.wait(10 * POLL_S)
+
+    def _send(self, payload: Any, dest: int, tag: int, number: int) -> None:
+        self._sent.append(self.comm.isend((number, payload) if tag == _ANSWER else payload,
+                                          dest=dest, tag=tag))
+
+    def ask(self, wait_s: float = ANSWER_S, dump: bool = False) -> dict[int, Any]:
+        """Ask every other rank what it is doing; their answers by rank, this rank's own included,
+        None for a rank that did not answer within `wait_s` seconds. `dump`: every rank that
+        answers also writes its flight records (`flight_dumps.write`)."""
+        number = next(self._numbers)
+        with self._asked:
+            self._answers[number] = {}
+        for rank in range(self.size):
+            if rank != self.rank:
+                try:
+                    self._send({"number": number, "dump": dump}, rank, _QUESTION, number)
+                except MPI.Exception:  # a lost rank: it will not answer
+                    pass
+        deadline = time.monotonic() + wait_s
+        with self._asked:
+            while len(self._answers[number]) < self.size - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._asked.wait(left)
+            got = self._answers.pop(number)
+        answers: dict[int, Any] = {rank: got.get(rank) for rank in range(self.size)}
+        answers[self.rank] = answer(self, dump)
+        return answers
+
+
+def answer(service: Service, dump: bool = False) -> dict[str, Any]:
+    """What this rank is doing now (`stall_report.py` describes the fields)."""
+    now = time.monotonic()
+    calls = [dict(record, since=now - record["entered"]) for record in RECORDER.in_progress()]
+    raw = RECORDER.raw()
+    left = [record[LEFT] for record in raw[-64:] if record[LEFT]]
+    waits = list(service.waits.values())
+    thread = raw[-1][THREAD] if raw else threading.main_thread().ident
+    return {"rank": service.rank, "calls": calls, "last": RECORDER.latest(16),
+            "waiting": [] if not waits else [waits[0][0], now - waits[0][1]],
+            "stack": stack(thread), "idle": now - max(left) if left and not calls else None,
+            "reported": None if service.reported is None else now - service.reported}
+
+
+def stack(thread: int | None) -> list[str]:
+    """The innermost frames of `thread` outside the libraries, innermost first, as
+    "file:line in function `source`"."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    frames: list[str] = []
+    while frame is not None and len(frames) < _STACK_FRAMES:
+        code = frame.f_code
+        if not is_library(code.co_filename):
+            text = linecache.getline(code.co_filename, frame.f_lineno).strip()
+            frames.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+                          + (f" `{text}`" if text else ""))
+        frame = frame.f_back
+    return frames
+
+
+class Waiting:
+    """A stall wait under way on this thread, as answers report it (`with Waiting(what): ...`)."""
+
+    __slots__ = ("what", "key")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.key = get_ident()
+
+    def __enter__(self) -> Waiting:
+        if _service is not None:
+            _service.waits[self.key] = (self.what, time.monotonic())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _service is not None:
+            _service.waits.pop(self.key, None)
+
+
+_service: Service | None = None
+_lock = threading.Lock()
+
+
+def start() -> Service | None:
+    """Collective over MPI.COMM_WORLD (once per process; later calls return the same): start this
+    rank's answerer, and the dumps on SIGUSR1. None where MPI gives less than
+    MPI_THREAD_MULTIPLE (the answerer's thread calls MPI) or the job has one rank."""
+    global _service
+    with _lock:
+        if _service is None and MPI.Query_thread() >= MPI.THREAD_MULTIPLE and MPI.COMM_WORLD.Get_size() > 1:
+            _service = Service(MPI.COMM_WORLD)
+            atexit.register(_service.stop)  # runs before mpi4py's finalize, registered earlier
+            _dump_on_signal()
+        return _service
+
+
+def service() -> Service | None:
+    """This rank's answerer if `start` made one."""
+    return _service
+
+
+def _dump_on_signal() -> None:
+    """SIGUSR1 writes the flight records, where the program has no SIGUSR1 handler of its own (a
+    handler installed later, `hpcdl train`'s stop request, replaces this one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: flight_dumps.write(
+            MPI.COMM_WORLD.Get_rank(), "SIGUSR1"))

@@ -1,0 +1,184 @@
+"""Flight-recorder dumps: each rank's last calls in a file, and what `hpcdl doctor` makes of them.
+
+A rank writes `rank-RANK.jsonl` in the diagnostics directory (HPCDL_DIAGNOSTICS_DIR, which
+`hpcdl train --diagnostics-dir` sets): one header line (rank, reason, pid, host, its wall clock
+and monotonic clock at the time, so that ranks' clocks can be put side by side), then one line per
+flight record (`collectives/recorder.py`), oldest first. A later dump replaces the earlier one. A
+directory that cannot be written (a file, read-only, a full disk) is warned about once, and the
+program goes on.
+
+`load` reads a directory's dumps, `divergence` finds where the ranks part (the first call number
+of a communicator at which they made different calls, and the rank behind: the one with the
+fewest calls), and `trace` turns the last seconds into Chrome/Perfetto trace events.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from collectives.recorder import RECORDER
+
+from .atomic_file import write_atomically
+
+DIRECTORY_VARIABLE = "HPCDL_DIAGNOSTICS_DIR"
+_warned: set[str] = set()
+
+
+def directory() -> str | None:
+    """The diagnostics directory ($HPCDL_DIAGNOSTICS_DIR), or None where unset."""
+    return os.environ.get(DIRECTORY_VARIABLE, "").strip() or None
+
+
+def file_of(folder: str | os.PathLike[str], rank: int) -> Path:
+    """The dump file of `rank` in `folder`."""
+    return Path(folder) / f"rank-{rank:05d}.jsonl"
+
+
+def write(rank: int, reason: str, folder: str | None = None) -> Path | None:
+    """Write this rank's flight records to `folder` (default: `directory()`); the file, or None
+    where no directory is set or it cannot be written (warned about once per directory)."""
+    folder = folder or directory()
+    if folder is None:
+        return None
+    header = {"rank": rank, "reason": reason, "pid": os.getpid(), "host": socket.gethostname(),
+              "wall": time.time(), "monotonic": time.monotonic()}
+    lines = [json.dumps(header)] + [json.dumps(record) for record in RECORDER.records()]
+    path = file_of(folder, rank)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        write_atomically(path, lambda f: f.write(("\n".join(lines) + "\n").encode()))
+    except OSError as exc:
+        if folder not in _warned:
+            _warned.add(folder)
+            warnings.warn(f"rank {rank}: cannot write the flight records to {folder} "
+                          f"({exc.strerror or exc}); set {DIRECTORY_VARIABLE} "
+                          "(--diagnostics-dir) to a writable directory", RuntimeWarning, stacklevel=2)
+        return None
+    return path
+
+
+Dump = tuple[dict[str, Any], list[dict[str, Any]]]
+
+
+def load(folder: str | os.PathLike[str]) -> dict[int, Dump]:
+    """Every rank's dump in `folder`: (header, records) by rank. Raises ValueError naming the
+    folder when it holds none, or a file that is not a dump."""
+    dumps: dict[int, Dump] = {}
+    for path in sorted(Path(folder).glob("rank-*.jsonl")):
+        try:
+            lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            header = lines[0]
+            dumps[int(header["rank"])] = (header, lines[1:])
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"{path}: not a flight-recorder dump ({exc})") from None
+    if not dumps:
+        raise ValueError(f"{folder}: no flight-recorder dumps (rank-*.jsonl) here; run with "
+                         f"--diagnostics-dir {folder} (or {DIRECTORY_VARIABLE}={folder})")
+    return dumps
+
+
+def _key(record: dict[str, Any]) -> tuple[Any, ...]:
+    return record["collective"], record.get("bytes"), record.get("dtype"), record.get("site")
+
+
+#: Seconds between ranks' clocks (on one host: none) that `at_first_dump` allows.
+_CLOCKS_S = 0.5
+
+
+def at_first_dump(dumps: dict[int, Dump]) -> dict[int, Dump]:
+    """The dumps as they stood when the first of them was written (on the wall clock): a rank that
+    wrote later (stopped meanwhile, then resumed) is compared at the same moment as the others,
+    its later calls left out and those it left afterwards still under way."""
+    cut = min(header["wall"] for header, _ in dumps.values()) + _CLOCKS_S
+    earlier: dict[int, Dump] = {}
+    for rank, (header, records) in dumps.items():
+        offset = header["wall"] - header["monotonic"]
+        earlier[rank] = (header, [dict(record, left=record["left"] if record["left"] + offset <= cut else 0.0)
+                                  for record in records if record["entered"] + offset <= cut])
+    return earlier
+
+
+def divergence(dumps: dict[int, Dump]) -> list[str]:
+    """What the dumps say, as lines: per communicator, the first call number at which the ranks
+    made different calls (or, where none did, that they agree), and the rank(s) behind (fewest
+    calls there, or a call still under way), all as of the first dump (`at_first_dump`)."""
+    lines = []
+    comms: dict[tuple[str, int], dict[int, dict[int, dict[str, Any]]]] = {}
+    for rank, (_, records) in at_first_dump(dumps).items():
+        for record in records:
+            comms.setdefault((record["comm"], record["size"]), {}).setdefault(rank, {})[
+                record["number"]] = record
+    for (name, size), by_rank in sorted(comms.items()):
+        label = f"{name or 'a communicator'} ({size} ranks)"
+        missing = sorted(set(dumps) - set(by_rank))
+        numbers = sorted(set().union(*(set(calls) for calls in by_rank.values())))
+        parted = None
+        # Records overlap only where every rank still holds them (the ring forgets the oldest).
+        first = max(min(calls) for calls in by_rank.values())
+        for number in numbers:
+            if number < first:
+                continue
+            made = {rank: calls.get(number) for rank, calls in by_rank.items()}
+            kinds = {_key(record) for record in made.values() if record is not None}
+            if len(kinds) > 1:
+                parted = number, made
+                break
+        if parted is None:
+            lines.append(f"{label}: the ranks' calls agree up to the last one recorded")
+        else:
+            number, made = parted
+            lines.append(f"{label}: the ranks part at call #{number}:")
+            for rank, call in sorted(made.items()):
+                lines.append(f"  rank {rank}: " + ("no such call" if call is None else
+                                                   f"{call['collective']} of {call.get('bytes')} B "
+                                                   f"{call.get('dtype')} at {call.get('site')}"
+                                                   + (f" ← {call['user']}" if call.get("user")
+                                                      and call["user"] != call.get("site") else "")))
+        last = {rank: max(calls) for rank, calls in by_rank.items()}
+        behind = sorted(rank for rank, number in last.items() if number == min(last.values()))
+        open_ = {rank: calls[last[rank]] for rank, calls in by_rank.items()
+                 if calls[last[rank]]["left"] == 0.0}
+        if len(set(last.values())) > 1:
+            lines.append(f"  behind: rank{'s' if len(behind) > 1 else ''} "
+                         f"{', '.join(map(str, behind))} (last call #{min(last.values())}; "
+                         f"the others reached #{max(last.values())})")
+        under_way: dict[tuple[int, str], list[int]] = {}
+        for rank, record in sorted(open_.items()):
+            under_way.setdefault((record["number"], record["collective"]), []).append(rank)
+        for (number, collective), ranks in sorted(under_way.items()):
+            lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                         f"{'were' if len(ranks) > 1 else 'was'} in call #{number} ({collective}) "
+                         "at the first dump" + (" (every rank: the one that wrote its dump late was "
+                                                "stopped or slow inside it)" if len(ranks) == len(by_rank)
+                                                and len(by_rank) > 1 else ""))
+        if missing:
+            lines.append(f"  no call on it from rank{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(map(str, missing))}")
+    return lines
+
+
+def trace(dumps: dict[int, Dump], seconds: float = 30.0) -> dict[str, Any]:
+    """The calls of the last `seconds` before the latest dump as Chrome/Perfetto trace events
+    (one process per rank, one thread per communicator; times on the wall clock, in us)."""
+    events: list[dict[str, Any]] = []
+    end = max(header["wall"] for header, _ in dumps.values())
+    for rank, (header, records) in sorted(dumps.items()):
+        offset = header["wall"] - header["monotonic"]
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for record in records:
+            start = record["entered"] + offset
+            stop = (record["left"] or header["monotonic"]) + offset
+            if stop < end - seconds:
+                continue
+            events.append({"name": f"{record['collective']} #{record['number']}", "ph": "X",
+                           "pid": rank, "tid": record["comm"] or "comm", "ts": start * 1e6,
+                           "dur": max(0.0, stop - start) * 1e6,
+                           "args": {key: record.get(key) for key in
+                                    ("bytes", "dtype", "algorithm", "site", "user")}
+                           | {"under way": record["left"] == 0.0}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -1,0 +1,166 @@
+"""The stall report: from every rank's answer to "what are you doing", which ranks hold the job up,
+what each is doing, what the others wait in, and the likely cause.
+
+An answer (`diagnosis.answer`) is a dict: `rank`; `calls`, the collectives the rank is in now
+(flight records, `collectives/recorder.py`, with `since`: seconds in it); `last`, its latest
+records; `waiting`, what its stall waits wait for (what, seconds) or empty; `stack`, its
+training thread's frames outside the libraries, innermost first; `idle`, seconds since it last
+left a collective. No answer (None) within the time allowed means the rank is stopped (SIGSTOP, a
+debugger), dead, or not taking part in hpcdl's diagnosis.
+
+The causes, for a rank that is not in the call the waiting ranks are in:
+- stopped or dead: no answer;
+- slow: answers, in no collective (its stack says where), or in an earlier call;
+- skipped: in a later call than the one waited in (a higher number on the same communicator, or,
+  on another communicator, the call the others make after this one);
+- mismatched: in the same call number with another collective or size, or in a collective on
+  another communicator that the others do not make next.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+Answer = dict[str, Any]
+
+
+def describe_call(call: dict[str, Any]) -> str:
+    """A call record as "allreduce #12 (4096 B float32, butterfly) on MPI_COMM_WORLD"."""
+    size = f"{call['bytes']} B {call['dtype']}" if call.get("bytes") is not None else ""
+    details = ", ".join(part for part in (size, call.get("algorithm") or "") if part)
+    comm = call.get("comm") or f"a communicator of {call.get('size')} ranks"
+    return f"{call['collective']} #{call['number']}{f' ({details})' if details else ''} on {comm}"
+
+
+def describe_place(call: dict[str, Any]) -> str:
+    """Where a call was made: its call site, then the caller's program line ("a ← b")."""
+    site, user = short(call.get("site", "")), short(call.get("user", ""))
+    places = [place for place in (site, user) if place]
+    if len(places) == 2 and places[0] == places[1]:
+        places = places[:1]
+    return " ← ".join(places)
+
+
+def short(place: str) -> str:
+    """A "path/to/file.py:LINE in f" with the path cut to the file's name."""
+    if not place:
+        return ""
+    path, _, rest = place.partition(":")
+    return os.path.basename(path) + (f":{rest}" if rest else "")
+
+
+def _same_comm(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.get("comm") == b.get("comm") and a.get("size") == b.get("size")
+
+
+def blocking_call(answer: Answer) -> dict[str, Any] | None:
+    """The call that holds a rank: the oldest of those it is in (calls complete in order)."""
+    calls = answer.get("calls") or []
+    return max(calls, key=lambda call: call.get("since", 0.0)) if calls else None
+
+
+def _next_after(history: list[dict[str, Any]], stalled: dict[str, Any]) -> tuple[str, str] | None:
+    """In a waiting rank's history, the (site, collective) of the call made after the last earlier
+    call from the stalled call's site on its communicator, if any."""
+    for index in range(len(history) - 2, -1, -1):
+        earlier = history[index]
+        if (earlier.get("site") == stalled.get("site") and _same_comm(earlier, stalled)
+                and earlier.get("number") != stalled.get("number")):
+            after = history[index + 1]
+            return after.get("site", ""), after.get("collective", "")
+    return None
+
+
+def classify(answer: Answer | None, stalled: dict[str, Any] | None,
+             history: list[dict[str, Any]]) -> tuple[str, str]:
+    """(state, detail) of a rank given its `answer` and the `stalled` call the waiting ranks are
+    in (None: not a collective), `history` being a waiting rank's latest records. State is one of
+    waiting, stopped or dead, slow, skipped, mismatched."""
+    if answer is None:
+        return "stopped or dead", "no answer (stopped by a signal or a debugger, dead, or hung " \
+                                  "outside Python)"
+    calls = answer.get("calls") or []
+    if answer.get("waiting") and not calls:
+        return "waiting", f"waits for {answer['waiting'][0]}"
+    if stalled is None:
+        if calls:
+            return "waiting", describe_call(blocking_call(answer) or calls[0])
+        return "slow", _elsewhere(answer)
+    same = [call for call in calls if _same_comm(call, stalled)]
+    for call in same:
+        if call["number"] == stalled["number"]:
+            if call["collective"] == stalled["collective"] and call.get("bytes") == stalled.get("bytes"):
+                return "waiting", describe_call(call)
+            return "mismatched", (f"in {describe_call(call)} at {describe_place(call)} while the "
+                                  f"others are in {describe_call(stalled)}")
+    if same:
+        call = min(same, key=lambda c: c["number"])
+        if call["number"] > stalled["number"]:
+            return "skipped", (f"ahead: in {describe_call(call)} at {describe_place(call)}; it "
+                               f"skipped call #{stalled['number']}")
+        return "slow", (f"behind: still in {describe_call(call)} at {describe_place(call)} for "
+                        f"{call.get('since', 0.0):.1f} s")
+    if calls:
+        call = blocking_call(answer) or calls[0]
+        following = _next_after(history, stalled)
+        where = f"in {describe_call(call)} at {describe_place(call)} for {call.get('since', 0.0):.1f} s"
+        if following is not None and following == (call.get("site", ""), call["collective"]):
+            return "skipped", (f"one call ahead: {where}, the call the others make after "
+                               f"{stalled['collective']} #{stalled['number']}, which it skipped")
+        return "mismatched", (f"{where}, not in {stalled['collective']} #{stalled['number']} on "
+                              f"{stalled.get('comm')}")
+    return "slow", _elsewhere(answer)
+
+
+def _elsewhere(answer: Answer) -> str:
+    """What a rank outside every collective is doing: its stack, and for how long."""
+    stack = answer.get("stack") or []
+    idle = answer.get("idle")
+    since = "" if idle is None else f" for {idle:.1f} s"
+    where = " ← ".join(short(frame) for frame in stack[:3]) or "(no Python frame)"
+    return f"not in a collective{since}; in {where}"
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 3] as "ranks 0, 1, 3" ("rank 2" for one)."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in ranks)}"
+
+
+def report(answers: dict[int, Answer | None], reporter: int, what: str) -> str:
+    """The report's text: the late ranks, what each is doing and why, and what the others wait in.
+    `answers` holds every rank's answer (None: none came), the `reporter`'s own included."""
+    own = answers[reporter]
+    assert own is not None
+    stalled = blocking_call(own)
+    history = own.get("last") or []
+    states = {rank: classify(answer, stalled, history) for rank, answer in sorted(answers.items())}
+    waiting = [rank for rank, (state, _) in states.items() if state == "waiting"]
+    late = [rank for rank in states if rank not in waiting]
+    lines = ["hpcdl stall report: " + (
+        f"{ranks_text(late)} {'holds' if len(late) == 1 else 'hold'} the job up" if late
+        else "every rank is in the call (a rank may be slow inside it)")]
+    for rank in late:
+        state, detail = states[rank]
+        lines.append(f"  rank {rank}: {state}: {detail}")
+    if waiting:
+        if stalled is not None:
+            lines.append(f"  {ranks_text(waiting)}: wait in {describe_call(stalled)} at "
+                         f"{describe_place(stalled)}")
+        else:
+            lines.append(f"  {ranks_text(waiting)}: wait for {what}")
+    lines.append("  (hpcdl doctor DIR merges the flight records that --diagnostics-dir / "
+                 "HPCDL_DIAGNOSTICS_DIR keeps; docs/troubleshooting.md)")
+    return "\n".join(lines)
+
+
+def reporter_of(answers: dict[int, Answer | None], me: int, waited: float) -> int:
+    """Which rank prints the report of a stall `me` has waited in for `waited` seconds: a rank
+    that reported meanwhile (its answer's `reported`: seconds since its last report), else the
+    lowest rank that answered as waiting (in a stall wait), `me` if none did. Every waiting rank
+    works it out alike, so one prints, even where the ranks began waiting at different times."""
+    done = [rank for rank, answer in answers.items() if rank != me and answer is not None
+            and answer.get("reported") is not None and answer["reported"] < waited]
+    if done:
+        return min(done)
+    waiting = [rank for rank, answer in answers.items() if answer is not None and answer.get("waiting")]
+    return min(waiting + [me])

@@ -1,0 +1,33 @@
+"""hpcdl/commands/doctor.py: `hpcdl doctor DIR` prints where the ranks part and writes the trace;
+a directory without dumps, or a trace it cannot write, ends in one line and status 2. (Dumps from
+a real stall: tests/hpcdl/runtime/test_diagnosis.py.)"""
+from __future__ import annotations
+
+import json
+
+from hpcdl.commands import doctor
+from tests.hpcdl.runtime.test_flight_dumps import dump, record
+
+
+def test_doctor_prints_where_the_ranks_part_and_writes_the_trace(tmp_path, capsys):
+    dump(tmp_path, 0, [record(1), record(2, left=0.0)])
+    dump(tmp_path, 1, [record(1)])
+    trace = tmp_path / "t.json"
+    assert doctor.main([str(tmp_path), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["rank 0: 2 calls recorded; dumped on test (pid 1 on h)",
+                   "rank 1: 1 calls recorded; dumped on test (pid 1 on h)",
+                   "MPI_COMM_WORLD (3 ranks): the ranks' calls agree up to the last one recorded",
+                   "  behind: rank 1 (last call #1; the others reached #2)",
+                   "  rank 0 was in call #2 (allreduce) at the first dump",
+                   f"trace of the last 30 s: {trace} (open in ui.perfetto.dev)"]
+    assert [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"] == \
+        ["allreduce #1", "allreduce #2", "allreduce #1"]
+
+
+def test_doctor_names_what_is_wrong(tmp_path, capsys):
+    assert doctor.main([str(tmp_path)]) == 2
+    assert "no flight-recorder dumps" in capsys.readouterr().err
+    dump(tmp_path, 0, [record(1)])
+    assert doctor.main([str(tmp_path), "--trace", str(tmp_path / "no" / "t.json")]) == 2
+    assert "cannot write the trace to" in capsys.readouterr().err

@@ -1,0 +1,72 @@
+"""hpcdl/runtime/stall_report.py: each rank's state from its answer, against the call the waiting
+ranks are in; the report's text; which rank prints it."""
+from __future__ import annotations
+
+import pytest
+
+from hpcdl.runtime import stall_report
+
+
+def call(number, collective="allreduce", nbytes=4096, comm="MPI_COMM_WORLD", site="train.py:57 in step",
+         since=12.0):
+    return {"comm": comm, "size": 4, "number": number, "collective": collective, "algorithm": "ring",
+            "bytes": nbytes, "dtype": "float32", "site": site, "user": "/home/u/train.py:90 in main",
+            "since": since, "left": 0.0}
+
+
+def waiting(number=7):
+    return {"calls": [call(number)], "waiting": ["the step's sum", 12.0], "last": history(number),
+            "stack": [], "idle": None}
+
+
+def history(number):
+    """A waiting rank's latest records: each step an allreduce at train.py:57, then a loss sum."""
+    records = []
+    for n in range(number - 3, number):
+        records += [call(n), call(n - 2, nbytes=8, comm="", site="train.py:60 in step")]
+    return records + [call(number)]
+
+
+STALLED = call(7)
+
+
+@pytest.mark.parametrize("answer,state,detail", [
+    (None, "stopped or dead", "no answer"),
+    (waiting(), "waiting", "allreduce #7 (4096 B float32, ring) on MPI_COMM_WORLD"),
+    ({"calls": [], "waiting": [], "stack": ["/d/data.py:88 in load `next(loader)`", "/d/train.py:50 in main"],
+      "idle": 14.2},
+     "slow", "not in a collective for 14.2 s; in data.py:88 in load `next(loader)` ← train.py:50 in main"),
+    ({"calls": [call(6, since=30.0)], "waiting": []}, "slow", "behind: still in allreduce #6"),
+    ({"calls": [call(8)], "waiting": []}, "skipped", "ahead: in allreduce #8"),
+    ({"calls": [call(7, nbytes=2048)], "waiting": []}, "mismatched",
+     "in allreduce #7 (2048 B float32, ring) on MPI_COMM_WORLD at train.py:57 in step ← train.py:90 in main "
+     "while the others are in allreduce #7 (4096 B float32, ring)"),
+    ({"calls": [call(5, nbytes=8, comm="", site="train.py:60 in step")], "waiting": []}, "skipped",
+     "one call ahead: in allreduce #5 (8 B float32, ring) on a communicator of 4 ranks"),
+    ({"calls": [call(1, collective="allgather", comm="", site="eval.py:3 in f")], "waiting": []},
+     "mismatched", "in allgather #1 (4096 B float32, ring) on a communicator of 4 ranks at eval.py:3 in f"),
+])
+def test_each_state_from_its_answer(answer, state, detail):
+    got = stall_report.classify(answer, STALLED, history(7))
+    assert got[0] == state and detail in got[1], got
+
+
+def test_the_report_names_the_late_rank_and_what_the_others_wait_in():
+    answers = {0: waiting(), 1: waiting(), 2: None, 3: waiting()}
+    assert stall_report.report(answers, 0, "the step's sum") == "\n".join([
+        "hpcdl stall report: rank 2 holds the job up",
+        "  rank 2: stopped or dead: no answer (stopped by a signal or a debugger, dead, or hung outside "
+        "Python)",
+        "  ranks 0, 1, 3: wait in allreduce #7 (4096 B float32, ring) on MPI_COMM_WORLD at "
+        "train.py:57 in step ← train.py:90 in main",
+        "  (hpcdl doctor DIR merges the flight records that --diagnostics-dir / HPCDL_DIAGNOSTICS_DIR "
+        "keeps; docs/troubleshooting.md)"])
+
+
+def test_one_rank_reports():
+    answers = {0: {"calls": [], "waiting": []}, 1: waiting(), 2: waiting(), 3: None}
+    assert [stall_report.reporter_of(answers, me, 5.0) for me in (1, 2)] == [1, 1]  # the lowest waiting
+    answers[2] = dict(waiting(), reported=1.0)  # rank 2 reported 1 s ago, within rank 1's wait
+    assert stall_report.reporter_of(answers, 1, 5.0) == 2
+    assert stall_report.reporter_of(answers, 1, 0.5) == 1  # before this wait: a stall of its own
+    assert stall_report.reporter_of({0: None, 1: {"calls": []}}, 1, 5.0) == 1  # nobody else waits
