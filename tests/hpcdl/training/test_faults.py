@@ -347,7 +347,7 @@ def test_a_frozen_rank_is_warned_about_within_seconds_and_training_finishes_afte
     seconds (HPCDL_STALL_WARNING_S=1), naming what they wait for; after SIGCONT training finishes."""
     directory = shared_directory(tmp_path, comm)
     size = comm.Get_size()
-    train_command = (f"{sys.executable} -m hpcdl train --epochs 6 --batch-size 8 "
+    train_command = (f"{sys.executable} -m hpcdl train --epochs 3 --batch-size 8 "
                      f"--checkpoint-dir {directory / 'ckpt'}")
     # Each rank writes its pid first: `exec` keeps it, so the pid is the training process's.
     command = ["mpirun", "-n", str(size), "sh", "-c",
