@@ -206,6 +206,13 @@ def service() -> Service | None:
     return _service
 
 
+def stop() -> None:
+    """End this rank's answerer, if one runs: before anything finalizes MPI (at exit, `atexit` does
+    it; code that calls MPI.Finalize itself must call this first, as its thread polls MPI)."""
+    if _service is not None:
+        _service.stop()
+
+
 def _dump_on_signal() -> None:
     """SIGUSR1 writes the flight records, where the program has no SIGUSR1 handler of its own (a
     handler installed later, `hpcdl train`'s stop request, replaces this one)."""

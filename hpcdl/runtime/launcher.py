@@ -105,6 +105,8 @@ def exit_status(status: int) -> int:
     import collectives
     from collectives import engine, inflight
 
+    from . import diagnosis
+
     MPI = mpi_module
     if not MPI.Is_initialized() or MPI.Is_finalized() or collectives.fault_tolerant():
         return status
@@ -120,6 +122,7 @@ def exit_status(status: int) -> int:
     here = peers[0][0]
     local = [pid for host, pid in peers[1:] if host == here]
     # Finalized here (what exit would do): the others leave MPI_Finalize only once rank 0 is in it.
+    diagnosis.stop()  # its thread polls MPI: stopped first, as at exit
     engine.stop_all()
     inflight.drain()
     MPI.Finalize()

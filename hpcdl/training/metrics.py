@@ -73,13 +73,20 @@ def staleness_columns(staleness: Staleness | None) -> dict[str, Any]:
             "staleness_histogram": histogram}
 
 
+#: The straggler columns (`arrival_columns`).
+ARRIVAL_COLUMNS = ("last_rank", "last_rank_share", "last_rank_lateness_ms", "last_rank_counts")
+#: The columns that tell how the machine ran rather than what was trained: they differ between
+#: runs of the same training (a resumed run's rows equal the uninterrupted run's but for these).
+TIMED_COLUMNS = ("samples_per_s", "seconds", *ARRIVAL_COLUMNS)
+
+
 def arrival_columns(arrivals: Sequence[Arrival] | None, size: int) -> dict[str, Any]:
     """The metrics file's straggler columns for an epoch's attributed steps (hpcdl/runtime/arrivals.py):
     the rank last at the first collective in most of them, the fraction it was last in, its median
     lateness in those (ms), and how many steps each of the `size` ranks was last in; None where the
     strategy attributes no steps."""
     if not arrivals:
-        return dict.fromkeys(("last_rank", "last_rank_share", "last_rank_lateness_ms", "last_rank_counts"))
+        return dict.fromkeys(ARRIVAL_COLUMNS)
     # (a step before ranks were lost may name a rank beyond the survivors)
     counts = [0] * max(size, 1 + max(a.last_rank for a in arrivals))
     for arrival in arrivals:

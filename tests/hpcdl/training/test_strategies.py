@@ -23,6 +23,7 @@ from tests.conftest import ROOT, all_ranks_agree, from_rank0, same_state, shared
 from hpcdl.commands import train
 from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from hpcdl.training.config import TrainConfig
+from hpcdl.training.metrics import TIMED_COLUMNS
 from hpcdl.training.schedule import Schedule
 from hpcdl.training.strategies import STRATEGIES, option_errors, plan
 
@@ -239,7 +240,7 @@ def test_deterministic_strategies_resume_where_the_uninterrupted_run_ends(strate
     ok &= train.main(killed + ["--stop-after-steps", str(stop)]) == 0
     ok &= train.main(killed + ["--resume"]) == 0
     comm.Barrier()
-    timing = ("samples_per_s", "seconds")
+    timing = TIMED_COLUMNS
     want, have = rows(directory / "whole.jsonl"), rows(directory / "killed.jsonl")
     if comm.Get_rank() == 0:
         ok &= len(want) == len(have) == 2 and all(
