@@ -8,7 +8,6 @@ run under MPI at N >= 2 and are checked for shape and sanity, not for speed.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -363,24 +362,6 @@ def test_algorithms_whose_every_rank_crosses_share_each_hosts_link(algorithm, ho
 
 
 # -- tuning files and auto ------------------------------------------------------------------------
-
-@pytest.fixture
-def tuning_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Write a tuning document, point HPCDL_TUNING_FILE at it, and start from empty caches."""
-    def write(document: dict[str, Any]) -> Path:
-        path = tmp_path / f"tuning{len(list(tmp_path.iterdir()))}.json"
-        path.write_text(json.dumps(document))
-        monkeypatch.setenv("HPCDL_TUNING_FILE", str(path))
-        for name in select.ALGORITHMS:
-            monkeypatch.delenv(f"HPCDL_ALGORITHM_{name.upper()}", raising=False)
-        select.load_table.cache_clear()
-        select._lookup.cache_clear()
-        return path
-
-    yield write
-    select.load_table.cache_clear()
-    select._lookup.cache_clear()
-
 
 @pytest.mark.parametrize("collective", sorted(select.ALGORITHMS))
 def test_decision_rows_round_trip_through_choose(collective: str, tuning_file: Any) -> None:

@@ -10,8 +10,6 @@ op, and leave the sub-communicators with the communicator they were split from.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -168,25 +166,6 @@ def test_model_prefers_hierarchical_for_large_messages_across_slow_links() -> No
     own = ModelParams(5e-6, 0.1e-9, 0.1e-9, ranks_per_host=1, alpha_inter=25e-6, beta_inter=8.7e-9)
     assert predict("allreduce", "hierarchical", 64 << 20, 8, own) == pytest.approx(
         predict("allreduce", flat, 64 << 20, 8, own))
-
-
-@pytest.fixture
-def tuning_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, comm: MPI.Comm) -> Any:
-    """Write a tuning document (every rank its own copy), point HPCDL_TUNING_FILE at it."""
-    def write(document: dict[str, Any]) -> Path:
-        path = tmp_path / f"tuning{len(list(tmp_path.iterdir()))}.json"
-        path.write_text(json.dumps(document))
-        monkeypatch.setenv("HPCDL_TUNING_FILE", str(path))
-        monkeypatch.delenv("HPCDL_ALGORITHM_ALLREDUCE", raising=False)
-        select.load_table.cache_clear()
-        select._lookup.cache_clear()
-        select._level_lookup.cache_clear()
-        return path
-
-    yield write
-    select.load_table.cache_clear()
-    select._lookup.cache_clear()
-    select._level_lookup.cache_clear()
 
 
 def test_auto_runs_hierarchical_where_the_two_level_model_says(
