@@ -18,6 +18,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from mpi4py import MPI
 
+from tests.helpers.arrays import remove_arena_files_of_ended_processes
+
 # Hypothesis must draw the same examples on every rank: derandomized, no database, no
 # timing-dependent health checks or deadlines (which could differ between ranks).
 settings.register_profile(
@@ -28,6 +30,13 @@ settings.load_profile("mpi")
 
 #: The repository's root: where tests find the scripts, docs and jobs they run.
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Remove the fake device's shared memory files that test processes killed in earlier runs left
+    in /dev/shm: memory until removed (about 0.5 GiB once, after a day of killed jobs)."""
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        remove_arena_files_of_ended_processes()
 
 
 @pytest.fixture

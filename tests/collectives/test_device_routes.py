@@ -10,6 +10,9 @@ where, the automatic choice, ranks on two hosts, and claims that fail on every r
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any, Iterator
 
 import numpy as np
@@ -17,8 +20,9 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from tests.helpers.arrays import (FakeDeviceArray, FakeDeviceRuntime, FakeIpcRuntime, Outcomes,
-                    device_runtime_installed, rank_data, reduce_reference, setting)
+from tests.helpers.arrays import (ARENA_PREFIX, FakeDeviceArray, FakeDeviceRuntime, FakeIpcRuntime, Outcomes,
+                                  device_runtime_installed, rank_data, reduce_reference,
+                                  remove_arena_files_of_ended_processes, setting)
 from collectives import DeviceRouteError, host_communicators, select
 from collectives.cost.params import ModelParams
 from collectives.cost.prediction import ipc_wins, predict
@@ -239,3 +243,15 @@ def test_ipc_settings_and_the_cost_model() -> None:
         select.ipc_mode()
     with setting("HPCDL_IPC", None), setting("HPCDL_TUNING_FILE", None):
         assert not select.ipc_route(select.IPC_BYTES - 1) and select.ipc_route(select.IPC_BYTES)
+
+
+def test_arena_files_of_ended_processes_are_removed_and_a_running_ones_kept(tmp_path) -> None:
+    """A rank killed mid-test never unlinks its arena files; the next session removes them."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                           text=True, check=True, timeout=60)
+    dead, alive = int(ended.stdout), os.getpid()
+    names = [f"{ARENA_PREFIX}{dead}-abcd-1", f"{ARENA_PREFIX}{alive}-abcd-2", "other-file"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_arena_files_of_ended_processes(str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

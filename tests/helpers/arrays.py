@@ -355,6 +355,35 @@ class FakeDeviceRuntime:
                 self._advance()
 
 
+#: The start of a `SharedArena` file's name; the rest is "<pid>-<token>-<n>".
+ARENA_PREFIX = "hpcdl-fake-ipc-"
+
+
+def remove_arena_files_of_ended_processes(directory: str = "/dev/shm") -> int:
+    """Unlink the `SharedArena` files that processes no longer running left in `directory` (a
+    killed process never runs the finalizers that unlink its own); how many were removed. The files
+    of a running process, or of one this user may not signal, are kept."""
+    try:
+        names = os.listdir(directory)
+    except OSError:  # no such directory: nothing was left there
+        return 0
+    removed = 0
+    for name in names:
+        if not name.startswith(ARENA_PREFIX):
+            continue
+        try:
+            os.kill(int(name[len(ARENA_PREFIX):].split("-")[0]), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another rank removed it first
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+    return removed
+
+
 class SharedArena:
     """Device memory that other processes of the host can map, as CUDA IPC maps a peer's: each
     allocation a file of its own in /dev/shm, mapped here, its name the handle, unlinked once its
@@ -377,7 +406,7 @@ class SharedArena:
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        path = f"{self.directory}/hpcdl-fake-ipc-{os.getpid()}-{self._token}-{next(self._counter)}"
+        path = f"{self.directory}/{ARENA_PREFIX}{os.getpid()}-{self._token}-{next(self._counter)}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))
