@@ -11,8 +11,9 @@ while under way). The ring keeps the last `capacity()` records (HPCDL_FLIGHT_REC
 Recording costs one list and two clock reads, and outside the small-message path a short walk up
 the caller's frames (its code and instruction are kept; file and line are worked out only when a
 record is read): 0.25 us on the small-message path, 0.8 us on the general one
-(benchmarks/results/flight-recorder/). `records()`, `latest()` and `in_progress()`
-read it as dicts, for dumps and for the answer to "what are you doing" (hpcdl/runtime/diagnosis.py).
+(benchmarks/results/flight-recorder/). `records()` and `in_progress()` read it as dicts, `raw()`
+as the records themselves (`as_dict` turns one into a dict): for dumps and for the answer to "what
+are you doing" (hpcdl/runtime/diagnosis.py).
 """
 from __future__ import annotations
 
@@ -115,10 +116,6 @@ class Recorder:
     def records(self) -> list[dict[str, Any]]:
         """Every record kept, oldest first, as dicts (`as_dict`)."""
         return [as_dict(record) for record in self.raw()]
-
-    def latest(self, count: int) -> list[dict[str, Any]]:
-        """The last `count` records, oldest first, as dicts."""
-        return [as_dict(record) for record in self.raw()[-count:]] if count > 0 else []
 
     def in_progress(self) -> list[dict[str, Any]]:
         """The calls entered and not yet left, oldest first, as dicts."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from collectives.recorder import LEFT, RECORDER, THREAD, is_library, library_path
+from collectives.recorder import ENTERED, LEFT, RECORDER, THREAD, as_dict, is_library, library_path
 
 from . import flight_dumps
 
@@ -139,12 +139,12 @@ class Service:
 def answer(service: Service, dump: bool = False) -> dict[str, Any]:
     """What this rank is doing now (`stall_report.py` describes the fields)."""
     now = time.monotonic()
-    calls = [dict(record, since=now - record["entered"]) for record in RECORDER.in_progress()]
-    raw = RECORDER.raw()
+    raw = RECORDER.raw()  # one snapshot of the ring for every field below
+    calls = [dict(as_dict(record), since=now - record[ENTERED]) for record in raw if record[LEFT] == 0.0]
     left = [record[LEFT] for record in raw[-64:] if record[LEFT]]
     waits = list(service.waits.values())
     thread = raw[-1][THREAD] if raw else threading.main_thread().ident
-    return {"rank": service.rank, "calls": calls, "last": RECORDER.latest(16),
+    return {"rank": service.rank, "calls": calls, "last": [as_dict(record) for record in raw[-16:]],
             "waiting": [] if not waits else [waits[0][0], now - waits[0][1]],
             "stack": stack(thread), "idle": now - max(left) if left and not calls else None,
             "reported": None if service.reported is None else now - service.reported}
