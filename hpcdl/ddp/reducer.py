@@ -20,8 +20,8 @@ launched in bucket order and waited for before the optimizer step.
 - Over one rank the dense average is the gradient itself (`GradientExchange.moves_nothing`):
   gradients stay where autograd left them and no collective starts.
 - `synchronize` waits for every launched collective, then lets the hook finish each bucket
-  (decompress) in bucket order. A wait longer than `stall_warning_s` warns, naming the bucket;
-  `timeout` turns it into a TimeoutError.
+  (decompress) in bucket order. A wait longer than `stall_warning_s` (None: the default bound of
+  hpcdl/runtime/stall.py) warns, naming the bucket; `timeout` turns it into a TimeoutError.
 - After the first synchronized backward the buckets are rebuilt once in the order gradients
   really became ready (rank 0's order, broadcast), as torch's DDP does.
 - `traffic` counts what this rank sent for gradients, for `hpcdl train`'s per-epoch report;
@@ -298,7 +298,7 @@ class Reducer:
         if self.release_reduced:
             bucket.release()
 
-    def synchronize(self, *, stall_warning_s: float, timeout: float | None) -> None:
+    def synchronize(self, *, stall_warning_s: float | None, timeout: float | None) -> None:
         """Wait for every launched bucket and finish it; afterwards each `param.grad` holds the
         average. A TimeoutError leaves the exchanges running (calling again waits for them);
         another error is raised after every other bucket was waited for."""
@@ -358,12 +358,12 @@ class Reducer:
         if self.exchange.finish_span and bucket.finish_span:
             self.timeline.span(f"{name} {self.exchange.finish_span}", *bucket.finish_span)
 
-    def _wait(self, handle: Handle, bucket: Bucket, started: float, stall_warning_s: float,
+    def _wait(self, handle: Handle, bucket: Bucket, started: float, stall_warning_s: float | None,
               timeout: float | None) -> None:
         names = f"{', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''}"
         stall.wait_for(handle, f"the reduction of bucket {bucket.index} ({names})",
                        rank=self.comm.Get_rank(), started=started, timeout=timeout,
-                       warn_after=stall.warning_seconds(stall_warning_s), stacklevel=5,
+                       warn_after=stall_warning_s, stacklevel=5,
                        advice="Every rank must run the same sequence of forward and backward "
                               "passes: a rank that skipped a batch, ran an extra backward or failed "
                               "inside a step leaves its peers waiting here.")

@@ -79,7 +79,6 @@ import collectives
 from collectives import Handle
 
 from .. import runtime
-from ..runtime import stall
 from ..runtime.agreement import raise_unless_agreed
 from ..runtime.arrivals import Arrivals
 from .bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, check_bucket_options
@@ -106,9 +105,10 @@ CHUNK_BYTES = 8 * _MB
 #: microseconds) it amortizes; a large gradient costs a memory pass to copy (~0.2 ms per MiB here)
 #: every step when the loop zeroes gradients with set_to_none=True, torch's default.
 IN_PLACE_BYTES = 1 * _MB
-#: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket
-#: (HPCDL_STALL_WARNING_S, when set, overrides it: hpcdl/runtime/stall.py).
-STALL_WARNING_S = stall.DEFAULT_WARNING_S
+#: Like Horovod's stall check: a step whose reduction has waited this long warns, naming the bucket.
+#: None: hpcdl/runtime/stall.py's default, max(10 s, 20 steps); HPCDL_STALL_WARNING_S, when set,
+#: overrides either.
+STALL_WARNING_S: float | None = None
 
 #: The wrapper in charge of each module's gradients; building a new one around a module detaches
 #: the old one (its hooks would otherwise go on reducing every backward).

@@ -41,7 +41,7 @@ from ..ddp.exchange import ExchangeLink, GradientExchange
 from ..ddp.wrapper import STALL_WARNING_S, build_reducer, check_bucket_options, register_ready_hooks
 from ..runtime.agreement import agreed_error, raise_unless_agreed
 from ..runtime.arrivals import Arrivals
-from ..runtime.stall import wait_for, warning_seconds
+from ..runtime.stall import wait_for
 from . import process_sets
 from .basics import Adasum, Average, Sum, _not_offered
 from .compression import Compression, Compressor
@@ -185,7 +185,7 @@ class _Synchronizing:
             self._hvd_touched = self._hvd_marked = False
             self._hvd_sparse_handles, self._hvd_made_dense = {}, set()
         wait_for(check, "DistributedOptimizer's check of the backward passes",
-                 rank=self._hvd_comm.Get_rank(), warn_after=warning_seconds(STALL_WARNING_S))
+                 rank=self._hvd_comm.Get_rank(), warn_after=STALL_WARNING_S)
         reducer.rebuild_buckets()  # before sparse gradients take the places of the bucket views
         for i, result in sparse.items():
             self._hvd_named[i][1].grad = result()

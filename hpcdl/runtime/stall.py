@@ -80,12 +80,17 @@ def _paused_since(moment: float) -> float:
     return sum(length for end, length in _pauses if end - length >= moment)
 
 
+def _bound(given: float | None) -> tuple[float, bool]:
+    """A wait's bound and whether it is the default one, which stretches (see the module's
+    docstring): HPCDL_STALL_WARNING_S when set, else `given`, else DEFAULT_WARNING_S."""
+    if os.environ.get(WARNING_VARIABLE, "").strip():
+        return warning_seconds(), False
+    return (DEFAULT_WARNING_S, True) if given is None else (given, False)
+
+
 def _stretched(bound: float) -> float:
-    """The bound of a wait whose caller gave `bound`: the default bound (DEFAULT_WARNING_S, where
-    HPCDL_STALL_WARNING_S is not set) stretched to STEPS times the median period of the call this
-    rank waits in (its step); any other bound as it is."""
-    if bound != DEFAULT_WARNING_S or os.environ.get(WARNING_VARIABLE, "").strip():
-        return bound
+    """The default bound `bound` stretched to STEPS times the median period of the call this rank
+    waits in (its step), where the flight recorder holds enough of its calls."""
     records = RECORDER.raw()
     waited = next((record for record in records if record[LEFT] == 0.0), None)
     if waited is None:
@@ -151,7 +156,7 @@ class _Clock:
 class Stall:
     """One wait on other ranks that a loop of its own drives (testing MPI requests): `check()`,
     called in the loop, reports once as `wait_for` does after `warn_after` seconds (default
-    `warning_seconds()`), counted from the creation. `stacklevel` counts from `check`'s caller
+    the module's bound, not stretched), counted from the creation. `stacklevel` counts from `check`'s caller
     (used where no frame outside the libraries is found). Use as a context manager, so that the
     answers of this rank say that it waits."""
 
@@ -159,7 +164,7 @@ class Stall:
                  stacklevel: int = 1) -> None:
         self.what, self.rank, self.advice, self.stacklevel = what, rank, advice, stacklevel
         self.clock = _Clock(None)
-        self.warn_after = warning_seconds() if warn_after is None else warn_after
+        self.warn_after = _bound(warn_after)[0]
         self.warned = not math.isfinite(self.warn_after)
         self.waiting = diagnosis.Waiting(what)
 
@@ -184,17 +189,17 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
              timeout: float | None = None, warn_after: float | None = None, stacklevel: int = 1) -> Any:
     """`handle.wait()`, reporting once if it lasts, optionally giving up.
 
-    Once the wait has lasted its bound (`warn_after`, default `warning_seconds()`; see the
-    module's docstring) since `started` (a `time.monotonic()` stamp; default now), every rank is
-    asked what it is doing and one rank warns (a RuntimeWarning "rank RANK: WHAT has waited S s
+    Once the wait has lasted its bound (HPCDL_STALL_WARNING_S when set, else `warn_after`, else
+    the default, stretched to STEPS of the waited call's periods; see the module's docstring)
+    since `started` (a `time.monotonic()` stamp; default now), every rank is asked what it is
+    doing and one rank warns (a RuntimeWarning "rank RANK: WHAT has waited S s
     for the other ranks. ADVICE", then the report). Raises TimeoutError with that first line once
     `timeout` seconds have passed (None: wait for ever). Returns what `handle.wait()` returns, and
     raises the collective's own error.
     """
     clock = _Clock(started)
-    bound = warning_seconds() if warn_after is None else warn_after
+    bound, stretchable = _bound(warn_after)
     reported = not math.isfinite(bound)
-    stretched = False
     with diagnosis.Waiting(what):
         while True:
             waited = clock.waited
@@ -210,8 +215,8 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(_stalled(rank, what, waited, advice)) from None
             if not reported and waited >= bound:
-                if not stretched:
-                    stretched, bound = True, _stretched(bound)
+                if stretchable:
+                    stretchable, bound = False, _stretched(bound)
                     if waited < bound:
                         continue
                 reported = True

@@ -149,7 +149,10 @@ def test_the_bound_is_at_least_twenty_steps(monkeypatch):
             made[-1] = made[ENTERED] + 0.1
     monkeypatch.setattr(stall, "RECORDER", ring)
     monkeypatch.delenv(stall.WARNING_VARIABLE, raising=False)
-    assert stall._stretched(10.0) == 40.0  # the default bound is stretched, a bound given is not
-    assert stall._stretched(60.0) == 60.0 and stall._stretched(1.0) == 1.0
-    monkeypatch.setenv(stall.WARNING_VARIABLE, "3")  # set: exactly that
-    assert stall._stretched(3.0) == 3.0
+    assert stall._stretched(10.0) == 40.0 and stall._stretched(60.0) == 60.0
+    # Only the default bound stretches: a bound given, even one equal to the default, does not.
+    assert stall._bound(None) == (stall.DEFAULT_WARNING_S, True)
+    assert stall._bound(stall.DEFAULT_WARNING_S) == (stall.DEFAULT_WARNING_S, False)
+    assert stall._bound(1.0) == (1.0, False)
+    monkeypatch.setenv(stall.WARNING_VARIABLE, "3")  # set: exactly that, whatever the caller gave
+    assert stall._bound(None) == (3.0, False) and stall._bound(60.0) == (3.0, False)
