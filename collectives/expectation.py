@@ -17,9 +17,10 @@ after one library call. Otherwise every rank drops what it received and makes it
 whose check raises on every rank or, where the ranks all changed alike, agrees on the new call and
 remembers it. An expectation that no longer holds costs one small library call, once.
 
-Eligible (`LEAN_BYTES`): a host allreduce through the library of at most 16 KiB, in a dtype the
-library reduces (not bfloat16). The attempt copies the data in and the result out, which costs
-more than the check's one message beyond that (docs/collectives.md#small-messages).
+Eligible (`LEAN_BYTES`): a host allreduce through the library of at most 64 KiB, in a dtype the
+library reduces (not bfloat16). The attempt copies the data in and the result out; up to 64 KiB
+that costs less than the check's own synchronization (P=2, 2026-11-29: 64 KiB took 1.2x the
+direct library call as the expected call, 2.1x checked first; docs/collectives.md#small-messages).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from .channels import Lane
 
 #: The largest host allreduce through the MPI library that runs as an expected call, in bytes.
-LEAN_BYTES = 16384
+LEAN_BYTES = 65536
 #: Agreed predecessors remembered per communicator; past this, all are forgotten (on every rank
 #: alike: they are agreed calls) and learnt again.
 _MOST_REMEMBERED = 1024
@@ -102,7 +103,7 @@ class LibraryPlan:
             expectation.expected = None  # one attempt per call, whichever way it goes on
             if expected[0] is self and expected[1] == site[0] and number == expectation.number + 1:
                 if self.attempt(x):
-                    expectation.agreed(self.ident, site[0], number, self)
+                    expectation.confirmed(self.ident, site[0], number)
                     return self._finished(self.data if x.ndim == 1 else self.data.reshape(x.shape),
                                           out)
             else:
@@ -195,6 +196,12 @@ class Expectation:
             return
         self.last, self.number = (ident, site), number
         self.expected = follows.get(self.last)
+
+    def confirmed(self, ident: int, site: int, number: int) -> None:
+        """Call `number` ran as the expected call on every rank: `agreed` for it, less what it
+        already holds (the call was expected because it is remembered after its predecessor)."""
+        self.last, self.number = (ident, site), number
+        self.expected = self.follows.get(self.last)
 
     def refused(self, number: int) -> None:
         """Call `number` raised its argument error on every rank: nothing is expected after it."""

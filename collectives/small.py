@@ -100,16 +100,14 @@ SmallPlan = Union[FusedPlan, LibraryPlan]
 
 def suits(x: np.ndarray, out: Any) -> bool:
     """Whether a call on `x` into `out` may take its small plan: `x` C-ordered, and `out` None,
-    `x` itself (writable), or a writable C-ordered NumPy array of `x`'s shape and dtype
-    (anything else takes the general path, which checks it)."""
-    flags = x.flags
-    if not flags.c_contiguous:
-        return False
+    `x` itself (writable and aligned), or a writable, aligned, C-ordered NumPy array of `x`'s
+    shape and dtype (anything else takes the general path, which checks it)."""
     if out is None:
-        return True
+        return bool(x.flags.c_contiguous)
+    # `carray`: C-ordered, aligned and writable, read in one go (each `flags` read makes an object)
     if out is x:
-        return bool(flags.writeable)
-    return (type(out) is np.ndarray and out.flags.writeable and out.flags.c_contiguous
+        return bool(x.flags.carray)
+    return (type(out) is np.ndarray and x.flags.c_contiguous and out.flags.carray
             and out.shape == x.shape and out.dtype == x.dtype)
 
 
@@ -165,9 +163,7 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
         plan = _planned(lane, channel, x, op, algorithm, key)
     if plan is None:
         return NOT_SMALL
-    flags = x.flags
-    if not flags.c_contiguous or out is not None and (
-            not flags.writeable if out is x else not suits(x, out)):
+    if not (x.flags.c_contiguous if out is None else suits(x, out)):
         return NOT_SMALL
     site = call_site()
     number = channel.enter()

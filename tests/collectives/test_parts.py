@@ -148,6 +148,9 @@ def test_which_arrays_may_take_the_small_plan() -> None:
     assert not small.suits(frozen, frozen)
     assert not small.suits(x, np.empty(4, np.float32)) and not small.suits(x, np.empty(5))
     assert not small.suits(x, [0.0] * 4)
+    unaligned = np.zeros(33, np.uint8)[1:].view(np.float64)  # writable and C-ordered, not aligned
+    assert not unaligned.flags.aligned and small.suits(unaligned, None)
+    assert not small.suits(unaligned, unaligned) and not small.suits(x, unaligned)
 
 
 def test_which_calls_carry_their_data_in_the_check() -> None:
@@ -177,6 +180,12 @@ def test_the_call_that_followed_an_agreed_call_is_expected_after_it_again() -> N
     assert expected.expected is None  # nothing has followed a small call yet
     expected.agreed(expected.ident(ring), 10, 3, None)
     assert expected.expected == (plan, 20)
+    twin = expectation.Expectation(lambda: MPI.COMM_SELF)  # the expected call confirmed, then again
+    twin.follows, twin.last = {(plan.ident, 20): (plan, 20)}, (plan.ident, 20)
+    twin.confirmed(plan.ident, 20, 7)
+    assert twin.expected == (plan, 20) and twin.number == 7 and twin.last == (plan.ident, 20)
+    twin.confirmed(plan.ident, 21, 8)  # from another line: nothing followed that one yet
+    assert twin.expected is None and twin.number == 8
     assert plan.attempt(np.arange(4.0)) and np.array_equal(plan.data, np.arange(4.0))
     expected.decline()  # another call came: the attempt says no, and nothing is expected now
     assert expected.expected is None and plan.flag[0] == plan.disagreeing

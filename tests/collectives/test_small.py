@@ -17,8 +17,9 @@ from mpi4py import MPI
 
 import collectives
 from tests.helpers.arrays import bitwise_equal, rank_data, reduce_reference
-from collectives import CollectiveArgumentError
+from collectives import CollectiveArgumentError, expectation
 from collectives.channels import channel_of
+from collectives.recorder import RECORDER
 from collectives.validation import Agreement
 from tests.conftest import all_ranks_agree
 
@@ -263,6 +264,44 @@ def test_the_small_plan_is_reused(comm: MPI.Comm, side: MPI.Comm) -> None:
         collectives.allreduce(x, side)
     collectives.allreduce(np.ones(3, np.float64), side)
     assert all_ranks_agree(len(lane.small) == before + 1, comm), (before, len(lane.small))
+
+
+@pytest.mark.parametrize("count, checks", [(2, 0), (expectation.LEAN_BYTES // 4, 0),
+                                           (expectation.LEAN_BYTES // 4 + 1, 1)],
+                         ids=["8 B", "LEAN_BYTES", "LEAN_BYTES + 4"])
+def test_the_expected_call_up_to_lean_bytes(count: int, checks: int, comm: MPI.Comm,
+                                            side: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 `mpi` allreduce of up to LEAN_BYTES, once expected, is exact and sends no check
+    message; one element more is checked first (one exchange per call). At every size each call
+    is numbered and recorded, and a count changed on the last rank raises on every rank."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    x = np.ones(count, np.float32)
+    for _ in range(3):  # learnt: then expected
+        _step(x, side, "sum", "mpi")
+    exchanges = [0]
+    original = Agreement.exchange
+
+    def counted(self: Agreement, *args: Any, **kwargs: Any) -> Any:
+        exchanges[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Agreement, "exchange", counted)
+    first = RECORDER.count
+    results = [_step(x, side, "sum", "mpi") for _ in range(3)]
+    made = exchanges[0]
+    monkeypatch.undo()
+    records = RECORDER.records()[-(RECORDER.count - first):]
+    numbers = [r["number"] for r in records]
+    ok = made == 3 * checks and all(bitwise_equal(r, np.full(count, size, np.float32)) is None
+                                    for r in results)
+    ok &= [(r["collective"], r["algorithm"], r["bytes"]) for r in records] == \
+        [("allreduce", "mpi", 4 * count)] * 3 and numbers == list(range(numbers[0], numbers[0] + 3))
+    odd = rank == size - 1 and size > 1
+    message = _error(lambda: _step(np.ones(count + 1, np.float32) if odd else x, side, "sum", "mpi"))
+    ok &= (message is None) if size == 1 else (message is not None and
+                                               "different element counts" in message)
+    ok &= RECORDER.records()[-1]["number"] == numbers[-1] + 1
+    assert all_ranks_agree(ok and _in_step(side, "mpi"), comm), (made, numbers, message)
 
 
 @pytest.mark.parametrize("ranks", range(1, 9))
