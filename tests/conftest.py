@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Jobs of more ranks than this collect only the tests of `EVERY_SIZE`, the tests marked
 #: `many_ranks` and the test files named on the command line: elsewhere the jobs of 1 to 4 ranks
 #: cover every case (odd and even sizes, a server with 1 to 3 workers), and a 5-rank job ran those
-#: tests again for about 90 s of CI's time (tests/run.py's docstring).
+#: tests again for 77 s of CI's time (tests/run.py's docstring).
 MOST_RANKS_ELSEWHERE = 4
 #: The folders whose tests run in every job: the collectives and the process grids, where the
 #: number of ranks shapes the algorithm (its rounds, uneven splits, factorizations of the size).
