@@ -31,6 +31,67 @@ settings.load_profile("mpi")
 #: The repository's root: where tests find the scripts, docs and jobs they run.
 ROOT = Path(__file__).resolve().parent.parent
 
+#: Jobs of more ranks than this collect only the tests of `EVERY_SIZE`, the tests marked
+#: `many_ranks` and the test files named on the command line: elsewhere the jobs of 1 to 4 ranks
+#: cover every case (odd and even sizes, a server with 1 to 3 workers), and a 5-rank job ran those
+#: tests again for 77 s of CI's time (tests/run.py's docstring).
+MOST_RANKS_ELSEWHERE = 4
+#: The folders whose tests run in every job: the collectives and the process grids, where the
+#: number of ranks shapes the algorithm (its rounds, uneven splits, factorizations of the size).
+EVERY_SIZE = (ROOT / "tests" / "collectives", ROOT / "tests" / "hpcdl" / "parallel")
+MANY_RANKS = "many_ranks"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MANY_RANKS}: runs in jobs of more than {MOST_RANKS_ELSEWHERE} ranks too, "
+                                       "outside the folders whose tests run at every size (tests/conftest.py)")
+
+
+def _narrowed() -> bool:
+    """Whether this job leaves out the tests that need no more than MOST_RANKS_ELSEWHERE ranks."""
+    return MPI.COMM_WORLD.Get_size() > MOST_RANKS_ELSEWHERE
+
+
+def _every_size(path: Path) -> bool:
+    return any(path.is_relative_to(folder) for folder in EVERY_SIZE)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """In a narrowed job, do not import a test module outside `EVERY_SIZE` that marks no test
+    `many_ranks` (pytest asks only for files found in a folder, not for those named)."""
+    if (not _narrowed() or not collection_path.name.startswith("test_") or collection_path.suffix != ".py"
+            or _every_size(collection_path)):
+        return None
+    return True if MANY_RANKS not in collection_path.read_text() else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a narrowed job, deselect the tests that a module marking others `many_ranks` holds
+    unmarked (unless its file was named on the command line)."""
+    if not _narrowed():
+        return
+    left_out = [item for item in items if not _every_size(item.path) and not item.session.isinitpath(item.path)
+                and item.get_closest_marker(MANY_RANKS) is None]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        leaving = set(left_out)
+        items[:] = [item for item in items if item not in leaving]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A narrowed job that the tests asked for left nothing to run at its size succeeds (as their
+    jobs of fewer ranks run them): `tests/run.py -- tests/hpcdl/training` is not a broken run."""
+    if _narrowed() and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not _narrowed():
+        return None
+    folders = ", ".join(str(folder.relative_to(ROOT)) for folder in EVERY_SIZE)
+    return (f"{MPI.COMM_WORLD.Get_size()} ranks: only {folders}, tests marked {MANY_RANKS} and the files named run "
+            f"here; the other tests run in the jobs of at most {MOST_RANKS_ELSEWHERE} ranks (tests/conftest.py)")
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Remove the fake device's shared memory files that test processes killed in earlier runs left

@@ -5,15 +5,20 @@
     python tests/run.py -n 2 -n 4 -- -k allreduce -x      # only these sizes, shared memory
     python tests/run.py --hosts 4 -- tests                # only the whole suite on 4 emulated hosts
 
-Each N is one MPI job in which every rank runs pytest over tests/. Rank 0 prints to the terminal;
-the other ranks write test-logs/N<size>/rank<r>.log (or under $HPCDL_TEST_LOGS), printed here when
-that rank failed. The jobs run one after the other (--beside runs the N=1 job beside the others,
-with rank 0's output in its log too). On two cores the two ways take about as long: CI's tests
-took 1806 s in turn and 1638 s beside with about 50 s fewer tests, since a job beside another
-slows both about 2.3x (waiting ranks spin-yield); but beside, the N=1 job's launches disturb
-the timing tests of the other job (hpcdl tune's fit at N=2 failed so once), and in turn none did.
-A test passes only if it passed on every rank. Exit status is non-zero if anything failed or a job
-died (a rank that hangs is killed by pytest-timeout, and mpirun then ends the job).
+Each N is one MPI job in which every rank runs pytest over tests/. A job of more than
+tests/conftest.py's MOST_RANKS_ELSEWHERE (4) ranks runs only the folders of its EVERY_SIZE (the
+collectives and the process grids, where the number of ranks shapes the algorithm), the tests
+marked `many_ranks` and the test files named after --: the rest need no more ranks and run in the
+jobs of 1 to 4 (run again at 5 ranks, they took 77 s of CI's 182 s 5-rank job at 9f4f59d, and
+their imports 15 of its 35 CPU-s of collection). Rank 0 prints to the terminal; the other ranks
+write test-logs/N<size>/rank<r>.log (or under $HPCDL_TEST_LOGS), printed here when that rank
+failed. The jobs run one after the other (--beside runs the N=1 job beside the others, with rank
+0's output in its log too). On two cores the two ways take about as long: CI's tests took 1806 s
+in turn and 1638 s beside with about 50 s fewer tests, since a job beside another slows both about
+2.3x (waiting ranks spin-yield); but beside, the N=1 job's launches disturb the timing tests of
+the other job (hpcdl tune's fit at N=2 failed so once), and in turn none did. A test passes only
+if it passed on every rank. Exit status is non-zero if anything failed or a job died (a rank that
+hangs is killed by pytest-timeout, and mpirun then ends the job).
 
 The emulated-hosts job (with no -n, or with --hosts K) brings up K network namespaces joined by a
 bridge (scripts/emulated_cluster.sh, links unshaped: the point is real TCP between hosts), runs one
