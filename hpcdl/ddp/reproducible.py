@@ -173,7 +173,7 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._acc = np.zeros(self._quantized + 2 + len(sizes), dtype=np.int64)
         #: per parameter and the loss: the quantum's bound exponent (None before the first step)
         self._bounds: np.ndarray | None = None
-        self._cached: tuple[Any, np.ndarray, np.ndarray, np.ndarray] | None = None  # (bounds and batch, scales...)
+        self._cached: tuple[Any, list[float], np.ndarray, np.ndarray] | None = None  # (bounds and batch, `_scales`)
         # the micro-batches' sum: each gradient scaled straight into its float64 pass, rounded and
         # added (FixedSum); buffers allocated once (fresh pages each micro-batch cost faults)
         self._sum = FixedSum(self._acc[:self._quantized])
