@@ -15,7 +15,8 @@ reproducible / ddp-micro the exact summation's. K is --per-rank (several values:
 Models: `hpcdl train`'s digits CNN (about 80 K parameters, dropout) and MLP (64-256-256-10) on
 random 1x8x8 inputs, SGD; torch runs one intra-op thread in every mode (the reproducible mode
 needs a fixed count, and the others are given the same). Each measurement: warm-up steps, a
-barrier, timed steps, a barrier; samples/s = P x K x M x steps / (the slowest rank's time). Modes
+barrier, timed steps, a barrier; samples/s = P x K x M x steps / (the slowest rank's time), and
+the most CPU time a rank spent per step (the work, waits that spin included). Modes
 take turns over --rounds rounds (drift favours none); medians are reported, with the host's load
 average, since a shared machine moves every number.
 """
@@ -77,16 +78,18 @@ def stepper(mode: str, name: str, comm: MPI.Comm, per_rank: int, micro: int) -> 
     return step
 
 
-def measure(step: Callable[[int], None], comm: MPI.Comm, warmup: int, steps: int, first: int) -> float:
-    """Seconds of `steps` steps after `warmup`, the slowest rank's."""
+def measure(step: Callable[[int], None], comm: MPI.Comm, warmup: int, steps: int, first: int) -> tuple[float, float]:
+    """Seconds of `steps` steps after `warmup`, the slowest rank's, and the most CPU seconds a
+    rank spent in them (the work done, waits that spin included; less moved by other jobs)."""
     for t in range(warmup):
         step(first + t)
     comm.Barrier()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for t in range(steps):
         step(first + warmup + t)
     comm.Barrier()
-    return float(comm.allreduce(time.perf_counter() - started, op=MPI.MAX))
+    cpu = time.process_time() - cpu
+    return float(comm.allreduce(time.perf_counter() - started, op=MPI.MAX)), float(comm.allreduce(cpu, op=MPI.MAX))
 
 
 def main() -> None:
@@ -105,19 +108,24 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
     rows: list[dict[str, Any]] = []
+    load_at_start = os.getloadavg()
     for name in args.models:
         for per_rank in args.per_rank:
             steps = {mode: stepper(mode, name, comm, per_rank, args.micro_batch) for mode in MODES}
             done = dict.fromkeys(MODES, 0)
             rounds: dict[str, list[float]] = {mode: [] for mode in MODES}
+            cpu_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
             for _ in range(args.rounds):
                 for mode in MODES:
-                    seconds = measure(steps[mode], comm, args.warmup, args.steps, done[mode])
+                    seconds, cpu = measure(steps[mode], comm, args.warmup, args.steps, done[mode])
                     done[mode] += args.warmup + args.steps
                     rounds[mode].append(size * per_rank * args.micro_batch * args.steps / seconds)
+                    cpu_ms[mode].append(1e3 * cpu / args.steps)
             median = {mode: statistics.median(v) for mode, v in rounds.items()}
+            cpu_median = {mode: statistics.median(v) for mode, v in cpu_ms.items()}
             row = {"model": name, "ranks": size, "micro_batch": args.micro_batch, "per_rank": per_rank,
-                   "samples_per_s": median, "rounds": rounds,
+                   "samples_per_s": median, "rounds": rounds, "cpu_ms_per_step": cpu_median,
+                   "cpu_ms_rounds": cpu_ms,
                    "reproducible/ddp": median["reproducible"] / median["ddp"],
                    "ddp-micro/ddp": median["ddp-micro"] / median["ddp"],
                    "reproducible/ddp-micro": median["reproducible"] / median["ddp-micro"]}
@@ -126,10 +134,12 @@ def main() -> None:
                 print(f"{name} P={size} K={per_rank} M={args.micro_batch}: "
                       + "  ".join(f"{m} {median[m]:,.0f}" for m in MODES)
                       + f"  samples/s; reproducible/ddp {row['reproducible/ddp']:.3f}, micro-batching "
-                        f"{row['ddp-micro/ddp']:.3f}, exact sum {row['reproducible/ddp-micro']:.3f}", flush=True)
+                        f"{row['ddp-micro/ddp']:.3f}, exact sum {row['reproducible/ddp-micro']:.3f}; CPU ms/step "
+                      + " ".join(f"{m} {cpu_median[m]:.2f}" for m in MODES), flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as out:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ranks": size,
+                       "load_average_at_start": load_at_start,
                        "load_average_at_end": os.getloadavg(), "cores": os.cpu_count(),
                        "torch_threads": 1, "steps": args.steps, "warmup": args.warmup,
                        "rounds": args.rounds, "rows": rows}, out, indent=1)

@@ -2,7 +2,7 @@
 
     e = quantum_exponent(bound, weight)             # every rank: the same bound, the same e
     acc = np.zeros(x.size, np.int64)
-    add_fixed(acc, x, n * 2.0 ** -e)                # per term: acc += round(n x / 2**e)
+    add_fixed(acc, x, 2.0 ** -e, weight=n)          # per term: acc += n round(x / 2**e)
     allreduce(acc, op="sum", algorithm=...)         # any algorithm: int64 sums are exact
     y = from_fixed(acc, 2.0 ** e, divisor=total)    # once: the same bits on every rank
 
@@ -16,15 +16,18 @@ back gives the same bits everywhere (ReproBLAS reaches order independence with s
 
 The quantum comes from a bound B of every term's magnitude (a max over all ranks is exact, so it
 can be agreed by an allreduce MAX) and the total weight W of the terms (the number of samples):
-with B < 2**E, e = E - (62 - ceil(log2 W)), so a term is at most 2**(62 - ceil(log2 W)) quanta and
-W of them stay below 2**62: no overflow. A term of magnitude B keeps 62 - ceil(log2 W) bits (over
-50 for 4096 samples; float32 has 24); terms below the quantum round to zero, as they would be lost
-anyway once the sum (of magnitude up to W x B) is rounded back to float32.
+with B < 2**E, e = E - min(TERM_BITS, 62 - ceil(log2 W)), so a term is below 2**TERM_BITS (51)
+quanta, which one float64 addition rounds (`add_fixed`), and W of them stay below 2**62: no
+overflow. A term of magnitude B keeps min(51, 62 - ceil(log2 W)) bits (float32 has 24); terms
+below the quantum round to zero, as they would be lost anyway once the sum (of magnitude up to
+W x B) is rounded back to float32. A weighted term (a micro-batch's mean gradient, weight its
+samples) is rounded first and weighted in int64: exact, and the weights cost nothing per term
+where they are all equal (`FixedSum`).
 
-Cost, per element and term: a conversion to float64, a scaling by a power of two, a rounding, a
-multiply-add in int64 (about 1 ns per float32 element on one core here; measured in
-benchmarks/reproducible.py); on the wire int64 is twice float32's bytes, so an allreduce of the
-integers moves 2N bytes where float32 moves N.
+Cost, per element and term (`FixedSum`): a float64 pass that scales (the caller's), one that
+rounds (adds ROUNDER) and an int64 addition; np.rint with a cast to int64 took 55 us for 85 K
+values here, the addition 7 us. On the wire int64 is twice float32's bytes, so an allreduce of
+the integers moves 2N bytes where float32 moves N. Measured in benchmarks/reproducible.py.
 """
 from __future__ import annotations
 
@@ -36,6 +39,12 @@ import numpy as np
 #: Bits of int64 a sum may use; the 63rd is left so that a sum of terms at the bound, each rounded
 #: up by half a quantum, still fits.
 SUM_BITS = 62
+#: Bits of magnitude a term may use: a float64 below 2**51 plus ROUNDER lands in [2**52, 2**53),
+#: where the spacing is 1, so the addition rounds it to an integer (to nearest, ties to even) and
+#: the sum's bits, read as int64, are ROUNDER's plus that integer.
+TERM_BITS = 51
+ROUNDER = 1.5 * 2.0 ** 52
+ROUNDER_BITS = int(np.array(ROUNDER).view(np.int64))
 #: Bounds below 2**MIN_BOUND_EXPONENT count as that (zero included), so that 2**-e of any quantum
 #: exponent e is a finite float64 (float32 gradients end at 2**-149 anyway).
 MIN_BOUND_EXPONENT = -900
@@ -61,46 +70,119 @@ def bound_exponents(bounds: np.ndarray) -> np.ndarray:
     return exponents
 
 
+def term_bits(weight: int) -> int:
+    """Bits of magnitude (in quanta) a term at the bound may use where the terms' total weight is
+    `weight`: below 2**TERM_BITS (one float64 addition rounds it), and `weight` of them below
+    2**SUM_BITS."""
+    return min(TERM_BITS, SUM_BITS - headroom_bits(weight))
+
+
 def quantum_exponent(bound: float, weight: int) -> int:
     """The exponent e of the quantum 2**e for terms of magnitude below 2**bound_exponent(bound)
-    with a total weight `weight`: the sum of their quanta stays below 2**SUM_BITS."""
-    return bound_exponent(bound) - (SUM_BITS - headroom_bits(weight))
+    with a total weight `weight`: each term below 2**TERM_BITS quanta, their sum below 2**SUM_BITS."""
+    return bound_exponent(bound) - term_bits(weight)
 
 
-def add_fixed(acc: np.ndarray, x: Any, scale: Any, work: np.ndarray | None = None,
-              rounded: np.ndarray | None = None) -> None:
-    """acc += round(x x scale), elementwise, in int64 (`acc` flat, of x's size), where `scale` is
-    weight x 2**-e for the quantum exponent e and an integer weight (a float, or one per element:
-    np.ldexp(weight, -e)); `work` and `rounded`, a float64 and an int64 array of x's size to use
-    (else they are allocated: a caller adding many terms saves the allocations and their page
-    faults by passing its own).
+def wrapped(value: int) -> int:
+    """`value` modulo 2**64 as an int64 (what int64 arithmetic, which wraps, makes of it)."""
+    return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
 
-    The product is exact for float32 x and weights below 2**29 (24 + 29 bits fit float64's 53),
-    and the rounding (to nearest, ties to even) is of each value alone, so who adds it does not
-    matter; the caller keeps every |x| x weight below 2**(SUM_BITS - headroom_bits(total
-    weight)) quanta (`quantum_exponent` of a bound of |x|). Multiplying beats np.ldexp with one
-    exponent per element eightfold (0.35 against 2.8 ms for 85 K float32 here)."""
+
+def round_biased(work: np.ndarray) -> np.ndarray:
+    """Each of `work` (float64, |values| < 2**TERM_BITS) rounded to an integer (to nearest, ties to
+    even, each alone), in place, by one addition: returns the int64 view of `work`, each
+    ROUNDER_BITS + its integer."""
+    np.add(work, ROUNDER, out=work)
+    return work.view(np.int64)
+
+
+def add_fixed(acc: np.ndarray, x: Any, scale: Any, work: np.ndarray | None = None, weight: int = 1) -> None:
+    """acc += weight x round(x x scale), elementwise, in int64 (`acc` flat, of x's size), where
+    `scale` is 2**-e for the quantum exponent e (a float, or one per element: np.ldexp(1.0, -e));
+    `work`, a float64 array of x's size to use (else allocated: a caller adding many terms saves
+    the allocation and its page faults by passing its own).
+
+    The product is exact (a power of two), and the rounding is of each value alone, so who adds it
+    does not matter; the caller keeps every |x| x scale below 2**TERM_BITS and the weights'
+    sum within `quantum_exponent`'s total weight (it chose e from a bound of |x|)."""
     scaled = np.multiply(np.asarray(x).reshape(-1), scale, out=work, dtype=np.float64)
-    # rounded in float64 (exact: an integer-valued float64 below 2**63 converts exactly), written
-    # as int64 by the same pass
-    integers = np.rint(scaled, out=rounded if rounded is not None else np.empty(scaled.size, np.int64),
-                       casting="unsafe")
+    integers = round_biased(scaled)
+    np.subtract(integers, ROUNDER_BITS, out=integers)
+    if weight != 1:
+        np.multiply(integers, weight, out=integers)
     np.add(acc, integers, out=acc)
 
 
+class FixedSum:
+    """Σ weight x round(term) in int64 over terms written, scaled to quanta, into `work`: per term
+    one rounding pass and one int64 addition; ROUNDER's bits, and the weight while it stays the
+    same, are taken out once, in `total()` (int64 wraps: the sum is right modulo 2**64, and the
+    true one fits). What `add_fixed` does, for many terms.
+
+        fixed = FixedSum(acc)                   # acc: int64, the sums land there
+        np.multiply(x, scales, out=fixed.work, dtype=np.float64)
+        fixed.add(weight)                       # for each term
+        fixed.total()                           # acc holds the sums
+    """
+
+    def __init__(self, acc: np.ndarray) -> None:
+        self.acc = acc
+        #: where the caller writes the next term, scaled to quanta (float64, |values| < 2**TERM_BITS)
+        self.work = np.empty(acc.size, dtype=np.float64)
+        self._biased = 0  # terms in acc still holding ROUNDER_BITS, all of weight _weight
+        self._weight = 1
+        self._settled = False  # acc holds true sums (else nothing, or _biased biased terms)
+
+    def clear(self) -> None:
+        """Start a new sum (acc is overwritten by the first term, not zeroed)."""
+        self._biased, self._weight, self._settled = 0, 1, False
+
+    def add(self, weight: int) -> None:
+        """acc += weight x round(work)."""
+        integers = round_biased(self.work)
+        if not self._settled and (self._biased == 0 or weight == self._weight):
+            if self._biased == 0:
+                np.copyto(self.acc, integers)
+            else:
+                np.add(self.acc, integers, out=self.acc)
+            self._biased += 1
+            self._weight = weight
+            return
+        self._settle()  # another weight (a short last micro-batch): this term alone, weighted
+        np.subtract(integers, ROUNDER_BITS, out=integers)
+        if weight != 1:
+            np.multiply(integers, weight, out=integers)
+        np.add(self.acc, integers, out=self.acc)
+
+    def total(self) -> np.ndarray:
+        """The sums so far (acc)."""
+        self._settle()
+        return self.acc
+
+    def _settle(self) -> None:
+        if self._settled:
+            return
+        if self._biased == 0:
+            self.acc.fill(0)
+        else:
+            np.subtract(self.acc, wrapped(self._biased * ROUNDER_BITS), out=self.acc)
+            if self._weight != 1:
+                np.multiply(self.acc, self._weight, out=self.acc)
+        self._biased, self._settled = 0, True
+
+
 def from_fixed(acc: np.ndarray, quantum: Any, divisor: int = 1, dtype: Any = np.float32,
-               out: np.ndarray | None = None, work: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None) -> np.ndarray:
     """The float value of `acc` quanta of `quantum` (2**e: a float, or one per element), divided
-    by `divisor`, as `dtype`: rounded to float64 once (and divided there), then to `dtype`, the
-    same bits everywhere. `out` (of `dtype`) and `work` (float64), of acc's size, are used where
-    given (else allocated); returns `out`, or a new array."""
-    value = np.multiply(acc, quantum, dtype=np.float64, out=work)
-    if divisor != 1:
-        np.divide(value, divisor, out=value)
+    by `divisor`, as `dtype`: acc rounded to float64, times quantum / divisor (rounded in float64
+    unless `divisor` is a power of two), rounded to `dtype`, in one pass (where the division had
+    a pass of its own, 50 us of 180 for 150 K values here); the same bits everywhere. Writes
+    `out` (of `dtype`, acc's size) where given; returns it, or a new array."""
+    scale = quantum if divisor == 1 else np.divide(quantum, divisor)
     if out is not None:
-        np.copyto(out, value, casting="unsafe")  # the same rounding as astype
+        np.multiply(acc, scale, dtype=np.float64, out=out, casting="unsafe")
         return out
-    result: np.ndarray = value.astype(dtype, copy=False)
+    result: np.ndarray = np.multiply(acc, scale, dtype=np.float64).astype(dtype, copy=False)
     return result
 
 

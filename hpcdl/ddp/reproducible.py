@@ -48,7 +48,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import SUM_BITS, add_fixed, bound_exponent, bound_exponents, from_fixed, headroom_bits
+from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, bound_exponents, from_fixed, term_bits
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
@@ -163,7 +163,6 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.micro_batch, self.seed, self.algorithm, self.threads = micro_batch, seed, algorithm, threads
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel()]
         self._torch_dtype = self._named[0][1].dtype if self._named else torch.float32
-        self._dtype = _NUMPY[self._torch_dtype]
         # One flat int64 layout, one allreduce a step: each parameter's gradient and the loss, in
         # quanta (their slots start at `_offsets`); the count of correct predictions; then the
         # flags that say whether the step's quanta were right (`_flag`): the ranks whose gradients
@@ -174,14 +173,10 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._acc = np.zeros(self._quantized + 2 + len(sizes), dtype=np.int64)
         #: per parameter and the loss: the quantum's bound exponent (None before the first step)
         self._bounds: np.ndarray | None = None
-        self._cached: tuple[Any, np.ndarray, np.ndarray] | None = None  # (bounds and batch, scales, quanta)
-        self._weighted_for: tuple[np.ndarray | None, dict[int, np.ndarray]] = (None, {})
-        # a micro-batch's gradients and loss, flat, their magnitudes, and the quantization's
-        # float64 and int64 passes: allocated once (fresh pages each micro-batch cost faults)
-        self._flat = torch.empty(self._quantized, dtype=self._torch_dtype)
-        self._magnitudes = np.empty(self._quantized, dtype=self._dtype)
-        self._work = np.empty(self._quantized, dtype=np.float64)
-        self._rounded = np.empty(self._quantized, dtype=np.int64)
+        self._cached: tuple[Any, list[float], np.ndarray, np.ndarray] | None = None  # (bounds and batch, `_scales`)
+        # the micro-batches' sum: each gradient scaled straight into its float64 pass, rounded and
+        # added (FixedSum); buffers allocated once (fresh pages each micro-batch cost faults)
+        self._sum = FixedSum(self._acc[:self._quantized])
         self._grads = torch.empty(self._quantized - 1, dtype=self._torch_dtype)  # the average, flat
         #: what this rank contributed to the integer allreduces (int64: twice float32's bytes)
         self.traffic = GradientTraffic()
@@ -264,7 +259,7 @@ class ReproducibleDataParallel(torch.nn.Module):
             raise ValueError("backward_batch needs at least one sample")
         count = -(-total // self.micro_batch)
         mine = micro_batch_range(count, self.comm.Get_rank(), self.comm.Get_size())
-        keep = SUM_BITS - headroom_bits(total) - KEEP_BITS  # the bound may lie this far above the need
+        keep = term_bits(total) - KEEP_BITS  # the bound may lie this far above the need
         if keep < SLACK_BITS:
             raise ValueError(f"a global batch of {total} samples leaves too few bits for an exact int64 sum "
                              f"(at most {2 ** (SUM_BITS - KEEP_BITS - SLACK_BITS)} samples)")
@@ -285,14 +280,14 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.traffic.dense_fp32_bytes += 4 * elements
         self.traffic.elements += elements
         self.traffic.elements_sent += elements
-        quanta = self._scales(total)[1]
+        averaging = self._scales(total)[2]
         grads = self._grads  # each step's average in the same memory, as DDP's buckets keep theirs
-        from_fixed(acc[:elements], quanta[:elements], total, out=grads.numpy(), work=self._work[:elements])
+        from_fixed(acc[:elements], averaging[:elements], out=grads.numpy())
         for i, (_, param) in enumerate(self._named):
             param.grad = grads[self._offsets[i]:self._offsets[i + 1]].view_as(param)
         if self._sharding is not None:
             self._attach_pieces()
-        loss = from_fixed(acc[elements:quantized], quanta[elements:], total, np.float64)
+        loss = from_fixed(acc[elements:quantized], averaging[elements:], dtype=np.float64)
         return StepResult(float(loss[0]), int(acc[quantized]), total, runs)
 
     def _attach_pieces(self) -> None:
@@ -324,38 +319,39 @@ class ReproducibleDataParallel(torch.nn.Module):
         tail[0] = int(np.any(need > self._bounds))
         tail[1:] = self._bounds - need <= keep
 
-    def _scales(self, total: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each element's 2**-e and quantum 2**e (float64) for a global batch of `total` samples:
-        e is its parameter's (or the loss's) bound exponent less the bits a sum of `total` may
-        use. Kept while the bounds and the batch stay (most steps)."""
+    def _scales(self, total: int) -> tuple[list[float], np.ndarray, np.ndarray]:
+        """For a global batch of `total` samples: each parameter's (and the loss's) 2**-e, its
+        quantum 2**e, and each element's quantum / `total` (what turns a sum into the average;
+        float64), where e is its bound exponent less the bits a term may use (`term_bits`). Kept
+        while the bounds and the batch stay (most steps)."""
         assert self._bounds is not None, "the bounds are agreed before anything is quantized"
         key = (tuple(self._bounds.tolist()), total)
         if self._cached is None or self._cached[0] != key:
-            exponents = self._bounds - (SUM_BITS - headroom_bits(total))
-            sizes = np.diff(self._offsets)
-            self._cached = (key, np.repeat(np.ldexp(1.0, -exponents), sizes),
-                            np.repeat(np.ldexp(1.0, exponents), sizes))
-        return self._cached[1], self._cached[2]
-
-    def _weighted(self, scales: np.ndarray, weight: int) -> np.ndarray:
-        """`scales` x `weight` (a micro-batch's samples), kept for the weights seen with them."""
-        if self._weighted_for[0] is not scales:
-            self._weighted_for = (scales, {})
-        table = self._weighted_for[1]
-        if weight not in table:
-            table[weight] = scales * weight
-        return table[weight]
+            exponents = self._bounds - term_bits(total)
+            quanta = np.ldexp(1.0, exponents)
+            self._cached = (key, np.ldexp(1.0, -exponents).tolist(), quanta,
+                            np.repeat(quanta, np.diff(self._offsets)) / total)
+        return self._cached[1], self._cached[2], self._cached[3]
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
              step: int, mine: range, total: int) -> np.ndarray:
         """This rank's micro-batches, each gradient (and loss) added into the accumulator at the
         current quanta while they fit (once one does not, the step is run again, so the rest
-        is only measured); the largest magnitudes seen, per parameter and of the loss."""
-        acc, named = self._acc, self._named
-        acc.fill(0)
+        is only measured); the largest magnitudes seen, per parameter and of the loss.
+
+        Per micro-batch, with quanta: each gradient scaled to quanta straight into the sum's
+        float64 pass (one pass per parameter, no flat copy), its largest magnitude per parameter
+        read from there (exact: the scale is a power of two), then one rounding pass and one
+        int64 addition (`FixedSum`)."""
+        named, offsets, fixed = self._named, self._offsets, self._sum
+        fixed.clear()
+        work = fixed.work
         maxima = np.zeros(len(named) + 1, dtype=np.float64)
-        bounds = self._bounds
-        scales = None if bounds is None else self._scales(total)[0]
+        scaled = self._bounds is not None
+        if scaled:
+            scales, quanta, _ = self._scales(total)
+            # a term must stay below 2**term_bits(total) quanta: what the bounds promise
+            limit = float(np.ldexp(1.0, term_bits(total)))
         correct = 0
         for k in mine:
             x = inputs[k * self.micro_batch:(k + 1) * self.micro_batch]
@@ -370,23 +366,34 @@ class ReproducibleDataParallel(torch.nn.Module):
             with torch.no_grad():
                 if output.dim() == 2 and y.dim() == 1:
                     correct += int((output.argmax(dim=1) == y).sum())
-                grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named]
-                grads.append(loss.detach().reshape(1).to(self._torch_dtype))
-                flat = torch.cat(grads, out=self._flat).numpy()
-            # each parameter's largest magnitude (NumPy's reduceat: 14 us for 85 K values here,
-            # torch's per-tensor inf-norms 960 us); a NaN stays, and is refused after
-            largest = np.maximum.reduceat(np.abs(flat, out=self._magnitudes), self._offsets[:-1])
-            np.maximum(maxima, largest, out=maxima)
-            if scales is not None and bounds is not None:
-                if np.all(np.isfinite(largest)) and np.all(bound_exponents(largest) <= bounds):
-                    add_fixed(acc[:self._quantized], flat, self._weighted(scales, len(y)), self._work,
-                              self._rounded)
-                else:
-                    scales = None  # outgrown: this run is done again, with coarser quanta
-        acc[self._quantized] = correct
+                grads = [None if p.grad is None else p.grad.numpy().reshape(-1) for _, p in named]
+                loss_value = float(loss.detach().to(self._torch_dtype))
+            if scaled:
+                for i, grad in enumerate(grads):
+                    if grad is None:
+                        work[offsets[i]:offsets[i + 1]] = 0.0
+                    else:
+                        np.multiply(grad, scales[i], out=work[offsets[i]:offsets[i + 1]], dtype=np.float64)
+                work[offsets[-2]] = loss_value * scales[-1]
+                # each slot's largest magnitude, in quanta (NaN stays, and fails the test below)
+                starts = offsets[:-1]
+                largest = np.maximum(np.maximum.reduceat(work, starts), -np.minimum.reduceat(work, starts))
+                if bool(np.all(largest < limit)):
+                    np.maximum(maxima, largest * quanta, out=maxima)
+                    fixed.add(len(y))
+                    continue
+                scaled = False  # outgrown: this run is done again, with coarser quanta, so only measured
+            np.maximum(maxima, self._largest(grads, loss_value), out=maxima)
+        fixed.total()
+        self._acc[self._quantized] = correct
         for _, param in named:
             param.grad = None
         return maxima
+
+    def _largest(self, grads: list[np.ndarray | None], loss_value: float) -> np.ndarray:
+        """Each gradient's largest magnitude (0 where None), and the loss's; NaN where one is."""
+        largest = [0.0 if g is None else float(np.max(np.abs(g))) for g in grads]
+        return np.array([*largest, abs(loss_value)], dtype=np.float64)
 
     def _agreed_exponents(self, maxima: np.ndarray) -> np.ndarray:
         """Collective: the bound exponents of the largest magnitudes over every rank's
@@ -398,5 +405,3 @@ class ReproducibleDataParallel(torch.nn.Module):
                              "micro-batch; lower the learning rate")
         return np.array([bound_exponent(float(v)) for v in largest], dtype=np.int64)
 
-
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}

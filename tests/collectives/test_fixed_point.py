@@ -12,7 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import add_fixed, exact_allreduce, exact_total, from_fixed, quantum_exponent
+from collectives.fixed_point import (TERM_BITS, FixedSum, add_fixed, exact_allreduce, exact_total, from_fixed,
+                                     quantum_exponent, round_biased)
 from tests.conftest import all_ranks_agree
 
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
@@ -39,11 +40,44 @@ def test_fixed_point_weights_and_headroom():
     exponent = quantum_exponent(bound, weight)
     acc = np.zeros(2, dtype=np.int64)
     for _ in range(10):
-        add_fixed(acc, np.array([bound, -bound], dtype=np.float64), np.ldexp(100.0, -exponent))
+        add_fixed(acc, np.array([bound, -bound], dtype=np.float64), np.ldexp(1.0, -exponent), weight=100)
     result = from_fixed(acc, np.ldexp(1.0, exponent), divisor=weight, dtype=np.float64)
     assert result.tolist() == pytest.approx([bound, -bound], rel=1e-15)
     with pytest.raises(ValueError, match="not finite"):
         quantum_exponent(float("nan"), 4)
+
+
+def test_rounding_is_to_nearest_ties_to_even_up_to_the_term_bits():
+    top = 2.0 ** TERM_BITS
+    values = np.array([0.5, 1.5, 2.5, -0.5, -2.5, 0.49999999999999994, -7.25, top - 1.5, top - 0.5,
+                       -(top - 0.5), 0.0, -0.0, 1e-300])
+    work = values.copy()
+    integers = round_biased(work) - round_biased(np.zeros(1))[0]
+    assert integers.tolist() == [0, 2, 2, 0, -2, 0, -7, 2 ** 51 - 2, 2 ** 51, -2 ** 51, 0, 0, 0]
+
+
+def fixed_sum_of(terms: list[np.ndarray], weights: list[int]) -> list[int]:
+    """FixedSum's integers for `terms` (already in quanta) with `weights`."""
+    fixed = FixedSum(np.full(terms[0].size, 12345, dtype=np.int64))  # not zeroed: the first term overwrites
+    for term, weight in zip(terms, weights):
+        fixed.work[:] = term
+        fixed.add(weight)
+    return fixed.total().tolist()
+
+
+def test_fixed_sum_gives_the_weighted_sum_of_each_term_rounded_alone():
+    # Python's round() on floats is to nearest, ties to even: the expectation, computed apart
+    rng = np.random.default_rng(3)
+    big = 2.0 ** TERM_BITS - 1
+    terms = [np.concatenate([rng.uniform(-big, big, 50), rng.integers(-9, 9, 50) + 0.5]) for _ in range(9)]
+    for weights in ([32] * 9, [32] * 8 + [7], [1] * 9, [5, 5, 3, 3, 3, 1, 32, 32, 32]):
+        expected = [sum(w * round(float(t[j])) for t, w in zip(terms, weights)) for j in range(100)]
+        assert fixed_sum_of(terms, weights) == expected, weights
+    # 2048 terms at the largest magnitude: the biased sums wrap int64, the true ones fit
+    at_bound = [np.array([big, -big, 0.5])] * 2048
+    assert fixed_sum_of(at_bound, [1] * 2048) == [2048 * int(big), -2048 * int(big), 0]
+    fixed = FixedSum(np.ones(3, dtype=np.int64))
+    assert fixed.total().tolist() == [0, 0, 0]  # no term: zero
 
 
 def rank_data(rank: int) -> np.ndarray:
