@@ -130,7 +130,8 @@ def run_job(args: argparse.Namespace) -> int:
     arrays = comm.bcast(dataset_arrays(load_digits_split()) if rank == 0 else None, root=0)
     train_set = tuple(torch.from_numpy(a) for a in arrays[0])
     work = Path(comm.bcast(tempfile.mkdtemp(prefix="digests-") if rank == 0 else None, root=0))
-    for model, shard, algorithm in product(args.models, args.shards, args.algorithms):
+    # algorithm by algorithm: a job cut short by --timeout has run every model and shard so far
+    for algorithm, shard, model in product(args.algorithms, args.shards, args.models):
         sharded = None if shard == "none" else shard
         began = time.perf_counter()
         if model == ADAMW_MODEL:
@@ -183,6 +184,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], jobs: list[str]
     """Print the table (and rewrite --out with the command, times and load); whether all is equal."""
     lines, good = table(rows, args.ranks, args.min_steps)
     configurations = len(args.models) * len(args.shards) * len(args.algorithms)
+    missing = configurations * len(args.ranks) - len(rows)
     text = "\n".join([
         "# Reproducible training: the parameter digest per configuration and number of ranks (issue 39)",
         "",
@@ -198,7 +200,8 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], jobs: list[str]
         *lines,
         "",
         "verdict: " + ("every configuration gave one digest on every P it ran on" if good else
-                       "NOT all equal (see the verdict column)"),
+                       "NOT all equal (see the verdict column)")
+        + (f"; {missing} of {configurations * len(args.ranks)} runs not run" if missing else ""),
     ]) + "\n"
     print(text, flush=True)
     if args.out:
@@ -236,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-steps", type=int, default=200, help="fewer steps than this fail the check")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per job")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds per job; one cut short keeps the configurations it finished")
     parser.add_argument("--out", help="also write the report here")
     parser.add_argument("--job-out", help=argparse.SUPPRESS)  # inside a job: where rank 0 writes
     args = parser.parse_args(argv)
