@@ -180,8 +180,10 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]], jobs: list[str], done: bool) -> bool:
-    """Print the table (and rewrite --out with the command, times and load); whether all is equal."""
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], jobs: list[str], failed: list[int],
+           done: bool) -> bool:
+    """Print the table (and rewrite --out with the command, times and load); whether all is equal
+    (the jobs of `failed` Ps ended early or failed)."""
     lines, good = table(rows, args.ranks, args.min_steps)
     configurations = len(args.models) * len(args.shards) * len(args.algorithms)
     missing = configurations * len(args.ranks) - len(rows)
@@ -201,7 +203,8 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], jobs: list[str]
         "",
         "verdict: " + ("every configuration gave one digest on every P it ran on" if good else
                        "NOT all equal (see the verdict column)")
-        + (f"; {missing} of {configurations * len(args.ranks)} runs not run" if missing else ""),
+        + (f"; {missing} of {configurations * len(args.ranks)} runs not run" if missing else "")
+        + (f"; the jobs of P={','.join(map(str, failed))} failed or were cut short" if failed else ""),
     ]) + "\n"
     print(text, flush=True)
     if args.out:
@@ -211,19 +214,17 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], jobs: list[str]
 
 def run_mpirun(command: list[str], output: Any, timeout: float) -> int:
     """Run an mpirun `command`, its output into `output`; its exit status, or -1 if it ran past
-    `timeout` seconds (then mpirun is asked to end its ranks, and killed if it has not in 30 s)."""
+    `timeout` seconds (then it is stopped as the test runner stops its jobs)."""
     from strategies import mpi_environment  # benchmarks/strategies.py: the same job settings
 
-    proc = subprocess.Popen(command, cwd=ROOT, env=mpi_environment(), stdout=output, stderr=subprocess.STDOUT)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the repository, for the test runner's `wait_job`
+    from tests.run import wait_job
+
     try:
-        return proc.wait(timeout=timeout)
+        return wait_job(subprocess.Popen(command, cwd=ROOT, env=mpi_environment(), stdout=output,
+                                         stderr=subprocess.STDOUT), timeout)
     except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         return -1
 
 
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args.started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     rows: list[dict[str, Any]] = []
     jobs: list[str] = []
-    passed = True
+    failed: list[int] = []
     with tempfile.TemporaryDirectory() as work:
         for ranks in args.ranks:
             out, log = Path(work) / f"p{ranks}.jsonl", Path(work) / f"p{ranks}.log"
@@ -263,11 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append(f"P={ranks}: {time.perf_counter() - began:.0f} s, exit status "
                         f"{'timed out' if status == -1 else status}, load average {load} at its start")
             if status != 0:
-                passed = False
+                failed.append(ranks)
                 print(f"reproducible_digests: the job of {ranks} rank(s) failed; its output ends:\n"
                       + log.read_text()[-3000:], file=sys.stderr, flush=True)
-            passed = report(args, rows, jobs, ranks == args.ranks[-1]) and passed
-    return 0 if passed else 1
+            good = report(args, rows, jobs, failed, ranks == args.ranks[-1])
+    return 0 if good and not failed else 1
 
 
 if __name__ == "__main__":
