@@ -6,7 +6,7 @@ state sharded.
     python benchmarks/reproducible_digests.py --ranks 1 2 3 4 5 6 8 --out digests.txt
 
 It starts one mpirun job per P (oversubscribed, as benchmarks/strategies.py's jobs), and each job
-runs every configuration in turn, model x shard x algorithm:
+runs every configuration in turn, algorithm by algorithm, model x shard for each:
   cnn, mlp        `hpcdl.training.train(TrainConfig(reproducible=True, ...))`, what `hpcdl train
                   --reproducible` runs (SGD with momentum, warm-up and cosine schedule, a held-out
                   evaluation per epoch); the digest is the metrics file's last `params_sha256`
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,9 @@ def run_job(args: argparse.Namespace) -> int:
                    "seconds": time.perf_counter() - began, **result}
             with open(args.job_out, "a") as out:
                 out.write(json.dumps(row) + "\n")
+    comm.barrier()  # every rank has trained: the metrics files can go
+    if rank == 0:
+        shutil.rmtree(work)
     return 0
 
 
@@ -190,7 +194,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], jobs: list[str]
     text = "\n".join([
         "# Reproducible training: the parameter digest per configuration and number of ranks (issue 39)",
         "",
-        f"command: python {' '.join([os.path.relpath(__file__, ROOT), *sys.argv[1:]])}",
+        f"command: python {' '.join([os.path.relpath(__file__, ROOT), *args.argv])}",
         f"started {args.started} UTC; {'finished' if done else 'so far'} "
         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC; {os.cpu_count()} cores",
         f"{configurations} configurations per P; {args.batch_size} samples per step in micro-batches of "
@@ -248,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.job_out:
         return run_job(args)
     args.started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    args.argv = argv if argv is not None else sys.argv[1:]
     rows: list[dict[str, Any]] = []
     jobs: list[str] = []
     failed: list[int] = []
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in args.ranks:
             out, log = Path(work) / f"p{ranks}.jsonl", Path(work) / f"p{ranks}.log"
             command = ["mpirun", "-n", str(ranks), sys.executable, os.path.abspath(__file__),
-                       *(argv if argv is not None else sys.argv[1:]), "--job-out", str(out)]
+                       *args.argv, "--job-out", str(out)]
             load, began = load_average(), time.perf_counter()
             with open(log, "w") as output:
                 status = run_mpirun(command, output, args.timeout)
