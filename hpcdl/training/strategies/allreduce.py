@@ -121,7 +121,9 @@ class Allreduce(Strategy):
             errors.append(f"--shard {given['shard']} reduce-scatters dense gradients: use --compression "
                           f"none, fp16 or bf16, not {compression}")
         algorithm = given["algorithm"]
-        if given.get("shard") and algorithm not in ("auto", *SHARDED_ALGORITHMS):
+        # --reproducible gives --algorithm to its int64 allreduce (any of allreduce's), its
+        # parameters' allgather takes auto (hpcdl/ddp/reproducible.py)
+        if given.get("shard") and not given.get("reproducible") and algorithm not in ("auto", *SHARDED_ALGORITHMS):
             errors.append(f"--shard {given['shard']}: --algorithm {algorithm} is no reduce-scatter or "
                           f"allgather algorithm; use auto, {', '.join(SHARDED_ALGORITHMS)}")
         correction = given.get("momentum_correction")

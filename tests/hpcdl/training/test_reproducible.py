@@ -11,6 +11,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
+import collectives
 from hpcdl.training.config import TrainConfig, reproducible_errors
 from hpcdl.training.reproducible import parameter_digest
 from hpcdl.training.strategies import option_errors
@@ -34,6 +35,16 @@ def test_train_refuses_what_reproducible_does_not_cover():
         "--micro-batch applies to --reproducible; add it or drop --micro-batch"]
     assert option_errors(TrainConfig(reproducible=True, strategy="local-sgd"), 2) == [
         "--reproducible applies to --strategy allreduce, not local-sgd; drop it"]
+
+
+def test_a_sharded_reproducible_run_takes_every_allreduce_algorithm():
+    # its int64 allreduce takes --algorithm, its allgather auto; without --reproducible the
+    # gradients are reduce-scattered with it
+    for algorithm in collectives.ALGORITHMS["allreduce"]:
+        assert option_errors(TrainConfig(reproducible=True, shard="optimizer", algorithm=algorithm), 2) == []
+    assert option_errors(TrainConfig(shard="optimizer", algorithm="tree"), 2) == [
+        "--shard optimizer: --algorithm tree is no reduce-scatter or allgather algorithm; use auto, ring, "
+        "halving_doubling, mpi, butterfly"]
 
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N = 1 job only")
