@@ -20,6 +20,17 @@ def _has_state_dict(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _check_trackable(name: str, value: Any) -> None:
+    """Refuse what a commit cannot hold: a sharded optimizer (`hpcdl.optim.ShardedOptimizer`,
+    told by its collective `consolidate_state_dict`) keeps on each rank only its piece of the
+    state, so a lost rank's piece would be lost with it (and its `state_dict` is collective)."""
+    if callable(getattr(value, "consolidate_state_dict", None)):
+        raise ValueError(f"hpcdl.elastic.State cannot track {name}={type(value).__name__}: a sharded "
+                         "optimizer's state is cut into pieces over the ranks, and a lost rank takes "
+                         "its piece with it; track an unsharded optimizer, or checkpoint the run "
+                         "(consolidate_state_dict, then state_dict on that rank) and resume it")
+
+
 class State:
     """What a training loop must get back after a loss: tracked objects, commits, sync.
 
@@ -36,6 +47,7 @@ class State:
         self._tracked = list(objects)
         self._callbacks: list[Callable[[], None]] = []
         for name, value in objects.items():
+            _check_trackable(name, value)
             setattr(self, name, value)
         # The last commit only: a rank one commit ahead of the others takes the holder's values.
         self._membership = Membership(comm if comm is not None else world(), self, keep=1, respawn=respawn,
@@ -74,6 +86,7 @@ class State:
     def track(self, **objects: Any) -> None:
         """Track more objects (by attribute name)."""
         for name, value in objects.items():
+            _check_trackable(name, value)
             if name not in self._tracked:
                 self._tracked.append(name)
             setattr(self, name, value)

@@ -1,13 +1,16 @@
 """The recovery engine's parts, each called directly on COMM_SELF (every rank alone): commits kept
-and dropped, copies that later steps cannot change, and `hpcdl.elastic.State` going back to its
-commit. Recoveries themselves need lost ranks: tests/hpcdl/training/test_rank_loss.py runs them
-(hpcdl train, hpcdl.elastic and hvd.elastic in jobs of their own).
+and dropped, copies that later steps cannot change, `hpcdl.elastic.State` going back to its
+commit and refusing what a commit cannot hold. Recoveries themselves need lost ranks:
+tests/hpcdl/training/test_rank_loss.py runs them (hpcdl train, hpcdl.elastic and hvd.elastic in
+jobs of their own).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from mpi4py import MPI
 
+import hpcdl
 from hpcdl.elastic import State
 from hpcdl.elastic.membership import Membership, cloned
 
@@ -43,3 +46,15 @@ def test_an_elastic_state_goes_back_to_its_commit() -> None:
     state.epoch = 4
     state.restore()
     assert state.epoch == 3 and not torch.all(model.weight == 7.0) and (state.rank, state.size) == (0, 1)
+
+
+def test_an_elastic_state_refuses_a_sharded_optimizer_by_name() -> None:
+    model = hpcdl.DistributedDataParallel(torch.nn.Linear(2, 1), comm=MPI.COMM_SELF, shard="optimizer")
+    sharded = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    refusal = "cannot track optimizer=ShardedOptimizer: a sharded optimizer's state is cut into pieces"
+    with pytest.raises(ValueError, match=refusal):
+        State(MPI.COMM_SELF, model=model, optimizer=sharded)
+    state = State(MPI.COMM_SELF, model=model)
+    with pytest.raises(ValueError, match=refusal):
+        state.track(optimizer=sharded)
+    state.track(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # unsharded: tracked
