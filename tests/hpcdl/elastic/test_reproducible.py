@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from tests.helpers import reproducible_elastic_job as job
-from tests.hpcdl.training.test_rank_loss import finals, identical, launch
+from tests.helpers.rank_loss_jobs import finals, identical, launch
 
 JOB = job.__file__
 

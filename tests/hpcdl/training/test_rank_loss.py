@@ -10,7 +10,6 @@ every job.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -29,58 +28,11 @@ from hpcdl.training.data import epoch_batches, epoch_order, load_digits_split, s
 from hpcdl.training.schedule import ProgressSchedule, Schedule
 from hpcdl.runtime import recovery as ulfm
 from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
-from tests.run import own_job_environment, run_own_job  # launching jobs of its own
+from tests.helpers.rank_loss_jobs import (ELASTIC_JOB, REPRODUCIBLE, TRAIN_JOB, epoch_report, finals, identical,
+                                         launch, metrics, resume_on, train_losing)
 
-TRAIN_JOB = ROOT / "tests" / "helpers" / "train_failure_job.py"
-ELASTIC_JOB = ROOT / "tests" / "helpers" / "elastic_job.py"
-#: Seconds one job may take (about 10 s at 4-5 ranks on 2 idle cores; a hang ends here).
-JOB_TIMEOUT = 240
 own_jobs = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                               reason="launches its own mpirun jobs: the one-rank job is enough")
-
-
-def launch(ranks: int, program: list[str], ulfm: bool = True, mpirun: tuple[str, ...] = (),
-           **env: str) -> tuple[int, str]:
-    """Run `python program...` under mpirun (with ULFM unless told not to, and the `mpirun`
-    options), `env` added to its environment; status and output."""
-    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    command = ["mpirun", *(["--with-ft", "ulfm"] if ulfm else []), *mpirun, "-n", str(ranks), "--oversubscribe",
-               sys.executable, *program]
-    proc = run_own_job(command, JOB_TIMEOUT, own_job_environment(PYTHONPATH=path, HPCDL_STALL_WARNING_S="inf",
-                                                                 **env))
-    return proc.returncode, proc.stdout
-
-
-def train_losing(directory: Path, ranks: int, kills: list[str], args: list[str], mpirun: tuple[str, ...] = (),
-                 **env: str) -> tuple[int, str, dict[int, Any]]:
-    """`hpcdl train args` on `ranks` ranks, the `kills` (train_failure_job.py's syntax) happening;
-    its status, output, and each finished process's final state by id."""
-    directory.mkdir(parents=True, exist_ok=True)
-    code, out = launch(ranks, [str(TRAIN_JOB), str(directory), *kills, "--", *args], mpirun=mpirun, **env)
-    return code, out, finals(directory)
-
-
-def resume_on(ranks: int, source: Path, step: int, directory: Path,
-              args: list[str]) -> tuple[int, str, dict[int, Any]]:
-    """`hpcdl train args --resume` on `ranks` ranks (without ULFM) from the checkpoint of `step` in
-    `source`, copied alone into DIR/ck; its status, output, and each process's final state."""
-    (directory / "ck").mkdir(parents=True)
-    shutil.copy(checkpoint_path(source, step), checkpoint_path(directory / "ck", step))
-    code, out = launch(ranks, [str(TRAIN_JOB), str(directory), "--", *args, "--checkpoint-dir",
-                               str(directory / "ck"), "--resume"], ulfm=False)
-    return code, out, finals(directory)
-
-
-def finals(directory: Path) -> dict[int, Any]:
-    return {int(p.stem.split("-")[1]): torch.load(p, weights_only=False) for p in directory.glob("final-*.pt")}
-
-
-def identical(states: list[dict[str, Any]], *keys: str) -> bool:
-    return all(same_state(states[0][k], s[k]) for s in states for k in keys)
-
-
-def metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # -- the data split ----------------------------------------------------------------------------------
@@ -299,16 +251,6 @@ def test_respawn_brings_the_job_back_to_its_size(tmp_path, victim):
     assert "1 replacement(s) started" in out and "1 replaced" in out, out[-4000:]
     [row] = metrics(tmp_path / "m.jsonl")
     assert row["ranks"] == 3 and row["lost_ranks"] == str(victim) and row["steps_lost"] == 1
-
-
-#: A short --reproducible run: an epoch of 23 steps of 4 micro-batches.
-REPRODUCIBLE = ["--reproducible", "--batch-size", "64", "--micro-batch", "16", "--epochs", "1", "--seed", "2"]
-
-
-def epoch_report(out: str) -> tuple[str, ...]:
-    """The training loss, held-out loss, accuracy and parameter digest of the run's epoch line."""
-    [found] = re.findall(r"epoch   1/1  loss (\S+)  held-out loss (\S+)  accuracy (\S+) .*  params ([0-9a-f]{16})", out)
-    return tuple(found)
 
 
 @own_jobs

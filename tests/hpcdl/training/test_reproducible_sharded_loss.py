@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl.training import rank_loss
-from tests.hpcdl.training.test_rank_loss import REPRODUCIBLE, epoch_report, launch, train_losing
+from tests.helpers.rank_loss_jobs import REPRODUCIBLE, epoch_report, launch, train_losing
 
 SHARDED = [*REPRODUCIBLE, "--shard", "optimizer"]
 
