@@ -194,12 +194,12 @@ class Expectation:
         else:  # nothing expected, ever: the common case, kept short
             self.last, self.number = (ident, site), number
             return
-        self.last, self.number = (ident, site), number
-        self.expected = follows.get(self.last)
+        self.confirmed(ident, site, number)
 
     def confirmed(self, ident: int, site: int, number: int) -> None:
         """Call `number` ran as the expected call on every rank: `agreed` for it, less what it
-        already holds (the call was expected because it is remembered after its predecessor)."""
+        already holds (the call was expected because it is remembered after its predecessor);
+        what follows it is expected next."""
         self.last, self.number = (ident, site), number
         self.expected = self.follows.get(self.last)
 

@@ -96,6 +96,14 @@ def round_biased(work: np.ndarray) -> np.ndarray:
     return work.view(np.int64)
 
 
+def _add_rounded(acc: np.ndarray, integers: np.ndarray, weight: int) -> None:
+    """acc += weight x the integers `round_biased` returned (their bias taken out in place)."""
+    np.subtract(integers, ROUNDER_BITS, out=integers)
+    if weight != 1:
+        np.multiply(integers, weight, out=integers)
+    np.add(acc, integers, out=acc)
+
+
 def add_fixed(acc: np.ndarray, x: Any, scale: Any, work: np.ndarray | None = None, weight: int = 1) -> None:
     """acc += weight x round(x x scale), elementwise, in int64 (`acc` flat, of x's size), where
     `scale` is 2**-e for the quantum exponent e (a float, or one per element: np.ldexp(1.0, -e));
@@ -106,11 +114,7 @@ def add_fixed(acc: np.ndarray, x: Any, scale: Any, work: np.ndarray | None = Non
     does not matter; the caller keeps every |x| x scale below 2**TERM_BITS and the weights'
     sum within `quantum_exponent`'s total weight (it chose e from a bound of |x|)."""
     scaled = np.multiply(np.asarray(x).reshape(-1), scale, out=work, dtype=np.float64)
-    integers = round_biased(scaled)
-    np.subtract(integers, ROUNDER_BITS, out=integers)
-    if weight != 1:
-        np.multiply(integers, weight, out=integers)
-    np.add(acc, integers, out=acc)
+    _add_rounded(acc, round_biased(scaled), weight)
 
 
 class FixedSum:
@@ -149,10 +153,7 @@ class FixedSum:
             self._weight = weight
             return
         self._settle()  # another weight (a short last micro-batch): this term alone, weighted
-        np.subtract(integers, ROUNDER_BITS, out=integers)
-        if weight != 1:
-            np.multiply(integers, weight, out=integers)
-        np.add(self.acc, integers, out=self.acc)
+        _add_rounded(self.acc, integers, weight)
 
     def total(self) -> np.ndarray:
         """The sums so far (acc)."""
