@@ -1,15 +1,15 @@
 """A user's own `hpcdl.elastic` loop over `DistributedDataParallel(reproducible=True)`, for
 tests/hpcdl/elastic/test_reproducible.py.
 
-    mpirun --with-ft ulfm -n K python tests/helpers/reproducible_elastic_job.py DIR STEP VICTIM [shard]
+    mpirun --with-ft ulfm -n K python tests/helpers/reproducible_elastic_job.py DIR STEP VICTIM
 
 A small MLP with dropout, AdamW and gradient clipping over STEPS global batches of BATCH samples in
 micro-batches of MICRO (the batches a function of the step alone, so of no rank); the loop commits
 after every step, with the wrapper's quanta as a tracked value and a reset callback that loads them
 back (what the next step's sum depends on besides the model and optimizer). World rank VICTIM
 SIGKILLs itself in the forward of one of its micro-batches of step STEP, after the others have
-started theirs (VICTIM -1: nobody dies). `shard`: the optimizer's state sharded (ZeRO stage 1).
-Every process that finishes writes DIR/final-<id>.pt (its parameters, the steps taken, the ranks
+started theirs (VICTIM -1: nobody dies). (A sharded optimizer cannot be tracked: `State` refuses
+one.) Every process that finishes writes DIR/final-<id>.pt (its parameters, the steps taken, the ranks
 it ended with, the losses it saw) and leaves without MPI_Finalize after a loss
 (docs/failures.md#known-limits). `train` also runs in a test's own process (COMM_SELF, no loss):
 the undisturbed reference.
@@ -43,13 +43,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 16, generator=generator), torch.randint(0, 5, (BATCH,), generator=generator)
 
 
-def train(comm: MPI.Comm, kill_step: int = -1, victim: int = -1, shard: str | None = None) -> dict[str, Any]:
+def train(comm: MPI.Comm, kill_step: int = -1, victim: int = -1) -> dict[str, Any]:
     """The loop on `comm` (world rank `victim` dying in step `kill_step`); what it ended with."""
     net = network()
-    model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=MICRO, seed=3, shard=shard)
-    optimizer: Any = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    if shard is not None:
-        optimizer = model.shard_optimizer(optimizer)
+    model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=MICRO, seed=3)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     me = MPI.COMM_WORLD.Get_rank()
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -78,12 +76,12 @@ def train(comm: MPI.Comm, kill_step: int = -1, victim: int = -1, shard: str | No
             "losses": [(loss.members, loss.size_after) for loss in state.losses]}
 
 
-def main(directory: Path, kill_step: int, victim: int, shard: str | None) -> None:
-    result = train(MPI.COMM_WORLD, kill_step, victim, shard)
+def main(directory: Path, kill_step: int, victim: int) -> None:
+    result = train(MPI.COMM_WORLD, kill_step, victim)
     torch.save(result, directory / f"final-{world.member()}.pt")
     if result["losses"]:
         recovery.exit_after_loss(0)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
