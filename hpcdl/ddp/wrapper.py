@@ -35,8 +35,9 @@ weight decay leave it alone (this costs one small allreduce of a used-flag per p
 step). Without the option, the step still completes its communication the same way (so no rank
 is left waiting) and then raises RuntimeError naming the parameters.
 
-A reduction still waiting after STALL_WARNING_S seconds (or $HPCDL_STALL_WARNING_S) warns, naming
-the bucket (a rank that skipped a batch or raised inside a step leaves its peers waiting);
+A reduction still waiting past its stall bound ($HPCDL_STALL_WARNING_S, else STALL_WARNING_S, else
+max(10 s, 20 steps)) warns, naming the bucket (a rank that skipped a batch or raised inside a step
+leaves its peers waiting);
 `timeout=` turns the wait into a TimeoutError after that many seconds (hpcdl/runtime/stall.py).
 
 Buffers (batch-norm running statistics): independent per rank by default. `sync_buffers()`, and
@@ -156,7 +157,7 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_buffers: synchronize buffers (see `sync_buffers`) before every training forward.
         timeline: a `Timeline`, or a path to write a Chrome trace to (call `write_timeline()`).
         timeout: seconds a step may wait for its reductions before backward raises TimeoutError
-            (None: wait, warning after STALL_WARNING_S).
+            (None: wait, warning past the stall bound).
         device_ids, output_device: as torch's DDP, for a module on one GPU: None, or that GPU,
             which must be the one `hpcdl.init()` bound this rank to (local rank % GPUs); checked
             on every rank together. Inputs are not moved to it (move them yourself).
@@ -575,7 +576,7 @@ class DistributedDataParallel(torch.nn.Module):
 
         Called automatically at the end of backward. Cost: the exchange of all gradient bytes
         (for the default, see `collectives.allreduce`), less what overlapped with backward. Warns
-        once a wait passes STALL_WARNING_S; raises TimeoutError after `timeout` seconds, leaving
+        once a wait passes the stall bound; raises TimeoutError after `timeout` seconds, leaving
         the reductions running (calling `synchronize()` again waits for them).
         """
         try:
