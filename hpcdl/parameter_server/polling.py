@@ -6,11 +6,12 @@ slows the very server or straggler it is waiting for. So servers and workers tes
 and, between tests, first spin for SPIN_S (a reply or a request that is already on its way is
 seen within a microsecond or two, as a blocking call would see it), then only yield the core for
 YIELD_S, then sleep, from IDLE_SLEEP_MIN doubling to IDLE_SLEEP_MAX: a message that arrives while a
-rank sleeps waits at most about a millisecond. The spin is short on purpose: `sched_yield` on a
-loaded machine hands the core to another process for its whole time slice (milliseconds), which
-is what a pull+push pair cost before the spin (benchmarks/results/strategies/), while a pair's
-reply normally comes within tens of microseconds; a wait that lasts longer than the spin is one
-for a slower rank, which is then left the core.
+rank sleeps waits at most about a millisecond. Why spin at all: `sched_yield` on a loaded machine
+lets another process run its time slice, while a pair's reply normally comes within tens of
+microseconds (with the spin and leaner messages a pull+push pair of 8 B-4 KiB took 1.3-5x less
+on the loaded shared machine: benchmarks/results/strategies/ps-wait-2026-11-29.txt). Why only
+briefly: a wait that outlasts the spin is one for a slower or descheduled rank, which is then
+left the core.
 
 A wait on another rank warns once it lasts (hpcdl/runtime/stall.py, HPCDL_STALL_WARNING_S), as the
 collectives' waits do: a worker whose pull SSP or sync holds back for a stopped worker, or that

@@ -14,9 +14,10 @@ When no message is waiting it tests its outstanding sends and waits (polling.Bac
 spin, then yielding the core, then sleeps): Open MPI here makes no progress in the background, so
 the server must poll, and it must not hold a core it shares with the workers for long. Header-only
 requests are received into one buffer of the server's (each is read before the next arrives),
-pushes into buffers it reuses, with their typed views made once per buffer. Replies are sent straight from the shard's buffer (no copy), so
-before an update modifies the shard the server completes the replies in flight; workers post
-their receive before they ask, so that takes only this rank's own progress.
+pushes into buffers it reuses, with their typed views made once per buffer. Replies are sent
+straight from the shard's buffer (no copy), so before an update modifies the shard the server
+completes the replies in flight; workers post their receive before they ask, so that takes only
+this rank's own progress.
 
 When every worker has sent DONE the server applies what is still pending, completes its sends and
 returns.
