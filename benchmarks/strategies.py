@@ -431,7 +431,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
                     dup.Recv([shard, MPI.BYTE], server, 12)
                     dup.Send([shard, MPI.BYTE], server, 13)
                 else:
-                    for _ in range(size - 1):  # one pair of each worker, in arrival order
+                    for _turn in range(size - 1):  # one pair of each worker, in arrival order
                         dup.Recv([small, MPI.BYTE], MPI.ANY_SOURCE, 11, status)
                         worker = status.Get_source()
                         dup.Send([shard, MPI.BYTE], worker, 12)
