@@ -69,10 +69,15 @@ def test_the_staleness_log_counts_every_tau_and_merges() -> None:
     assert other.summary() == Staleness(5, (104 + 3) / 5, 100, histogram)
 
 
-def test_backoff_spins_yields_then_sleeps_longer_up_to_its_cap() -> None:
+def test_backoff_spins_yields_then_sleeps_longer_up_to_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    yields: list[None] = []
+    monkeypatch.setattr(polling.os, "sched_yield", lambda: yields.append(None))
     backoff = polling.Backoff()
     backoff.idle()
-    assert backoff.delay == polling.IDLE_SLEEP_MIN  # within SPIN_S + YIELD_S: no sleep yet
+    assert not yields and backoff.delay == polling.IDLE_SLEEP_MIN  # within SPIN_S: only returned
+    backoff.idle_since = time.perf_counter() - polling.SPIN_S - polling.YIELD_S / 2
+    backoff.idle()
+    assert len(yields) == 1 and backoff.delay == polling.IDLE_SLEEP_MIN  # then yielded, no sleep yet
     backoff.idle_since = time.perf_counter() - 1.0
     delays = []
     for _ in range(12):
