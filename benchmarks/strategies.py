@@ -10,6 +10,7 @@ without a straggler: one table (JSON and markdown) and one PNG.
         --accuracy-from benchmarks/results/strategies/strategies-shm.json \
         --out benchmarks/results/strategies/strategies-16
     mpirun -n 2 python benchmarks/strategies.py --overhead            # only the per-push overhead
+    mpirun -n 3 --oversubscribe python benchmarks/strategies.py --overhead   # 2 workers, 1 server
 
 Each run is `mpirun -n N hpcdl train --strategy X ... --metrics FILE` (one job per strategy and
 condition, one after the other): 4 ranks for allreduce and local-sgd, 5 for the parameter servers
@@ -35,7 +36,9 @@ The server's per-push overhead (--overhead, 2 ranks: one worker, one server): mi
 pull/push pair of `hpcdl.ParameterServer` (async, SGD) for shards of a few bytes to 32 KiB,
 beside plain mpi4py messages of the same bytes in the same job: the same three messages (32-byte
 pull, shard back, shard pushed) and a ping-pong of one shard message each way. The comparison
-runs it under `mpirun -n 2` itself and adds it to the table.
+runs it under `mpirun -n 2` itself and adds it to the table. Under `mpirun -n N` with N > 2 the
+last rank serves N - 1 workers, each timing its own pairs (the table gives the slowest worker's),
+and the plain messages are served in arrival order (`ANY_SOURCE`); the ping-pong is skipped.
 
 The machine's load (`uptime`) is recorded before and after every run: on a shared machine it says
 how far the timings can be trusted.
@@ -370,7 +373,7 @@ def overhead_job(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_overhead(args: argparse.Namespace) -> int:
-    """Under mpirun -n 2: rank 0 a worker, rank 1 a server; see the module docstring."""
+    """Under mpirun -n N >= 2: the last rank a server, the others workers; see the module docstring."""
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -379,11 +382,12 @@ def measure_overhead(args: argparse.Namespace) -> int:
 
     hpcdl.init()
     comm = MPI.COMM_WORLD
-    if comm.Get_size() != 2:
-        print("--overhead runs on exactly 2 ranks: mpirun -n 2 python benchmarks/strategies.py --overhead",
+    size = comm.Get_size()
+    if size < 2:
+        print("--overhead runs on 2 ranks or more: mpirun -n 2 python benchmarks/strategies.py --overhead",
               file=sys.stderr)
         return 2
-    rank = comm.Get_rank()
+    rank, server = comm.Get_rank(), size - 1
     torch.set_num_threads(1)
 
     def iterations(nbytes: int) -> int:
@@ -414,6 +418,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
         (32 + n), or a ping-pong of one 32 + n message each way."""
         dup = comm.Dup()
         small, shard = np.zeros(32, np.uint8), np.zeros(32 + nbytes, np.uint8)
+        status = MPI.Status()
         n = iterations(nbytes)
         dup.Barrier()
         started = time.perf_counter()
@@ -421,14 +426,16 @@ def measure_overhead(args: argparse.Namespace) -> int:
             if _ == n // 10:
                 started = time.perf_counter()
             if pattern == "messages":
-                if rank == 0:
-                    dup.Send([small, MPI.BYTE], 1, 11)
-                    dup.Recv([shard, MPI.BYTE], 1, 12)
-                    dup.Send([shard, MPI.BYTE], 1, 13)
+                if rank != server:
+                    dup.Send([small, MPI.BYTE], server, 11)
+                    dup.Recv([shard, MPI.BYTE], server, 12)
+                    dup.Send([shard, MPI.BYTE], server, 13)
                 else:
-                    dup.Recv([small, MPI.BYTE], 0, 11)
-                    dup.Send([shard, MPI.BYTE], 0, 12)
-                    dup.Recv([shard, MPI.BYTE], 0, 13)
+                    for _turn in range(size - 1):  # one pair of each worker, in arrival order
+                        dup.Recv([small, MPI.BYTE], MPI.ANY_SOURCE, 11, status)
+                        worker = status.Get_source()
+                        dup.Send([shard, MPI.BYTE], worker, 12)
+                        dup.Recv([shard, MPI.BYTE], worker, 13)
             elif rank == 0:
                 dup.Send([shard, MPI.BYTE], 1, 21)
                 dup.Recv([shard, MPI.BYTE], 1, 22)
@@ -438,23 +445,29 @@ def measure_overhead(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - started
         dup.Barrier()
         dup.Free()
-        return elapsed / n * 1e6
+        return slowest_worker(elapsed / n * 1e6)
+
+    def slowest_worker(us: float) -> float:
+        return max(comm.allgather(us)[:server])
 
     rounds: dict[int, dict[str, list[float]]] = {b: {"ps": [], "messages": [], "pingpong": []}
                                                   for b in OVERHEAD_BYTES}
     for _ in range(args.rounds):  # the three take turns, so drift favours none
         for nbytes in OVERHEAD_BYTES:
-            rounds[nbytes]["ps"].append(ps_pairs(nbytes))
+            rounds[nbytes]["ps"].append(slowest_worker(ps_pairs(nbytes)))
             rounds[nbytes]["messages"].append(message_pairs(nbytes, "messages"))
-            rounds[nbytes]["pingpong"].append(message_pairs(nbytes, "pingpong"))
+            if size == 2:
+                rounds[nbytes]["pingpong"].append(message_pairs(nbytes, "pingpong"))
     if rank == 0:
         rows = [{"shard_bytes": b, "ps_us": statistics.median(r["ps"]),
-                 "messages_us": statistics.median(r["messages"]), "pingpong_us": statistics.median(r["pingpong"]),
+                 "messages_us": statistics.median(r["messages"]),
+                 "pingpong_us": statistics.median(r["pingpong"]) if r["pingpong"] else None,
                  "rounds": r} for b, r in rounds.items()]
-        result = {"ranks": 2, "rounds": args.rounds, "load": load(), "rows": rows}
+        result = {"ranks": size, "rounds": args.rounds, "load": load(), "rows": rows}
         for row in rows:
+            pingpong = "" if row["pingpong_us"] is None else f"  ping-pong {row['pingpong_us']:6.1f} us"
             print(f"  overhead: shard {row['shard_bytes']:6,d} B  PS {row['ps_us']:7.1f} us/pair  "
-                  f"messages {row['messages_us']:6.1f} us  ping-pong {row['pingpong_us']:6.1f} us", flush=True)
+                  f"messages {row['messages_us']:6.1f} us{pingpong}", flush=True)
         if args.overhead_json:
             Path(args.overhead_json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

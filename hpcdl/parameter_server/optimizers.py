@@ -5,12 +5,18 @@ element's own gradient and state only, so running them on pieces of parameters g
 what they give on whole parameters, and one worker with `async` trains exactly as one process
 would (tests/hpcdl/parameter_server/test_parameter_server.py). Optimizers that look at a whole tensor (LARS, LAMB's
 norms) would not shard this way and are not offered.
+
+A server steps its optimizer through `step`: SGD's update goes straight to torch's functional
+`torch.optim.sgd.sgd`, the same computation `SGD.step()` makes (bit for bit, same state), without
+the per-call wrapper around it (hooks, a profiler record, the grad mode), which on a small shard
+cost three times the update itself (15 against 4 us on this machine).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+from torch.optim.sgd import sgd
 
 OPTIMIZERS = ("sgd", "momentum", "adagrad")
 
@@ -27,6 +33,28 @@ def make_optimizer(name: str, tensors: Sequence[torch.Tensor], *, lr: float, mom
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown server optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def step(optimizer: torch.optim.Optimizer) -> None:
+    """One step of an optimizer `make_optimizer` built, on its parameters' `.grad`, under no_grad.
+
+    SGD is stepped through torch's functional form with the optimizer's own hyperparameters and
+    momentum buffers (kept in its state, so `state_dict()` is what `SGD.step()` leaves); the
+    others through `step()`.
+    """
+    if type(optimizer) is not torch.optim.SGD:
+        optimizer.step()
+        return
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        momentum = group["momentum"]
+        buffers = [optimizer.state[p].get("momentum_buffer") for p in params] if momentum else []
+        sgd(params, [p.grad for p in params], buffers, weight_decay=group["weight_decay"],
+            momentum=momentum, lr=group["lr"], dampening=group["dampening"],
+            nesterov=group["nesterov"], maximize=group["maximize"], has_sparse_grad=False,
+            foreach=group["foreach"], fused=group["fused"])
+        for p, buffer in zip(params, buffers):
+            optimizer.state[p]["momentum_buffer"] = buffer
 
 
 def check_optimizer(name: object, lr: object, momentum: object, weight_decay: object) -> list[str]:

@@ -1,11 +1,17 @@
-"""Waiting without taking a core: test, then sleep a little longer each time, up to a millisecond.
+"""Waiting without holding a core for long: test, spin a little, yield, then sleep longer each time.
 
 Open MPI here has no asynchronous progress and the ranks share few cores: a rank blocked in
 `MPI_Wait` polls (with `mpi_yield_when_idle` it yields, but still competes for the core), which
 slows the very server or straggler it is waiting for. So servers and workers test their requests
-and, between tests, first only yield the core for YIELD_S (a reply that comes quickly is seen at
-once), then sleep, from IDLE_SLEEP_MIN doubling to IDLE_SLEEP_MAX: a message that arrives while a
-rank sleeps waits at most about a millisecond.
+and, between tests, first spin for SPIN_S (a reply or a request that is already on its way is
+seen within a microsecond or two, as a blocking call would see it), then only yield the core for
+YIELD_S, then sleep, from IDLE_SLEEP_MIN doubling to IDLE_SLEEP_MAX: a message that arrives while a
+rank sleeps waits at most about a millisecond. Why spin at all: `sched_yield` on a loaded machine
+lets another process run its time slice, while a pair's reply normally comes within tens of
+microseconds (with the spin and leaner messages a pull+push pair of 8 B-4 KiB took 1.3-5x less
+on the loaded shared machine: benchmarks/results/strategies/ps-wait-2026-11-29.txt). Why only
+briefly: a wait that outlasts the spin is one for a slower or descheduled rank, which is then
+left the core.
 
 A wait on another rank warns once it lasts (hpcdl/runtime/stall.py, HPCDL_STALL_WARNING_S), as the
 collectives' waits do: a worker whose pull SSP or sync holds back for a stopped worker, or that
@@ -23,6 +29,7 @@ from collectives import inflight
 
 from ..runtime.stall import Stall
 
+SPIN_S = 50e-6
 YIELD_S = 200e-6
 IDLE_SLEEP_MIN = 20e-6
 IDLE_SLEEP_MAX = 1e-3
@@ -31,9 +38,10 @@ IDLE_SLEEP_MAX = 1e-3
 class Backoff:
     """Waits that grow while nothing happens; `reset()` when something did.
 
-    For the first YIELD_S seconds of idleness a wait only yields the core (`os.sched_yield`: it
-    returns at once when no other process wants the core, so a quick reply is seen quickly);
-    after that it sleeps, IDLE_SLEEP_MIN doubling to IDLE_SLEEP_MAX.
+    For the first SPIN_S seconds of idleness a wait returns at once (the caller tests again);
+    for the next YIELD_S it only yields the core (`os.sched_yield`: it returns at once when no
+    other process wants the core); after that it sleeps, IDLE_SLEEP_MIN doubling to
+    IDLE_SLEEP_MAX.
     """
 
     def __init__(self) -> None:
@@ -47,7 +55,10 @@ class Backoff:
         now = time.perf_counter()
         if self.idle_since is None:
             self.idle_since = now
-        if now - self.idle_since < YIELD_S:
+        idle = now - self.idle_since
+        if idle < SPIN_S:
+            return
+        if idle < SPIN_S + YIELD_S:
             os.sched_yield()
             return
         time.sleep(self.delay)
@@ -67,10 +78,19 @@ def wait_all(requests: Sequence[MPI.Request], what: str, timeout: float | None =
     However it ends (the timeout, an interrupt), requests still in flight are left to
     `collectives.inflight`, which keeps them and their buffers until they complete.
     """
-    backoff = Backoff()
-    started = time.monotonic()
     requests = list(requests)
+    started = time.monotonic()
     try:
+        # The spin first, as lean as it can be: a reply due within SPIN_S is seen at once, and
+        # the stall's bookkeeping, for waits of seconds, is left to the waits that last.
+        spin_until = time.perf_counter() + SPIN_S
+        while not MPI.Request.Testall(requests):
+            if time.perf_counter() > spin_until:
+                break
+        else:
+            return
+        backoff = Backoff()
+        backoff.idle_since = spin_until - SPIN_S
         with Stall(what, rank=MPI.COMM_WORLD.Get_rank(), advice=STALL_ADVICE, stacklevel=2) as stall:
             while not MPI.Request.Testall(requests):
                 stall.check()

@@ -10,11 +10,14 @@ ANY_SOURCE and ANY_TAG), receives it into a buffer of the right kind, and acts o
 - DONE: the worker is gone; SAVE: a checkpoint barrier (when every active worker has asked, the
   shard's state goes to `on_checkpoint` and every asker is acknowledged); STATS: the staleness.
 
-When no message is waiting it tests its outstanding sends and sleeps (waiting.Backoff): Open MPI
-here makes no progress in the background, so the server must poll, and it must not spin on a
-core it shares with the workers. Replies are sent straight from the shard's buffer (no copy), so
-before an update modifies the shard the server completes the replies in flight; workers post
-their receive before they ask, so that takes only this rank's own progress.
+When no message is waiting it tests its outstanding sends and waits (polling.Backoff: a short
+spin, then yielding the core, then sleeps): Open MPI here makes no progress in the background, so
+the server must poll, and it must not hold a core it shares with the workers for long. Header-only
+requests are received into one buffer of the server's (each is read before the next arrives),
+pushes into buffers it reuses, with their typed views made once per buffer. Replies are sent
+straight from the shard's buffer (no copy), so before an update modifies the shard the server
+completes the replies in flight; workers post their receive before they ask, so that takes only
+this rank's own progress.
 
 When every worker has sent DONE the server applies what is still pending, completes its sends and
 returns.
@@ -48,7 +51,7 @@ import collectives
 from collectives import failures, inflight
 
 from .consistency import Async, Push, slowest
-from .optimizers import make_optimizer
+from .optimizers import make_optimizer, step
 from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK,
                        PUSH_STEPS, RESET, STATS_VERSION, STEP, STOP, SUM, UNTIL, VERSION, Tag, header,
                        header_message)
@@ -149,6 +152,10 @@ class Server:
         self._deferred: list[tuple[int, int, int]] = []  # (worker, clock, until) of pulls not yet answered
         self._sends: list[tuple[MPI.Request, Any, int]] = []  # in flight, with their buffer and worker
         self._free: list[torch.Tensor] = []  # push buffers to reuse
+        #: the typed views of each push buffer, by its id (the buffer is held here too, so the id
+        #: stays its own)
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._request = np.empty(HEADER_BYTES, dtype=np.uint8)  # header-only requests, read at once
         self._saves: dict[int, int] = {}  # worker -> step of its SAVE
         self.staleness = StalenessLog()
         self.events: list[tuple[Any, ...]] | None = [] if record_events else None
@@ -246,16 +253,17 @@ class Server:
                 f"{HEADER_BYTES}-byte request. Every rank must build the same ParameterServer.")
         if tag == Tag.PUSH:
             buffer = self._free.pop() if self._free else torch.empty_like(self.message)
+            array = buffer.numpy()
         else:
-            buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+            array = self._request
         try:
-            message.Recv([buffer.numpy(), MPI.BYTE])
+            message.Recv([array, MPI.BYTE])
         except MPI.Exception:  # its sender died before all of it arrived: serve() counts it out
             if tag == Tag.PUSH:
                 self._free.append(buffer)
             raise
         self.bytes_received += nbytes
-        fields = header(buffer.numpy())
+        fields = header(array)
         if tag == Tag.PUSH:
             self._on_push(Push(source, int(fields[VERSION]), int(fields[PUSH_CLOCK]),
                                int(fields[PUSH_STEPS]), buffer))
@@ -319,13 +327,13 @@ class Server:
     def _apply(self, pushes: list[Push], weights: list[float]) -> None:
         """One optimizer step on sum(weight * gradient) of `pushes` (no reply in flight)."""
         if len(pushes) == 1 and weights[0] == 1.0:
-            grads = self._typed(pushes[0].message)
+            grads = self._views_of(pushes[0].message)
         else:
-            grads = self._typed(self._combined)
+            grads = self._views_of(self._combined)
             for i, grad in enumerate(grads):
                 grad.zero_()
                 for push, weight in zip(pushes, weights):
-                    grad.add_(self._typed(push.message)[i], alpha=weight)
+                    grad.add_(self._views_of(push.message)[i], alpha=weight)
         for value, grad in zip(self.values, grads):
             value.grad = grad
         if self.lr_schedule is not None:
@@ -333,7 +341,7 @@ class Server:
                                                self.started_with, self.version)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_schedule(t)
-        self.optimizer.step()
+        step(self.optimizer)
         record = []
         for push, weight in zip(pushes, weights):
             tau = self.version - push.version
@@ -345,6 +353,13 @@ class Server:
         self.version += 1
         self.updates += 1
         header(self._array)[VERSION] = self.version
+
+    def _views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """`_typed(buffer)`, made once per push buffer (they are reused)."""
+        known = self._views.get(id(buffer))
+        if known is None:
+            known = self._views[id(buffer)] = (buffer, self._typed(buffer))
+        return known[1]
 
     # -- replies -------------------------------------------------------------------------------
 

@@ -53,6 +53,11 @@ class WorkerClient:
         self.timeout = timeout
         self._pulled = [torch.zeros(HEADER_BYTES + s.nbytes, dtype=torch.uint8) for s in layout.shards]
         self._pushed = [torch.zeros(HEADER_BYTES + s.nbytes, dtype=torch.uint8) for s in layout.shards]
+        # Made once: what each exchange posts (buffer and tag per server) and reads (header fields).
+        self._replies = [(m.numpy(), Tag.PARAMS) for m in self._pulled]
+        self._pushes = [m.numpy() for m in self._pushed]
+        self._pulled_fields = [header(m) for m, _ in self._replies]
+        self._pushed_fields = [header(m) for m in self._pushes]
         # (parameter index, element start, stop, its piece in the pulled and in the pushed message)
         self._pieces = []
         for shard, pulled, pushed in zip(layout.shards, self._pulled, self._pushed):
@@ -89,12 +94,13 @@ class WorkerClient:
         self._check_open()
         if self._since_fetch is None or self._since_fetch >= self.n_fetch:
             request = header_message(self.clock, until)
-            self._exchange([(m.numpy(), Tag.PARAMS) for m in self._pulled], request, Tag.PULL,
+            self._exchange(self._replies, request, Tag.PULL,
                            f"pull at clock {self.clock} from servers {self.servers}")
-            for k, message in enumerate(self._pulled):
-                self.versions[k] = header(message.numpy())[VERSION]
-            self.progress = int(min(header(m.numpy())[PROGRESS] for m in self._pulled))
-            self.stop_signal = self.stop_signal or int(max(header(m.numpy())[STOP] for m in self._pulled))
+            fields = self._pulled_fields
+            for k, field in enumerate(fields):
+                self.versions[k] = field[VERSION]
+            self.progress = int(min(f[PROGRESS] for f in fields))
+            self.stop_signal = self.stop_signal or int(max(f[STOP] for f in fields))
             flats = [p.detach().view(-1) for p in self.params]
             for param, start, stop, pulled, _ in self._pieces:
                 flats[param][start:stop].copy_(pulled)
@@ -152,12 +158,11 @@ class WorkerClient:
             self._send_push()
 
     def _send_push(self) -> None:
-        for k, message in enumerate(self._pushed):
-            fields = header(message.numpy())
+        for k, fields in enumerate(self._pushed_fields):
             fields[VERSION] = self._push_versions[k]
             fields[PUSH_CLOCK] = self.clock
             fields[PUSH_STEPS] = self._accumulated
-        self._exchange([], [m.numpy() for m in self._pushed], Tag.PUSH,
+        self._exchange([], self._pushes, Tag.PUSH,
                        f"push at clock {self.clock} to servers {self.servers}")
         self.bytes_sent += sum(m.numel() for m in self._pushed)
         self._accumulated = 0

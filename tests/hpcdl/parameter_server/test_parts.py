@@ -32,6 +32,29 @@ def test_server_optimizers_are_torchs_with_the_same_hyperparameters() -> None:
         "momentum must be a number in [0, 1), got 1", "weight_decay must be a number >= 0, got -1.0"]
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("name", optimizers.OPTIMIZERS)
+def test_a_servers_step_is_torchs_step_bit_for_bit(name: str, weight_decay: float) -> None:
+    generator = torch.Generator().manual_seed(3)
+    ours = [torch.randn(5, generator=generator), torch.randn(3, dtype=torch.float64, generator=generator)]
+    theirs = [t.clone() for t in ours]
+    stepped = optimizers.make_optimizer(name, ours, lr=0.1, weight_decay=weight_decay)
+    reference = optimizers.make_optimizer(name, theirs, lr=0.1, weight_decay=weight_decay)
+    for _ in range(3):
+        for mine, other in zip(ours, theirs):
+            mine.grad = torch.randn(mine.shape, dtype=mine.dtype, generator=generator)
+            other.grad = mine.grad.clone()
+        with torch.no_grad():
+            optimizers.step(stepped)
+        reference.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    mine, other = stepped.state_dict(), reference.state_dict()
+    assert mine["param_groups"] == other["param_groups"] and mine["state"].keys() == other["state"].keys()
+    for index, state in mine["state"].items():
+        assert state.keys() == other["state"][index].keys()
+        assert all(torch.equal(state[key], other["state"][index][key]) for key in state)
+
+
 def test_the_staleness_log_counts_every_tau_and_merges() -> None:
     log = StalenessLog()
     for tau in (0, 2, 2, 100):
@@ -46,10 +69,15 @@ def test_the_staleness_log_counts_every_tau_and_merges() -> None:
     assert other.summary() == Staleness(5, (104 + 3) / 5, 100, histogram)
 
 
-def test_backoff_yields_then_sleeps_longer_up_to_its_cap() -> None:
+def test_backoff_spins_yields_then_sleeps_longer_up_to_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    yields: list[None] = []
+    monkeypatch.setattr(polling.os, "sched_yield", lambda: yields.append(None))
     backoff = polling.Backoff()
     backoff.idle()
-    assert backoff.delay == polling.IDLE_SLEEP_MIN  # within YIELD_S: only yielded
+    assert not yields and backoff.delay == polling.IDLE_SLEEP_MIN  # within SPIN_S: only returned
+    backoff.idle_since = time.perf_counter() - polling.SPIN_S - polling.YIELD_S / 2
+    backoff.idle()
+    assert len(yields) == 1 and backoff.delay == polling.IDLE_SLEEP_MIN  # then yielded, no sleep yet
     backoff.idle_since = time.perf_counter() - 1.0
     delays = []
     for _ in range(12):
