@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 import numpy as np
 from mpi4py import MPI
 
+from . import channels
 from .channels import channel_of
 from .errors import CollectiveArgumentError
 from .expectation import LibraryPlan
@@ -44,6 +45,7 @@ NOT_SMALL: Any = object()
 _UNPLANNED: Any = object()
 _NO_SITE = (0, "")  # `planning.call_site` where call sites are not checked
 _IN_PLACE = MPI.IN_PLACE
+_is_finalized = MPI.Is_finalized
 # What `auto`'s choice depends on besides the call (`select.settings_key`), read inline.
 _ENCODED = ENCODED_ENVIRONMENT
 _OVERRIDE, _TUNING = SETTINGS_NAMES["allreduce"]
@@ -157,7 +159,9 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
     ProcessFailure), and for the expected call (`expectation.py`) what `LibraryPlan.run` does, all
     inline in this one frame: at 8 bytes a Python call costs a tenth of the library's own.
     """
-    channel = channel_of(comm)
+    channel = channels.world  # `channel_of`, its common case read here
+    if comm is not None or channel is None or _is_finalized():
+        channel = channel_of(comm)
     lane = channel.blocking
     if lane is channel.background:  # below MPI_THREAD_MULTIPLE only the engine calls MPI
         return NOT_SMALL
@@ -220,5 +224,7 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
         channel.fail("allreduce", number, exc)
     finally:
         record[LEFT] = monotonic()
-        channel.leave()
+        channel.busy.release()  # `Channel.leave`
+        if channel.intruders:
+            channel.intruded()
     return result
