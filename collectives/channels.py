@@ -205,19 +205,25 @@ class Channel:
         """End the call `enter` started; raises ConcurrentUseError if another thread intruded."""
         self.busy.release()
         if self.intruders:
-            intruders, self.intruders = self.intruders, []
-            raise ConcurrentUseError(
-                f"thread(s) {', '.join(repr(t) for t in intruders)} called collectives on this "
-                f"communicator while thread {threading.current_thread().name!r} was in a call on "
-                "it (that call itself completed); give each thread its own communicator "
-                "(comm.Dup()).")
+            self.intruded()
+
+    def intruded(self) -> NoReturn:
+        """Raise, for the call just ended, that other threads called while it was under way."""
+        intruders, self.intruders = self.intruders, []
+        raise ConcurrentUseError(
+            f"thread(s) {', '.join(repr(t) for t in intruders)} called collectives on this "
+            f"communicator while thread {threading.current_thread().name!r} was in a call on "
+            "it (that call itself completed); give each thread its own communicator "
+            "(comm.Dup()).")
 
     def drain(self) -> None:
         """Wait until every `i*` call issued on this communicator has finished (whatever its
         outcome, which its own handle reports): a blocking call runs only after them."""
         last = self.last
-        if last is not None and not last.done():
-            last.settled()
+        if last is not None:
+            if not last.done():
+                last.settled()
+            self.last = None  # so the next call's drain is one test (`small.allreduce_now`'s)
 
     def refuse(self, collective: str, number: int) -> NoReturn:
         """Raise what call `number` raises on a communicator a process failure ended."""
@@ -294,17 +300,18 @@ def _forget_channel(comm: MPI.Comm, keyval: int, channel: Channel) -> None:
 # gives the same handle.
 _CHANNEL_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_forget_channel)
 _channel_lock = threading.Lock()
-_world: Channel | None = None
+#: MPI.COMM_WORLD's channel once made (read inline by `small.allreduce_now`).
+world: Channel | None = None
 
 
 def channel_of(comm: MPI.Comm | None) -> Channel:
     """The channel of `comm` (None: MPI.COMM_WORLD), made at its first use."""
-    global _world
+    global world
     if MPI.Is_finalized():
         raise RuntimeError("MPI has been finalized: no collective can run any more (call "
                            "collectives before MPI.Finalize, or before hpcdl shuts MPI down at exit)")
-    if _world is not None and comm is None:
-        return _world
+    if world is not None and comm is None:
+        return world
     target = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(target, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(target).__name__}")
@@ -326,7 +333,7 @@ def channel_of(comm: MPI.Comm | None) -> Channel:
                 channel = Channel(target, MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
                 target.Set_attr(_CHANNEL_KEYVAL, channel)
     if comm is None:
-        _world = channel
+        world = channel
     return channel
 
 

@@ -96,7 +96,8 @@ class LibraryPlan:
             out: np.ndarray | None) -> np.ndarray:
         """Call `number` for a C-ordered host array `x` of this plan's signature, into `out` (`x`
         itself, another array like `x`, or None for a new one): as the expected call where it is
-        one and every rank agrees, else checked and run through the library in full."""
+        one and every rank agrees, else checked and run through the library in full.
+        (`small.allreduce_now` does the same inline, blocking calls' path.)"""
         expectation = lane.expectation
         expected = expectation.expected
         if expected is not None:
@@ -104,10 +105,17 @@ class LibraryPlan:
             if expected[0] is self and expected[1] == site[0] and number == expectation.number + 1:
                 if self.attempt(x):
                     expectation.confirmed(self.ident, site[0], number)
-                    return self._finished(self.data if x.ndim == 1 else self.data.reshape(x.shape),
-                                          out)
+                    return self.finished(self.data if x.ndim == 1 else self.data.reshape(x.shape),
+                                         out)
             else:
                 expected[0].attempt(None)
+        return self.checked(lane, number, site, x, out)
+
+    def checked(self, lane: Lane, number: int, site: tuple[int, str], x: np.ndarray,
+                out: np.ndarray | None) -> np.ndarray:
+        """`run` for a call that is not the expected one, or whose attempt some rank declined
+        (the attempt, if any, already made): checked, then run through the library in full."""
+        expectation = lane.expectation
         lane.agreement.check("allreduce", [*self.signature, site[0], number], None, site[1])
         expectation.agreed(self.ident, site[0], number, self)
         if out is None:
@@ -118,9 +126,9 @@ class LibraryPlan:
                 np.copyto(out, x)
             result = out
             self.comm.Allreduce(MPI.IN_PLACE, [result, self.datatype], self.mpi_op)
-        return self._finished(result, result)
+        return self.finished(result, result)
 
-    def _finished(self, reduced: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    def finished(self, reduced: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The reduction `reduced`, divided for avg, in `out` or a new array."""
         if out is None:
             out = reduced.copy()

@@ -49,7 +49,9 @@ class Call:
 #: turns it off for programs whose ranks deliberately pair calls made from different lines.
 CHECK_CALL_SITES = os.environ.get("HPCDL_CHECK_CALL_SITES", "1").strip().lower() not in (
     "0", "false", "no", "off")
-_SITES: dict[tuple[int, int], tuple[tuple[int, str], Any]] = {}
+#: Call sites seen, by (id of the code, instruction): (fingerprint, text), and the code (kept, so
+#: its id is not reused); read inline by `small.allreduce_now`.
+SITES: dict[tuple[int, int], tuple[tuple[int, str], Any]] = {}
 
 
 def call_site(depth: int = 3) -> tuple[int, str]:
@@ -65,10 +67,10 @@ def call_site(depth: int = 3) -> tuple[int, str]:
     code = frame.f_code
     # Keyed by the code's id (hashing a code object hashes its contents) and the call's
     # instruction (cheaper to read than its line); the code is kept, so its id is not reused.
-    found = _SITES.get((id(code), frame.f_lasti))
+    found = SITES.get((id(code), frame.f_lasti))
     if found is None:
         text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
-        found = _SITES[id(code), frame.f_lasti] = ((zlib.crc32(text.encode()) + 1, text), code)
+        found = SITES[id(code), frame.f_lasti] = ((zlib.crc32(text.encode()) + 1, text), code)
     return found[0]
 
 

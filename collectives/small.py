@@ -17,18 +17,21 @@ and reports every argument error, on every rank.
 from __future__ import annotations
 
 import struct
+from sys import _getframe
+from threading import get_ident
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
 from mpi4py import MPI
 
+from . import channels
 from .channels import channel_of
 from .errors import CollectiveArgumentError
 from .expectation import LibraryPlan
 from .ops import OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, STATUS
-from .planning import ALGORITHM_CHOICES, call_signature, call_site
+from .planning import ALGORITHM_CHOICES, CHECK_CALL_SITES, SITES, call_signature, call_site
 from .recorder import LEFT, RECORDER
 from .registry import ALGORITHMS
 from .select import ENCODED_ENVIRONMENT, SETTINGS_NAMES, choose, settings_key
@@ -40,6 +43,9 @@ if TYPE_CHECKING:
 #: What `allreduce_now` returns for a call that takes the general path.
 NOT_SMALL: Any = object()
 _UNPLANNED: Any = object()
+_NO_SITE = (0, "")  # `planning.call_site` where call sites are not checked
+_IN_PLACE = MPI.IN_PLACE
+_is_finalized = MPI.Is_finalized
 # What `auto`'s choice depends on besides the call (`select.settings_key`), read inline.
 _ENCODED = ENCODED_ENVIRONMENT
 _OVERRIDE, _TUNING = SETTINGS_NAMES["allreduce"]
@@ -148,11 +154,14 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
     """A blocking allreduce of the NumPy array `x` on its small plan, on the caller's thread, once
     the `i*` calls issued before it have finished; NOT_SMALL where it takes the general path.
 
-    Does what `execution.run_blocking` and `execution._guarded` do for every call (numbered,
-    checked for concurrent use, counted completed, failures reported as ProcessFailure), inline,
-    and looks its plan up as `small_plan` and `suits` do: every 100 ns shows at 8 bytes.
+    Does what `execution.run_blocking` and `execution._guarded` do for every call (call site
+    found, numbered, checked for concurrent use, recorded, counted completed, failures reported as
+    ProcessFailure), and for the expected call (`expectation.py`) what `LibraryPlan.run` does, all
+    inline in this one frame: at 8 bytes a Python call costs a tenth of the library's own.
     """
-    channel = channel_of(comm)
+    channel = channels.world  # `channel_of`, its common case read here
+    if comm is not None or channel is None or _is_finalized():
+        channel = channel_of(comm)
     lane = channel.blocking
     if lane is channel.background:  # below MPI_THREAD_MULTIPLE only the engine calls MPI
         return NOT_SMALL
@@ -165,14 +174,47 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
         return NOT_SMALL
     if not (x.flags.c_contiguous if out is None else suits(x, out)):
         return NOT_SMALL
-    site = call_site()
-    number = channel.enter()
-    record = RECORDER.enter(channel.label, number, plan.what, site[1], channel.issuer, None)
+    if CHECK_CALL_SITES:  # `planning.call_site`, its cache read here: frames up to the caller's
+        frame = _getframe(2)
+        found = SITES.get((id(frame.f_code), frame.f_lasti))
+        site = call_site() if found is None else found[0]
+    else:
+        site = _NO_SITE
+    if channel.busy.acquire(False):  # `Channel.enter`
+        channel.issuer = issuer = get_ident()
+        number = channel.calls = channel.calls + 1
+    else:  # another thread's call is under way: raises ConcurrentUseError (or it just ended)
+        number, issuer = channel.enter(), channel.issuer
+    record = [channel.label, number, plan.what, site[1], None, issuer, monotonic(), 0.0]
+    if RECORDER.capacity:  # `Recorder.enter`, without the walk up the frames
+        RECORDER.ring[RECORDER.count % RECORDER.capacity] = record
+        RECORDER.count += 1
     try:
-        channel.drain()
+        if channel.last is not None:
+            channel.drain()
         if channel.failure is not None:
             channel.refuse("allreduce", number)
-        result = plan.run(lane, number, site, x, out)
+        expectation = lane.expectation
+        expected = expectation.expected
+        if (expected is not None and expected[0] is plan and expected[1] == site[0]
+                and number == expectation.number + 1):
+            # The expected call (`LibraryPlan.run`, `attempt` and `Expectation.confirmed`).
+            expectation.expected = None
+            data, flag = plan.data, plan.flag
+            flat = x.ndim == 1
+            data[...] = x if flat else x.reshape(-1)
+            flag[0] = plan.agreeing
+            plan.comm.Allreduce(_IN_PLACE, plan.spec, plan.mpi_op)
+            if flag[0] == plan.agreeing:
+                expectation.last = last = (plan.ident, site[0])
+                expectation.number = number
+                expectation.expected = expectation.follows.get(last)
+                result = data.copy() if out is None and flat and plan.finish is None else \
+                    plan.finished(data if flat else data.reshape(x.shape), out)
+            else:
+                result = plan.checked(lane, number, site, x, out)
+        else:
+            result = plan.run(lane, number, site, x, out)
         channel.completed = number
     except CollectiveArgumentError:  # refused on every rank alike: the call is over everywhere
         channel.completed = number
@@ -182,5 +224,7 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
         channel.fail("allreduce", number, exc)
     finally:
         record[LEFT] = monotonic()
-        channel.leave()
+        channel.busy.release()  # `Channel.leave`
+        if channel.intruders:
+            channel.intruded()
     return result

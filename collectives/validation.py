@@ -51,8 +51,8 @@ class Packet:
 
     With `payload_dtype`, `payload` (shaped `payload_shape`) lives in the packet after the header
     and `incoming` is the same place in the receive buffer. The buffers are bytearrays, so headers
-    compare in one C call (`sent_header`, `got_header`: memoryviews of their first bytes); the
-    views also keep them from being resized while MPI may hold their address.
+    compare in one C call (`sent_header`, `got_header`: memoryviews of their first bytes, as
+    words); the views also keep them from being resized while MPI may hold their address.
     """
 
     __slots__ = ("send", "recv", "outgoing", "arriving", "header", "sent_header", "got_header",
@@ -68,8 +68,10 @@ class Packet:
         self.outgoing = [self.send, len(self.send), MPI.BYTE]
         self.arriving = [self.recv, len(self.recv), MPI.BYTE]
         self.header = np.frombuffer(self.send, np.int64, SIGNATURE_FIELDS + 1)
-        self.sent_header = memoryview(self.send)[:HEADER_BYTES]
-        self.got_header = memoryview(self.recv)[:HEADER_BYTES]
+        # As 64-bit words: a memoryview of bytes compares byte by byte (160 ns), of words in
+        # one go (40 ns).
+        self.sent_header = memoryview(self.send)[:HEADER_BYTES].cast("q")
+        self.got_header = memoryview(self.recv)[:HEADER_BYTES].cast("q")
         self.payload: Any = None
         self.incoming: Any = None
         if payload_dtype is not None:

@@ -323,3 +323,38 @@ def test_every_op_s_agreeing_value_survives_only_unanimity(ranks: int) -> None:
                 if (reduced == dtype.type(op.agreeing)) != (disagreeing == 0):
                     problems.append(f"{op.name} {name} {disagreeing}/{ranks}: {reduced}")
     assert not problems, problems
+
+
+def test_the_expected_call_waits_for_the_nonblocking_calls_before_it(comm: MPI.Comm,
+                                                                     side: MPI.Comm) -> None:
+    """A loop of two outstanding `iallreduce` calls (from two lines: a call is expected after the
+    signature and line of its predecessor), then an `mpi` allreduce: once expected, the blocking
+    call still runs after the two (MPI's order on a communicator), sends no check message of its
+    own, is numbered after them, and every result is exact."""
+    size = comm.Get_size()
+    x = np.ones(N, np.float32)
+    agreement = channel_of(side).blocking.agreement
+    exchanges = [0]
+    original = agreement.exchange
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        exchanges[0] += 1
+        return original(*args, **kwargs)
+
+    problems = []
+    for i in range(4):
+        if i == 2:  # learnt by now: the blocking call is expected after the last `iallreduce`
+            agreement.exchange = counted  # type: ignore[method-assign]
+        handles = [collectives.iallreduce(np.full(1000, 0.0), side, algorithm="ring"),
+                   collectives.iallreduce(np.full(1000, 1.0), side, algorithm="ring")]
+        first = RECORDER.count
+        got = _step(x, side, "sum", "mpi")
+        record = RECORDER.records()[-1]
+        results = [h.wait(timeout=60) for h in handles]
+        problems += [f"round {i} call {k}: {p}" for k, r in enumerate(results)
+                     if (p := bitwise_equal(r, np.full(1000, k * size, np.float64)))]
+        if bitwise_equal(got, np.full(N, size, np.float32)) or RECORDER.count != first + 1 or \
+                record["number"] != channel_of(side).completed:
+            problems.append(f"round {i}: {got} {record}")
+    del agreement.exchange
+    assert all_ranks_agree(not problems and exchanges[0] == 0, comm), (problems, exchanges)
