@@ -2,8 +2,9 @@
 
 Run under `mpirun --with-ft ulfm -n K python tests/helpers/train_failure_job.py DIR KILL [KILL ...] --
 TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the other: one start
-of the ranks for them all, which costs each process about 3 CPU-s). The KILLs happen in the last
-run (the runs before it are undisturbed; a replacement runs the last one alone). Each KILL is
+of the ranks for them all, each of which costs a process seconds of CPU, most of them torch's
+imports). The KILLs happen in the last run (the runs before it are undisturbed; a replacement
+runs the last one alone, and its DIR/statuses-<id> has that run's line only). Each KILL is
 `phase:step:victims`: the victims (ids joined by `+`: world ranks, or a replacement's) SIGKILL
 themselves at `phase` once they have applied `step` updates in that run (a replacement
 (--respawn), whose id comes after the ranks mpirun started, counts the updates it applied since
@@ -36,9 +37,9 @@ model it evaluated last, its own counters; a server: its shard's values put into
 clocks, progress, the workers it lost and its consistency model's state), and DIR/done-<id> with
 the exit status, so the test can compare the survivors bit for bit (in a job of several runs,
 run i's into DIR/run<i>, counted from 0, and world rank 0 prints "train_failure_job.py: run i"
-as it starts, for the test to cut the output at); every process appends each run's status to DIR/statuses-<id> as
-the run returns (a line per run), for tests whose runs share one job. The rest is `hpcdl train`
-itself.
+as it starts, for the test to cut the output at); every process appends each run's status to
+DIR/statuses-<id> as the run returns (a line per run), for tests whose runs share one job. The
+rest is `hpcdl train` itself.
 """
 # ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
 from __future__ import annotations
