@@ -476,6 +476,7 @@ def test_a_signal_to_mpirun_ends_the_run_with_one_line_and_nothing_else(signum, 
     outcome = on_rank0(comm, lambda: launch_and_signal(command, signum, r"epoch +1/100 +loss"))
     assert isinstance(outcome, dict) and "error" not in outcome, outcome
     out, steps = outcome["output"], [s for s, _ in ckpt.list_checkpoints(ck)]
+    # no carriage return: a log gets no progress bars (test_progress_bars_show_on_a_terminal_only's log case)
     assert "Traceback" not in out and "exited with non-zero status" not in out and "\r" not in out, out[-3000:]
     if signum == signal.SIGUSR1:
         stopped = re.findall(r"stopping at step (\d+) on SIGUSR1: checkpoint written, exit status 3 \(resume with "
