@@ -36,12 +36,35 @@ def launch(ranks: int, program: list[str], ulfm: bool = True, mpirun: tuple[str,
 
 
 def train_losing(directory: Path, ranks: int, kills: list[str], args: list[str], mpirun: tuple[str, ...] = (),
-                 **env: str) -> tuple[int, str, dict[int, Any]]:
+                 before: tuple[list[str], ...] = (), **env: str) -> tuple[int, str, dict[int, Any]]:
     """`hpcdl train args` on `ranks` ranks, the `kills` (train_failure_job.py's syntax) happening;
-    its status, output, and each finished process's final state by id."""
+    its status, output, and each finished process's final state by id. The undisturbed runs
+    `before` (`hpcdl train` arguments each) go first in the same job, sharing its start of the
+    ranks: their final states are in `run_directory(directory, i)`, their outputs `run_outputs`."""
     directory.mkdir(parents=True, exist_ok=True)
-    code, out = launch(ranks, [str(TRAIN_JOB), str(directory), *kills, "--", *args], mpirun=mpirun, **env)
-    return code, out, finals(directory)
+    runs = [arg for run in (*before, args) for arg in ("--", *run)]
+    code, out = launch(ranks, [str(TRAIN_JOB), str(directory), *kills, *runs], mpirun=mpirun, **env)
+    return code, out, finals(run_directory(directory, len(before)) if before else directory)
+
+
+def run_directory(directory: Path, index: int) -> Path:
+    """Where run `index` (from 0) of a train_failure_job.py job of several runs left its final states."""
+    return directory / f"run{index}"
+
+
+def run_statuses(directory: Path, index: int, ids: range) -> list[int | None]:
+    """The exit status of run `index` (from 0) of a train_failure_job.py job in `directory` on each
+    of the processes `ids` (None on one that did not finish it)."""
+    paths = [directory / f"statuses-{i}" for i in ids]
+    lines = [path.read_text().splitlines() if path.exists() else [] for path in paths]
+    return [int(done[index]) if index < len(done) else None for done in lines]
+
+
+def run_outputs(out: str) -> list[str]:
+    """A train_failure_job.py job's output cut where each of its runs starts (rank 0's lines of
+    each run are in its part; the lines before the first run's start are in the first)."""
+    parts = re.split(r"^train_failure_job\.py: run \d+\n", out, flags=re.MULTILINE)
+    return [parts[0] + parts[1], *parts[2:]] if len(parts) > 1 else parts
 
 
 def resume_on(ranks: int, source: Path, step: int, directory: Path,

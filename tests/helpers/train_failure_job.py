@@ -2,10 +2,13 @@
 
 Run under `mpirun --with-ft ulfm -n K python tests/helpers/train_failure_job.py DIR KILL [KILL ...] --
 TRAIN_ARGS [-- TRAIN_ARGS ...]` (several runs of `hpcdl train`, one after the other: one start
-of the ranks for them all). Each KILL is `phase:step:victims`: the victims (ids joined by `+`:
-world ranks, or a replacement's) SIGKILL themselves at `phase` once they have applied `step`
-updates (a replacement (--respawn), whose id comes after the ranks mpirun started, counts the
-updates it applied since it joined):
+of the ranks for them all, each of which costs a process seconds of CPU, most of them torch's
+imports). The KILLs happen in the last run (the runs before it are undisturbed; a replacement
+runs the last one alone, and its DIR/statuses-<id> has that run's line only). Each KILL is
+`phase:step:victims`: the victims (ids joined by `+`: world ranks, or a replacement's) SIGKILL
+themselves at `phase` once they have applied `step` updates in that run (a replacement
+(--respawn), whose id comes after the ranks mpirun started, counts the updates it applied since
+it joined):
 
 - `step`: as the next step starts, before its forward (a parameter server's worker: after its pull);
 - `backward`: in the next step, after its first gradient bucket is launched, so buckets are in
@@ -28,13 +31,15 @@ updates it applied since it joined):
 With `--spares K` a victim in training dies only once the K spares are ready (each writes DIR/spare-ready-<id>
 when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
 Every checkpoint is kept (not only the newest three), for the tests to resume from any.
-Every process that finishes writes DIR/final-<id>.pt (its id: its world rank, or a
+Every process that finishes a run writes DIR/final-<id>.pt (its id: its world rank, or a
 replacement's) with its model, optimizer and scheduler state (a parameter server's worker: the
 model it evaluated last, its own counters; a server: its shard's values put into the model, its
 clocks, progress, the workers it lost and its consistency model's state), and DIR/done-<id> with
-the exit status, so the test can compare the survivors bit for bit; every process appends each
-run's status to DIR/statuses-<id> as the run returns (a line per run), for tests whose runs share
-one job. The rest is `hpcdl train` itself.
+the exit status, so the test can compare the survivors bit for bit (in a job of several runs,
+run i's into DIR/run<i>, counted from 0, and world rank 0 prints "train_failure_job.py: run i"
+as it starts, for the test to cut the output at); every process appends each run's status to
+DIR/statuses-<id> as the run returns (a line per run), for tests whose runs share one job. The
+rest is `hpcdl train` itself.
 """
 # ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
 from __future__ import annotations
@@ -73,14 +78,21 @@ class Killer:
     """SIGKILLs this process at the chosen phase of the chosen step (after writing the time to
     DIR/killed-<id>, for the test to measure from)."""
 
-    def __init__(self, directory: Path, kills: list[tuple[str, int, set[int]]], spares: int = 0) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.spares = 0
+        self.mine: set[tuple[str, int]] = set()  # none until `arm`: the runs before the last are undisturbed
+        self.pushers: set[tuple[int, int]] = set()
+        self.pushes: dict[int, int] = {}  # PUSH messages a server matched, by worker
+        self.steps = 0  # updates applied on this rank
+
+    def arm(self, kills: list[tuple[str, int, set[int]]], spares: int = 0) -> None:
+        """The kills of the run that starts now (the job's last), its steps counted from 0."""
         self.spares = spares
         me = world.member()  # a replacement's id: the survivors gave it when it joined
         self.mine = {(phase, step) for phase, step, victims in kills if me in victims}
         self.pushers = {(victim, step) for phase, step, victims in kills if phase == "push" for victim in victims}
-        self.steps = 0  # updates applied on this rank
-        self.armed_checkpoint = False
+        self.pushes, self.steps = {}, 0
 
     def die_if(self, phase: str) -> None:
         if (phase, self.steps) in self.mine:
@@ -137,11 +149,11 @@ class Killer:
         ps_worker.wait_all = pushing
 
         handle = ps_server.Server._handle
-        pushes: dict[int, int] = {}  # PUSH messages matched, by worker
 
         def handling(self: Any, message: Any, status: Any, on_checkpoint: Any) -> None:
             source = status.Get_source()
             if status.Get_tag() == Tag.PUSH:
+                pushes = killer.pushes
                 pushes[source] = pushes.get(source, 0) + 1
                 if (source, pushes[source] - 1) in killer.pushers:  # matched: receive once it is dead
                     deadline = time.monotonic() + 60
@@ -216,7 +228,14 @@ class Killer:
         train_run.set_aside = setting_aside
 
 
-def keep_final_state(directory: Path) -> None:
+class Outputs:
+    """Where the run going on writes its final states: DIR, or DIR/run<i> in a job of several."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+
+def keep_final_state(outputs: Outputs) -> None:
     """After the run, each process saves what it trained (before it leaves without Finalize)."""
     run = trainer_module.Trainer.run
 
@@ -230,8 +249,8 @@ def keep_final_state(directory: Path) -> None:
         else:
             state |= {"model": self.model.state_dict(), "optimizer": strategy.optimizer.state_dict(),
                       "scheduler": strategy.scheduler.state_dict()}
-        torch.save(state, directory / f"final-{world.member()}.pt")
-        (directory / f"done-{world.member()}").write_text(str(status))
+        torch.save(state, outputs.directory / f"final-{world.member()}.pt")
+        (outputs.directory / f"done-{world.member()}").write_text(str(status))
         return status
     trainer_module.Trainer.run = running  # type: ignore[method-assign]
 
@@ -249,8 +268,8 @@ def keep_final_state(directory: Path) -> None:
                 flats[piece.param][piece.start:piece.stop].copy_(raw.view(flats[piece.param].dtype))
         torch.save({"model": self.module.state_dict(), "clocks": dict(server.clocks), "lost": sorted(server.lost),
                     "stats": server.stats(), "progress": server.progress,
-                    "consistency": server.consistency.state_dict()}, directory / f"final-{world.member()}.pt")
-        (directory / f"done-{world.member()}").write_text(str(status))
+                    "consistency": server.consistency.state_dict()}, outputs.directory / f"final-{world.member()}.pt")
+        (outputs.directory / f"done-{world.member()}").write_text(str(status))
         return status
     servers.ParameterServerStrategy.serve = serving  # type: ignore[method-assign]
 
@@ -262,18 +281,26 @@ def main(argv: list[str]) -> int:
     for spec in argv[1:split]:
         phase, step, victims = spec.split(":")
         kills.append((phase, int(step), {int(v) for v in victims.split("+")}))
-    after = argv[split + 1:]
-    spares = int(after[after.index("--spares") + 1]) if "--spares" in after else 0
-    Killer(directory, kills, spares).install()
-    keep_final_state(directory)
     runs: list[list[str]] = [[]]  # several runs one after the other, separated by `--`
     for arg in argv[split + 1:]:
         if arg == "--":
             runs.append([])
         else:
             runs[-1].append(arg)
+    killer, outputs = Killer(directory), Outputs(directory)
+    killer.install()
+    keep_final_state(outputs)
     statuses = []
-    for run in runs:
+    for index, run in enumerate(runs):
+        if recovery.is_replacement() and index < len(runs) - 1:
+            continue  # it replaces a process lost in the last run: it joins that one
+        if len(runs) > 1:
+            outputs.directory = directory / f"run{index}"
+            outputs.directory.mkdir(exist_ok=True)
+            if world.member() == 0:
+                print(f"train_failure_job.py: run {index}", flush=True)
+        if index == len(runs) - 1:
+            killer.arm(kills, int(run[run.index("--spares") + 1]) if "--spares" in run else 0)
         statuses.append(train.main(run))
         with open(directory / f"statuses-{world.member()}", "a") as file:  # what ended, should a later run not
             file.write(f"{statuses[-1]}\n")

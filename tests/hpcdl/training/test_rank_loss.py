@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -29,7 +29,8 @@ from hpcdl.training.schedule import ProgressSchedule, Schedule
 from hpcdl.runtime import recovery as ulfm
 from hpcdl.runtime.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from tests.helpers.rank_loss_jobs import (ELASTIC_JOB, REPRODUCIBLE, TRAIN_JOB, epoch_report, finals, identical,
-                                         launch, metrics, resume_on, train_losing)
+                                         launch, metrics, resume_on, run_directory, run_outputs, run_statuses,
+                                         train_losing)
 
 own_jobs = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                               reason="launches its own mpirun jobs: the one-rank job is enough")
@@ -154,72 +155,81 @@ def test_ranks_lost_in_backward_the_update_and_a_checkpoint_write_until_one_is_l
         "recovery from the loss of rank 0 of 2"]
 
 
-#: The two 4-rank runs that lose rank 3 and whose survivors are compared with undisturbed 3-rank
-#: runs resumed from their checkpoints: (its kill, its arguments, whether it writes DIR/m.jsonl,
-#: the steps whose checkpoints the 3-rank runs resume from) by name.
-SHRINKING_RUNS = {
+#: `hpcdl train` options of the parameter-server runs that lose a worker.
+SERVED = ["--servers", "1", "--epochs", "2", "--seed", "2"]
+#: The 4-rank runs that lose a rank, each launched once for the module (`losing`), some of whose
+#: checkpoints are resumed on 3 ranks, all in one job (`resumed_on_three`): (its kills, its
+#: arguments, the steps whose checkpoints the 3-rank runs resume from) by name.
+LOSING_RUNS = {
     "allreduce": (["backward:7:3"], ["--epochs", "2", "--batch-size", "32", "--bucket-cap-mb", "0.05",
-                                     "--seed", "3", "--checkpoint-every", "7"], True, (7, 14)),
+                                     "--seed", "3", "--checkpoint-every", "7"], (7, 14)),
     "local-sgd": (["step:7:3"], ["--strategy", "local-sgd", "--period", "4", "--epochs", "1", "--batch-size", "32",
-                                 "--seed", "3", "--checkpoint-every", "7"], False, (7,)),
+                                 "--seed", "3", "--checkpoint-every", "7"], (7,)),
+    "downpour": (["step:5:1"], ["--strategy", "downpour", *SERVED], ()),
+    # the checkpoint of step 10 is due at the meeting where the others catch the loss
+    "ssp": (["step:5:0"], ["--strategy", "ssp", *SERVED, "--checkpoint-every", "10"], (20,)),
+    "softsync": (["step:5:2"], ["--strategy", "softsync", *SERVED, "--staleness", "3"], ()),  # updates of 3 pushes
+    "sync-ps": (["step:5:1"], ["--strategy", "sync-ps", *SERVED, "--checkpoint-every", "10"], (20,)),
 }
 
 
 @pytest.fixture(scope="module")
-def shrinking(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """`shrinking(name)`: SHRINKING_RUNS[name] run on 4 ranks (launched once for the module) as
-    `train_losing` returns it, with its directory (the checkpoints in DIR/ck)."""
+def losing(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`losing(name)`: LOSING_RUNS[name] run on 4 ranks (launched once for the module, when a
+    test first asks) as `train_losing` returns it, with its directory (its checkpoints in DIR/ck,
+    its metrics in DIR/m.jsonl)."""
     done: dict[str, tuple[Path, tuple[int, str, dict[int, Any]]]] = {}
 
     def run(name: str) -> tuple[Path, tuple[int, str, dict[int, Any]]]:
         if name not in done:
             directory = tmp_path_factory.mktemp(name)
-            kills, args, with_metrics, _ = SHRINKING_RUNS[name]
+            kills, args, _ = LOSING_RUNS[name]
             done[name] = directory, train_losing(directory, 4, kills, [
-                *args, "--checkpoint-dir", str(directory / "ck"),
-                *(["--metrics", str(directory / "m.jsonl")] if with_metrics else [])])
+                *args, "--checkpoint-dir", str(directory / "ck"), "--metrics", str(directory / "m.jsonl")])
         return done[name]
     return run
 
 
+class Resumed(NamedTuple):
+    """One of `resumed_on_three`'s runs."""
+
+    statuses: list[int | None]  # its exit status on each of the 3 ranks (None: not finished)
+    checkpoints: Path
+    final: dict[int, Any]  # each rank's final state
+    out: str  # its part of the job's output
+
+
 @pytest.fixture(scope="module")
-def resumed_on_three(shrinking: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
-    """The undisturbed 3-rank runs resumed from each SHRINKING_RUNS run's checkpoints (the ones it
+def resumed_on_three(losing: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Resumed]:
+    """The undisturbed 3-rank runs resumed from each LOSING_RUNS run's checkpoints (the ones it
     wrote: a run that failed to write one is left out), all in one job (one start of the ranks),
-    without ULFM: each one's checkpoint directory by (name, step). The job's output and each run's
-    status on each rank are in the directory's parent (DIR/../out, DIR/../statuses-<rank>)."""
+    without ULFM, by (name, step)."""
     job = tmp_path_factory.mktemp("resumed")
     runs, directories = [], {}
-    for name, (_, args, _, steps) in SHRINKING_RUNS.items():
-        source = shrinking(name)[0] / "ck"
+    for name, (_, args, steps) in LOSING_RUNS.items():
+        source = losing(name)[0] / "ck" if steps else None
         for step in steps:
-            if checkpoint_path(source, step).exists():
+            if source is not None and checkpoint_path(source, step).exists():
                 directory = job / f"{name}-from{step}"
                 directory.mkdir()
                 shutil.copy(checkpoint_path(source, step), checkpoint_path(directory, step))
                 runs += ["--", *args, "--checkpoint-dir", str(directory), "--resume"]
                 directories[(name, step)] = directory
     code, out = launch(3, [str(TRAIN_JOB), str(job), *runs], ulfm=False) if runs else (0, "")
-    (job / "out").write_text(f"exit status {code}\n{out}")
-    return directories
-
-
-def resumed_status(resumed: dict[tuple[str, int], Path], name: str, step: int) -> list[int | None]:
-    """The status of `resumed_on_three`'s run of (name, step) on each of the 3 ranks (None on a
-    rank that did not finish it)."""
-    index = list(resumed).index((name, step))
-    statuses = [resumed[(name, step)].parent / f"statuses-{m}" for m in range(3)]
-    lines = [path.read_text().splitlines() if path.exists() else [] for path in statuses]
-    return [int(done[index]) if index < len(done) else None for done in lines]
+    outputs = run_outputs(out)
+    return {key: Resumed(run_statuses(job, index, range(3)), directory,
+                         finals(run_directory(job, index) if len(directories) > 1 else job),
+                         f"job's exit status {code}\n" + (outputs[index] if index < len(outputs) else out))
+            for index, (key, directory) in enumerate(directories.items())}
 
 
 @own_jobs
-def test_survivors_end_where_an_undisturbed_run_on_fewer_ranks_ends(shrinking, request):
+def test_survivors_end_where_an_undisturbed_run_on_fewer_ranks_ends(losing, request):
     """4 ranks, rank 3 dies in backward after 7 steps: the 3 survivors redo step 8 and train on.
     They end bitwise identical to each other, and to undisturbed 3-rank runs: one resumed from
     the 4 ranks' checkpoint of step 7 (the same data split), one resumed from the survivors'
     checkpoint of step 14 (the resume of a shrunk run)."""
-    directory, (code, out, final) = shrinking("allreduce")
+    directory, (code, out, final) = losing("allreduce")
     assert code == 0 and sorted(final) == [0, 1, 2], out[-4000:]
     states = [final[m] for m in (0, 1, 2)]
     assert identical(states, "model", "optimizer", "scheduler") and {s["size"] for s in states} == {3}
@@ -227,11 +237,11 @@ def test_survivors_end_where_an_undisturbed_run_on_fewer_ranks_ends(shrinking, r
     assert [r["steps_lost"] for r in metrics(directory / "m.jsonl")] == [1, None]
     for step, ranks in ((7, 4), (14, 3)):
         assert len(load_checkpoint(checkpoint_path(directory / "ck", step))["ranks"]) == ranks
-    resumed = request.getfixturevalue("resumed_on_three")  # both resumes, and local-sgd's, in one job
+    resumed = request.getfixturevalue("resumed_on_three")  # both resumes, and the others', in one job
     for step in (7, 14):
-        assert resumed_status(resumed, "allreduce", step) == [0, 0, 0], \
-            (resumed[("allreduce", step)].parent / "out").read_text()[-4000:]
-        end = load_checkpoint(checkpoint_path(resumed[("allreduce", step)], 24))
+        run = resumed[("allreduce", step)]
+        assert run.statuses == [0, 0, 0], run.out[-4000:]
+        end = load_checkpoint(checkpoint_path(run.checkpoints, 24))
         assert all(same_state(end[k], states[0][k]) for k in ("model", "optimizer", "scheduler")), step
 
 
@@ -260,20 +270,29 @@ def test_reproducible_runs_end_with_the_undisturbed_bits_after_a_lost_rank_or_a_
     epoch's loss, before step 4: the other two redo the step and take over its micro-batches; rank
     1 in the update of step 6, replaced by --respawn; rank 1 before step 3, its place taken by a
     spare) end with the same parameters and optimizer state, bit for bit, and the same epoch line:
-    loss, held-out loss, accuracy and digest."""
-    ck = tmp_path / "undisturbed" / "ck"
-    code, out, undisturbed = train_losing(tmp_path / "undisturbed", 4, [], [
-        *REPRODUCIBLE, "--checkpoint-every", "4", "--checkpoint-dir", str(ck)])
-    assert code == 0 and sorted(undisturbed) == [0, 1, 2, 3], out[-4000:]
-    report = epoch_report(out)
-    code, out, resumed = resume_on(3, ck, 4, tmp_path / "resumed", REPRODUCIBLE)
-    assert code == 0 and sorted(resumed) == [0, 1, 2] and resumed[0]["step"] == 23, out[-4000:]
+    loss, held-out loss, accuracy and digest. (Three jobs: the undisturbed run goes first in the
+    spares' job, the resumed run in the job that goes on without rank 0.)"""
+    ck = tmp_path / "spares" / "ck"
+    code, out, final = train_losing(tmp_path / "spares", 4, ["step:2:1"], [*REPRODUCIBLE, "--spares", "1"], before=(
+        [*REPRODUCIBLE, "--checkpoint-every", "4", "--checkpoint-dir", str(ck)],))
+    undisturbed, outputs = finals(run_directory(tmp_path / "spares", 0)), run_outputs(out)
+    assert run_statuses(tmp_path / "spares", 0, range(4)) == [0] * 4 and len(outputs) == 2, out[-4000:]
+    assert sorted(undisturbed) == [0, 1, 2, 3], out[-4000:]
+    report = epoch_report(outputs[0])
+    runs = {"spares": (code, outputs[1], final, [0, 2, 3])}
+    (tmp_path / "continue" / "ck").mkdir(parents=True)
+    shutil.copy(checkpoint_path(ck, 4), checkpoint_path(tmp_path / "continue" / "ck", 4))
+    code, out, final = train_losing(tmp_path / "continue", 3, ["step:3:0"], REPRODUCIBLE, before=(
+        [*REPRODUCIBLE, "--checkpoint-dir", str(tmp_path / "continue" / "ck"), "--resume"],))
+    resumed, outputs = finals(run_directory(tmp_path / "continue", 0)), run_outputs(out)
+    assert run_statuses(tmp_path / "continue", 0, range(3)) == [0] * 3 and len(outputs) == 2, out[-4000:]
+    assert sorted(resumed) == [0, 1, 2] and resumed[0]["step"] == 23, out[-4000:]
     assert identical([undisturbed[0], *resumed.values()], "model", "optimizer", "scheduler")
-    assert epoch_report(out) == report, out[-4000:]
-    runs = {"continue": (3, "step:3:0", [], [1, 2]), "respawn": (3, "optimizer:5:1", ["--respawn"], [0, 2, 3]),
-            "spares": (4, "step:2:1", ["--spares", "1"], [0, 2, 3])}
-    for name, (ranks, kill, extra, left) in runs.items():
-        code, out, final = train_losing(tmp_path / name, ranks, [kill], [*REPRODUCIBLE, *extra])
+    assert epoch_report(outputs[0]) == report, outputs[0][-4000:]
+    runs["continue"] = (code, outputs[1], final, [1, 2])
+    runs["respawn"] = (*train_losing(tmp_path / "respawn", 3, ["optimizer:5:1"], [*REPRODUCIBLE, "--respawn"]),
+                       [0, 2, 3])
+    for name, (code, out, final, left) in runs.items():
         assert code == 0 and sorted(final) == left, (name, out[-4000:])
         assert "lost rank" in out and all(s["step"] == 23 for s in final.values()), (name, out[-4000:])
         assert identical([undisturbed[0], *final.values()], "model", "optimizer"), name
@@ -399,22 +418,21 @@ def test_keep_rank_batch_takes_more_steps_at_a_scaled_rate(tmp_path):
 
 
 @own_jobs
-def test_local_sgd_survivors_go_back_to_their_own_replicas_and_average_over_the_rest(shrinking, request):
+def test_local_sgd_survivors_go_back_to_their_own_replicas_and_average_over_the_rest(losing, request):
     """local-sgd, 4 ranks, period 4: rank 3 dies as step 8 (an averaging) starts. The 3 survivors
     take their own local step 8, fail in its averaging, go back to their own state after step 7,
     redo step 8 averaging over 3 and train on. They end bitwise identical to an undisturbed 3-rank
     run resumed from the 4 ranks' checkpoint of step 7 (each survivor's own replica, the same
     data split); rank 3's progress since the averaging of step 4 is dropped."""
-    _, (code, out, final) = shrinking("local-sgd")
+    _, (code, out, final) = losing("local-sgd")
     assert code == 0 and sorted(final) == [0, 1, 2], out[-4000:]
     states = [final[m] for m in (0, 1, 2)]
     # 12 steps: the last one averages, so the replicas agree (their momentum is each one's own)
     assert identical(states, "model", "scheduler") and {(s["size"], s["step"]) for s in states} == {(3, 12)}
     assert all(s["reports"] == [((3,), 1)] for s in states), states[0]["reports"]
-    resumed = request.getfixturevalue("resumed_on_three")  # in one job with allreduce's resumes
-    assert resumed_status(resumed, "local-sgd", 7) == [0, 0, 0], \
-        (resumed[("local-sgd", 7)].parent / "out").read_text()[-4000:]
-    end = load_checkpoint(checkpoint_path(resumed[("local-sgd", 7)], 12))
+    run = request.getfixturevalue("resumed_on_three")[("local-sgd", 7)]  # in one job with the others' resumes
+    assert run.statuses == [0, 0, 0], run.out[-4000:]
+    end = load_checkpoint(checkpoint_path(run.checkpoints, 12))
     assert all(same_state(end[k], states[0][k]) for k in ("model", "optimizer", "scheduler"))
 
 
@@ -440,12 +458,8 @@ def _parameters(state: dict[str, Any]) -> dict[str, Any]:
 
 
 @own_jobs
-@pytest.mark.parametrize("strategy,victim,every,extra", [
-    ("downpour", 1, 0, []), ("ssp", 0, 10, []),
-    ("softsync", 2, 0, ["--staleness", "3"]),  # updates of 3 pushes, from the 2 workers left
-])
-def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tmp_path, strategy, victim, every,
-                                                                               extra):
+@pytest.mark.parametrize("strategy", ["downpour", "ssp", "softsync"])
+def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(losing, request, strategy):
     """4 ranks, 3 workers + 1 server: a worker (rank 0 under ssp, with the checkpoint of step 10
     due at the meeting where the others catch the loss) dies as its 6th step starts. The server
     counts it out (SSP's bound no longer waits for it; softsync's updates of 3 pushes take them
@@ -454,11 +468,11 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
     record the loss; the held-out accuracy is a learnt one (above 0.3, chance being 0.1). Under
     ssp, the checkpoint of step 20 resumed on the ranks left finishes: each worker goes on from its
     own clock, the server counts no lost worker, and the job's progress reaches the 2 epochs."""
-    ck = tmp_path / "ck"
-    code, out, final = train_losing(
-        tmp_path, 4, [f"step:5:{victim}"],
-        ["--strategy", strategy, "--servers", "1", "--epochs", "2", "--seed", "2", "--checkpoint-dir", str(ck),
-         "--metrics", str(tmp_path / "m.jsonl"), *(["--checkpoint-every", str(every)] if every else []), *extra])
+    kills, args, resumed_from = LOSING_RUNS[strategy]
+    victim = int(kills[0].rsplit(":", 1)[1])
+    every = int(args[args.index("--checkpoint-every") + 1]) if "--checkpoint-every" in args else 0
+    directory, (code, out, final) = losing(strategy)
+    ck = directory / "ck"
     survivors = [w for w in (0, 1, 2) if w != victim]
     assert code == 0 and sorted(final) == [*survivors, 3], out[-4000:]
     server, workers = final[3], [final[w] for w in survivors]
@@ -470,7 +484,7 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
     assert all(same_state(_parameters(w["model"]), _parameters(server["model"])) for w in workers)
     assert all(w["reports"] == [((victim,), 0)] and w["size"] == 2 and w["step"] == 30 for w in workers)
     assert f"lost rank {victim} of 3" in out, out[-4000:]
-    rows = metrics(tmp_path / "m.jsonl")
+    rows = metrics(directory / "m.jsonl")
     assert [r["lost_ranks"] for r in rows] == [str(victim), None] and rows[0]["steps_lost"] == 0, rows
     # Learnt (chance is 0.1): how far 2 epochs get depends on the staleness, so on the scheduling
     # (0.51 to 0.93 seen, softsync the lowest, on loaded and idle machines).
@@ -478,13 +492,12 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(tm
     assert [s for s, _ in list_checkpoints(ck)] == ([10, 15, 20, 30] if every else [15, 30])
     first = load_checkpoint(checkpoint_path(ck, every or 15))  # written by the 2 left, the server's shard in it
     assert len(first["ranks"]) == 2 and len(first["servers"]) == 1
-    if every:  # resumed on the ranks left from step 20: each worker goes on from its own clock
-        saved = load_checkpoint(checkpoint_path(ck, 20))["servers"][0]["clocks"]
-        code, out, resumed = resume_on(3, ck, 20, tmp_path / "on3", [
-            "--strategy", strategy, "--servers", "1", "--epochs", "2", "--seed", "2",
-            "--checkpoint-every", str(every), *extra])
-        assert code == 0 and sorted(resumed) == [0, 1, 2], out[-4000:]
-        assert "on 3 rank(s) (the data of the run's 3 workers)" in out, out[-4000:]
+    for step in resumed_from:  # ssp's, on the ranks left from step 20: each worker goes on from its own clock
+        saved = load_checkpoint(checkpoint_path(ck, step))["servers"][0]["clocks"]
+        run = request.getfixturevalue("resumed_on_three")[(strategy, step)]  # in one job with the others' resumes
+        resumed = run.final
+        assert run.statuses == [0, 0, 0] and sorted(resumed) == [0, 1, 2], run.out[-4000:]
+        assert "on 3 rank(s) (the data of the run's 3 workers)" in run.out, run.out[-4000:]
         server = resumed[2]
         assert server["lost"] == [] and server["progress"] >= 2 * 15 * 3, server
         assert all(server["clocks"][i] >= saved[w] for i, w in enumerate(survivors)), (server["clocks"], saved)
@@ -523,7 +536,7 @@ def test_losing_every_worker_ends_the_job_naming_them(tmp_path):
 
 
 @own_jobs
-def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_others(tmp_path):
+def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_others(losing, request):
     """sync-ps, 4 ranks, 3 workers + 1 server: worker 1 dies as its 6th step starts. The server's
     step 6 waits for it no longer (one update per step all the same: 30), the others learn of it
     in the step's agreement on signals, and every later step's global batch of 96 is split over
@@ -531,32 +544,30 @@ def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_othe
     end with the server's model after the planned 30 steps. Its checkpoint of step 20, written
     after the loss, resumed on the ranks left (2 workers + the server) ends bitwise where the run
     ended; resumed on 4 ranks, a third worker takes the lost one's place."""
-    code, out, final = train_losing(
-        tmp_path, 4, ["step:5:1"],
-        ["--strategy", "sync-ps", "--servers", "1", "--epochs", "2", "--seed", "2",
-         "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "10", "--metrics", str(tmp_path / "m.jsonl")])
+    directory, (code, out, final) = losing("sync-ps")
     assert code == 0 and sorted(final) == [0, 2, 3], out[-4000:]
     server, workers = final[3], [final[0], final[2]]
     assert server["lost"] == [1] and server["clocks"] == {0: 30, 1: 5, 2: 30} and server["stats"].updates == 30
     assert all(same_state(_parameters(w["model"]), _parameters(server["model"])) for w in workers)
     assert all(w["reports"] == [((1,), 0)] and (w["size"], w["step"], w["own_steps"]) == (2, 30, 30) for w in workers)
     assert "lost rank 1 of 3 at step 6" in out, out[-4000:]
-    rows = metrics(tmp_path / "m.jsonl")
+    rows = metrics(directory / "m.jsonl")
     assert [r["lost_ranks"] for r in rows] == ["1", None] and rows[1]["samples"] >= 1437, rows
     assert rows[1]["lr"] == 0 and rows[-1]["accuracy"] > 0.8, rows  # the cosine schedule ran to its end
     # Its checkpoints name the workers left, the servers' the lost one too: the servers give the
-    # workers of the resumed job the places of the workers left, in order.
-    for ranks in (3, 4):
-        code, out, resumed = resume_on(ranks, tmp_path / "ck", 20, tmp_path / f"on{ranks}", [
-            "--strategy", "sync-ps", "--servers", "1", "--epochs", "2", "--seed", "2"])
-        assert code == 0, out[-4000:]
-        assert sorted(resumed) == list(range(ranks)), out[-4000:]
-        if ranks == 3:  # the ranks left: bitwise where the run ended
-            assert same_state(resumed[2]["model"], server["model"]) and resumed[2]["progress"] == server["progress"]
-            assert all(same_state(resumed[w]["model"], workers[w]["model"]) for w in (0, 1))
-        else:  # a third worker in the lost one's place, from where the first stood
-            assert resumed[3]["clocks"] == {0: 30, 1: 30, 2: 30} and resumed[3]["stats"].updates == 10
-            assert all(same_state(_parameters(resumed[w]["model"]), _parameters(resumed[3]["model"])) for w in range(3))
+    # workers of the resumed job the places of the workers left, in order. On the ranks left
+    # (in one job with the others' resumes): bitwise where the run ended.
+    run = request.getfixturevalue("resumed_on_three")[("sync-ps", 20)]
+    resumed = run.final
+    assert run.statuses == [0, 0, 0] and sorted(resumed) == [0, 1, 2], run.out[-4000:]
+    assert same_state(resumed[2]["model"], server["model"]) and resumed[2]["progress"] == server["progress"]
+    assert all(same_state(resumed[w]["model"], workers[w]["model"]) for w in (0, 1))
+    # On 4 ranks: a third worker in the lost one's place, from where the first stood.
+    code, out, resumed = resume_on(4, directory / "ck", 20, directory / "on4", LOSING_RUNS["sync-ps"][1])
+    assert code == 0, out[-4000:]
+    assert sorted(resumed) == [0, 1, 2, 3], out[-4000:]
+    assert resumed[3]["clocks"] == {0: 30, 1: 30, 2: 30} and resumed[3]["stats"].updates == 10
+    assert all(same_state(_parameters(resumed[w]["model"]), _parameters(resumed[3]["model"])) for w in range(3))
 
 
 @own_jobs
