@@ -65,12 +65,6 @@ def bound_exponent(bound: float) -> int:
     return max(math.frexp(abs(bound))[1], MIN_BOUND_EXPONENT)
 
 
-def bound_exponents(bounds: np.ndarray) -> np.ndarray:
-    """`bound_exponent` of each of `bounds` (finite magnitudes), as int64."""
-    exponents: np.ndarray = np.maximum(np.frexp(np.abs(bounds))[1].astype(np.int64), MIN_BOUND_EXPONENT)
-    return exponents
-
-
 def term_bits(weight: int) -> int:
     """Bits of magnitude (in quanta) a term at the bound may use where the terms' total weight is
     `weight`: below 2**TERM_BITS (one float64 addition rounds it), and `weight` of them below

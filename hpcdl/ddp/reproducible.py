@@ -40,6 +40,7 @@ and AdamW, checked by the tests), so the parameters are the unsharded run's bits
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,7 +49,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, bound_exponents, from_fixed, term_bits
+from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed, term_bits
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
@@ -173,7 +174,8 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._acc = np.zeros(self._quantized + 2 + len(sizes), dtype=np.int64)
         #: per parameter and the loss: the quantum's bound exponent (None before the first step)
         self._bounds: np.ndarray | None = None
-        self._cached: tuple[np.ndarray, int, list[float], np.ndarray, list[float]] | None = None  # bounds, batch, `_scales`
+        #: the bounds and batch `_scales` was computed for, and its three results
+        self._cached: tuple[np.ndarray, int, list[float], np.ndarray, list[float]] | None = None
         # the micro-batches' sum: each gradient scaled straight into its float64 pass, rounded and
         # added (FixedSum); buffers allocated once (fresh pages each micro-batch cost faults)
         self._sum = FixedSum(self._acc[:self._quantized])
@@ -316,15 +318,13 @@ class ReproducibleDataParallel(torch.nn.Module):
         than KEEP_BITS allow). A rank without micro-batches has no say."""
         assert self._bounds is not None, "flags judge the quanta of a step that had them"
         tail = self._acc[self._quantized + 1:]
-        if not computed:
+        # a few slots, in Python: NumPy calls on them cost more than the arithmetic
+        largest = maxima.tolist()
+        if not computed or not all(map(math.isfinite, largest)):
             tail.fill(0)
+            tail[0] = int(computed)
             return
-        if not np.all(np.isfinite(maxima)):
-            tail.fill(0)
-            tail[0] = 1
-            return
-        # a few slots: NumPy calls on them cost more than the arithmetic
-        margins = (self._bounds - bound_exponents(maxima)).tolist()
+        margins = [b - bound_exponent(m) for b, m in zip(self._bounds.tolist(), largest)]
         tail[:] = [int(min(margins) < 0), *(int(m <= keep) for m in margins)]
 
     def _scales(self, total: int) -> tuple[list[float], np.ndarray, list[float]]:
