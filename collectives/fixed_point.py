@@ -25,7 +25,8 @@ samples) is rounded first and weighted in int64: exact, and the weights cost not
 where they are all equal (`FixedSum`).
 
 Cost, per element and term (`FixedSum`): a float64 pass that scales (the caller's), one that
-rounds (adds ROUNDER) and an int64 addition; np.rint with a cast to int64 took 55 us for 85 K
+rounds (adds ROUNDER) and an int64 addition (the first term: its bias taken out in place, in
+acc's own memory); np.rint with a cast to int64 took 55 us for 85 K
 values here, the addition 7 us. On the wire int64 is twice float32's bytes, so an allreduce of
 the integers moves 2N bytes where float32 moves N. Measured in benchmarks/reproducible.py.
 """
@@ -62,12 +63,6 @@ def bound_exponent(bound: float) -> int:
     if not math.isfinite(bound):
         raise ValueError(f"a term is not finite ({bound}): it has no exact sum")
     return max(math.frexp(abs(bound))[1], MIN_BOUND_EXPONENT)
-
-
-def bound_exponents(bounds: np.ndarray) -> np.ndarray:
-    """`bound_exponent` of each of `bounds` (finite magnitudes), as int64."""
-    exponents: np.ndarray = np.maximum(np.frexp(np.abs(bounds))[1].astype(np.int64), MIN_BOUND_EXPONENT)
-    return exponents
 
 
 def term_bits(weight: int) -> int:
@@ -125,35 +120,49 @@ class FixedSum:
 
         fixed = FixedSum(acc)                   # acc: int64, the sums land there
         np.multiply(x, scales, out=fixed.work, dtype=np.float64)
-        fixed.add(weight)                       # for each term
+        fixed.add(weight)                       # for each term (read `work` anew each time)
         fixed.total()                           # acc holds the sums
+
+    The first term of a sum is written into acc's own memory (`work` is then acc viewed as
+    float64) and rounded and unbiased there: one term (a rank's one micro-batch) costs no copy and
+    no array besides acc; the later ones go through a float64 array of acc's size, allocated once.
     """
 
     def __init__(self, acc: np.ndarray) -> None:
         self.acc = acc
-        #: where the caller writes the next term, scaled to quanta (float64, |values| < 2**TERM_BITS)
-        self.work = np.empty(acc.size, dtype=np.float64)
-        self._biased = 0  # terms in acc still holding ROUNDER_BITS, all of weight _weight
-        self._weight = 1
-        self._settled = False  # acc holds true sums (else nothing, or _biased biased terms)
+        self._in_acc = acc.view(np.float64)  # where the first term is written
+        self._scratch: np.ndarray | None = None  # where the later ones are (allocated at the second)
+        self.clear()
+
+    @property
+    def work(self) -> np.ndarray:
+        """Where the caller writes the next term, scaled to quanta (float64, |values| < 2**TERM_BITS)."""
+        if self._terms == 0:
+            return self._in_acc
+        if self._scratch is None:
+            self._scratch = np.empty(self.acc.size, dtype=np.float64)
+        return self._scratch
 
     def clear(self) -> None:
         """Start a new sum (acc is overwritten by the first term, not zeroed)."""
-        self._biased, self._weight, self._settled = 0, 1, False
+        self._terms = 0  # terms added
+        self._biased = 0  # terms in acc still holding ROUNDER_BITS (not the first), all of weight _weight
+        self._weight = 1
+        self._settled = False  # acc holds true sums (else nothing, or unweighted terms, _biased biased)
 
     def add(self, weight: int) -> None:
         """acc += weight x round(work)."""
         integers = round_biased(self.work)
-        if not self._settled and (self._biased == 0 or weight == self._weight):
-            if self._biased == 0:
-                np.copyto(self.acc, integers)
-            else:
-                np.add(self.acc, integers, out=self.acc)
-            self._biased += 1
+        if self._terms == 0:  # in acc already: its bias out in place, its weight left for total()
+            np.subtract(integers, ROUNDER_BITS, out=integers)
             self._weight = weight
-            return
-        self._settle()  # another weight (a short last micro-batch): this term alone, weighted
-        _add_rounded(self.acc, integers, weight)
+        elif not self._settled and weight == self._weight:
+            np.add(self.acc, integers, out=self.acc)
+            self._biased += 1
+        else:
+            self._settle()  # another weight (a short last micro-batch): this term alone, weighted
+            _add_rounded(self.acc, integers, weight)
+        self._terms += 1
 
     def total(self) -> np.ndarray:
         """The sums so far (acc)."""
@@ -163,10 +172,11 @@ class FixedSum:
     def _settle(self) -> None:
         if self._settled:
             return
-        if self._biased == 0:
+        if self._terms == 0:
             self.acc.fill(0)
         else:
-            np.subtract(self.acc, wrapped(self._biased * ROUNDER_BITS), out=self.acc)
+            if self._biased:
+                np.subtract(self.acc, wrapped(self._biased * ROUNDER_BITS), out=self.acc)
             if self._weight != 1:
                 np.multiply(self.acc, self._weight, out=self.acc)
         self._biased, self._settled = 0, True

@@ -40,6 +40,7 @@ and AdamW, checked by the tests), so the parameters are the unsharded run's bits
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,7 +49,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, bound_exponents, from_fixed, term_bits
+from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed, term_bits
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
@@ -173,11 +174,17 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._acc = np.zeros(self._quantized + 2 + len(sizes), dtype=np.int64)
         #: per parameter and the loss: the quantum's bound exponent (None before the first step)
         self._bounds: np.ndarray | None = None
-        self._cached: tuple[Any, list[float], np.ndarray, np.ndarray] | None = None  # (bounds and batch, `_scales`)
+        #: the bounds and batch `_scales` was computed for, and its three results
+        self._cached: tuple[np.ndarray, int, list[float], np.ndarray, list[float]] | None = None
         # the micro-batches' sum: each gradient scaled straight into its float64 pass, rounded and
         # added (FixedSum); buffers allocated once (fresh pages each micro-batch cost faults)
         self._sum = FixedSum(self._acc[:self._quantized])
         self._grads = torch.empty(self._quantized - 1, dtype=self._torch_dtype)  # the average, flat
+        self._grads_flat = self._grads.numpy()
+        #: each parameter's slot and the loss's (Python ints: slicing with them is cheaper), and each
+        #: parameter's gradient, a view of `_grads`, built once: every step's average lands there
+        self._slots = [(int(a), int(b)) for a, b in zip(self._offsets[:-1], self._offsets[1:])]
+        self._grad_views = [self._grads[a:b].view_as(p) for (a, b), (_, p) in zip(self._slots, self._named)]
         #: what this rank contributed to the integer allreduces (int64: twice float32's bytes)
         self.traffic = GradientTraffic()
         for tensor in [*module.parameters(), *module.buffers()]:  # rank 0's, in place
@@ -269,7 +276,10 @@ class ReproducibleDataParallel(torch.nn.Module):
             maxima = self._run(inputs, targets, loss_fn, step, mine, total)
             if self._bounds is not None:  # the quanta of the last step: the sum and its verdict
                 self._flag(maxima, bool(mine), keep)
-                collectives.allreduce(acc, self.comm, op="sum", algorithm=self.algorithm, out=acc)
+                # through the communication thread and waited for, as DDP's buckets are: on a loaded
+                # host the blocking call's wait for a descheduled partner made a step 3.0-4.8 ms of
+                # CPU against 1.5 (MLP, P=2: reproducible-cost-2026-11-29-first-term.md)
+                collectives.iallreduce(acc, self.comm, op="sum", algorithm=self.algorithm, out=acc).wait()
                 if acc[quantized + 1] == 0 and bool(np.all(acc[quantized + 2:] > 0)):
                     break
             # the same verdict on every rank: all agree the quanta of this step's maxima, run again
@@ -281,13 +291,15 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.traffic.elements += elements
         self.traffic.elements_sent += elements
         averaging = self._scales(total)[2]
-        grads = self._grads  # each step's average in the same memory, as DDP's buckets keep theirs
-        from_fixed(acc[:elements], averaging[:elements], out=grads.numpy())
-        for i, (_, param) in enumerate(self._named):
-            param.grad = grads[self._offsets[i]:self._offsets[i + 1]].view_as(param)
+        # each step's average in the same memory, as DDP's buckets keep theirs; slot by slot, one
+        # factor each (an array of them would be as large as the accumulator, read each step)
+        for (start, stop), factor in zip(self._slots[:-1], averaging):  # the loss's below
+            from_fixed(acc[start:stop], factor, out=self._grads_flat[start:stop])
+        for (_, param), grad in zip(self._named, self._grad_views):
+            param.grad = grad
         if self._sharding is not None:
             self._attach_pieces()
-        loss = from_fixed(acc[elements:quantized], averaging[elements:], dtype=np.float64)
+        loss = from_fixed(acc[elements:quantized], averaging[-1], dtype=np.float64)
         return StepResult(float(loss[0]), int(acc[quantized]), total, runs)
 
     def _attach_pieces(self) -> None:
@@ -309,29 +321,29 @@ class ReproducibleDataParallel(torch.nn.Module):
         than KEEP_BITS allow). A rank without micro-batches has no say."""
         assert self._bounds is not None, "flags judge the quanta of a step that had them"
         tail = self._acc[self._quantized + 1:]
-        tail.fill(0)
-        if not computed:
+        # a few slots, in Python: NumPy calls on them cost more than the arithmetic
+        largest = maxima.tolist()
+        if not computed or not all(map(math.isfinite, largest)):
+            tail.fill(0)
+            tail[0] = int(computed)
             return
-        if not np.all(np.isfinite(maxima)):
-            tail[0] = 1
-            return
-        need = bound_exponents(maxima)
-        tail[0] = int(np.any(need > self._bounds))
-        tail[1:] = self._bounds - need <= keep
+        margins = [b - bound_exponent(m) for b, m in zip(self._bounds.tolist(), largest)]
+        tail[:] = [int(min(margins) < 0), *(int(m <= keep) for m in margins)]
 
-    def _scales(self, total: int) -> tuple[list[float], np.ndarray, np.ndarray]:
+    def _scales(self, total: int) -> tuple[list[float], np.ndarray, list[float]]:
         """For a global batch of `total` samples: each parameter's (and the loss's) 2**-e, its
-        quantum 2**e, and each element's quantum / `total` (what turns a sum into the average;
-        float64), where e is its bound exponent less the bits a term may use (`term_bits`). Kept
-        while the bounds and the batch stay (most steps)."""
+        quantum 2**e, and its quantum / `total` (what turns a sum into the average; float64),
+        where e is its bound exponent less the bits a term may use (`term_bits`). Kept while the
+        bounds and the batch stay (most steps)."""
         assert self._bounds is not None, "the bounds are agreed before anything is quantized"
-        key = (tuple(self._bounds.tolist()), total)
-        if self._cached is None or self._cached[0] != key:
+        cached = self._cached
+        # `_bounds` is replaced, never changed in place: the cache holds the array it was made for
+        if cached is None or cached[0] is not self._bounds or cached[1] != total:
             exponents = self._bounds - term_bits(total)
             quanta = np.ldexp(1.0, exponents)
-            self._cached = (key, np.ldexp(1.0, -exponents).tolist(), quanta,
-                            np.repeat(quanta, np.diff(self._offsets)) / total)
-        return self._cached[1], self._cached[2], self._cached[3]
+            cached = self._cached = (self._bounds, total, np.ldexp(1.0, -exponents).tolist(), quanta,
+                                     (quanta / total).tolist())
+        return cached[2], cached[3], cached[4]
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
              step: int, mine: range, total: int) -> np.ndarray:
@@ -340,12 +352,11 @@ class ReproducibleDataParallel(torch.nn.Module):
         is only measured); the largest magnitudes seen, per parameter and of the loss.
 
         Per micro-batch, with quanta: each gradient scaled to quanta straight into the sum's
-        float64 pass (one pass per parameter, no flat copy), its largest magnitude per parameter
-        read from there (exact: the scale is a power of two), then one rounding pass and one
-        int64 addition (`FixedSum`)."""
-        named, offsets, fixed = self._named, self._offsets, self._sum
+        float64 pass (one pass per parameter, no flat copy; the first micro-batch's is the
+        accumulator's own memory), its largest magnitude per parameter read from there (exact:
+        the scale is a power of two), then one rounding pass and one int64 addition (`FixedSum`)."""
+        named, slots, fixed = self._named, self._slots, self._sum
         fixed.clear()
-        work = fixed.work
         maxima = np.zeros(len(named) + 1, dtype=np.float64)
         scaled = self._bounds is not None
         if scaled:
@@ -369,16 +380,17 @@ class ReproducibleDataParallel(torch.nn.Module):
                 grads = [None if p.grad is None else p.grad.numpy().reshape(-1) for _, p in named]
                 loss_value = float(loss.detach().to(self._torch_dtype))
             if scaled:
-                for i, grad in enumerate(grads):
+                work = fixed.work  # the first term's is the accumulator's own memory
+                for grad, scale, (start, stop) in zip(grads, scales, slots):
                     if grad is None:
-                        work[offsets[i]:offsets[i + 1]] = 0.0
+                        work[start:stop] = 0.0
                     else:
-                        np.multiply(grad, scales[i], out=work[offsets[i]:offsets[i + 1]], dtype=np.float64)
-                work[offsets[-2]] = loss_value * scales[-1]
+                        np.multiply(grad, scale, out=work[start:stop], dtype=np.float64)
+                work[slots[-1][0]] = loss_value * scales[-1]
                 # each slot's largest magnitude, in quanta (NaN stays, and fails the test below)
-                starts = offsets[:-1]
+                starts = self._offsets[:-1]
                 largest = np.maximum(np.maximum.reduceat(work, starts), -np.minimum.reduceat(work, starts))
-                if bool(np.all(largest < limit)):
+                if largest.max() < limit:  # NaN is not
                     np.maximum(maxima, largest * quanta, out=maxima)
                     fixed.add(len(y))
                     continue
