@@ -180,7 +180,7 @@ class Channel:
         dup = self.dup = _Duplicate(comm, nonblocking=multiple)
         self.engine = Engine(f"hpcdl-comm-{comm.py2f()}") if multiple else _serial_engine()
         #: what the ranks agreed on so far, and the call they expect next (`expectation.py`)
-        self.expectation = Expectation(dup.get)
+        self.expectation = Expectation(dup.get, self.size)
         routes = DeviceRoutes()
         self.background = Lane(dup, self.engine.nobody_waiting, self.expectation, routes)
         # Below MPI_THREAD_MULTIPLE only the engine may call MPI: blocking calls go through it too.

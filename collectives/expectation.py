@@ -1,6 +1,6 @@
 """The expected call: what every rank of a communicator expects its next call to be, so that a small
-host allreduce through the MPI library (`algorithm="mpi"`) runs as one library call that carries its
-own argument check.
+host allreduce through the MPI library (`algorithm="mpi"`, or `auto` where the decision table names
+the library) runs as one library call that carries its own argument check.
 
 Every call's check (`validation.py`) ends with the ranks agreeing on its signature (collective,
 algorithm, op, dtype, element count, root, placement) and call site, or raising on every rank. A
@@ -54,16 +54,21 @@ Key = tuple[int, ...]
 class LibraryPlan:
     """A host allreduce through the MPI library that may run as the expected call: its signature
     (`key`, and `ident`, its number on this communicator), its buffer of `count` elements and the
-    one that says whether every rank agreed."""
+    one that says whether every rank agreed.
+
+    `comm`, the communicator's private duplicate, is bound by the first call of the plan's
+    signature that the ranks agree on (`Expectation.agreed`), inside that call: a plan is made on
+    the caller's thread before the call starts (for `i*` calls too), and fetching the duplicate
+    there would wait for every rank's first use of the communicator outside any call."""
 
     __slots__ = ("key", "ident", "signature", "comm", "count", "buffer", "data", "flag", "datatype",
                  "spec", "mpi_op", "agreeing", "disagreeing", "finish", "what")
     what: tuple[Any, ...]  # what its flight records say (`recorder.py`), set by `small._planned`
 
-    def __init__(self, key: Key, ident: int, comm: MPI.Comm) -> None:
+    def __init__(self, key: Key, ident: int, size: int) -> None:
         self.key, self.ident = key, ident
         self.signature = list(key)
-        self.comm = comm
+        self.comm: MPI.Comm = MPI.COMM_NULL  # until bound (class docstring)
         op, dtype, self.count = _OP_OF[key[2]], _DTYPE_OF[key[3]], key[4]
         self.datatype = mpi_datatype(dtype)  # TypeError for a dtype the library cannot reduce
         self.buffer = np.zeros(self.count + 1, dtype)
@@ -76,7 +81,7 @@ class LibraryPlan:
                                            for v in (op.agreeing, op.disagreeing))
         self.spec = [self.buffer, self.count + 1, self.datatype]
         self.mpi_op = mpi_op(op)
-        finishing = op.finishing(dtype, comm.Get_size())
+        finishing = op.finishing(dtype, size)
         self.finish: tuple[Callable[..., Any], Any] | None = (
             None if finishing is None else (getattr(np, finishing[0]), finishing[1]))
 
@@ -149,10 +154,11 @@ class Expectation:
     ended alike on every rank (agreed, or refused everywhere).
     """
 
-    __slots__ = ("last", "number", "expected", "follows", "_idents", "_plans", "_comm")
+    __slots__ = ("last", "number", "expected", "follows", "_idents", "_plans", "_comm", "_size")
 
-    def __init__(self, comm: Callable[[], MPI.Comm]) -> None:
+    def __init__(self, comm: Callable[[], MPI.Comm], size: int) -> None:
         self._comm = comm  # the private duplicate, made at the first use
+        self._size = size
         self.last = (0, 0)  # the ident and call site of the last agreed call; 0: none
         self.number = 0
         self.expected: tuple[LibraryPlan, int] | None = None
@@ -182,7 +188,7 @@ class Expectation:
         if (key[0] == _ALLREDUCE and key[1] == _MPI and key[6] == PLACEMENTS["host memory"]
                 and dtype is not None and key[4] * dtype.itemsize <= LEAN_BYTES):
             try:
-                plan = LibraryPlan(key, ident, self._comm())
+                plan = LibraryPlan(key, ident, self._size)
             except TypeError:  # a dtype the library does not reduce (bfloat16)
                 plan = None
         self._plans[ident] = plan
@@ -194,6 +200,8 @@ class Expectation:
         (`plan`, which must be the signature's `plan`), and expect what followed it last time."""
         follows = self.follows
         if plan is not None:
+            if not plan.comm:  # the first agreed call of its signature (`LibraryPlan`)
+                plan.comm = self._comm()
             if len(follows) >= _MOST_REMEMBERED:
                 follows.clear()
             follows[self.last] = (plan, site)

@@ -33,6 +33,11 @@ MOVED_DTYPES: dict[str, np.dtype] = {
                                       "complex64", "complex128")
 }
 
+#: Element types the MPI library has no reductions for: a reducing call on them runs a
+#: hand-written algorithm (`algorithm="mpi"` refuses it; `auto` runs the stand-in of a decision-table
+#: entry naming the library, `select.choose`'s `hand_written`).
+HAND_WRITTEN_ONLY = frozenset({"bfloat16"})
+
 #: Small stable integer codes, exchanged between ranks when arguments are cross-checked.
 DTYPE_CODES: dict[str, int] = {
     **{name: i + 1 for i, name in enumerate(sorted(DTYPES))},

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .buffers import Buffer, as_buffer
 from .errors import LocalArgumentError
 from .layouts import Layout, Request
-from .ops import DTYPE_CODES, DTYPES, MOVED_DTYPES, OPS, dtype_name
+from .ops import DTYPE_CODES, DTYPES, HAND_WRITTEN_ONLY, MOVED_DTYPES, OPS, dtype_name
 from .packet import PLACEMENTS
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
 from .select import choose
@@ -113,7 +113,7 @@ def _plan(call: Call, rank: int, size: int) -> Plan:
         raise LocalArgumentError(f"root {call.root} is out of range for {size} ranks (0..{size - 1})")
     n = src.count
     algorithm = call.algorithm
-    hand_written = collective.reducing and dtype == "bfloat16"
+    hand_written = collective.reducing and dtype in HAND_WRITTEN_ONLY
     if collective.varying_counts:  # counts differ between ranks: auto decides after exchanging them
         signature = call_signature(call.collective, algorithm, None, dtype, -1, 0, src.on_device)
         if out is not None and not getattr(out.array.flags, "writeable", True):

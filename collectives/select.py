@@ -1,7 +1,17 @@
 """`algorithm="auto"`: pick an algorithm by collective, message size and rank count.
 
 The choice comes from a decision table measured on this project's reference machine and kept in
-the repo (`decision_table.json`). Users override it, in order of precedence:
+the repo (`decision_table.json`). A row maps rank counts to `by_bytes` entries `[limit, name]`:
+the first entry whose limit (bytes per rank, null: no limit) covers the message names the
+algorithm. An entry may name the MPI library's own collective (`mpi`, where it wins: small
+allreduces, which run as the expected call, `expectation.py`) only with a third element, its
+hand-written stand-in: `[limit, "mpi", stand_in]`. The stand-in runs every call the library
+cannot take (`hand_written`: bfloat16 reductions) and every part of a composed call
+(`choose_level`, whose parts the cost model prices); it is a single-communicator algorithm,
+and the built-in table requires it. A tuning file's `mpi` entry may lack it: such calls then take
+the built-in table's choice (and its stand-in).
+
+Users override the built-in table, in order of precedence:
   1. `HPCDL_ALGORITHM_<COLLECTIVE>=name` (e.g. HPCDL_ALGORITHM_ALLREDUCE=ring) for one collective;
   2. `HPCDL_TUNING_FILE=path.json`, a table of the same format measured on your machine, usually
      written by `hpcdl tune`. Such a file may also carry the fitted alpha-beta-gamma model
@@ -75,6 +85,10 @@ def settings_key(collective: str) -> tuple[Any, Any]:
     return ENCODED_ENVIRONMENT.get(override), ENCODED_ENVIRONMENT.get(tuning)
 
 
+#: The MPI library's own collective: the one algorithm a decision-table entry names with a stand-in.
+LIBRARY = "mpi"
+
+
 @functools.lru_cache(maxsize=8)
 def load_table(path: str) -> dict[str, Any]:
     """Read and check a decision table or tuning file; errors name the file and the bad entry."""
@@ -103,11 +117,12 @@ def load_table(path: str) -> dict[str, Any]:
         if not isinstance(rows, list):
             raise ValueError(f"{path}: {collective} must be a list of rows")
         for i, row in enumerate(rows):
-            _check_row(path, f"{collective} row {i}", collective, row)
+            _check_row(path, f"{collective} row {i}", collective, row,
+                       path == str(BUILTIN_TABLE))
     return table
 
 
-def _check_row(path: str, where: str, collective: str, row: Any) -> None:
+def _check_row(path: str, where: str, collective: str, row: Any, builtin: bool) -> None:
     if not isinstance(row, dict) or not isinstance(row.get("by_bytes"), list) or not row["by_bytes"]:
         raise ValueError(f"{path}: {where} needs a non-empty \"by_bytes\" list of [limit, name]")
     for key in ("min_ranks", "max_ranks"):
@@ -116,11 +131,21 @@ def _check_row(path: str, where: str, collective: str, row: Any) -> None:
     if "min_ranks" not in row:
         raise ValueError(f"{path}: {where} lacks min_ranks")
     for entry in row["by_bytes"]:
-        if not (isinstance(entry, list) and len(entry) == 2
+        if not (isinstance(entry, list) and len(entry) in (2, 3)
                 and (entry[0] is None or isinstance(entry[0], int))):
-            raise ValueError(f"{path}: {where}: by_bytes entry {entry!r} is not [bytes or null, name]")
+            raise ValueError(f"{path}: {where}: by_bytes entry {entry!r} is not [bytes or null, name]"
+                             f" (or [bytes or null, \"{LIBRARY}\", hand-written stand-in])")
         if entry[1] not in ALGORITHMS[collective]:
             raise ValueError(f"{path}: {collective} has no algorithm {entry[1]!r}")
+        if len(entry) == 3 and (entry[1] != LIBRARY
+                                or entry[2] not in single_communicator(collective)):
+            raise ValueError(f"{path}: {where}: by_bytes entry {entry!r}: only an entry naming "
+                             f"{LIBRARY!r} has a third element, a hand-written stand-in, one of "
+                             f"{', '.join(single_communicator(collective))}")
+        if builtin and entry[1] == LIBRARY and len(entry) == 2:
+            raise ValueError(f"{path}: {where}: by_bytes entry {entry!r} names {LIBRARY!r} without "
+                             "the hand-written stand-in that runs what the library cannot "
+                             f"(add one of {', '.join(single_communicator(collective))})")
 
 
 def _check_model(path: str, model: Any) -> None:
@@ -141,9 +166,10 @@ def model_params(path: str) -> ModelParams | None:
 def choose(collective: str, nbytes: int, size: int, *, hand_written: bool = False) -> str:
     """The algorithm `auto` runs for `collective` on `nbytes` bytes per rank over `size` ranks.
 
-    `hand_written`: the call cannot go to the MPI library (bfloat16 reductions); where a tuning
-    file picks "mpi", the built-in table, which only holds hand-written algorithms, decides. An
-    explicit HPCDL_ALGORITHM_* override is the user's own choice and is kept.
+    `hand_written`: the call cannot go to the MPI library (bfloat16 reductions); where the table
+    picks "mpi", its entry's hand-written stand-in runs instead (for a tuning file's entry without
+    one, the built-in table's choice or stand-in). An explicit HPCDL_ALGORITHM_* override is the
+    user's own choice and is kept.
     """
     forced = setting(f"HPCDL_ALGORITHM_{collective.upper()}")
     if forced:
@@ -153,40 +179,50 @@ def choose(collective: str, nbytes: int, size: int, *, hand_written: bool = Fals
                 f"choose one of {', '.join(sorted(ALGORITHMS[collective]))}"
             )
         return forced
-    chosen = _lookup(setting("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes, size)
-    if hand_written and chosen == "mpi":
-        chosen = _lookup(str(BUILTIN_TABLE), collective, nbytes, size)
-    return chosen
+    return _lookup(setting("HPCDL_TUNING_FILE") or str(BUILTIN_TABLE), collective, nbytes, size,
+                   hand_written)
 
 
-def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None:
-    """The algorithm decision rows give `nbytes` at `size` ranks: the first row covering `size`
-    decides; None if no row covers it."""
+def row_entry(rows: list[dict[str, Any]], nbytes: int, size: int) -> list[Any] | None:
+    """The `by_bytes` entry decision rows give `nbytes` at `size` ranks: the first row covering
+    `size` decides; None if no row covers it."""
     for row in rows:
         if row["min_ranks"] <= size <= row.get("max_ranks", size):
-            for limit, name in row["by_bytes"]:
-                if limit is None or nbytes <= limit:
-                    return str(name)
-            return str(row["by_bytes"][-1][1])
+            for entry in row["by_bytes"]:
+                if entry[0] is None or nbytes <= entry[0]:
+                    return list(entry)
+            return list(row["by_bytes"][-1])
     return None
 
 
+def row_choice(rows: list[dict[str, Any]], nbytes: int, size: int) -> str | None:
+    """The algorithm decision rows give `nbytes` at `size` ranks (`row_entry`'s name)."""
+    entry = row_entry(rows, nbytes, size)
+    return None if entry is None else str(entry[1])
+
+
 @functools.lru_cache(maxsize=4096)
-def _lookup(path: str, collective: str, nbytes: int, size: int) -> str:
+def _lookup(path: str, collective: str, nbytes: int, size: int, hand_written: bool = False) -> str:
     table = load_table(path)
     rows = table.get("collectives", {}).get(collective, [])
     decided_as = COLLECTIVES[collective].decided_as
     if not rows and decided_as is not None:  # e.g. allgatherv by allgather's rows
         rows = table.get("collectives", {}).get(decided_as, [])
-    chosen = row_choice(rows, nbytes, size)
-    if chosen is not None:
-        return chosen
-    params = model_params(path)
-    if params is not None:  # no row for this rank count: the model decides
-        return best(collective, model_bytes(collective, nbytes, size), size, params)
+    entry = row_entry(rows, nbytes, size)
+    if entry is not None:
+        if not hand_written or entry[1] != LIBRARY:
+            return str(entry[1])
+        if len(entry) == 3:  # the library cannot take the call: its stand-in
+            return str(entry[2])
+        # a tuning file's library entry without a stand-in: the built-in table decides
+    else:
+        params = model_params(path)
+        if params is not None:  # no row for this rank count: the model decides (never "mpi")
+            return best(collective, model_bytes(collective, nbytes, size), size, params)
     builtin = str(BUILTIN_TABLE)
     if path != builtin:  # a table that leaves this case open, without a model: the built-in one
-        return _lookup(builtin, collective, nbytes, size)  # decides (as Open MPI's rules files do)
+        # decides (as Open MPI's rules files do)
+        return _lookup(builtin, collective, nbytes, size, hand_written)
     raise ValueError(f"{path} has no row for {collective} at {size} ranks")
 
 
@@ -199,8 +235,9 @@ def choose_level(collective: str, nbytes: int, size: int, level: str) -> Algorit
     (`cost.prediction.best_part`, as the cost model prices the composed call); with a one-level model,
     its fastest at its parameters; without a model, the decision table's row for `size` ranks
     (the tuning file's if it names a single-communicator algorithm there, else the built-in
-    table's). The HPCDL_ALGORITHM_* overrides name what `auto` runs for a whole call and do not
-    apply to parts. Every rank of a part must see the same tuning file, as for `choose`. Cached.
+    table's; for an entry naming "mpi", its hand-written stand-in). The HPCDL_ALGORITHM_*
+    overrides name what `auto` runs for a whole call and do not apply to parts. Every rank of a
+    part must see the same tuning file, as for `choose`. Cached.
     """
     return ALGORITHMS[collective][_level_lookup(setting("HPCDL_TUNING_FILE") or "", collective,
                                                 nbytes, size, level)]
@@ -214,9 +251,10 @@ def _level_lookup(path: str, collective: str, nbytes: int, size: int, level: str
     if params is not None:
         return best_part(collective, nbytes, size, params.level(level))
     single = single_communicator(collective)
-    chosen = _lookup(path, collective, nbytes, size) if path else None
+    # The parts are priced by the cost model, so where a table names the library, its stand-in.
+    chosen = _lookup(path, collective, nbytes, size, True) if path else None
     if chosen not in single:
-        chosen = _lookup(str(BUILTIN_TABLE), collective, nbytes, size)
+        chosen = _lookup(str(BUILTIN_TABLE), collective, nbytes, size, True)
     if chosen not in single:
         raise ValueError(f"{BUILTIN_TABLE} names {chosen!r} for {collective} at {size} ranks, "
                          "which is not a single-communicator algorithm")

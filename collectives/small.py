@@ -5,11 +5,13 @@ C-ordered array like it) finds its plan in its lane's cache, by shape, dtype, op
 (and, for `auto`, the settings it chose under), and skips planning, buffer wrapping and the
 `Call` record:
 
-- `FusedPlan`, for an algorithm whose data rides in the argument check (butterfly) on at most
-  `packet.PAYLOAD_BYTES`: the call is the check's one exchange, its data after the header, combined
-  round by round straight into the result (log2 P messages, +2 where P is not a power of two);
-- `expectation.LibraryPlan`, for `algorithm="mpi"` on at most `expectation.LEAN_BYTES`: one
-  library call carrying its own check where every rank expected the call.
+- `FusedPlan`, for an algorithm whose data rides in the argument check (butterfly, asked for or
+  picked by `auto`) on at most `packet.PAYLOAD_BYTES`: the call is the check's one exchange, its
+  data after the header, combined round by round straight into the result (log2 P messages, +2
+  where P is not a power of two);
+- `expectation.LibraryPlan`, for the MPI library's allreduce (`algorithm="mpi"`, or `auto` where
+  the decision table names it) on at most `expectation.LEAN_BYTES`: one library call carrying its
+  own check where every rank expected the call.
 
 Every other call (None in the cache) takes the general path (`execution.py`), which also finds
 and reports every argument error, on every rank.
@@ -29,7 +31,7 @@ from . import channels
 from .channels import channel_of
 from .errors import CollectiveArgumentError
 from .expectation import LibraryPlan
-from .ops import OPS, dtype_name
+from .ops import HAND_WRITTEN_ONLY, OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, STATUS
 from .planning import ALGORITHM_CHOICES, CHECK_CALL_SITES, SITES, call_signature, call_site
 from .recorder import LEFT, RECORDER
@@ -134,7 +136,7 @@ def _planned(lane: Lane, channel: Channel, x: np.ndarray, op: str, algorithm: st
     if dtype is not None and op in OPS and algorithm in ALGORITHM_CHOICES["allreduce"]:
         try:
             chosen = algorithm if algorithm != "auto" else choose(
-                "allreduce", x.nbytes, channel.size, hand_written=dtype == "bfloat16")
+                "allreduce", x.nbytes, channel.size, hand_written=dtype in HAND_WRITTEN_ONLY)
         except ValueError:
             chosen = None
         if chosen is not None:

@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives import COLLECTIVES, CollectiveArgumentError
+from collectives.ops import HAND_WRITTEN_ONLY
 from collectives.select import choose
 
 from ..runtime.agreement import agreed_error
@@ -121,7 +122,8 @@ def _summarize(case: Case, algorithms: Sequence[str], times: dict[str, np.ndarra
                       root=case.root, in_place=case.in_place, ranks=p, iterations=iterations,
                       warmup=warmup, wrong=int(counts[j, 0]), checked=int(counts[j, 1]))
         if a == AUTO:
-            common["chose"] = choose(case.collective, case.x.nbytes, p)
+            common["chose"] = choose(case.collective, case.x.nbytes, p, hand_written=COLLECTIVES[
+                case.collective].reducing and case.dtype_name in HAND_WRITTEN_ONLY)
         if a not in times:
             results.append(Measurement(**common, avg_s=None, min_s=None, max_s=None, median_s=None,
                                        algbw_gbs=None, busbw_gbs=None, unavailable=unavailable[a]))

@@ -501,8 +501,10 @@ def test_fortran_ordered_input_without_out(collective: str, comm: MPI.Comm) -> N
     outcomes.verify()
 
 
-@pytest.mark.parametrize("count", [5, 4096])  # rides in the check / takes the general path
-def test_allreduce_into_an_out_that_overlaps_x(count: int, comm: MPI.Comm) -> None:
+# butterfly: rides in the check / the general path; mpi: the small plan / the general path
+@pytest.mark.parametrize("algorithm", ["butterfly", "mpi", "auto"])
+@pytest.mark.parametrize("count", [5, 4096])
+def test_allreduce_into_an_out_that_overlaps_x(count: int, algorithm: str, comm: MPI.Comm) -> None:
     """`out` sharing part of `x`'s memory (one buffer, views one element apart) gets the sum of
     what `x` held before the call, on every rank."""
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -510,8 +512,9 @@ def test_allreduce_into_an_out_that_overlaps_x(count: int, comm: MPI.Comm) -> No
     buffer = inputs[rank].copy()
     x, out = buffer[:-1], buffer[1:]
     outcomes = Outcomes(comm)
-    label = f"allreduce of {count} float32 into an out one element past x"
-    ran, result = run_case(outcomes, label, False, lambda: collectives.allreduce(x, out=out))
+    label = f"allreduce({algorithm}) of {count} float32 into an out one element past x"
+    ran, result = run_case(outcomes, label, False,
+                           lambda: collectives.allreduce(x, out=out, algorithm=algorithm))
     if ran:
         outcomes.expect_equal(label, result, reduce_reference([a[:-1] for a in inputs], "sum"))
         outcomes.expect_equal(label + " (returns out)", np.asarray(result is out), np.asarray(True))

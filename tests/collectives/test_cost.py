@@ -8,6 +8,7 @@ run under MPI at N >= 2 and are checked for shape and sanity, not for speed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from collectives.cost.params import ModelParams
 from collectives.cost.prediction import (STAGING_PIECES, best, cost, model_bytes, modelled_algorithms, predict,
                                          staging_piece, staging_seconds)
 from collectives.partition import SEGMENT_BYTES, STAGING_PIECE_BYTES, default_staging_piece
+from collectives.registry import single_communicator
 from tests.conftest import all_ranks_agree
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -406,20 +408,59 @@ def test_rows_without_a_model_leave_the_rest_to_the_builtin_table(tuning_file: A
 
 
 def test_auto_never_hands_a_bfloat16_reduction_to_the_mpi_library(tuning_file: Any) -> None:
-    """A tuning file may pick the MPI library's collective, which cannot reduce bfloat16: auto
-    then takes the built-in table's hand-written choice instead of refusing the call."""
+    """A tuning file may pick the MPI library's collective without a stand-in, and the library
+    cannot reduce bfloat16: auto then takes the built-in table's hand-written choice (its
+    stand-in where it names the library too) instead of refusing the call."""
     rows = [{"min_ranks": 1, "by_bytes": [[None, "mpi"]]}]
     tuning_file({"collectives": {name: rows for name in ("allreduce", "reduce_scatter", "reduce")}})
     builtin = str(select.BUILTIN_TABLE)
     for collective in ("allreduce", "reduce_scatter", "reduce"):
         assert select.choose(collective, 4096, 2) == "mpi"
         assert select.choose(collective, 4096, 2, hand_written=True) == select._lookup(
-            builtin, collective, 4096, 2) != "mpi"
+            builtin, collective, 4096, 2, True) != "mpi"
     if "bfloat16" in collectives.DTYPES:
         x = np.arange(8).astype(collectives.DTYPES["bfloat16"])
         size = MPI.COMM_WORLD.Get_size()
         got = collectives.allreduce(x)  # refused before: "pick a hand-written algorithm"
         assert np.array_equal(got.astype(np.float64), np.arange(8) * size)
+
+
+def test_the_builtin_table_names_a_stand_in_wherever_it_names_the_library(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every built-in entry naming "mpi" carries a single-communicator stand-in: what `auto` runs
+    for calls the library cannot take and for the parts of a composed call; every other call at
+    that size takes the library."""
+    monkeypatch.delenv("HPCDL_TUNING_FILE", raising=False)
+    for name in select.ALGORITHMS:
+        monkeypatch.delenv(f"HPCDL_ALGORITHM_{name.upper()}", raising=False)
+    table = select.load_table(str(select.BUILTIN_TABLE))
+    named = 0
+    for collective, rows in table["collectives"].items():
+        for row in rows:
+            low, sizes = 0, {row["min_ranks"], row.get("max_ranks", row["min_ranks"] + 3)}
+            for entry in row["by_bytes"]:
+                if entry[1] == "mpi":
+                    named += 1
+                    assert len(entry) == 3 and entry[2] in single_communicator(collective), entry
+                    for size in sizes:
+                        for nbytes in (low + 1, entry[0] or low + 1):  # its first and last byte counts
+                            assert select.choose(collective, nbytes, size) == "mpi"
+                            assert select.choose(collective, nbytes, size, hand_written=True) == entry[2]
+                            assert select.choose_level(collective, nbytes, size, "node").name == entry[2]
+                else:
+                    assert len(entry) == 2, entry
+                low = entry[0] or low
+    assert named > 0  # the library wins somewhere on the reference machine (decision_table.json)
+
+
+def test_a_builtin_table_naming_the_library_without_a_stand_in_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "decision_table.json"
+    path.write_text(json.dumps({"collectives": {"allreduce": [
+        {"min_ranks": 1, "by_bytes": [[None, "mpi"]]}]}}))
+    monkeypatch.setattr(select, "BUILTIN_TABLE", path)
+    with pytest.raises(ValueError, match=r"names 'mpi' without the hand-written stand-in"):
+        select.load_table(str(path))
 
 
 def test_choice_is_cached(tuning_file: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -448,6 +489,12 @@ def test_choice_is_cached(tuning_file: Any, monkeypatch: pytest.MonkeyPatch) -> 
     ({"collectives": {"allreduce": [{"min_ranks": 1, "by_bytes": [["1K", "ring"]]}]}},
      r"by_bytes entry \['1K', 'ring'\]"),
     ({"collectives": {"gather": []}}, r"unknown collective 'gather'"),
+    ({"collectives": {"allreduce": [{"min_ranks": 1, "by_bytes": [[None, "ring", "tree"]]}]}},
+     r"only an entry naming 'mpi' has a third element"),
+    ({"collectives": {"allreduce": [{"min_ranks": 1, "by_bytes": [[None, "mpi", "hierarchical"]]}]}},
+     r"a hand-written stand-in, one of"),
+    ({"collectives": {"allreduce": [{"min_ranks": 1, "by_bytes": [[None, "mpi", "tree", "ring"]]}]}},
+     r"is not \[bytes or null, name\]"),
 ])
 def test_bad_tuning_files_name_the_file_and_entry(document: dict[str, Any], message: str,
                                                   tuning_file: Any) -> None:

@@ -108,10 +108,13 @@ def test_inter_communicators_are_refused_on_every_rank(comm: MPI.Comm) -> None:
     assert all_ranks_agree(ok, comm), messages
 
 
-def test_two_threads_on_one_communicator_raise_on_both(comm: MPI.Comm, side: MPI.Comm) -> None:
+@pytest.mark.parametrize("algorithm", ["butterfly", "mpi"])  # riding in the check; the library's
+def test_two_threads_on_one_communicator_raise_on_both(algorithm: str, comm: MPI.Comm,
+                                                       side: MPI.Comm) -> None:
     """On every rank but 0, thread A is inside an allreduce (rank 0 holds back) when thread B
     calls one on the same communicator: B raises at once, A when its call ends. Before, the two
-    threads' messages mixed silently."""
+    threads' messages mixed silently. (An `mpi` call that waited for the private duplicate while
+    planning, before it counted as under way, kept B waiting for A and A for rank 0.)"""
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         pytest.skip("needs a rank to hold the others' call open")
@@ -126,7 +129,7 @@ def test_two_threads_on_one_communicator_raise_on_both(comm: MPI.Comm, side: MPI
         else:
             inside.set()
         try:
-            outcome["a"] = collectives.allreduce(np.ones(4), side)
+            outcome["a"] = collectives.allreduce(np.ones(4), side, algorithm=algorithm)
         except ConcurrentUseError as exc:
             outcome["a"] = exc
 
@@ -137,7 +140,7 @@ def test_two_threads_on_one_communicator_raise_on_both(comm: MPI.Comm, side: MPI
         while not side_busy(side):  # A has entered its call (it is waiting for rank 0)
             pass
         try:
-            collectives.allreduce(np.ones(4), side)
+            collectives.allreduce(np.ones(4), side, algorithm=algorithm)
             outcome["b"] = "no error"
         except ConcurrentUseError as exc:
             outcome["b"] = exc
@@ -240,16 +243,18 @@ def test_threads_on_their_own_communicators_interleave_freely(comm: MPI.Comm) ->
     assert all_ranks_agree(results == {0: True, 1: True}, comm), results
 
 
-def test_first_nonblocking_call_on_a_communicator_returns_at_once(comm: MPI.Comm, side: MPI.Comm
-                                                                  ) -> None:
+@pytest.mark.parametrize("algorithm", ["butterfly", "mpi", "ring"])  # small plans; the general path
+def test_first_nonblocking_call_on_a_communicator_returns_at_once(algorithm: str, comm: MPI.Comm,
+                                                                  side: MPI.Comm) -> None:
     """Post an iallreduce on a new communicator, then a blocking receive from a peer that posts
     its own only after it has received: before, the first i* call made the private duplicate
-    collectively, on the caller's thread, and both ranks waited for ever."""
+    collectively, on the caller's thread, and both ranks waited for ever (an `mpi` call's small
+    plan did so too until it took the duplicate only inside the call)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     x = np.full(3, rank + 1, np.int32)
     if rank != 0:
         comm.recv(source=0, tag=5)
-    handle = collectives.iallreduce(x, side)  # on rank 0 first, then on the others
+    handle = collectives.iallreduce(x, side, algorithm=algorithm)  # rank 0 first, then the others
     if rank == 0:
         for peer in range(1, size):
             comm.send("posted", dest=peer, tag=5)

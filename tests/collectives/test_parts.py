@@ -168,7 +168,7 @@ def _signature(count: int, algorithm: str = "mpi") -> tuple[int, ...]:
 def test_the_call_that_followed_an_agreed_call_is_expected_after_it_again() -> None:
     """`expectation.Expectation` on COMM_SELF: plans only for small library allreduces; after the
     sequence ring, small mpi, ring the small call is expected; declined, refused, it is not."""
-    expected = expectation.Expectation(lambda: MPI.COMM_SELF)
+    expected = expectation.Expectation(lambda: MPI.COMM_SELF, 1)
     lean, large, ring = (_signature(4), _signature(expectation.LEAN_BYTES // 8 + 1),
                          _signature(4, "ring"))
     assert [expected.ident(s) for s in (lean, large, lean, ring)] == [1, 2, 1, 3]
@@ -180,7 +180,7 @@ def test_the_call_that_followed_an_agreed_call_is_expected_after_it_again() -> N
     assert expected.expected is None  # nothing has followed a small call yet
     expected.agreed(expected.ident(ring), 10, 3, None)
     assert expected.expected == (plan, 20)
-    twin = expectation.Expectation(lambda: MPI.COMM_SELF)  # the expected call confirmed, then again
+    twin = expectation.Expectation(lambda: MPI.COMM_SELF, 1)  # the expected call confirmed, then again
     twin.follows, twin.last = {(plan.ident, 20): (plan, 20)}, (plan.ident, 20)
     twin.confirmed(plan.ident, 20, 7)
     assert twin.expected == (plan, 20) and twin.number == 7 and twin.last == (plan.ident, 20)

@@ -1,8 +1,9 @@
 """The small-message path (issue 40) keeps every guarantee of the general path.
 
 A small host allreduce runs on a plan cached by shape, dtype, op and algorithm (`small.py`): with
-`auto` or `butterfly` its data rides in the argument check, with `mpi` it runs as the call every
-rank expected, one library call carrying its own check (`expectation.py`). Each test first warms a
+`butterfly` its data rides in the argument check, with `mpi` it runs as the call every rank
+expected, one library call carrying its own check (`expectation.py`); `auto` takes whichever of the
+two the decision table names for the rank count (`select.py`). Each test first warms a
 plan up (the same call a few times: cached, and for `mpi` expected), then changes something on one
 rank: every rank must raise what the general path raises, none may hang, and the communicator must
 be in step afterwards. Results are compared bit for bit with exact references.
@@ -25,7 +26,8 @@ from tests.conftest import all_ranks_agree
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
-#: A plan riding in the check (auto and butterfly choose it at these sizes) and the expected call.
+#: A plan riding in the check (butterfly), the expected call (mpi), and `auto`, which takes one of
+#: them at these sizes (the built-in table's choice for the rank count).
 SMALL = ["auto", "butterfly", "mpi"]
 N = 4
 
@@ -58,6 +60,31 @@ def _step(x: np.ndarray, side: MPI.Comm, op: str, algorithm: str, blocking: bool
     if blocking:
         return collectives.allreduce(x, side, op=op, algorithm=algorithm)
     return collectives.iallreduce(x, side, op=op, algorithm=algorithm).wait(timeout=60)
+
+
+def _counting_exchanges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, count every argument-check exchange of this process (in the list's one item)."""
+    exchanges = [0]
+    original = Agreement.exchange
+
+    def counted(self: Agreement, *args: Any, **kwargs: Any) -> Any:
+        exchanges[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Agreement, "exchange", counted)
+    return exchanges
+
+
+def _learnt_then_counted(x: np.ndarray, side: MPI.Comm, algorithm: str, monkeypatch: pytest.MonkeyPatch
+                         ) -> tuple[list[Any], list[int], list[dict[str, Any]]]:
+    """Three alike sums of `x` (learnt: then expected, for a library call), then three more: their
+    results, the exchange count (`_counting_exchanges`, still counting) and their flight records."""
+    for _ in range(3):
+        _step(x, side, "sum", algorithm)
+    exchanges = _counting_exchanges(monkeypatch)
+    first = RECORDER.count
+    results = [_step(x, side, "sum", algorithm) for _ in range(3)]
+    return results, exchanges, RECORDER.records()[-(RECORDER.count - first):]
 
 
 # (name, what the odd rank passes instead of float32[N] "sum", what every message names)
@@ -110,7 +137,7 @@ def test_a_rank_that_swaps_two_cached_calls_raises_everywhere(algorithm: str, co
     assert all_ranks_agree(ok and _in_step(side, algorithm), comm), errors
 
 
-@pytest.mark.parametrize("other", ["broadcast", "auto allreduce", "iallreduce", "allgather",
+@pytest.mark.parametrize("other", ["broadcast", "butterfly allreduce", "iallreduce", "allgather",
                                    "bad local argument"])
 def test_the_expected_call_meeting_another_call_raises_everywhere(other: str, comm: MPI.Comm,
                                                                     side: MPI.Comm) -> None:
@@ -126,7 +153,7 @@ def test_the_expected_call_meeting_another_call_raises_everywhere(other: str, co
         collectives.allreduce(x, side, algorithm="mpi")
     calls: dict[str, Callable[[], Any]] = {
         "broadcast": lambda: collectives.broadcast(x.copy(), 0, side),
-        "auto allreduce": lambda: collectives.allreduce(x, side),
+        "butterfly allreduce": lambda: collectives.allreduce(x, side, algorithm="butterfly"),
         "iallreduce": lambda: collectives.iallreduce(x, side, algorithm="mpi").wait(timeout=60),
         "allgather": lambda: collectives.allgather(x, side),
         "bad local argument": lambda: collectives.allreduce(np.ones(2 * N, np.float32)[::2], side,
@@ -211,28 +238,21 @@ def test_ranks_on_different_paths_for_one_signature_stay_in_step(comm: MPI.Comm,
         problem = bitwise_equal(collectives.allreduce(x, side, algorithm="mpi"), want)
         if problem:
             problems.append(f"call {i}: {problem}")
-    # An `auto` call while the `mpi` one is expected: rank 0's takes the general path, which
+    # A butterfly call while the `mpi` one is expected: rank 0's takes the general path, which
     # hands the data riding in the check on to the small plan; it joins the attempt only once.
     x = np.asfortranarray(inputs[rank]) if rank == 0 else inputs[rank]
-    problem = bitwise_equal(collectives.allreduce(x, side), want)
+    problem = bitwise_equal(collectives.allreduce(x, side, algorithm="butterfly"), want)
     if problem:
-        problems.append(f"auto: {problem}")
+        problems.append(f"butterfly: {problem}")
     assert all_ranks_agree(not problems and _in_step(side, "mpi"), comm), problems
 
 
 def test_a_call_that_is_expected_makes_no_check_message(comm: MPI.Comm, side: MPI.Comm,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A loop of two `mpi` allreduces from two lines: once every rank expects them, they exchange
-    no argument-check packet at all (one library call each); a small `auto` allreduce makes
+    no argument-check packet at all (one library call each); a small butterfly allreduce makes
     exactly one exchange (its data rides in it)."""
     size = comm.Get_size()
-    exchanges = [0]
-    original = Agreement.exchange
-
-    def counted(self: Agreement, *args: Any, **kwargs: Any) -> Any:
-        exchanges[0] += 1
-        return original(self, *args, **kwargs)
-
     a, b = np.ones(2, np.float32), np.ones(16, np.float64)
 
     def two_calls() -> list[Any]:  # the same two lines every time: an expectation names its line
@@ -241,12 +261,12 @@ def test_a_call_that_is_expected_makes_no_check_message(comm: MPI.Comm, side: MP
 
     for _ in range(2):  # learnt: each call is then the expected one
         two_calls()
-    monkeypatch.setattr(Agreement, "exchange", counted)
+    exchanges = _counting_exchanges(monkeypatch)
     results = []
     for _ in range(5):
         results += two_calls()
     expected_calls = exchanges[0]
-    collectives.allreduce(a, side)  # auto: butterfly, riding in its check
+    collectives.allreduce(a, side, algorithm="butterfly")  # riding in its check
     riding = exchanges[0] - expected_calls
     monkeypatch.undo()
     exact = all(bitwise_equal(r, np.full(r.shape, size, r.dtype)) is None for r in results)
@@ -276,21 +296,9 @@ def test_the_expected_call_up_to_lean_bytes(count: int, checks: int, comm: MPI.C
     is numbered and recorded, and a count changed on the last rank raises on every rank."""
     size, rank = comm.Get_size(), comm.Get_rank()
     x = np.ones(count, np.float32)
-    for _ in range(3):  # learnt: then expected
-        _step(x, side, "sum", "mpi")
-    exchanges = [0]
-    original = Agreement.exchange
-
-    def counted(self: Agreement, *args: Any, **kwargs: Any) -> Any:
-        exchanges[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(Agreement, "exchange", counted)
-    first = RECORDER.count
-    results = [_step(x, side, "sum", "mpi") for _ in range(3)]
+    results, exchanges, records = _learnt_then_counted(x, side, "mpi", monkeypatch)
     made = exchanges[0]
     monkeypatch.undo()
-    records = RECORDER.records()[-(RECORDER.count - first):]
     numbers = [r["number"] for r in records]
     ok = made == 3 * checks and all(bitwise_equal(r, np.full(count, size, np.float32)) is None
                                     for r in results)
@@ -358,3 +366,56 @@ def test_the_expected_call_waits_for_the_nonblocking_calls_before_it(comm: MPI.C
             problems.append(f"round {i}: {got} {record}")
     del agreement.exchange
     assert all_ranks_agree(not problems and exchanges[0] == 0, comm), (problems, exchanges)
+
+
+@pytest.mark.parametrize("algorithm", ["mpi", "auto"])
+def test_float32_sums_of_random_data_are_the_same_bits_on_every_rank(algorithm: str, comm: MPI.Comm,
+                                                                     side: MPI.Comm) -> None:
+    """The library's allreduce (which `auto` takes at small sizes on 2 and 4 ranks), checked
+    first and then as the expected call, one element longer: float32 sums of random data, whose
+    rounding depends on the order a rank adds in, are the same bytes on every rank (replicas stay
+    bitwise equal), call after call, and the sum to within the rounding of P terms."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    problems = []
+    for count in (2, 1000, expectation.LEAN_BYTES // 4, expectation.LEAN_BYTES // 4 + 1, 1 << 15):
+        inputs = [np.random.default_rng([count, q]).standard_normal(count).astype(np.float32)
+                  for q in range(size)]
+        exact = np.sum([a.astype(np.float64) for a in inputs], axis=0)
+        bound = size * float(np.finfo(np.float32).eps) * np.sum(np.abs(inputs), axis=0)
+        for call in range(3):  # checked, then expected (up to LEAN_BYTES)
+            got = _step(inputs[rank], side, "sum", algorithm)
+            mine = np.frombuffer(got.tobytes(), np.uint8)
+            every = np.empty((size, mine.size), np.uint8)
+            comm.Allgather(mine, every)
+            if not all(np.array_equal(every[0], theirs) for theirs in every[1:]):
+                problems.append(f"{count} elements, call {call}: the ranks' bytes differ")
+            if not np.all(np.abs(got.astype(np.float64) - exact) <= bound):
+                problems.append(f"{count} elements, call {call}: not the sum")
+    assert all_ranks_agree(not problems, comm), problems
+
+
+def test_auto_takes_the_expected_call_where_the_table_names_mpi(comm: MPI.Comm, side: MPI.Comm,
+                                                                tuning_file: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a table naming the library (stand-in butterfly) at every rank count: a loop of `auto`
+    calls runs as the expected call (recorded as mpi, no check message), a dtype changed on the
+    last rank raises on every rank, and a bfloat16 call, which the library cannot reduce, runs
+    the stand-in, riding in its check (one exchange), exactly."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    tuning_file({"collectives": {"allreduce": [
+        {"min_ranks": 1, "by_bytes": [[expectation.LEAN_BYTES, "mpi", "butterfly"], [None, "ring"]]}]}})
+    x = np.arange(N, dtype=np.float32)
+    results, exchanges, records = _learnt_then_counted(x, side, "auto", monkeypatch)
+    expected_calls = exchanges[0]
+    ok = expected_calls == 0 and [r["algorithm"] for r in records] == ["mpi"] * 3
+    ok &= all(bitwise_equal(r, x * size) is None for r in results)
+    odd = rank == size - 1 and size > 1
+    message = _error(lambda: _step(x.astype(np.float64) if odd else x, side, "sum", "auto"))
+    ok &= (message is None) if size == 1 else (message is not None and "different dtypes" in message)
+    if "bfloat16" in collectives.DTYPES:
+        y = np.arange(N).astype(collectives.DTYPES["bfloat16"])
+        before = exchanges[0]
+        got = _step(y, side, "sum", "auto")
+        ok &= bitwise_equal(got, (np.arange(N) * size).astype(y.dtype)) is None
+        ok &= exchanges[0] - before == 1 and RECORDER.records()[-1]["algorithm"] == "butterfly"
+    assert all_ranks_agree(ok and _in_step(side, "auto"), comm), (expected_calls, records, message)
