@@ -220,6 +220,10 @@ def test_predicted_column_from_a_tuning_file(comm: MPI.Comm, tmp_path: Path,
     # beta_pairwise far from beta, so a prediction that ignored it would show
     table["model"] = {"alpha": 10e-6, "beta": 0.2e-9, "gamma": 0.1e-9, "overhead": 5e-6,
                       "beta_pairwise": 5e-9}
+    # the built-in table names the MPI library's allreduce at small sizes, which the model does not
+    # price: its hand-written stand-ins instead, so that auto's rows carry a prediction
+    for row in table["collectives"]["allreduce"]:
+        row["by_bytes"] = [[entry[0], entry[-1]] for entry in row["by_bytes"]]
     if comm.Get_rank() == 0:
         tuning.write_text(json.dumps(table))
     comm.Barrier()
@@ -228,6 +232,8 @@ def test_predicted_column_from_a_tuning_file(comm: MPI.Comm, tmp_path: Path,
     status, report = run_json(comm, tmp_path, *TINY, "-A", "ring", "butterfly", "auto", "mpi",
                               "--tuning-file", str(tuning))
     assert status == 0
+    assert {r["chose"] for r in report["results"] if r["algorithm"] == "auto"} <= {
+        "ring", "butterfly", "tree", "halving_doubling"}
     for r in report["results"]:
         if r["algorithm"] == "mpi":
             assert r["predicted_s"] is None and r["prediction_error"] is None
