@@ -32,7 +32,7 @@ from .buffers import DeviceRuntime
 from .failures import settle
 from .host_communicators import hosts_of
 from .ipc import IpcExchange
-from .ops import ReduceOp
+from .ops import HAND_WRITTEN_ONLY, ReduceOp
 from .partition import PIECEWISE_BYTES, cut, cut_bounds, default_staging_piece
 from .patience import complete_patiently
 from .staging import Combine, Stager
@@ -51,8 +51,8 @@ STAGING_SLOTS = 8
 
 def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
     """The MPI datatype of a supported dtype, for the MPI-library baseline only."""
-    if dtype.name == "bfloat16":
-        raise TypeError("the MPI library has no bfloat16 reductions; use a hand-written algorithm")
+    if dtype.name in HAND_WRITTEN_ONLY:
+        raise TypeError(f"the MPI library has no {dtype.name} reductions; use a hand-written algorithm")
     # The predefined type: predefined ops (MPI_SUM, ...) reject duplicated or derived types.
     return MPI.Datatype.fromcode(dtype.char)
 
