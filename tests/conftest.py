@@ -6,7 +6,8 @@ Rules that keep a distributed suite from hanging:
 - assertions that only some ranks could fail are made collective with `all_ranks_agree`, so all
   ranks fail together and move on to the next test together;
 - every test runs under pytest-timeout (set by tests/run.py); a stuck rank exits and mpirun
-  tears the job down.
+  tears the job down; one stuck inside a C call, where pytest-timeout cannot reach, is ended a
+  minute later by `tests/helpers/hang_watch.py`, which writes its stacks first.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from mpi4py import MPI
 
+from tests.helpers import hang_watch
 from tests.helpers.arrays import remove_arena_files_of_ended_processes
 
 # Hypothesis must draw the same examples on every rank: derandomized, no database, no
@@ -45,6 +47,21 @@ MANY_RANKS = "many_ranks"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MANY_RANKS}: runs in jobs of more than {MOST_RANKS_ELSEWHERE} ranks too, "
                                        "outside the folders whose tests run at every size (tests/conftest.py)")
+    config.stash[_WATCH] = hang_watch.watch(config)
+
+
+_WATCH = pytest.StashKey[hang_watch.HangWatch]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Each test under `hang_watch`'s watchdog (setup, call and teardown)."""
+    watch = item.config.stash[_WATCH]
+    watch.start(item)
+    try:
+        return (yield)
+    finally:
+        watch.stop()
 
 
 def _narrowed() -> bool:

@@ -18,7 +18,8 @@ in turn and 1638 s beside with about 50 s fewer tests, since a job beside anothe
 2.3x (waiting ranks spin-yield); but beside, the N=1 job's launches disturb the timing tests of
 the other job (hpcdl tune's fit at N=2 failed so once), and in turn none did. A test passes only
 if it passed on every rank. Exit status is non-zero if anything failed or a job died (a rank that
-hangs is killed by pytest-timeout, and mpirun then ends the job).
+hangs is failed by pytest-timeout or, stuck in a C call, ended by tests/helpers/hang_watch.py's
+watchdog, and mpirun then ends the job; the last lines name the test each rank was in).
 
 The emulated-hosts job (with no -n, or with --hosts K) brings up K network namespaces joined by a
 bridge (scripts/emulated_cluster.sh, links unshaped: the point is real TCP between hosts), runs one
@@ -48,6 +49,8 @@ CANNOT_RUN = 3  # scripts/emulated_cluster.sh's exit status for "no namespaces o
 # The correctness tests of the collectives: what must hold over real TCP between hosts.
 EMULATED_TESTS = ["tests/collectives/test_algorithms.py", "tests/collectives/test_nonblocking.py",
                   "tests/collectives/test_errors.py"]
+#: How a rank's `rank<r>.stacks` (tests/helpers/hang_watch.py) starts: the test it is running.
+RUNNING = "running: "
 # This run's cluster prefix; the pid keeps concurrent runs (and a developer's cluster) apart.
 NETNS_PREFIX = f"hpcdlt{os.getpid()}"
 
@@ -275,6 +278,28 @@ def merge(out: Path, size: int) -> tuple[dict[str, str], list[int], dict[str, st
     return outcome, missing, why
 
 
+def hung_tests(label: str, out: Path, size: int) -> list[str]:
+    """For a broken job: print the test each rank was running where its report is missing (from
+    `rank<r>.stacks`, tests/helpers/hang_watch.py), with the stacks of a rank its watchdog ended;
+    a line per such rank for the run's list of failures."""
+    lines = []
+    for r in range(size):
+        stacks = out / f"rank{r}.stacks"
+        if (out / f"rank{r}.xml").exists() or not stacks.exists():
+            continue
+        text = stacks.read_text(errors="replace")
+        first, _, dump = text.partition("\n")
+        test = first.removeprefix(RUNNING) if first.startswith(RUNNING) else "(before its first test)"
+        lines.append(f"{label} rank {r} " + (f"stuck in {test} past its time limit: ended by its watchdog, "
+                                               f"stacks in {stacks}" if dump.strip() else
+                                               f"was in {test} when the job ended"))
+        if dump.strip():
+            shown = dump.splitlines(True)
+            print(f"----- {label} rank {r}: stacks when its watchdog ended it -----")
+            print("".join(shown[:200] + (["...\n"] if len(shown) > 200 else [])), flush=True)
+    return lines
+
+
 def summarize(label: str, rc: int, out: Path, size: int, totals: dict[str, int],
               failures: list[str]) -> bool:
     """Print one job's merged outcome, and its other ranks' logs if it failed; True if it failed.
@@ -286,6 +311,7 @@ def summarize(label: str, rc: int, out: Path, size: int, totals: dict[str, int],
         totals[k] += counts[k]
     broken = bool(rc != 0 or counts["failed"] or missing)
     if broken:
+        failures += hung_tests(label, out, size)
         for r in range(size):
             if (out / f"rank{r}.log").exists():
                 lines = (out / f"rank{r}.log").read_text(errors="replace").splitlines(True)

@@ -1,13 +1,19 @@
-"""tests/run.py's launcher for the jobs tests start (`run_own_job`): a launcher that failed before
-starting any rank is run once more, and nothing else is."""
+"""tests/run.py: its launcher for the jobs tests start (`run_own_job`) runs a launcher that failed
+before starting any rank once more, and nothing else; a rank stuck where pytest-timeout cannot reach
+is ended by its watchdog (tests/helpers/hang_watch.py), and the run names the test it was in."""
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import run
+from tests.conftest import ROOT
 
 
 class FakeMpirun:
@@ -43,3 +49,46 @@ def test_a_launcher_that_failed_to_start_runs_once_more(monkeypatch: pytest.Monk
     done = run.run_own_job(["mpirun", "-n", "2", "true"], timeout=10, env={})
     assert (done.returncode, done.stdout) == expected
     assert fake.started == [["mpirun", "-n", "2", "true"]] * starts
+
+
+STUCK = """
+    import ctypes, signal
+    import pytest
+
+    def test_first():
+        pass
+
+    @pytest.mark.timeout(1)
+    def test_stuck_in_c():
+        # SIGALRM held back: pytest-timeout's handler never runs, as in a C call that never returns
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+        ctypes.CDLL(None).sleep(60)
+
+    def test_never_reached():
+        pass
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_in_a_c_call_is_ended_with_its_stacks_and_named(tmp_path: Path) -> None:
+    (tmp_path / "test_stuck.py").write_text(textwrap.dedent(STUCK))
+    env = dict(os.environ, HPCDL_TEST_GRACE_S="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           "--timeout=30", f"--junitxml={tmp_path}/rank0.xml", str(tmp_path / "test_stuck.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode != 0
+    assert not (tmp_path / "rank0.xml").exists()  # ended mid-run, as mpirun's job would be
+    stacks = (tmp_path / "rank0.stacks").read_text()
+    first, _, dump = stacks.partition("\n")
+    assert first.startswith(run.RUNNING) and "test_stuck.py::test_stuck_in_c" in first
+    assert "in test_stuck_in_c" in dump  # the stuck frame, from the watchdog's dump
+    lines = run.hung_tests("N=1", tmp_path, 1)
+    assert len(lines) == 1 and "test_stuck_in_c" in lines[0] and "watchdog" in lines[0]
+
+
+def test_a_job_stopped_from_outside_names_the_test_each_rank_without_a_report_was_in(tmp_path: Path) -> None:
+    (tmp_path / "rank0.stacks").write_text(f"{run.RUNNING}tests/a.py::test_waits (pid 1)\n")
+    (tmp_path / "rank1.stacks").write_text(f"{run.RUNNING}tests/a.py::test_done (pid 2)\n")
+    (tmp_path / "rank1.xml").write_text("<testsuites/>")  # rank 1 finished: not named
+    assert run.hung_tests("N=2", tmp_path, 3) == [
+        "N=2 rank 0 was in tests/a.py::test_waits (pid 1) when the job ended"]
