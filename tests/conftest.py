@@ -47,21 +47,8 @@ MANY_RANKS = "many_ranks"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MANY_RANKS}: runs in jobs of more than {MOST_RANKS_ELSEWHERE} ranks too, "
                                        "outside the folders whose tests run at every size (tests/conftest.py)")
-    config.stash[_WATCH] = hang_watch.watch(config)
-
-
-_WATCH = pytest.StashKey[hang_watch.HangWatch]()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """Each test under `hang_watch`'s watchdog (setup, call and teardown)."""
-    watch = item.config.stash[_WATCH]
-    watch.start(item)
-    try:
-        return (yield)
-    finally:
-        watch.stop()
+    # each test started by every rank together, under a watchdog (tests/helpers/hang_watch.py)
+    config.pluginmanager.register(hang_watch.watch(config), "hang_watch")
 
 
 def _narrowed() -> bool:

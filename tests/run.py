@@ -51,6 +51,8 @@ EMULATED_TESTS = ["tests/collectives/test_algorithms.py", "tests/collectives/tes
                   "tests/collectives/test_errors.py"]
 #: How a rank's `rank<r>.stacks` (tests/helpers/hang_watch.py) starts: the test it is running.
 RUNNING = "running: "
+#: ...and its second line where the ranks were found starting different tests.
+OUT_OF_STEP = "out of step: "
 # This run's cluster prefix; the pid keeps concurrent runs (and a developer's cluster) apart.
 NETNS_PREFIX = f"hpcdlt{os.getpid()}"
 
@@ -279,22 +281,26 @@ def merge(out: Path, size: int) -> tuple[dict[str, str], list[int], dict[str, st
 
 
 def hung_tests(label: str, out: Path, size: int) -> list[str]:
-    """For a broken job: print the test each rank was running where its report is missing (from
-    `rank<r>.stacks`, tests/helpers/hang_watch.py), with the stacks of a rank its watchdog ended;
-    a line per such rank for the run's list of failures."""
+    """For a broken job, from what tests/helpers/hang_watch.py left of each rank without a report:
+    the tests it failed before the job ended, the test it was in, and the stacks of a rank its
+    watchdog ended (printed); a line per finding for the run's list of failures."""
     lines = []
     for r in range(size):
-        stacks = out / f"rank{r}.stacks"
+        stacks, failed = out / f"rank{r}.stacks", out / f"rank{r}.failed"
         if (out / f"rank{r}.xml").exists() or not stacks.exists():
             continue
-        text = stacks.read_text(errors="replace")
-        first, _, dump = text.partition("\n")
+        if failed.exists():
+            lines += [f"{label} rank {r} failed {line}" for line in failed.read_text(errors="replace").splitlines()]
+        first, _, rest = stacks.read_text(errors="replace").partition("\n")
         test = first.removeprefix(RUNNING) if first.startswith(RUNNING) else "(before its first test)"
-        lines.append(f"{label} rank {r} " + (f"stuck in {test} past its time limit: ended by its watchdog, "
-                                               f"stacks in {stacks}" if dump.strip() else
-                                               f"was in {test} when the job ended"))
-        if dump.strip():
-            shown = dump.splitlines(True)
+        if not rest.strip():
+            lines.append(f"{label} rank {r} was in {test} when the job ended")
+        elif rest.startswith(OUT_OF_STEP):
+            lines.append(f"{label} rank {r} was to start {test}, {rest.strip()}")
+        else:
+            lines.append(f"{label} rank {r} stuck in {test} past its time limit: ended by its watchdog, "
+                         f"stacks in {stacks}")
+            shown = rest.splitlines(True)
             print(f"----- {label} rank {r}: stacks when its watchdog ended it -----")
             print("".join(shown[:200] + (["...\n"] if len(shown) > 200 else [])), flush=True)
     return lines

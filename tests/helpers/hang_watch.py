@@ -1,15 +1,20 @@
-"""A watchdog per test that ends a rank stuck where pytest-timeout cannot reach it, and says where.
+"""What keeps one rank's trouble in a test from hanging the whole job, and says where it was.
 
-pytest-timeout (tests/run.py sets it) raises in the main thread from a SIGALRM handler, which
-Python runs only between bytecodes: a rank blocked inside a C call (an MPI collective whose peer
-went elsewhere) never sees it, and its job sat until tests/run.py's job limit with nothing in the
-log to say which test hung (CI, 2026-11-29: the 2-rank job stopped at 1200 s). faulthandler's
-watchdog is a C thread: GRACE_S after the test's own limit it writes every thread's stack and
-exits the process, so mpirun ends the job.
-
-The file it writes to, `rank<r>.stacks` beside the rank's junit report, always names the test the
-rank is running (rewritten as each test starts), so a job stopped from outside still says where
-each rank was; tests/run.py prints it for a broken job.
+Three guards, each test (`HangWatch`, a pytest plugin tests/conftest.py registers):
+- In step: before a test starts, the ranks check in a non-blocking allreduce on a communicator
+  of their own that they all start the same test. A rank that failed a test alone and went on
+  waits there for the others, which come when their own part of that test ends (or fails at its
+  time limit): the job is in step again, where before the next test's first collective met the
+  wrong call on the other rank and the job hung to its limit. Ranks at different tests end the job.
+- Watchdog: pytest-timeout (tests/run.py sets it) raises from a SIGALRM handler, which Python runs
+  only between bytecodes; a rank blocked inside a C call (an MPI collective whose peer went
+  elsewhere) never sees it. faulthandler's watchdog, a C thread, writes every thread's stack and
+  exits the process GRACE_S after the test's own limit, so mpirun ends the job.
+- What it leaves: `rank<r>.stacks` beside the rank's junit report names the test the rank is
+  running (rewritten as each test starts) and holds the watchdog's stacks; `rank<r>.failed` lists
+  each test failed on that rank as it fails. A job stopped before pytest wrote its reports still
+  says where each rank was and what failed first; tests/run.py prints both for a broken job.
+(CI, 2026-11-29: the 2-rank job sat until its 1200 s limit and nothing said which test.)
 """
 from __future__ import annotations
 
@@ -17,24 +22,35 @@ import faulthandler
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import pytest
+from mpi4py import MPI
 
-from tests.run import RUNNING
+from tests.run import OUT_OF_STEP, RUNNING
 
 #: Seconds past a test's pytest-timeout limit before the watchdog writes the stacks and exits:
 #: pytest-timeout fails a test stuck in Python first, with its own report.
 GRACE_S = float(os.environ.get("HPCDL_TEST_GRACE_S", "60"))
+#: The exit status of a rank that found the ranks starting different tests.
+OUT_OF_STEP_STATUS = 86
 
 
 class HangWatch:
-    """Arms faulthandler's watchdog for each test (`start`) and disarms it after (`stop`)."""
+    """The guards of one pytest process (module docstring)."""
 
-    def __init__(self, stacks: Path | None, default_limit: float) -> None:
+    def __init__(self, report: Path | None, default_limit: float) -> None:
         self.default_limit = default_limit
-        self.file: IO[str] = open(stacks, "w") if stacks is not None else sys.stderr  # noqa: SIM115
+        self.file: IO[str] = open(report.with_suffix(".stacks"), "w") if report else sys.stderr  # noqa: SIM115
+        self.failed_path = report.with_suffix(".failed") if report else None
+        if self.failed_path is not None:
+            self.failed_path.unlink(missing_ok=True)
+        world = MPI.COMM_WORLD
+        # its own communicator: the check's messages never meet a test's
+        self.comm = world.Dup() if world.Get_size() > 1 else None
 
     def limit(self, item: pytest.Item) -> float:
         """The test's pytest-timeout limit in seconds (0: none): its marker's, else the run's."""
@@ -45,22 +61,68 @@ class HangWatch:
                 return float(given)
         return self.default_limit
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> object:
+        """Each test started by every rank together, under the watchdog (setup, call and teardown)."""
+        self.start(item)
+        try:
+            return (yield)
+        finally:
+            self.stop()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self.failed(report)
+
     def start(self, item: pytest.Item) -> None:
-        limit = self.limit(item)
+        """Before `item` runs: name it in the stacks file, wait until every rank starts it, arm
+        the watchdog."""
         if self.file is not sys.stderr:
             self.file.seek(0)
             self.file.truncate()
             self.file.write(f"{RUNNING}{item.nodeid} (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})\n")
             self.file.flush()
+        if self.comm is not None:
+            self.in_step(item.nodeid)
+        limit = self.limit(item)
         if limit > 0:
             faulthandler.dump_traceback_later(limit + GRACE_S, exit=True, file=self.file)
 
+    def in_step(self, nodeid: str) -> None:
+        """Wait, without a deadline (a late rank's own limits end it), until every rank starts
+        the test `nodeid`; end the job if they start different ones."""
+        assert self.comm is not None
+        digest = zlib.crc32(nodeid.encode())
+        both = np.array([digest, -digest], np.int64)  # max and -min in one call
+        request = self.comm.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)
+        while not request.Test():
+            time.sleep(0.0005)  # an interruptible wait: pytest-timeout and ^C still reach it
+        if both[0] != digest or both[1] != -digest:
+            message = f"{OUT_OF_STEP}another rank started a different test; the job ends\n"
+            self.file.write(message)
+            self.file.flush()
+            sys.stderr.write(f"tests: rank {MPI.COMM_WORLD.Get_rank()} was to start {nodeid}, {message}")
+            sys.stderr.flush()
+            os._exit(OUT_OF_STEP_STATUS)
+
     def stop(self) -> None:
+        """After a test: disarm the watchdog."""
         faulthandler.cancel_dump_traceback_later()
+
+    def failed(self, report: pytest.TestReport) -> None:
+        """Note a failed phase of a test in `rank<r>.failed` at once (pytest writes its report
+        only at the end of the run)."""
+        if self.failed_path is None:
+            return
+        crash = getattr(report.longrepr, "reprcrash", None)  # where it raised, and the message
+        text = crash.message if crash is not None else str(report.longrepr)
+        first = (text.strip().splitlines() or ["(no message)"])[0][:200]
+        with open(self.failed_path, "a") as out:
+            out.write(f"{report.nodeid} ({report.when}): {first}\n")
 
 
 def watch(config: pytest.Config) -> HangWatch:
-    """The run's watch: its stacks file beside `--junitxml`'s report (stderr without one)."""
+    """The run's guards, writing beside `--junitxml`'s report (to stderr without one)."""
     xml = getattr(config.option, "xmlpath", None)
     limit = float(getattr(config.option, "timeout", None) or 0)
-    return HangWatch(Path(xml).with_suffix(".stacks") if xml else None, limit)
+    return HangWatch(Path(xml) if xml else None, limit)

@@ -1,9 +1,11 @@
 """tests/run.py: its launcher for the jobs tests start (`run_own_job`) runs a launcher that failed
-before starting any rank once more, and nothing else; a rank stuck where pytest-timeout cannot reach
-is ended by its watchdog (tests/helpers/hang_watch.py), and the run names the test it was in."""
+before starting any rank once more, and nothing else; tests/helpers/hang_watch.py's guards: a rank
+stuck where pytest-timeout cannot reach is ended by its watchdog, ranks start each test together or
+end the job, and a broken job's last lines say where each rank was and what it failed."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mpi4py import MPI
 
 from tests import run
 from tests.conftest import ROOT
@@ -92,3 +95,57 @@ def test_a_job_stopped_from_outside_names_the_test_each_rank_without_a_report_wa
     (tmp_path / "rank1.xml").write_text("<testsuites/>")  # rank 1 finished: not named
     assert run.hung_tests("N=2", tmp_path, 3) == [
         "N=2 rank 0 was in tests/a.py::test_waits (pid 1) when the job ended"]
+
+
+ONE_RANK_FAILS = """
+    import time
+    from pathlib import Path
+    from mpi4py import MPI
+
+    RANK = MPI.COMM_WORLD.Get_rank()
+    HERE = Path(__file__).parent
+
+    def test_a():  # the last rank fails at once; rank 0 takes a second
+        assert RANK == 0, "failed on the last rank alone"
+        time.sleep(1)
+        (HERE / "a-ended").write_text(repr(time.time()))
+
+    def test_b():  # the last rank starts only once rank 0 has ended test_a
+        if RANK == 1:
+            started = time.time()
+            (HERE / "b-started-late").write_text(repr(started >= float((HERE / "a-ended").read_text())))
+
+    def test_c():  # collected on rank 0 only (conftest.py): the ranks start different tests
+        pass
+
+    def test_d():
+        pass
+"""
+DESELECT_C_ON_RANK_1 = """
+    from mpi4py import MPI
+
+    def pytest_collection_modifyitems(config, items):
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            items[:] = [item for item in items if item.name != "test_c"]
+"""
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun job: the one-rank job is enough")
+@pytest.mark.timeout(200)
+def test_ranks_start_each_test_together_and_a_job_out_of_step_ends_saying_where(tmp_path: Path) -> None:
+    """A rank that failed a test alone waits for the others before the next one (before, it ran on
+    into the next test's calls); ranks at different tests end the job at once, and the run's last
+    lines name the test each rank was at and the failure, though pytest wrote no report."""
+    (tmp_path / "test_steps.py").write_text(textwrap.dedent(ONE_RANK_FAILS))
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(DESELECT_C_ON_RANK_1))
+    env = dict(run.own_job_environment(), PYTHONPATH=str(ROOT), HPCDL_TEST_LOGS=str(tmp_path / "logs"))
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "run.py"), "-n", "2", "--job-timeout", "150",
+                           "--", "-p", "tests.conftest", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+    tail = done.stdout[done.stdout.rfind("failed tests:"):]
+    assert done.returncode == 1 and "exceeded its time" not in done.stdout, done.stdout[-3000:]
+    assert (tmp_path / "b-started-late").read_text() == "True"
+    assert "N=2 rank 1 failed test_steps.py::test_a (call): AssertionError: failed on the last rank alone" in tail, tail
+    for rank, test in [(0, "test_c"), (1, "test_d")]:
+        assert re.search(rf"N=2 rank {rank} was to start test_steps.py::{test} .*, {run.OUT_OF_STEP}another rank "
+                         "started a different test", tail), tail
