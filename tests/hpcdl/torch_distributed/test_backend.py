@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -92,13 +93,16 @@ def test_gathers_scatters_and_broadcasts(comm):
     gathered = [torch.empty(2, 3) for _ in range(size)]
     dist.all_gather(gathered, mine)
     ok = all(torch.equal(a, b) for a, b in zip(gathered, everyone))
-    flat = torch.empty(size * 2, 3)
-    dist.all_gather_into_tensor(flat, mine)
-    ok = ok and torch.equal(flat, torch.cat(everyone))
     total = torch.stack(everyone).sum(0)
-    block = torch.empty(2, 3)
-    dist.reduce_scatter_tensor(block, torch.cat([mine + i for i in range(size)]))
-    ok = ok and torch.equal(block, total + size * rank)
+    # torch 2.13's names and the older ones it deprecates (scripts still call them)
+    for gather, scatter in [(dist.all_gather_single, dist.reduce_scatter_single),
+                            (dist.all_gather_into_tensor, dist.reduce_scatter_tensor)]:
+        flat, block = torch.empty(size * 2, 3), torch.empty(2, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            gather(flat, mine)
+            scatter(block, torch.cat([mine + i for i in range(size)]))
+        ok = ok and torch.equal(flat, torch.cat(everyone)) and torch.equal(block, total + size * rank)
     out = torch.empty(2, 3)
     dist.reduce_scatter(out, [mine * (i + 1) for i in range(size)])
     ok = ok and torch.equal(out, total * (rank + 1))
@@ -135,7 +139,7 @@ def test_coalesced_and_into_tensor_coalesced(comm):
     outputs = [torch.empty(size * n) for n in (2, 3)]
     with _coalescing_manager(async_ops=True) as cm:
         for out, n in zip(outputs, (2, 3)):
-            dist.all_gather_into_tensor(out, _ints(rank, n))
+            dist.all_gather_single(out, _ints(rank, n))
     cm.wait()
     ok = ok and all(torch.equal(out, torch.cat([_ints(r, n) for r in range(size)]))
                     for out, n in zip(outputs, (2, 3)))
