@@ -4,10 +4,11 @@ Rules that keep a distributed suite from hanging:
 - every rank must make the same collective calls in the same order, so test data is a function of
   the rank and the test's parameters only, never of timing;
 - assertions that only some ranks could fail are made collective with `all_ranks_agree`, so all
-  ranks fail together and move on to the next test together;
+  ranks fail together and move on to the next test together; and the ranks start each test
+  together (`tests/helpers/hang_watch.py`), so one that failed alone waits for the others there;
 - every test runs under pytest-timeout (set by tests/run.py); a stuck rank exits and mpirun
   tears the job down; one stuck inside a C call, where pytest-timeout cannot reach, is ended a
-  minute later by `tests/helpers/hang_watch.py`, which writes its stacks first.
+  minute later by hang_watch's watchdog, which writes its stacks first.
 """
 from __future__ import annotations
 

@@ -280,7 +280,7 @@ def merge(out: Path, size: int) -> tuple[dict[str, str], list[int], dict[str, st
     return outcome, missing, why
 
 
-def hung_tests(label: str, out: Path, size: int) -> list[str]:
+def where_ranks_stopped(label: str, out: Path, size: int) -> list[str]:
     """For a broken job, from what tests/helpers/hang_watch.py left of each rank without a report:
     the tests it failed before the job ended, the test it was in, and the stacks of a rank its
     watchdog ended (printed); a line per finding for the run's list of failures."""
@@ -317,7 +317,7 @@ def summarize(label: str, rc: int, out: Path, size: int, totals: dict[str, int],
         totals[k] += counts[k]
     broken = bool(rc != 0 or counts["failed"] or missing)
     if broken:
-        failures += hung_tests(label, out, size)
+        failures += where_ranks_stopped(label, out, size)
         for r in range(size):
             if (out / f"rank{r}.log").exists():
                 lines = (out / f"rank{r}.log").read_text(errors="replace").splitlines(True)

@@ -85,7 +85,7 @@ def test_a_rank_stuck_in_a_c_call_is_ended_with_its_stacks_and_named(tmp_path: P
     first, _, dump = stacks.partition("\n")
     assert first.startswith(run.RUNNING) and "test_stuck.py::test_stuck_in_c" in first
     assert "in test_stuck_in_c" in dump  # the stuck frame, from the watchdog's dump
-    lines = run.hung_tests("N=1", tmp_path, 1)
+    lines = run.where_ranks_stopped("N=1", tmp_path, 1)
     assert len(lines) == 1 and "test_stuck_in_c" in lines[0] and "watchdog" in lines[0]
 
 
@@ -93,7 +93,7 @@ def test_a_job_stopped_from_outside_names_the_test_each_rank_without_a_report_wa
     (tmp_path / "rank0.stacks").write_text(f"{run.RUNNING}tests/a.py::test_waits (pid 1)\n")
     (tmp_path / "rank1.stacks").write_text(f"{run.RUNNING}tests/a.py::test_done (pid 2)\n")
     (tmp_path / "rank1.xml").write_text("<testsuites/>")  # rank 1 finished: not named
-    assert run.hung_tests("N=2", tmp_path, 3) == [
+    assert run.where_ranks_stopped("N=2", tmp_path, 3) == [
         "N=2 rank 0 was in tests/a.py::test_waits (pid 1) when the job ended"]
 
 
