@@ -23,9 +23,11 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
-from hpcdl.runtime import stall
+from hpcdl.runtime import diagnosis, stall
 
-#: Seconds a fault lasts: several times the stall bound of the tests.
+#: Seconds a fault lasts: longer than the test's stall bound plus the time its report takes to
+#: gather the answers (a stopped rank is stopped ANSWER_S longer: the others wait that long for
+#: its answer), and no longer, for each second of it is a second of the test.
 FAULT_S = float(os.environ.get("STALL_JOB_FAULT_S", "7"))
 FAULTS = {2: "asleep", 4: "busy", 6: "stopped", 8: "skipped", 10: "mismatched", 12: "rank 0 asleep"}
 STEPS = 14
@@ -76,7 +78,7 @@ def main() -> None:
         if fault == "stopped":
             if rank == LATE:  # stopped while it waits for the others, who come late this step
                 subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -STOP {os.getpid()}; "
-                                              f"sleep {FAULT_S}; kill -CONT {os.getpid()}"])
+                                              f"sleep {FAULT_S + diagnosis.ANSWER_S}; kill -CONT {os.getpid()}"])
             else:
                 time.sleep(1.0)
         if rank == LATE and fault == "skipped":

@@ -32,14 +32,14 @@ With `--spares K` a victim in training dies only once the K spares are ready (ea
 when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
 Every checkpoint is kept (not only the newest three), for the tests to resume from any.
 Every process that finishes a run writes DIR/final-<id>.pt (its id: its world rank, or a
-replacement's) with its model, optimizer and scheduler state (a parameter server's worker: the
-model it evaluated last, its own counters; a server: its shard's values put into the model, its
-clocks, progress, the workers it lost and its consistency model's state), and DIR/done-<id> with
-the exit status, so the test can compare the survivors bit for bit (in a job of several runs,
-run i's into DIR/run<i>, counted from 0, and world rank 0 prints "train_failure_job.py: run i"
-as it starts, for the test to cut the output at); every process appends each run's status to
-DIR/statuses-<id> as the run returns (a line per run), for tests whose runs share one job. The
-rest is `hpcdl train` itself.
+replacement's) with its model, optimizer (--shard optimizer: its own piece's) and scheduler state
+(a parameter server's worker: the model it evaluated last, its own counters; a server: its shard's
+values put into the model, its clocks, progress, the workers it lost and its consistency model's
+state), and DIR/done-<id> with the exit status, so the test can compare the survivors bit for bit
+(in a job of several runs, run i's into DIR/run<i>, counted from 0, and world rank 0 prints
+"train_failure_job.py: run i" as it starts, for the test to cut the output at); every process
+appends each run's status to DIR/statuses-<id> as the run returns (a line per run), for tests whose
+runs share one job. The rest is `hpcdl train` itself.
 """
 # ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
 from __future__ import annotations
@@ -56,10 +56,12 @@ from hpcdl.runtime import recovery
 
 recovery.join()  # a replacement (--respawn) joins before importing torch, as `hpcdl train` does
 import torch
+from torch.optim import Optimizer
 
 from hpcdl.commands import train
 from hpcdl.commands.collective_command import Command
 from hpcdl.ddp import reducer
+from hpcdl.optim.zero import ShardedOptimizer
 from hpcdl.training import compute, pacing
 from hpcdl.training import run as train_run
 from hpcdl.training import trainer as trainer_module
@@ -247,8 +249,9 @@ def keep_final_state(outputs: Outputs) -> None:
         if isinstance(strategy, servers.ParameterServerStrategy):  # the servers hold the model
             state |= {"model": strategy.evaluation_model().state_dict(), "own_steps": self.own_steps}
         else:
-            state |= {"model": self.model.state_dict(), "optimizer": strategy.optimizer.state_dict(),
-                      "scheduler": strategy.scheduler.state_dict()}
+            optimizer = strategy.optimizer  # a sharded one gives its whole state only once consolidated
+            own = Optimizer.state_dict(optimizer) if isinstance(optimizer, ShardedOptimizer) else optimizer.state_dict()
+            state |= {"model": self.model.state_dict(), "optimizer": own, "scheduler": strategy.scheduler.state_dict()}
         torch.save(state, outputs.directory / f"final-{world.member()}.pt")
         (outputs.directory / f"done-{world.member()}").write_text(str(status))
         return status

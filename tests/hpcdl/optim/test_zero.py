@@ -525,20 +525,29 @@ def test_hpcdl_train_resumes_on_another_number_of_ranks(tmp_path):
     import json
     import sys
 
+    from tests.helpers.rank_loss_jobs import TRAIN_JOB, launch
     from tests.run import ROOT, own_job_environment, run_own_job
 
-    def train(ranks, directory, *extra):
-        common = [sys.executable, "-m", "hpcdl", "train", "--model", "mlp", "--epochs", "2", "--batch-size", "96",
-                  "--checkpoint-dir", str(tmp_path / directory), "--metrics", str(tmp_path / f"{directory}.jsonl")]
-        job = run_own_job(["mpirun", "-n", str(ranks), *common, *extra], 300,
-                          own_job_environment(PYTHONPATH=str(ROOT)))
-        assert job.returncode == 0, job.stdout
-        return job.stdout, [json.loads(line) for line in (tmp_path / f"{directory}.jsonl").read_text().splitlines()]
+    def args(directory, *extra):
+        return ["--model", "mlp", "--epochs", "2", "--batch-size", "96", "--checkpoint-dir", str(tmp_path / directory),
+                "--metrics", str(tmp_path / f"{directory}.jsonl"), *extra]
 
-    train(2, "ckpt", "--shard", "optimizer", "--checkpoint-every", "2", "--stop-after-steps", "8")
-    out, rows = train(3, "ckpt", "--shard", "gradients", "--resume")
+    def metrics(directory):
+        return [json.loads(line) for line in (tmp_path / f"{directory}.jsonl").read_text().splitlines()]
+
+    # The two 2-rank runs, the stopped one and the undisturbed one, share a job (one start of the
+    # ranks: tests/helpers/train_failure_job.py without kills runs `hpcdl train` once per run).
+    (tmp_path / "two").mkdir()
+    stopped = args("ckpt", "--shard", "optimizer", "--checkpoint-every", "2", "--stop-after-steps", "8")
+    code, out = launch(2, [str(TRAIN_JOB), str(tmp_path / "two"), "--", *stopped,
+                           "--", *args("whole", "--shard", "optimizer")], ulfm=False)
+    assert code == 0, out
+    job = run_own_job(["mpirun", "-n", "3", sys.executable, "-m", "hpcdl", "train",
+                       *args("ckpt", "--shard", "gradients", "--resume")], 300,
+                      own_job_environment(PYTHONPATH=str(ROOT)))
+    out, rows, whole = job.stdout, metrics("ckpt"), metrics("whole")
+    assert job.returncode == 0, out
     assert "on 3 rank(s) (the data split and global batch of 2)" in out and "resuming at epoch 1, step 6" in out
-    _, whole = train(2, "whole", "--shard", "optimizer")
     assert [(r["epoch"], r["step"], r["ranks"]) for r in rows] == [(1, 8, 3), (2, 16, 3)], rows
     assert [r["step"] for r in whole] == [8, 16]
     assert abs(rows[-1]["test_loss"] - whole[-1]["test_loss"]) < 1e-3 * whole[-1]["test_loss"], (rows, whole)

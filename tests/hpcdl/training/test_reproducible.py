@@ -16,6 +16,7 @@ from hpcdl.training.config import TrainConfig, reproducible_errors
 from hpcdl.training.reproducible import parameter_digest
 from hpcdl.training.strategies import option_errors
 from tests.conftest import ROOT
+from tests.helpers.rank_loss_jobs import TRAIN_JOB, launch, run_outputs, run_statuses
 from tests.run import run_own_job
 
 
@@ -48,20 +49,32 @@ def test_a_sharded_reproducible_run_takes_every_allreduce_algorithm():
 
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N = 1 job only")
-def test_hpcdl_train_reproducible_prints_the_same_digest_on_1_2_and_3_ranks():
-    # and with the optimizer's state sharded (ZeRO stage 1) on 2 and 3 ranks
-    digests = {}
-    for ranks, algorithm, shard in ((1, "auto", []), (2, "butterfly", ["--shard", "optimizer"]), (3, "ring", []),
-                                    (3, "auto", ["--shard", "optimizer"])):
-        command = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "hpcdl", "train",
-                   "--reproducible", "--batch-size", "64", "--micro-batch", "16", "--epochs", "1",
-                   "--algorithm", algorithm, *shard]
-        done = run_own_job(command, timeout=240, cwd=ROOT)
+def test_hpcdl_train_reproducible_prints_the_same_digest_on_1_2_and_3_ranks(tmp_path):
+    # and with the optimizer's state sharded (ZeRO stage 1) on 2 and 3 ranks; the two 3-rank runs
+    # share one job (tests/helpers/train_failure_job.py, no kills: `hpcdl train` twice, one start
+    # of the ranks), the others are `mpirun python -m hpcdl train` as a user types it
+    def train(algorithm: str, shard: list[str]) -> list[str]:
+        return ["--reproducible", "--batch-size", "64", "--micro-batch", "16", "--epochs", "1",
+                "--algorithm", algorithm, *shard]
+
+    outputs = {}
+    for ranks, algorithm, shard in ((1, "auto", []), (2, "butterfly", ["--shard", "optimizer"])):
+        done = run_own_job(["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "hpcdl", "train",
+                            *train(algorithm, shard)], timeout=240, cwd=ROOT)
         assert done.returncode == 0, done.stdout
+        outputs[ranks, bool(shard)] = done.stdout
+    code, out = launch(3, [str(TRAIN_JOB), str(tmp_path), "--", *train("ring", []),
+                           "--", *train("auto", ["--shard", "optimizer"])], ulfm=False)
+    assert code == 0 and run_statuses(tmp_path, 1, range(3)) == [0] * 3, out
+    parts = run_outputs(out)
+    assert len(parts) == 2, out
+    outputs[3, False], outputs[3, True] = parts
+    digests = {}
+    for run, text in outputs.items():
         found = re.findall(r"epoch   1/1  loss (\S+)  held-out loss (\S+)  accuracy (\S+) .*  params ([0-9a-f]{16})",
-                           done.stdout)
-        assert len(found) == 1, done.stdout  # printed once, by rank 0
-        digests[ranks, bool(shard)] = found[0]
+                           text)
+        assert len(found) == 1, text  # printed once, by rank 0
+        digests[run] = found[0]
     assert len(set(digests.values())) == 1, digests
 
 

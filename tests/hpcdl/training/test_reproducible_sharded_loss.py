@@ -2,8 +2,7 @@
 held its piece of the optimizer state, so the job ends naming the lost rank and how to resume, and
 a resume on another number of ranks ends with the undisturbed run's epoch line and digest. The
 lost rank's job runs tests/helpers/train_failure_job.py (as tests/hpcdl/training/test_rank_loss.py's
-do; its final states hold the optimizer's state_dict, which a sharded optimizer gives only once
-consolidated, so the runs that end run `hpcdl train` itself); only the one-rank pytest job runs them.
+do), the others `hpcdl train` itself; only the one-rank pytest job runs them.
 """
 from __future__ import annotations
 
