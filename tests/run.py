@@ -51,8 +51,10 @@ EMULATED_TESTS = ["tests/collectives/test_algorithms.py", "tests/collectives/tes
                   "tests/collectives/test_errors.py"]
 #: How a rank's `rank<r>.stacks` (tests/helpers/hang_watch.py) starts: the test it is running.
 RUNNING = "running: "
-#: ...and its second line where the ranks were found starting different tests.
+#: ...and its second line where the ranks were found starting different tests,
 OUT_OF_STEP = "out of step: "
+#: ...or once the rank's tests are done and it is to exit.
+EXITING = "exiting: "
 # This run's cluster prefix; the pid keeps concurrent runs (and a developer's cluster) apart.
 NETNS_PREFIX = f"hpcdlt{os.getpid()}"
 
@@ -280,18 +282,25 @@ def merge(out: Path, size: int) -> tuple[dict[str, str], list[int], dict[str, st
     return outcome, missing, why
 
 
-def where_ranks_stopped(label: str, out: Path, size: int) -> list[str]:
+def where_ranks_stopped(label: str, out: Path, size: int, quiet_exit: bool = False) -> list[str]:
     """For a broken job, from what tests/helpers/hang_watch.py left of each rank without a report:
     the tests it failed before the job ended, the test it was in, and the stacks of a rank its
-    watchdog ended (printed); a line per finding for the run's list of failures."""
+    watchdog ended (printed); of a rank with its report, that it was still exiting (unless
+    `quiet_exit`: a test failed, which says why the job broke); a line per finding for the run's
+    list of failures."""
     lines = []
     for r in range(size):
         stacks, failed = out / f"rank{r}.stacks", out / f"rank{r}.failed"
-        if (out / f"rank{r}.xml").exists() or not stacks.exists():
+        if not stacks.exists():
+            continue
+        first, _, rest = stacks.read_text(errors="replace").partition("\n")
+        if (out / f"rank{r}.xml").exists():
+            if rest.startswith(EXITING) and not quiet_exit:
+                lines.append(f"{label} rank {r} ran every test (its report is in) but had not exited when the job "
+                             f"ended: stuck at exit (MPI_Finalize, a thread)? {rest.strip()}")
             continue
         if failed.exists():
             lines += [f"{label} rank {r} failed {line}" for line in failed.read_text(errors="replace").splitlines()]
-        first, _, rest = stacks.read_text(errors="replace").partition("\n")
         test = first.removeprefix(RUNNING) if first.startswith(RUNNING) else "(before its first test)"
         if not rest.strip():
             lines.append(f"{label} rank {r} was in {test} when the job ended")
@@ -317,7 +326,7 @@ def summarize(label: str, rc: int, out: Path, size: int, totals: dict[str, int],
         totals[k] += counts[k]
     broken = bool(rc != 0 or counts["failed"] or missing)
     if broken:
-        failures += where_ranks_stopped(label, out, size)
+        failures += where_ranks_stopped(label, out, size, quiet_exit=counts["failed"] > 0)
         for r in range(size):
             if (out / f"rank{r}.log").exists():
                 lines = (out / f"rank{r}.log").read_text(errors="replace").splitlines(True)

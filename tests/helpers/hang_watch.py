@@ -10,6 +10,11 @@ Three guards, each test (`HangWatch`, a pytest plugin tests/conftest.py register
   only between bytecodes; a rank blocked inside a C call (an MPI collective whose peer went
   elsewhere) never sees it. faulthandler's watchdog, a C thread, writes every thread's stack and
   exits the process GRACE_S after the test's own limit, so mpirun ends the job.
+- At exit: once its tests are done, a rank waits for the others (as before a test), then has
+  EXIT_S to exit; SIGALRM's default action ends one that does not (stuck in MPI_Finalize, or
+  joining a thread). CI, 2026-11-29: a test's child process, started with the job's launcher
+  variables, joined the 1-rank job as its rank 0, and that rank's MPI_Finalize then waited for
+  ever. (faulthandler's watchdog cannot do this: the interpreter stops it before MPI_Finalize.)
 - What it leaves: `rank<r>.stacks` beside the rank's junit report names the test the rank is
   running (rewritten as each test starts) and holds the watchdog's stacks; `rank<r>.failed` lists
   each test failed on that rank as it fails. A job stopped before pytest wrote its reports still
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import time
 import zlib
@@ -30,11 +36,15 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.run import OUT_OF_STEP, RUNNING
+from tests.run import EXITING, OUT_OF_STEP, RUNNING
 
 #: Seconds past a test's pytest-timeout limit before the watchdog writes the stacks and exits:
 #: pytest-timeout fails a test stuck in Python first, with its own report.
 GRACE_S = float(os.environ.get("HPCDL_TEST_GRACE_S", "60"))
+#: Seconds a rank has to exit once every rank's tests are done.
+EXIT_S = int(os.environ.get("HPCDL_TEST_EXIT_S", "60"))
+#: What the ranks check in with once their tests are done (`in_step`).
+END = "(the end of the tests)"
 #: The exit status of a rank that found the ranks starting different tests.
 OUT_OF_STEP_STATUS = 86
 
@@ -69,6 +79,17 @@ class HangWatch:
             return (yield)
         finally:
             self.stop()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        """After the run (its reports written): every rank done, then EXIT_S to exit."""
+        if self.comm is not None:
+            self.in_step(END)
+        if self.file is not sys.stderr:
+            self.file.write(f"{EXITING}its tests are done; SIGALRM ends it if it has not exited by "
+                            f"{time.strftime('%H:%M:%S', time.localtime(time.time() + EXIT_S))}\n")
+            self.file.flush()
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler: no Python then
+        signal.alarm(EXIT_S)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed:

@@ -89,6 +89,28 @@ def test_a_rank_stuck_in_a_c_call_is_ended_with_its_stacks_and_named(tmp_path: P
     assert len(lines) == 1 and "test_stuck_in_c" in lines[0] and "watchdog" in lines[0]
 
 
+STUCK_AT_EXIT = """
+    import atexit, ctypes
+
+    def test_passes():
+        atexit.register(lambda: ctypes.CDLL(None).sleep(60))  # as an MPI_Finalize that waits for ever
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_at_exit_is_ended_and_named(tmp_path: Path) -> None:
+    (tmp_path / "test_exit.py").write_text(textwrap.dedent(STUCK_AT_EXIT))
+    env = dict(os.environ, HPCDL_TEST_EXIT_S="2", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           f"--junitxml={tmp_path}/rank0.xml", str(tmp_path / "test_exit.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == -14, (done.returncode, done.stdout[-2000:])  # SIGALRM's default action
+    assert (tmp_path / "rank0.xml").exists()  # its report was written before
+    lines = run.where_ranks_stopped("N=1", tmp_path, 1)
+    assert len(lines) == 1 and "ran every test (its report is in) but had not exited" in lines[0], lines
+    assert run.where_ranks_stopped("N=1", tmp_path, 1, quiet_exit=True) == []
+
+
 def test_a_job_stopped_from_outside_names_the_test_each_rank_without_a_report_was_in(tmp_path: Path) -> None:
     (tmp_path / "rank0.stacks").write_text(f"{run.RUNNING}tests/a.py::test_waits (pid 1)\n")
     (tmp_path / "rank1.stacks").write_text(f"{run.RUNNING}tests/a.py::test_done (pid 2)\n")
@@ -140,7 +162,7 @@ def test_ranks_start_each_test_together_and_a_job_out_of_step_ends_saying_where(
     (tmp_path / "conftest.py").write_text(textwrap.dedent(DESELECT_C_ON_RANK_1))
     env = dict(run.own_job_environment(), PYTHONPATH=str(ROOT), HPCDL_TEST_LOGS=str(tmp_path / "logs"))
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "run.py"), "-n", "2", "--job-timeout", "150",
-                           "--", "-p", "tests.conftest", str(tmp_path)],
+                           "--", "-p", "tests.conftest", "--rootdir", str(tmp_path), str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
     tail = done.stdout[done.stdout.rfind("failed tests:"):]
     assert done.returncode == 1 and "exceeded its time" not in done.stdout, done.stdout[-3000:]

@@ -84,8 +84,8 @@ def test_the_test_arrays_load_where_cupy_sees_a_gpu() -> None:
     code = ("import sys; import tests.helpers.arrays as a; sys.modules['cupy'] = a.fake_cupy_module(); "
             "del sys.modules['tests.helpers.arrays']; import tests.helpers.arrays as a; b = a.BACKENDS['cupy']; "
             "print(b.unavailable, 'bfloat16' in b.dtypes)")
-    path = str(ROOT)
+    # not of this test's MPI job: its MPI_Init joined the job's launcher and once waited there 120 s (CI)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": path})
+                          env=own_job_environment(PYTHONPATH=str(ROOT)))
     # the fake module has no add kernel, so no bfloat16; but the backend is there and usable
     assert done.returncode == 0 and done.stdout.split() == ["None", "False"], done.stderr[-2000:]
