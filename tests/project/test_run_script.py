@@ -4,7 +4,6 @@ stuck where pytest-timeout cannot reach is ended by its watchdog, ranks start ea
 end the job, and a broken job's last lines say where each rank was and what it failed."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -54,6 +53,11 @@ def test_a_launcher_that_failed_to_start_runs_once_more(monkeypatch: pytest.Monk
     assert fake.started == [["mpirun", "-n", "2", "true"]] * starts
 
 
+#: For the tests that start pytest (or mpirun) in a process of its own, outside this test's MPI job
+#: (`run.own_job_environment`: a child with the job's launcher variables joins the job as one of its
+#: ranks, and the job's MPI_Finalize waited for ever, CI 2026-11-29): the one-rank job is enough.
+ONE_RANK_JOB = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts processes of its own: N = 1")
+
 STUCK = """
     import ctypes, signal
     import pytest
@@ -72,10 +76,11 @@ STUCK = """
 """
 
 
+@ONE_RANK_JOB
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_in_a_c_call_is_ended_with_its_stacks_and_named(tmp_path: Path) -> None:
     (tmp_path / "test_stuck.py").write_text(textwrap.dedent(STUCK))
-    env = dict(os.environ, HPCDL_TEST_GRACE_S="1", PYTHONPATH=str(ROOT))
+    env = run.own_job_environment(HPCDL_TEST_GRACE_S="1", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
                            "--timeout=30", f"--junitxml={tmp_path}/rank0.xml", str(tmp_path / "test_stuck.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=False)
@@ -97,10 +102,11 @@ STUCK_AT_EXIT = """
 """
 
 
+@ONE_RANK_JOB
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_at_exit_is_ended_and_named(tmp_path: Path) -> None:
     (tmp_path / "test_exit.py").write_text(textwrap.dedent(STUCK_AT_EXIT))
-    env = dict(os.environ, HPCDL_TEST_EXIT_S="2", PYTHONPATH=str(ROOT))
+    env = run.own_job_environment(HPCDL_TEST_EXIT_S="2", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
                            f"--junitxml={tmp_path}/rank0.xml", str(tmp_path / "test_exit.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=False)
@@ -152,7 +158,7 @@ DESELECT_C_ON_RANK_1 = """
 """
 
 
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun job: the one-rank job is enough")
+@ONE_RANK_JOB
 @pytest.mark.timeout(200)
 def test_ranks_start_each_test_together_and_a_job_out_of_step_ends_saying_where(tmp_path: Path) -> None:
     """A rank that failed a test alone waits for the others before the next one (before, it ran on

@@ -10,6 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from tests.conftest import all_ranks_agree, from_rank0
+from tests.run import own_job_environment
 from hpcdl.commands.collective_command import Command, CommandError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
@@ -92,6 +93,6 @@ def test_help_names_no_file_of_hpcdl_s_own(command: str) -> None:
     `hpcdl slurm --help` setup.py and the package's template folder: a user's help names options,
     documents (docs/, slurm/README.md) and commands, never the source."""
     done = subprocess.run([sys.executable, "-m", "hpcdl", *command.split(), "--help"], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=own_job_environment())  # not of this test's MPI job
     assert done.returncode == 0 and done.stdout.startswith("usage: hpcdl"), done.stdout + done.stderr
     assert not re.findall(r"[\w/]+\.py\b|\bhpcdl/|\bcollectives/", done.stdout), done.stdout

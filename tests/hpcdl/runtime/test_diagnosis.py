@@ -64,7 +64,7 @@ def test_each_fault_is_named_in_one_report_by_the_lowest_waiting_rank(tmp_path):
     assert "has waited" not in steps[14].replace("job done", ""), steps[14]
     # The dumps of the last stall (rank 0 asleep): hpcdl doctor finds rank 0 behind.
     doctor = subprocess.run([sys.executable, "-m", "hpcdl", "doctor", str(tmp_path)], capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=60, env=own_job_environment())  # not of this test's job
     assert doctor.returncode == 0, doctor.stderr
     assert "MPI_COMM_WORLD (4 ranks): the ranks' calls agree up to the last one recorded\n" \
            "  behind: rank 0 (last call #12; the others reached #13)\n" in doctor.stdout, doctor.stdout

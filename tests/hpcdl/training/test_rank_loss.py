@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 import collectives
 from tests.conftest import ROOT, same_state
+from tests.run import own_job_environment
 from hpcdl.training import rank_loss
 from hpcdl.training.data import epoch_batches, epoch_order, load_digits_split, shard_sampler, shared_batches
 from hpcdl.training.schedule import ProgressSchedule, Schedule
@@ -309,7 +310,8 @@ def test_importing_hpcdl_train_does_not_import_torch():
     configuration, whose defaults the command's parser reads."""
     code = ("import sys, hpcdl.commands.train; from hpcdl.training import TrainConfig; TrainConfig(); "
             "print('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=own_job_environment())  # a fresh interpreter outside this test's MPI job
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 
