@@ -41,6 +41,8 @@ from tests.run import EXITING, OUT_OF_STEP, RUNNING
 #: Seconds past a test's pytest-timeout limit before the watchdog writes the stacks and exits:
 #: pytest-timeout fails a test stuck in Python first, with its own report.
 GRACE_S = float(os.environ.get("HPCDL_TEST_GRACE_S", "60"))
+#: Tests of the in-step check that yield the core before it sleeps between tests.
+YIELDS = 200
 #: Seconds a rank has to exit once every rank's tests are done.
 EXIT_S = int(os.environ.get("HPCDL_TEST_EXIT_S", "60"))
 #: What the ranks check in with once their tests are done (`in_step`).
@@ -116,8 +118,13 @@ class HangWatch:
         digest = zlib.crc32(nodeid.encode())
         both = np.array([digest, -digest], np.int64)  # max and -min in one call
         request = self.comm.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)
-        while not request.Test():
-            time.sleep(0.0005)  # an interruptible wait: pytest-timeout and ^C still reach it
+        for _ in range(YIELDS):  # the others are usually a moment away: hand them the core
+            if request.Test():
+                break
+            os.sched_yield()
+        else:
+            while not request.Test():
+                time.sleep(0.0005)  # an interruptible wait: pytest-timeout and ^C still reach it
         if both[0] != digest or both[1] != -digest:
             message = f"{OUT_OF_STEP}another rank started a different test; the job ends\n"
             self.file.write(message)
