@@ -58,6 +58,17 @@ def test_a_launcher_that_failed_to_start_runs_once_more(monkeypatch: pytest.Monk
 #: ranks, and the job's MPI_Finalize waited for ever, CI 2026-11-29): the one-rank job is enough.
 ONE_RANK_JOB = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts processes of its own: N = 1")
 
+def own_pytest(tmp_path: Path, name: str, source: str, options: list[str], **env: str
+               ) -> subprocess.CompletedProcess[str]:
+    """Write `source` to tmp_path/name and run pytest on it in a process of its own, with this suite's
+    conftest (its hang guards) and `options`, its report in tmp_path/rank0.xml, `env` added."""
+    (tmp_path / name).write_text(textwrap.dedent(source))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           *options, f"--junitxml={tmp_path}/rank0.xml", str(tmp_path / name)],
+                          cwd=ROOT, env=run.own_job_environment(PYTHONPATH=str(ROOT), **env), capture_output=True,
+                          text=True, timeout=100, check=False)
+
+
 STUCK = """
     import ctypes, signal
     import pytest
@@ -79,11 +90,7 @@ STUCK = """
 @ONE_RANK_JOB
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_in_a_c_call_is_ended_with_its_stacks_and_named(tmp_path: Path) -> None:
-    (tmp_path / "test_stuck.py").write_text(textwrap.dedent(STUCK))
-    env = run.own_job_environment(HPCDL_TEST_GRACE_S="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                           "--timeout=30", f"--junitxml={tmp_path}/rank0.xml", str(tmp_path / "test_stuck.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=False)
+    done = own_pytest(tmp_path, "test_stuck.py", STUCK, ["--timeout=30"], HPCDL_TEST_GRACE_S="1")
     assert done.returncode != 0
     assert not (tmp_path / "rank0.xml").exists()  # ended mid-run, as mpirun's job would be
     stacks = (tmp_path / "rank0.stacks").read_text()
@@ -105,11 +112,7 @@ STUCK_AT_EXIT = """
 @ONE_RANK_JOB
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_at_exit_is_ended_and_named(tmp_path: Path) -> None:
-    (tmp_path / "test_exit.py").write_text(textwrap.dedent(STUCK_AT_EXIT))
-    env = run.own_job_environment(HPCDL_TEST_EXIT_S="2", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                           f"--junitxml={tmp_path}/rank0.xml", str(tmp_path / "test_exit.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=False)
+    done = own_pytest(tmp_path, "test_exit.py", STUCK_AT_EXIT, [], HPCDL_TEST_EXIT_S="2")
     assert done.returncode == -14, (done.returncode, done.stdout[-2000:])  # SIGALRM's default action
     assert (tmp_path / "rank0.xml").exists()  # its report was written before
     lines = run.where_ranks_stopped("N=1", tmp_path, 1)
