@@ -1,6 +1,7 @@
 """What keeps one rank's trouble in a test from hanging the whole job, and says where it was.
 
-Three guards, each test (`HangWatch`, a pytest plugin tests/conftest.py registers):
+Its guards (`HangWatch`, a pytest plugin tests/conftest.py registers; the process is one pytest run:
+the exit guard ends it):
 - In step: before a test starts, the ranks check in a non-blocking allreduce on a communicator
   of their own that they all start the same test. A rank that failed a test alone and went on
   waits there for the others, which come when their own part of that test ends (or fails at its
