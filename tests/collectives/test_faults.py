@@ -7,7 +7,6 @@ afterwards.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import collectives
 from collectives import CollectiveArgumentError, ConcurrentUseError
 from collectives.algorithms import mpi as mpi_algorithm
 from tests.conftest import all_ranks_agree
+from tests.run import own_job_environment
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -301,7 +301,6 @@ def test_a_collective_after_finalize_raises_instead_of_aborting(comm: MPI.Comm) 
                "collectives.allreduce(np.ones(2))\nMPI.Finalize()\n"
                "try:\n    collectives.allreduce(np.ones(2))\n"
                "except RuntimeError as exc:\n    print('refused:', exc)\n")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-    done = subprocess.run([sys.executable, "-c", program], env=clean, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", program], env=own_job_environment(), capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "refused: MPI has been finalized" in done.stdout, done

@@ -22,6 +22,7 @@ import hpcdl
 from hpcdl.local_sgd import options
 from hpcdl.training.strategies.local_sgd import LocalSGDStrategy
 from tests.conftest import all_ranks_agree, reports_stalls
+from tests.run import own_job_environment
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -266,8 +267,7 @@ def test_the_defaults_have_one_home_that_the_class_and_hpcdl_train_read_without_
     ok = (signature["period"].default == chosen["period"] == options.DEFAULT_PERIOD
           and signature["warmup_steps"].default == chosen["warmup_steps"] == options.DEFAULT_WARMUP_STEPS)
     if comm.Get_rank() == 0:  # a fresh interpreter, outside this MPI job
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        env = own_job_environment(PYTHONPATH=os.pathsep.join(sys.path))
         code = "import sys, hpcdl.local_sgd.options; sys.exit('torch' in sys.modules)"
         ok &= subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=120).returncode == 0
     assert all_ranks_agree(ok, comm), (signature, chosen)

@@ -522,18 +522,14 @@ def test_hpcdl_train_resumes_on_another_number_of_ranks(tmp_path):
     """2 ranks stop in epoch 1; 3 ranks resume from its mid-epoch checkpoint (more ranks than wrote
     it: the third starts afresh), resharding the optimizer state, with the data order and global
     batch of the 2 ranks; the run ends where an undisturbed 2-rank run ends."""
-    import json
     import sys
 
-    from tests.helpers.rank_loss_jobs import TRAIN_JOB, launch
+    from tests.helpers.rank_loss_jobs import TRAIN_JOB, launch, metrics
     from tests.run import ROOT, own_job_environment, run_own_job
 
     def args(directory, *extra):
         return ["--model", "mlp", "--epochs", "2", "--batch-size", "96", "--checkpoint-dir", str(tmp_path / directory),
                 "--metrics", str(tmp_path / f"{directory}.jsonl"), *extra]
-
-    def metrics(directory):
-        return [json.loads(line) for line in (tmp_path / f"{directory}.jsonl").read_text().splitlines()]
 
     # The two 2-rank runs, the stopped one and the undisturbed one, share a job (one start of the
     # ranks: tests/helpers/train_failure_job.py without kills runs `hpcdl train` once per run).
@@ -545,7 +541,7 @@ def test_hpcdl_train_resumes_on_another_number_of_ranks(tmp_path):
     job = run_own_job(["mpirun", "-n", "3", sys.executable, "-m", "hpcdl", "train",
                        *args("ckpt", "--shard", "gradients", "--resume")], 300,
                       own_job_environment(PYTHONPATH=str(ROOT)))
-    out, rows, whole = job.stdout, metrics("ckpt"), metrics("whole")
+    out, rows, whole = job.stdout, metrics(tmp_path / "ckpt.jsonl"), metrics(tmp_path / "whole.jsonl")
     assert job.returncode == 0, out
     assert "on 3 rank(s) (the data split and global batch of 2)" in out and "resuming at epoch 1, step 6" in out
     assert [(r["epoch"], r["step"], r["ranks"]) for r in rows] == [(1, 8, 3), (2, 16, 3)], rows

@@ -15,6 +15,7 @@ from mpi4py import MPI
 import collectives
 import hpcdl
 from tests.conftest import all_ranks_agree
+from tests.run import own_job_environment
 from hpcdl.parallel import ColumnParallelLinear, Pipeline, RowParallelLinear
 
 pytestmark = pytest.mark.mpi
@@ -455,13 +456,12 @@ def test_hybrid_pipeline_with_ddp_equals_one_process(comm, data):
 
 def test_grid_needs_no_torch(comm, tmp_path):
     """`import hpcdl` and the grid stay torch-free (hpcdl info and the runtime must not pay for it)."""
-    import os
     import subprocess
     import sys
 
     ok = True
     if comm.Get_rank() == 0:  # a fresh interpreter, started as a one-rank MPI job of its own
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+        env = own_job_environment()
         code = ("import sys, hpcdl; hpcdl.ProcessGrid; import hpcdl.parallel.grid; "
                 "sys.exit('torch' in sys.modules)")
         ok = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,

@@ -2,7 +2,6 @@
 `import hpcdl` giving torch huge pages (checked in fresh interpreters, at N=1 only)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl.runtime import memory
+from tests.run import own_job_environment
 
 
 def test_kernel_mode_is_the_bracketed_word(tmp_path: Path) -> None:
@@ -48,8 +48,7 @@ def test_huge_page_eligible_reads_the_mapping_of_the_address(tmp_path: Path) -> 
 
 def _fresh_python(code: str, **env: str) -> str:
     """stdout of `code` in a new interpreter, outside this job's MPI launcher (a singleton)."""
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("OMPI_", "PMIX_", "PRTE_")) and k != memory.ENV}
+    clean = {k: v for k, v in own_job_environment().items() if k != memory.ENV}
     clean.update(env)
     done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True,
                           timeout=90)

@@ -19,6 +19,7 @@ from mpi4py import MPI
 import collectives
 import hpcdl
 from tests.conftest import all_ranks_agree
+from tests.run import own_job_environment
 
 pytestmark = pytest.mark.mpi
 
@@ -199,8 +200,7 @@ def test_calls_on_arrays_keep_torch_out(comm, tmp_path):
     """hpcdl.allreduce & co. on NumPy arrays never import torch."""
     ok = True
     if comm.Get_rank() == 0:  # a fresh interpreter, started as a one-rank MPI job of its own
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        env = own_job_environment(PYTHONPATH=os.pathsep.join(sys.path))
         code = ("import sys, numpy, hpcdl; x = numpy.ones(3); hpcdl.allreduce(x, out=x); "
                 "hpcdl.average(1.0); hpcdl.iallgather(x).wait(); sys.exit('torch' in sys.modules)")
         ok = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
