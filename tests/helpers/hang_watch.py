@@ -64,6 +64,8 @@ class HangWatch:
         world = MPI.COMM_WORLD
         # its own communicator: the check's messages never meet a test's
         self.comm = world.Dup() if world.Get_size() > 1 else None
+        #: in-step checks given up mid-flight, each request with its buffer (`in_step`)
+        self.abandoned: list[tuple[MPI.Request, np.ndarray]] = []
 
     def limit(self, item: pytest.Item) -> float:
         """The test's pytest-timeout limit in seconds (0: none): its marker's, else the run's."""
@@ -119,13 +121,19 @@ class HangWatch:
         digest = zlib.crc32(nodeid.encode())
         both = np.array([digest, -digest], np.int64)  # max and -min in one call
         request = self.comm.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)
-        for _ in range(YIELDS):  # the others are usually a moment away: hand them the core
-            if request.Test():
-                break
-            os.sched_yield()
-        else:
-            while not request.Test():
-                time.sleep(0.0005)  # an interruptible wait: pytest-timeout and ^C still reach it
+        try:
+            for _ in range(YIELDS):  # the others are usually a moment away: hand them the core
+                if request.Test():
+                    break
+                os.sched_yield()
+            else:
+                while not request.Test():
+                    time.sleep(0.0005)  # an interruptible wait: pytest-timeout and ^C still reach it
+        except BaseException:
+            # Interrupted (^C): MPI may still write `both`, and mpi4py's non-blocking collectives
+            # keep no reference to their buffers: keep both with the request for good.
+            self.abandoned.append((request, both))
+            raise
         if both[0] != digest or both[1] != -digest:
             message = f"{OUT_OF_STEP}another rank started a different test; the job ends\n"
             self.file.write(message)

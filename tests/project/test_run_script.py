@@ -5,17 +5,20 @@ end the job, and a broken job's last lines say where each rank was and what it f
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 from tests import run
-from tests.conftest import ROOT
+from tests.conftest import ROOT, all_ranks_agree
 
 
 class FakeMpirun:
@@ -180,3 +183,46 @@ def test_ranks_start_each_test_together_and_a_job_out_of_step_ends_saying_where(
     for rank, test in [(0, "test_c"), (1, "test_d")]:
         assert re.search(rf"N=2 rank {rank} was to start test_steps.py::{test} .*, {run.OUT_OF_STEP}another rank "
                          "started a different test", tail), tail
+
+
+@pytest.mark.timeout(60)
+def test_an_in_step_check_interrupted_mid_flight_keeps_its_buffer_until_it_completes(pytestconfig: pytest.Config
+                                                                                     ) -> None:
+    """^C (here a timer's exception) in the in-step check on rank 0 while the last rank is a moment
+    late: the request and its buffer are kept (mpi4py's non-blocking collectives hold no
+    reference to their buffers), and once the last rank checks in the kept buffer holds the agreed
+    maximum; every rank then checks in alike again."""
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        pytest.skip("needs a rank to be late")
+    watch = pytestconfig.pluginmanager.get_plugin("hang_watch")
+    before = len(watch.abandoned)
+    nodeid = "an interrupted check"
+    if rank == 0:
+        def interrupt(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt("the test's interrupt")
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            watch.in_step(nodeid)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        comm.send(None, dest=size - 1, tag=31)  # now the last rank may check in
+        kept = watch.abandoned[before:]
+        request, buffer = kept[0] if kept else (MPI.REQUEST_NULL, np.zeros(2, np.int64))
+        request.Wait()
+        digest = zlib.crc32(nodeid.encode())
+        ok = interrupted and len(kept) == 1 and buffer.tolist() == [digest, -digest]
+    else:
+        if rank == size - 1:
+            comm.recv(source=0, tag=31)
+        watch.in_step(nodeid)
+        ok = len(watch.abandoned) == before
+    watch.in_step("checked in alike again")
+    assert all_ranks_agree(ok, comm)
