@@ -214,8 +214,12 @@ def test_calibration_measures_within_and_between_hosts(on_hosts: Any, comm: MPI.
     for hosts, two_level in (([r // 2 for r in range(size)], size >= 3), ([0] * size, False),
                              (list(range(size)), False)):
         placed = on_hosts(comm, hosts)
+        # 1 MiB of streamed messages (4 of the largest) rather than the default 128 MiB per
+        # rank: the levels do not depend on it, and touching 128 MiB per rank per pattern was
+        # most of this test's time (3.5-10 s a job in CI at 2-5 ranks; 0.7 s at 3 ranks with it)
         calibration = calibrate(placed, p2p_sizes=(8, 64 << 10, 256 << 10),
-                                reduction_sizes=(256 << 10, 1 << 20), iterations=3)
+                                reduction_sizes=(256 << 10, 1 << 20), iterations=3,
+                                stream_bytes=1 << 20)
         params = calibration.params
         # The levels are what is checked; the fitted values are timings, and on a loaded machine
         # a slope may fit to 0 (never below), so only their signs are.
