@@ -21,6 +21,7 @@ import os
 import time
 from typing import Iterable
 
+import numpy as np
 from mpi4py import MPI
 
 from .errors import ProcessFailure
@@ -158,22 +159,39 @@ class Failure:
             ranks=self.ranks, world_ranks=self.world_ranks, call=call, completed=completed)
 
 
-def _agree(comm: MPI.Comm, flag: int) -> int:
+#: Non-blocking agreements given up at their deadline, with their flags: MPI may still write a
+#: flag until its request completes, so neither is ever freed (`agree_min(within=...)`).
+_ABANDONED: list[tuple[MPI.Request, np.ndarray]] = []
+
+
+def _agree(comm: MPI.Comm, flag: int, deadline: float | None = None) -> int:
     """ULFM's Agree (the bitwise AND of every live process's `flag`), acknowledging failures first.
     Agree raises MPI_ERR_PROC_FAILED on every process alike when a process failed that not all had
-    acknowledged; all acknowledge it and agree again."""
+    acknowledged; all acknowledge it and agree again. With a `deadline` (time.monotonic()), a
+    non-blocking Iagree waited for until then: TimeoutError past it."""
     while True:
         comm.Ack_failed()
         try:
-            return int(comm.Agree(flag))
+            if deadline is None:
+                return int(comm.Agree(flag))
+            value = np.array([flag], dtype=np.intc)
+            request = comm.Iagree(value)
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    _ABANDONED.append((request, value))
+                    raise TimeoutError("the live processes did not all agree in time")
+                time.sleep(0.0002)  # Test drives the agreement; the sleep leaves the core to peers
+            return int(value[0])
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_PROC_FAILED:
                 raise
 
 
-def agree_min(comm: MPI.Comm, value: int) -> int:
+def agree_min(comm: MPI.Comm, value: int, *, within: float | None = None) -> int:
     """Collective over the live processes of `comm`, revoked or not: the least of their `value`s
     (0 <= value < 2**63), the same on every one of them even if more processes fail meanwhile.
+    `within`: seconds to give up after (TimeoutError), where a live process may never take part
+    (it ended otherwise, or is stuck); without it, waits as long as that takes.
 
     Agree gives only a bitwise AND, so the minimum is settled five bits at a time, from the top:
     in each round every rank whose value matches the minimum so far sets bit j of its flag iff its
@@ -182,10 +200,11 @@ def agree_min(comm: MPI.Comm, value: int) -> int:
     """
     if not 0 <= value < 1 << 63:
         raise ValueError(f"agree_min takes 0 <= value < 2**63, got {value}")
+    deadline = None if within is None else time.monotonic() + within
     least, matching = 0, True
     for shift in range(60, -1, -_DIGIT_BITS):
         digit = (value >> shift) & ((1 << _DIGIT_BITS) - 1)
-        agreed = _agree(comm, (1 << digit) - 1 if matching else _ALL_ONES)
+        agreed = _agree(comm, (1 << digit) - 1 if matching else _ALL_ONES, deadline)
         lowest = agreed.bit_length()  # the AND of thermometer codes is the smallest one
         matching = matching and digit == lowest
         least |= lowest << shift

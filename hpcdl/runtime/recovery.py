@@ -320,6 +320,27 @@ def exit_after_loss(status: int) -> NoReturn:
     os._exit(status)
 
 
+#: How long the survivors ending a job after a loss wait for each other to agree which of them
+#: says so (`reports_job_end`); past it, each says it.
+REPORTER_WAIT_S = 5.0
+
+
+def reports_job_end(comm: MPI.Comm) -> bool:
+    """Under ULFM, collective over the live ranks of `comm` that end the job after a loss: whether
+    this rank is the one to say so, the lowest of them, so the job's closing line is printed once.
+    Revokes `comm` first: the ranks blocked on it wake and come here too. True where they did not
+    all come within REPORTER_WAIT_S (a survivor stuck elsewhere, or ending another way): each then
+    says it itself. Without ULFM, True: MPI_Abort ends the others before they could."""
+    if not collectives.fault_tolerant():
+        return True
+    revoke(comm)
+    rank = comm.Get_rank()
+    try:
+        return agree_min(comm, rank, within=REPORTER_WAIT_S) == rank
+    except (TimeoutError, MPI.Exception):
+        return True
+
+
 def end_job_after_loss(comm: MPI.Comm, status: int) -> NoReturn:
     """End the job from this rank, with `status`, after a lost rank it cannot go on without.
 

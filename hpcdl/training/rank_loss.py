@@ -460,16 +460,20 @@ def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: s
     their communicator already; else the job's rank: `exc`'s, or those this process knows of, as a
     strategy's sub-communicators number them otherwise), `when`, the `reason` and how to resume;
     write RANK_LOST to `status_file` first; then `end_job_after_loss` (under ULFM: revoke and
-    leave, as every other rank then does too; not MPI_Abort, which can leave mpirun waiting)."""
+    leave, as every other rank then does too; not MPI_Abort, which can leave mpirun waiting). Only
+    the lowest of the ranks that get here says it (`reports_job_end`)."""
     job = world.world()  # the job's communicator now (MPI.COMM_WORLD, unless ranks were lost before)
-    ranks = tuple(getattr(exc, "world_ranks", ()) or ()) or ulfm.failed_ranks(job)
-    who = loss.describe() if loss is not None else (
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {job.Get_size()}" if ranks
-        else "a rank")
-    resume = f" {resume_advice(checkpoint_dir)}" if checkpoint_dir else ""
-    sys.stderr.write(f"hpcdl train: error: {who} failed {when}; {reason}: the job ends (exit status "
-                     f"{RANK_LOST}).{resume} (reported by rank {job.Get_rank()})\n")
-    sys.stderr.flush()
+    if ulfm.reports_job_end(job):  # the lowest survivor: one line for the job, not one per survivor
+        # read after the survivors' agreement, which completed without the lost ranks: this rank
+        # knows of them now even where its own calls never met them
+        ranks = tuple(getattr(exc, "world_ranks", ()) or ()) or ulfm.failed_ranks(job)
+        who = loss.describe() if loss is not None else (
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {job.Get_size()}" if ranks
+            else "a rank")
+        resume = f" {resume_advice(checkpoint_dir)}" if checkpoint_dir else ""
+        sys.stderr.write(f"hpcdl train: error: {who} failed {when}; {reason}: the job ends (exit status "
+                         f"{RANK_LOST}).{resume} (reported by rank {job.Get_rank()})\n")
+        sys.stderr.flush()
     write_status(status_file, RANK_LOST)
     ulfm.end_job_after_loss(job, RANK_LOST)
 
