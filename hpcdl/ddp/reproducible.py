@@ -49,7 +49,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed, term_bits
+from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed, settle_biased, term_bits
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
@@ -291,15 +291,18 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.traffic.elements += elements
         self.traffic.elements_sent += elements
         averaging = self._scales(total)[2]
+        # micro-batches all of one size left their sums biased and unweighted (`_run`): settled
+        # here once for every rank's, the weight folded into the factors where it can be
+        weight = settle_biased(acc[:quantized], count, self.micro_batch) if total % self.micro_batch == 0 else 1
         # each step's average in the same memory, as DDP's buckets keep theirs; slot by slot, one
         # factor each (an array of them would be as large as the accumulator, read each step)
         for (start, stop), factor in zip(self._slots[:-1], averaging):  # the loss's below
-            from_fixed(acc[start:stop], factor, out=self._grads_flat[start:stop])
+            from_fixed(acc[start:stop], factor * weight, out=self._grads_flat[start:stop])
         for (_, param), grad in zip(self._named, self._grad_views):
             param.grad = grad
         if self._sharding is not None:
             self._attach_pieces()
-        loss = from_fixed(acc[elements:quantized], averaging[-1], dtype=np.float64)
+        loss = from_fixed(acc[elements:quantized], averaging[-1] * weight, dtype=np.float64)
         return StepResult(float(loss[0]), int(acc[quantized]), total, runs)
 
     def _attach_pieces(self) -> None:
@@ -396,7 +399,10 @@ class ReproducibleDataParallel(torch.nn.Module):
                     continue
                 scaled = False  # outgrown: this run is done again, with coarser quanta, so only measured
             np.maximum(maxima, self._largest(grads, loss_value), out=maxima)
-        fixed.total()
+        if total % self.micro_batch:
+            fixed.total()  # a short last micro-batch: each rank's sum weighted here
+        else:
+            fixed.biased()  # settled after the allreduce, for every rank at once (backward_batch)
         self._acc[self._quantized] = correct
         for _, param in named:
             param.grad = None
