@@ -63,6 +63,8 @@ def bound_exponent(bound: float) -> int:
     """The smallest E >= MIN_BOUND_EXPONENT with |`bound`| < 2**E."""
     if not math.isfinite(bound):
         raise ValueError(f"a term is not finite ({bound}): it has no exact sum")
+    if bound == 0:  # frexp gives 0's exponent as 0, as if it were 0.5
+        return MIN_BOUND_EXPONENT
     return max(math.frexp(abs(bound))[1], MIN_BOUND_EXPONENT)
 
 

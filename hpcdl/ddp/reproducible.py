@@ -282,6 +282,9 @@ class ReproducibleDataParallel(torch.nn.Module):
                 collectives.iallreduce(acc, self.comm, op="sum", algorithm=self.algorithm, out=acc).wait()
                 if acc[quantized + 1] == 0 and bool(np.all(acc[quantized + 2:] > 0)):
                     break
+                if runs > 1:  # the quanta of the step's own maxima always pass: the same verdict everywhere
+                    raise RuntimeError(f"reproducible step {step}: the quanta agreed from the step's own largest "
+                                       "gradients were judged wrong again; this is a bug in hpcdl, report it")
             # the same verdict on every rank: all agree the quanta of this step's maxima, run again
             self._bounds = self._agreed_exponents(maxima) + SLACK_BITS
         elements = quantized - 1

@@ -12,8 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import (TERM_BITS, FixedSum, add_fixed, exact_allreduce, exact_total, from_fixed,
-                                     quantum_exponent, round_biased)
+from collectives.fixed_point import (MIN_BOUND_EXPONENT, TERM_BITS, FixedSum, add_fixed, bound_exponent,
+                                     exact_allreduce, exact_total, from_fixed, quantum_exponent, round_biased)
 from tests.conftest import all_ranks_agree
 
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
@@ -45,6 +45,12 @@ def test_fixed_point_weights_and_headroom():
     assert result.tolist() == pytest.approx([bound, -bound], rel=1e-15)
     with pytest.raises(ValueError, match="not finite"):
         quantum_exponent(float("nan"), 4)
+
+
+def test_bound_exponent_is_the_least_with_the_bound_below_its_power_of_two():
+    # 0 included: frexp gives its exponent as 0 (0.5's), and a zero largest gradient then passed for ~1
+    values = (0.0, -0.0, 5e-324, 0.25, 0.5, 0.75, 1.0, -3.0)
+    assert [bound_exponent(v) for v in values] == [MIN_BOUND_EXPONENT] * 3 + [-1, 0, 0, 1, 2]
 
 
 def test_rounding_is_to_nearest_ties_to_even_up_to_the_term_bits():

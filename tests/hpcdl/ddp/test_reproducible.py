@@ -87,6 +87,30 @@ def test_reproducible_ddp_gives_one_process_bits_with_every_algorithm():
     assert all_ranks_agree(train_reproducible(comm, "auto", micro_batch=8) == few and few[0] != reference[0], comm)
 
 
+def test_a_rank_with_a_zero_gradient_judges_the_quanta_as_one_process_does():
+    # Micro-batch 0's inputs are zeros, so its first weight's gradient is exactly 0: from N = 2 on,
+    # rank 0's largest value of it is 0, below any quantum (once taken for 1: every step of small
+    # gradients then "outgrew" its quanta on rank 0 alone and ran again for ever)
+    def train(comm: MPI.Comm) -> tuple[str, list[int]]:
+        net = small_net(dropout=0.0)
+        model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=4)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        x, y = data(3, 8)
+        x[0::8].zero_(), x[1::8].zero_(), x[2::8].zero_(), x[3::8].zero_()
+        runs = []
+        for step in range(3):
+            optimizer.zero_grad()
+            part = slice(step * 8, (step + 1) * 8)
+            result = model.backward_batch(x[part], y[part], lambda out, target: F.cross_entropy(out, target) * 1e-3,
+                                          step=step)
+            optimizer.step()
+            runs.append(result.runs)
+        return parameter_digest(net), runs
+
+    reference = train(MPI.COMM_SELF)
+    assert all_ranks_agree(reference[1] == [2, 1, 1] and train(MPI.COMM_WORLD) == reference, MPI.COMM_WORLD)
+
+
 @pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
 def test_sharded_optimizer_gives_the_unsharded_bits(optimizer_class):
     # ZeRO stage 1: each rank steps its block of one flat space cut across parameters (at N = 3
