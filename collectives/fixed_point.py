@@ -25,10 +25,11 @@ samples) is rounded first and weighted in int64: exact, and the weights cost not
 where they are all equal (`FixedSum`).
 
 Cost, per element and term (`FixedSum`): a float64 pass that scales (the caller's), one that
-rounds (adds ROUNDER) and an int64 addition (none for the first term: rounded in acc's own
-memory); per sum, one int64 pass that takes the biases out (after the allreduce, for sums of
-equal weights: `FixedSum.biased`, `settle_biased`); np.rint with a cast to int64 took 55 us for
-85 K values here, the addition 7 us. On the wire int64 is twice float32's bytes, so an allreduce of
+rounds (adds ROUNDER) and an int64 addition (the first term: its bias taken out in place, in
+acc's own memory); np.rint with a cast to int64 took 55 us for 85 K
+values here, the addition 7 us. Where every term has one weight, a power of two (micro-batches
+of 32 samples), the weight can go into the quantum of the conversion back (`FixedSum.unweighted`)
+instead of an int64 pass. On the wire int64 is twice float32's bytes, so an allreduce of
 the integers moves 2N bytes where float32 moves N. Measured in benchmarks/reproducible.py.
 """
 from __future__ import annotations
@@ -127,7 +128,7 @@ class FixedSum:
         fixed.total()                           # acc holds the sums
 
     The first term of a sum is written into acc's own memory (`work` is then acc viewed as
-    float64) and rounded there: one term (a rank's one micro-batch) costs no copy and
+    float64) and rounded and unbiased there: one term (a rank's one micro-batch) costs no copy and
     no array besides acc; the later ones go through a float64 array of acc's size, allocated once.
     """
 
@@ -149,23 +150,22 @@ class FixedSum:
     def clear(self) -> None:
         """Start a new sum (acc is overwritten by the first term, not zeroed)."""
         self._terms = 0  # terms added
-        self._biased = 0  # terms in acc still holding ROUNDER_BITS, all of weight _weight
+        self._biased = 0  # terms in acc still holding ROUNDER_BITS (not the first), all of weight _weight
         self._weight = 1
         self._settled = False  # acc holds true sums (else nothing, or unweighted terms, _biased biased)
 
     def add(self, weight: int) -> None:
         """acc += weight x round(work)."""
-        integers = round_biased(self.work)  # the first term: in acc already, biased like the rest
-        if self._terms == 0:
+        integers = round_biased(self.work)
+        if self._terms == 0:  # in acc already: its bias out in place, its weight left for total()
+            np.subtract(integers, ROUNDER_BITS, out=integers)
             self._weight = weight
         elif not self._settled and weight == self._weight:
             np.add(self.acc, integers, out=self.acc)
+            self._biased += 1
         else:
             self._settle()  # another weight (a short last micro-batch): this term alone, weighted
             _add_rounded(self.acc, integers, weight)
-            self._terms += 1
-            return
-        self._biased += 1
         self._terms += 1
 
     def total(self) -> np.ndarray:
@@ -173,17 +173,19 @@ class FixedSum:
         self._settle()
         return self.acc
 
-    def biased(self) -> int:
-        """acc left as it is while every term has had one weight, w: the unweighted sums of the
-        terms' integers, each with ROUNDER_BITS added (as int64, wrapping); returns the number
-        of such terms. Such accumulators (of terms all of weight w, on every rank) summed,
-        `settled_float64` finishes them: a rank's two passes (bias, weight) become one after the
-        sum. ValueError where the weights differed (`total()` then)."""
+    def unweighted(self) -> np.ndarray:
+        """The sums so far without the weight w that every term had (acc: the sums of the rounded
+        terms), for a caller that applies w more cheaply: where w is a power of two it folds into
+        `from_fixed`'s quantum exactly (float64(w x S) is w x float64(S)), an int64 pass fewer.
+        ValueError where the weights differed (read `total()`)."""
         if self._settled and self._terms:
-            raise ValueError("the terms had different weights: their sum is settled, read total()")
+            raise ValueError("the terms had different weights: their sum is weighted, read total()")
         if self._terms == 0:
             self.acc.fill(0)
-        return self._terms
+        elif self._biased:
+            np.subtract(self.acc, wrapped(self._biased * ROUNDER_BITS), out=self.acc)
+            self._biased = 0
+        return self.acc
 
     def _settle(self) -> None:
         if self._settled:
@@ -196,19 +198,6 @@ class FixedSum:
             if self._weight != 1:
                 np.multiply(self.acc, self._weight, out=self.acc)
         self._biased, self._settled = 0, True
-
-
-def settle_biased(sums: np.ndarray, terms: int, weight: int) -> int:
-    """`FixedSum.biased()` accumulators summed (int64, e.g. over ranks: `terms` terms in all, each
-    of weight `weight`) made the true sums, in place: ROUNDER_BITS taken out once per term; the
-    weight multiplied in where it is not a power of two (1 returned), else returned for the
-    caller to fold into `from_fixed`'s quantum: float64(w x S) is w x float64(S) and w x quantum
-    exact for such w, so the same bits as multiplying here, one int64 pass fewer."""
-    np.subtract(sums, wrapped(terms * ROUNDER_BITS), out=sums)
-    if weight & (weight - 1) == 0:
-        return weight
-    np.multiply(sums, weight, out=sums)
-    return 1
 
 
 def from_fixed(acc: np.ndarray, quantum: Any, divisor: int = 1, dtype: Any = np.float32,

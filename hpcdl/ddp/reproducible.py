@@ -49,7 +49,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed, settle_biased, term_bits
+from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed, term_bits
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
@@ -294,9 +294,9 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.traffic.elements += elements
         self.traffic.elements_sent += elements
         averaging = self._scales(total)[2]
-        # micro-batches all of one size left their sums biased and unweighted (`_run`): settled
-        # here once for every rank's, the weight folded into the factors where it can be
-        weight = settle_biased(acc[:quantized], count, self.micro_batch) if total % self.micro_batch == 0 else 1
+        # micro-batches all of one power-of-two size left their sums unweighted (`_run`): the weight
+        # goes into the factors (exact), an int64 pass fewer
+        weight = self.micro_batch if self._weight_folds(total) else 1
         # each step's average in the same memory, as DDP's buckets keep theirs; slot by slot, one
         # factor each (an array of them would be as large as the accumulator, read each step)
         for (start, stop), factor in zip(self._slots[:-1], averaging):  # the loss's below
@@ -402,14 +402,19 @@ class ReproducibleDataParallel(torch.nn.Module):
                     continue
                 scaled = False  # outgrown: this run is done again, with coarser quanta, so only measured
             np.maximum(maxima, self._largest(grads, loss_value), out=maxima)
-        if total % self.micro_batch:
-            fixed.total()  # a short last micro-batch: each rank's sum weighted here
+        if self._weight_folds(total):
+            fixed.unweighted()  # weighted in the conversion back (backward_batch)
         else:
-            fixed.biased()  # settled after the allreduce, for every rank at once (backward_batch)
+            fixed.total()
         self._acc[self._quantized] = correct
         for _, param in named:
             param.grad = None
         return maxima
+
+    def _weight_folds(self, total: int) -> bool:
+        """Whether every micro-batch of a global batch of `total` samples has one weight that is a
+        power of two (`micro_batch`), which the conversion back can apply exactly."""
+        return total % self.micro_batch == 0 and self.micro_batch & (self.micro_batch - 1) == 0
 
     def _largest(self, grads: list[np.ndarray | None], loss_value: float) -> np.ndarray:
         """Each gradient's largest magnitude (0 where None), and the loss's; NaN where one is."""

@@ -13,8 +13,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives.fixed_point import (MIN_BOUND_EXPONENT, TERM_BITS, FixedSum, add_fixed, bound_exponent,
-                                     exact_allreduce, exact_total, from_fixed, quantum_exponent, round_biased,
-                                     settle_biased)
+                                     exact_allreduce, exact_total, from_fixed, quantum_exponent, round_biased)
 from tests.conftest import all_ranks_agree
 
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
@@ -87,32 +86,25 @@ def test_fixed_sum_gives_the_weighted_sum_of_each_term_rounded_alone():
     assert fixed.total().tolist() == [0, 0, 0]  # no term: zero
 
 
-def test_biased_sums_of_equal_weights_settled_after_summing_give_the_weighted_sums():
-    # two accumulators (two ranks' terms) left biased, summed as int64, settled once; a power-of-two
-    # weight comes back to be folded into the factor, another is multiplied in
+def test_unweighted_sums_times_the_shared_weight_are_the_weighted_sums():
     rng = np.random.default_rng(4)
     big = 2.0 ** TERM_BITS - 1
     terms = [np.concatenate([rng.uniform(-big, big, 20), [big, -big, 0.5, 2.5]]) for _ in range(5)]
-    for weight, returned in ((32, 32), (24, 1), (1, 1)):
-        exact = [sum(weight * round(float(t[j])) for t in terms) for j in range(24)]
-        summed = np.zeros(24, dtype=np.int64)
-        count = 0
-        for part in (terms[:2], terms[2:]):
-            fixed = FixedSum(np.empty(24, dtype=np.int64))
-            for term in part:
-                fixed.work[:] = term
-                fixed.add(weight)
-            count += fixed.biased()
-            summed += fixed.acc
-        assert settle_biased(summed, count, weight) == returned
-        assert [int(v) * returned for v in summed] == exact, weight
+    for weight in (32, 24, 1):
+        fixed = FixedSum(np.empty(24, dtype=np.int64))
+        for term in terms:
+            fixed.work[:] = term
+            fixed.add(weight)
+        exact = [sum(round(float(t[j])) for t in terms) for j in range(24)]
+        assert fixed.unweighted().tolist() == exact, weight
+        assert fixed.total().tolist() == [weight * v for v in exact], weight  # weighted after all
     fixed = FixedSum(np.ones(3, dtype=np.int64))
-    assert fixed.biased() == 0 and fixed.acc.tolist() == [0, 0, 0]  # no term: zero, no bias
+    assert fixed.unweighted().tolist() == [0, 0, 0]  # no term: zero
     for weight in (5, 3):
         fixed.work[:] = 1.0
         fixed.add(weight)
     with pytest.raises(ValueError, match="different weights"):
-        fixed.biased()
+        fixed.unweighted()
 
 
 def rank_data(rank: int) -> np.ndarray:
