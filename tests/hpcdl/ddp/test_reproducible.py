@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
-from hpcdl.ddp.reproducible import micro_batch_range, micro_batch_seed
+from hpcdl.ddp.reproducible import ReproducibleDataParallel, micro_batch_range, micro_batch_seed
 from hpcdl.training.reproducible import parameter_digest
 from tests.conftest import all_ranks_agree
 
@@ -85,6 +85,22 @@ def test_reproducible_ddp_gives_one_process_bits_with_every_algorithm():
     # 3 micro-batches: from N = 4 on, some ranks compute none
     few = train_reproducible(MPI.COMM_SELF, "auto", micro_batch=8)
     assert all_ranks_agree(train_reproducible(comm, "auto", micro_batch=8) == few and few[0] != reference[0], comm)
+
+
+def test_a_power_of_two_weight_folded_into_the_conversion_gives_the_int64_weighted_bits(monkeypatch):
+    # micro-batches of 4 (all of them): the weight goes into from_fixed's factor instead of an int64
+    # pass; the gradients and the loss must be the bits of weighting the integers
+    def step_results(folds: bool) -> tuple[list[bytes], float]:
+        monkeypatch.setattr(ReproducibleDataParallel, "_weight_folds", lambda self, total: folds)
+        net = small_net(dropout=0.0)
+        model = hpcdl.DistributedDataParallel(net, MPI.COMM_WORLD, reproducible=True, micro_batch=4)
+        x, y = data(2, 12)
+        for step in range(2):  # the second step: with the first's quanta
+            part = slice(step * 12, (step + 1) * 12)
+            result = model.backward_batch(x[part], y[part], F.cross_entropy, step=step)
+        return [p.grad.numpy().tobytes() for p in net.parameters()], result.loss
+
+    assert all_ranks_agree(step_results(True) == step_results(False), MPI.COMM_WORLD)
 
 
 def test_a_rank_with_a_zero_gradient_judges_the_quanta_as_one_process_does():
