@@ -20,7 +20,9 @@ micro-batch, with SLACK_BITS of room to grow. Whether a step's gradients outgrew
 far that fewer than KEEP_BITS bits would be left, travels as integer flags in the same allreduce;
 such a step is run again with the quanta of its own maxima (an allreduce MAX, exact): the decision
 depends on the data only, so every P redoes the same steps (the first step always runs twice,
-having no maximum before it). One int64 allreduce a step otherwise.
+having no maximum before it; a rank whose micro-batches leave a parameter's gradient exactly 0 has
+no say on its quanta; a third run would be a bug, raised on every rank). One int64 allreduce a
+step otherwise.
 
 What a micro-batch's gradient depends on is fixed too: torch's intra-op threads (`threads`, 1 by
 default: the bits of a matrix product change with them), and the parameters, which are rank 0's
