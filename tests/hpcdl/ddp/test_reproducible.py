@@ -105,14 +105,14 @@ def test_a_power_of_two_weight_folded_into_the_conversion_gives_the_int64_weight
 
 def test_a_rank_with_a_zero_gradient_judges_the_quanta_as_one_process_does():
     # Micro-batch 0's inputs are zeros, so its first weight's gradient is exactly 0: from N = 2 on,
-    # rank 0's largest value of it is 0, below any quantum (once taken for 1: every step of small
-    # gradients then "outgrew" its quanta on rank 0 alone and ran again for ever)
+    # rank 0's largest value of it is 0, below any quantum (its exponent was once read as 0.5's: every
+    # step of small gradients then "outgrew" its quanta on rank 0 alone and ran again for ever)
     def train(comm: MPI.Comm) -> tuple[str, list[int]]:
         net = small_net(dropout=0.0)
         model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=4)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
         x, y = data(3, 8)
-        x[0::8].zero_(), x[1::8].zero_(), x[2::8].zero_(), x[3::8].zero_()
+        x.view(3, 8, 32)[:, :4] = 0  # each step's micro-batch 0
         runs = []
         for step in range(3):
             optimizer.zero_grad()
