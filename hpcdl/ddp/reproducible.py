@@ -20,7 +20,9 @@ micro-batch, with SLACK_BITS of room to grow. Whether a step's gradients outgrew
 far that fewer than KEEP_BITS bits would be left, travels as integer flags in the same allreduce;
 such a step is run again with the quanta of its own maxima (an allreduce MAX, exact): the decision
 depends on the data only, so every P redoes the same steps (the first step always runs twice,
-having no maximum before it). One int64 allreduce a step otherwise.
+having no maximum before it; a rank whose micro-batches leave a parameter's gradient exactly 0 has
+no say on its quanta; a third run would be a bug, raised on every rank). One int64 allreduce a
+step otherwise.
 
 What a micro-batch's gradient depends on is fixed too: torch's intra-op threads (`threads`, 1 by
 default: the bits of a matrix product change with them), and the parameters, which are rank 0's
@@ -282,6 +284,9 @@ class ReproducibleDataParallel(torch.nn.Module):
                 collectives.iallreduce(acc, self.comm, op="sum", algorithm=self.algorithm, out=acc).wait()
                 if acc[quantized + 1] == 0 and bool(np.all(acc[quantized + 2:] > 0)):
                     break
+                if runs > 1:  # the quanta of the step's own maxima always pass: the same verdict everywhere
+                    raise RuntimeError(f"reproducible step {step}: the quanta agreed from the step's own largest "
+                                       "gradients were judged wrong again; this is a bug in hpcdl, report it")
             # the same verdict on every rank: all agree the quanta of this step's maxima, run again
             self._bounds = self._agreed_exponents(maxima) + SLACK_BITS
         elements = quantized - 1
@@ -291,15 +296,18 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.traffic.elements += elements
         self.traffic.elements_sent += elements
         averaging = self._scales(total)[2]
+        # micro-batches all of one power-of-two size left their sums unweighted (`_run`): the weight
+        # goes into the factors (exact), an int64 pass fewer
+        weight = self.micro_batch if self._weight_folds(total) else 1
         # each step's average in the same memory, as DDP's buckets keep theirs; slot by slot, one
         # factor each (an array of them would be as large as the accumulator, read each step)
         for (start, stop), factor in zip(self._slots[:-1], averaging):  # the loss's below
-            from_fixed(acc[start:stop], factor, out=self._grads_flat[start:stop])
+            from_fixed(acc[start:stop], factor * weight, out=self._grads_flat[start:stop])
         for (_, param), grad in zip(self._named, self._grad_views):
             param.grad = grad
         if self._sharding is not None:
             self._attach_pieces()
-        loss = from_fixed(acc[elements:quantized], averaging[-1], dtype=np.float64)
+        loss = from_fixed(acc[elements:quantized], averaging[-1] * weight, dtype=np.float64)
         return StepResult(float(loss[0]), int(acc[quantized]), total, runs)
 
     def _attach_pieces(self) -> None:
@@ -396,11 +404,19 @@ class ReproducibleDataParallel(torch.nn.Module):
                     continue
                 scaled = False  # outgrown: this run is done again, with coarser quanta, so only measured
             np.maximum(maxima, self._largest(grads, loss_value), out=maxima)
-        fixed.total()
+        if self._weight_folds(total):
+            fixed.unweighted()  # weighted in the conversion back (backward_batch)
+        else:
+            fixed.total()
         self._acc[self._quantized] = correct
         for _, param in named:
             param.grad = None
         return maxima
+
+    def _weight_folds(self, total: int) -> bool:
+        """Whether every micro-batch of a global batch of `total` samples has one weight that is a
+        power of two (`micro_batch`), which the conversion back can apply exactly."""
+        return total % self.micro_batch == 0 and self.micro_batch & (self.micro_batch - 1) == 0
 
     def _largest(self, grads: list[np.ndarray | None], loss_value: float) -> np.ndarray:
         """Each gradient's largest magnitude (0 where None), and the loss's; NaN where one is."""

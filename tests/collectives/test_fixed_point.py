@@ -12,8 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import (TERM_BITS, FixedSum, add_fixed, exact_allreduce, exact_total, from_fixed,
-                                     quantum_exponent, round_biased)
+from collectives.fixed_point import (MIN_BOUND_EXPONENT, TERM_BITS, FixedSum, add_fixed, bound_exponent,
+                                     exact_allreduce, exact_total, from_fixed, quantum_exponent, round_biased)
 from tests.conftest import all_ranks_agree
 
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
@@ -47,6 +47,12 @@ def test_fixed_point_weights_and_headroom():
         quantum_exponent(float("nan"), 4)
 
 
+def test_bound_exponent_is_the_least_with_the_bound_below_its_power_of_two():
+    # 0 included: frexp gives its exponent as 0 (0.5's), and a zero largest gradient then passed for ~1
+    values = (0.0, -0.0, 5e-324, 0.25, 0.5, 0.75, 1.0, -3.0)
+    assert [bound_exponent(v) for v in values] == [MIN_BOUND_EXPONENT] * 3 + [-1, 0, 0, 1, 2]
+
+
 def test_rounding_is_to_nearest_ties_to_even_up_to_the_term_bits():
     top = 2.0 ** TERM_BITS
     values = np.array([0.5, 1.5, 2.5, -0.5, -2.5, 0.49999999999999994, -7.25, top - 1.5, top - 0.5,
@@ -78,6 +84,27 @@ def test_fixed_sum_gives_the_weighted_sum_of_each_term_rounded_alone():
     assert fixed_sum_of(at_bound, [1] * 2048) == [2048 * int(big), -2048 * int(big), 0]
     fixed = FixedSum(np.ones(3, dtype=np.int64))
     assert fixed.total().tolist() == [0, 0, 0]  # no term: zero
+
+
+def test_unweighted_sums_times_the_shared_weight_are_the_weighted_sums():
+    rng = np.random.default_rng(4)
+    big = 2.0 ** TERM_BITS - 1
+    terms = [np.concatenate([rng.uniform(-big, big, 20), [big, -big, 0.5, 2.5]]) for _ in range(5)]
+    for weight in (32, 24, 1):
+        fixed = FixedSum(np.empty(24, dtype=np.int64))
+        for term in terms:
+            fixed.work[:] = term
+            fixed.add(weight)
+        exact = [sum(round(float(t[j])) for t in terms) for j in range(24)]
+        assert fixed.unweighted().tolist() == exact, weight
+        assert fixed.total().tolist() == [weight * v for v in exact], weight  # weighted after all
+    fixed = FixedSum(np.ones(3, dtype=np.int64))
+    assert fixed.unweighted().tolist() == [0, 0, 0]  # no term: zero
+    for weight in (5, 3):
+        fixed.work[:] = 1.0
+        fixed.add(weight)
+    with pytest.raises(ValueError, match="different weights"):
+        fixed.unweighted()
 
 
 def rank_data(rank: int) -> np.ndarray:

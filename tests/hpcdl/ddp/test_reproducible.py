@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
-from hpcdl.ddp.reproducible import micro_batch_range, micro_batch_seed
+from hpcdl.ddp.reproducible import ReproducibleDataParallel, micro_batch_range, micro_batch_seed
 from hpcdl.training.reproducible import parameter_digest
 from tests.conftest import all_ranks_agree
 
@@ -85,6 +85,46 @@ def test_reproducible_ddp_gives_one_process_bits_with_every_algorithm():
     # 3 micro-batches: from N = 4 on, some ranks compute none
     few = train_reproducible(MPI.COMM_SELF, "auto", micro_batch=8)
     assert all_ranks_agree(train_reproducible(comm, "auto", micro_batch=8) == few and few[0] != reference[0], comm)
+
+
+def test_a_power_of_two_weight_folded_into_the_conversion_gives_the_int64_weighted_bits(monkeypatch):
+    # micro-batches of 4 (all of them): the weight goes into from_fixed's factor instead of an int64
+    # pass; the gradients and the loss must be the bits of weighting the integers
+    def step_results(folds: bool) -> tuple[list[bytes], float]:
+        monkeypatch.setattr(ReproducibleDataParallel, "_weight_folds", lambda self, total: folds)
+        net = small_net(dropout=0.0)
+        model = hpcdl.DistributedDataParallel(net, MPI.COMM_WORLD, reproducible=True, micro_batch=4)
+        x, y = data(2, 12)
+        for step in range(2):  # the second step: with the first's quanta
+            part = slice(step * 12, (step + 1) * 12)
+            result = model.backward_batch(x[part], y[part], F.cross_entropy, step=step)
+        return [p.grad.numpy().tobytes() for p in net.parameters()], result.loss
+
+    assert all_ranks_agree(step_results(True) == step_results(False), MPI.COMM_WORLD)
+
+
+def test_a_rank_with_a_zero_gradient_judges_the_quanta_as_one_process_does():
+    # Micro-batch 0's inputs are zeros, so its first weight's gradient is exactly 0: from N = 2 on,
+    # rank 0's largest value of it is 0, below any quantum (its exponent was once read as 0.5's: every
+    # step of small gradients then "outgrew" its quanta on rank 0 alone and ran again for ever)
+    def train(comm: MPI.Comm) -> tuple[str, list[int]]:
+        net = small_net(dropout=0.0)
+        model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=4)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        x, y = data(3, 8)
+        x.view(3, 8, 32)[:, :4] = 0  # each step's micro-batch 0
+        runs = []
+        for step in range(3):
+            optimizer.zero_grad()
+            part = slice(step * 8, (step + 1) * 8)
+            result = model.backward_batch(x[part], y[part], lambda out, target: F.cross_entropy(out, target) * 1e-3,
+                                          step=step)
+            optimizer.step()
+            runs.append(result.runs)
+        return parameter_digest(net), runs
+
+    reference = train(MPI.COMM_SELF)
+    assert all_ranks_agree(reference[1] == [2, 1, 1] and train(MPI.COMM_WORLD) == reference, MPI.COMM_WORLD)
 
 
 @pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
