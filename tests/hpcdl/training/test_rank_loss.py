@@ -352,39 +352,39 @@ def test_spares_take_the_lost_ranks_places_and_the_rest_are_released(tmp_path):
 @own_jobs
 @pytest.mark.parametrize("training_loss", [True, False])
 def test_a_dead_spare_is_reported_lost_not_called(tmp_path, training_loss):
-    """Issue 42, item 5: 5 ranks with --spares 1 (4 train); the spare dies as it starts waiting.
+    """Issue 42, item 5: 4 ranks with --spares 1 (3 train); the spare dies as it starts waiting.
     A training rank lost later finds it dead when the spares are called: both are reported lost
-    ("lost rank 1 of 4 and spare 4"), the job goes on with 3 ranks, no spare called, none
+    ("lost rank 1 of 3 and spare 3"), the job goes on with 2 ranks, no spare called, none
     replaced, the metrics name both ids. Without a training rank lost, the spares' release at the
     end finds it: it is reported, and the job ends with status 0."""
-    kills = ["waiting:0:4", *(["backward:5:1"] if training_loss else [])]
-    code, out, final = train_losing(tmp_path, 5, kills, ["--epochs", "1", "--bucket-cap-mb", "0.05", "--spares", "1",
+    kills = ["waiting:0:3", *(["backward:5:1"] if training_loss else [])]
+    code, out, final = train_losing(tmp_path, 4, kills, ["--epochs", "1", "--bucket-cap-mb", "0.05", "--spares", "1",
                                                          "--metrics", str(tmp_path / "m.jsonl")])
     assert code == 0, out[-4000:]
     [row] = metrics(tmp_path / "m.jsonl")
     if training_loss:
-        assert sorted(final) == [0, 2, 3] and {s["size"] for s in final.values()} == {3}, out[-4000:]
+        assert sorted(final) == [0, 2] and {s["size"] for s in final.values()} == {2}, out[-4000:]
         assert identical(list(final.values()), "model", "optimizer", "scheduler")
-        assert "lost rank 1 of 4 and spare 4 at step 6 (epoch 1); going on with 3 rank(s)" in out, out[-4000:]
+        assert "lost rank 1 of 3 and spare 3 at step 6 (epoch 1); going on with 2 rank(s)" in out, out[-4000:]
         assert "called" not in out and "replaced" not in out, out[-4000:]
-        assert row["ranks"] == 3 and row["lost_ranks"] == "1 4" and row["steps_lost"] == 1, row
+        assert row["ranks"] == 2 and row["lost_ranks"] == "1 3" and row["steps_lost"] == 1, row
     else:
-        assert sorted(final) == [0, 1, 2, 3] and "hpcdl train: spare 4 died while waiting" in out, out[-4000:]
-        assert row["ranks"] == 4 and row["lost_ranks"] is None, row
+        assert sorted(final) == [0, 1, 2] and "hpcdl train: spare 3 died while waiting" in out, out[-4000:]
+        assert row["ranks"] == 3 and row["lost_ranks"] is None, row
 
 
 @own_jobs
-@pytest.mark.parametrize("kill,spares,phase", [("parse:0:2", [], "parsing the command line"),
-                                               ("spares:0:2", ["--spares", "1"], "setting the spares aside")])
+@pytest.mark.parametrize("kill,spares,phase", [("parse:0:1", [], "parsing the command line"),
+                                               ("spares:0:1", ["--spares", "1"], "setting the spares aside")])
 def test_a_rank_lost_during_start_up_ends_the_job_in_one_line(tmp_path, kill, spares, phase):
-    """Issue 42, item 11: 5 ranks, rank 2 lost while rank 0 parses the command line (the others
-    wait in its broadcast), or while the spares are set aside: the job ends with status 5, every
+    """Issue 42, item 11: 3 ranks, rank 1 lost while rank 0 parses the command line (the others
+    wait in its broadcast), or while the spares are set aside (rank 2 the spare): the job ends with status 5, every
     rank that reports it naming the lost rank and the phase; no traceback, no MPI_Abort. The
     status file, where the command line was read, says 5."""
     status_file = tmp_path / "status"
-    code, out, final = train_losing(tmp_path, 5, [kill], ["--epochs", "1", *spares, "--status-file", str(status_file)])
+    code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", *spares, "--status-file", str(status_file)])
     assert code == rank_loss.RANK_LOST and not final, out[-4000:]
-    assert f"hpcdl train: error: rank 2 of 5 failed while {phase}; no step had been trained yet" in out, out[-4000:]
+    assert f"hpcdl train: error: rank 1 of 3 failed while {phase}; no step had been trained yet" in out, out[-4000:]
     assert "Traceback" not in out and "MPI_ABORT" not in out and "uncaught" not in out, out[-4000:]
     if spares:
         assert status_file.read_text() == f"{rank_loss.RANK_LOST}\n"
@@ -393,17 +393,17 @@ def test_a_rank_lost_during_start_up_ends_the_job_in_one_line(tmp_path, kill, sp
 @own_jobs
 @pytest.mark.parametrize("recoverable", [False, True])
 def test_a_lost_replacement_leaves_the_status_file_the_runs_status(tmp_path, recoverable):
-    """Issue 42, item 3: 4 ranks with --respawn; rank 2 dies, then its replacement (id 4) once it
-    trained 3 steps. The run goes on (replacement 5 in its place) and succeeds: the status file
+    """Issue 42, item 3: 3 ranks with --respawn; rank 2 dies, then its replacement (id 3) once it
+    trained 3 steps. The run goes on (replacement 4 in its place) and succeeds: the status file
     says 0, and the run's last line says that mpirun's status may differ. Open MPI 5.0.11's
     mpirun counts a replacement that dies as a failed job (137: it was SIGKILLed) unless it was
     started with `--prtemca state_base_recoverable 1`: then its status is 0 too."""
     status_file = tmp_path / "status"
-    code, out, final = train_losing(tmp_path, 4, ["backward:3:2", "step:3:4"],
+    code, out, final = train_losing(tmp_path, 3, ["backward:3:2", "step:3:3"],
                                     ["--epochs", "1", "--batch-size", "8", "--respawn", "--status-file",
                                      str(status_file)],
                                     mpirun=("--prtemca", "state_base_recoverable", "1") if recoverable else ())
-    assert status_file.read_text() == "0\n" and sorted(final) == [0, 1, 3, 5], out[-4000:]
+    assert status_file.read_text() == "0\n" and sorted(final) == [0, 1, 4], out[-4000:]
     assert identical(list(final.values()), "model", "optimizer", "scheduler")
     assert f"hpcdl train: the run's exit status is 0 (written to {status_file}); mpirun's may differ" in out, \
         out[-4000:]
