@@ -195,7 +195,7 @@ class ThreeRankRun(NamedTuple):
     """One of `three_rank_job`'s runs."""
 
     statuses: list[int | None]  # its exit status on each of the 3 ranks (None: not finished)
-    checkpoints: Path
+    checkpoints: Path  # where it wrote its checkpoints (a resume's own directory)
     final: dict[int, Any]  # each rank's final state
     out: str  # its part of the job's output
 
@@ -205,8 +205,8 @@ SPARES_NOT_NEEDED = ["--epochs", "1", "--spares", "1"]
 
 
 class ThreeRankJob(NamedTuple):
-    """The undisturbed 3-rank runs, all in one job (one start of the ranks: each costs a process
-    seconds of CPU, most of them torch's imports)."""
+    """The undisturbed 3-rank runs, all in one job: one start of the ranks for them all (a start
+    costs each process about 3 s of CPU, most of it torch's imports)."""
 
     code: int  # the job's exit status
     resumed: dict[tuple[str, int], ThreeRankRun]  # the resumes from LOSING_RUNS' checkpoints by (name, step)
@@ -378,9 +378,9 @@ def test_a_dead_spare_is_reported_lost_not_called(tmp_path, training_loss):
                                                ("spares:0:1", ["--spares", "1"], "setting the spares aside")])
 def test_a_rank_lost_during_start_up_ends_the_job_in_one_line(tmp_path, kill, spares, phase):
     """Issue 42, item 11: 3 ranks, rank 1 lost while rank 0 parses the command line (the others
-    wait in its broadcast), or while the spares are set aside (rank 2 the spare): the job ends with status 5, every
-    rank that reports it naming the lost rank and the phase; no traceback, no MPI_Abort. The
-    status file, where the command line was read, says 5."""
+    wait in its broadcast), or while the spares are set aside (rank 2 the spare): the job ends
+    with status 5, every rank that reports it naming the lost rank and the phase; no traceback, no
+    MPI_Abort. The status file, where the command line was read, says 5."""
     status_file = tmp_path / "status"
     code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", *spares, "--status-file", str(status_file)])
     assert code == rank_loss.RANK_LOST and not final, out[-4000:]
