@@ -159,7 +159,7 @@ def test_ranks_lost_in_backward_the_update_and_a_checkpoint_write_until_one_is_l
 #: `hpcdl train` options of the parameter-server runs that lose a worker.
 SERVED = ["--servers", "1", "--epochs", "2", "--seed", "2"]
 #: The 4-rank runs that lose a rank, each launched once for the module (`losing`), some of whose
-#: checkpoints are resumed on 3 ranks, all in one job (`resumed_on_three`): (its kills, its
+#: checkpoints are resumed on 3 ranks, all in one job (`three_rank_job`): (its kills, its
 #: arguments, the steps whose checkpoints the 3-rank runs resume from) by name.
 LOSING_RUNS = {
     "allreduce": (["backward:7:3"], ["--epochs", "2", "--batch-size", "32", "--bucket-cap-mb", "0.05",
@@ -191,21 +191,34 @@ def losing(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return run
 
 
-class Resumed(NamedTuple):
-    """One of `resumed_on_three`'s runs."""
+class ThreeRankRun(NamedTuple):
+    """One of `three_rank_job`'s runs."""
 
     statuses: list[int | None]  # its exit status on each of the 3 ranks (None: not finished)
-    checkpoints: Path
+    checkpoints: Path  # where it wrote its checkpoints (a resume's own directory)
     final: dict[int, Any]  # each rank's final state
     out: str  # its part of the job's output
 
 
+#: test_spares_not_needed_leave_with_the_job's run: 2 train, 1 spare, no loss.
+SPARES_NOT_NEEDED = ["--epochs", "1", "--spares", "1"]
+
+
+class ThreeRankJob(NamedTuple):
+    """The undisturbed 3-rank runs, all in one job: one start of the ranks for them all (a start
+    costs each process about 3 s of CPU, most of it torch's imports)."""
+
+    code: int  # the job's exit status
+    resumed: dict[tuple[str, int], ThreeRankRun]  # the resumes from LOSING_RUNS' checkpoints by (name, step)
+    spares: ThreeRankRun  # SPARES_NOT_NEEDED, the job's last run: its end is the job's
+
+
 @pytest.fixture(scope="module")
-def resumed_on_three(losing: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Resumed]:
+def three_rank_job(losing: Any, tmp_path_factory: pytest.TempPathFactory) -> ThreeRankJob:
     """The undisturbed 3-rank runs resumed from each LOSING_RUNS run's checkpoints (the ones it
-    wrote: a run that failed to write one is left out), all in one job (one start of the ranks),
-    without ULFM, by (name, step)."""
-    job = tmp_path_factory.mktemp("resumed")
+    wrote: a run that failed to write one is left out), then SPARES_NOT_NEEDED (whose spare
+    needs ULFM: the resumes run under it too), all in one job."""
+    job = tmp_path_factory.mktemp("three")
     runs, directories = [], {}
     for name, (_, args, steps) in LOSING_RUNS.items():
         source = losing(name)[0] / "ck" if steps else None
@@ -216,12 +229,14 @@ def resumed_on_three(losing: Any, tmp_path_factory: pytest.TempPathFactory) -> d
                 shutil.copy(checkpoint_path(source, step), checkpoint_path(directory, step))
                 runs += ["--", *args, "--checkpoint-dir", str(directory), "--resume"]
                 directories[(name, step)] = directory
-    code, out = launch(3, [str(TRAIN_JOB), str(job), *runs], ulfm=False) if runs else (0, "")
+    code, out = launch(3, [str(TRAIN_JOB), str(job), *runs, "--", *SPARES_NOT_NEEDED])
     outputs = run_outputs(out)
-    return {key: Resumed(run_statuses(job, index, range(3)), directory,
-                         finals(run_directory(job, index) if len(directories) > 1 else job),
-                         f"job's exit status {code}\n" + (outputs[index] if index < len(outputs) else out))
-            for index, (key, directory) in enumerate(directories.items())}
+
+    def run(index: int, checkpoints: Path) -> ThreeRankRun:
+        return ThreeRankRun(run_statuses(job, index, range(3)), checkpoints, finals(run_directory(job, index)),
+                            f"job's exit status {code}\n" + (outputs[index] if index < len(outputs) else out))
+    resumed = {key: run(index, directory) for index, (key, directory) in enumerate(directories.items())}
+    return ThreeRankJob(code, resumed, run(len(directories), job))
 
 
 @own_jobs
@@ -238,7 +253,7 @@ def test_survivors_end_where_an_undisturbed_run_on_fewer_ranks_ends(losing, requ
     assert [r["steps_lost"] for r in metrics(directory / "m.jsonl")] == [1, None]
     for step, ranks in ((7, 4), (14, 3)):
         assert len(load_checkpoint(checkpoint_path(directory / "ck", step))["ranks"]) == ranks
-    resumed = request.getfixturevalue("resumed_on_three")  # both resumes, and the others', in one job
+    resumed = request.getfixturevalue("three_rank_job").resumed  # both resumes, and the others', in one job
     for step in (7, 14):
         run = resumed[("allreduce", step)]
         assert run.statuses == [0, 0, 0], run.out[-4000:]
@@ -337,39 +352,39 @@ def test_spares_take_the_lost_ranks_places_and_the_rest_are_released(tmp_path):
 @own_jobs
 @pytest.mark.parametrize("training_loss", [True, False])
 def test_a_dead_spare_is_reported_lost_not_called(tmp_path, training_loss):
-    """Issue 42, item 5: 5 ranks with --spares 1 (4 train); the spare dies as it starts waiting.
+    """Issue 42, item 5: 4 ranks with --spares 1 (3 train); the spare dies as it starts waiting.
     A training rank lost later finds it dead when the spares are called: both are reported lost
-    ("lost rank 1 of 4 and spare 4"), the job goes on with 3 ranks, no spare called, none
+    ("lost rank 1 of 3 and spare 3"), the job goes on with 2 ranks, no spare called, none
     replaced, the metrics name both ids. Without a training rank lost, the spares' release at the
     end finds it: it is reported, and the job ends with status 0."""
-    kills = ["waiting:0:4", *(["backward:5:1"] if training_loss else [])]
-    code, out, final = train_losing(tmp_path, 5, kills, ["--epochs", "1", "--bucket-cap-mb", "0.05", "--spares", "1",
+    kills = ["waiting:0:3", *(["backward:5:1"] if training_loss else [])]
+    code, out, final = train_losing(tmp_path, 4, kills, ["--epochs", "1", "--bucket-cap-mb", "0.05", "--spares", "1",
                                                          "--metrics", str(tmp_path / "m.jsonl")])
     assert code == 0, out[-4000:]
     [row] = metrics(tmp_path / "m.jsonl")
     if training_loss:
-        assert sorted(final) == [0, 2, 3] and {s["size"] for s in final.values()} == {3}, out[-4000:]
+        assert sorted(final) == [0, 2] and {s["size"] for s in final.values()} == {2}, out[-4000:]
         assert identical(list(final.values()), "model", "optimizer", "scheduler")
-        assert "lost rank 1 of 4 and spare 4 at step 6 (epoch 1); going on with 3 rank(s)" in out, out[-4000:]
+        assert "lost rank 1 of 3 and spare 3 at step 6 (epoch 1); going on with 2 rank(s)" in out, out[-4000:]
         assert "called" not in out and "replaced" not in out, out[-4000:]
-        assert row["ranks"] == 3 and row["lost_ranks"] == "1 4" and row["steps_lost"] == 1, row
+        assert row["ranks"] == 2 and row["lost_ranks"] == "1 3" and row["steps_lost"] == 1, row
     else:
-        assert sorted(final) == [0, 1, 2, 3] and "hpcdl train: spare 4 died while waiting" in out, out[-4000:]
-        assert row["ranks"] == 4 and row["lost_ranks"] is None, row
+        assert sorted(final) == [0, 1, 2] and "hpcdl train: spare 3 died while waiting" in out, out[-4000:]
+        assert row["ranks"] == 3 and row["lost_ranks"] is None, row
 
 
 @own_jobs
-@pytest.mark.parametrize("kill,spares,phase", [("parse:0:2", [], "parsing the command line"),
-                                               ("spares:0:2", ["--spares", "1"], "setting the spares aside")])
+@pytest.mark.parametrize("kill,spares,phase", [("parse:0:1", [], "parsing the command line"),
+                                               ("spares:0:1", ["--spares", "1"], "setting the spares aside")])
 def test_a_rank_lost_during_start_up_ends_the_job_in_one_line(tmp_path, kill, spares, phase):
-    """Issue 42, item 11: 5 ranks, rank 2 lost while rank 0 parses the command line (the others
-    wait in its broadcast), or while the spares are set aside: the job ends with status 5, every
-    rank that reports it naming the lost rank and the phase; no traceback, no MPI_Abort. The
-    status file, where the command line was read, says 5."""
+    """Issue 42, item 11: 3 ranks, rank 1 lost while rank 0 parses the command line (the others
+    wait in its broadcast), or while the spares are set aside (rank 2 the spare): the job ends
+    with status 5, every rank that reports it naming the lost rank and the phase; no traceback, no
+    MPI_Abort. The status file, where the command line was read, says 5."""
     status_file = tmp_path / "status"
-    code, out, final = train_losing(tmp_path, 5, [kill], ["--epochs", "1", *spares, "--status-file", str(status_file)])
+    code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", *spares, "--status-file", str(status_file)])
     assert code == rank_loss.RANK_LOST and not final, out[-4000:]
-    assert f"hpcdl train: error: rank 2 of 5 failed while {phase}; no step had been trained yet" in out, out[-4000:]
+    assert f"hpcdl train: error: rank 1 of 3 failed while {phase}; no step had been trained yet" in out, out[-4000:]
     assert "Traceback" not in out and "MPI_ABORT" not in out and "uncaught" not in out, out[-4000:]
     if spares:
         assert status_file.read_text() == f"{rank_loss.RANK_LOST}\n"
@@ -378,17 +393,17 @@ def test_a_rank_lost_during_start_up_ends_the_job_in_one_line(tmp_path, kill, sp
 @own_jobs
 @pytest.mark.parametrize("recoverable", [False, True])
 def test_a_lost_replacement_leaves_the_status_file_the_runs_status(tmp_path, recoverable):
-    """Issue 42, item 3: 4 ranks with --respawn; rank 2 dies, then its replacement (id 4) once it
-    trained 3 steps. The run goes on (replacement 5 in its place) and succeeds: the status file
+    """Issue 42, item 3: 3 ranks with --respawn; rank 2 dies, then its replacement (id 3) once it
+    trained 3 steps. The run goes on (replacement 4 in its place) and succeeds: the status file
     says 0, and the run's last line says that mpirun's status may differ. Open MPI 5.0.11's
     mpirun counts a replacement that dies as a failed job (137: it was SIGKILLed) unless it was
     started with `--prtemca state_base_recoverable 1`: then its status is 0 too."""
     status_file = tmp_path / "status"
-    code, out, final = train_losing(tmp_path, 4, ["backward:3:2", "step:3:4"],
+    code, out, final = train_losing(tmp_path, 3, ["backward:3:2", "step:3:3"],
                                     ["--epochs", "1", "--batch-size", "8", "--respawn", "--status-file",
                                      str(status_file)],
                                     mpirun=("--prtemca", "state_base_recoverable", "1") if recoverable else ())
-    assert status_file.read_text() == "0\n" and sorted(final) == [0, 1, 3, 5], out[-4000:]
+    assert status_file.read_text() == "0\n" and sorted(final) == [0, 1, 4], out[-4000:]
     assert identical(list(final.values()), "model", "optimizer", "scheduler")
     assert f"hpcdl train: the run's exit status is 0 (written to {status_file}); mpirun's may differ" in out, \
         out[-4000:]
@@ -397,12 +412,15 @@ def test_a_lost_replacement_leaves_the_status_file_the_runs_status(tmp_path, rec
 
 
 @own_jobs
-def test_spares_not_needed_leave_with_the_job(tmp_path):
+def test_spares_not_needed_leave_with_the_job(request):
     """3 ranks with --spares 1 and no loss: 2 train, the spare builds, waits, and leaves when they
-    finish; the job ends with status 0 (nothing left waiting or hanging in MPI_Finalize)."""
-    code, out, final = train_losing(tmp_path, 3, [], ["--epochs", "1", "--spares", "1"])
-    assert code == 0 and sorted(final) == [0, 1] and "on 2 rank(s)" in out, out[-4000:]
-    assert identical(list(final.values()), "model", "optimizer", "scheduler")
+    finish; the job ends with status 0 (nothing left waiting or hanging in MPI_Finalize). (The
+    last run of `three_rank_job`, after the resumes.)"""
+    job = request.getfixturevalue("three_rank_job")
+    run = job.spares
+    assert job.code == 0 and run.statuses == [0, 0, 0], run.out[-4000:]
+    assert sorted(run.final) == [0, 1] and "on 2 rank(s)" in run.out, run.out[-4000:]
+    assert identical(list(run.final.values()), "model", "optimizer", "scheduler")
 
 
 @own_jobs
@@ -432,7 +450,7 @@ def test_local_sgd_survivors_go_back_to_their_own_replicas_and_average_over_the_
     # 12 steps: the last one averages, so the replicas agree (their momentum is each one's own)
     assert identical(states, "model", "scheduler") and {(s["size"], s["step"]) for s in states} == {(3, 12)}
     assert all(s["reports"] == [((3,), 1)] for s in states), states[0]["reports"]
-    run = request.getfixturevalue("resumed_on_three")[("local-sgd", 7)]  # in one job with the others' resumes
+    run = request.getfixturevalue("three_rank_job").resumed[("local-sgd", 7)]  # in one job with the others' resumes
     assert run.statuses == [0, 0, 0], run.out[-4000:]
     end = load_checkpoint(checkpoint_path(run.checkpoints, 12))
     assert all(same_state(end[k], states[0][k]) for k in ("model", "optimizer", "scheduler"))
@@ -496,7 +514,7 @@ def test_a_parameter_server_drops_a_lost_worker_and_the_others_push_its_share(lo
     assert len(first["ranks"]) == 2 and len(first["servers"]) == 1
     for step in resumed_from:  # ssp's, on the ranks left from step 20: each worker goes on from its own clock
         saved = load_checkpoint(checkpoint_path(ck, step))["servers"][0]["clocks"]
-        run = request.getfixturevalue("resumed_on_three")[(strategy, step)]  # in one job with the others' resumes
+        run = request.getfixturevalue("three_rank_job").resumed[(strategy, step)]  # in one job with the others' resumes
         resumed = run.final
         assert run.statuses == [0, 0, 0] and sorted(resumed) == [0, 1, 2], run.out[-4000:]
         assert "on 3 rank(s) (the data of the run's 3 workers)" in run.out, run.out[-4000:]
@@ -559,7 +577,7 @@ def test_sync_ps_drops_a_lost_worker_and_splits_the_global_batches_over_the_othe
     # Its checkpoints name the workers left, the servers' the lost one too: the servers give the
     # workers of the resumed job the places of the workers left, in order. On the ranks left
     # (in one job with the others' resumes): bitwise where the run ended.
-    run = request.getfixturevalue("resumed_on_three")[("sync-ps", 20)]
+    run = request.getfixturevalue("three_rank_job").resumed[("sync-ps", 20)]
     resumed = run.final
     assert run.statuses == [0, 0, 0] and sorted(resumed) == [0, 1, 2], run.out[-4000:]
     assert same_state(resumed[2]["model"], server["model"]) and resumed[2]["progress"] == server["progress"]
