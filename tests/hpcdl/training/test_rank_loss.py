@@ -379,12 +379,13 @@ def test_a_dead_spare_is_reported_lost_not_called(tmp_path, training_loss):
 def test_a_rank_lost_during_start_up_ends_the_job_in_one_line(tmp_path, kill, spares, phase):
     """Issue 42, item 11: 3 ranks, rank 1 lost while rank 0 parses the command line (the others
     wait in its broadcast), or while the spares are set aside (rank 2 the spare): the job ends
-    with status 5, every rank that reports it naming the lost rank and the phase; no traceback, no
-    MPI_Abort. The status file, where the command line was read, says 5."""
+    with status 5, one line (the lowest survivor's) naming the lost rank and the phase; no
+    traceback, no MPI_Abort. The status file, where the command line was read, says 5."""
     status_file = tmp_path / "status"
     code, out, final = train_losing(tmp_path, 3, [kill], ["--epochs", "1", *spares, "--status-file", str(status_file)])
     assert code == rank_loss.RANK_LOST and not final, out[-4000:]
     assert f"hpcdl train: error: rank 1 of 3 failed while {phase}; no step had been trained yet" in out, out[-4000:]
+    assert out.count("hpcdl train: error: ") == 1, out[-4000:]  # one line, from the lowest survivor alone
     assert "Traceback" not in out and "MPI_ABORT" not in out and "uncaught" not in out, out[-4000:]
     if spares:
         assert status_file.read_text() == f"{rank_loss.RANK_LOST}\n"
@@ -552,6 +553,7 @@ def test_losing_every_worker_ends_the_job_naming_them(tmp_path):
     assert status.read_text() == f"{rank_loss.RANK_LOST}\n"
     assert ("hpcdl train: error: ranks 0, 1 of 3 failed while this rank served its parameter-server shard; "
             "every worker was lost, so none is left to train: the job ends (exit status 5)") in out, out[-4000:]
+    assert out.count("hpcdl train: error: ") == 1, out[-4000:]  # one line, from the lowest survivor alone
     assert "Resume from the checkpoint of step 90" in out and "MPI_ERR" not in out, out[-4000:]
 
 
@@ -685,6 +687,7 @@ def test_the_job_ends_naming_the_lost_rank(tmp_path, ranks, argv, kill, expected
     assert code == rank_loss.RANK_LOST and not final, out[-4000:]
     assert (tmp_path / "status").read_text() == f"{rank_loss.RANK_LOST}\n"  # what a batch script reads
     assert expected in out and "MPI_ERR" not in out, out[-4000:]
+    assert out.count("hpcdl train: error: ") == 1, out[-4000:]  # one line, from the lowest survivor alone
     # how to go on: from the newest checkpoint, or (none written yet in 1 epoch) start over
     advice = re.search(r"Resume from the checkpoint of step \d+ in \S+ with --resume|No checkpoint was written "
                        r"to \S+ yet: run it again without --resume", out)
@@ -715,6 +718,7 @@ def test_with_the_heartbeat_detector_half_the_ranks_do_not_go_on(tmp_path):
     assert code == rank_loss.RANK_LOST and not final, out[-4000:]
     assert (tmp_path / "status").read_text() == f"{rank_loss.RANK_LOST}\n", out[-4000:]
     assert "ranks 2, 3 of 4 failed at step 2 (epoch 1); 2 of 4 ranks are left, no majority" in out, out[-4000:]
+    assert out.count("hpcdl train: error: ") == 1, out[-4000:]  # one line, from the lowest survivor alone
     assert "MPI_ERR" not in out, out[-4000:]
 
 

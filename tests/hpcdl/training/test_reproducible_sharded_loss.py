@@ -28,6 +28,7 @@ def test_a_sharded_reproducible_run_ends_on_a_lost_rank_and_resumes_to_the_undis
     report, out = epoch_report(outputs[0]), outputs[1]
     assert code == rank_loss.RANK_LOST and not final, out[-4000:]
     assert "rank 1 of 3 failed at step 6 (epoch 1); --shard optimizer keeps each rank's piece" in out, out[-4000:]
+    assert out.count("hpcdl train: error: ") == 1, out[-4000:]  # one line, from the lowest survivor alone
     assert f"Resume from the checkpoint of step 4 in {ck} with --resume" in out and "MPI_ERR" not in out, out[-4000:]
     code, out = launch(2, ["-m", "hpcdl", "train", *SHARDED, "--checkpoint-dir", str(ck), "--resume"], ulfm=False)
     assert code == 0 and "; resuming at epoch 1, step 4" in out, out[-4000:]
