@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcdl {command}: interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
     # Exits ordered so that mpirun reports the status without a block of its own
-    from ..runtime.launcher import exit_status
+    from ..runtime.launcher import exit_status, skip_exit_collection
 
-    return exit_status(status)
+    status = exit_status(status)
+    skip_exit_collection()  # the command's files are closed
+    return status
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Started by another launcher (srun) or alone, a rank's own stderr is the user's.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -86,6 +87,23 @@ def user_terminal() -> bool:
         return os.isatty(fd)
     finally:
         os.close(fd)
+
+
+def skip_exit_collection() -> None:
+    """For a process whose work is done, just before it returns to the interpreter's exit: every
+    object moved into the collector's permanent generation (gc.freeze), so that the exit does not
+    walk them all again. With torch loaded that walk took about 1.1 s and 0.75 s of CPU per
+    process (a 2-rank `hpcdl train --epochs 1` job: 4.4-4.5 s wall before, 3.8-4.0 s after,
+    2026-11-29). Objects left in reference cycles are then not finalized at exit: call it once
+    the process's files are closed.
+
+    Not in a process connected to spawned ones (`recovery.in_dynamic_job`): there, Open MPI's
+    MPI_Finalize disconnects from them, and with the communicators of a lost replacement kept
+    alive it waited for ever (ompi_dpm_dyn_finalize; seen at 240 s in --respawn runs)."""
+    from .recovery import in_dynamic_job
+
+    if not in_dynamic_job():
+        gc.freeze()
 
 
 def exit_status(status: int) -> int:

@@ -181,6 +181,10 @@ class RespawnError(RuntimeError):
     """Replacement processes could not be started (the launcher cannot spawn, no free slots)."""
 
 
+#: Whether this process started replacements (`respawn`): it is connected to other MPI jobs.
+_spawned = False
+
+
 def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None) -> MPI.Comm:
     """Collective over `comm`: start one process per id in `ids`, each running `sys.executable
     *command` (`own_command()`: this program; it must call `join()` at its start), and return
@@ -191,6 +195,7 @@ def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None
     MPI_Comm_spawn starts them through the launcher (mpirun's PRRTE); where it cannot, every rank
     raises RespawnError saying why, and `comm` is unchanged.
     """
+    global _spawned
     try:  # an intra-communicator's Spawn (mpi4py types it on Intracomm)
         intercomm = comm.Spawn(sys.executable, command, maxprocs=len(ids), root=0)  # type: ignore[attr-defined]
     except MPI.Exception as exc:
@@ -199,6 +204,7 @@ def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None
             f"{exc.Get_error_string()}. Spawning needs a job started by mpirun (PRRTE) with "
             "--with-ft ulfm and free slots for the new processes (--oversubscribe, or a host "
             "list with room)") from exc
+    _spawned = True
     try:
         merged = intercomm.Merge(high=False)  # the survivors first, in their order
     finally:
@@ -207,6 +213,12 @@ def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None
     merged.bcast((list(ids), info) if merged.Get_rank() == 0 else None, root=0)
     set_world(merged)
     return merged
+
+
+def in_dynamic_job() -> bool:
+    """Whether this process is connected to processes started by MPI_Comm_spawn: it started
+    replacements (`respawn`) or is one (`is_replacement`)."""
+    return _spawned or is_replacement()
 
 
 def own_command() -> list[str]:

@@ -26,6 +26,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
+from hpcdl.runtime.launcher import skip_exit_collection
 
 SAMPLES, BATCH, EPOCHS = 256, 32, 3
 
@@ -109,3 +110,4 @@ def main(mode: str, directory: Path, kill_step: int, victim: int, respawn: bool)
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), len(sys.argv) > 5)
+    skip_exit_collection()  # as the hpcdl command does: most of a short job's exit otherwise

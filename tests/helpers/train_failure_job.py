@@ -70,6 +70,7 @@ from hpcdl.parameter_server import server as ps_server
 from hpcdl.parameter_server import worker as ps_worker
 from hpcdl.parameter_server.protocol import HEADER_BYTES, Tag
 from hpcdl.runtime import checkpoint, world
+from hpcdl.runtime.launcher import skip_exit_collection
 
 
 #: The phases before training: a victim there does not wait for the spares to be ready.
@@ -312,4 +313,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     status: Callable[[], int] = lambda: main(sys.argv[1:])  # noqa: E731
-    sys.exit(status())
+    code = status()
+    skip_exit_collection()  # as the hpcdl command does: most of a short job's exit otherwise
+    sys.exit(code)
