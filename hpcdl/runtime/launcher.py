@@ -99,10 +99,11 @@ def skip_exit_collection() -> None:
 
     Not in a process connected to spawned ones (`recovery.in_dynamic_job`): there, Open MPI's
     MPI_Finalize disconnects from them, and with the communicators of a lost replacement kept
-    alive it waited for ever (ompi_dpm_dyn_finalize; seen at 240 s in --respawn runs)."""
-    from .recovery import in_dynamic_job
-
-    if not in_dynamic_job():
+    alive it waited for ever (ompi_dpm_dyn_finalize; seen at 240 s in --respawn runs). A process
+    that never imported `recovery` neither spawned nor joined (and importing it here would start
+    MPI in commands that run without it)."""
+    recovery = sys.modules.get(f"{__package__}.recovery")
+    if recovery is None or not recovery.in_dynamic_job():
         gc.freeze()
 
 

@@ -217,8 +217,10 @@ def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None
 
 def in_dynamic_job() -> bool:
     """Whether this process is connected to processes started by MPI_Comm_spawn: it started
-    replacements (`respawn`) or is one (`is_replacement`)."""
-    return _spawned or is_replacement()
+    replacements (`respawn`) or is one (`is_replacement`). Safe before MPI_Init and after
+    MPI_Finalize (then only what this module did counts)."""
+    return _spawned or _joined is not None or (
+        MPI.Is_initialized() and not MPI.Is_finalized() and is_replacement())
 
 
 def own_command() -> list[str]:

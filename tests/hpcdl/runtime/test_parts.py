@@ -92,3 +92,27 @@ def test_one_rank_exits_with_its_own_status() -> None:
     if MPI.COMM_WORLD.Get_size() != 1:
         pytest.skip("collective over MPI.COMM_WORLD: the one-rank job checks it")
     assert launcher.exit_status(6) == 6 and launcher.exit_status(0) == 0
+
+
+def test_the_exit_collection_is_skipped_except_in_a_process_connected_to_replacements(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`skip_exit_collection` freezes the collector's objects (the exit's walk over torch's costs
+    ~0.75 s of CPU), except after `respawn` or `join`: there MPI_Finalize needs the collection to
+    release the communicators that reach a lost replacement (it waited for ever without)."""
+    import gc
+
+    gc.unfreeze()
+    try:
+        for spawned, joined in ((True, None), (False, (MPI.COMM_SELF, None))):
+            monkeypatch.setattr(recovery, "_spawned", spawned)
+            monkeypatch.setattr(recovery, "_joined", joined)
+            assert recovery.in_dynamic_job()
+            launcher.skip_exit_collection()
+            assert gc.get_freeze_count() == 0, (spawned, joined)
+        monkeypatch.setattr(recovery, "_spawned", False)
+        monkeypatch.setattr(recovery, "_joined", None)
+        assert not recovery.in_dynamic_job()  # started by mpirun (tests/run.py), no parent
+        launcher.skip_exit_collection()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # the test process collects as before
