@@ -180,24 +180,24 @@ class FixedSum:
         ValueError where the weights differed (read `total()`)."""
         if self._settled and self._terms:
             raise ValueError("the terms had different weights: their sum is weighted, read total()")
+        self._unbias()
+        return self.acc
+
+    def _unbias(self) -> None:
+        """acc made the unweighted sums of the terms so far (zero where there is none)."""
         if self._terms == 0:
             self.acc.fill(0)
         elif self._biased:
             np.subtract(self.acc, wrapped(self._biased * ROUNDER_BITS), out=self.acc)
             self._biased = 0
-        return self.acc
 
     def _settle(self) -> None:
         if self._settled:
             return
-        if self._terms == 0:
-            self.acc.fill(0)
-        else:
-            if self._biased:
-                np.subtract(self.acc, wrapped(self._biased * ROUNDER_BITS), out=self.acc)
-            if self._weight != 1:
-                np.multiply(self.acc, self._weight, out=self.acc)
-        self._biased, self._settled = 0, True
+        self._unbias()
+        if self._weight != 1:  # 1 where there is no term (`clear`)
+            np.multiply(self.acc, self._weight, out=self.acc)
+        self._settled = True
 
 
 def from_fixed(acc: np.ndarray, quantum: Any, divisor: int = 1, dtype: Any = np.float32,
