@@ -518,10 +518,12 @@ def _run_for_resume(comm, options, steps, active, state=None, checkpoint_at=None
     return net, ps.state_dict()
 
 
+@pytest.mark.many_ranks  # two servers from 4 ranks
 @pytest.mark.parametrize("consistency", ["async", "sync"])
 def test_resume_from_checkpoint_ends_where_the_uninterrupted_run_does(comm, consistency):
-    """sync with every worker, async with one (both deterministic), momentum on the servers: a run
-    checkpointed after step 3 and resumed by a new job ends bit for bit where one run ends."""
+    """sync with every worker, async with one (both deterministic), momentum on the servers (two
+    from 4 ranks): a run checkpointed after step 3 and resumed by a new job ends bit for bit where
+    one run ends."""
     _needs_workers(comm, 1)
     size, rank = comm.Get_size(), comm.Get_rank()
     servers = 1 if size < 4 else 2
