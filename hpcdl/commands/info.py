@@ -14,6 +14,7 @@ ranks on hosts. Every rank sends its row to rank 0
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -47,8 +48,9 @@ class RankRow:
 def gpu_names() -> tuple[str, ...]:
     """Names of the CUDA devices this process sees, from CuPy, else torch; () without either.
 
-    torch is imported only when it is installed and CuPy is not, so a machine without torch never
-    pays for it and `hpcdl info` never fails for want of it.
+    torch is imported only when it is installed, is no CPU-only build and CuPy is not there, so a
+    machine without torch or GPUs never pays for it (about 1.5 s of CPU per rank) and `hpcdl info`
+    never fails for want of it.
     """
     try:
         import cupy
@@ -59,13 +61,22 @@ def gpu_names() -> tuple[str, ...]:
         pass
     except Exception:  # noqa: BLE001 - CuPy without a driver or device: no GPUs
         return ()
-    if importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("torch") is None or _cpu_only_torch():
         return ()
     import torch
 
     if not torch.cuda.is_available():
         return ()
     return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+
+
+def _cpu_only_torch() -> bool:
+    """Whether the installed torch is a CPU-only build (`+cpu` in its version), which sees no CUDA
+    device, told from its package's metadata without importing it."""
+    try:
+        return importlib.metadata.version("torch").endswith("+cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _decode(name: bytes | str) -> str:

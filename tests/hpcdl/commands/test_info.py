@@ -1,10 +1,14 @@
 """`hpcdl info`: rank 0 prints one table with a row per rank; the launcher smoke runs only at N=1."""
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.metadata
 import os
 import re
 import shlex
 import subprocess
+import sys
+import types
 
 import pytest
 from mpi4py import MPI
@@ -115,6 +119,21 @@ def test_device_buffer_path_is_reported(monkeypatch: pytest.MonkeyPatch) -> None
     assert "copied whole, then sent (HPCDL_STAGING_PIECE_BYTES=0)" in info.format_report(rows)
     monkeypatch.setenv("HPCDL_STAGING_PIECE_BYTES", "lots")
     assert "HPCDL_STAGING_PIECE_BYTES='lots' is not a number of bytes" in info.format_report(rows)
+
+
+def test_a_cpu_only_torch_is_not_asked_for_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CuPy, `gpu_names` asks torch only where its build can see CUDA: on a CPU-only build
+    (`+cpu`), `hpcdl info` saves torch's import (about 1.5 s of CPU per rank)."""
+    asked: list[str] = []
+    torch = types.ModuleType("torch")  # stands in for torch, importable, and tells when asked
+    torch.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    torch.cuda = types.SimpleNamespace(is_available=lambda: asked.append("cuda") or False)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy: ImportError
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.13.0+cpu")
+    assert info.gpu_names() == () and asked == []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.13.0")  # a CUDA build
+    assert info.gpu_names() == () and asked == ["cuda"]
 
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own mpirun; N=1 job only")
