@@ -105,7 +105,7 @@ def test_the_readme_starts_more_ranks_than_cores_with_oversubscribe_only() -> No
 
 def test_the_readme_says_how_long_the_tests_take_and_what_they_install() -> None:
     text = (ROOT / "README.md").read_text()
-    assert "python tests/run.py" in text and "20-30 min" in text
+    assert "python tests/run.py" in text and "15-20 min" in text
     assert "`slurm-wlm munge libpmix2 libpmix-dev`" in text and "local SLURM cluster" in text
 
 
