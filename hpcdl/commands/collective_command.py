@@ -16,17 +16,18 @@ raised on every rank as `CommandError` and printed once (`agreement.report_failu
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn, Sequence, TypeVar
 
 from ..runtime.agreement import ARGUMENT_ERROR, agreed_errors, report_failure
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["ARGUMENT_ERROR", "Command", "CommandError", "report_failure"]
+__all__ = ["ARGUMENT_ERROR", "Command", "CommandError", "CommandParser", "report_failure"]
 
 #: What a command's parse function returns: an argparse Namespace, or a configuration built from one.
 Parsed = TypeVar("Parsed")
@@ -39,6 +40,15 @@ class CommandError(Exception):
         self.messages = [messages] if isinstance(messages, str) else list(messages)
         self.status = status
         super().__init__("; ".join(self.messages))
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The option parser of every `hpcdl` command: a syntax error (a misspelled option, a value of
+    the wrong type, a choice not offered) is one line, `prog: error: what (`prog --help` lists the
+    options)`, exit status 2, without argparse's usage block above it (35 lines for `hpcdl train`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(ARGUMENT_ERROR, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
 class Command:

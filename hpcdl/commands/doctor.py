@@ -10,15 +10,15 @@ at which the ranks made different calls and the rank(s) behind, and writes the t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from ..runtime import flight_dumps
+from .collective_command import CommandParser
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hpcdl doctor", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="hpcdl doctor", description=__doc__.split("\n")[0])
     parser.add_argument("directory", help="the diagnostics directory (--diagnostics-dir, HPCDL_DIAGNOSTICS_DIR)")
     parser.add_argument("--trace", metavar="FILE", help="write the last seconds as a Chrome/Perfetto trace")
     parser.add_argument("--seconds", type=float, default=30.0,

@@ -27,7 +27,7 @@ import collectives
 from collectives import cuda_awareness, select
 
 from .. import __version__
-from .collective_command import Command
+from .collective_command import Command, CommandParser
 from ..runtime.process import MPI, init, mpi_library, thread_level
 
 
@@ -183,7 +183,7 @@ def format_report(rows: list[RankRow]) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of `hpcdl info`: gather every rank's row; rank 0 prints the report."""
-    parser = argparse.ArgumentParser(prog="hpcdl info", description=__doc__,
+    parser = CommandParser(prog="hpcdl info", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     rows = gather_rows()  # first: it looks for GPUs before MPI starts (see there)
     command = Command.world("hpcdl info")

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .collective_command import Command, CommandError
+from .collective_command import Command, CommandError, CommandParser
 from ..runtime.launch import SRUN_MPI_TYPE, mpi_family
 
 PROG = "hpcdl slurm"
@@ -123,7 +123,7 @@ def loaded_mpi_family() -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpcdl slurm", description=__doc__,
+    parser = CommandParser(prog="hpcdl slurm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{render,list}")
     commands.add_parser("list", help="list the templates")

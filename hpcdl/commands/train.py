@@ -29,7 +29,7 @@ from ..parameter_server.options import DEFAULT_N_FETCH, DEFAULT_N_PUSH, DEFAULT_
 from ..training.strategies.servers import DEFAULT_SERVER_OPTIMIZER, SERVER_OPTIMIZERS
 from ..training.strategies.sync_backup import DEFAULT_BACKUP_WORKERS
 from ..training.trainer import CHECKPOINT_FAILED, DIVERGED
-from .collective_command import Command, CommandError
+from .collective_command import Command, CommandError, CommandParser
 
 __all__ = ["ARGUMENT_ERROR", "CHECKPOINTED_ON_SIGNAL", "CHECKPOINT_FAILED", "DIVERGED", "build_parser", "main",
            "parse_config"]
@@ -54,7 +54,7 @@ linear scaling rule with gradual warm-up. Bad options stop every rank with one m
 
 def build_parser() -> argparse.ArgumentParser:
     """The `hpcdl train` option parser (syntax and choices only; values are checked afterwards)."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Every default is the configuration's: the arguments below name none of their own.
     parser.set_defaults(**{f.name: f.default for f in fields(TrainConfig)})

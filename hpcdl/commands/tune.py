@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from ..runtime.atomic_file import unwritable_file
 from ..tuning.fit import COLLECTIVES, FitConfig
 from ..tuning.predict import ITEMSIZE, PredictConfig, PredictionInputError
-from .collective_command import Command, CommandError
+from .collective_command import Command, CommandError, CommandParser
 from .units import parse_bandwidth, parse_bytes, parse_count, parse_duration, positive
 
 PROG = "hpcdl tune"
@@ -40,7 +40,7 @@ PROG = "hpcdl tune"
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The checked options; argparse's exit (status 2, message on stderr) where they are wrong."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Measure under mpirun: `mpirun -n P hpcdl tune -o tuning.json`. "

@@ -14,7 +14,7 @@ from ...benchmarking.measurement import AUTO, DIRECT, GLOO, PEERS, PICKLE, Devic
 from ...runtime.atomic_file import unwritable_file
 from ...runtime.memory import host_available_bytes, shortfall
 from ...runtime.process import local_size
-from ..collective_command import Command, CommandError
+from ..collective_command import Command, CommandError, CommandParser
 from ..units import parse_bytes
 from .report import import_pyplot
 from .sweep import Predictor
@@ -28,8 +28,8 @@ PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
-                     epilog="Sizes accept K, M, G (powers of 1024). Run under mpirun or srun.")
+    parser = CommandParser(prog=PROG, description=DESCRIPTION,
+                           epilog="Sizes accept K, M, G (powers of 1024). Run under mpirun or srun.")
     parser.add_argument("-C", "--collective", nargs="+", default=["allreduce"], metavar="NAME",
                         help=f"collectives to time: {', '.join(COLLECTIVES)} or all (default allreduce)")
     parser.add_argument("-A", "--algorithms", nargs="+", metavar="NAME",

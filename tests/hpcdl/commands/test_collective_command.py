@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from tests.conftest import all_ranks_agree, from_rank0
 from tests.run import own_job_environment
-from hpcdl.commands.collective_command import Command, CommandError
+from hpcdl.commands.collective_command import Command, CommandError, CommandParser
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -44,6 +44,22 @@ def test_rank_0_parses_and_every_rank_gets_its_result(comm: MPI.Comm,
         ok = got == ("exit", status) and (("hpcdl demo" in text) if comm.Get_rank() == 0
                                           else printed.out == printed.err == "")
         assert all_ranks_agree(ok), (got, printed)
+
+
+def test_a_syntax_error_is_one_line_that_says_where_the_options_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every command's parser: a misspelled option, a bad value or a missing argument is one line on
+    stderr, status 2, not argparse's usage block with the error under it; --help is whole."""
+    parser = CommandParser(prog="hpcdl demo")
+    parser.add_argument("--epochs", type=int)
+    for argv, what in ((["--epocs", "2"], "unrecognized arguments: --epocs 2"),
+                       (["--epochs", "x"], "argument --epochs: invalid int value: 'x'")):
+        with pytest.raises(SystemExit) as done:
+            parser.parse_args(argv)
+        assert done.value.code == 2 and capsys.readouterr().err == \
+            f"hpcdl demo: error: {what} (`hpcdl demo --help` lists the options)\n"
+    with pytest.raises(SystemExit) as done:
+        parser.parse_args(["--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: hpcdl demo [-h] [--epochs EPOCHS]")
 
 
 def test_different_command_lines_are_refused_by_name(comm: MPI.Comm) -> None:

@@ -494,13 +494,18 @@ def test_a_signal_to_mpirun_ends_the_run_with_one_line_and_nothing_else(signum, 
 
 
 @own_job
-def test_bad_options_under_mpirun_exit_2_without_mpirun_s_block(comm):
-    """Every rank refuses the option; mpirun reports 2 and prints the one message, not its own block."""
-    command = ["mpirun", "-n", str(comm.Get_size()), sys.executable, "-m", "hpcdl", "train", "--batch-size", "0"]
+@pytest.mark.parametrize("argv,message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # a value the training library refuses
+    (["--epocs", "2"], "unrecognized arguments: --epocs 2 (`hpcdl train --help` lists the options)"),  # syntax
+])
+def test_bad_options_under_mpirun_exit_2_without_mpirun_s_block(comm, argv, message):
+    """Every rank refuses the option; mpirun reports 2 and prints the one message, not its own block
+    nor argparse's usage."""
+    command = ["mpirun", "-n", str(comm.Get_size()), sys.executable, "-m", "hpcdl", "train", *argv]
     outcome = on_rank0(comm, lambda: launch_and_signal(command, None, ""))
     out = outcome["output"]
-    assert outcome["status"] == 2 and out.count("hpcdl train: error: --batch-size must be at least 1, got 0") == 1
-    assert "exited with non-zero status" not in out, out
+    assert outcome["status"] == 2 and out.count(f"hpcdl train: error: {message}") == 1, out
+    assert "exited with non-zero status" not in out and "usage:" not in out, out
 
 
 @own_job
