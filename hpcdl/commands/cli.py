@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .collective_command import CommandExit
+
 #: Exit status after Ctrl-C, the shell's convention (128 + SIGINT).
 INTERRUPTED = 130
 
@@ -51,22 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C on a command run alone (under mpirun, see training/signals.py)
         print(f"hpcdl {command}: interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
-    except SystemExit as done:  # --help or a syntax error, printed by rank 0; every rank exits alike
-        status = _status(done)
+    except CommandExit as done:  # --help or a syntax error, printed by rank 0: every rank is here alike
+        status = done.code if isinstance(done.code, int) else 0
     # Exits ordered so that mpirun reports the status without a block of its own
     from ..runtime.launcher import exit_status, skip_exit_collection
 
     status = exit_status(status)
     skip_exit_collection()  # the command's files are closed
     return status
-
-
-def _status(done: SystemExit) -> int:
-    """The exit status a SystemExit stands for (Python's rule: None is 0; a message is printed, 1)."""
-    if done.code is None or isinstance(done.code, int):
-        return done.code or 0
-    print(done.code, file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from ..runtime.agreement import ARGUMENT_ERROR, agreed_errors, report_failure
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["ARGUMENT_ERROR", "Command", "CommandError", "CommandParser", "report_failure"]
+__all__ = ["ARGUMENT_ERROR", "Command", "CommandError", "CommandExit", "CommandParser", "report_failure"]
 
 #: What a command's parse function returns: an argparse Namespace, or a configuration built from one.
 Parsed = TypeVar("Parsed")
@@ -40,6 +40,11 @@ class CommandError(Exception):
         self.messages = [messages] if isinstance(messages, str) else list(messages)
         self.status = status
         super().__init__("; ".join(self.messages))
+
+
+class CommandExit(SystemExit):
+    """--help or a syntax error (printed by rank 0): raised by `Command.parse` on every rank alike,
+    with argparse's status, so the exit may be collective (`hpcdl.commands.cli`)."""
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -73,13 +78,16 @@ class Command:
         calls one and `parser.error`, or builds a configuration from its result: any object whose
         `vars()` are the options), its result on every rank.
 
-        --help and bad syntax: argparse prints on rank 0, then every rank raises SystemExit with
-        argparse's status (0 or 2). Ranks started with a different command line: CommandError on
+        --help and bad syntax: argparse prints on rank 0, then every rank raises CommandExit (a
+        SystemExit) with argparse's status (0 or 2). Ranks started with a different command line: CommandError on
         every rank, naming the first option that differs (equal after parsing is no difference).
         """
         argv = list(argv)
         if self.comm is None:
-            return parse(argv)
+            try:
+                return parse(argv)
+            except SystemExit as exc:
+                raise CommandExit(exc.code) from None
         argvs = self.comm.gather(argv, root=0)
         outcome: tuple[str, Any] = ("error", "rank 0 did not parse")
         if self.rank == 0:
@@ -95,7 +103,7 @@ class Command:
                 outcome = ("error", differing) if differing else ("parsed", args)
         kind, value = self.comm.bcast(outcome if self.rank == 0 else None, root=0)
         if kind == "exit":
-            raise SystemExit(value)
+            raise CommandExit(value)
         if kind == "error":
             raise CommandError(value)
         return value

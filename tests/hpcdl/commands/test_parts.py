@@ -30,7 +30,7 @@ def test_the_dispatcher_lists_the_commands_and_refuses_an_unknown_one(capsys: py
     # collective and finalizes MPI: stood in for here)
     monkeypatch.setattr(launcher, "exit_status", lambda status: status)
     monkeypatch.setattr(launcher, "skip_exit_collection", lambda: None)
-    assert cli.main(["doctor"]) == 2 and cli.main(["doctor", "--help"]) == 0
+    assert cli.main(["slurm", "render"]) == 2 and cli.main(["slurm", "--help"]) == 0
     assert "hpcdl: unknown command 'trian'" in capsys.readouterr().err
 
 
