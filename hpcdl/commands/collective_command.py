@@ -49,8 +49,8 @@ class CommandExit(SystemExit):
 
 class CommandParser(argparse.ArgumentParser):
     """The option parser of every `hpcdl` command: a syntax error (a misspelled option, a value of
-    the wrong type, a choice not offered) is one line, `prog: error: what (`prog --help` lists the
-    options)`, exit status 2, without argparse's usage block above it (35 lines for `hpcdl train`)."""
+    the wrong type, a choice not offered) is one line, ``prog: error: what (`prog --help` lists the
+    options)``, exit status 2, without argparse's usage block above it (35 lines for `hpcdl train`)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(ARGUMENT_ERROR, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
@@ -79,8 +79,9 @@ class Command:
         `vars()` are the options), its result on every rank.
 
         --help and bad syntax: argparse prints on rank 0, then every rank raises CommandExit (a
-        SystemExit) with argparse's status (0 or 2). Ranks started with a different command line: CommandError on
-        every rank, naming the first option that differs (equal after parsing is no difference).
+        SystemExit) with argparse's status (0 or 2). Ranks started with a different command line:
+        CommandError on every rank, naming the first option that differs (equal after parsing is no
+        difference).
         """
         argv = list(argv)
         if self.comm is None:

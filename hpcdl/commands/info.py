@@ -184,7 +184,7 @@ def format_report(rows: list[RankRow]) -> str:
 def main(argv: list[str]) -> int:
     """Entry point of `hpcdl info`: gather every rank's row; rank 0 prints the report."""
     parser = CommandParser(prog="hpcdl info", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     rows = gather_rows()  # first: it looks for GPUs before MPI starts (see there)
     command = Command.world("hpcdl info")
     command.parse(parser.parse_args, argv)

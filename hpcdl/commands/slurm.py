@@ -124,7 +124,7 @@ def loaded_mpi_family() -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="hpcdl slurm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{render,list}")
     commands.add_parser("list", help="list the templates")
     render = commands.add_parser("render", help="fill a template and print the batch script",
