@@ -12,6 +12,12 @@ A stall wait that passes its bound (hpcdl/runtime/stall.py) asks every rank (`as
 lowest waiting rank prints one report (`stall_report.py`). Every rank also writes its flight
 records to the diagnostics directory (HPCDL_DIAGNOSTICS_DIR, `hpcdl train --diagnostics-dir`)
 when asked, on an uncaught exception and on SIGUSR1 (`flight_dumps.py`).
+
+A rank whose program ends (at exit, or `stop()` before a program's own MPI.Finalize) tells every
+other rank so, with its last call on each communicator (`departure`): a rank that has left cannot
+answer, and a collective it never made can never complete, so the report says "left" instead of
+"stopped or dead" and the waits raise instead of waiting for ever (`stall.py`). Cost: P - 1
+small messages per rank, once, at its exit.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from collectives.recorder import ENTERED, LEFT, RECORDER, THREAD, as_dict, is_library, library_path
+from collectives.recorder import ENTERED, LABEL, LEFT, RECORDER, THREAD, as_dict, is_library, library_path
 
 from . import flight_dumps
 
@@ -35,7 +41,9 @@ from . import flight_dumps
 POLL_S = 0.05
 #: Seconds a question waits for the answers before the missing ones count as none.
 ANSWER_S = 2.0
-_QUESTION, _ANSWER = 1, 2
+#: Seconds a leaving rank waits for its notices to the others to be sent.
+NOTICE_S = 1.0
+_QUESTION, _ANSWER, _LEFT = 1, 2, 3
 #: Innermost frames of the training thread an answer carries.
 _STACK_FRAMES = 6
 
@@ -74,14 +82,35 @@ class Service:
         self._answers: dict[int, dict[int, Any]] = {}  # by question number, by rank
         self._asked = threading.Condition()
         self._sent: list[MPI.Request] = []  # answers and questions in flight: their buffers live here
+        #: the ranks that have left (their program ended): their `departure` notices, by rank
+        self.departed: dict[int, dict[str, Any]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hpcdl-diagnosis", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """End the answerer (before MPI finalizes)."""
+        """End the answerer (before MPI finalizes) and tell every other rank that this one has
+        left (once: a second call does nothing)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=5 * POLL_S + 1.0)
+        notice = departure()
+        sends = []
+        for rank in range(self.size):
+            if rank != self.rank and rank not in self.departed:
+                try:
+                    sends.append(self.comm.isend(notice, dest=rank, tag=_LEFT))
+                except MPI.Exception:  # a lost rank (ULFM)
+                    pass
+        deadline = time.monotonic() + NOTICE_S
+        while sends and time.monotonic() < deadline:
+            try:
+                sends = [request for request in sends if not request.Test()]
+            except MPI.Exception:  # a lost rank: the others' notices are sent regardless
+                break
+            time.sleep(0.001)
+        self._sent += sends  # the buffers of sends not yet complete live as long as the service
 
     def _serve(self) -> None:
         status = MPI.Status()
@@ -92,7 +121,9 @@ class Service:
                     continue
                 source, tag = status.Get_source(), status.Get_tag()
                 message = self.comm.recv(source=source, tag=tag)
-                if tag == _QUESTION:
+                if tag == _LEFT:
+                    self.departed[source] = message
+                elif tag == _QUESTION:
                     self._send(answer(self, message.get("dump")), source, _ANSWER, message["number"])
                     if message.get("dump"):
                         flight_dumps.write(self.rank, "a stall report asked for it")
@@ -117,23 +148,42 @@ class Service:
         number = next(self._numbers)
         with self._asked:
             self._answers[number] = {}
-        for rank in range(self.size):
-            if rank != self.rank:
-                try:
-                    self._send({"number": number, "dump": dump}, rank, _QUESTION, number)
-                except MPI.Exception:  # a lost rank: it will not answer
-                    pass
+        asked = [rank for rank in range(self.size) if rank != self.rank and rank not in self.departed]
+        for rank in asked:
+            try:
+                self._send({"number": number, "dump": dump}, rank, _QUESTION, number)
+            except MPI.Exception:  # a lost rank: it will not answer
+                pass
         deadline = time.monotonic() + wait_s
         with self._asked:
-            while len(self._answers[number]) < self.size - 1:
+            while len(self._answers[number]) < len(asked):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._asked.wait(left)
             got = self._answers.pop(number)
         answers: dict[int, Any] = {rank: got.get(rank) for rank in range(self.size)}
+        for rank, notice in list(self.departed.items()):  # a rank may have left meanwhile
+            if answers.get(rank) is None:
+                answers[rank] = {"rank": rank, **notice}
         answers[self.rank] = answer(self, dump)
         return answers
+
+
+def departure() -> dict[str, Any]:
+    """What a leaving rank tells the others: `ended`, its last call on each communicator (the
+    latest records the flight recorder holds, one per communicator name and size, as `as_dict`
+    gives them, with `shared`: whether calls on more than one communicator had that name and size,
+    unnamed duplicates of a communicator do), and `all_kept`, whether the recorder still holds every
+    call this rank made (else a communicator missing from `ended` may have had calls long ago)."""
+    latest: dict[tuple[Any, Any], Any] = {}
+    labels: dict[tuple[Any, Any], set[int]] = {}
+    for record in RECORDER.raw():
+        key = record[LABEL][:2]
+        latest[key] = record  # calls arrive in order: the last one stays
+        labels.setdefault(key, set()).add(id(record[LABEL]))  # one label per communicator, kept alive by its records
+    return {"ended": [dict(as_dict(record), shared=len(labels[key]) > 1) for key, record in latest.items()],
+            "all_kept": 0 < RECORDER.capacity and RECORDER.count <= RECORDER.capacity}
 
 
 def answer(service: Service, dump: bool = False) -> dict[str, Any]:

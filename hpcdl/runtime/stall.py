@@ -50,6 +50,12 @@ STEPS = 20
 #: a look that comes more than _PAUSE_S late counts as one look (the process was stopped).
 _LOOK_S, _PAUSE_S = 1.0, 2.0
 _pauses: deque[tuple[float, float]] = deque(maxlen=64)  # (when it ended, seconds) of each pause
+_refused: set[str] = set()  # the bad settings of WARNING_VARIABLE warned about
+
+
+class RankExitedError(RuntimeError):
+    """A wait that can never end: a rank the collective needs has left (its program ended, or it
+    called MPI_Finalize) without making it. Raised on every waiting rank, after the stall report."""
 
 
 def warning_seconds(default: float = DEFAULT_WARNING_S) -> float:
@@ -82,9 +88,15 @@ def _paused_since(moment: float) -> float:
 
 def _bound(given: float | None) -> tuple[float, bool]:
     """A wait's bound and whether it is the default one, which stretches (see the module's
-    docstring): HPCDL_STALL_WARNING_S when set, else `given`, else DEFAULT_WARNING_S."""
+    docstring): HPCDL_STALL_WARNING_S when set, else `given`, else DEFAULT_WARNING_S. A setting
+    that is not a positive number is warned about once and ignored (`hpcdl train` refuses it)."""
     if os.environ.get(WARNING_VARIABLE, "").strip():
-        return warning_seconds(), False
+        try:
+            return warning_seconds(), False
+        except ValueError as exc:  # a bad setting must not break the wait it bounds: say so once
+            if str(exc) not in _refused:
+                _refused.add(str(exc))
+                warnings.warn(f"{exc}; ignored, the default bound applies", RuntimeWarning, stacklevel=3)
     return (DEFAULT_WARNING_S, True) if given is None else (given, False)
 
 
@@ -113,24 +125,46 @@ def _warn(message: str, stacklevel: int) -> None:
 
 
 def _report(rank: int, what: str, waited: float, advice: str, done: Callable[[], bool],
-            stacklevel: int) -> None:
+            stacklevel: int) -> str | None:
     """The wait passed its bound: ask every rank what it is doing, write the flight records where
-    a diagnostics directory is set, and (on the lowest waiting rank only) warn with the report."""
+    a diagnostics directory is set, and (on the lowest waiting rank only) warn with the report.
+    Returns the error to raise where the wait can never complete (a rank it needs has left)."""
     service = diagnosis.service()
     dumping = flight_dumps.directory() is not None
     if service is None:
         if dumping:
             flight_dumps.write(MPI.COMM_WORLD.Get_rank(), "a stall")
         _warn(_stalled(rank, what, waited, advice), stacklevel + 1)
-        return
+        return None
     answers = service.ask(dump=dumping)
     if dumping:
         flight_dumps.write(service.rank, "a stall")
-    if done() or stall_report.reporter_of(answers, service.rank, waited) != service.rank:
-        return  # the call completed meanwhile, or another rank reports
-    service.reported = time.monotonic()
-    _warn(_stalled(rank, what, waited, advice) + "\n"
-          + stall_report.report(answers, service.rank, what), stacklevel + 1)
+    if done():
+        return None  # the call completed meanwhile
+    stalled = stall_report.blocking_call(answers[service.rank])
+    gone = stall_report.never_completes(answers, stalled, service.size)
+    if stall_report.reporter_of(answers, service.rank, waited) == service.rank:
+        service.reported = time.monotonic()
+        # The report says what to do for the cause it finds; the call site's advice only where the
+        # ranks' programs took different paths (skipped, mismatched).
+        _warn(_stalled(rank, what, waited, "") + "\n"
+              + stall_report.report(answers, service.rank, what, advice), stacklevel + 1)
+    if not gone or stalled is None:
+        return None
+    return (f"rank {rank}: {what} ({stall_report.describe_call(stalled)}) can never complete: "
+            f"{stall_report.ranks_text(gone)} left (the program ended) without making it. "
+            f"{advice or 'Every rank must make the same collectives.'}").rstrip()
+
+
+def _hopeless() -> bool:
+    """Whether a rank has left (`diagnosis.Service.departed`) without making the call this rank is
+    in: then waiting for the bound is waiting for nothing."""
+    service = diagnosis.service()
+    if service is None or not service.departed:
+        return False
+    own = diagnosis.answer(service)
+    answers: dict[int, Any] = {rank: {"rank": rank, **notice} for rank, notice in service.departed.items()}
+    return bool(stall_report.never_completes(answers, stall_report.blocking_call(own), service.size))
 
 
 class _Clock:
@@ -182,7 +216,9 @@ class Stall:
         waited = self.clock.look(0.0)
         if waited >= self.warn_after:
             self.warned = True
-            _report(self.rank, self.what, waited, self.advice, lambda: False, self.stacklevel)
+            never = _report(self.rank, self.what, waited, self.advice, lambda: False, self.stacklevel)
+            if never is not None:
+                raise RankExitedError(never)
 
 
 def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started: float | None = None,
@@ -214,13 +250,16 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
             waited = clock.look(asked)
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(_stalled(rank, what, waited, advice)) from None
-            if not reported and waited >= bound:
-                if stretchable:
+            hopeless = not reported and _hopeless()
+            if not reported and (waited >= bound or hopeless):
+                if stretchable and not hopeless:
                     stretchable, bound = False, _stretched(bound)
                     if waited < bound:
                         continue
                 reported = True
-                _report(rank, what, waited, advice, handle.done, stacklevel)
+                never = _report(rank, what, waited, advice, handle.done, stacklevel)
+                if never is not None:
+                    raise RankExitedError(never)
 
 
 def barrier(comm: MPI.Comm, what: str, *, advice: str = "", timeout: float | None = None,

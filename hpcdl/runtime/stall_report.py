@@ -5,10 +5,14 @@ An answer (`diagnosis.answer`) is a dict: `rank`; `calls`, the collectives the r
 (flight records, `collectives/recorder.py`, with `since`: seconds in it); `last`, its latest
 records; `waiting`, what its stall waits wait for (what, seconds) or empty; `stack`, its
 training thread's frames outside the libraries, innermost first; `idle`, seconds since it last
-left a collective. No answer (None) within the time allowed means the rank is stopped (SIGSTOP, a
-debugger), dead, or not taking part in hpcdl's diagnosis.
+left a collective. A rank whose program has ended answers for good with the notice it sent as it
+left (`diagnosis.departure`): `ended`, its last call on each communicator. No answer (None) within
+the time allowed means the rank is stopped (SIGSTOP, a debugger), dead, or not taking part in
+hpcdl's diagnosis.
 
 The causes, for a rank that is not in the call the waiting ranks are in:
+- left: its program ended (exit, or MPI_Finalize) before it made the call: the call can never
+  complete (`never_completes`);
 - stopped or dead: no answer;
 - slow: answers, in no collective (its stack says where), or in an earlier call;
 - skipped: in a later call than the one waited in (a higher number on the same communicator, or,
@@ -75,7 +79,9 @@ def classify(answer: Answer | None, stalled: dict[str, Any] | None,
              history: list[dict[str, Any]]) -> tuple[str, str]:
     """(state, detail) of a rank given its `answer` and the `stalled` call the waiting ranks are
     in (None: not a collective), `history` being a waiting rank's latest records. State is one of
-    waiting, stopped or dead, slow, skipped, mismatched."""
+    waiting, left, stopped or dead, slow, skipped, mismatched."""
+    if answer is not None and "ended" in answer:
+        return _left(answer, stalled)
     if answer is None:
         return "stopped or dead", "no answer (stopped by a signal or a debugger, dead, or hung " \
                                   "outside Python)"
@@ -112,6 +118,50 @@ def classify(answer: Answer | None, stalled: dict[str, Any] | None,
     return "slow", _elsewhere(answer)
 
 
+def _made(last: dict[str, Any] | None, stalled: dict[str, Any] | None) -> bool:
+    """Whether a rank whose last call on the stalled call's communicator is `last` made the
+    stalled call and left it."""
+    return (last is not None and stalled is not None
+            and (last["number"] > stalled["number"]
+                 or (last["number"] == stalled["number"] and bool(last["left"]))))
+
+
+def _left(answer: Answer, stalled: dict[str, Any] | None) -> tuple[str, str]:
+    """(state, detail) of a rank whose program has ended, from its departure notice: "waiting"
+    where it made the `stalled` call and left it, else "left"."""
+    records = answer["ended"]
+    last = next((record for record in records if stalled is not None and _same_comm(record, stalled)), None)
+    if _made(last, stalled):
+        return "waiting", "left after its part of the call"
+    if last is None and records:
+        last = max(records, key=lambda record: record["entered"])
+    after = f" after {describe_call(last)} at {describe_place(last)}" if last is not None \
+        else " before any collective" if answer.get("all_kept") else ""
+    return "left", f"its program ended (exit or MPI_Finalize){after}; it will make no more calls"
+
+
+def _certain(answer: Answer, stalled: dict[str, Any]) -> bool:
+    """Whether a departure notice shows for certain that its rank never made the `stalled` call:
+    its last call there is an earlier one, or it made none there. Certain only where the notice's
+    records tell the stalled call's communicator from others of its name and size (none shared
+    them) and every call of that communicator is kept (the recorder kept every call, or the
+    communicator is MPI_COMM_WORLD, which no other is named)."""
+    last = next((record for record in answer["ended"] if _same_comm(record, stalled)), None)
+    kept = bool(answer.get("all_kept")) or (last is not None and stalled.get("comm") == "MPI_COMM_WORLD")
+    return kept and not (last is not None and last.get("shared")) and not _made(last, stalled)
+
+
+def never_completes(answers: dict[int, Answer | None], stalled: dict[str, Any] | None,
+                    size: int) -> list[int]:
+    """The ranks that have left without making the `stalled` call (as far as their records show
+    for certain), where that call is on a communicator of all `size` ranks (so it needs them):
+    then it can never complete."""
+    if stalled is None or stalled.get("size") != size:
+        return []
+    return [rank for rank, answer in sorted(answers.items())
+            if answer is not None and "ended" in answer and _certain(answer, stalled)]
+
+
 def _elsewhere(answer: Answer) -> str:
     """What a rank outside every collective is doing: its stack, and for how long."""
     stack = answer.get("stack") or []
@@ -126,9 +176,25 @@ def ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in ranks)}"
 
 
-def report(answers: dict[int, Answer | None], reporter: int, what: str) -> str:
-    """The report's text: the late ranks, what each is doing and why, and what the others wait in.
-    `answers` holds every rank's answer (None: none came), the `reporter`'s own included."""
+#: What to do, by cause: the report's last lines, once per cause found ("" where the waiting
+#: call site's own advice applies: the programs took different paths).
+WHAT_TO_DO = {
+    "left": "a rank whose program ended leaves the others waiting for ever: every rank must make "
+            "the same collectives (ranks with different numbers of batches: `with model.join():` "
+            "around the loop, docs/training.md); the waiting ranks raise RankExitedError",
+    "stopped or dead": "a stopped process goes on after `kill -CONT PID` or when its debugger lets "
+                       "it (`cat /proc/PID/status` says `State: T`); a dead one ends the job; the "
+                       "others wait meanwhile",
+    "slow": "the others wait until it arrives; its stack says where it is",
+    "skipped": "",
+    "mismatched": "",
+}
+
+
+def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: str = "") -> str:
+    """The report's text: the late ranks, what each is doing and why, what the others wait in, and
+    what to do (`WHAT_TO_DO`, the waiting call's `advice` where the ranks' programs took different
+    paths). `answers` holds every rank's answer (None: none came), the `reporter`'s own included."""
     own = answers[reporter]
     assert own is not None
     stalled = blocking_call(own)
@@ -148,6 +214,9 @@ def report(answers: dict[int, Answer | None], reporter: int, what: str) -> str:
                          f"{describe_place(stalled)}")
         else:
             lines.append(f"  {ranks_text(waiting)}: wait for {what}")
+    for cause in dict.fromkeys(states[rank][0] for rank in late):
+        if WHAT_TO_DO.get(cause, "") or advice:
+            lines.append(f"  what to do ({cause}): {WHAT_TO_DO.get(cause, '') or advice}")
     lines.append("  (hpcdl doctor DIR merges the flight records that --diagnostics-dir / "
                  "HPCDL_DIAGNOSTICS_DIR keeps; docs/troubleshooting.md)")
     return "\n".join(lines)

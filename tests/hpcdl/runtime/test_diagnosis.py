@@ -70,6 +70,25 @@ def test_each_fault_is_named_in_one_report_by_the_lowest_waiting_rank(tmp_path):
            "  behind: rank 0 (last call #12; the others reached #13)\n" in doctor.stdout, doctor.stdout
 
 
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 3-rank mpirun; N = 1")
+def test_a_rank_whose_program_ended_is_named_and_the_wait_for_it_raises_within_seconds():
+    """tests/helpers/uneven_job.py: rank 0 runs one step fewer and ends; the others' wait in the step
+    it never makes raises RankExitedError about a second later, long before the stall bound (60 s),
+    after one report that names rank 0 as gone after its last call."""
+    proc = run_own_job(["mpirun", "-n", "3", sys.executable, str(ROOT / "tests/helpers/uneven_job.py")],
+                       120, own_job_environment(HPCDL_STALL_WARNING_S="60"))
+    out = proc.stdout
+    assert proc.returncode == 3, out[-4000:]  # the helper aborts after the error, with status 3
+    assert out.count("hpcdl stall report: ") == 1, out
+    assert "hpcdl stall report: rank 0 holds the job up\n  rank 0: left: its program ended (exit or " \
+           "MPI_Finalize) after allreduce #2 (16 B float32, auto) on MPI_COMM_WORLD at uneven_job.py:" in out, out
+    waited = [float(s) for s in re.findall(r"the step's allreduce has waited (\d+\.\d) s", out)]
+    assert len(waited) == 1 and waited[0] < 10, out
+    assert re.search(r"caught: rank [12]: the step's allreduce \(allreduce #3 \(16 B float32, auto\) on "
+                     r"MPI_COMM_WORLD\) can never complete: rank 0 left \(the program ended\) without making "
+                     r"it\. Every rank must take the same steps\.", out), out
+
+
 def test_an_answer_says_what_this_process_is_in_and_where_its_thread_is():
     class Alone:  # a Service's fields, without its communicator and thread
         rank = 0

@@ -38,10 +38,13 @@ def test_a_late_rank_is_warned_about_then_the_wait_completes(comm, monkeypatch):
     if not reports_stalls(rank, list(range(last))):
         ok = messages == []  # it came late (nobody kept it waiting), or a lower rank reports
     else:
+        # Alone, the waiting rank can only give the call site's advice; with the answers, the
+        # report's cause says what to do (the advice only where a rank skipped or mismatched).
         ok = (len(messages) == 1 and messages[0].startswith(f"rank {rank}: the test's sum has waited ")
-              and " s for the other ranks. Look at the last rank." in messages[0]
-              and (diagnosis.service() is None
-                   or f"hpcdl stall report: rank {last} holds the job up" in messages[0]))
+              and (" s for the other ranks. Look at the last rank." in messages[0]
+                   if diagnosis.service() is None else
+                   f"hpcdl stall report: rank {last} holds the job up" in messages[0]
+                   and "what to do (slow): " in messages[0] and "Look at the last rank." not in messages[0]))
     ok &= np.array_equal(result, np.arange(4.0) * comm.Get_size())
     assert all_ranks_agree(ok, comm), messages
 
@@ -113,6 +116,18 @@ def test_a_bad_warning_delay_is_refused_by_name(value, monkeypatch):
     monkeypatch.setenv(stall.WARNING_VARIABLE, value)
     with pytest.raises(ValueError, match=f"HPCDL_STALL_WARNING_S='{value}': give a positive number"):
         stall.warning_seconds()
+
+
+def test_a_wait_warns_once_about_a_bad_setting_and_keeps_the_default(monkeypatch):
+    """A script's bad HPCDL_STALL_WARNING_S failed its first backward with a traceback."""
+    monkeypatch.setattr(stall, "_refused", set())
+    monkeypatch.setenv(stall.WARNING_VARIABLE, "abc")
+    with pytest.warns(RuntimeWarning, match="HPCDL_STALL_WARNING_S='abc': give a positive number.*; "
+                                            "ignored, the default bound applies"):
+        assert stall._bound(None) == (stall.DEFAULT_WARNING_S, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        assert stall._bound(4.0) == (4.0, False)
 
 
 class FakeTime:

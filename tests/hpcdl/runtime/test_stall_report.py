@@ -11,7 +11,7 @@ def call(number, collective="allreduce", nbytes=4096, comm="MPI_COMM_WORLD", sit
          since=12.0):
     return {"comm": comm, "size": 4, "number": number, "collective": collective, "algorithm": "ring",
             "bytes": nbytes, "dtype": "float32", "site": site, "user": "/home/u/train.py:90 in main",
-            "since": since, "left": 0.0}
+            "since": since, "entered": 100.0, "left": 0.0}
 
 
 def waiting(number=7):
@@ -59,8 +59,53 @@ def test_the_report_names_the_late_rank_and_what_the_others_wait_in():
         "Python)",
         "  ranks 0, 1, 3: wait in allreduce #7 (4096 B float32, ring) on MPI_COMM_WORLD at "
         "train.py:57 in step ← train.py:90 in main",
+        "  what to do (stopped or dead): a stopped process goes on after `kill -CONT PID` or when its "
+        "debugger lets it (`cat /proc/PID/status` says `State: T`); a dead one ends the job; the others "
+        "wait meanwhile",
         "  (hpcdl doctor DIR merges the flight records that --diagnostics-dir / HPCDL_DIAGNOSTICS_DIR "
         "keeps; docs/troubleshooting.md)"])
+
+
+def gone(*records, all_kept=True):
+    """The answer that stands for a rank whose program ended: its departure notice."""
+    return {"ended": list(records), "all_kept": all_kept}
+
+
+@pytest.mark.parametrize("answer,state,detail,never", [
+    (gone(dict(call(6), left=5.0)), "left",
+     "its program ended (exit or MPI_Finalize) after allreduce #6 (4096 B float32, ring) on MPI_COMM_WORLD "
+     "at train.py:57 in step ← train.py:90 in main; it will make no more calls", True),
+    (gone(), "left", "its program ended (exit or MPI_Finalize) before any collective", True),
+    (gone(all_kept=False), "left", "its program ended (exit or MPI_Finalize); it will", False),  # calls not kept
+    (gone(dict(call(3, comm="", site="eval.py:3 in f"), left=5.0)), "left", "after allreduce #3", True),
+    (gone(dict(call(3, comm="", site="eval.py:3 in f"), left=5.0), all_kept=False), "left", "after", False),
+    (gone(dict(call(6), left=5.0), all_kept=False), "left", "after allreduce #6", True),  # the world's last call
+    # calls on two unnamed communicators of one size: which one its last call was on is unknown
+    (gone(dict(call(6), left=5.0, shared=True)), "left", "after allreduce #6", False),
+    (gone(dict(call(7), left=5.0)), "waiting", "left after its part of the call", False),  # made it
+    (gone(dict(call(9), left=5.0)), "waiting", "left after its part", False),
+])
+def test_a_rank_whose_program_ended_is_named_and_the_call_never_completes_only_if_it_missed_it(
+        answer, state, detail, never):
+    got = stall_report.classify(answer, STALLED, history(7))
+    assert got[0] == state and detail in got[1], got
+    answers = {0: waiting(), 1: answer, 2: waiting(), 3: waiting()}
+    assert stall_report.never_completes(answers, STALLED, 4) == ([1] if never else [])
+    # A communicator that does not hold every rank need not hold the one that left.
+    assert stall_report.never_completes(answers, dict(STALLED, size=3), 4) == []
+
+
+def test_the_report_says_what_to_do_for_each_cause_and_the_call_sites_advice_only_for_a_changed_path():
+    advice = "Every rank must run the same steps."
+    answers = {0: waiting(), 1: None, 2: gone(dict(call(6), left=5.0)), 3: waiting()}
+    text = stall_report.report(answers, 0, "the step's sum", advice)
+    assert "hpcdl stall report: ranks 1, 2 hold the job up" in text
+    assert "  what to do (stopped or dead): a stopped process goes on after `kill -CONT PID`" in text
+    assert "  what to do (left): a rank whose program ended leaves the others waiting for ever" in text
+    assert advice not in text  # neither cause is a path the programs took differently
+    answers[1] = {"calls": [call(8)], "waiting": []}
+    text = stall_report.report(answers, 0, "the step's sum", advice)
+    assert f"  what to do (skipped): {advice}" in text, text
 
 
 def test_one_rank_reports():
