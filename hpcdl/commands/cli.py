@@ -14,7 +14,11 @@ the same command.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import warnings
+from importlib.util import find_spec
+from typing import Any
 
 from .collective_command import CommandExit
 
@@ -47,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in SUBCOMMANDS:
         print(f"hpcdl: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    _plain_warnings(f"hpcdl {command}")
     try:
         module = importlib.import_module(SUBCOMMANDS[command][0])
         status = int(module.main(rest) or 0)
@@ -61,6 +66,32 @@ def main(argv: list[str] | None = None) -> int:
     status = exit_status(status)
     skip_exit_collection()  # the command's files are closed
     return status
+
+
+def _plain_warnings(prog: str) -> None:
+    """Print the warnings that hpcdl's and the collectives' own code raises as "PROG: message",
+    without the file, line and source line of the default format: a command's user wrote none of
+    that code (a stall warning pointed at hpcdl/training/compute.py). Others print as before."""
+    folders = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # hpcdl/
+    spec = find_spec("collectives")  # its folder, without importing it (that would start MPI)
+    if spec is not None and spec.origin:
+        folders.append(os.path.dirname(os.path.abspath(spec.origin)))
+    roots = tuple(folder + os.sep for folder in folders)
+    default = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if not os.path.abspath(filename).startswith(roots):
+            default(message, category, filename, lineno, file, line)
+            return
+        stream = file if file is not None else sys.stderr
+        try:
+            stream.write(f"{prog}: {message}\n")
+            stream.flush()
+        except OSError:  # as the default does: a closed or full stream loses the warning
+            pass
+
+    warnings.showwarning = show
 
 
 if __name__ == "__main__":

@@ -116,6 +116,17 @@ def stragglers(arrivals: Sequence[Arrival], size: int) -> list[Straggler]:
     return sorted(found, key=lambda s: (-s.steps_last, s.rank))
 
 
+#: A step held up this long (seconds) is named in `hpcdl train`'s closing lines whoever the
+#: stragglers are: a rank frozen once is last in one step, not in more than its share of them.
+NOTABLE_HOLD_UP_S = 1.0
+
+
+def longest_hold_up(arrivals: Sequence[Arrival]) -> Arrival | None:
+    """The step whose last rank came latest, where it came at least NOTABLE_HOLD_UP_S late."""
+    longest = max(arrivals, key=lambda arrival: arrival.lateness_s, default=None)
+    return longest if longest is not None and longest.lateness_s >= NOTABLE_HOLD_UP_S else None
+
+
 class Arrivals:
     """The per-step attribution of one communicator's ranks (see the module's docstring).
 

@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.agreement import report_failure
+from ..runtime.arrivals import longest_hold_up
 from ..runtime.launcher import user_terminal
 from .compute import columns as compute_columns
 from .compute import compute_for
@@ -186,6 +187,10 @@ class Trainer:
                         + "; ".join(s.describe() for s in late) if late else
                         f"\nno straggler: no rank was last at the first collective of more than its share "
                         f"of {len(arrivals.steps)} steps")
+            held = longest_hold_up(arrivals.steps)
+            if held is not None:
+                closing += (f"\nlongest hold-up: rank {held.last_rank} came {held.lateness_s:.1f} s late "
+                            "to one step")
         if config.timeline:
             written = self.strategy.write_timeline()
             closing += f"\ntimeline written to {written}"

@@ -34,6 +34,31 @@ def test_the_dispatcher_lists_the_commands_and_refuses_an_unknown_one(capsys: py
     assert "hpcdl: unknown command 'trian'" in capsys.readouterr().err
 
 
+def test_a_command_prints_hpcdls_own_warnings_as_their_message_and_others_as_python_does(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A stall warning of `hpcdl train` pointed at hpcdl/training/compute.py and echoed its source
+    line; a command's user wrote none of hpcdl's code, so its warnings come as "PROG: message"."""
+    import warnings
+    from pathlib import Path
+
+    import collectives
+    import hpcdl
+
+    with warnings.catch_warnings():  # restores showwarning
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, filename, lineno, *rest: print(
+            f"as before: {filename}:{lineno}: {category.__name__}: {message}", file=sys.stderr)
+        cli._plain_warnings("hpcdl train")
+        for package in (hpcdl, collectives):
+            inside = str(Path(package.__file__).parent / "training" / "compute.py")
+            warnings.warn_explicit("rank 0: the step has waited 3.0 s", RuntimeWarning, inside, 53)
+        warnings.warn_explicit("a user's own", UserWarning, "/home/u/train.py", 7)
+    err = capsys.readouterr().err
+    assert err.startswith("hpcdl train: rank 0: the step has waited 3.0 s\n" * 2), err
+    assert "compute.py" not in err and "RuntimeWarning" not in err
+    assert err.endswith("as before: /home/u/train.py:7: UserWarning: a user's own\n"), err
+
+
 def test_python_dash_m_hpcdl_is_the_command(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(sys, "argv", ["hpcdl", "--help"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcdl.runtime.arrivals import Arrival, Arrivals, attribute, stragglers
+from hpcdl.runtime.arrivals import NOTABLE_HOLD_UP_S, Arrival, Arrivals, attribute, longest_hold_up, stragglers
 from tests.conftest import all_ranks_agree
 
 # -- the attribution, on synthetic waits (no communication) ------------------------------------
@@ -66,6 +66,16 @@ def test_ranks_that_take_turns_being_last_are_no_stragglers():
 
 
 # -- the exchange in batches (every rank) -------------------------------------------------------
+
+
+def test_the_longest_hold_up_is_the_latest_arrival_once_it_is_notable():
+    """A rank frozen once is last in one step only: no straggler, but the longest hold-up."""
+    steps = [Arrival(i, i % 2, 0.001) for i in range(100)]
+    assert stragglers(steps, 2) == [] and longest_hold_up(steps) is None
+    steps[40] = Arrival(40, 1, NOTABLE_HOLD_UP_S * 8)
+    steps[70] = Arrival(70, 0, NOTABLE_HOLD_UP_S * 2)
+    assert stragglers(steps, 2) == [] and longest_hold_up(steps) == steps[40]
+    assert longest_hold_up([]) is None
 
 
 def slow_rank_waits(rank: int, size: int, step: int) -> float:
