@@ -49,6 +49,9 @@ STEPS = 20
 #: A wait looks at the clock at least this often (seconds), to tell waiting from being stopped:
 #: a look that comes more than _PAUSE_S late counts as one look (the process was stopped).
 _LOOK_S, _PAUSE_S = 1.0, 2.0
+#: Seconds a rank that does not report waits before it raises RankExitedError, whose uncaught
+#: abort would otherwise end the job before the reporting rank has printed the report.
+_REPORT_GRACE_S = 1.0
 _pauses: deque[tuple[float, float]] = deque(maxlen=64)  # (when it ended, seconds) of each pause
 _refused: set[str] = set()  # the bad settings of WARNING_VARIABLE warned about
 
@@ -143,7 +146,10 @@ def _report(rank: int, what: str, waited: float, advice: str, done: Callable[[],
         return None  # the call completed meanwhile
     stalled = stall_report.blocking_call(answers[service.rank])
     gone = stall_report.never_completes(answers, stalled, service.size)
-    if stall_report.reporter_of(answers, service.rank, waited) == service.rank:
+    if stall_report.reporter_of(answers, service.rank, waited) != service.rank:
+        if gone:  # the error ends the job: let the reporter print first
+            time.sleep(_REPORT_GRACE_S)
+    else:
         service.reported = time.monotonic()
         # The report says what to do for the cause it finds; the call site's advice only where the
         # ranks' programs took different paths (skipped, mismatched).
