@@ -210,10 +210,26 @@ def test_unwritable_checkpoint_dir_on_one_rank_stops_all(tmp_path, comm, capsys,
 
 def test_resume_without_checkpoint_fails_on_every_rank(tmp_path, comm, capsys):
     directory = shared_directory(tmp_path, comm)
+    if comm.Get_rank() == 0:
+        (directory / "empty").mkdir()
+    comm.barrier()
     status = train.main(["--checkpoint-dir", str(directory / "empty"), "--resume"])
     err = capsys.readouterr().err
     ok = status == 2 and (comm.Get_rank() != 0 or (
         f"--resume: {directory / 'empty'} holds no checkpoint yet: run without --resume to start the run" in err))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_resume_from_a_missing_directory_is_refused_without_creating_it(tmp_path, comm, capsys):
+    """A mistyped --checkpoint-dir with --resume: refused, and not left behind as an empty directory."""
+    missing = shared_directory(tmp_path, comm) / "runs" / "a"
+    status = train.main(["--checkpoint-dir", str(missing), "--resume"])
+    err = capsys.readouterr().err
+    comm.barrier()
+    ok = status == 2 and not missing.parent.exists() and (comm.Get_rank() != 0 or (
+        f"hpcdl train: error: --resume: --checkpoint-dir {missing} does not exist, so there is no checkpoint "
+        "to resume from; give the directory of the run to resume, or run without --resume to start one "
+        "there\n" == err))
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
@@ -452,7 +468,15 @@ def test_resume_refuses_a_different_job_shape(tmp_path, comm, capsys):
     capsys.readouterr()
     status = train.main(argv[:3] + ["32"] + argv[4:] + ["--resume"])
     err = capsys.readouterr().err
-    ok = status == 2 and (comm.Get_rank() != 0 or "batch_size 64 (this run: 32)" in err)
+    ok = status == 2 and (comm.Get_rank() != 0 or "was made with --batch-size 64 (this run: 32); resume with "
+                          "the same options, or start afresh with a new --checkpoint-dir\n" in err)
+    # A finished run resumed with more epochs: --epochs named, not the warm-up it derives (0.5 then, 1 now).
+    status = train.main(["--epochs", "2"] + argv[2:] + ["--resume"])
+    err = capsys.readouterr().err
+    ok &= status == 2 and (comm.Get_rank() != 0 or (
+        "was made with --epochs 1 (this run: 2); --epochs cannot change on resume: the learning rate decays "
+        "to zero over the --epochs a run starts with" in err and "warmup" not in err and "resume with --epochs 1, "
+        "or train 2 epochs afresh with a new --checkpoint-dir\n" in err and err.count("\n") == 1))
     assert all_ranks_agree(ok, comm), err
 
 
