@@ -273,14 +273,14 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
         problem = unwritable_directory(Path(config.checkpoint_dir), create=not config.resume)
         if problem:
             errors.append(f"--checkpoint-dir {config.checkpoint_dir}: {problem}")
-    if config.metrics is not None:
-        suffix = Path(config.metrics).suffix.lower()
-        if suffix not in METRICS_FORMATS:
-            errors.append(f"--metrics {config.metrics}: unknown format {suffix or '(no extension)'}; "
-                          "name the file .csv, .jsonl or .json")
     for flag, path in (("--metrics", config.metrics), ("--timeline", config.timeline),
                        ("--status-file", config.status_file)):
+        # One problem per path: a directory given as --metrics has no known extension either.
         problem = None if path is None else unwritable_file(Path(path))
+        if problem is None and flag == "--metrics" and path is not None:
+            suffix = Path(path).suffix.lower()
+            if suffix not in METRICS_FORMATS:
+                problem = f"unknown format {suffix or '(no extension)'}; name the file .csv, .jsonl or .json"
         if problem:
             errors.append(f"{flag} {path}: {problem}")
     errors += rank_failure_errors(config, ranks)

@@ -320,13 +320,16 @@ def test_ranks_started_with_different_options_are_refused(comm, capsys):
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
-@pytest.mark.parametrize("flag,name", [("--timeline", "trace.json"), ("--metrics", "metrics.csv")])
+@pytest.mark.parametrize("flag,name", [("--timeline", "trace.json"), ("--metrics", "metrics.csv"),
+                                       ("--metrics", "runs")])
 def test_output_path_that_is_a_directory_is_refused(flag, name, tmp_path, comm, capsys):
+    """One line, the directory's: `--metrics runs` named its missing extension as well (two lines)."""
     path = shared_directory(tmp_path, comm) / name
     path.mkdir(exist_ok=True)
     status = train.main([flag, str(path)])
     err = capsys.readouterr().err
-    ok = status == 2 and (comm.Get_rank() != 0 or f"{flag} {path}: is a directory" in err)
+    ok = status == 2 and (comm.Get_rank() != 0 or err == f"hpcdl train: error: {flag} {path}: is a directory; "
+                                                         "give the path of a file to write\n")
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
