@@ -513,6 +513,17 @@ def test_hpcdl_train_on_four_ranks_reaches_95_percent(tmp_path):
     assert done.stdout.count("epoch   6/6") == 1  # printed by rank 0 only
 
 
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_the_epoch_line_shows_the_gradient_exchange_only_where_one_happened(comm, capsys):
+    """On 1 rank nothing is exchanged: `sent 0 MB/rank` and no ratio (it said `= fp32/inf`)."""
+    status = train.main(["--epochs", "1", "--batch-size", "128"])
+    out = capsys.readouterr().out
+    epoch = [line for line in out.splitlines() if line.startswith("epoch   1/1")]
+    ok = status == 0 and (comm.Get_rank() != 0 or (
+        epoch[0].endswith("  sent 0 MB/rank") if comm.Get_size() == 1 else epoch[0].endswith("MB/rank = fp32/1")))
+    assert all_ranks_agree(ok, comm), out
+
+
 def test_the_diagnosis_options_are_what_every_wait_reads(tmp_path, monkeypatch):
     from hpcdl.runtime import flight_dumps, stall
 
