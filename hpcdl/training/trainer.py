@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.agreement import report_failure
+from ..runtime.launch import started_by_launcher
 from ..runtime.launcher import user_terminal
 from .compute import columns as compute_columns
 from .compute import compute_for
@@ -142,6 +143,11 @@ class Trainer:
                  + (f"; {describe_compute(config)}" if self.compute.emulated else "")
                  + (f"; resuming at epoch {self.epoch + 1}, step {self.step}" if self.resumed else ""),
                  flush=True)
+        if self.recovery.ranks_now() == 1 and not started_by_launcher():
+            # A plain `hpcdl train` is a job of one rank; say how to get more, once, where it trains.
+            self.say(f"{PROG}: note: training on 1 rank (started without mpirun or srun); start the command "
+                     "under `mpirun -n 4` (e.g. `mpirun -n 4 hpcdl train ...`) to train on 4 ranks",
+                     file=sys.stderr, flush=True)
         from ..runtime.checkpoint import CheckpointWriteError
 
         try:

@@ -19,7 +19,7 @@ from mpi4py import MPI
 import hpcdl
 from tests.conftest import all_ranks_agree
 from hpcdl.commands import slurm
-from hpcdl.runtime.launch import check_launch, launcher_claim, mpi_family
+from hpcdl.runtime.launch import check_launch, launcher_claim, mpi_family, started_by_launcher
 from hpcdl.runtime.rendezvous import (RENDEZVOUS_MARKER, export_torch_environment, rendezvous_address,
                                       torch_environment)
 
@@ -78,6 +78,16 @@ def test_unknown_mpi_names_both_types() -> None:
 def test_mpirun_of_another_mpi_is_refused(env: dict[str, str]) -> None:
     with pytest.raises(RuntimeError, match=r"mpirun started 4 processes .* size 1: .*different MPI library"):
         check_launch(1, env=env, library_version=MPICH)
+
+
+@pytest.mark.parametrize("env, launched", [
+    ({}, False), ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, False),  # a plain command line, or a batch script's shell
+    ({"OMPI_COMM_WORLD_SIZE": "1"}, True), ({"PMI_SIZE": "1"}, True), ({"PMIX_RANK": "0"}, True),
+    ({"SLURM_PROCID": "0"}, True), ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}, True),
+])
+def test_started_by_launcher(env: dict[str, str], launched: bool) -> None:
+    """What decides `hpcdl train`'s note on 1 rank: only a process no launcher started gets it."""
+    assert started_by_launcher(env) is launched
 
 
 def test_pmix_rank_outside_the_job_is_refused() -> None:

@@ -524,6 +524,21 @@ def test_the_epoch_line_shows_the_gradient_exchange_only_where_one_happened(comm
     assert all_ranks_agree(ok, comm), out
 
 
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts its own process; N = 1 job only")
+def test_hpcdl_train_without_mpirun_notes_the_one_rank_once(tmp_path):
+    """Started without mpirun: one note on stderr saying how to train on more ranks; its epoch line
+    shows no exchange that did not happen (it said `gradients 0 MB/rank = fp32/inf`)."""
+    done = subprocess.run([sys.executable, "-m", "hpcdl", "train", "--epochs", "1", "--batch-size", "128"],
+                          cwd=tmp_path, env=own_job_environment(PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ("hpcdl train: note: training on 1 rank (started without mpirun or srun); start the "
+                           "command under `mpirun -n 4` (e.g. `mpirun -n 4 hpcdl train ...`) to train on 4 "
+                           "ranks\n"), done.stderr
+    epoch = next(line for line in done.stdout.splitlines() if line.startswith("epoch   1/1"))
+    assert epoch.endswith("  sent 0 MB/rank") and "fp32" not in epoch, epoch
+
+
 def test_the_diagnosis_options_are_what_every_wait_reads(tmp_path, monkeypatch):
     from hpcdl.runtime import flight_dumps, stall
 
