@@ -7,7 +7,8 @@
         --account proj42 -o train.sbatch -- --model resnet --synthetic
     sbatch train.sbatch
 
-Arguments after `--` go to the program the template runs (`hpcdl train`, or `hpcdl bench`).
+Arguments after `--` go to the program the template runs (`hpcdl train`, or `hpcdl bench`), whose
+own parser checks them first.
 The srun `--mpi` type defaults to the one that matches the MPI library mpi4py loads here (pmix for
 Open MPI, pmi2 for MPICH and its derivatives); render on the cluster's login node, in the same
 environment the job will use. The templates are Jinja2 files that ship inside the package (so
@@ -18,6 +19,9 @@ environment the job will use. The templates are Jinja2 files that ship inside th
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import io
 import re
 import shlex
 import sys
@@ -65,6 +69,8 @@ _SLURM_TIME = re.compile(
     r"|(?P<m2>\d+):(?P<s2>\d+)"                                          # M:S
     r"|(?P<h3>\d+):(?P<m3>\d+):(?P<s3>\d+))$")                           # H:M:S
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+#: Where the option parser of each program a template runs (`TemplateSpec.runs`) lives.
+_PROGRAM_PARSERS = {"train": "hpcdl.commands.train", "bench": "hpcdl.commands.bench.options"}
 # Options the requeue template sets itself; given again after `--`, hpcdl train would see them twice.
 _REQUEUE_OWNS = ("--checkpoint-dir", "--checkpoint-every", "--resume")
 
@@ -202,6 +208,7 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
         errors.append(f"one rank per GPU: --tasks-per-node {args.tasks_per_node} must equal "
                       f"--gpus-per-node {args.gpus_per_node} (or be left out)")
     errors += fault_tolerance_errors(args, spec)
+    errors += program_errors(spec.runs, args.program_args)
     if args.template == "requeue":
         if args.checkpoint_every < 1:
             errors.append(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
@@ -236,6 +243,31 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
                       "in #SBATCH lines; give the path itself (unquoted, your shell expands "
                       "$HOME and ~ now)")
     return errors
+
+
+def program_errors(runs: str, program_args: list[str]) -> list[str]:
+    """Why `hpcdl <runs>` would refuse `program_args` (the options after `--`), as its own parser
+    says it, one message; [] if the parser takes them.
+
+    A misspelled option would otherwise stop the job only once it has waited in the queue. Only
+    syntax and choices are checked: the values are judged by the job itself, some against its
+    number of ranks. Importing the parser imports `collectives`, which initializes MPI in this
+    process (one process, no launcher needed).
+    """
+    parser = importlib.import_module(_PROGRAM_PARSERS[runs]).build_parser()
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            parser.parse_args(program_args)
+    except SystemExit as exc:
+        if exc.code == 0:  # --help: a job that only prints the options
+            return [f"`hpcdl {runs} --help` after `--` would only print its options, in the job's log; "
+                    f"run `hpcdl {runs} --help` here instead"]
+        # CommandParser's one line, `prog: error: what (`prog --help` lists the options)`
+        said = printed.getvalue().strip().splitlines()[-1]
+        return [f"the options after `--` are for hpcdl {runs}, which refuses them: "
+                f"{said.removeprefix(f'{parser.prog}: error: ')}"]
+    return []
 
 
 def fault_tolerance_errors(args: argparse.Namespace, spec: TemplateSpec) -> list[str]:

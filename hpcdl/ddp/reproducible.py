@@ -61,6 +61,7 @@ from ..tensors.calls import broadcast
 from .buckets import assign_buckets
 from .reducer import GradientTraffic
 from .shards import ShardExchange, Sharding
+from .torch_arguments import check_same_model
 
 #: Bits of room a parameter's quantum leaves above the last step's largest gradient: a step whose
 #: gradients grow more than 2**SLACK_BITS times is run again.
@@ -162,6 +163,7 @@ class ReproducibleDataParallel(torch.nn.Module):
         raise_unless_agreed("DistributedDataParallel(reproducible=True)", errors,
                             {"micro_batch": micro_batch, "seed": seed, "threads": threads, "shard": shard},
                             self.comm)
+        check_same_model("DistributedDataParallel(reproducible=True)", module, self.comm)
         torch.set_num_threads(threads)
         self.micro_batch, self.seed, self.algorithm, self.threads = micro_batch, seed, algorithm, threads
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel()]

@@ -1,9 +1,11 @@
 """torch DDP's constructor arguments that `hpcdl.DistributedDataParallel` takes besides its own:
 accepted where their value means what the wrapper does anyway, refused by name otherwise with
 what to use instead; `device_ids` and `output_device` checked against the GPU this rank is bound
-to, on every rank together."""
+to, and `module` against the other ranks' (the same parameters and buffers), on every rank together."""
 from __future__ import annotations
 
+import hashlib
+import math
 from typing import Any
 
 import torch
@@ -79,3 +81,52 @@ def bound_device(module: torch.nn.Module, device_ids: Any, output_device: Any,
                      f"{'None' if expected is None else expected}")
     raise_together(error, comm, ValueError)
     return ids, out
+
+
+def check_same_model(what: str, module: torch.nn.Module, comm: MPI.Comm) -> None:
+    """Collective: raise ValueError on every rank unless every rank's `module` has the same
+    parameters and buffers (number, shapes and dtypes, in order), those that rank 0's broadcast at
+    construction overwrites; the message, starting with `what`, names what each rank has and the
+    first tensor that differs.
+
+    One small allgather (count, elements and a digest per rank); where they differ, a broadcast of
+    rank 0's list and an allgather of each rank's first difference, to name it. Without this, the
+    broadcast stopped at "ranks passed different element counts", naming neither DDP nor the tensor.
+    """
+    layout = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+              for name, t in [*module.named_parameters(), *module.named_buffers()]]
+    # names are left out: a model wrapped differently (torch.compile's _orig_mod.) broadcasts alike
+    digest = hashlib.sha1(repr([entry[1:] for entry in layout]).encode()).hexdigest()
+    summaries = comm.allgather((len(layout), sum(math.prod(shape) for _, shape, _ in layout), digest))
+    odd = [r for r, summary in enumerate(summaries) if summary != summaries[0]]
+    if not odd:
+        return
+    reference = comm.bcast(layout if comm.Get_rank() == 0 else None, root=0)
+    first = comm.allgather(_first_difference(reference, layout, comm.Get_rank()))[odd[0]]
+
+    def has(rank: int) -> str:
+        return f"{summaries[rank][0]} parameters and buffers ({summaries[rank][1]:,} elements)"
+
+    raise ValueError(f"{what}: the ranks built different models, so rank 0's parameters cannot be "
+                     f"broadcast to the others: rank 0 has {has(0)}, rank {odd[0]} has {has(odd[0])}; the first "
+                     f"that differs: {first} (ranks differing from rank 0: {', '.join(map(str, odd[:8]))}"
+                     f"{' ...' if len(odd) > 8 else ''}); build the same model on every rank")
+
+
+def _first_difference(reference: list[tuple[str, tuple[int, ...], str]],
+                      mine: list[tuple[str, tuple[int, ...], str]], rank: int) -> str | None:
+    """The first of rank 0's parameters and buffers `reference` that differs from this rank's
+    `mine` in shape or dtype (or is missing from either), as a phrase; None if none does."""
+    def said(entry: tuple[str, tuple[int, ...], str] | None, with_name: bool = True) -> str:
+        if entry is None:
+            return "nothing"
+        return f"{entry[0] + ' ' if with_name else ''}shape {tuple(entry[1])} {entry[2]}"
+
+    for i in range(max(len(reference), len(mine))):
+        ours = mine[i] if i < len(mine) else None
+        theirs = reference[i] if i < len(reference) else None
+        if ours is None or theirs is None or ours[1:] != theirs[1:]:
+            if ours is not None and theirs is not None and ours[0] == theirs[0]:
+                return f"{ours[0]}, {said(theirs, False)} on rank 0, {said(ours, False)} on rank {rank}"
+            return f"{said(theirs)} on rank 0, {said(ours)} on rank {rank}"
+    return None

@@ -92,7 +92,7 @@ from ..runtime.memory import small_pages_warning
 from .reducer import GradientTraffic, Reducer
 from ..tensors.arrays import as_array, collective_array, flat_in_memory_order
 from .timeline import Timeline
-from .torch_arguments import bound_device, check_torch_options
+from .torch_arguments import bound_device, check_same_model, check_torch_options
 
 _MB = 1024 * 1024
 #: A bucket is reduced as consecutive allreduces of at most this many bytes (same slicing on every
@@ -138,7 +138,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     Args:
         module: the model; every rank must build the same architecture (parameters are broadcast
-            from rank 0 at construction, so initial values need not agree).
+            from rank 0 at construction, so initial values need not agree; ranks whose parameters
+            and buffers differ in number, shape or dtype raise ValueError together, naming the first).
         comm: MPI communicator (default MPI.COMM_WORLD).
         bucket_cap_mb: capacity of each fusion bucket in MiB (a larger single gradient gets its own).
         first_bucket_mb: capacity of the first bucket, small so communication starts early.
@@ -252,6 +253,7 @@ class DistributedDataParallel(torch.nn.Module):
                          else Timeline(timeline, self.comm))
 
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        check_same_model("DistributedDataParallel", module, self.comm)
         # What the scheme finds wrong with these parameters, and a scheme that differs between
         # ranks, stop every rank here rather than hang or diverge at the first step.
         raise_unless_agreed("DistributedDataParallel", exchange.setup(self._named, self.comm),

@@ -77,8 +77,12 @@ def load(folder: str | os.PathLike[str]) -> dict[int, Dump]:
         except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"{path}: not a flight-recorder dump ({exc})") from None
     if not dumps:
-        raise ValueError(f"{folder}: no flight-recorder dumps (rank-*.jsonl) here; run with "
-                         f"--diagnostics-dir {folder} (or {DIRECTORY_VARIABLE}={folder})")
+        # The user has already named the directory: say when the ranks would have written there.
+        found = "no flight-recorder dumps (rank-*.jsonl) here" if Path(folder).is_dir() else "no such directory"
+        raise ValueError(f"{folder}: {found}; a run's ranks write their dumps there on a stall report, an "
+                         "uncaught exception, a lost rank or SIGUSR1 (with `hpcdl train --checkpoint-dir`, "
+                         "SIGUSR1 checkpoints and stops instead), when the run was started with "
+                         f"`hpcdl train --diagnostics-dir {folder}` (any program: {DIRECTORY_VARIABLE}={folder})")
     return dumps
 
 

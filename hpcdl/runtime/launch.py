@@ -63,6 +63,18 @@ def launcher_claim(env: Mapping[str, str] | None = None) -> LauncherClaim | None
     return None
 
 
+#: What a launcher (mpirun, mpiexec, srun) puts into the environment of each process it starts,
+#: whatever its size; SLURM_PROCID also in a batch script, where a lone process is no surprise.
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def started_by_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher started this process (`env`, default os.environ, names one), rather than
+    a plain command line, where MPI makes it a job of one rank."""
+    env = os.environ if env is None else env
+    return launcher_claim(env) is not None or any(name in env for name in LAUNCHER_VARIABLES)
+
+
 def mpi_family(library_version: str) -> str | None:
     """'Open MPI', 'MPICH', 'Intel MPI' or 'MVAPICH' from MPI_Get_library_version's text."""
     text = library_version.lower()

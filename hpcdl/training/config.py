@@ -149,11 +149,19 @@ class TrainConfig:
         """This configuration with the defaults that depend on other fields filled in: the model,
         a warm-up of at most half the run (so that the rate peaks, then decays), and the micro-batch
         of a reproducible run."""
-        warmup = self.warmup_epochs if self.warmup_epochs is not None else min(DEFAULT_WARMUP_EPOCHS,
-                                                                                self.epochs / 2)
-        micro_batch = self.micro_batch if self.micro_batch is not None or not self.reproducible \
-            else DEFAULT_MICRO_BATCH
+        warmup = self.warmup_epochs if self.warmup_epochs is not None else default_warmup_epochs(self.epochs)
+        micro_batch = self.micro_batch if self.micro_batch is not None else default_micro_batch(self.reproducible)
         return replace(self, model=self.model_name, warmup_epochs=warmup, micro_batch=micro_batch)
+
+
+def default_warmup_epochs(epochs: int) -> float:
+    """`warmup_epochs` where not given: at most half of `epochs`, so that the rate peaks, then decays."""
+    return min(DEFAULT_WARMUP_EPOCHS, epochs / 2)
+
+
+def default_micro_batch(reproducible: bool) -> int | None:
+    """`micro_batch` where not given: DEFAULT_MICRO_BATCH in a reproducible run, else none."""
+    return DEFAULT_MICRO_BATCH if reproducible else None
 
 
 def choice_errors(config: TrainConfig) -> list[str]:
@@ -256,18 +264,23 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
                            ("--on-checkpoint-failure", policy_set)):
             if used:
                 errors.append(f"{flag} needs --checkpoint-dir DIR")
+    elif config.resume and not config.synthetic and not Path(config.checkpoint_dir).exists():
+        # Not created: it could hold nothing to resume, and the refusal would leave it behind empty
+        errors.append(f"--resume: --checkpoint-dir {config.checkpoint_dir} does not exist, so there is no "
+                      "checkpoint to resume from; give the directory of the run to resume, or run without "
+                      "--resume to start one there")
     elif not config.synthetic:
-        problem = unwritable_directory(Path(config.checkpoint_dir), create=True)
+        problem = unwritable_directory(Path(config.checkpoint_dir), create=not config.resume)
         if problem:
             errors.append(f"--checkpoint-dir {config.checkpoint_dir}: {problem}")
-    if config.metrics is not None:
-        suffix = Path(config.metrics).suffix.lower()
-        if suffix not in METRICS_FORMATS:
-            errors.append(f"--metrics {config.metrics}: unknown format {suffix or '(no extension)'}; "
-                          "name the file .csv, .jsonl or .json")
     for flag, path in (("--metrics", config.metrics), ("--timeline", config.timeline),
                        ("--status-file", config.status_file)):
+        # One problem per path: a directory given as --metrics has no known extension either.
         problem = None if path is None else unwritable_file(Path(path))
+        if problem is None and flag == "--metrics" and path is not None:
+            suffix = Path(path).suffix.lower()
+            if suffix not in METRICS_FORMATS:
+                problem = f"unknown format {suffix or '(no extension)'}; name the file .csv, .jsonl or .json"
         if problem:
             errors.append(f"{flag} {path}: {problem}")
     errors += rank_failure_errors(config, ranks)

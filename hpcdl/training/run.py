@@ -22,7 +22,7 @@ from ..runtime.memory import host_available_bytes
 from ..runtime.process import init
 from ..runtime.spares import Spares, set_aside, wait_for_call
 from . import strategies
-from .config import KEEP_CHECKPOINTS, PROG, TrainConfig, config_errors
+from .config import KEEP_CHECKPOINTS, PROG, TrainConfig, config_errors, default_micro_batch, default_warmup_epochs
 from .pacing import Meetings
 from .rank_loss import StartUp, end_job
 from .signals import Interruption
@@ -146,6 +146,69 @@ _TRAJECTORY_OPTIONS = ("model", "epochs", "batch_size", "lr", "reference_batch",
 #: What checkpoints written before an entry of their job existed stand for.
 _TRAJECTORY_DEFAULTS = {"strategy": "allreduce", "compression": "none", "momentum_correction": None,
                         "reproducible": False, "micro_batch": None}
+#: Entries of a job that `TrainConfig.resolved` derives from another where not given: that one,
+#: and the value it gives.
+_FOLLOWS = {"warmup_epochs": ("epochs", default_warmup_epochs),
+            "micro_batch": ("reproducible", default_micro_batch)}
+
+
+def resume_refusal(made_with: dict[str, Any], job: dict[str, Any]) -> str | None:
+    """How the job a checkpoint was `made_with` differs from this run's `job`, in the options a
+    user gives (`--epochs 3 (this run: 5)`), and what to do; None where they agree.
+
+    An entry derived from another option, and not given (the default --warmup-epochs, from
+    --epochs), is left to that option; a strategy's own options to --strategy where that differs.
+    """
+    def recorded(name: str) -> Any:
+        return made_with.get(name, _TRAJECTORY_DEFAULTS.get(name))
+
+    differing = [k for k, v in job.items() if recorded(k) != v] + [k for k in made_with if k not in job]
+
+    def follows(name: str) -> bool:
+        if name in _FOLLOWS:
+            source, default = _FOLLOWS[name]
+            return (source in differing and recorded(name) == default(recorded(source))
+                    and job.get(name) == default(job[source]))
+        return "strategy" in differing and name not in (*_TRAJECTORY_OPTIONS, "strategy", "ranks")
+
+    named = [k for k in differing if not follows(k)]
+    if not named:
+        return None
+    said = ", ".join(_difference(k, recorded(k), job.get(k)) for k in named)
+    if "epochs" in named:
+        # The cosine decay spans --epochs: a run of other --epochs takes other rates after its
+        # warm-up, so no checkpoint of this run is a step of that one.
+        return (f"{said}; --epochs cannot change on resume: the learning rate decays to zero over the "
+                "--epochs a run starts with (a cosine after the warm-up), so the "
+                f"{_value(recorded('epochs'))}-epoch run that wrote it did not take the steps of a "
+                f"{job['epochs']}-epoch run; resume with --epochs {_value(recorded('epochs'))}, or train "
+                f"{job['epochs']} epochs afresh with a new --checkpoint-dir")
+    same = "the same options" + (" on as many ranks" if "ranks" in named else "")
+    return f"{said}; resume with {same}, or start afresh with a new --checkpoint-dir"
+
+
+def _difference(name: str, recorded: Any, current: Any) -> str:
+    """One entry of a job, as recorded and in this run, as `hpcdl train`'s command line says it."""
+    if name == "ranks":
+        return f"{recorded} ranks (this run: {current})"
+    flag = "--" + name.replace("_", "-")
+    if all(value is not None and not isinstance(value, bool) for value in (recorded, current)):
+        return f"{flag} {_value(recorded)} (this run: {_value(current)})"
+    return f"{_option(flag, recorded)} (this run: {_option(flag, current)})"
+
+
+def _option(flag: str, value: Any) -> str:
+    """`flag` given `value` on the command line: a switch, a negated switch, or not given."""
+    if value is True:
+        return flag
+    if value is False:  # --momentum-correction is the one option with a --no- form
+        return f"--no-{flag[2:]}" if flag == "--momentum-correction" else f"no {flag}"
+    return f"no {flag}" if value is None else f"{flag} {_value(value)}"
+
+
+def _value(value: Any) -> str:
+    """A value as typed: 2 for 2.0, the text of a string without quotes."""
+    return f"{value:g}" if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, comm: MPI.Comm,
@@ -220,12 +283,9 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
             problems = plan.strategy.resume_errors(plan, size - plan.servers)
             if problems:
                 return _fail(problems, rank)
-        differences = [f"{k} {made_with.get(k, _TRAJECTORY_DEFAULTS.get(k))!r} (this run: {v!r})"
-                       for k, v in job.items() if made_with.get(k, _TRAJECTORY_DEFAULTS.get(k)) != v]
-        differences += [f"{k} {v!r} (this run: none)" for k, v in made_with.items() if k not in job]
-        if differences:
-            return _fail([f"--resume: {path} was made with " + ", ".join(differences)
-                          + "; resume with the same settings or use a new --checkpoint-dir"], rank)
+        refused = resume_refusal(made_with, job)
+        if refused:
+            return _fail([f"--resume: {path} was made with {refused}"], rank)
     elif config.checkpoint_dir is not None:
         # Only the newest checkpoints by step number are kept, whichever run wrote them: a fresh run
         # beside an older run's later steps would delete its own. Rank 0 writes them, so its view

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from ..runtime.agreement import report_failure
 from ..runtime.arrivals import longest_hold_up
+from ..runtime.launch import started_by_launcher
 from ..runtime.launcher import user_terminal
 from .compute import columns as compute_columns
 from .compute import compute_for
@@ -118,22 +119,36 @@ class Trainer:
         """Train every epoch left; the exit status (0, CHECKPOINTED_ON_SIGNAL, DIVERGED or
         CHECKPOINT_FAILED)."""
         config, plan, schedule = self.config, self.plan, self.schedule
+        regrouped = self.recovery.regrouped
+        batch, update, lr, steps = f"{config.batch_size} per rank", plan.update_batch, schedule.lr, self.steps_per_epoch
+        if config.reproducible:
+            batch = f"{config.batch_size} per step in micro-batches of {config.micro_batch}"
+        elif regrouped and not plan.servers:
+            # Resumed on another number of ranks (or after a loss): the run's global batch (or
+            # --keep-rank-batch's, its rate scaled with it) split over the ranks now, not --batch-size.
+            update, lr = self.recovery.cursor.global_batch, schedule.lr * self.recovery.lr_factor
+            steps = math.ceil(len(self.sampler) * self.sampler.num_replicas / update)
+            fewest, most = update // self.size, -(-update // self.size)
+            batch = f"{fewest if fewest == most else f'{fewest}-{most}'} per rank now"
         self.say(f"training {config.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
                  f"held out) on {self.recovery.ranks_now()} rank(s)"
                  + (f" + {config.spares} spare(s)" if config.spares else "")
                  + ((f" (the data of the run's {plan.trainers} workers)" if plan.servers else
-                     f" (the data split and global batch of {plan.ranks})") if self.recovery.regrouped else "")
-                 + f" with {plan.name} ({plan.describe()}): batch "
-                 + (f"{config.batch_size} per step in micro-batches of {config.micro_batch}"
-                    if config.reproducible else f"{config.batch_size} per rank")
-                 + f", {plan.update_batch} per update, lr {schedule.lr:g} (base "
-                 f"{config.lr:g} x {plan.update_batch}/{config.reference_batch}"
+                     f" (the data split{'' if config.keep_rank_batch else ' and global batch'} of {plan.ranks})")
+                    if regrouped else "")
+                 + f" with {plan.name} ({plan.describe()}): batch {batch}, {update} per update, lr {lr:g} (base "
+                 f"{config.lr:g} x {update}/{config.reference_batch}"
                  + (f" x {plan.asynchrony:.3g} for asynchrony" if plan.asynchrony != 1 else "") + "), warm-up "
-                 f"{schedule.warmup_steps} steps, {self.steps_per_epoch} steps per epoch"
+                 f"{schedule.warmup_steps} steps, {steps} steps per epoch"
                  + "".join(f"; rank {r} straggles {f:g}x" for r, f in plan.stragglers)
                  + (f"; {describe_compute(config)}" if self.compute.emulated else "")
                  + (f"; resuming at epoch {self.epoch + 1}, step {self.step}" if self.resumed else ""),
                  flush=True)
+        if self.recovery.ranks_now() == 1 and not started_by_launcher():
+            # A plain `hpcdl train` is a job of one rank; say how to get more, once, where it trains.
+            self.say(f"{PROG}: note: training on 1 rank (started without mpirun or srun); start the command "
+                     "under `mpirun -n 4` (e.g. `mpirun -n 4 hpcdl train ...`) to train on 4 ranks",
+                     file=sys.stderr, flush=True)
         from ..runtime.checkpoint import CheckpointWriteError
 
         try:
@@ -328,8 +343,9 @@ class Trainer:
                        if accuracy is not None else "EMULATED compute, no loss or accuracy")
             self.say(f"epoch {self.epoch:3d}/{config.epochs}  {quality}  {throughput:,.0f} samples/s  lr {lr:.4g}  "
                      f"sent {bytes_per_rank / 1e6:.3g} MB/rank"
+                     # No gradient bytes sent (one rank): no ratio to dense float32 to speak of
                      + (f"  gradients {totals[4] / self.size / 1e6:.3g} MB/rank = fp32/"
-                        f"{gradients['grad_ratio']:.3g}" if traffic is not None else "")
+                        f"{gradients['grad_ratio']:.3g}" if traffic is not None and totals[4] else "")
                      + (f"  staleness mean {staleness.mean:.2f} max {staleness.max}" if staleness else "")
                      + (f"  params {digest}" if digest else "")
                      + self.recovery.epoch_note(), flush=True)

@@ -27,7 +27,15 @@ def test_doctor_prints_where_the_ranks_part_and_writes_the_trace(tmp_path, capsy
 
 def test_doctor_names_what_is_wrong(tmp_path, capsys):
     assert doctor.main([str(tmp_path)]) == 2
-    assert "no flight-recorder dumps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # One line that says when ranks write dumps there, not advice to give the directory already given.
+    assert err.startswith(f"hpcdl doctor: {tmp_path}: no flight-recorder dumps (rank-*.jsonl) here; a run's "
+                          "ranks write their dumps there on a stall report, an uncaught exception, a lost "
+                          "rank or SIGUSR1") and err.count("\n") == 1, err
+    assert err.endswith(f"when the run was started with `hpcdl train --diagnostics-dir {tmp_path}` (any program: "
+                        f"HPCDL_DIAGNOSTICS_DIR={tmp_path})\n"), err
+    assert doctor.main([str(tmp_path / "diag")]) == 2
+    assert f"hpcdl doctor: {tmp_path / 'diag'}: no such directory; a run's ranks" in capsys.readouterr().err
     dump(tmp_path, 0, [record(1)])
     assert doctor.main([str(tmp_path), "--trace", str(tmp_path / "no" / "t.json")]) == 2
     assert "cannot write the trace to" in capsys.readouterr().err

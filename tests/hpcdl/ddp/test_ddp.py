@@ -321,6 +321,38 @@ def test_channels_last_parameters(comm):
     assert all_ranks_agree(ok, comm)
 
 
+@pytest.mark.parametrize("reproducible", [False, True])
+@pytest.mark.parametrize("differs", ["shape", "count"])
+def test_ranks_with_different_models_are_refused_naming_the_parameter(comm, differs, reproducible):
+    """Each rank's model its own: every rank raises one ValueError that says so, with what rank 0 and
+    the last rank hold and the first tensor that differs (before: the broadcast's "ranks passed
+    different element counts", naming neither DDP nor the parameter). One rank: nothing to differ."""
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    width = 4 + (rank == last and rank > 0 and differs == "shape")
+    layers = [torch.nn.Linear(3, width), torch.nn.Tanh(), torch.nn.Linear(width, 2)]
+    if rank == last and rank > 0 and differs == "count":
+        layers.append(torch.nn.Linear(2, 2))
+    options = {"reproducible": True, "micro_batch": 2} if reproducible else {}
+    try:
+        hpcdl.DistributedDataParallel(torch.nn.Sequential(*layers), comm, **options)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    if last == 0:
+        assert message is None
+        return
+    what = "DistributedDataParallel(reproducible=True)" if reproducible else "DistributedDataParallel"
+    expected = (f"{what}: the ranks built different models, so rank 0's parameters cannot be broadcast to the "
+                "others: rank 0 has 4 parameters and buffers (26 elements), rank "
+                + (f"{last} has 4 parameters and buffers (32 elements); the first that differs: 0.weight, "
+                   f"shape (4, 3) float32 on rank 0, shape (5, 3) float32 on rank {last} "
+                   if differs == "shape" else
+                   f"{last} has 6 parameters and buffers (32 elements); the first that differs: nothing on "
+                   f"rank 0, 3.weight shape (2, 2) float32 on rank {last} ")
+                + f"(ranks differing from rank 0: {last}); build the same model on every rank")
+    assert all_ranks_agree(message == expected, comm), message
+
+
 def test_sparse_gradients_are_refused_clearly(comm):
     rank = comm.Get_rank()
     net = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))

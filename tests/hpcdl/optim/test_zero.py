@@ -544,6 +544,8 @@ def test_hpcdl_train_resumes_on_another_number_of_ranks(tmp_path):
     out, rows, whole = job.stdout, metrics(tmp_path / "ckpt.jsonl"), metrics(tmp_path / "whole.jsonl")
     assert job.returncode == 0, out
     assert "on 3 rank(s) (the data split and global batch of 2)" in out and "resuming at epoch 1, step 6" in out
+    # the 2 ranks' global batch of 2 x 96 split over 3 ranks, not --batch-size's 96 per rank
+    assert "batch 64 per rank now, 192 per update, lr 0.3 (base 0.05 x 192/32)" in out, out
     assert [(r["epoch"], r["step"], r["ranks"]) for r in rows] == [(1, 8, 3), (2, 16, 3)], rows
     assert [r["step"] for r in whole] == [8, 16]
     assert abs(rows[-1]["test_loss"] - whole[-1]["test_loss"]) < 1e-3 * whole[-1]["test_loss"], (rows, whole)

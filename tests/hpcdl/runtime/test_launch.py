@@ -19,7 +19,7 @@ from mpi4py import MPI
 import hpcdl
 from tests.conftest import all_ranks_agree
 from hpcdl.commands import slurm
-from hpcdl.runtime.launch import check_launch, launcher_claim, mpi_family
+from hpcdl.runtime.launch import check_launch, launcher_claim, mpi_family, started_by_launcher
 from hpcdl.runtime.rendezvous import (RENDEZVOUS_MARKER, export_torch_environment, rendezvous_address,
                                       torch_environment)
 
@@ -78,6 +78,16 @@ def test_unknown_mpi_names_both_types() -> None:
 def test_mpirun_of_another_mpi_is_refused(env: dict[str, str]) -> None:
     with pytest.raises(RuntimeError, match=r"mpirun started 4 processes .* size 1: .*different MPI library"):
         check_launch(1, env=env, library_version=MPICH)
+
+
+@pytest.mark.parametrize("env, launched", [
+    ({}, False), ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, False),  # a plain command line, or a batch script's shell
+    ({"OMPI_COMM_WORLD_SIZE": "1"}, True), ({"PMI_SIZE": "1"}, True), ({"PMIX_RANK": "0"}, True),
+    ({"SLURM_PROCID": "0"}, True), ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}, True),
+])
+def test_started_by_launcher(env: dict[str, str], launched: bool) -> None:
+    """What decides `hpcdl train`'s note on 1 rank: only a process no launcher started gets it."""
+    assert started_by_launcher(env) is launched
 
 
 def test_pmix_rank_outside_the_job_is_refused() -> None:
@@ -228,12 +238,20 @@ BASIC = ("--time", "30", "--partition", "batch")
     (("cpu", *BASIC, "--fault-tolerant", "--launcher", "srun"), "--fault-tolerant needs --launcher mpirun: a "
      "job that survives a lost rank runs under ULFM, which Open MPI carries only under its own mpirun"),
     (("allreduce-sweep", *BASIC, "--fault-tolerant"), "--fault-tolerant applies to the training templates"),
+    # The options after `--`, judged now by the program's own parser, not once the job has queued.
+    (("cpu", *BASIC, "--", "--epocs", "3"), "hpcdl slurm: error: the options after `--` are for hpcdl train, "
+     "which refuses them: unrecognized arguments: --epocs 3 (`hpcdl train --help` lists the options)"),
+    (("requeue", *BASIC, "--", "--strategy", "fast"), "hpcdl train, which refuses them: argument --strategy: "
+                                                      "invalid choice: 'fast'"),
+    (("allreduce-sweep", *BASIC, "--", "-b", "lots"), "the options after `--` are for hpcdl bench, which "
+                                                      "refuses them: argument -b/--minbytes"),
+    (("cpu", *BASIC, "--", "--help"), "`hpcdl train --help` after `--` would only print its options"),
 ])
 def test_render_rejects_bad_input(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
                                   message: str) -> None:
     status, out, err = render(capsys, *argv)
     assert status == 2 and out == ""
-    assert message in err, err
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_render_into_a_device_leaves_its_mode(capsys: pytest.CaptureFixture[str]) -> None:
@@ -274,8 +292,9 @@ EXPECTED_MPI_TYPE = {"Open MPI": "pmix", "MPICH": "pmi2", "Intel MPI": "pmi2", "
 def test_rendered_scripts(capsys: pytest.CaptureFixture[str], tmp_path: Path, template: str,
                           extra: tuple[str, ...]) -> None:
     out_file = tmp_path / f"{template}.sbatch"
+    program = ("--csv", "a b.csv") if template == "allreduce-sweep" else ("--epochs", "3", "--metrics", "a b.csv")
     status, out, err = render(capsys, template, "--time", "1-00:00:00", "--partition", "gpu", *extra,
-                              "-o", str(out_file), "--", "--epochs", "3", "--metrics", "a b.csv")
+                              "-o", str(out_file), "--", *program)
     assert status == 0, err
     script = out_file.read_text()
     assert script.startswith("#!/bin/bash\n") and "{{" not in script and "{%" not in script

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpcdl.training import resuming
+from hpcdl.training import resuming, run
 from hpcdl.training.pacing import Meetings
 from hpcdl.training.status_file import clear_status, write_status
 from hpcdl.training.straggler import Straggler
@@ -91,6 +91,32 @@ def test_the_advice_on_going_on_names_the_newest_checkpoint(tmp_path: Path) -> N
         (tmp_path / name).write_bytes(b"")
     assert resuming.newest_step(tmp_path) == 12
     assert resuming.resume_advice(tmp_path) == f"Resume from the checkpoint of step 12 in {tmp_path} with --resume."
+
+
+JOB = {"model": "cnn", "epochs": 3, "batch_size": 64, "lr": 0.1, "reference_batch": 32, "warmup_epochs": 1.5,
+       "seed": 0, "compression": "none", "momentum_correction": None, "reproducible": False, "micro_batch": None,
+       "strategy": "allreduce", "ranks": 2}
+
+
+@pytest.mark.parametrize("made_with, this_run, said", [
+    (JOB, JOB, None),
+    # the default warm-up follows --epochs: only --epochs is named, with why it cannot change
+    (JOB, JOB | {"epochs": 5, "warmup_epochs": 2.0}, "--epochs 3 (this run: 5); --epochs cannot change on resume"),
+    (JOB, JOB | {"epochs": 5, "warmup_epochs": 1.0}, "--epochs 3 (this run: 5), --warmup-epochs 1.5 (this run: 1);"),
+    (JOB, JOB | {"warmup_epochs": 1.0}, "--warmup-epochs 1.5 (this run: 1); resume with the same options"),
+    # the default micro-batch follows --reproducible
+    (JOB, JOB | {"reproducible": True, "micro_batch": 8}, "no --reproducible (this run: --reproducible); resume"),
+    (JOB, JOB | {"batch_size": 32, "ranks": 3}, "--batch-size 64 (this run: 32), 2 ranks (this run: 3); resume "
+                                                "with the same options on as many ranks, or start afresh"),
+    # a strategy's own options follow --strategy
+    (JOB | {"strategy": "sync-ps", "servers": 1}, JOB, "--strategy sync-ps (this run: allreduce); resume"),
+    (JOB, JOB | {"compression": "topk:0.01", "momentum_correction": False},
+     "--compression none (this run: topk:0.01), no --momentum-correction (this run: --no-momentum-correction)"),
+])
+def test_a_refused_resume_names_the_options_a_user_gives(made_with, this_run, said) -> None:
+    refusal = run.resume_refusal(made_with, this_run)
+    assert refusal == said if said is None else refusal.startswith(said), refusal
+    assert refusal is None or "_" not in refusal.replace("--checkpoint-dir", "")
 
 
 def test_the_straggler_columns_name_the_rank_last_most_often_with_its_median_lateness() -> None:

@@ -210,10 +210,26 @@ def test_unwritable_checkpoint_dir_on_one_rank_stops_all(tmp_path, comm, capsys,
 
 def test_resume_without_checkpoint_fails_on_every_rank(tmp_path, comm, capsys):
     directory = shared_directory(tmp_path, comm)
+    if comm.Get_rank() == 0:
+        (directory / "empty").mkdir()
+    comm.barrier()
     status = train.main(["--checkpoint-dir", str(directory / "empty"), "--resume"])
     err = capsys.readouterr().err
     ok = status == 2 and (comm.Get_rank() != 0 or (
         f"--resume: {directory / 'empty'} holds no checkpoint yet: run without --resume to start the run" in err))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_resume_from_a_missing_directory_is_refused_without_creating_it(tmp_path, comm, capsys):
+    """A mistyped --checkpoint-dir with --resume: refused, and not left behind as an empty directory."""
+    missing = shared_directory(tmp_path, comm) / "runs" / "a"
+    status = train.main(["--checkpoint-dir", str(missing), "--resume"])
+    err = capsys.readouterr().err
+    comm.barrier()
+    ok = status == 2 and not missing.parent.exists() and (comm.Get_rank() != 0 or (
+        f"hpcdl train: error: --resume: --checkpoint-dir {missing} does not exist, so there is no checkpoint "
+        "to resume from; give the directory of the run to resume, or run without --resume to start one "
+        "there\n" == err))
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
@@ -304,13 +320,16 @@ def test_ranks_started_with_different_options_are_refused(comm, capsys):
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
-@pytest.mark.parametrize("flag,name", [("--timeline", "trace.json"), ("--metrics", "metrics.csv")])
+@pytest.mark.parametrize("flag,name", [("--timeline", "trace.json"), ("--metrics", "metrics.csv"),
+                                       ("--metrics", "runs")])
 def test_output_path_that_is_a_directory_is_refused(flag, name, tmp_path, comm, capsys):
+    """One line, the directory's: `--metrics runs` named its missing extension as well (two lines)."""
     path = shared_directory(tmp_path, comm) / name
     path.mkdir(exist_ok=True)
     status = train.main([flag, str(path)])
     err = capsys.readouterr().err
-    ok = status == 2 and (comm.Get_rank() != 0 or f"{flag} {path}: is a directory" in err)
+    ok = status == 2 and (comm.Get_rank() != 0 or err == f"hpcdl train: error: {flag} {path}: is a directory; "
+                                                         "give the path of a file to write\n")
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
@@ -452,7 +471,15 @@ def test_resume_refuses_a_different_job_shape(tmp_path, comm, capsys):
     capsys.readouterr()
     status = train.main(argv[:3] + ["32"] + argv[4:] + ["--resume"])
     err = capsys.readouterr().err
-    ok = status == 2 and (comm.Get_rank() != 0 or "batch_size 64 (this run: 32)" in err)
+    ok = status == 2 and (comm.Get_rank() != 0 or "was made with --batch-size 64 (this run: 32); resume with "
+                          "the same options, or start afresh with a new --checkpoint-dir\n" in err)
+    # A finished run resumed with more epochs: --epochs named, not the warm-up it derives (0.5 then, 1 now).
+    status = train.main(["--epochs", "2"] + argv[2:] + ["--resume"])
+    err = capsys.readouterr().err
+    ok &= status == 2 and (comm.Get_rank() != 0 or (
+        "was made with --epochs 1 (this run: 2); --epochs cannot change on resume: the learning rate decays "
+        "to zero over the --epochs a run starts with" in err and "warmup" not in err and "resume with --epochs 1, "
+        "or train 2 epochs afresh with a new --checkpoint-dir\n" in err and err.count("\n") == 1))
     assert all_ranks_agree(ok, comm), err
 
 
@@ -484,6 +511,32 @@ def test_hpcdl_train_on_four_ranks_reaches_95_percent(tmp_path):
     assert rows[-1]["accuracy"] >= 0.95, rows[-1]
     assert "final held-out accuracy" in done.stdout and "samples/s" in done.stdout
     assert done.stdout.count("epoch   6/6") == 1  # printed by rank 0 only
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_the_epoch_line_shows_the_gradient_exchange_only_where_one_happened(comm, capsys):
+    """On 1 rank nothing is exchanged: `sent 0 MB/rank` and no ratio (it said `= fp32/inf`)."""
+    status = train.main(["--epochs", "1", "--batch-size", "128"])
+    out = capsys.readouterr().out
+    epoch = [line for line in out.splitlines() if line.startswith("epoch   1/1")]
+    ok = status == 0 and (comm.Get_rank() != 0 or (
+        epoch[0].endswith("  sent 0 MB/rank") if comm.Get_size() == 1 else epoch[0].endswith("MB/rank = fp32/1")))
+    assert all_ranks_agree(ok, comm), out
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts its own process; N = 1 job only")
+def test_hpcdl_train_without_mpirun_notes_the_one_rank_once(tmp_path):
+    """Started without mpirun: one note on stderr saying how to train on more ranks; its epoch line
+    shows no exchange that did not happen (it said `gradients 0 MB/rank = fp32/inf`)."""
+    done = subprocess.run([sys.executable, "-m", "hpcdl", "train", "--epochs", "1", "--batch-size", "128"],
+                          cwd=tmp_path, env=own_job_environment(PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ("hpcdl train: note: training on 1 rank (started without mpirun or srun); start the "
+                           "command under `mpirun -n 4` (e.g. `mpirun -n 4 hpcdl train ...`) to train on 4 "
+                           "ranks\n"), done.stderr
+    epoch = next(line for line in done.stdout.splitlines() if line.startswith("epoch   1/1"))
+    assert epoch.endswith("  sent 0 MB/rank") and "fp32" not in epoch, epoch
 
 
 def test_the_diagnosis_options_are_what_every_wait_reads(tmp_path, monkeypatch):
