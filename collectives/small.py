@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 import numpy as np
 from mpi4py import MPI
 
-from . import channels
+from . import channels, hot
 from .channels import channel_of
 from .errors import CollectiveArgumentError
 from .expectation import LibraryPlan
@@ -230,3 +230,45 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
         if channel.intruders:
             channel.intruded()
     return result
+
+
+def settle(channel: Channel, plan: LibraryPlan, number: int, site: tuple[int, str], x: np.ndarray,
+           out: Any, record: list[Any] | None, error: int) -> Any:
+    """End call `number`, the expected call on the compiled path (`hot.py`), where its library
+    allreduce failed (`error`, the MPI error code) or some rank declined (`error` 0), as
+    `allreduce_now` ends it: checked and run in full, or failed; then left."""
+    try:
+        if error:
+            raise MPI.Exception(error)
+        result = plan.checked(channel.blocking, number, site, x, out)
+        channel.completed = number
+    except CollectiveArgumentError:  # refused on every rank alike: the call is over everywhere
+        channel.completed = number
+        channel.expectation.refused(number)
+        raise
+    except MPI.Exception as exc:
+        channel.fail("allreduce", number, exc)
+    finally:
+        if record is not None:
+            record[LEFT] = monotonic()
+        channel.busy.release()  # `Channel.leave`
+        if channel.intruders:
+            channel.intruded()
+    return result
+
+
+def _finished(plan: LibraryPlan, x: np.ndarray, out: Any) -> Any:
+    """The expected call's result where avg divides (`LibraryPlan.finished`), for the compiled path."""
+    return plan.finished(plan.data if x.ndim == 1 else plan.data.reshape(x.shape), out)
+
+
+#: A blocking allreduce of a NumPy array on its small plan (`allreduce_now`'s contract): compiled
+#: where `hot.COMPILED`, which hands every call but the common expected one to `allreduce_now`.
+blocking_allreduce: Callable[[np.ndarray, Any, str, str, Any], Any] = allreduce_now
+if hot.COMPILED and _ENCODED is not None:
+    hot.configure(fallback=allreduce_now, settle=settle, finished=_finished, channels=vars(channels),
+                  recorder=RECORDER, sites=SITES, check_sites=CHECK_CALL_SITES, environment=_ENCODED,
+                  override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray,
+                  handle_size=MPI._sizeof(MPI.Comm), handleof=MPI._handleof, channel_of=channel_of,
+                  comm_handle=MPI.__pyx_capi__["PyMPIComm_Get"])
+    blocking_allreduce = hot.allreduce_now
