@@ -540,10 +540,10 @@ static PyObject *fall_back(PyObject *const *args) {
     return PyObject_Vectorcall(S.fallback, args, 5, NULL);
 }
 
+static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected, PyObject *const *args);
+
 /* The call on the channel `channel_object` (held by the caller). */
 static PyObject *expected_call(PyObject *channel_object, PyObject *const *args) {
-    PyObject *x_object = args[0], *op = args[2], *algorithm = args[3], *out = args[4];
-    Array *x = (Array *)x_object;
     ChannelCore *channel = (ChannelCore *)channel_object;
     if (!channel->busy || Py_TYPE(channel->busy) != &Busy_Type || ((Busy *)channel->busy)->held ||
         channel->blocking == channel->background || !channel->blocking || channel->freed ||
@@ -558,6 +558,18 @@ static PyObject *expected_call(PyObject *channel_object, PyObject *const *args) 
         channel->calls != expectation->number || !expectation->follows || /* the next call's number */
         !PyDict_CheckExact(expectation->follows))
         return fall_back(args);
+    Py_INCREF(expected); /* held: compared again, by identity, once the plan and site are found */
+    PyObject *result = expected_plan_call(channel_object, expected, args);
+    Py_DECREF(expected);
+    return result;
+}
+
+/* The call on `channel_object` where `expected` (held by the caller) is its expectation's. */
+static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected, PyObject *const *args) {
+    PyObject *x_object = args[0], *op = args[2], *algorithm = args[3], *out = args[4];
+    Array *x = (Array *)x_object;
+    ChannelCore *channel = (ChannelCore *)channel_object;
+    ExpectationCore *expectation = (ExpectationCore *)channel->expectation;
     PlanCore *plan = (PlanCore *)PyTuple_GET_ITEM(expected, 0);
     if (!plan->what)
         return fall_back(args);
@@ -579,6 +591,13 @@ static PyObject *expected_call(PyObject *channel_object, PyObject *const *args) 
     RecorderCore *recorder = (RecorderCore *)S.recorder;
     if (recorder->capacity && (!recorder->ring || !PyList_CheckExact(recorder->ring) ||
                                PyList_GET_SIZE(recorder->ring) != recorder->capacity))
+        return fall_back(args);
+    /* The lookups above may have run Python code (where the memos missed), and so other threads:
+     * the channel's state is read again, just before the call is taken. */
+    if (((Busy *)channel->busy)->held || (channel->last && channel->last != Py_None) ||
+        (channel->failure && channel->failure != Py_None) || channel->freed ||
+        (PyObject *)expectation != channel->expectation || expectation->expected != expected ||
+        channel->calls != expectation->number)
         return fall_back(args);
 
     /* The call is the expected one: from here on it is this rank's call `number`. */

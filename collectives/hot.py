@@ -3,8 +3,10 @@
 At 8 bytes the MPI library's allreduce costs ~0.3 µs on a prepared buffer, and each Python step
 around it (a lookup, a lock, a record, a copy) 0.05-0.15 µs: `small.allreduce_now`'s ~2.2 µs of
 bookkeeping for the expected call (`expectation.py`) is what the compiled path replaces, doing the
-same steps in C for the common case (COMM_WORLD, the plan and call site seen before, nothing
-outstanding, no failure) and handing every other call, untouched, to the Python path.
+same steps in C for the common case (a communicator, plan and call site it has seen before, no
+`i*` call outstanding, no failure, no other thread in a call) and handing every other call,
+untouched, to the Python path (P=2, 8 B: 1.3x the direct library call, 2.7x in Python;
+docs/collectives.md#small-messages).
 
 Both paths read and write the same state: the classes whose fields the compiled path reads derive
 from the bases here (`ChannelCore`: channels.Channel; `ExpectationCore`: expectation.Expectation;

@@ -14,7 +14,9 @@ C-ordered array like it) finds its plan in its lane's cache, by shape, dtype, op
   own check where every rank expected the call.
 
 Every other call (None in the cache) takes the general path (`execution.py`), which also finds
-and reports every argument error, on every rank.
+and reports every argument error, on every rank. Where the package was built with a compiler, the
+public function calls `blocking_allreduce`, the expected call compiled (`hot.py`), which hands
+every call but the common expected one to `allreduce_now`.
 """
 from __future__ import annotations
 
