@@ -87,18 +87,25 @@ def compiled_calls() -> int:
     return int(_hot.compiled_calls()) if COMPILED else 0
 
 
-def configure(**settings: Any) -> None:
+def configure(**settings: Any) -> bool:
     """Hand the compiled path what it reads (`small.py` does, once): `settings`, and the addresses
     of MPI_Allreduce and MPI_Finalized in the very library mpi4py loaded (dlsym on mpi4py's
-    module searches the libraries it depends on), so no MPI header is compiled against."""
+    module searches the libraries it depends on), so no MPI header is compiled against. False
+    where they are not found that way (the Python path then takes every call)."""
     import ctypes
 
     from mpi4py import MPI
 
-    library = ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD)
-    address = {name: ctypes.cast(library[name], ctypes.c_void_p).value
-               for name in ("MPI_Allreduce", "MPI_Finalized")}
+    try:
+        library = ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD)
+        address = {name: ctypes.cast(library[name], ctypes.c_void_p).value
+                   for name in ("MPI_Allreduce", "MPI_Finalized")}
+    except (OSError, AttributeError):
+        return False
+    if not all(address.values()):
+        return False
     _hot.configure(**settings, allreduce=address["MPI_Allreduce"], finalized=address["MPI_Finalized"])
+    return True
 
 
 def allreduce_now(x: Any, comm: Any, op: str, algorithm: str, out: Any) -> Any:

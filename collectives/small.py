@@ -267,10 +267,9 @@ def _finished(plan: LibraryPlan, x: np.ndarray, out: Any) -> Any:
 #: A blocking allreduce of a NumPy array on its small plan (`allreduce_now`'s contract): compiled
 #: where `hot.COMPILED`, which hands every call but the common expected one to `allreduce_now`.
 blocking_allreduce: Callable[[np.ndarray, Any, str, str, Any], Any] = allreduce_now
-if hot.COMPILED and _ENCODED is not None:
-    hot.configure(fallback=allreduce_now, settle=settle, finished=_finished, channels=vars(channels),
-                  recorder=RECORDER, sites=SITES, check_sites=CHECK_CALL_SITES, environment=_ENCODED,
-                  override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray,
-                  handle_size=MPI._sizeof(MPI.Comm), handleof=MPI._handleof, channel_of=channel_of,
-                  comm_handle=MPI.__pyx_capi__["PyMPIComm_Get"])
+if hot.COMPILED and _ENCODED is not None and hot.configure(
+        fallback=allreduce_now, settle=settle, finished=_finished, channels=vars(channels),
+        recorder=RECORDER, sites=SITES, check_sites=CHECK_CALL_SITES, environment=_ENCODED,
+        override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray, handle_size=MPI._sizeof(MPI.Comm),
+        handleof=MPI._handleof, channel_of=channel_of, comm_handle=MPI.__pyx_capi__["PyMPIComm_Get"]):
     blocking_allreduce = hot.allreduce_now
