@@ -403,7 +403,8 @@ static int reaches(PlanCore *plan, PyObject *lane, Array *x, PyObject *op, PyObj
     }
     if (x->nd <= MOST_DIMS && plan->m_descr == x->descr && plan->m_op == op &&
         plan->m_algorithm == algorithm && plan->m_nd == x->nd && plan->m_override == override &&
-        plan->m_tuning == tuning && memcmp(plan->m_dims, x->dimensions, x->nd * sizeof(Py_ssize_t)) == 0)
+        plan->m_tuning == tuning &&
+        (x->nd == 0 || memcmp(plan->m_dims, x->dimensions, x->nd * sizeof(Py_ssize_t)) == 0))
         return 1;
     if (x->nd > MOST_DIMS || !PyUnicode_CheckExact(op) || !PyUnicode_CheckExact(algorithm))
         return 0;
@@ -453,7 +454,8 @@ static int reaches(PlanCore *plan, PyObject *lane, Array *x, PyObject *op, PyObj
     Py_INCREF(override); Py_XSETREF(plan->m_override, override);
     Py_INCREF(tuning); Py_XSETREF(plan->m_tuning, tuning);
     plan->m_nd = x->nd;
-    memcpy(plan->m_dims, x->dimensions, x->nd * sizeof(Py_ssize_t));
+    if (x->nd) /* a 0-d array's dimensions may be NULL */
+        memcpy(plan->m_dims, x->dimensions, x->nd * sizeof(Py_ssize_t));
     return 1;
 }
 
@@ -500,7 +502,8 @@ static PyObject *site_of(PlanCore *plan, long long *fingerprint) {
     return site;
 }
 
-/* The channel of a communicator other than the default (borrowed), from the few remembered, else
+/* The channel of a communicator other than the default (a new reference: the slot that holds it
+ * may be given to another communicator while the call runs Python code), from the few remembered, else
  * from channels.channel_of (which raises what the Python path raises); NULL without an exception
  * where the Python path should take the call. A communicator is known by its object and handle:
  * a freed one has another handle (MPI_COMM_NULL), and its channel is marked `freed`. */
@@ -514,8 +517,10 @@ static ChannelCore *channel_of(PyObject *comm) {
     for (int i = 0; i < CHANNELS; i++) {
         if (S.channels[i].comm == comm) {
             ChannelCore *channel = (ChannelCore *)S.channels[i].channel;
-            if (S.channels[i].handle == handle && !channel->freed)
+            if (S.channels[i].handle == handle && !channel->freed) {
+                Py_INCREF(channel);
                 return channel;
+            }
             Py_CLEAR(S.channels[i].comm);
             Py_CLEAR(S.channels[i].channel);
         }
@@ -531,6 +536,7 @@ static ChannelCore *channel_of(PyObject *comm) {
     S.next_channel = (i + 1) % CHANNELS;
     Py_INCREF(comm);
     Py_XSETREF(S.channels[i].comm, comm);
+    Py_INCREF(channel);
     Py_XSETREF(S.channels[i].channel, channel);
     S.channels[i].handle = handle;
     return (ChannelCore *)channel;
@@ -564,6 +570,13 @@ static PyObject *expected_call(PyObject *channel_object, PyObject *const *args) 
     return result;
 }
 
+/* Whether `array` is shaped as the plan's memo says (dtype and dimensions): read again just before
+ * the call, since another thread may have resized or reshaped an array meanwhile. */
+static int same_shape(PlanCore *plan, Array *array) {
+    return array->nd == plan->m_nd && array->descr == plan->m_descr && array->nd <= MOST_DIMS &&
+           (array->nd == 0 || memcmp(plan->m_dims, array->dimensions, array->nd * sizeof(Py_ssize_t)) == 0);
+}
+
 /* The call on `channel_object` where `expected` (held by the caller) is its expectation's. */
 static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected, PyObject *const *args) {
     PyObject *x_object = args[0], *op = args[2], *algorithm = args[3], *out = args[4];
@@ -592,18 +605,13 @@ static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected
     if (recorder->capacity && (!recorder->ring || !PyList_CheckExact(recorder->ring) ||
                                PyList_GET_SIZE(recorder->ring) != recorder->capacity))
         return fall_back(args);
-    /* The lookups above may have run Python code (where the memos missed), and so other threads:
-     * the channel's state is read again, just before the call is taken. */
-    if (((Busy *)channel->busy)->held || (channel->last && channel->last != Py_None) ||
-        (channel->failure && channel->failure != Py_None) || channel->freed ||
-        (PyObject *)expectation != channel->expectation || expectation->expected != expected ||
-        channel->calls != expectation->number)
-        return fall_back(args);
 
-    /* The call is the expected one: from here on it is this rank's call `number`. */
+    /* Everything that may run Python code (an allocation may start the garbage collector, and so
+     * other threads) is done before the channel's state is read again: the record, and for
+     * out=None the result array (private to this call, so its size cannot change under it). */
     long long number = channel->calls + 1;
     unsigned long issuer = PyThread_get_thread_ident();
-    PyObject *record = NULL;
+    PyObject *record = NULL, *fresh = NULL;
     if (recorder->capacity) { /* made before anything changes: a failure here changes nothing */
         PyObject *fields[8] = {channel->label, PyLong_FromLongLong(number), plan->what,
                                PyTuple_GET_ITEM(site, 1), Py_None, PyLong_FromUnsignedLong(issuer),
@@ -620,7 +628,36 @@ static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected
             PyList_SET_ITEM(record, i, fields[i]);
         }
     }
-    ((Busy *)channel->busy)->held = 1; /* `Channel.enter` */
+    int finishing = plan->finish && plan->finish != Py_None;
+    if (out == Py_None && !finishing) {
+        fresh = PyObject_CallMethodNoArgs(x_object, S.copy_name);
+        if (!fresh) {
+            Py_XDECREF(record);
+            return NULL;
+        }
+    }
+    /* The lookups above may have run Python code (where the memos missed), and so other threads:
+     * the channel's state, and the arrays' shapes (another thread may resize or reshape them), are
+     * read again, just before the call is taken; nothing between here and taking the flag can run
+     * Python code. */
+    Array *o = (Array *)out, *f = (Array *)fresh;
+    if (((Busy *)channel->busy)->held || (channel->last && channel->last != Py_None) ||
+        (channel->failure && channel->failure != Py_None) || channel->freed ||
+        (PyObject *)expectation != channel->expectation || expectation->expected != expected ||
+        channel->calls != expectation->number || channel->calls + 1 != number ||
+        Py_TYPE(channel->busy) != &Busy_Type || !PyList_Check(channel->intruders) ||
+        !same_shape(plan, x) || !(x->flags & C_CONTIGUOUS) ||
+        (fresh && (Py_TYPE(fresh) != (PyTypeObject *)S.ndarray || !same_shape(plan, f))) ||
+        (out != Py_None && out != x_object && (!same_shape(plan, o) || (o->flags & CARRAY) != CARRAY)) ||
+        (out == x_object && (x->flags & CARRAY) != CARRAY)) {
+        Py_XDECREF(record);
+        Py_XDECREF(fresh);
+        return fall_back(args);
+    }
+
+    /* The call is the expected one: from here on it is this rank's call `number`. */
+    PyObject *flag = Py_NewRef(channel->busy);
+    ((Busy *)flag)->held = 1; /* `Channel.enter` */
     channel->issuer = issuer;
     channel->calls = number;
     if (record) { /* `Recorder.enter` */
@@ -646,14 +683,18 @@ static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected
     case 4: { uint32_t v = (uint32_t)agreeing; memcpy(send + nbytes, &v, 4); break; }
     default: { uint64_t v = (uint64_t)agreeing; memcpy(send + nbytes, &v, 8); break; }
     }
+    /* read while the GIL is held: no other thread may change them during the call */
+    void *function = S.allreduce;
+    int handle_size = S.handle_size, elements = (int)count + 1;
+    intptr_t h_datatype = plan->h_datatype, h_op = plan->h_op, h_comm = plan->h_comm;
     int error;
     Py_BEGIN_ALLOW_THREADS
-    if (S.handle_size == 8)
-        error = ((Allreduce8)S.allreduce)(send, receive, (int)count + 1, (void *)plan->h_datatype,
-                                          (void *)plan->h_op, (void *)plan->h_comm);
+    if (handle_size == 8)
+        error = ((Allreduce8)function)(send, receive, elements, (void *)h_datatype, (void *)h_op,
+                                       (void *)h_comm);
     else
-        error = ((Allreduce4)S.allreduce)(send, receive, (int)count + 1, (int32_t)plan->h_datatype,
-                                          (int32_t)plan->h_op, (int32_t)plan->h_comm);
+        error = ((Allreduce4)function)(send, receive, elements, (int32_t)h_datatype, (int32_t)h_op,
+                                       (int32_t)h_comm);
     Py_END_ALLOW_THREADS
     PyObject *result = NULL;
     if (error == 0) {
@@ -672,17 +713,30 @@ static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected
             result = PyObject_Vectorcall(S.settle, rest, 8, NULL);
         Py_XDECREF(rest[2]);
         Py_XDECREF(rest[7]);
-        if (!rest[2] || !rest[7]) { /* no memory even for that: leave the call as the finally does */
-            ((Busy *)channel->busy)->held = 0;
-        }
+        /* Where settle did not get to leave the call (no memory to call it, a RecursionError on
+         * entering it, its `finally` failing before the flag was given back), the call is still
+         * this one's: it is left here, as that `finally` would. */
+        if (!result && ((Busy *)flag)->held && channel->calls == number && channel->issuer == issuer)
+            goto leave;
         goto done;
     }
-    /* `Expectation.confirmed` */
+    /* `Expectation.confirmed`: (ident, call site), remade where the memo's is another site's */
+    long long fingerprint_now = PyLong_AsLongLong(PyTuple_GET_ITEM(site, 0));
+    if (fingerprint_now == -1 && PyErr_Occurred())
+        goto leave;
     PyObject *last = plan->m_last;
+    if (last) {
+        long long was = PyLong_AsLongLong(PyTuple_GET_ITEM(last, 1));
+        if (was == -1 && PyErr_Occurred())
+            PyErr_Clear();
+        if (was != fingerprint_now || PyTuple_GET_ITEM(last, 0) != plan->ident)
+            last = NULL;
+    }
     if (!last) {
-        last = plan->m_last = PyTuple_Pack(2, plan->ident, PyTuple_GET_ITEM(site, 0));
+        last = PyTuple_Pack(2, plan->ident, PyTuple_GET_ITEM(site, 0));
         if (!last)
             goto leave;
+        Py_XSETREF(plan->m_last, last);
     }
     Py_INCREF(last);
     Py_SETREF(expectation->last, last);
@@ -692,15 +746,16 @@ static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected
         goto leave;
     Py_SETREF(expectation->expected, Py_NewRef(next ? next : Py_None));
     /* the result: `LibraryPlan.finished` */
-    if (plan->finish && plan->finish != Py_None) {
+    if (finishing) {
         result = PyObject_CallFunctionObjArgs(S.finished, (PyObject *)plan, x_object, out, NULL);
     } else if (out == Py_None) {
-        result = PyObject_CallMethodNoArgs(x_object, S.copy_name);
-        if (result)
-            memcpy(((Array *)result)->data, receive, (size_t)nbytes);
-    } else {
-        memcpy(((Array *)out)->data, receive, (size_t)nbytes);
+        memcpy(f->data, receive, (size_t)nbytes); /* `fresh`: this call's own, of nbytes */
+        result = Py_NewRef(fresh);
+    } else if (same_shape(plan, o) && (o->flags & CARRAY) == CARRAY) {
+        memcpy(o->data, receive, (size_t)nbytes);
         result = Py_NewRef(out);
+    } else { /* `out` changed during the call (another thread): np.copyto says what happens */
+        result = PyObject_CallFunctionObjArgs(S.finished, (PyObject *)plan, x_object, out, NULL);
     }
     if (result) {
         channel->completed = number;
@@ -708,14 +763,20 @@ static PyObject *expected_plan_call(PyObject *channel_object, PyObject *expected
     }
 leave: /* the finally: left, the flag given back, intruders reported */
     if (record) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback); /* kept across the float's allocation */
         PyObject *left = PyFloat_FromDouble(monotonic());
-        if (left)
+        if (left) {
             PyList_SetItem(record, 7, left);
-        else
+            PyErr_Restore(type, value, traceback);
+        } else {
+            Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(traceback);
             Py_CLEAR(result);
+        }
     }
-    ((Busy *)channel->busy)->held = 0;
-    if (PyList_GET_SIZE(channel->intruders)) { /* raises, in place of any error the call raised */
+    ((Busy *)flag)->held = 0;
+    if (PyList_Check(channel->intruders) && PyList_GET_SIZE(channel->intruders)) {
+        /* raises, in place of any error the call raised */
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(traceback);
@@ -724,6 +785,8 @@ leave: /* the finally: left, the flag given back, intruders reported */
         Py_CLEAR(result);
     }
 done:
+    Py_DECREF(flag);
+    Py_XDECREF(fresh);
     Py_XDECREF(record);
     Py_DECREF(site);
     Py_DECREF(buffer);
@@ -754,7 +817,7 @@ static PyObject *allreduce_now(PyObject *module, PyObject *const *args, Py_ssize
         Array *o = (Array *)out;
         if (Py_TYPE(out) != (PyTypeObject *)S.ndarray || !(x->flags & C_CONTIGUOUS) ||
             (o->flags & CARRAY) != CARRAY || o->nd != x->nd || o->descr != x->descr ||
-            memcmp(o->dimensions, x->dimensions, x->nd * sizeof(Py_ssize_t)) != 0)
+            (x->nd && memcmp(o->dimensions, x->dimensions, x->nd * sizeof(Py_ssize_t)) != 0))
             return fall_back(args);
     }
     /* the channel: COMM_WORLD's as small.allreduce_now reads it, or another communicator's */
@@ -766,12 +829,12 @@ static PyObject *allreduce_now(PyObject *module, PyObject *const *args, Py_ssize
         channel_object = PyDict_GetItemWithError(S.channels_module, S.world_name); /* channels.world */
         if (!channel_object || !PyObject_TypeCheck(channel_object, &ChannelCore_Type))
             return PyErr_Occurred() ? NULL : fall_back(args);
-    } else {
+        Py_INCREF(channel_object); /* alive until the call is over, whatever the others do meanwhile */
+    } else { /* owned, as the world's above */
         channel_object = (PyObject *)channel_of(comm);
         if (!channel_object)
             return PyErr_Occurred() ? NULL : fall_back(args);
     }
-    Py_INCREF(channel_object); /* alive until the call is over, whatever the others do meanwhile */
     PyObject *result = expected_call(channel_object, args);
     Py_DECREF(channel_object);
     return result;

@@ -515,6 +515,46 @@ def test_an_mpi_error_in_the_compiled_call_ends_it_as_on_the_python_path(path: s
     assert all_ranks_agree(ok and _in_step(side, "mpi"), comm), (raised, record)
 
 
+def test_a_failed_call_is_left_even_where_settling_it_fails(path: str, comm: MPI.Comm,
+                                                           side: MPI.Comm) -> None:
+    """The expected call's library call fails at a depth where ending it in Python
+    (`small.settle`) raises RecursionError on entry or in its `finally`: the call is still left
+    (the flag given back, its record's `left` set), so the next call is not refused as
+    concurrent use (before: `busy` stayed held for good). Swept over the depths near the limit."""
+    if path != "compiled":
+        pytest.skip("a stand-in library function is the compiled path's")
+    x = np.ones(N, np.float32)
+    channel = channel_of(side)
+
+    def at(depth: int) -> Any:
+        return at(depth - 1) if depth else _step(x, side, "sum", "mpi")
+
+    here, frame = 0, sys._getframe()
+    while frame is not None:
+        here, frame = here + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    problems = []
+    sys.setrecursionlimit(here + 60)
+    try:
+        for depth in range(30, 62):
+            for _ in range(3):  # learnt: the next call is expected
+                _step(x, side, "sum", "mpi")
+            real = hot.use_allreduce(ctypes.cast(_FAILING, ctypes.c_void_p).value or 0)
+            try:
+                at(depth)
+            except (RecursionError, MPI.Exception):
+                pass
+            finally:
+                hot.use_allreduce(real)
+            record = RECORDER.records()[-1]
+            if channel.busy.locked() or (record["number"] == channel.calls and not record["left"] > 0):
+                problems.append(f"depth {depth}: busy {channel.busy.locked()}, record {record}")
+                break
+    finally:
+        sys.setrecursionlimit(limit)
+    assert all_ranks_agree(not problems and _in_step(side, "mpi"), comm), problems
+
+
 def test_hpcdl_compiled_0_leaves_only_the_python_path(comm: MPI.Comm, path: str) -> None:
     """HPCDL_COMPILED=0 at import: plain Python bases, a threading.Lock as the busy flag, the
     expected call on the Python path (nothing compiled), exact; and without it, where the
