@@ -87,24 +87,61 @@ def compiled_calls() -> int:
     return int(_hot.compiled_calls()) if COMPILED else 0
 
 
-def configure(**settings: Any) -> bool:
-    """Hand the compiled path what it reads (`small.py` does, once): `settings`, and the addresses
-    of MPI_Allreduce and MPI_Finalized in the very library mpi4py loaded (dlsym on mpi4py's
-    module searches the libraries it depends on), so no MPI header is compiled against. False
-    where they are not found that way (the Python path then takes every call)."""
+#: Whether `configure` has warned that the compiled path is off (it warns once per process).
+_warned = False
+
+
+def _symbol(scopes: list[Any], name: str) -> int | None:
+    """The address of the C function `name` in the first of `scopes` that has it."""
     import ctypes
 
-    from mpi4py import MPI
+    for scope in scopes:
+        try:
+            address = ctypes.cast(scope[name], ctypes.c_void_p).value
+        except AttributeError:
+            continue
+        if address:
+            return int(address)
+    return None
 
+
+def configure(**settings: Any) -> bool:
+    """Hand the compiled path what it reads (`small.py` does, once): `settings`, what it needs of
+    mpi4py (the size of an MPI handle, `MPI._handleof`, the C API's PyMPIComm_Get), and the
+    addresses of MPI_Allreduce and MPI_Finalized, so no MPI header is compiled against. False
+    where any of it cannot be had (then the Python path takes every call): the compiled path is
+    optional, and `import collectives` must not fail for it (a RuntimeWarning says what failed)."""
+    global _warned
     try:
-        library = ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD)
-        address = {name: ctypes.cast(library[name], ctypes.c_void_p).value
-                   for name in ("MPI_Allreduce", "MPI_Finalized")}
-    except (OSError, AttributeError):
+        import ctypes
+
+        from mpi4py import MPI
+
+        # The functions as any other call in the process resolves them (dlsym(RTLD_DEFAULT): mpi4py's
+        # own calls are bound so), which finds an LD_PRELOADed wrapper of MPI (mpiP, Score-P,
+        # Darshan) before the library: a lookup on mpi4py's module handle alone would call the
+        # library directly and hide the compiled path's calls from the wrapper. That handle (which
+        # searches the libraries mpi4py depends on) only where the process-wide scope has no MPI.
+        scopes: list[Any] = [ctypes.CDLL(None)]
+        try:
+            scopes.append(ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD))
+        except OSError:
+            pass
+        address = {name: _symbol(scopes, name) for name in ("MPI_Allreduce", "MPI_Finalized")}
+        missing = [name for name, value in address.items() if not value]
+        if missing:
+            raise LookupError(f"{' and '.join(missing)} not found from mpi4py's module")
+        _hot.configure(**settings, allreduce=address["MPI_Allreduce"], finalized=address["MPI_Finalized"],
+                       handle_size=MPI._sizeof(MPI.Comm), handleof=MPI._handleof,
+                       comm_handle=MPI.__pyx_capi__["PyMPIComm_Get"])
+    except Exception as exc:  # anything this mpi4py or MPI does otherwise: the Python path
+        if not _warned:
+            _warned = True
+            import warnings
+
+            warnings.warn(f"collectives: the compiled expected call is off, the Python path takes every "
+                          f"call ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
         return False
-    if not all(address.values()):
-        return False
-    _hot.configure(**settings, allreduce=address["MPI_Allreduce"], finalized=address["MPI_Finalized"])
     return True
 
 

@@ -264,12 +264,13 @@ def _finished(plan: LibraryPlan, x: np.ndarray, out: Any) -> Any:
     return plan.finished(plan.data if x.ndim == 1 else plan.data.reshape(x.shape), out)
 
 
+#: What the compiled path reads of this module (`hot.configure`).
+HOT_SETTINGS: dict[str, Any] = dict(
+    fallback=allreduce_now, settle=settle, finished=_finished, channels=vars(channels),
+    recorder=RECORDER, sites=SITES, check_sites=CHECK_CALL_SITES, environment=_ENCODED,
+    override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray, channel_of=channel_of)
 #: A blocking allreduce of a NumPy array on its small plan (`allreduce_now`'s contract): compiled
 #: where `hot.COMPILED`, which hands every call but the common expected one to `allreduce_now`.
 blocking_allreduce: Callable[[np.ndarray, Any, str, str, Any], Any] = allreduce_now
-if hot.COMPILED and _ENCODED is not None and hot.configure(
-        fallback=allreduce_now, settle=settle, finished=_finished, channels=vars(channels),
-        recorder=RECORDER, sites=SITES, check_sites=CHECK_CALL_SITES, environment=_ENCODED,
-        override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray, handle_size=MPI._sizeof(MPI.Comm),
-        handleof=MPI._handleof, channel_of=channel_of, comm_handle=MPI.__pyx_capi__["PyMPIComm_Get"]):
+if hot.COMPILED and _ENCODED is not None and hot.configure(**HOT_SETTINGS):
     blocking_allreduce = hot.allreduce_now

@@ -555,6 +555,30 @@ def test_a_failed_call_is_left_even_where_settling_it_fails(path: str, comm: MPI
     assert all_ranks_agree(not problems and _in_step(side, "mpi"), comm), problems
 
 
+def test_a_configuration_that_fails_leaves_the_python_path_with_a_warning(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the compiled path needs of mpi4py differs (here: its C API's PyMPIComm_Get under
+    another capsule name, as another Cython may name it): `hot.configure` warns once and returns
+    False, so `import collectives` takes the Python path (before: ValueError out of the import);
+    and where MPI_Allreduce is nowhere to be found, the same."""
+    if path != "python" or not hot.COMPILED:
+        pytest.skip("configures the compiled path, once")
+    from collectives import small
+
+    other = MPI.__pyx_capi__["PyMPIDatatype_Get"]  # a capsule of another name
+    monkeypatch.setattr(hot, "_warned", False)
+    with monkeypatch.context() as patch:
+        patch.setitem(MPI.__pyx_capi__, "PyMPIComm_Get", other)
+        with pytest.warns(RuntimeWarning, match="Python path"):
+            assert hot.configure(**small.HOT_SETTINGS) is False
+        assert hot.configure(**small.HOT_SETTINGS) is False  # warned once
+        patch.setattr(hot, "_symbol", lambda scopes, name: None)
+        monkeypatch.setattr(hot, "_warned", False)
+        with pytest.warns(RuntimeWarning, match="MPI_Allreduce"):
+            assert hot.configure(**small.HOT_SETTINGS) is False
+    assert hot.configure(**small.HOT_SETTINGS) is True  # as configured at import
+
+
 def test_hpcdl_compiled_0_leaves_only_the_python_path(comm: MPI.Comm, path: str) -> None:
     """HPCDL_COMPILED=0 at import: plain Python bases, a threading.Lock as the busy flag, the
     expected call on the Python path (nothing compiled), exact; and without it, where the
