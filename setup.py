@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -31,8 +31,12 @@ setup(
     python_requires=">=3.9",
     # Only the two libraries: benchmarks/ holds scripts and results, tests/ the test suite.
     packages=find_packages(include=["collectives", "collectives.*", "hpcdl", "hpcdl.*"]),
-    package_data={"collectives": ["decision_table.json"]},
+    package_data={"collectives": ["decision_table.json", "_hot.pyi"]},
     cmdclass={"build_py": BuildWithTemplates},
+    # The expected call compiled (collectives/hot.py): optional, so an install without a compiler
+    # (or on a Python it does not support) still works, on the Python path. No MPI header: it
+    # calls the library mpi4py loaded.
+    ext_modules=[Extension("collectives._hot", ["collectives/_hot.c"], optional=True)],
     # collectives needs only these. mpi4py's wheels load whichever MPI they find at run time:
     # the `mpi` extra brings Open MPI (with mpirun) from PyPI for a bare machine; on a cluster,
     # leave it out and use the site MPI (see docs/clusters.md). numpy>=2: collectives/buffers.py

@@ -31,7 +31,7 @@ from mpi4py import MPI
 from .engine import Handle
 from .execution import run_blocking, submit
 from .planning import Call
-from .small import NOT_SMALL, allreduce_now
+from .small import NOT_SMALL, blocking_allreduce
 
 
 def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorithm: str = "auto",
@@ -47,7 +47,7 @@ def allreduce(x: Any, comm: MPI.Comm | None = None, *, op: str = "sum", algorith
     host, an allreduce among one rank per host, a broadcast within each host (docs/algorithms.md).
     """
     if type(x) is np.ndarray:
-        result = allreduce_now(x, comm, op, algorithm, out)
+        result = blocking_allreduce(x, comm, op, algorithm, out)
         if result is not NOT_SMALL:
             return result
     return run_blocking(Call("allreduce", x, comm, op, algorithm, out))

@@ -23,6 +23,7 @@ from .engine import Engine, Handle
 from .errors import CollectiveArgumentError, ConcurrentUseError
 from .expectation import Expectation
 from .failures import Failure, failed_ranks, failure_of, revoke
+from .hot import Busy, ChannelCore
 from .host_communicators import derived_communicators
 from .ops import OPS
 from .select import choose_level, ipc_route, staging_piece
@@ -148,7 +149,7 @@ class Lane:
             settle(link, link.routes)
 
 
-class Channel:
+class Channel(ChannelCore):
     """A user's communicator as the collectives use it: its private duplicate, its call counter,
     the thread issuing a call on it, and its communication thread.
 
@@ -173,7 +174,8 @@ class Channel:
         self.failure: Failure | None = None  # the process failure that ended the collectives
         self._failing = threading.Lock()  # held while a thread records the failure
         self.retired = False  # shrink or agree_completed ended it: its thread and memory are gone
-        self.busy = threading.Lock()  # held while a thread issues a call
+        self.freed = False  # the user's communicator was freed
+        self.busy = Busy()  # held while a thread issues a call (a threading.Lock, or `hot.Busy`)
         self.issuer = 0  # ident of the thread holding `busy`
         self.intruders: list[str] = []  # threads that called while `busy` was held
         self.last: Handle | None = None  # the last `i*` call issued
@@ -290,7 +292,9 @@ def _serial_engine() -> Engine:
 
 
 def _forget_channel(comm: MPI.Comm, keyval: int, channel: Channel) -> None:
-    # The user's communicator is being freed: its communication thread ends after what is queued.
+    # The user's communicator is being freed: its communication thread ends after what is queued,
+    # and the compiled path (`hot.py`) forgets it.
+    channel.freed = True
     if channel.engine is not _serial:
         channel.engine.stop(timeout=0)
 

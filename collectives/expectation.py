@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from .hot import ExpectationCore, PlanCore
 from .ops import DTYPE_CODES, DTYPES, OPS
 from .packet import PLACEMENTS
 from .registry import ALGORITHM_CODES, COLLECTIVE_CODES
@@ -51,7 +52,7 @@ _DTYPE_OF = {code: DTYPES[name] for name, code in DTYPE_CODES.items() if name in
 Key = tuple[int, ...]
 
 
-class LibraryPlan:
+class LibraryPlan(PlanCore):
     """A host allreduce through the MPI library that may run as the expected call: its signature
     (`key`, and `ident`, its number on this communicator), its buffer of `count` elements and the
     one that says whether every rank agreed.
@@ -61,8 +62,8 @@ class LibraryPlan:
     the caller's thread before the call starts (for `i*` calls too), and fetching the duplicate
     there would wait for every rank's first use of the communicator outside any call."""
 
-    __slots__ = ("key", "ident", "signature", "comm", "count", "buffer", "data", "flag", "datatype",
-                 "spec", "mpi_op", "agreeing", "disagreeing", "finish", "what")
+    # ident, comm, count, buffer, datatype, mpi_op, agreeing, finish, what: `hot.PlanCore`'s
+    __slots__ = ("key", "signature", "data", "flag", "spec", "disagreeing")
     what: tuple[Any, ...]  # what its flight records say (`recorder.py`), set by `small._planned`
 
     def __init__(self, key: Key, ident: int, size: int) -> None:
@@ -144,7 +145,7 @@ class LibraryPlan:
         return out
 
 
-class Expectation:
+class Expectation(ExpectationCore):
     """The calls one communicator's ranks agreed on, as far as they decide the next expected call;
     shared by its two lanes, which run its calls one at a time, in order.
 
@@ -154,7 +155,7 @@ class Expectation:
     ended alike on every rank (agreed, or refused everywhere).
     """
 
-    __slots__ = ("last", "number", "expected", "follows", "_idents", "_plans", "_comm", "_size")
+    __slots__ = ("_idents", "_plans", "_comm", "_size")  # last, number, expected, follows: `hot`'s
 
     def __init__(self, comm: Callable[[], MPI.Comm], size: int) -> None:
         self._comm = comm  # the private duplicate, made at the first use

@@ -25,6 +25,8 @@ from time import monotonic
 from types import CodeType, FrameType
 from typing import Any
 
+from .hot import RecorderCore
+
 CAPACITY_VARIABLE = "HPCDL_FLIGHT_RECORDER"
 DEFAULT_CAPACITY = 2000
 #: Frames walked up from a call looking for the caller's program; past this, the last one walked.
@@ -84,7 +86,7 @@ def where(place: tuple[CodeType, int] | None) -> str:
     return f"{code.co_filename}:{line or code.co_firstlineno} in {code.co_name}"
 
 
-class Recorder:
+class Recorder(RecorderCore):
     """A ring of the last `capacity` call records (`capacity` 0: records nothing)."""
 
     def __init__(self, capacity: int) -> None:

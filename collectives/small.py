@@ -14,7 +14,9 @@ C-ordered array like it) finds its plan in its lane's cache, by shape, dtype, op
   own check where every rank expected the call.
 
 Every other call (None in the cache) takes the general path (`execution.py`), which also finds
-and reports every argument error, on every rank.
+and reports every argument error, on every rank. Where the package was built with a compiler, the
+public function calls `blocking_allreduce`, the expected call compiled (`hot.py`), which hands
+every call but the common expected one to `allreduce_now`.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 import numpy as np
 from mpi4py import MPI
 
-from . import channels
+from . import channels, hot
 from .channels import channel_of
 from .errors import CollectiveArgumentError
 from .expectation import LibraryPlan
@@ -230,3 +232,45 @@ def allreduce_now(x: np.ndarray, comm: MPI.Comm | None, op: str, algorithm: str,
         if channel.intruders:
             channel.intruded()
     return result
+
+
+def settle(channel: Channel, plan: LibraryPlan, number: int, site: tuple[int, str], x: np.ndarray,
+           out: Any, record: list[Any] | None, error: int) -> Any:
+    """End call `number`, the expected call on the compiled path (`hot.py`), where its library
+    allreduce failed (`error`, the MPI error code) or some rank declined (`error` 0), as
+    `allreduce_now` ends it: checked and run in full, or failed; then left."""
+    try:
+        if error:
+            raise MPI.Exception(error)
+        result = plan.checked(channel.blocking, number, site, x, out)
+        channel.completed = number
+    except CollectiveArgumentError:  # refused on every rank alike: the call is over everywhere
+        channel.completed = number
+        channel.expectation.refused(number)
+        raise
+    except MPI.Exception as exc:
+        channel.fail("allreduce", number, exc)
+    finally:
+        if record is not None:
+            record[LEFT] = monotonic()
+        channel.busy.release()  # `Channel.leave`
+        if channel.intruders:
+            channel.intruded()
+    return result
+
+
+def _finished(plan: LibraryPlan, x: np.ndarray, out: Any) -> Any:
+    """The expected call's result where avg divides (`LibraryPlan.finished`), for the compiled path."""
+    return plan.finished(plan.data if x.ndim == 1 else plan.data.reshape(x.shape), out)
+
+
+#: What the compiled path reads of this module (`hot.configure`).
+HOT_SETTINGS: dict[str, Any] = dict(
+    fallback=allreduce_now, settle=settle, finished=_finished, channels=vars(channels),
+    recorder=RECORDER, sites=SITES, check_sites=CHECK_CALL_SITES, environment=_ENCODED,
+    override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray, channel_of=channel_of)
+#: A blocking allreduce of a NumPy array on its small plan (`allreduce_now`'s contract): compiled
+#: where `hot.COMPILED`, which hands every call but the common expected one to `allreduce_now`.
+blocking_allreduce: Callable[[np.ndarray, Any, str, str, Any], Any] = allreduce_now
+if hot.COMPILED and _ENCODED is not None and hot.configure(**HOT_SETTINGS):
+    blocking_allreduce = hot.allreduce_now

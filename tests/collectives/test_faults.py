@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives
-from collectives import CollectiveArgumentError, ConcurrentUseError
+from collectives import CollectiveArgumentError, ConcurrentUseError, hot
 from collectives.algorithms import mpi as mpi_algorithm
 from tests.conftest import all_ranks_agree
 from tests.run import own_job_environment
@@ -108,19 +108,29 @@ def test_inter_communicators_are_refused_on_every_rank(comm: MPI.Comm) -> None:
     assert all_ranks_agree(ok, comm), messages
 
 
-@pytest.mark.parametrize("algorithm", ["butterfly", "mpi"])  # riding in the check; the library's
+# riding in the check; the library's; the library's as the expected call (compiled where built)
+@pytest.mark.parametrize("algorithm", ["butterfly", "mpi", "expected mpi"])
 def test_two_threads_on_one_communicator_raise_on_both(algorithm: str, comm: MPI.Comm,
                                                        side: MPI.Comm) -> None:
     """On every rank but 0, thread A is inside an allreduce (rank 0 holds back) when thread B
     calls one on the same communicator: B raises at once, A when its call ends. Before, the two
     threads' messages mixed silently. (An `mpi` call that waited for the private duplicate while
-    planning, before it counted as under way, kept B waiting for A and A for rank 0.)"""
+    planning, before it counted as under way, kept B waiting for A and A for rank 0.) "expected
+    mpi": A's call is the one every rank expects (learnt first), so it runs as the expected call."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         pytest.skip("needs a rank to hold the others' call open")
     control = comm.Dup()
     outcome: dict[str, Any] = {}
     inside = threading.Event()
+    expected, algorithm = algorithm == "expected mpi", algorithm.split()[-1]
+
+    def call_a() -> Any:  # one line: a call is expected at the line it was learnt at
+        return collectives.allreduce(np.ones(4), side, algorithm=algorithm)
+
+    for _ in range(3 if expected else 0):
+        call_a()
+    compiled = hot.compiled_calls()
 
     def thread_a() -> None:
         if rank == 0:  # joins once every other rank has seen thread B refused
@@ -129,7 +139,7 @@ def test_two_threads_on_one_communicator_raise_on_both(algorithm: str, comm: MPI
         else:
             inside.set()
         try:
-            outcome["a"] = collectives.allreduce(np.ones(4), side, algorithm=algorithm)
+            outcome["a"] = call_a()
         except ConcurrentUseError as exc:
             outcome["a"] = exc
 
@@ -152,6 +162,7 @@ def test_two_threads_on_one_communicator_raise_on_both(algorithm: str, comm: MPI
         ok = (isinstance(outcome.get("b"), ConcurrentUseError) and "comm.Dup()" in str(outcome["b"])
               and isinstance(outcome.get("a"), ConcurrentUseError)
               and "thread-A" in str(outcome["a"]) and "MainThread" in str(outcome["a"]))
+    ok &= hot.compiled_calls() - compiled == (1 if expected and hot.COMPILED else 0)  # A's call
     after = collectives.allreduce(np.ones(2), side)  # the communicator still works
     control.Free()
     assert all_ranks_agree(ok and np.all(after == size), comm), outcome

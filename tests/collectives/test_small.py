@@ -7,9 +7,16 @@ two the decision table names for the rank count (`select.py`). Each test first w
 plan up (the same call a few times: cached, and for `mpi` expected), then changes something on one
 rank: every rank must raise what the general path raises, none may hang, and the communicator must
 be in step afterwards. Results are compared bit for bit with exact references.
+
+Every test runs on both paths of the expected call: compiled (`collectives/hot.py`, where built)
+and Python (`small.allreduce_now`).
 """
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import subprocess
+import sys
 from typing import Any, Callable
 
 import numpy as np
@@ -18,11 +25,12 @@ from mpi4py import MPI
 
 import collectives
 from tests.helpers.arrays import bitwise_equal, rank_data, reduce_reference
-from collectives import CollectiveArgumentError, expectation
+from collectives import CollectiveArgumentError, expectation, hot
 from collectives.channels import channel_of
 from collectives.recorder import RECORDER
 from collectives.validation import Agreement
 from tests.conftest import all_ranks_agree
+from tests.run import own_job_environment
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -30,6 +38,16 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 #: them at these sizes (the built-in table's choice for the rank count).
 SMALL = ["auto", "butterfly", "mpi"]
 N = 4
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def path(request: pytest.FixtureRequest) -> Any:
+    """The test on the compiled path of the expected call (`hot.py`), then on the Python one."""
+    if request.param == "compiled" and not hot.COMPILED:
+        pytest.skip("the compiled path is not built here (or HPCDL_COMPILED=0)")
+    was = hot.enable(request.param == "compiled")
+    yield request.param
+    hot.enable(was)
 
 
 @pytest.fixture
@@ -419,3 +437,165 @@ def test_auto_takes_the_expected_call_where_the_table_names_mpi(comm: MPI.Comm, 
         ok &= bitwise_equal(got, (np.arange(N) * size).astype(y.dtype)) is None
         ok &= exchanges[0] - before == 1 and RECORDER.records()[-1]["algorithm"] == "butterfly"
     assert all_ranks_agree(ok and _in_step(side, "auto"), comm), (expected_calls, records, message)
+
+
+def test_the_expected_call_takes_the_compiled_path_where_built(path: str, comm: MPI.Comm,
+                                                               side: MPI.Comm) -> None:
+    """Once learnt, every expected `mpi` call (new array, into `out`, in place, 2-d, avg) runs on
+    the compiled path where it is built and enabled (its counter counts them), on neither
+    otherwise, and gives the exact result."""
+    size = comm.Get_size()
+    x, out, inplace = np.ones(4, np.float32), np.empty(4, np.float32), np.ones((2, 3), np.float64)
+    problems = []
+    for i in range(6):
+        before = hot.compiled_calls()
+        got = [collectives.allreduce(x, side, algorithm="mpi"),
+               collectives.allreduce(x, side, algorithm="mpi", out=out),
+               collectives.allreduce(inplace, side, algorithm="mpi", out=inplace),
+               collectives.allreduce(x, side, op="avg", algorithm="mpi")]
+        want = [np.full(4, size, np.float32), np.full(4, size, np.float32),
+                np.full((2, 3), size ** (i + 1), np.float64), np.ones(4, np.float32)]
+        problems += [f"round {i} call {k}: {p}" for k, (g, w) in enumerate(zip(got, want))
+                     if (p := bitwise_equal(g, w))]
+        compiled = hot.compiled_calls() - before
+        if i >= 2 and compiled != (4 if path == "compiled" else 0):  # learnt after the first round
+            problems.append(f"round {i}: {compiled} calls compiled")
+    problems += [] if got[1] is out and got[2] is inplace else ["out not returned"]
+    assert all_ranks_agree(not problems, comm), problems
+
+
+def test_ranks_on_either_path_meet_in_the_same_calls(path: str, comm: MPI.Comm, side: MPI.Comm) -> None:
+    """The even ranks on this test's path, the odd ones on the other: they make the same library
+    calls, so results are exact and a changed count on the last rank raises on every rank."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if rank % 2:
+        hot.enable(path != "compiled")
+    x = np.arange(N, dtype=np.float32)
+    problems = [f"call {i}: {p}" for i in range(5)
+                if (p := bitwise_equal(_step(x, side, "sum", "mpi"), x * size))]
+    odd = rank == size - 1 and size > 1
+    message = _error(lambda: _step(np.ones(N + 1, np.float32) if odd else x, side, "sum", "mpi"))
+    if (message is None) != (size == 1) or (message and "different element counts" not in message):
+        problems.append(f"the changed count: {message}")
+    assert all_ranks_agree(not problems and _in_step(side, "mpi"), comm), problems
+
+
+#: A stand-in for MPI_Allreduce that fails (its arguments, whatever their width, are not read).
+_FAILING = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 6)(lambda *args: MPI.ERR_OTHER)
+
+
+def test_an_mpi_error_in_the_compiled_call_ends_it_as_on_the_python_path(path: str, comm: MPI.Comm,
+                                                                         side: MPI.Comm) -> None:
+    """The library call of an expected call fails on every rank: it raises the MPI error (through
+    `Channel.fail`, which turns it into ProcessFailure under ULFM), its flight record is left,
+    the communicator is free for the next call, which is checked (nothing is expected after a
+    failed call) and exact."""
+    if path != "compiled":
+        pytest.skip("a stand-in library function is the compiled path's")
+    size = comm.Get_size()
+    x = np.ones(N, np.float32)
+    for _ in range(3):
+        _step(x, side, "sum", "mpi")
+    channel = channel_of(side)
+    completed = channel.completed
+    real = hot.use_allreduce(ctypes.cast(_FAILING, ctypes.c_void_p).value or 0)
+    try:
+        _step(x, side, "sum", "mpi")
+        raised: Any = None
+    except MPI.Exception as exc:
+        raised = exc
+    finally:
+        hot.use_allreduce(real)
+    record = RECORDER.records()[-1]
+    ok = isinstance(raised, MPI.Exception) and raised.Get_error_class() == MPI.ERR_OTHER
+    ok &= record["number"] == channel.calls and record["left"] > 0 and channel.completed == completed
+    ok &= not channel.busy.locked() and channel.expectation.expected is None
+    got = _step(x, side, "sum", "mpi")
+    ok &= bitwise_equal(got, np.full(N, size, np.float32)) is None and channel.completed == channel.calls
+    assert all_ranks_agree(ok and _in_step(side, "mpi"), comm), (raised, record)
+
+
+def test_a_failed_call_is_left_even_where_settling_it_fails(path: str, comm: MPI.Comm,
+                                                           side: MPI.Comm) -> None:
+    """The expected call's library call fails at a depth where ending it in Python
+    (`small.settle`) raises RecursionError on entry or in its `finally`: the call is still left
+    (the flag given back, its record's `left` set), so the next call is not refused as
+    concurrent use (before: `busy` stayed held for good). Swept over the depths near the limit."""
+    if path != "compiled":
+        pytest.skip("a stand-in library function is the compiled path's")
+    x = np.ones(N, np.float32)
+    channel = channel_of(side)
+
+    def at(depth: int) -> Any:
+        return at(depth - 1) if depth else _step(x, side, "sum", "mpi")
+
+    here, frame = 0, sys._getframe()
+    while frame is not None:
+        here, frame = here + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    problems = []
+    sys.setrecursionlimit(here + 60)
+    try:
+        for depth in range(30, 62):
+            for _ in range(3):  # learnt: the next call is expected
+                _step(x, side, "sum", "mpi")
+            real = hot.use_allreduce(ctypes.cast(_FAILING, ctypes.c_void_p).value or 0)
+            try:
+                at(depth)
+            except (RecursionError, MPI.Exception):
+                pass
+            finally:
+                hot.use_allreduce(real)
+            record = RECORDER.records()[-1]
+            if channel.busy.locked() or (record["number"] == channel.calls and not record["left"] > 0):
+                problems.append(f"depth {depth}: busy {channel.busy.locked()}, record {record}")
+                break
+    finally:
+        sys.setrecursionlimit(limit)
+    assert all_ranks_agree(not problems and _in_step(side, "mpi"), comm), problems
+
+
+def test_a_configuration_that_fails_leaves_the_python_path_with_a_warning(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the compiled path needs of mpi4py differs (here: its C API's PyMPIComm_Get under
+    another capsule name, as another Cython may name it): `hot.configure` warns once and returns
+    False, so `import collectives` takes the Python path (before: ValueError out of the import);
+    and where MPI_Allreduce is nowhere to be found, the same."""
+    if path != "python" or not hot.COMPILED:
+        pytest.skip("configures the compiled path, once")
+    from collectives import small
+
+    other = MPI.__pyx_capi__["PyMPIDatatype_Get"]  # a capsule of another name
+    monkeypatch.setattr(hot, "_warned", False)
+    with monkeypatch.context() as patch:
+        patch.setitem(MPI.__pyx_capi__, "PyMPIComm_Get", other)
+        with pytest.warns(RuntimeWarning, match="Python path"):
+            assert hot.configure(**small.HOT_SETTINGS) is False
+        assert hot.configure(**small.HOT_SETTINGS) is False  # warned once
+        patch.setattr(hot, "_symbol", lambda scopes, name: None)
+        monkeypatch.setattr(hot, "_warned", False)
+        with pytest.warns(RuntimeWarning, match="MPI_Allreduce"):
+            assert hot.configure(**small.HOT_SETTINGS) is False
+    assert hot.configure(**small.HOT_SETTINGS) is True  # as configured at import
+
+
+def test_hpcdl_compiled_0_leaves_only_the_python_path(comm: MPI.Comm, path: str) -> None:
+    """HPCDL_COMPILED=0 at import: plain Python bases, a threading.Lock as the busy flag, the
+    expected call on the Python path (nothing compiled), exact; and without it, where the
+    extension is built, the compiled path takes the expected call."""
+    if comm.Get_size() != 1 or path != "python":
+        pytest.skip("runs one-process programs once, from the one-rank job")
+    program = ("import threading, numpy as np, collectives\nfrom collectives import hot\n"
+               "from collectives.channels import channel_of\n"
+               "x = np.ones(4, np.float32)\n"
+               "got = [collectives.allreduce(x, algorithm='mpi') for _ in range(5)]\n"
+               "lock = type(channel_of(None).busy) is type(threading.Lock())\n"
+               "print(hot.COMPILED, lock, hot.compiled_calls(), all((g == 1).all() for g in got))\n")
+    runs = {}
+    for setting in ("0", "1"):
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60,
+                              env=own_job_environment(HPCDL_COMPILED=setting))
+        runs[setting] = done.stdout.split() if done.returncode == 0 else done.stderr[-2000:]
+    assert runs["0"] == ["False", "True", "0", "True"], runs
+    built = importlib.util.find_spec("collectives._hot") is not None
+    assert runs["1"] == (["True", "False", "3", "True"] if built else runs["0"]), runs
