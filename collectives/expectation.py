@@ -124,15 +124,19 @@ class LibraryPlan(PlanCore):
         expectation = lane.expectation
         lane.agreement.check("allreduce", [*self.signature, site[0], number], None, site[1])
         expectation.agreed(self.ident, site[0], number, self)
-        if out is None:
-            result = np.empty_like(x)
-            self.comm.Allreduce([x, self.datatype], [result, self.datatype], self.mpi_op)
-        else:  # in place: MPI forbids a send buffer that overlaps the receive buffer
-            if out is not x:
-                np.copyto(out, x)
-            result = out
-            self.comm.Allreduce(MPI.IN_PLACE, [result, self.datatype], self.mpi_op)
-        return self.finished(result, result)
+        reduced = self.reduce(x)
+        return self.finished(reduced if x.ndim == 1 else reduced.reshape(x.shape), out)
+
+    def reduce(self, x: np.ndarray) -> np.ndarray:
+        """The library's allreduce of `x` (this plan's element count, any layout) as the expected
+        call makes it, agreeing element included; `data`, holding the reduction (before avg's
+        division). Every call of the plan's signature reduces through here or `attempt`: the
+        library may split and order a sum by its element count, and a call must give the same bits
+        whichever way it went (P=3, float32: count and count + 1 elements differed in the last bit)."""
+        self.data[...] = x if x.ndim == 1 else x.reshape(-1)
+        self.flag[0] = self.agreeing
+        self.comm.Allreduce(MPI.IN_PLACE, self.spec, self.mpi_op)
+        return self.data
 
     def finished(self, reduced: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The reduction `reduced`, divided for avg, in `out` or a new array."""

@@ -185,7 +185,9 @@ WHAT_TO_DO = {
     "stopped or dead": "a stopped process goes on after `kill -CONT PID` or when its debugger lets "
                        "it (`cat /proc/PID/status` says `State: T`); a dead one ends the job; the "
                        "others wait meanwhile",
-    "slow": "the others wait until it arrives; its stack says where it is",
+    "slow": "the others wait until it arrives; its stack says where it is (a call into MPI outside "
+            "hpcdl's collectives, such as MPI.COMM_WORLD.Barrier(), shows there: if it waits for the "
+            "others in it, the ranks' programs took different paths)",
     "skipped": "",
     "mismatched": "",
 }

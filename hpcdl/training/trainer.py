@@ -147,7 +147,8 @@ class Trainer:
         if self.recovery.ranks_now() == 1 and not started_by_launcher():
             # A plain `hpcdl train` is a job of one rank; say how to get more, once, where it trains.
             self.say(f"{PROG}: note: training on 1 rank (started without mpirun or srun); start the command "
-                     "under `mpirun -n 4` (e.g. `mpirun -n 4 hpcdl train ...`) to train on 4 ranks",
+                     "under `mpirun -n 4` (e.g. `mpirun -n 4 hpcdl train ...`, with --oversubscribe where the "
+                     "host has fewer cores) to train on 4 ranks",
                      file=sys.stderr, flush=True)
         from ..runtime.checkpoint import CheckpointWriteError
 

@@ -392,17 +392,22 @@ def test_float32_sums_of_random_data_are_the_same_bits_on_every_rank(algorithm: 
     """The library's allreduce (which `auto` takes at small sizes on 2 and 4 ranks), checked
     first and then as the expected call, one element longer: float32 sums of random data, whose
     rounding depends on the order a rank adds in, are the same bytes on every rank (replicas stay
-    bitwise equal), call after call, and the sum to within the rounding of P terms."""
+    bitwise equal) and call after call (the checked call once reduced one element fewer, which
+    changed the last bit at P=3), and the sum to within the rounding of P terms."""
     size, rank = comm.Get_size(), comm.Get_rank()
     problems = []
-    for count in (2, 1000, expectation.LEAN_BYTES // 4, expectation.LEAN_BYTES // 4 + 1, 1 << 15):
-        inputs = [np.random.default_rng([count, q]).standard_normal(count).astype(np.float32)
+    for count in (2, 1000, 1024, expectation.LEAN_BYTES // 4, expectation.LEAN_BYTES // 4 + 1, 1 << 15):
+        inputs = [np.random.default_rng(q).standard_normal(count).astype(np.float32)
                   for q in range(size)]
         exact = np.sum([a.astype(np.float64) for a in inputs], axis=0)
         bound = size * float(np.finfo(np.float32).eps) * np.sum(np.abs(inputs), axis=0)
-        for call in range(3):  # checked, then expected (up to LEAN_BYTES)
+        first = None
+        for call in range(4):  # checked, then expected (up to LEAN_BYTES)
             got = _step(inputs[rank], side, "sum", algorithm)
             mine = np.frombuffer(got.tobytes(), np.uint8)
+            first = mine.copy() if first is None else first
+            if not np.array_equal(mine, first):
+                problems.append(f"{count} elements, call {call}: other bytes than the first call's")
             every = np.empty((size, mine.size), np.uint8)
             comm.Allgather(mine, every)
             if not all(np.array_equal(every[0], theirs) for theirs in every[1:]):

@@ -533,8 +533,8 @@ def test_hpcdl_train_without_mpirun_notes_the_one_rank_once(tmp_path):
                           text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stderr == ("hpcdl train: note: training on 1 rank (started without mpirun or srun); start the "
-                           "command under `mpirun -n 4` (e.g. `mpirun -n 4 hpcdl train ...`) to train on 4 "
-                           "ranks\n"), done.stderr
+                           "command under `mpirun -n 4` (e.g. `mpirun -n 4 hpcdl train ...`, with --oversubscribe "
+                           "where the host has fewer cores) to train on 4 ranks\n"), done.stderr
     epoch = next(line for line in done.stdout.splitlines() if line.startswith("epoch   1/1"))
     assert epoch.endswith("  sent 0 MB/rank") and "fp32" not in epoch, epoch
 
