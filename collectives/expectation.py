@@ -92,10 +92,9 @@ class LibraryPlan(PlanCore):
         every rank's call was; then `data` holds the reduction (before avg's division)."""
         if x is None:
             self.flag[0] = self.disagreeing
+            self.comm.Allreduce(MPI.IN_PLACE, self.spec, self.mpi_op)
         else:
-            self.data[...] = x if x.ndim == 1 else x.reshape(-1)
-            self.flag[0] = self.agreeing
-        self.comm.Allreduce(MPI.IN_PLACE, self.spec, self.mpi_op)
+            self.reduce(x)
         return self.flag[0] == self.agreeing
 
     def run(self, lane: Lane, number: int, site: tuple[int, str], x: np.ndarray,
@@ -111,8 +110,7 @@ class LibraryPlan(PlanCore):
             if expected[0] is self and expected[1] == site[0] and number == expectation.number + 1:
                 if self.attempt(x):
                     expectation.confirmed(self.ident, site[0], number)
-                    return self.finished(self.data if x.ndim == 1 else self.data.reshape(x.shape),
-                                         out)
+                    return self.result(x, out)
             else:
                 expected[0].attempt(None)
         return self.checked(lane, number, site, x, out)
@@ -124,8 +122,8 @@ class LibraryPlan(PlanCore):
         expectation = lane.expectation
         lane.agreement.check("allreduce", [*self.signature, site[0], number], None, site[1])
         expectation.agreed(self.ident, site[0], number, self)
-        reduced = self.reduce(x)
-        return self.finished(reduced if x.ndim == 1 else reduced.reshape(x.shape), out)
+        self.reduce(x)
+        return self.result(x, out)
 
     def reduce(self, x: np.ndarray) -> np.ndarray:
         """The library's allreduce of `x` (this plan's element count, any layout) as the expected
@@ -137,6 +135,11 @@ class LibraryPlan(PlanCore):
         self.flag[0] = self.agreeing
         self.comm.Allreduce(MPI.IN_PLACE, self.spec, self.mpi_op)
         return self.data
+
+    def result(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The reduction in `data`, shaped like the input `x`, divided for avg, in `out` or a new
+        array (the compiled path calls it too, where avg divides)."""
+        return self.finished(self.data if x.ndim == 1 else self.data.reshape(x.shape), out)
 
     def finished(self, reduced: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The reduction `reduced`, divided for avg, in `out` or a new array."""

@@ -259,14 +259,9 @@ def settle(channel: Channel, plan: LibraryPlan, number: int, site: tuple[int, st
     return result
 
 
-def _finished(plan: LibraryPlan, x: np.ndarray, out: Any) -> Any:
-    """The expected call's result where avg divides (`LibraryPlan.finished`), for the compiled path."""
-    return plan.finished(plan.data if x.ndim == 1 else plan.data.reshape(x.shape), out)
-
-
 #: What the compiled path reads of this module (`hot.configure`).
 HOT_SETTINGS: dict[str, Any] = dict(
-    fallback=allreduce_now, settle=settle, finished=_finished, channels=vars(channels),
+    fallback=allreduce_now, settle=settle, finished=LibraryPlan.result, channels=vars(channels),
     recorder=RECORDER, sites=SITES, check_sites=CHECK_CALL_SITES, environment=_ENCODED,
     override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray, channel_of=channel_of)
 #: A blocking allreduce of a NumPy array on its small plan (`allreduce_now`'s contract): compiled

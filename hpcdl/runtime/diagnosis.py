@@ -163,11 +163,15 @@ class Service:
                 self._asked.wait(left)
             got = self._answers.pop(number)
         answers: dict[int, Any] = {rank: got.get(rank) for rank in range(self.size)}
-        for rank, notice in list(self.departed.items()):  # a rank may have left meanwhile
+        for rank, gone in self.departures().items():  # a rank may have left meanwhile
             if answers.get(rank) is None:
-                answers[rank] = {"rank": rank, **notice}
+                answers[rank] = gone
         answers[self.rank] = answer(self, dump)
         return answers
+
+    def departures(self) -> dict[int, Any]:
+        """The answers of the ranks that have left, for good: their `departure` notices, by rank."""
+        return {rank: {"rank": rank, **notice} for rank, notice in list(self.departed.items())}
 
 
 def departure() -> dict[str, Any]:

@@ -168,9 +168,8 @@ def _hopeless() -> bool:
     service = diagnosis.service()
     if service is None or not service.departed:
         return False
-    own = diagnosis.answer(service)
-    answers: dict[int, Any] = {rank: {"rank": rank, **notice} for rank, notice in service.departed.items()}
-    return bool(stall_report.never_completes(answers, stall_report.blocking_call(own), service.size))
+    stalled = stall_report.blocking_call(diagnosis.answer(service))
+    return bool(stall_report.never_completes(service.departures(), stalled, service.size))
 
 
 class _Clock:

@@ -126,11 +126,18 @@ def _made(last: dict[str, Any] | None, stalled: dict[str, Any] | None) -> bool:
                  or (last["number"] == stalled["number"] and bool(last["left"]))))
 
 
+def _last_on(answer: Answer, stalled: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A departure notice's last call on the `stalled` call's communicator, if it made any."""
+    if stalled is None:
+        return None
+    return next((record for record in answer["ended"] if _same_comm(record, stalled)), None)
+
+
 def _left(answer: Answer, stalled: dict[str, Any] | None) -> tuple[str, str]:
     """(state, detail) of a rank whose program has ended, from its departure notice: "waiting"
     where it made the `stalled` call and left it, else "left"."""
     records = answer["ended"]
-    last = next((record for record in records if stalled is not None and _same_comm(record, stalled)), None)
+    last = _last_on(answer, stalled)
     if _made(last, stalled):
         return "waiting", "left after its part of the call"
     if last is None and records:
@@ -146,7 +153,7 @@ def _certain(answer: Answer, stalled: dict[str, Any]) -> bool:
     records tell the stalled call's communicator from others of its name and size (none shared
     them) and every call of that communicator is kept (the recorder kept every call, or the
     communicator is MPI_COMM_WORLD, which no other is named)."""
-    last = next((record for record in answer["ended"] if _same_comm(record, stalled)), None)
+    last = _last_on(answer, stalled)
     kept = bool(answer.get("all_kept")) or (last is not None and stalled.get("comm") == "MPI_COMM_WORLD")
     return kept and not (last is not None and last.get("shared")) and not _made(last, stalled)
 
@@ -176,8 +183,8 @@ def ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in ranks)}"
 
 
-#: What to do, by cause: the report's last lines, once per cause found ("" where the waiting
-#: call site's own advice applies: the programs took different paths).
+#: What to do, by cause: the report's last lines, once per cause found (the waiting call site's
+#: own advice for a cause not here, skipped or mismatched: the programs took different paths).
 WHAT_TO_DO = {
     "left": "a rank whose program ended leaves the others waiting for ever: every rank must make "
             "the same collectives (ranks with different numbers of batches: `with model.join():` "
@@ -188,8 +195,6 @@ WHAT_TO_DO = {
     "slow": "the others wait until it arrives; its stack says where it is (a call into MPI outside "
             "hpcdl's collectives, such as MPI.COMM_WORLD.Barrier(), shows there: if it waits for the "
             "others in it, the ranks' programs took different paths)",
-    "skipped": "",
-    "mismatched": "",
 }
 
 
@@ -217,8 +222,9 @@ def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: 
         else:
             lines.append(f"  {ranks_text(waiting)}: wait for {what}")
     for cause in dict.fromkeys(states[rank][0] for rank in late):
-        if WHAT_TO_DO.get(cause, "") or advice:
-            lines.append(f"  what to do ({cause}): {WHAT_TO_DO.get(cause, '') or advice}")
+        to_do = WHAT_TO_DO.get(cause) or advice
+        if to_do:
+            lines.append(f"  what to do ({cause}): {to_do}")
     lines.append("  (hpcdl doctor DIR merges the flight records that --diagnostics-dir / "
                  "HPCDL_DIAGNOSTICS_DIR keeps; docs/troubleshooting.md)")
     return "\n".join(lines)
