@@ -77,6 +77,10 @@ class Service:
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         #: the stall waits under way, by thread: (what, monotonic start)
         self.waits: dict[int, tuple[str, float]] = {}
+        #: the blocking calls the watchdog found a thread in (hpcdl/runtime/watchdog.py), by
+        #: thread: (the call's flight record, what, monotonic start); they count as waits while
+        #: the record is open
+        self.blocked: dict[int, tuple[list[Any], str, float]] = {}
         self.reported: float | None = None  # when this rank last printed a stall report
         self._numbers = itertools.count(1)
         self._answers: dict[int, dict[int, Any]] = {}  # by question number, by rank
@@ -111,6 +115,10 @@ class Service:
                 break
             time.sleep(0.001)
         self._sent += sends  # the buffers of sends not yet complete live as long as the service
+
+    def wait_stopped(self, seconds: float) -> bool:
+        """Wait up to `seconds` for `stop()`; whether it was called."""
+        return self._stop.wait(seconds)
 
     def _serve(self) -> None:
         status = MPI.Status()
@@ -196,7 +204,8 @@ def answer(service: Service, dump: bool = False) -> dict[str, Any]:
     raw = RECORDER.raw()  # one snapshot of the ring for every field below
     calls = [dict(as_dict(record), since=now - record[ENTERED]) for record in raw if record[LEFT] == 0.0]
     left = [record[LEFT] for record in raw[-64:] if record[LEFT]]
-    waits = list(service.waits.values())
+    waits = list(service.waits.values()) + [(what, since) for record, what, since
+                                            in list(service.blocked.values()) if record[LEFT] == 0.0]
     thread = raw[-1][THREAD] if raw else threading.main_thread().ident
     return {"rank": service.rank, "calls": calls, "last": [as_dict(record) for record in raw[-16:]],
             "waiting": [] if not waits else [waits[0][0], now - waits[0][1]],

@@ -14,6 +14,7 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT when the user has not 
 """
 from __future__ import annotations
 
+import linecache
 import os
 import sys
 import threading
@@ -91,9 +92,10 @@ def init(*, abort_on_exception: bool = True) -> Topology:
                                                    local_size), address)
         if abort_on_exception:
             install_abort_hook()
-        from . import diagnosis  # collective too: the answerer's communicator
+        from . import diagnosis, watchdog  # collective too: the answerer's communicator
 
         diagnosis.start()
+        watchdog.start()
         return _topology
 
 
@@ -187,6 +189,39 @@ def abort(message: str, code: int = 1) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+#: Set to 1, the abort on an uncaught error of hpcdl's own prints the whole traceback too.
+TRACEBACK_VARIABLE = "HPCDL_TRACEBACK"
+
+
+def _own_error(exc_type: type[BaseException], tb: TracebackType | None) -> bool:
+    """Whether an exception is one of the errors hpcdl and its collectives raise on purpose, with a
+    message that says what happened and what to do (a class of theirs, or a TimeoutError of their
+    waits): its traceback shows only their own plumbing."""
+    from collectives.recorder import is_library
+
+    if exc_type.__module__.split(".")[0] in ("hpcdl", "collectives"):
+        return True
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (issubclass(exc_type, TimeoutError) and tb is not None
+            and is_library(tb.tb_frame.f_code.co_filename))
+
+
+def _program_line(tb: TracebackType | None) -> str:
+    """The innermost line of the caller's program in a traceback (outside hpcdl, collectives, torch
+    and the standard library), as " at FILE:LINE in FUNCTION `SOURCE`", or "" if there is none."""
+    from collectives.recorder import is_library
+
+    found = ""
+    for frame, line in traceback.walk_tb(tb):
+        code = frame.f_code
+        if not is_library(code.co_filename):
+            source = linecache.getline(code.co_filename, line).strip()
+            found = (f" at {os.path.basename(code.co_filename)}:{line} in {code.co_name}"
+                     + (f" `{source}`" if source else ""))
+    return found
+
+
 def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
                        tb: TracebackType | None) -> None:
     from . import flight_dumps
@@ -194,6 +229,13 @@ def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
     flight_dumps.write(MPI.COMM_WORLD.Get_rank(), f"an uncaught {exc_type.__name__}")
     if issubclass(exc_type, KeyboardInterrupt) or MPI.COMM_WORLD.Get_size() == 1:
         sys.__excepthook__(exc_type, exc, tb)
+        return
+    if _own_error(exc_type, tb) and os.environ.get(TRACEBACK_VARIABLE, "").strip() != "1":
+        # Its message says what happened and what to do; the caller's line says where. The frames
+        # of hpcdl's and torch's plumbing between them would only bury it.
+        notes = "".join(f" {note}" for note in getattr(exc, "__notes__", ()))
+        abort(f"{exc_type.__name__}: {exc}{notes}\n[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] raised"
+              f"{_program_line(tb)}; aborting all ranks ({TRACEBACK_VARIABLE}=1 prints the traceback)")
         return
     abort("uncaught exception; aborting all ranks\n" + "".join(traceback.format_exception(exc_type, exc, tb)))
 

@@ -128,16 +128,20 @@ def _warn(message: str, stacklevel: int) -> None:
 
 
 def _report(rank: int, what: str, waited: float, advice: str, done: Callable[[], bool],
-            stacklevel: int) -> str | None:
+            stacklevel: int, warn: Callable[[str], None] | None = None) -> str | None:
     """The wait passed its bound: ask every rank what it is doing, write the flight records where
-    a diagnostics directory is set, and (on the lowest waiting rank only) warn with the report.
+    a diagnostics directory is set, and (on the lowest waiting rank only) warn with the report
+    (`warn(text)`, else a RuntimeWarning at the caller's program, `stacklevel` as `_warn`'s).
     Returns the error to raise where the wait can never complete (a rank it needs has left)."""
+    if warn is None:
+        def warn(text: str) -> None:
+            _warn(text, stacklevel + 2)
     service = diagnosis.service()
     dumping = flight_dumps.directory() is not None
     if service is None:
         if dumping:
             flight_dumps.write(MPI.COMM_WORLD.Get_rank(), "a stall")
-        _warn(_stalled(rank, what, waited, advice), stacklevel + 1)
+        warn(_stalled(rank, what, waited, advice))
         return None
     answers = service.ask(dump=dumping)
     if dumping:
@@ -153,13 +157,13 @@ def _report(rank: int, what: str, waited: float, advice: str, done: Callable[[],
         service.reported = time.monotonic()
         # The report says what to do for the cause it finds; the call site's advice only where the
         # ranks' programs took different paths (skipped, mismatched).
-        _warn(_stalled(rank, what, waited, "") + "\n"
-              + stall_report.report(answers, service.rank, what, advice), stacklevel + 1)
+        warn(_stalled(rank, what, waited, "") + "\n" + stall_report.report(answers, service.rank, what, advice))
     if not gone or stalled is None:
         return None
+    # The cause is certain: the advice for it, not the call site's (which guesses at causes).
     return (f"rank {rank}: {what} ({stall_report.describe_call(stalled)}) can never complete: "
-            f"{stall_report.ranks_text(gone)} left (the program ended) without making it. "
-            f"{advice or 'Every rank must make the same collectives.'}").rstrip()
+            f"{stall_report.ranks_text(gone)} left (the program ended) without making it: "
+            f"{stall_report.LEFT_ADVICE}.")
 
 
 def _hopeless() -> bool:

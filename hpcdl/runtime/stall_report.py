@@ -185,10 +185,12 @@ def ranks_text(ranks: list[int]) -> str:
 
 #: What to do, by cause: the report's last lines, once per cause found (the waiting call site's
 #: own advice for a cause not here, skipped or mismatched: the programs took different paths).
+#: What to do about a rank that left before a call the others make (the error's advice too).
+LEFT_ADVICE = ("every rank must make the same collectives (ranks with different numbers of batches: "
+               "`with model.join():` around the loop, docs/training.md)")
 WHAT_TO_DO = {
-    "left": "a rank whose program ended leaves the others waiting for ever: every rank must make "
-            "the same collectives (ranks with different numbers of batches: `with model.join():` "
-            "around the loop, docs/training.md); the waiting ranks raise RankExitedError",
+    "left": f"a rank whose program ended leaves the others waiting for ever: {LEFT_ADVICE}; the waiting "
+            "ranks raise RankExitedError (a rank blocked in a collective aborts the job)",
     "stopped or dead": "a stopped process goes on after `kill -CONT PID` or when its debugger lets "
                        "it (`cat /proc/PID/status` says `State: T`); a dead one ends the job; the "
                        "others wait meanwhile",

@@ -86,13 +86,30 @@ def test_a_rank_whose_program_ended_is_named_and_the_wait_for_it_raises_within_s
     assert len(waited) == 1 and waited[0] < 10, out
     assert re.search(r"caught: rank [12]: the step's allreduce \(allreduce #3 \(16 B float32, auto\) on "
                      r"MPI_COMM_WORLD\) can never complete: rank 0 left \(the program ended\) without making "
-                     r"it\. Every rank must take the same steps\.", out), out
+                     r"it: every rank must make the same collectives \(ranks with different numbers of batches: "
+                     r"`with model.join\(\):` around the loop", out), out
+
+
+def test_a_blocking_call_the_watchdog_follows_counts_as_a_wait_while_its_record_is_open():
+    record = [("MPI_COMM_WORLD", 2, 0), 3, ("allreduce", "auto", 16, "float32"), "", None, 1, 5.0, 0.0]
+
+    class Alone:  # a Service's fields, without its communicator and thread
+        rank = 0
+        waits: dict = {}
+        blocked = {1: (record, "the blocking allreduce at job.py:3", 5.0)}
+        reported = None
+
+    waiting = diagnosis.answer(Alone())["waiting"]  # type: ignore[arg-type]
+    assert waiting[0] == "the blocking allreduce at job.py:3" and waiting[1] > 0
+    record[-1] = 6.0  # the call returned: the watchdog's entry is stale until its next look
+    assert diagnosis.answer(Alone())["waiting"] == []  # type: ignore[arg-type]
 
 
 def test_an_answer_says_what_this_process_is_in_and_where_its_thread_is():
     class Alone:  # a Service's fields, without its communicator and thread
         rank = 0
         waits = {1: ("the test's wait", 0.0)}
+        blocked: dict = {}
         reported = None
 
     answer = diagnosis.answer(Alone())  # type: ignore[arg-type]

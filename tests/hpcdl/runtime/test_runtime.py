@@ -4,6 +4,7 @@ The abort tests start their own `mpirun -n 3` and run only in the N=1 job.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -109,6 +110,34 @@ def test_uncaught_exception_aborts_every_rank(script: str, message: str) -> None
     assert message in done.stderr
     assert "unreachable" not in done.stdout
     assert elapsed < ABORT_DEADLINE_S
+
+
+OWN_ERROR = """
+    import numpy as np
+    import collectives, hpcdl
+    from mpi4py import MPI
+    hpcdl.init()
+    rank = MPI.COMM_WORLD.Get_rank()
+    collectives.allreduce(np.ones(4 if rank != 1 else 5, np.float32))
+"""
+
+
+@single_job
+@pytest.mark.parametrize("traceback", [False, True], ids=["compact", "HPCDL_TRACEBACK=1"])
+def test_an_error_of_hpcdls_own_aborts_with_its_message_and_the_programs_line(traceback: bool) -> None:
+    """A CollectiveArgumentError uncaught: its message and the line of the program that raised it,
+    two lines, without the frames of the collectives' plumbing (unless HPCDL_TRACEBACK=1)."""
+    env = mpi_environment() | ({"HPCDL_TRACEBACK": "1"} if traceback else {})
+    start = time.monotonic()
+    done = subprocess.run(["mpirun", "-n", "3", sys.executable, "-c", textwrap.dedent(OWN_ERROR)], env=env,
+                          capture_output=True, text=True, timeout=ABORT_DEADLINE_S)
+    assert done.returncode != 0 and time.monotonic() - start < ABORT_DEADLINE_S
+    compact = re.search(r"\[hpcdl rank \d\] CollectiveArgumentError: allreduce: ranks passed different .*\n"
+                        r"\[hpcdl rank \d\] raised at <string>:7 in <module>; aborting all ranks "
+                        r"\(HPCDL_TRACEBACK=1 prints the traceback\)", done.stderr)
+    assert (compact is None) is traceback, done.stderr
+    assert ("Traceback (most recent call last)" in done.stderr) is traceback, done.stderr
+    assert "CollectiveArgumentError: allreduce: ranks passed different" in done.stderr, done.stderr
 
 
 @single_job

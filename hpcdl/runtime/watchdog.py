@@ -1,0 +1,135 @@
+"""Blocking collectives that never return: a thread per rank that reports them, and ends a job
+that can never go on.
+
+A stall wait (stall.py) bounds each wait that hpcdl drives itself (DDP's buckets, `hpcdl.average`,
+the Horovod shim, the parameter server). A blocking collective (`collectives.allreduce(...)` in a
+user's loop, a metric average) waits inside the collectives' own loops or inside MPI, where nothing
+looks at the clock: a rank that skipped the call, ran fewer steps or stopped left the others there
+in silence. So the watchdog looks once a second (`LOOK_S`) at the thread of each call under way
+(the flight recorder's open records): a thread whose innermost frame is in the collectives package,
+waiting in no stall wait, is blocked in that call. It then counts as waiting in this rank's answers
+(diagnosis.py), and after the stall wait's bound (HPCDL_STALL_WARNING_S, stretched the same way)
+the ranks are asked what they do and one rank prints the report, as a stall wait's would.
+
+A call that can never complete (a rank it needs has left: its program ended without making it,
+stall_report.never_completes) cannot be interrupted either: the watchdog prints why, one line,
+and aborts the job (MPI_Abort) about a second after the notice, instead of leaving it hung until
+the batch system's time limit. A raw MPI call (an mpi4py `Barrier`) is no collective of hpcdl's:
+it is not recorded, and the watchdog does not see it. Cost: one thread per rank that wakes once a
+second and reads the recorder's ring and the threads' innermost frames.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import warnings
+from typing import Any
+
+import collectives
+from collectives.recorder import ENTERED, LEFT, RECORDER, THREAD, as_dict
+
+from . import diagnosis, flight_dumps, stall, stall_report
+
+#: Seconds between the watchdog's looks.
+LOOK_S = 1.0
+_COLLECTIVES = os.path.dirname(os.path.abspath(collectives.__file__)) + os.sep
+
+
+def blocked_call(service: diagnosis.Service) -> list[Any] | None:
+    """The flight record of the oldest call a thread of this process is blocked in: under way,
+    its thread's innermost frame in the collectives package, that thread in no stall wait."""
+    frames = sys._current_frames()
+    for record in RECORDER.raw():
+        thread = record[THREAD]
+        if record[LEFT] != 0.0 or thread in service.waits:
+            continue
+        frame = frames.get(thread)
+        if frame is not None and frame.f_code.co_filename.startswith(_COLLECTIVES):
+            return record
+    return None
+
+
+def _warn_at(place: str, text: str) -> None:
+    """A RuntimeWarning at `place` ("path/file.py:LINE in f", the caller's line of the call)."""
+    found = re.match(r"(.*):(\d+) in ", place)
+    filename, line = (found.group(1), int(found.group(2))) if found else ("<unknown>", 0)
+    warnings.warn_explicit(text, RuntimeWarning, filename, line)
+
+
+class Watchdog:
+    """This rank's watchdog thread over `service`'s rank (see the module's docstring)."""
+
+    def __init__(self, service: diagnosis.Service) -> None:
+        self.service = service
+        self._record: list[Any] | None = None  # the call it watches
+        self._place = ""  # where the caller's program made it
+        self._clock: stall._Clock | None = None
+        self._bound, self._stretchable, self._reported = 0.0, False, False
+        self._thread = threading.Thread(target=self._watch, name="hpcdl-watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self.service.wait_stopped(LOOK_S):
+            try:
+                self.look()
+            except Exception as exc:  # noqa: BLE001 - a failed look must not end the watching
+                warnings.warn(f"hpcdl's watchdog: a look at the blocking calls failed ({exc!r}); "
+                              "it looks again in a second", RuntimeWarning, stacklevel=1)
+
+    def look(self) -> None:
+        """One look: follow the blocked call, report it past the bound, abort where it can never
+        complete."""
+        service = self.service
+        record = blocked_call(service)
+        if record is not self._record:
+            self._follow(record)
+            return
+        if record is None or self._reported or self._clock is None:
+            return
+        waited = self._clock.look(LOOK_S)
+        hopeless = stall._hopeless()
+        if waited < self._bound and not hopeless:
+            return
+        if self._stretchable and not hopeless:
+            self._stretchable, self._bound = False, stall._stretched(self._bound)
+            if waited < self._bound:
+                return
+        self._reported = True
+        what = service.blocked[record[THREAD]][1]
+        never = stall._report(service.rank, what, waited, "", lambda: record[LEFT] != 0.0, 1,
+                              warn=lambda text: _warn_at(self._place, text))
+        if never is not None and record[LEFT] == 0.0:
+            flight_dumps.write(service.rank, "a blocking call that can never complete")
+            from .process import abort
+
+            abort(never + " A rank blocked in a collective cannot be interrupted: the job is aborted.")
+
+    def _follow(self, record: list[Any] | None) -> None:
+        """Watch `record`'s call from now on (None: none), and no longer the one before."""
+        if self._record is not None:
+            self.service.blocked.pop(self._record[THREAD], None)
+        self._record = record
+        if record is None:
+            return
+        call = as_dict(record)
+        self._place = call["user"] or call["site"]
+        what = f"the blocking {call['collective']} at {stall_report.short(self._place)}"
+        self.service.blocked[record[THREAD]] = (record, what, record[ENTERED])
+        self._clock = stall._Clock(record[ENTERED])
+        self._bound, self._stretchable = stall._bound(None)
+        self._reported = not self._bound < float("inf")
+
+
+_watchdog: Watchdog | None = None
+
+
+def start() -> Watchdog | None:
+    """Start this rank's watchdog over the diagnosis service's rank, once (None without a
+    service: one rank, or MPI below MPI_THREAD_MULTIPLE)."""
+    global _watchdog
+    service = diagnosis.service()
+    if _watchdog is None and service is not None:
+        _watchdog = Watchdog(service)
+    return _watchdog

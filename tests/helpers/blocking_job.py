@@ -1,0 +1,37 @@
+"""A job of blocking collectives (`collectives.allreduce`, no stall wait of hpcdl's around them) for
+tests/hpcdl/runtime/test_watchdog.py. `left`: rank 0 makes one allreduce fewer than the others and
+ends; the others, blocked in the call it never makes, must end the job within seconds (the
+watchdog's abort). `slow`: rank 0 sleeps BLOCKING_JOB_SLOW_S seconds before its third allreduce;
+the others wait in it, one rank reports, and the job ends normally."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+import hpcdl
+
+STEPS = 3
+
+
+def load_batch(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def main(mode: str) -> None:
+    hpcdl.init()
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    for step in range(STEPS - 1 if rank == 0 and mode == "left" else STEPS):
+        if rank == 0 and mode == "slow" and step == STEPS - 1:
+            load_batch(float(os.environ["BLOCKING_JOB_SLOW_S"]))
+        collectives.allreduce(np.ones(4, np.float32), world)
+    print(f"rank {rank} done", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

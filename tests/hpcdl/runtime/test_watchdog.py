@@ -1,0 +1,48 @@
+"""hpcdl/runtime/watchdog.py in 3-rank jobs of blocking collectives (tests/helpers/blocking_job.py):
+a call that can never complete (a rank left without making it) ends the job within seconds, with
+the report and one line that says why; a late rank is reported once, after the bound, and the job
+goes on."""
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import pytest
+from mpi4py import MPI
+
+from tests.run import ROOT, own_job_environment, run_own_job
+
+only_alone = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 3-rank mpirun; N = 1")
+
+
+def blocking_job(mode: str, **env: str):
+    return run_own_job(["mpirun", "-n", "3", sys.executable, str(ROOT / "tests/helpers/blocking_job.py"), mode],
+                       120, own_job_environment(**env))
+
+
+@only_alone
+def test_a_blocking_call_a_rank_left_without_making_ends_the_job_within_seconds():
+    started = time.monotonic()
+    proc = blocking_job("left", HPCDL_STALL_WARNING_S="60")
+    elapsed, out = time.monotonic() - started, proc.stdout
+    assert proc.returncode != 0 and "rank 1 done" not in out and "rank 2 done" not in out, out[-4000:]
+    assert elapsed < 40, out  # the bound is 60 s: the abort came from the notice
+    assert out.count("hpcdl stall report: ") == 1, out
+    assert "rank 0: left: its program ended (exit or MPI_Finalize) after allreduce #2 (16 B float32" in out, out
+    assert re.search(r"\[hpcdl rank [12]\] rank [12]: the blocking allreduce at blocking_job\.py:\d+ in main "
+                     r"\(allreduce #3 \(16 B float32, \w+\) on MPI_COMM_WORLD\) can never complete: rank 0 left "
+                     r"\(the program ended\) without making it: every rank must make the same collectives .*"
+                     r"A rank blocked in a collective cannot be interrupted: the job is aborted\.", out), out
+
+
+@only_alone
+def test_a_late_rank_in_blocking_calls_is_reported_once_and_the_job_goes_on():
+    proc = blocking_job("slow", HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S="6")
+    out = proc.stdout
+    assert proc.returncode == 0 and out.count(" done") == 3, out[-4000:]
+    assert out.count("hpcdl stall report: rank 0 holds the job up") == 1, out
+    assert re.search(r"blocking_job\.py:\d+: RuntimeWarning: rank 1: the blocking allreduce at "
+                     r"blocking_job\.py:\d+ in main has waited \d\.\d s for the other ranks\.", out), out
+    assert "rank 0: slow: not in a collective for " in out and "in load_batch `time.sleep(seconds)`" in out, out
+    assert "ranks 1, 2: wait in allreduce #3 (16 B float32" in out, out
