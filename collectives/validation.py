@@ -21,6 +21,9 @@ about the call's tag, but still meet in the check.
 """
 from __future__ import annotations
 
+import os
+import threading
+from sys import _getframe
 from typing import Any, Callable
 
 import numpy as np
@@ -35,6 +38,7 @@ from .ops import DTYPE_CODES, OPS
 from .packet import (FIELDS, HEADER_BYTES, LOCAL_ERROR, MISMATCH, PAYLOAD_BYTES, PLACEMENTS,
                      SIGNATURE_FIELDS, STATUS)
 from .patience import complete_patiently
+from .recorder import LEFT, NUMBER, RECORDER, SITE, THREAD, USER, user_frame, where
 from .registry import ALGORITHM_CODES, COLLECTIVE_CODES
 from .transport import Link, ScratchPool
 
@@ -269,7 +273,7 @@ class Agreement:
         rows = rows[:, :SIGNATURE_FIELDS]
         sites = None
         if rows[:, _CALL_SITE].min() != rows[:, _CALL_SITE].max():  # the same verdict everywhere
-            sites = _gather_text(link, site)
+            sites = _gather_text(link, _with_program_line(site, int(signature[-1])))
         return CollectiveArgumentError(_mismatch(collective, rows, sites))
 
 
@@ -310,6 +314,22 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + listed
 
 
+def _with_program_line(site: str, number: int) -> str:
+    """`site` ("reducer.py:356 in f", the line that called the collectives), followed by the line of
+    the caller's program above the libraries where it is another (" ← train.py:57 in main"): from
+    the call's flight record, else from this thread's frames where the call was made here."""
+    record = next((r for r in reversed(RECORDER.raw())
+                   if r[NUMBER] == number and r[SITE] == site and r[LEFT] == 0.0), None)
+    place = record[USER] if record is not None else None
+    if place is None and (record is None or record[THREAD] == threading.get_ident()):
+        place = user_frame(_getframe(1))
+    if place is None:
+        return site
+    path, _, rest = where(place).partition(":")
+    program = f"{os.path.basename(path)}:{rest}"
+    return site if program == site else f"{site} ← {program}"
+
+
 def _gather_text(link: Link, text: str) -> list[str]:
     """Every rank's `text` (truncated to _SITE_BYTES), in rank order; collective."""
     size = link.size
@@ -345,10 +365,11 @@ def _mismatch(collective: str, rows: np.ndarray, sites: list[str] | None) -> str
     if places:
         return (f"{collective}: ranks made call {number} on this communicator from different lines "
                 f"of the program ({places}){'; ' + differs if differs else ''}. A rank that skipped "
-                "or added a collective call pairs its next call with its peers' call: every rank "
+                "or added a collective call (ranks that ran different numbers of batches, say) "
+                "pairs its next call with its peers' call: every rank "
                 "must make the same collective calls on a communicator in the same order, blocking "
                 "and non-blocking alike. If these calls are meant to pair, make them from one line, "
-                "or set HPCDL_CHECK_CALL_SITES=0")
+                "or set HPCDL_CHECK_CALL_SITES=0.")
     if differs:
         return (f"{collective}: {differs}; every rank must make the same collective calls with the "
                 "same arguments in the same order")

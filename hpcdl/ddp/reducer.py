@@ -53,6 +53,12 @@ from .exchange import ExchangeLink, GradientExchange
 from ..tensors.arrays import same_memory_order
 from .timeline import Timeline
 
+#: What every rank must do for its buckets to meet: the advice of a stalled or refused reduction.
+SAME_STEPS = ("Every rank must run the same sequence of forward and backward passes: a rank that "
+              "skipped a batch, ran an extra backward or failed inside a step leaves its peers "
+              "waiting here (ranks with different numbers of batches: `with model.join():` around "
+              "the loop, docs/training.md).")
+
 if TYPE_CHECKING:
     from ..tensors.streams import DeviceStreams
 
@@ -328,6 +334,8 @@ class Reducer:
         self.traffic.steps += 1
         self.reset_step()
         if error is not None:
+            if isinstance(error, collectives.CollectiveArgumentError):  # a bucket met another call
+                error.add_note(f"DistributedDataParallel: {SAME_STEPS}")
             raise error
         if handles and handles[0].finished_at is not None:
             # the step's first collective: from this rank's launch to its completion here
@@ -364,9 +372,7 @@ class Reducer:
         stall.wait_for(handle, f"the reduction of bucket {bucket.index} ({names})",
                        rank=self.comm.Get_rank(), started=started, timeout=timeout,
                        warn_after=stall_warning_s, stacklevel=5,
-                       advice="Every rank must run the same sequence of forward and backward "
-                              "passes: a rank that skipped a batch, ran an extra backward or failed "
-                              "inside a step leaves its peers waiting here.")
+                       advice=SAME_STEPS)
 
     def rebind(self, comm: MPI.Comm) -> None:
         """Collective over `comm`: exchange over its ranks from now on (`hpcdl.elastic.Rebindable`).

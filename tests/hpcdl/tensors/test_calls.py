@@ -143,6 +143,30 @@ def test_average_returns_the_kind_it_was_given(comm):
     assert all_ranks_agree(ok, comm), results
 
 
+def test_calls_that_meet_from_different_lines_name_the_programs_lines_too(comm):
+    """hpcdl.average on the last rank meets a direct collectives.allreduce of the others: the error
+    names the line that called the collectives (hpcdl's own, calls.py) and the program's line above
+    it, where the two differ, so that a user sees which of their lines met."""
+    from hpcdl.runtime import diagnosis  # noqa: F401 - counts hpcdl's frames as library frames, as hpcdl.init does
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks to disagree")
+    try:
+        if rank == size - 1:
+            hpcdl.average(1.0, comm)  # the mismatched line
+        else:
+            collectives.allreduce(np.ones(1), comm)
+        message = ""
+    except collectives.CollectiveArgumentError as exc:
+        message = str(exc)
+    ok = f"rank {size - 1} at calls.py:" in message and " in average ← test_calls.py:" in message \
+        and "in test_calls_that_meet_from_different_lines" in message and "← test_calls.py" not in \
+        message.split(f"rank {size - 1} at")[0]
+    assert all_ranks_agree(ok, comm), message
+    assert hpcdl.allreduce(torch.ones(1), comm).item() == size  # in step again
+
+
 def _bad(kind: str) -> torch.Tensor:
     return {
         "requires grad": lambda: torch.ones(4, requires_grad=True),
