@@ -16,17 +16,19 @@ from tests.run import ROOT, own_job_environment, run_own_job
 only_alone = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 3-rank mpirun; N = 1")
 
 
-def blocking_job(mode: str, **env: str):
-    return run_own_job(["mpirun", "-n", "3", sys.executable, str(ROOT / "tests/helpers/blocking_job.py"), mode],
-                       120, own_job_environment(**env))
+def blocking_job(mode: str, ranks: int = 3, **env: str):
+    return run_own_job(["mpirun", "-n", str(ranks), sys.executable, str(ROOT / "tests/helpers/blocking_job.py"),
+                        mode], 120, own_job_environment(**env))
 
 
 @only_alone
-def test_a_blocking_call_a_rank_left_without_making_ends_the_job_within_seconds():
+@pytest.mark.parametrize("ranks", [2, 3], ids=["2 ranks: the library's call, expected", "3 ranks: butterfly"])
+def test_a_blocking_call_a_rank_left_without_making_ends_the_job_within_seconds(ranks):
     started = time.monotonic()
-    proc = blocking_job("left", HPCDL_STALL_WARNING_S="60")
+    proc = blocking_job("left", ranks, HPCDL_STALL_WARNING_S="60")
     elapsed, out = time.monotonic() - started, proc.stdout
     assert proc.returncode != 0 and "rank 1 done" not in out and "rank 2 done" not in out, out[-4000:]
+    assert ("16 B float32, mpi)" in out) is (ranks == 2), out  # the compiled path where there is one
     assert elapsed < 40, out  # the bound is 60 s: the abort came from the notice
     assert out.count("hpcdl stall report: ") == 1, out
     assert "rank 0: left: its program ended (exit or MPI_Finalize) after allreduce #2 (16 B float32" in out, out
