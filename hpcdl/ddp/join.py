@@ -42,6 +42,7 @@ class Join:
         self.shadow = shadow
         self.finish = finish
         self.inside = False  # this rank is in its loop (the context entered, not yet left)
+        self.shadowing = False  # this rank left its loop and answers the others' steps
         self.steps = 0  # communicating steps this rank took with data
         self._count_comm: MPI.Comm | None = None
 
@@ -52,6 +53,11 @@ class Join:
         self.inside = True
         self.steps = 0
         return self
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank is in the context: in its loop, or answering the others' steps."""
+        return self.inside or self.shadowing
 
     def contributors(self) -> int:
         """Collective, on a rank with data, at each step that communicates: the number of ranks
@@ -73,6 +79,7 @@ class Join:
         try:
             if kind is not None:  # an error on this rank: let it surface, do not shadow
                 return
+            self.shadowing = True
             while True:
                 contributors = self._count(0)
                 if contributors == 0:
@@ -81,6 +88,7 @@ class Join:
             if self.finish is not None:
                 self.finish(last_joiner(self.steps, self.comm))
         finally:
+            self.shadowing = False
             if self._count_comm is not None:
                 self._count_comm.Free()
                 self._count_comm = None

@@ -53,11 +53,16 @@ from .exchange import ExchangeLink, GradientExchange
 from ..tensors.arrays import same_memory_order
 from .timeline import Timeline
 
-#: What every rank must do for its buckets to meet: the advice of a stalled or refused reduction.
+#: What every rank must do for its buckets to meet: the advice of a stalled or refused reduction,
+#: outside join() and inside it (where different numbers of batches are what it is for).
 SAME_STEPS = ("Every rank must run the same sequence of forward and backward passes: a rank that "
               "skipped a batch, ran an extra backward or failed inside a step leaves its peers "
               "waiting here (ranks with different numbers of batches: `with model.join():` around "
               "the loop, docs/training.md).")
+SAME_STEPS_IN_JOIN = ("Inside join(), every step of a rank with data must be one forward and one "
+                      "backward that reduces: a rank that ran an extra backward, a step under "
+                      "no_sync() on one rank only, or a rank that failed inside a step leaves its "
+                      "peers waiting here.")
 
 if TYPE_CHECKING:
     from ..tensors.streams import DeviceStreams
@@ -304,7 +309,8 @@ class Reducer:
         if self.release_reduced:
             bucket.release()
 
-    def synchronize(self, *, stall_warning_s: float | None, timeout: float | None) -> None:
+    def synchronize(self, *, stall_warning_s: float | None, timeout: float | None,
+                    advice: str = SAME_STEPS) -> None:
         """Wait for every launched bucket and finish it; afterwards each `param.grad` holds the
         average. A TimeoutError leaves the exchanges running (calling again waits for them);
         another error is raised after every other bucket was waited for."""
@@ -316,7 +322,7 @@ class Reducer:
                 continue
             try:
                 for handle in bucket.handles:
-                    self._wait(handle, bucket, started, stall_warning_s, timeout)
+                    self._wait(handle, bucket, started, stall_warning_s, timeout, advice)
             except TimeoutError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise the first
@@ -335,7 +341,7 @@ class Reducer:
         self.reset_step()
         if error is not None:
             if isinstance(error, collectives.CollectiveArgumentError):  # a bucket met another call
-                error.add_note(f"DistributedDataParallel: {SAME_STEPS}")
+                error.add_note(f"DistributedDataParallel: {advice}")
             raise error
         if handles and handles[0].finished_at is not None:
             # the step's first collective: from this rank's launch to its completion here
@@ -367,12 +373,12 @@ class Reducer:
             self.timeline.span(f"{name} {self.exchange.finish_span}", *bucket.finish_span)
 
     def _wait(self, handle: Handle, bucket: Bucket, started: float, stall_warning_s: float | None,
-              timeout: float | None) -> None:
+              timeout: float | None, advice: str) -> None:
         names = f"{', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''}"
         stall.wait_for(handle, f"the reduction of bucket {bucket.index} ({names})",
                        rank=self.comm.Get_rank(), started=started, timeout=timeout,
                        warn_after=stall_warning_s, stacklevel=5,
-                       advice=SAME_STEPS)
+                       advice=advice)
 
     def rebind(self, comm: MPI.Comm) -> None:
         """Collective over `comm`: exchange over its ranks from now on (`hpcdl.elastic.Rebindable`).

@@ -89,7 +89,7 @@ from .join import Join
 from ..optim.zero import ShardedOptimizer, build_sharded_optimizer
 from .shards import STAGES, ShardExchange, Sharding, shard_exchange
 from ..runtime.memory import small_pages_warning
-from .reducer import GradientTraffic, Reducer
+from .reducer import SAME_STEPS, SAME_STEPS_IN_JOIN, GradientTraffic, Reducer
 from ..tensors.arrays import as_array, collective_array, flat_in_memory_order
 from .timeline import Timeline
 from .torch_arguments import bound_device, check_same_model, check_torch_options
@@ -582,7 +582,9 @@ class DistributedDataParallel(torch.nn.Module):
         the reductions running (calling `synchronize()` again waits for them).
         """
         try:
-            self._reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=self.timeout)
+            joined = self._join is not None and self._join.active
+            self._reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=self.timeout,
+                                      advice=SAME_STEPS_IN_JOIN if joined else SAME_STEPS)
         except TimeoutError:
             raise  # the exchanges go on: a second call, or the next forward, finishes them
         except BaseException:

@@ -640,3 +640,32 @@ def test_small_pages_are_warned_about_where_ranks_communicate(comm: MPI.Comm,
         hpcdl.DistributedDataParallel(_net(), comm)
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert all_ranks_agree(said == (["use huge pages"] if hpcdl.local_size() > 1 else [])), said
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["outside join()", "inside join()"])
+def test_a_reduction_refused_for_meeting_another_call_says_what_every_rank_must_do(comm, joined):
+    """The last rank averages a metric where the others reduce their gradients (one bucket): every
+    rank raises; DDP's error carries its advice as a note, join() outside the context and what join()
+    still needs inside it, where different numbers of batches are no longer the cause."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("needs a rank to make another call")
+    model = hpcdl.DistributedDataParallel(torch.nn.Linear(4, 2), comm)
+    notes = ""
+    try:
+        with model.join() if joined else contextlib.nullcontext():
+            out = model(torch.ones(2, 4))
+            if rank == size - 1:
+                hpcdl.average(1.0, comm)
+            else:
+                out.sum().backward()
+    except collectives.CollectiveArgumentError as exc:
+        notes = " ".join(getattr(exc, "__notes__", []))
+    if rank == size - 1:
+        ok = notes == ""  # hpcdl.average is no reduction of DDP's
+    elif joined:
+        ok = notes.startswith("DistributedDataParallel: Inside join(), every step") and "model.join()" not in notes
+    else:
+        ok = notes.startswith("DistributedDataParallel: Every rank must run") and "`with model.join():`" in notes
+    assert all_ranks_agree(ok, comm), notes
+    assert hpcdl.allreduce(torch.ones(1), comm).item() == size  # in step again
