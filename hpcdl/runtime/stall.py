@@ -89,7 +89,7 @@ def _paused_since(moment: float) -> float:
     return sum(length for end, length in _pauses if end - length >= moment)
 
 
-def _bound(given: float | None) -> tuple[float, bool]:
+def wait_bound(given: float | None) -> tuple[float, bool]:
     """A wait's bound and whether it is the default one, which stretches (see the module's
     docstring): HPCDL_STALL_WARNING_S when set, else `given`, else DEFAULT_WARNING_S. A setting
     that is not a positive number is warned about once and ignored (`hpcdl train` refuses it)."""
@@ -103,7 +103,7 @@ def _bound(given: float | None) -> tuple[float, bool]:
     return (DEFAULT_WARNING_S, True) if given is None else (given, False)
 
 
-def _stretched(bound: float) -> float:
+def stretched_bound(bound: float) -> float:
     """The default bound `bound` stretched to STEPS times the median period of the call this rank
     waits in (its step), where the flight recorder holds enough of its calls."""
     records = RECORDER.raw()
@@ -127,7 +127,7 @@ def _warn(message: str, stacklevel: int) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=level if frame is not None else stacklevel + 2)
 
 
-def _report(rank: int, what: str, waited: float, advice: str, done: Callable[[], bool],
+def report_stall(rank: int, what: str, waited: float, advice: str, done: Callable[[], bool],
             stacklevel: int, warn: Callable[[str], None] | None = None) -> str | None:
     """The wait passed its bound: ask every rank what it is doing, write the flight records where
     a diagnostics directory is set, and (on the lowest waiting rank only) warn with the report
@@ -166,7 +166,7 @@ def _report(rank: int, what: str, waited: float, advice: str, done: Callable[[],
             f"{stall_report.LEFT_ADVICE}.")
 
 
-def _hopeless() -> bool:
+def cannot_complete() -> bool:
     """Whether a rank has left (`diagnosis.Service.departed`) without making the call this rank is
     in: then waiting for the bound is waiting for nothing."""
     service = diagnosis.service()
@@ -176,7 +176,7 @@ def _hopeless() -> bool:
     return bool(stall_report.never_completes(service.departures(), stalled, service.size))
 
 
-class _Clock:
+class WaitClock:
     """How long a wait has waited: the time since `started` less the time this process was
     stopped, which a look more than _PAUSE_S later than asked for reveals."""
 
@@ -206,8 +206,8 @@ class Stall:
     def __init__(self, what: str, *, rank: int, advice: str = "", warn_after: float | None = None,
                  stacklevel: int = 1) -> None:
         self.what, self.rank, self.advice, self.stacklevel = what, rank, advice, stacklevel
-        self.clock = _Clock(None)
-        self.warn_after = _bound(warn_after)[0]
+        self.clock = WaitClock(None)
+        self.warn_after = wait_bound(warn_after)[0]
         self.warned = not math.isfinite(self.warn_after)
         self.waiting = diagnosis.Waiting(what)
 
@@ -225,7 +225,7 @@ class Stall:
         waited = self.clock.look(0.0)
         if waited >= self.warn_after:
             self.warned = True
-            never = _report(self.rank, self.what, waited, self.advice, lambda: False, self.stacklevel)
+            never = report_stall(self.rank, self.what, waited, self.advice, lambda: False, self.stacklevel)
             if never is not None:
                 raise RankExitedError(never)
 
@@ -242,8 +242,8 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
     `timeout` seconds have passed (None: wait for ever). Returns what `handle.wait()` returns, and
     raises the collective's own error.
     """
-    clock = _Clock(started)
-    bound, stretchable = _bound(warn_after)
+    clock = WaitClock(started)
+    bound, stretchable = wait_bound(warn_after)
     reported = not math.isfinite(bound)
     with diagnosis.Waiting(what):
         while True:
@@ -259,14 +259,14 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
             waited = clock.look(asked)
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(_stalled(rank, what, waited, advice)) from None
-            hopeless = not reported and _hopeless()
+            hopeless = not reported and cannot_complete()
             if not reported and (waited >= bound or hopeless):
                 if stretchable and not hopeless:
-                    stretchable, bound = False, _stretched(bound)
+                    stretchable, bound = False, stretched_bound(bound)
                     if waited < bound:
                         continue
                 reported = True
-                never = _report(rank, what, waited, advice, handle.done, stacklevel)
+                never = report_stall(rank, what, waited, advice, handle.done, stacklevel)
                 if never is not None:
                     raise RankExitedError(never)
 

@@ -65,18 +65,21 @@ class Watchdog:
         self.service = service
         self._record: list[Any] | None = None  # the call it watches
         self._place = ""  # where the caller's program made it
-        self._clock: stall._Clock | None = None
+        self._clock: stall.WaitClock | None = None
         self._bound, self._stretchable, self._reported = 0.0, False, False
         self._thread = threading.Thread(target=self._watch, name="hpcdl-watchdog", daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
+        failed = False
         while not self.service.wait_stopped(LOOK_S):
             try:
                 self.look()
             except Exception as exc:  # noqa: BLE001 - a failed look must not end the watching
-                warnings.warn(f"hpcdl's watchdog: a look at the blocking calls failed ({exc!r}); "
-                              "it looks again in a second", RuntimeWarning, stacklevel=1)
+                if not failed:  # said once: a cause that lasts would say it every second
+                    failed = True
+                    warnings.warn(f"hpcdl's watchdog: a look at the blocking calls failed ({exc!r}); "
+                                  "it goes on looking", RuntimeWarning, stacklevel=1)
 
     def look(self) -> None:
         """One look: follow the blocked call, report it past the bound, abort where it can never
@@ -89,16 +92,16 @@ class Watchdog:
         if record is None or self._reported or self._clock is None:
             return
         waited = self._clock.look(LOOK_S)
-        hopeless = stall._hopeless()
+        hopeless = stall.cannot_complete()
         if waited < self._bound and not hopeless:
             return
         if self._stretchable and not hopeless:
-            self._stretchable, self._bound = False, stall._stretched(self._bound)
+            self._stretchable, self._bound = False, stall.stretched_bound(self._bound)
             if waited < self._bound:
                 return
         self._reported = True
         what = service.blocked[record[THREAD]][1]
-        never = stall._report(service.rank, what, waited, "", lambda: record[LEFT] != 0.0, 1,
+        never = stall.report_stall(service.rank, what, waited, "", lambda: record[LEFT] != 0.0, 1,
                               warn=lambda text: _warn_at(self._place, text))
         if never is not None and record[LEFT] == 0.0:
             flight_dumps.write(service.rank, "a blocking call that can never complete")
@@ -117,8 +120,8 @@ class Watchdog:
         self._place = call["user"] or call["site"]
         what = f"the blocking {call['collective']} at {stall_report.short(self._place)}"
         self.service.blocked[record[THREAD]] = (record, what, record[ENTERED])
-        self._clock = stall._Clock(record[ENTERED])
-        self._bound, self._stretchable = stall._bound(None)
+        self._clock = stall.WaitClock(record[ENTERED])
+        self._bound, self._stretchable = stall.wait_bound(None)
         self._reported = not self._bound < float("inf")
 
 

@@ -124,10 +124,10 @@ def test_a_wait_warns_once_about_a_bad_setting_and_keeps_the_default(monkeypatch
     monkeypatch.setenv(stall.WARNING_VARIABLE, "abc")
     with pytest.warns(RuntimeWarning, match="HPCDL_STALL_WARNING_S='abc': give a positive number.*; "
                                             "ignored, the default bound applies"):
-        assert stall._bound(None) == (stall.DEFAULT_WARNING_S, True)
+        assert stall.wait_bound(None) == (stall.DEFAULT_WARNING_S, True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
-        assert stall._bound(4.0) == (4.0, False)
+        assert stall.wait_bound(4.0) == (4.0, False)
 
 
 class FakeTime:
@@ -144,13 +144,13 @@ def test_time_the_process_was_stopped_does_not_count(monkeypatch):
     fake = FakeTime()
     monkeypatch.setattr(stall, "time", fake)
     monkeypatch.setattr(stall, "_pauses", type(stall._pauses)(maxlen=64))
-    clock = stall._Clock(None)
+    clock = stall.WaitClock(None)
     fake.now += 1.0
     assert clock.look(1.0) == 1.0
     fake.now += 75.0  # SIGSTOP for 74 s during a look of 1 s, then SIGCONT
     assert clock.look(1.0) == 2.0
     # A later wait of the same step (started before the pause) does not count the pause either.
-    assert stall._Clock(1000.5).waited == 1076.0 - 1000.5 - 74.0
+    assert stall.WaitClock(1000.5).waited == 1076.0 - 1000.5 - 74.0
 
 
 def test_the_bound_is_at_least_twenty_steps(monkeypatch):
@@ -164,10 +164,10 @@ def test_the_bound_is_at_least_twenty_steps(monkeypatch):
             made[-1] = made[ENTERED] + 0.1
     monkeypatch.setattr(stall, "RECORDER", ring)
     monkeypatch.delenv(stall.WARNING_VARIABLE, raising=False)
-    assert stall._stretched(10.0) == 40.0 and stall._stretched(60.0) == 60.0
+    assert stall.stretched_bound(10.0) == 40.0 and stall.stretched_bound(60.0) == 60.0
     # Only the default bound stretches: a bound given, even one equal to the default, does not.
-    assert stall._bound(None) == (stall.DEFAULT_WARNING_S, True)
-    assert stall._bound(stall.DEFAULT_WARNING_S) == (stall.DEFAULT_WARNING_S, False)
-    assert stall._bound(1.0) == (1.0, False)
+    assert stall.wait_bound(None) == (stall.DEFAULT_WARNING_S, True)
+    assert stall.wait_bound(stall.DEFAULT_WARNING_S) == (stall.DEFAULT_WARNING_S, False)
+    assert stall.wait_bound(1.0) == (1.0, False)
     monkeypatch.setenv(stall.WARNING_VARIABLE, "3")  # set: exactly that, whatever the caller gave
-    assert stall._bound(None) == (3.0, False) and stall._bound(60.0) == (3.0, False)
+    assert stall.wait_bound(None) == (3.0, False) and stall.wait_bound(60.0) == (3.0, False)
