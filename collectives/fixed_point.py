@@ -31,6 +31,14 @@ values here, the addition 7 us. Where every term has one weight, a power of two 
 of 32 samples), the weight can go into the quantum of the conversion back (`FixedSum.unweighted`)
 instead of an int64 pass. On the wire int64 is twice float32's bytes, so an allreduce of
 the integers moves 2N bytes where float32 moves N. Measured in benchmarks/reproducible.py.
+
+Compiled (collectives/_fixed.c, an optional extension; `COMPILED`): `FixedSum.add_scaled` reads
+each float32 term once, taking its largest magnitude and scaling, rounding (the same ROUNDER
+addition) and adding each value in one loop, and `from_fixed_slots` converts back in one loop:
+for the 85 K values of the MLP, 32 us against NumPy's 70 and 13 against 63 (one process, hot
+caches). Without it (no compiler at install, or HPCDL_COMPILED=0 at import) NumPy's passes run:
+the same IEEE operations on each value, so the same bits (tests/collectives/test_fixed_point.py
+compares them).
 """
 from __future__ import annotations
 
