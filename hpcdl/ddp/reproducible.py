@@ -376,7 +376,7 @@ class ReproducibleDataParallel(torch.nn.Module):
         if scaled:
             scales = self._scales(total)[0]
             # a term must stay below 2**term_bits(total) quanta: what the bounds promise
-            limit = float(np.ldexp(1.0, term_bits(total)))
+            limit = 2.0 ** term_bits(total)
         correct = 0
         for k in mine:
             x = inputs[k * self.micro_batch:(k + 1) * self.micro_batch]
@@ -388,11 +388,11 @@ class ReproducibleDataParallel(torch.nn.Module):
             output = self.module(x)
             loss = loss_fn(output, y)
             loss.backward()
-            with torch.no_grad():
-                if output.dim() == 2 and y.dim() == 1:
-                    correct += int((output.argmax(dim=1) == y).sum())
-                grads = [None if p.grad is None else p.grad.numpy().reshape(-1) for _, p in named]
-                loss_value = loss.item() if loss.dtype == self._torch_dtype else float(loss.to(self._torch_dtype))
+            # no torch.no_grad() needed (2 us): argmax, the gradients and item() record no graph
+            if output.dim() == 2 and y.dim() == 1:
+                correct += int((output.argmax(dim=1) == y).sum())
+            grads = [None if p.grad is None else p.grad.numpy().reshape(-1) for _, p in named]
+            loss_value = loss.item() if loss.dtype == self._torch_dtype else float(loss.detach().to(self._torch_dtype))
             if scaled:
                 largest = fixed.add_scaled([*grads, np.array([loss_value])], scales, len(y), limit)
                 if largest is not None:
