@@ -7,7 +7,8 @@ Each phase is timed with `time.thread_time_ns` (this thread's CPU: a wait that s
 nothing, one that spins does) by wrapping what `ReproducibleDataParallel.backward_batch` calls:
 the model's forward, the loss, `Tensor.backward`, `FixedSum.add_scaled` (quantizing), `_flag` (the
 verdict), `collectives.iallreduce` (its start) and the request's wait, `from_fixed_slots` (the
-conversion back); "bookkeeping" is the step's CPU less all of these and less the optimizer's step
+conversion back); "other threads" is the process's CPU in the step less the main thread's (the
+communication thread's allreduce); "bookkeeping" is the step's CPU less all of these and less the optimizer's step
 (setup, the `.grad` views, the correct count and the loss, attaching the gradients). A wrapper
 costs ~1 us a call, so the phases add up to a little more than an unwrapped step. Rank 0 prints
 the medians over the steps after --warmup, in us; DDP's step is timed as a whole and its
@@ -117,9 +118,10 @@ def main() -> None:
             comm.Barrier()
             for _ in range(args.block):
                 spent.clear()
-                started = time.thread_time_ns()
+                started, process = time.thread_time_ns(), time.process_time_ns()
                 step(done[mode])
                 whole = time.thread_time_ns() - started
+                others = time.process_time_ns() - process - whole
                 done[mode] += 1
                 if done[mode] <= args.warmup:
                     continue
@@ -127,6 +129,7 @@ def main() -> None:
                 for name, ns in spent.items():
                     samples[mode][name].append(ns)
                 samples[mode]["bookkeeping"].append(whole - sum(spent.values()))
+                samples[mode]["other threads"].append(others)
     if comm.Get_rank() == 0:
         print(f"{args.model} P={size} M={args.micro_batch}: median main-thread CPU per step, us "
               f"({args.steps} steps each, load {' '.join(f'{v:.1f}' for v in os.getloadavg())})")
