@@ -154,6 +154,7 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_buffer *views = NULL, accv = {0};
     Py_ssize_t n = 0, got = 0;
     double *scale = NULL;
+    Py_ssize_t *bounds = NULL; /* the offsets, read while the GIL is held */
     char *kinds = NULL;
     if (!offsets)
         goto done;
@@ -173,7 +174,8 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
     views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
     scale = PyMem_Calloc(n ? n : 1, sizeof(double));
     kinds = PyMem_Calloc(n ? n : 1, 1);
-    if (!views || !scale || !kinds) {
+    bounds = PyMem_Calloc(n + 1, sizeof(Py_ssize_t));
+    if (!views || !scale || !kinds || !bounds) {
         PyErr_NoMemory();
         goto done;
     }
@@ -181,6 +183,8 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t total = 0, size = accv.len / 8;
     for (got = 0; got < n; got++) {
         Py_ssize_t start = offset_at(offsets, got), stop = offset_at(offsets, got + 1);
+        bounds[got] = start;
+        bounds[got + 1] = stop;
         scale[got] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(scales, got));
         if (PyErr_Occurred())
             goto done;
@@ -211,7 +215,7 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int fits = 1;
     PyThreadState *saved = total >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t start = offset_at(offsets, i), stop = offset_at(offsets, i + 1);  /* ints: no Python call */
+        Py_ssize_t start = bounds[i], stop = bounds[i + 1];
         double most;
         if (kinds[i] == 'f') {
             uint32_t bits = quantize_f32(views[i].buf, stop - start, scale[i], acc + start, mode, (uint64_t)weight);
@@ -254,6 +258,7 @@ done:
         PyBuffer_Release(&accv);
     PyMem_Free(views);
     PyMem_Free(scale);
+    PyMem_Free(bounds);
     PyMem_Free(kinds);
     Py_XDECREF(terms);
     Py_XDECREF(scales);
@@ -268,6 +273,8 @@ static PyObject *dequantize(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     Py_buffer accv = {0}, outv = {0};
     PyObject *offsets = NULL, *factors = NULL, *result = NULL;
+    Py_ssize_t *bounds = NULL;
+    double *factor = NULL;
     if (get(args[0], &accv, 0, "dequantize's accumulator") != 'q') {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_TypeError, "dequantize's accumulator must be int64");
@@ -289,38 +296,41 @@ static PyObject *dequantize(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "dequantize: one offset more than factors, out of acc's size");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {  /* checked before anything is written */
-        Py_ssize_t start = offset_at(offsets, i), stop = offset_at(offsets, i + 1);
+    bounds = PyMem_Calloc(n + 1, sizeof(Py_ssize_t));
+    factor = PyMem_Calloc(n ? n : 1, sizeof(double));
+    if (!bounds || !factor) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i <= n; i++) {  /* everything read and checked before anything is written */
+        bounds[i] = offset_at(offsets, i);
+        if (i < n)
+            factor[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(factors, i));
         if (PyErr_Occurred())
             goto done;
-        if (start < 0 || stop < start || stop > size) {
+        if (bounds[i] < (i ? bounds[i - 1] : 0) || bounds[i] > size) {
             PyErr_SetString(PyExc_ValueError, "dequantize: the offsets must rise within the accumulator");
             goto done;
         }
-        PyFloat_AsDouble(PySequence_Fast_GET_ITEM(factors, i));
-        if (PyErr_Occurred())
-            goto done;
     }
-    Py_ssize_t total = PySequence_Fast_GET_SIZE(offsets) ? offset_at(offsets, n) - offset_at(offsets, 0) : 0;
-    int release = total >= RELEASE_FROM;
+    PyThreadState *saved = bounds[n] - bounds[0] >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t start = offset_at(offsets, i), stop = offset_at(offsets, i + 1);
-        double factor = PyFloat_AS_DOUBLE(PySequence_Fast_GET_ITEM(factors, i));
-        const int64_t *acc = (const int64_t *)accv.buf + start;
-        PyThreadState *saved = release && stop - start >= RELEASE_FROM / 4 ? PyEval_SaveThread() : NULL;
+        const int64_t *acc = (const int64_t *)accv.buf + bounds[i];
         if (k == 'f')
-            dequantize_f32(acc, stop - start, factor, (float *)outv.buf + start);
+            dequantize_f32(acc, bounds[i + 1] - bounds[i], factor[i], (float *)outv.buf + bounds[i]);
         else
-            dequantize_f64(acc, stop - start, factor, (double *)outv.buf + start);
-        if (saved)
-            PyEval_RestoreThread(saved);
+            dequantize_f64(acc, bounds[i + 1] - bounds[i], factor[i], (double *)outv.buf + bounds[i]);
     }
+    if (saved)
+        PyEval_RestoreThread(saved);
     result = Py_NewRef(Py_None);
 done:
     if (accv.obj)
         PyBuffer_Release(&accv);
     if (outv.obj)
         PyBuffer_Release(&outv);
+    PyMem_Free(bounds);
+    PyMem_Free(factor);
     Py_XDECREF(offsets);
     Py_XDECREF(factors);
     return result;

@@ -246,14 +246,14 @@ def test_compiled_from_fixed_slots_gives_numpy_bits(path: str) -> None:
     if path != "compiled":
         pytest.skip("compares both paths, once")
     rng = np.random.default_rng(11)
-    sizes = [5000, 1, 33, 70000]
+    sizes = [5000, 1, 33, 70000, 10]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     acc = rng.integers(-2 ** 62, 2 ** 62, offsets[-1], dtype=np.int64)
     acc[:8] = [0, 1, -1, 2 ** 63 - 1, -2 ** 63, 2 ** 53 + 1, -(2 ** 53) - 3, 2 ** 62]
     acc[5001:5034] = rng.integers(-1000, 1000, 33)
     # quanta over divisors that are not powers of two; one so large the float32 overflows, one so
-    # small it lands among the subnormals
-    factors = [2.0 ** -60 / 3, 2.0 ** 80, 2.0 ** -170 / 7, 2.0 ** -40 / 96]
+    # small it lands among the subnormals; a factor given as an int
+    factors: list[Any] = [2.0 ** -60 / 3, 2.0 ** 80, 2.0 ** -170 / 7, 2.0 ** -40 / 96, 3]  # and an int
     for dtype in (np.float32, np.float64):
         def run() -> bytes:
             out = np.full(offsets[-1], np.nan, dtype=dtype)
