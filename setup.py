@@ -1,3 +1,4 @@
+import sys
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
@@ -31,12 +32,17 @@ setup(
     python_requires=">=3.9",
     # Only the two libraries: benchmarks/ holds scripts and results, tests/ the test suite.
     packages=find_packages(include=["collectives", "collectives.*", "hpcdl", "hpcdl.*"]),
-    package_data={"collectives": ["decision_table.json", "_hot.pyi"]},
+    package_data={"collectives": ["decision_table.json", "_hot.pyi", "_fixed.pyi"]},
     cmdclass={"build_py": BuildWithTemplates},
     # The expected call compiled (collectives/hot.py): optional, so an install without a compiler
     # (or on a Python it does not support) still works, on the Python path. No MPI header: it
     # calls the library mpi4py loaded.
-    ext_modules=[Extension("collectives._hot", ["collectives/_hot.c"], optional=True)],
+    # The fixed-point sum's passes compiled (collectives/_fixed.c, used by collectives/fixed_point.py):
+    # optional as well, the NumPy path gives the same bits. No contraction of a product and a sum
+    # into one rounding (FMA): the bits must be NumPy's, which rounds each operation.
+    ext_modules=[Extension("collectives._hot", ["collectives/_hot.c"], optional=True),
+                 Extension("collectives._fixed", ["collectives/_fixed.c"], optional=True,
+                           extra_compile_args=[] if sys.platform == "win32" else ["-ffp-contract=off"])],
     # collectives needs only these. mpi4py's wheels load whichever MPI they find at run time:
     # the `mpi` extra brings Open MPI (with mpirun) from PyPI for a bare machine; on a cluster,
     # leave it out and use the site MPI (see docs/clusters.md). numpy>=2: collectives/buffers.py

@@ -24,8 +24,15 @@ from typing import TYPE_CHECKING, Any, Callable
 #: HPCDL_COMPILED=0 (or false, no, off) at import: the Python path only, even where compiled.
 COMPILED_VARIABLE = "HPCDL_COMPILED"
 
+
+def compiled_wanted() -> bool:
+    """Whether HPCDL_COMPILED leaves the compiled extensions on (they are read at import: this
+    one's, and `fixed_point`'s passes)."""
+    return os.environ.get(COMPILED_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 _hot: Any = None
-if os.environ.get(COMPILED_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off"):
+if compiled_wanted():
     try:
         from . import _hot
     except ImportError:  # not built (no compiler at install), or a Python it does not support

@@ -51,7 +51,7 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed, term_bits
+from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed_slots, term_bits
 
 from .. import runtime
 from ..runtime.agreement import raise_unless_agreed
@@ -182,11 +182,12 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._cached: tuple[np.ndarray, int, list[float], np.ndarray, list[float]] | None = None
         # the micro-batches' sum: each gradient scaled straight into its float64 pass, rounded and
         # added (FixedSum); buffers allocated once (fresh pages each micro-batch cost faults)
-        self._sum = FixedSum(self._acc[:self._quantized])
+        self._sum = FixedSum(self._acc[:self._quantized], self._offsets.tolist())
         self._grads = torch.empty(self._quantized - 1, dtype=self._torch_dtype)  # the average, flat
         self._grads_flat = self._grads.numpy()
         #: each parameter's slot and the loss's (Python ints: slicing with them is cheaper), and each
         #: parameter's gradient, a view of `_grads`, built once: every step's average lands there
+        self._offsets_list = self._offsets.tolist()
         self._slots = [(int(a), int(b)) for a, b in zip(self._offsets[:-1], self._offsets[1:])]
         self._grad_views = [self._grads[a:b].view_as(p) for (a, b), (_, p) in zip(self._slots, self._named)]
         #: what this rank contributed to the integer allreduces (int64: twice float32's bytes)
@@ -284,7 +285,8 @@ class ReproducibleDataParallel(torch.nn.Module):
                 # host the blocking call's wait for a descheduled partner made a step 3.0-4.8 ms of
                 # CPU against 1.5 (MLP, P=2: reproducible-cost-2026-11-29-first-term.md)
                 collectives.iallreduce(acc, self.comm, op="sum", algorithm=self.algorithm, out=acc).wait()
-                if acc[quantized + 1] == 0 and bool(np.all(acc[quantized + 2:] > 0)):
+                verdict = acc[quantized + 1:].tolist()  # a few integers: Python reads them faster than NumPy
+                if verdict[0] == 0 and min(verdict[1:]) > 0:
                     break
                 if runs > 1:  # the quanta of the step's own maxima always pass: the same verdict everywhere
                     raise RuntimeError(f"reproducible step {step}: the quanta agreed from the step's own largest "
@@ -303,14 +305,15 @@ class ReproducibleDataParallel(torch.nn.Module):
         weight = self.micro_batch if self._weight_folds(total) else 1
         # each step's average in the same memory, as DDP's buckets keep theirs; slot by slot, one
         # factor each (an array of them would be as large as the accumulator, read each step)
-        for (start, stop), factor in zip(self._slots[:-1], averaging):  # the loss's below
-            from_fixed(acc[start:stop], factor * weight, out=self._grads_flat[start:stop])
+        from_fixed_slots(acc[:elements], self._offsets_list[:-1], [factor * weight for factor in averaging[:-1]],
+                         self._grads_flat)  # the loss's below
         for (_, param), grad in zip(self._named, self._grad_views):
             param.grad = grad
         if self._sharding is not None:
             self._attach_pieces()
-        loss = from_fixed(acc[elements:quantized], averaging[-1] * weight, dtype=np.float64)
-        return StepResult(float(loss[0]), int(acc[quantized]), total, runs)
+        # `from_fixed` of one value in Python: int64 -> float64 (rounded to nearest), times the factor
+        loss = float(acc[elements]) * (averaging[-1] * weight)
+        return StepResult(loss, int(acc[quantized]), total, runs)
 
     def _attach_pieces(self) -> None:
         """Sharded: each piece's `.grad` views its part of its parameter's whole gradient, laid
@@ -361,18 +364,19 @@ class ReproducibleDataParallel(torch.nn.Module):
         current quanta while they fit (once one does not, the step is run again, so the rest
         is only measured); the largest magnitudes seen, per parameter and of the loss.
 
-        Per micro-batch, with quanta: each gradient scaled to quanta straight into the sum's
-        float64 pass (one pass per parameter, no flat copy; the first micro-batch's is the
-        accumulator's own memory), its largest magnitude per parameter read from there (exact:
-        the scale is a power of two), then one rounding pass and one int64 addition (`FixedSum`)."""
-        named, slots, fixed = self._named, self._slots, self._sum
+        Per micro-batch, with quanta: the gradients and the loss added by `FixedSum.add_scaled`,
+        which also gives their largest magnitudes (compiled: one read of each gradient, which
+        scales, takes the largest magnitude, rounds and adds; NumPy: a float64 pass per
+        parameter into the accumulator's own memory, two `reduceat`, a rounding pass and an
+        int64 addition)."""
+        named, fixed = self._named, self._sum
         fixed.clear()
         maxima = np.zeros(len(named) + 1, dtype=np.float64)
         scaled = self._bounds is not None
         if scaled:
-            scales, quanta, _ = self._scales(total)
+            scales = self._scales(total)[0]
             # a term must stay below 2**term_bits(total) quanta: what the bounds promise
-            limit = float(np.ldexp(1.0, term_bits(total)))
+            limit = 2.0 ** term_bits(total)
         correct = 0
         for k in mine:
             x = inputs[k * self.micro_batch:(k + 1) * self.micro_batch]
@@ -384,25 +388,15 @@ class ReproducibleDataParallel(torch.nn.Module):
             output = self.module(x)
             loss = loss_fn(output, y)
             loss.backward()
-            with torch.no_grad():
-                if output.dim() == 2 and y.dim() == 1:
-                    correct += int((output.argmax(dim=1) == y).sum())
-                grads = [None if p.grad is None else p.grad.numpy().reshape(-1) for _, p in named]
-                loss_value = float(loss.detach().to(self._torch_dtype))
+            # no torch.no_grad() needed (2 us): argmax, the gradients and item() record no graph
+            if output.dim() == 2 and y.dim() == 1:
+                correct += int((output.argmax(dim=1) == y).sum())
+            grads = [None if p.grad is None else p.grad.numpy().reshape(-1) for _, p in named]
+            loss_value = loss.item() if loss.dtype == self._torch_dtype else float(loss.detach().to(self._torch_dtype))
             if scaled:
-                work = fixed.work  # the first term's is the accumulator's own memory
-                for grad, scale, (start, stop) in zip(grads, scales, slots):
-                    if grad is None:
-                        work[start:stop] = 0.0
-                    else:
-                        np.multiply(grad, scale, out=work[start:stop], dtype=np.float64)
-                work[slots[-1][0]] = loss_value * scales[-1]
-                # each slot's largest magnitude, in quanta (NaN stays, and fails the test below)
-                starts = self._offsets[:-1]
-                largest = np.maximum(np.maximum.reduceat(work, starts), -np.minimum.reduceat(work, starts))
-                if largest.max() < limit:  # NaN is not
-                    np.maximum(maxima, largest * quanta, out=maxima)
-                    fixed.add(len(y))
+                largest = fixed.add_scaled([*grads, np.array([loss_value])], scales, len(y), limit)
+                if largest is not None:
+                    np.maximum(maxima, largest, out=maxima)
                     continue
                 scaled = False  # outgrown: this run is done again, with coarser quanta, so only measured
             np.maximum(maxima, self._largest(grads, loss_value), out=maxima)

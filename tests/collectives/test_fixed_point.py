@@ -2,21 +2,41 @@
 of the quantum, no overflow at the bound's extremes, and the same bits from every allreduce
 algorithm and any placement of the terms on the ranks. Reproducible training on it:
 tests/hpcdl/ddp/test_reproducible.py and tests/hpcdl/training/test_reproducible.py.
+
+Every test runs on both paths of the per-value passes: compiled (collectives/_fixed.c, where built)
+and NumPy's; the compiled passes are also compared with NumPy's bit for bit, edge cases included.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import subprocess
+import sys
+from typing import Any
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import collectives
+from collectives import fixed_point
 from collectives.fixed_point import (MIN_BOUND_EXPONENT, TERM_BITS, FixedSum, add_fixed, bound_exponent,
-                                     exact_allreduce, exact_total, from_fixed, quantum_exponent, round_biased)
+                                     exact_allreduce, exact_total, from_fixed, from_fixed_slots, quantum_exponent,
+                                     round_biased)
 from tests.conftest import all_ranks_agree
+from tests.run import own_job_environment
 
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def path(request: pytest.FixtureRequest) -> Any:
+    """The test on the compiled passes (`fixed_point.COMPILED`), then on NumPy's."""
+    if request.param == "compiled" and not fixed_point.COMPILED:
+        pytest.skip("the compiled passes are not built here (or HPCDL_COMPILED=0)")
+    was = fixed_point.use_compiled(request.param == "compiled")
+    yield request.param
+    fixed_point.use_compiled(was)
 
 
 def test_fixed_point_sum_of_multiples_of_the_quantum_is_exact():
@@ -137,3 +157,140 @@ def test_exact_allreduce_same_bits_for_every_algorithm_and_placement():
     assert all_ranks_agree(ok, comm)
 
 
+
+
+# -- the compiled passes against NumPy's ----------------------------------------------------------
+
+def both_paths(run: Any) -> tuple[Any, Any]:
+    """`run()` on the compiled passes, then on NumPy's (the path in force is restored)."""
+    was = fixed_point.use_compiled(True)
+    try:
+        with np.errstate(over="ignore"):  # NumPy's passes warn of what the edge cases overflow
+            compiled = run()
+            fixed_point.use_compiled(False)
+            return compiled, run()
+    finally:
+        fixed_point.use_compiled(was)
+
+
+def edge_term(rng: np.random.Generator, size: int, exponent: int) -> np.ndarray:
+    """A float32 term whose magnitudes stay below 2**exponent: random over 40 binades, with zeros,
+    negative zeros, subnormals, the largest float32 below the bound, and halves of a quantum
+    2**(exponent - TERM_BITS) (ties, rounded to even)."""
+    below = np.nextafter(np.float32(2.0 ** exponent), np.float32(0))
+    quantum = 2.0 ** (exponent - TERM_BITS)
+    specials = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-39, below, -below, 2.0 ** (exponent - 1),
+                         *(np.array([0.5, 1.5, 2.5, -0.5, -2.5, 7.5]) * quantum)]).astype(np.float32)
+    values = (rng.standard_normal(size) * np.exp2(rng.integers(-40, 0, size)) * 2.0 ** (exponent - 1))
+    values = values.astype(np.float32)
+    extra = specials[:size]
+    values[rng.choice(size, extra.size, replace=False)] = extra
+    return values
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_quantize_gives_numpy_bits_with_edge_cases(path: str, dtype: Any) -> None:
+    if path != "compiled":
+        pytest.skip("compares both paths, once")
+    rng = np.random.default_rng(7)
+    sizes = [300, 1, 40000, 17]
+    exponents = [3, -20, 0, 100]  # each term's bound exponent: its scale 2**(TERM_BITS - e)
+    offsets = np.concatenate([[0], np.cumsum(sizes + [1, 5])]).tolist()  # then a loss and a None term
+    scales = [2.0 ** (TERM_BITS - e) for e in exponents] + [2.0 ** 40, 2.0 ** 10]
+    limit = 2.0 ** TERM_BITS
+    batches = [[edge_term(rng, n, e).astype(dtype) for n, e in zip(sizes, exponents)] for _ in range(4)]
+
+    def run(weights: list[int], finish: str) -> tuple[list[Any], bytes]:
+        fixed = FixedSum(np.full(offsets[-1], 99, dtype=np.int64), offsets)
+        seen = [fixed.add_scaled([*terms, np.array([2.75]), None], scales, w, limit)
+                for terms, w in zip(batches, weights)]
+        sums = fixed.unweighted() if finish == "unweighted" else fixed.total()
+        return seen, sums.tobytes()
+
+    for weights, finish in (([32] * 4, "unweighted"), ([32] * 4, "total"), ([8, 8, 8, 3], "total"),
+                            ([1, 5, 5, 7], "total"), ([2], "total")):
+        compiled, numpy = both_paths(lambda: run(weights, finish))
+        assert compiled[0] == numpy[0], (weights, finish)  # the largest magnitudes (all fit)
+        assert compiled[1] == numpy[1], (weights, finish)  # the integers, bit for bit
+        assert all(m is not None for m in compiled[0])
+    # the sums against Python's round() of each scaled value (ties to even), weighted
+    one = run([3], "total")[1]
+    expected = [3 * round(float(v) * s) for t, s in zip(batches[0], scales) for v in t] + [3 * round(2.75 * 2.0 ** 40)]
+    assert np.frombuffer(one, dtype=np.int64).tolist() == expected + [0] * 5
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "at_limit", "overflows", "just_below"])
+def test_compiled_quantize_judges_a_term_that_does_not_fit_as_numpy(path: str, bad: str) -> None:
+    # a NaN, an infinity, a value at `limit` quanta, one whose scaled value overflows float64: the
+    # term does not fit on either path (None; `_run` then measures the rest); one just below fits
+    if path != "compiled":
+        pytest.skip("compares both paths, once")
+    value = {"nan": np.nan, "inf": -np.inf, "at_limit": -2.0 ** 20, "overflows": 3e38,
+             "just_below": float(np.nextafter(np.float32(2.0 ** 20), np.float32(0)))}[bad]
+    scale = 2.0 ** 1010 if bad == "overflows" else 2.0 ** (TERM_BITS - 20)
+    term = np.linspace(-1, 1, 1001).astype(np.float32)
+    term[500] = value
+    for first in (True, False):
+        def run() -> Any:
+            fixed = FixedSum(np.zeros(1002, dtype=np.int64), [0, 1001, 1002])
+            if not first:
+                fixed.add_scaled([np.ones(1001, np.float32), np.array([1.0])], [1.0, 1.0], 4, 2.0 ** TERM_BITS)
+            got = fixed.add_scaled([term, np.array([0.5])], [scale, 1.0], 4, 2.0 ** TERM_BITS)
+            return got, fixed.total().tobytes() if got is not None else None
+        compiled, numpy = both_paths(run)
+        assert (compiled[0] is None) == (numpy[0] is None) == (bad != "just_below"), (bad, compiled, numpy)
+        assert compiled == numpy
+
+
+def test_compiled_from_fixed_slots_gives_numpy_bits(path: str) -> None:
+    if path != "compiled":
+        pytest.skip("compares both paths, once")
+    rng = np.random.default_rng(11)
+    sizes = [5000, 1, 33, 70000, 10]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    acc = rng.integers(-2 ** 62, 2 ** 62, offsets[-1], dtype=np.int64)
+    acc[:8] = [0, 1, -1, 2 ** 63 - 1, -2 ** 63, 2 ** 53 + 1, -(2 ** 53) - 3, 2 ** 62]
+    acc[5001:5034] = rng.integers(-1000, 1000, 33)
+    # quanta over divisors that are not powers of two; one so large the float32 overflows, one so
+    # small it lands among the subnormals; a factor given as an int
+    factors: list[Any] = [2.0 ** -60 / 3, 2.0 ** 80, 2.0 ** -170 / 7, 2.0 ** -40 / 96, 3]  # and an int
+    for dtype in (np.float32, np.float64):
+        def run() -> bytes:
+            out = np.full(offsets[-1], np.nan, dtype=dtype)
+            from_fixed_slots(acc, offsets, factors, out)
+            return out.tobytes()
+        compiled, numpy = both_paths(run)
+        assert compiled == numpy, dtype
+        with np.errstate(over="ignore"):
+            reference = np.concatenate([from_fixed(acc[a:b], f, dtype=dtype) for a, b, f in
+                                        zip(offsets[:-1], offsets[1:], factors)])
+        assert compiled == reference.tobytes()
+
+
+def test_compiled_passes_refuse_what_they_do_not_take(path: str) -> None:
+    if path != "compiled":
+        pytest.skip("the compiled passes' own checks")
+    fixed = FixedSum(np.zeros(10, dtype=np.int64), [0, 10])
+    with pytest.raises(ValueError):  # not of its slot's size
+        fixed.add_scaled([np.ones(9, np.float32)], [1.0], 1, 2.0 ** TERM_BITS)
+    with pytest.raises((TypeError, ValueError, BufferError)):  # not contiguous (NumPy says ValueError)
+        fixed.add_scaled([np.ones(20, np.float32)[::2]], [1.0], 1, 2.0 ** TERM_BITS)
+    with pytest.raises(TypeError):  # not a float type
+        fixed.add_scaled([np.ones(10, np.int32)], [1.0], 1, 2.0 ** TERM_BITS)
+    with pytest.raises(ValueError):  # beyond the output
+        from_fixed_slots(np.zeros(10, np.int64), [0, 11], [1.0], np.zeros(10, np.float32))
+
+
+def test_hpcdl_compiled_0_leaves_numpy_passes(path: str, comm: MPI.Comm) -> None:
+    """HPCDL_COMPILED=0 at import: NumPy's passes only; without it, where built, the compiled ones."""
+    if comm.Get_size() != 1 or path != "python":
+        pytest.skip("runs one-process programs once, from the one-rank job")
+    program = "from collectives import fixed_point\nprint(fixed_point.COMPILED, fixed_point.use_compiled(True))\n"
+    runs = {}
+    for setting in ("0", "1"):
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60,
+                              env=own_job_environment(HPCDL_COMPILED=setting))
+        runs[setting] = done.stdout.split() if done.returncode == 0 else done.stderr[-2000:]
+    assert runs["0"] == ["False", "False"], runs
+    built = importlib.util.find_spec("collectives._fixed") is not None
+    assert runs["1"] == (["True", "True"] if built else runs["0"]), runs

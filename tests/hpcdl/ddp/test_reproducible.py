@@ -1,9 +1,12 @@
 """`DistributedDataParallel(reproducible=True)` (issue 39): a few AdamW steps with clipping and
 dropout give the parameters one process computes in process (MPI.COMM_SELF), at every N of the job
 and with every algorithm; today's default path gives other bits on N ranks than on one; what
-cannot be reproduced is refused on every rank together.
+cannot be reproduced is refused on every rank together. Every test runs on both paths of the
+fixed-point sum's per-value passes: compiled (collectives/_fixed.c, where built) and NumPy's.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -12,11 +15,23 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
+from collectives import fixed_point
 from hpcdl.ddp.reproducible import ReproducibleDataParallel, micro_batch_range, micro_batch_seed
 from hpcdl.training.reproducible import parameter_digest
 from tests.conftest import all_ranks_agree
 
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def path(request: pytest.FixtureRequest) -> Any:
+    """The test on the compiled passes of the fixed-point sum (`fixed_point.COMPILED`), then on
+    NumPy's: the same bits."""
+    if request.param == "compiled" and not fixed_point.COMPILED:
+        pytest.skip("the compiled passes are not built here (or HPCDL_COMPILED=0)")
+    was = fixed_point.use_compiled(request.param == "compiled")
+    yield request.param
+    fixed_point.use_compiled(was)
 
 
 @pytest.fixture(autouse=True)

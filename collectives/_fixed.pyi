@@ -1,0 +1,6 @@
+# The compiled extension's interface (collectives/_fixed.c; collectives/fixed_point.py uses it).
+from typing import Any, Sequence
+
+def quantize(terms: Sequence[Any], scales: Sequence[float], offsets: Sequence[int], acc: Any, mode: int,
+             weight: int, limit: float, /) -> list[float] | None: ...
+def dequantize(acc: Any, offsets: Sequence[int], factors: Sequence[float], out: Any, /) -> None: ...
