@@ -95,7 +95,7 @@ def init(*, abort_on_exception: bool = True) -> Topology:
         from . import diagnosis, watchdog  # collective too: the answerer's communicator
 
         diagnosis.start()
-        watchdog.start()
+        watchdog.start(abort)
         return _topology
 
 

@@ -25,7 +25,7 @@ import re
 import sys
 import threading
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import collectives
 from collectives.recorder import ENTERED, LEFT, RECORDER, THREAD, as_dict
@@ -61,8 +61,9 @@ def _warn_at(place: str, text: str) -> None:
 class Watchdog:
     """This rank's watchdog thread over `service`'s rank (see the module's docstring)."""
 
-    def __init__(self, service: diagnosis.Service) -> None:
+    def __init__(self, service: diagnosis.Service, abort: Callable[[str], None]) -> None:
         self.service = service
+        self.abort = abort
         self._record: list[Any] | None = None  # the call it watches
         self._place = ""  # where the caller's program made it
         self._clock: stall.WaitClock | None = None
@@ -105,9 +106,7 @@ class Watchdog:
                               warn=lambda text: _warn_at(self._place, text))
         if never is not None and record[LEFT] == 0.0:
             flight_dumps.write(service.rank, "a blocking call that can never complete")
-            from .process import abort
-
-            abort(never + " A rank blocked in a collective cannot be interrupted: the job is aborted.")
+            self.abort(never + " A rank blocked in a collective cannot be interrupted: the job is aborted.")
 
     def _follow(self, record: list[Any] | None) -> None:
         """Watch `record`'s call from now on (None: none), and no longer the one before."""
@@ -128,11 +127,11 @@ class Watchdog:
 _watchdog: Watchdog | None = None
 
 
-def start() -> Watchdog | None:
+def start(abort: Callable[[str], None]) -> Watchdog | None:
     """Start this rank's watchdog over the diagnosis service's rank, once (None without a
-    service: one rank, or MPI below MPI_THREAD_MULTIPLE)."""
+    service: one rank, or MPI below MPI_THREAD_MULTIPLE); `abort(message)` ends the job."""
     global _watchdog
     service = diagnosis.service()
     if _watchdog is None and service is not None:
-        _watchdog = Watchdog(service)
+        _watchdog = Watchdog(service, abort)
     return _watchdog

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives.patience import complete_patiently
+from collectives.recorder import RECORDER, leave
+from hpcdl.runtime import watchdog
 from tests.run import ROOT, own_job_environment, run_own_job
 
 only_alone = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 3-rank mpirun; N = 1")
@@ -48,3 +54,41 @@ def test_a_late_rank_in_blocking_calls_is_reported_once_and_the_job_goes_on():
                      r"blocking_job\.py:\d+ in main has waited \d\.\d s for the other ranks\.", out), out
     assert "rank 0: slow: not in a collective for " in out and "in load_batch `time.sleep(seconds)`" in out, out
     assert "ranks 1, 2: wait in allreduce #3 (16 B float32" in out, out
+
+
+def test_the_watchdog_finds_a_thread_blocked_in_the_collectives_and_no_other():
+    """blocked_call: a thread in a call of the collectives (here waiting for a message that comes
+    later) with an open flight record is blocked; not once it is in a stall wait of its own, not
+    once the call returned, and never a thread whose record is open outside the collectives."""
+    comm = MPI.COMM_SELF.Dup()
+    request = comm.Irecv(np.zeros(1), source=0, tag=7)
+    service = SimpleNamespace(waits={})
+    entered = threading.Event()
+    records = []
+
+    def call() -> None:
+        records.append(RECORDER.enter(("test", 1, 0), 1, ("allreduce", "auto", 8, None), "here",
+                                      threading.get_ident(), None))
+        entered.set()
+        try:
+            complete_patiently([request], lambda: True)
+        finally:
+            leave(records[0])
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    outside = RECORDER.enter(("test", 1, 0), 2, ("allreduce", "auto", 8, None), "there", threading.get_ident(), None)
+    try:
+        entered.wait(10)
+        time.sleep(0.2)  # in its sleep between tests
+        found = watchdog.blocked_call(service)  # type: ignore[arg-type]
+        service.waits[thread.ident] = ("a stall wait", 0.0)
+        in_a_wait = watchdog.blocked_call(service)  # type: ignore[arg-type]
+        service.waits.clear()
+    finally:
+        comm.Send(np.ones(1), 0, 7)
+        thread.join(10)
+        leave(outside)
+    returned = watchdog.blocked_call(service)  # type: ignore[arg-type]
+    comm.Free()
+    assert found is records[0] and in_a_wait is None and returned is None, (found, in_a_wait, returned)
