@@ -71,8 +71,8 @@ def test_plain_sgds_step_is_torchs_bit_for_bit_and_the_others_are_left_to_step(l
         reference.step()
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     assert stepped.state_dict() == reference.state_dict()
-    for name, options in (("momentum", {}), ("sgd", {"weight_decay": 0.01}), ("adagrad", {})):
-        other = optimizers.make_optimizer(name, theirs, lr=lr, **options)
+    for name, extra in (("momentum", {}), ("sgd", {"weight_decay": 0.01}), ("adagrad", {})):
+        other = optimizers.make_optimizer(name, theirs, lr=lr, **extra)
         before = [t.clone() for t in theirs]
         assert not optimizers.plain_sgd_step(other, [torch.ones_like(t) for t in theirs])
         assert all(torch.equal(a, b) for a, b in zip(before, theirs))  # nothing done
