@@ -123,9 +123,10 @@ class WorkerClient:
             heads = [f.tolist() for f in self._pulled_fields]
             for k, head in enumerate(heads):
                 self.versions[k] = head[VERSION]
-            self.progress = min(head[PROGRESS] for head in heads)
+            # Lists, not generators, for min and max: a third of the cost.
+            self.progress = min([head[PROGRESS] for head in heads])
             if not self.stop_signal:
-                self.stop_signal = max(head[STOP] for head in heads)
+                self.stop_signal = max([head[STOP] for head in heads])
             self._copy_pulled()
             self.bytes_sent += self._sent_per_request
             self.bytes_received += self._pulled_bytes
@@ -163,16 +164,16 @@ class WorkerClient:
                                "steps by the pull-push pairs of every worker")
         if self.slowdown > 1 and self._step_started is not None:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - self._step_started))
-        if grads is None:
-            grads = [p.grad for p in self.params]
-        grads = list(grads)
+        grads = [p.grad for p in self.params] if grads is None else list(grads)
         if len(grads) != len(self.params):
             raise ValueError(f"push got {len(grads)} gradients for {len(self.params)} parameters")
         for i, (g, p) in enumerate(zip(grads, self.params)):
-            if g is not None and (g.shape != p.shape or g.dtype != p.dtype):
+            if g is None:
+                continue
+            if g.shape != p.shape or g.dtype != p.dtype:
                 raise ValueError(f"gradient {i} has shape {tuple(g.shape)} and dtype {g.dtype}; its "
                                  f"parameter has {tuple(p.shape)} and {p.dtype}")
-            if g is not None and g.requires_grad:
+            if g.requires_grad:
                 grads[i] = g.detach()  # a copy into this worker's buffers records no graph
         first = self._accumulated == 0
         if first:
