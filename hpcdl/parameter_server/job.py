@@ -159,11 +159,13 @@ class ParameterServer:
     def pull(self, until: int = 0) -> int:
         """Worker ranks: put the servers' current parameters into the module; returns the job's
         progress, the steps all workers have pushed (see WorkerClient.pull, also for `until`)."""
-        return int(self._role(False, "pull").pull(until))
+        # The worker at once where there is one (each pair of calls is on a worker's critical path).
+        worker = self.worker or self._role(False, "pull")
+        return int(worker.pull(until))
 
     def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """Worker ranks: send the module's gradients (or `grads`) to the servers."""
-        self._role(False, "push").push(grads)
+        (self.worker or self._role(False, "push")).push(grads)
 
     def checkpoint(self, step: int) -> None:
         """Worker ranks, all at the same step after their push: the servers checkpoint their shards."""

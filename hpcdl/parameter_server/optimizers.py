@@ -9,7 +9,8 @@ norms) would not shard this way and are not offered.
 A server steps its optimizer through `step`: SGD's update goes straight to torch's functional
 `torch.optim.sgd.sgd`, the same computation `SGD.step()` makes (bit for bit, same state), without
 the per-call wrapper around it (hooks, a profiler record, the grad mode), which on a small shard
-cost three times the update itself (15 against 4 us on this machine).
+cost three times the update itself (15 against 4 us on this machine); plain SGD (no momentum,
+no weight decay) goes further, straight to the `add_` that step makes (`plain_sgd_step`, 1.2 us).
 """
 from __future__ import annotations
 
@@ -55,6 +56,28 @@ def step(optimizer: torch.optim.Optimizer) -> None:
             foreach=group["foreach"], fused=group["fused"])
         for p, buffer in zip(params, buffers):
             optimizer.state[p]["momentum_buffer"] = buffer
+
+
+def plain_sgd_step(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor]) -> bool:
+    """Step `optimizer` on `grads` (one per parameter, in its order) if it is plain SGD (no
+    momentum, weight decay or maximize, a float learning rate); False, having done nothing, if
+    not: the caller then sets `.grad` and calls `step`.
+
+    Plain SGD's step is `p.add_(g, alpha=-lr)` for each parameter, which is exactly what torch's
+    SGD does then (bit for bit, and it keeps no state); called straight, it skips the functional
+    form's checks and list building, most of a small shard's update (4 against 1.2 us).
+    """
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return False
+    group = optimizer.param_groups[0]
+    lr, params = group["lr"], group["params"]
+    if (group["momentum"] != 0 or group["weight_decay"] != 0 or group["maximize"]
+            or isinstance(lr, torch.Tensor) or len(params) != len(grads)):
+        return False
+    alpha = -lr
+    for param, grad in zip(params, grads):
+        param.add_(grad, alpha=alpha)
+    return True
 
 
 def check_optimizer(name: object, lr: object, momentum: object, weight_decay: object) -> list[str]:

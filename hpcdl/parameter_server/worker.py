@@ -19,8 +19,8 @@ from mpi4py import MPI
 
 from collectives import inflight
 
-from .protocol import (COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
-                       STOP, SUM, VERSION, Tag, header, header_message)
+from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
+                       STOP, SUM, UNTIL, VERSION, Tag, header, header_message)
 from .options import DEFAULT_N_FETCH, DEFAULT_N_PUSH
 from .placement import Placement
 from .staleness import Staleness, StalenessLog
@@ -58,15 +58,36 @@ class WorkerClient:
         self._pushes = [m.numpy() for m in self._pushed]
         self._pulled_fields = [header(m) for m, _ in self._replies]
         self._pushed_fields = [header(m) for m in self._pushes]
-        # (parameter index, element start, stop, its piece in the pulled and in the pushed message)
-        self._pieces = []
+        # (parameter index, element start, stop, its piece in the pulled and in the pushed message);
+        # a piece that is a whole parameter is viewed in the parameter's shape, so that a pull or
+        # a push copies it with one torch call (a flat view and a slice cost two more, 1 us each).
+        self._pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
+        self._whole: list[bool] = []
         for shard, pulled, pushed in zip(layout.shards, self._pulled, self._pushed):
             for piece in shard.pieces:
-                dtype, size = self.params[piece.param].dtype, layout.itemsizes[piece.param]
+                param = self.params[piece.param]
+                dtype, size = param.dtype, layout.itemsizes[piece.param]
                 start = HEADER_BYTES + piece.offset
                 stop = start + (piece.stop - piece.start) * size
-                self._pieces.append((piece.param, piece.start, piece.stop,
-                                     pulled[start:stop].view(dtype), pushed[start:stop].view(dtype)))
+                into, out = pulled[start:stop].view(dtype), pushed[start:stop].view(dtype)
+                whole = piece.start == 0 and piece.stop == param.numel()
+                if whole:
+                    into, out = into.view(param.shape), out.view(param.shape)
+                self._pieces.append((piece.param, piece.start, piece.stop, into, out))
+                self._whole.append(whole)
+        # Where a pull copies each piece (views of the parameters, which share their version
+        # counter, as the parameters' own in-place copies do), made once and made again when a
+        # parameter's storage changed (`module.to()` and `p.data = ...` replace it).
+        self._targets: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._storages: list[int] = []
+        # The request a pull sends: one buffer, written before each send. An exchange that
+        # fails leaves it in flight (collectives.inflight); the next pull then takes a new one.
+        self._request_message = header_message()
+        self._request_fields = header(self._request_message)
+        self._servers_text = str(self.servers)  # for the waits' messages, made once
+        self._sent_per_request = HEADER_BYTES * len(self.servers)
+        self._pulled_bytes = sum(m.numel() for m in self._pulled)
+        self._pushed_bytes = sum(m.numel() for m in self._pushed)
         self.clock = 0  # steps pushed (or accumulated)
         self.versions = np.zeros(len(self.servers), dtype=np.int64)  # of the last pull, per shard
         self.progress = 0  # the job's progress at the last pull (the least any shard reported)
@@ -81,7 +102,6 @@ class WorkerClient:
 
     # -- pull and push -------------------------------------------------------------------------
 
-    @torch.no_grad()
     def pull(self, until: int = 0) -> int:
         """Fetch every shard into the parameters, unless n_fetch says this step keeps them.
 
@@ -91,21 +111,25 @@ class WorkerClient:
         others; see protocol.py); a skipped fetch then asks the servers for the progress alone
         (32 bytes each way), since the progress of the last fetch may be many steps old.
         """
-        self._check_open()
-        if self._since_fetch is None or self._since_fetch >= self.n_fetch:
-            request = header_message(self.clock, until)
-            self._exchange(self._replies, request, Tag.PULL,
-                           f"pull at clock {self.clock} from servers {self.servers}")
-            fields = self._pulled_fields
-            for k, field in enumerate(fields):
-                self.versions[k] = field[VERSION]
-            self.progress = int(min(f[PROGRESS] for f in fields))
-            self.stop_signal = self.stop_signal or int(max(f[STOP] for f in fields))
-            flats = [p.detach().view(-1) for p in self.params]
-            for param, start, stop, pulled, _ in self._pieces:
-                flats[param][start:stop].copy_(pulled)
-            self.bytes_sent += request.nbytes * len(self.servers)
-            self.bytes_received += sum(m.numel() for m in self._pulled)
+        if self.closed:
+            self._check_open()
+        since = self._since_fetch
+        if since is None or since >= self.n_fetch:
+            fields = self._request_fields
+            fields[CLOCK] = self.clock
+            fields[UNTIL] = until
+            self._exchange(self._replies, self._request_message, Tag.PULL,
+                           f"pull at clock {self.clock} from servers {self._servers_text}")
+            heads = [f.tolist() for f in self._pulled_fields]
+            for k, head in enumerate(heads):
+                self.versions[k] = head[VERSION]
+            # Lists, not generators, for min and max: a third of the cost.
+            self.progress = min([head[PROGRESS] for head in heads])
+            if not self.stop_signal:
+                self.stop_signal = max([head[STOP] for head in heads])
+            self._copy_pulled()
+            self.bytes_sent += self._sent_per_request
+            self.bytes_received += self._pulled_bytes
             self._since_fetch = 0
         elif until:
             self._ask_progress()
@@ -113,43 +137,59 @@ class WorkerClient:
         self._step_started = time.perf_counter()
         return self.progress
 
+    def _copy_pulled(self) -> None:
+        """The pulled pieces into the parameters: one copy each, into views made beforehand."""
+        storages = [p.data_ptr() for p in self.params]
+        if storages != self._storages:
+            self._targets = []
+            for (param, start, stop, pulled, _), whole in zip(self._pieces, self._whole):
+                target = self.params[param].detach()
+                self._targets.append((target if whole else target.view(-1)[start:stop], pulled))
+            self._storages = storages
+        for target, pulled in self._targets:
+            target.copy_(pulled)
+
     def _ask_progress(self) -> None:
         replies = self._request(Tag.PROGRESS, self.clock, Tag.PROGRESS_REPLY, HEADER_BYTES)
         self.progress = int(min(header(r)[PROGRESS] for r in replies))
         self.stop_signal = self.stop_signal or int(max(header(r)[STOP] for r in replies))
 
-    @torch.no_grad()
     def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """Send this step's gradients (the parameters' `.grad`, or `grads` in parameter order; None
         counts as zero) to every shard, or add them to those being accumulated (n_push)."""
-        self._check_open()
+        if self.closed:
+            self._check_open()
         if self.must_pull and not self._pulled_since_push:
             raise RuntimeError("call pull() before each push(): this consistency model counts "
                                "steps by the pull-push pairs of every worker")
         if self.slowdown > 1 and self._step_started is not None:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - self._step_started))
-        if grads is None:
-            grads = [p.grad for p in self.params]
-        grads = list(grads)
+        grads = [p.grad for p in self.params] if grads is None else list(grads)
         if len(grads) != len(self.params):
             raise ValueError(f"push got {len(grads)} gradients for {len(self.params)} parameters")
         for i, (g, p) in enumerate(zip(grads, self.params)):
-            if g is not None and (g.shape != p.shape or g.dtype != p.dtype):
+            if g is None:
+                continue
+            if g.shape != p.shape or g.dtype != p.dtype:
                 raise ValueError(f"gradient {i} has shape {tuple(g.shape)} and dtype {g.dtype}; its "
                                  f"parameter has {tuple(p.shape)} and {p.dtype}")
-        flats = [None if g is None else g.detach().reshape(-1) for g in grads]
+            if g.requires_grad:
+                grads[i] = g.detach()  # a copy into this worker's buffers records no graph
         first = self._accumulated == 0
         if first:
             self._push_versions = self.versions.copy()
-        for param, start, stop, _, pushed in self._pieces:
-            flat = flats[param]
-            if flat is None:
+        for (param, start, stop, _, pushed), whole in zip(self._pieces, self._whole):
+            grad = grads[param]
+            if grad is None:
                 if first:
                     pushed.zero_()
-            elif first:
-                pushed.copy_(flat[start:stop])
+                continue
+            if not whole:
+                grad = grad.reshape(-1)[start:stop]
+            if first:
+                pushed.copy_(grad)
             else:
-                pushed.add_(flat[start:stop])
+                pushed.add_(grad)
         self._accumulated += 1
         self.clock += 1
         self._since_fetch = (self._since_fetch or 0) + 1
@@ -163,8 +203,8 @@ class WorkerClient:
             fields[PUSH_CLOCK] = self.clock
             fields[PUSH_STEPS] = self._accumulated
         self._exchange([], self._pushes, Tag.PUSH,
-                       f"push at clock {self.clock} to servers {self.servers}")
-        self.bytes_sent += sum(m.numel() for m in self._pushed)
+                       f"push at clock {self.clock} to servers {self._servers_text}")
+        self.bytes_sent += self._pushed_bytes
         self._accumulated = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -216,18 +256,32 @@ class WorkerClient:
         """With every server at once: post a receive of each of `replies` (one buffer and tag per
         server, in server order), then send `sent` (one message for all, or one per server) with
         `tag`, and wait for all. On any error (see the module's docstring) what was posted is
-        left to `collectives.inflight`, which keeps it and its buffer until it completes."""
+        left to `collectives.inflight`, which keeps it and its buffer until it completes; the
+        pull's request buffer, if it was among them, is then replaced, since the next pull would
+        write into it while the failed send may still read it."""
         messages = sent if isinstance(sent, list) else [sent] * len(self.servers)
         posted: list[MPI.Request] = []
+        comm = self.comm
         try:
             for (buffer, reply_tag), server in zip(replies, self.servers):
-                posted.append(self.comm.Irecv([buffer, MPI.BYTE], server, reply_tag))
+                posted.append(comm.Irecv([buffer, MPI.BYTE], server, reply_tag))
             for message, server in zip(messages, self.servers):
-                posted.append(self.comm.Isend([message, MPI.BYTE], server, tag))
+                posted.append(comm.Isend([message, MPI.BYTE], server, tag))
         except BaseException:
+            self._abandon(sent)
             inflight.keep(posted, what)
             raise
-        wait_all(posted, what, self.timeout)
+        try:
+            wait_all(posted, what, self.timeout)
+        except BaseException:
+            self._abandon(sent)
+            raise
+
+    def _abandon(self, sent: np.ndarray | list[np.ndarray]) -> None:
+        """An exchange that sent `sent` failed: a request buffer among it is left to its send."""
+        if sent is self._request_message:
+            self._request_message = header_message()
+            self._request_fields = header(self._request_message)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -1,6 +1,7 @@
 """The parameter server's smaller parts, each called directly: the servers' optimizers and their
-checks, the staleness log, waiting with backoff. test_parameter_server.py runs them in jobs of
-servers and workers. No communication between ranks (requests on COMM_SELF only).
+checks, the staleness log, waiting with backoff, a worker's pull against replies it sent itself.
+test_parameter_server.py runs them in jobs of servers and workers. No communication between ranks
+(requests on COMM_SELF only).
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from hpcdl.parameter_server import ParameterServer, WorkerClient, optimizers, options, polling
-from hpcdl.parameter_server.protocol import HISTOGRAM_BINS
+from hpcdl.parameter_server import ParameterServer, WorkerClient, optimizers, options, plan_placement, polling
+from hpcdl.parameter_server.protocol import HEADER_BYTES, HISTOGRAM_BINS, Tag
 from hpcdl.parameter_server.staleness import Staleness, StalenessLog
 from hpcdl.training.strategies.servers import ParameterServerStrategy
 
@@ -53,6 +54,97 @@ def test_a_servers_step_is_torchs_step_bit_for_bit(name: str, weight_decay: floa
     for index, state in mine["state"].items():
         assert state.keys() == other["state"][index].keys()
         assert all(torch.equal(state[key], other["state"][index][key]) for key in state)
+
+
+@pytest.mark.parametrize("lr", [0.1, 3])
+def test_plain_sgds_step_is_torchs_bit_for_bit_and_the_others_are_left_to_step(lr: float) -> None:
+    generator = torch.Generator().manual_seed(5)
+    ours = [torch.randn(7, generator=generator), torch.randn(2, 3, dtype=torch.float64, generator=generator)]
+    theirs = [t.clone() for t in ours]
+    stepped = optimizers.make_optimizer("sgd", ours, lr=lr)
+    reference = optimizers.make_optimizer("sgd", theirs, lr=lr)
+    for _ in range(3):
+        grads = [torch.randn(t.shape, dtype=t.dtype, generator=generator) for t in ours]
+        for other, grad in zip(theirs, grads):
+            other.grad = grad.clone()
+        assert optimizers.plain_sgd_step(stepped, grads)
+        reference.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert stepped.state_dict() == reference.state_dict()
+    for name, extra in (("momentum", {}), ("sgd", {"weight_decay": 0.01}), ("adagrad", {})):
+        other = optimizers.make_optimizer(name, theirs, lr=lr, **extra)
+        before = [t.clone() for t in theirs]
+        assert not optimizers.plain_sgd_step(other, [torch.ones_like(t) for t in theirs])
+        assert all(torch.equal(a, b) for a, b in zip(before, theirs))  # nothing done
+
+
+def _worker_on_itself(comm: MPI.Comm, params: list[torch.Tensor], timeout: float | None = None) -> WorkerClient:
+    """A worker whose one server is its own rank of `comm` (COMM_SELF): its pull is answered by a
+    reply sent beforehand (`_reply`), and its requests are left for `_drain`."""
+    layout = plan_placement([p.numel() for p in params], [p.element_size() for p in params], 1)
+    return WorkerClient(comm, layout, params, [0], timeout=timeout)
+
+
+def _reply(comm: MPI.Comm, values: torch.Tensor, version: int) -> None:
+    message = np.zeros(HEADER_BYTES + values.numel() * values.element_size(), dtype=np.uint8)
+    message[:HEADER_BYTES].view(np.int64)[0] = version
+    message[HEADER_BYTES:] = values.numpy().view(np.uint8)
+    comm.Send([message, MPI.BYTE], 0, Tag.PARAMS)  # small: buffered until the pull receives it
+
+
+def _drain(comm: MPI.Comm) -> list[int]:
+    """Receive what the worker sent itself; their tags."""
+    tags, status = [], MPI.Status()
+    while comm.Iprobe(0, MPI.ANY_TAG, status):
+        comm.Recv([np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8), MPI.BYTE], 0, status.Get_tag())
+        tags.append(status.Get_tag())
+    return tags
+
+
+def test_a_pull_follows_a_parameter_whose_storage_was_replaced() -> None:
+    """A worker copies pulled shards into views of the parameters made once; a parameter given
+    new storage (`p.data = ...`, as `module.to()` does) gets the next pull, not the old storage."""
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        param = torch.nn.Parameter(torch.zeros(2, 3))
+        worker = _worker_on_itself(comm, [param])
+        _reply(comm, torch.arange(6.0), version=1)
+        worker.pull()
+        assert param.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and worker.versions.tolist() == [1]
+        worker.push()  # no gradient: zeros; a pull fetches once per push
+        old = param.data
+        param.data = torch.zeros(2, 3)
+        _reply(comm, torch.full((6,), 7.0), version=2)
+        worker.pull()
+        assert param.eq(7.0).all() and old.eq(torch.arange(6.0).view(2, 3)).all()
+        assert worker.versions.tolist() == [2]
+        assert _drain(comm) == [Tag.PULL, Tag.PUSH, Tag.PULL]
+    finally:
+        comm.Free()
+
+
+def test_a_pull_that_failed_leaves_its_request_buffer_to_the_send() -> None:
+    """A pull reuses one request buffer, but not after a pull that failed: its messages stay in
+    flight (collectives.inflight), and the next pull's request must not be written into them."""
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        param = torch.nn.Parameter(torch.zeros(4))
+        worker = _worker_on_itself(comm, [param], timeout=0.05)
+        _reply(comm, torch.ones(4), version=1)
+        worker.pull()
+        request = worker._request_message
+        worker.push()  # no gradient: zeros
+        with pytest.raises(TimeoutError, match="pull at clock 1 from servers \\[0\\] did not finish"):
+            worker.pull()
+        assert worker._request_message is not request
+        _reply(comm, torch.full((4,), 2.0), version=2)  # what the failed pull waited for
+        collectives.inflight.reap()
+        _reply(comm, torch.full((4,), 3.0), version=3)
+        worker.pull()
+        assert param.eq(3.0).all() and worker.versions.tolist() == [3]
+        assert _drain(comm) == [Tag.PULL, Tag.PUSH, Tag.PULL, Tag.PULL]
+    finally:
+        comm.Free()
 
 
 def test_the_staleness_log_counts_every_tau_and_merges() -> None:
