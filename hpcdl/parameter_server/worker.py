@@ -53,33 +53,7 @@ class WorkerClient:
         self.timeout = timeout
         self._pulled = [torch.zeros(HEADER_BYTES + s.nbytes, dtype=torch.uint8) for s in layout.shards]
         self._pushed = [torch.zeros(HEADER_BYTES + s.nbytes, dtype=torch.uint8) for s in layout.shards]
-        # Made once: what each exchange posts (buffer and tag per server) and reads (header fields).
-        self._replies = [(m.numpy(), Tag.PARAMS) for m in self._pulled]
-        self._pushes = [m.numpy() for m in self._pushed]
-        self._pulled_fields = [header(m) for m, _ in self._replies]
-        self._pushed_fields = [header(m) for m in self._pushes]
-        # (parameter index, element start, stop, its piece in the pulled and in the pushed message);
-        # a piece that is a whole parameter is viewed in the parameter's shape, so that a pull or
-        # a push copies it with one torch call (a flat view and a slice cost two more, 1 us each).
-        self._pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
-        self._whole: list[bool] = []
-        for shard, pulled, pushed in zip(layout.shards, self._pulled, self._pushed):
-            for piece in shard.pieces:
-                param = self.params[piece.param]
-                dtype, size = param.dtype, layout.itemsizes[piece.param]
-                start = HEADER_BYTES + piece.offset
-                stop = start + (piece.stop - piece.start) * size
-                into, out = pulled[start:stop].view(dtype), pushed[start:stop].view(dtype)
-                whole = piece.start == 0 and piece.stop == param.numel()
-                if whole:
-                    into, out = into.view(param.shape), out.view(param.shape)
-                self._pieces.append((piece.param, piece.start, piece.stop, into, out))
-                self._whole.append(whole)
-        # Where a pull copies each piece (views of the parameters, which share their version
-        # counter, as the parameters' own in-place copies do), made once and made again when a
-        # parameter's storage changed (`module.to()` and `p.data = ...` replace it).
-        self._targets: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._storages: list[int] = []
+        self._view_messages()
         # The request a pull sends: one buffer, written before each send. An exchange that
         # fails leaves it in flight (collectives.inflight); the next pull then takes a new one.
         self._request_message = header_message()
@@ -99,6 +73,37 @@ class WorkerClient:
         self._step_started: float | None = None
         self.closed = False
         self.bytes_sent = self.bytes_received = 0
+
+    def _view_messages(self) -> None:
+        """What each exchange posts and reads, made once over the message buffers `_pulled` and
+        `_pushed` (and again when a failed exchange left them to its requests)."""
+        # Made once: what each exchange posts (buffer and tag per server) and reads (header fields).
+        self._replies = [(m.numpy(), Tag.PARAMS) for m in self._pulled]
+        self._pushes = [m.numpy() for m in self._pushed]
+        self._pulled_fields = [header(m) for m, _ in self._replies]
+        self._pushed_fields = [header(m) for m in self._pushes]
+        # (parameter index, element start, stop, its piece in the pulled and in the pushed message);
+        # a piece that is a whole parameter is viewed in the parameter's shape, so that a pull or
+        # a push copies it with one torch call (a flat view and a slice cost two more, 1 us each).
+        self._pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
+        self._whole: list[bool] = []
+        for shard, pulled, pushed in zip(self.layout.shards, self._pulled, self._pushed):
+            for piece in shard.pieces:
+                param = self.params[piece.param]
+                dtype, size = param.dtype, self.layout.itemsizes[piece.param]
+                start = HEADER_BYTES + piece.offset
+                stop = start + (piece.stop - piece.start) * size
+                into, out = pulled[start:stop].view(dtype), pushed[start:stop].view(dtype)
+                whole = piece.start == 0 and piece.stop == param.numel()
+                if whole:
+                    into, out = into.view(param.shape), out.view(param.shape)
+                self._pieces.append((piece.param, piece.start, piece.stop, into, out))
+                self._whole.append(whole)
+        # Where a pull copies each piece (views of the parameters, which share their version
+        # counter, as the parameters' own in-place copies do), made at the next pull and made again
+        # when a parameter's storage changed (`module.to()` and `p.data = ...` replace it).
+        self._targets: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._storages: list[int] = []
 
     # -- pull and push -------------------------------------------------------------------------
 
@@ -257,8 +262,8 @@ class WorkerClient:
         server, in server order), then send `sent` (one message for all, or one per server) with
         `tag`, and wait for all. On any error (see the module's docstring) what was posted is
         left to `collectives.inflight`, which keeps it and its buffer until it completes; the
-        pull's request buffer, if it was among them, is then replaced, since the next pull would
-        write into it while the failed send may still read it."""
+        buffers it posted are then replaced (`_abandon`), since the next exchange would write into
+        them while a failed send may still read them, or post a second receive into them."""
         messages = sent if isinstance(sent, list) else [sent] * len(self.servers)
         posted: list[MPI.Request] = []
         comm = self.comm
@@ -268,20 +273,26 @@ class WorkerClient:
             for message, server in zip(messages, self.servers):
                 posted.append(comm.Isend([message, MPI.BYTE], server, tag))
         except BaseException:
-            self._abandon(sent)
+            self._abandon(replies, sent)
             inflight.keep(posted, what)
             raise
         try:
             wait_all(posted, what, self.timeout)
         except BaseException:
-            self._abandon(sent)
+            self._abandon(replies, sent)
             raise
 
-    def _abandon(self, sent: np.ndarray | list[np.ndarray]) -> None:
-        """An exchange that sent `sent` failed: a request buffer among it is left to its send."""
+    def _abandon(self, replies: list[tuple[np.ndarray, Tag]], sent: np.ndarray | list[np.ndarray]) -> None:
+        """An exchange that posted `replies` and `sent` failed: this worker's buffers among them are
+        left to their requests, and it goes on with copies (a push's accumulated gradients, which
+        a retry sends again, included)."""
         if sent is self._request_message:
             self._request_message = header_message()
             self._request_fields = header(self._request_message)
+        if replies is self._replies or sent is self._pushes:
+            self._pulled = [m.clone() for m in self._pulled]
+            self._pushed = [m.clone() for m in self._pushed]
+            self._view_messages()
 
     def _check_open(self) -> None:
         if self.closed:

@@ -205,3 +205,28 @@ def test_the_defaults_shared_with_hpcdl_train_have_one_home() -> None:
     chosen, _ = ParameterServerStrategy.configure({}, 4)
     assert chosen["servers"] == options.DEFAULT_SERVERS
     assert (chosen["n_fetch"], chosen["n_push"]) == (options.DEFAULT_N_FETCH, options.DEFAULT_N_PUSH)
+
+
+def test_a_push_that_failed_leaves_its_buffer_to_the_send_and_the_next_push_writes_a_copy() -> None:
+    """A push whose send did not finish (here: sent to its own rank, received only later) keeps its
+    buffer in flight; the next push goes on from a copy (what it accumulated included), so the
+    failed send still delivers what it was given, not what the next push wrote."""
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        n = 1 << 18  # 1 MiB: a send too large to be buffered waits for its receive
+        param = torch.nn.Parameter(torch.zeros(n))
+        worker = _worker_on_itself(comm, [param], timeout=0.05)
+        for value in (5.0, 9.0):
+            param.grad = torch.full((n,), value)
+            with pytest.raises(TimeoutError, match="push at clock"):
+                worker.push()
+        received = [np.empty(HEADER_BYTES + 4 * n, dtype=np.uint8) for _ in range(2)]
+        for message in received:
+            comm.Recv([message, MPI.BYTE], 0, Tag.PUSH)
+        collectives.inflight.reap()
+        gradients = [set(m[HEADER_BYTES:].view(np.float32).tolist()) for m in received]
+        steps = [int(m[:HEADER_BYTES].view(np.int64)[2]) for m in received]
+        # the second push adds its step to the first one's, which a send that failed may not have delivered
+        assert gradients == [{5.0}, {14.0}] and steps == [1, 2], (gradients, steps)
+    finally:
+        comm.Free()
