@@ -26,6 +26,9 @@
 #ifdef __clang__
 #pragma STDC FP_CONTRACT OFF /* GCC takes -ffp-contract=off (setup.py) */
 #endif
+#ifdef _MSC_VER
+#pragma fp_contract(off) /* MSVC may fuse under /fp:precise with /arch:AVX2 */
+#endif
 
 #define ROUNDER 6755399441055744.0          /* 1.5 x 2**52 */
 #define ROUNDER_BITS 0x4338000000000000ULL  /* its bits */
@@ -132,9 +135,30 @@ static char get(PyObject *obj, Py_buffer *view, int writable, const char *what) 
     return k;
 }
 
-/* offsets[i] as a Py_ssize_t (a sequence of ints), -1 with an exception on failure. */
-static Py_ssize_t offset_at(PyObject *offsets, Py_ssize_t i) {
-    return PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(offsets, i));
+/* The n + 1 offsets of a tuple into bounds, rising from 0 within `size`; -1 with an exception. The
+ * offsets are read once, before any buffer is taken: the bounds checked are the bounds used. */
+static int read_bounds(PyObject *offsets, Py_ssize_t n, Py_ssize_t size, Py_ssize_t *bounds, const char *what) {
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        bounds[i] = PyNumber_AsSsize_t(PyTuple_GET_ITEM(offsets, i), PyExc_OverflowError);
+        if (bounds[i] == -1 && PyErr_Occurred())
+            return -1;
+        if (bounds[i] < (i ? bounds[i - 1] : 0) || bounds[i] > size) {
+            PyErr_Format(PyExc_ValueError, "%s: the offsets must rise within the accumulator", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The n floats of a tuple into values; -1 with an exception. A float's __float__ may run Python
+ * code: the tuple owns its items, and nothing read before depends on what that code changes. */
+static int read_floats(PyObject *items, Py_ssize_t n, double *values) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        values[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(items, i));
+        if (values[i] == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
 }
 
 static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -142,33 +166,31 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "quantize(terms, scales, offsets, acc, mode, weight, limit)");
         return NULL;
     }
-    int mode = PyLong_AsLong(args[4]) == ADD ? ADD : WRITE;
+    long mode = PyLong_AsLong(args[4]);
     long long weight = PyLong_AsLongLong(args[5]);
     double limit = PyFloat_AsDouble(args[6]);
     if (PyErr_Occurred())
         return NULL;
-    PyObject *terms = PySequence_Fast(args[0], "terms must be a sequence");
-    PyObject *scales = terms ? PySequence_Fast(args[1], "scales must be a sequence") : NULL;
-    PyObject *offsets = scales ? PySequence_Fast(args[2], "offsets must be a sequence") : NULL;
+    if (mode != WRITE && mode != ADD) {
+        PyErr_SetString(PyExc_ValueError, "quantize: mode must be 0 (write) or 1 (add)");
+        return NULL;
+    }
+    /* Tuples, which own their items: Python code run while reading them (a __float__) cannot
+     * free or change what is read afterwards. */
+    PyObject *terms = PySequence_Tuple(args[0]);
+    PyObject *scales = terms ? PySequence_Tuple(args[1]) : NULL;
+    PyObject *offsets = scales ? PySequence_Tuple(args[2]) : NULL;
     PyObject *result = NULL;
     Py_buffer *views = NULL, accv = {0};
     Py_ssize_t n = 0, got = 0;
     double *scale = NULL;
-    Py_ssize_t *bounds = NULL; /* the offsets, read while the GIL is held */
+    Py_ssize_t *bounds = NULL; /* the offsets, read once, before any buffer is taken */
     char *kinds = NULL;
     if (!offsets)
         goto done;
-    n = PySequence_Fast_GET_SIZE(terms);
-    if (PySequence_Fast_GET_SIZE(scales) != n || PySequence_Fast_GET_SIZE(offsets) != n + 1) {
+    n = PyTuple_GET_SIZE(terms);
+    if (PyTuple_GET_SIZE(scales) != n || PyTuple_GET_SIZE(offsets) != n + 1) {
         PyErr_SetString(PyExc_ValueError, "quantize: one scale per term and one offset more");
-        goto done;
-    }
-    if (get(args[3], &accv, 1, "quantize's accumulator") != 'q') {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "quantize's accumulator must be int64");
-        if (accv.obj)
-            PyBuffer_Release(&accv);
-        accv.obj = NULL;
         goto done;
     }
     views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
@@ -179,20 +201,23 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_NoMemory();
         goto done;
     }
-    /* every argument checked before any value is written */
-    Py_ssize_t total = 0, size = accv.len / 8;
+    /* every number read, then every buffer taken and checked, before any value is written */
+    if (read_floats(scales, n, scale) < 0)
+        goto done;
+    if (get(args[3], &accv, 1, "quantize's accumulator") != 'q') {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "quantize's accumulator must be int64");
+        if (accv.obj)
+            PyBuffer_Release(&accv);
+        accv.obj = NULL;
+        goto done;
+    }
+    Py_ssize_t total = 0;
+    if (read_bounds(offsets, n, accv.len / 8, bounds, "quantize") < 0)
+        goto done;
     for (got = 0; got < n; got++) {
-        Py_ssize_t start = offset_at(offsets, got), stop = offset_at(offsets, got + 1);
-        bounds[got] = start;
-        bounds[got + 1] = stop;
-        scale[got] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(scales, got));
-        if (PyErr_Occurred())
-            goto done;
-        if (start < 0 || stop < start || stop > size) {
-            PyErr_SetString(PyExc_ValueError, "quantize: the offsets must rise within the accumulator");
-            goto done;
-        }
-        PyObject *term = PySequence_Fast_GET_ITEM(terms, got);
+        Py_ssize_t start = bounds[got], stop = bounds[got + 1];
+        PyObject *term = PyTuple_GET_ITEM(terms, got);
         if (term == Py_None) {  /* a parameter without a gradient: zero */
             kinds[got] = 0;
             continue;
@@ -200,7 +225,7 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
         kinds[got] = get(term, &views[got], 0, "quantize's term");
         if (!kinds[got] || kinds[got] == 'q' || views[got].len / views[got].itemsize != stop - start) {
             if (kinds[got])
-                PyErr_SetString(PyExc_ValueError, "quantize: a term must be float32 or float64, of its slot's size");
+                PyErr_SetString(PyExc_ValueError, "quantize: a term must be float32 or float64 of its slot's size");
             if (kinds[got])
                 PyBuffer_Release(&views[got]);
             kinds[got] = 0;
@@ -248,7 +273,8 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     if (!fits) {
         Py_DECREF(result);
-        result = Py_NewRef(Py_None);
+        Py_INCREF(Py_None);
+        result = Py_None;
     }
 done:
     for (Py_ssize_t i = 0; i < got && views; i++)
@@ -286,14 +312,18 @@ static PyObject *dequantize(PyObject *self, PyObject *const *args, Py_ssize_t na
             PyErr_SetString(PyExc_TypeError, "dequantize's output must be float32 or float64");
         goto done;
     }
-    offsets = PySequence_Fast(args[1], "offsets must be a sequence");
-    factors = offsets ? PySequence_Fast(args[2], "factors must be a sequence") : NULL;
+    Py_ssize_t size = accv.len / 8;
+    if (outv.len / outv.itemsize != size) {
+        PyErr_SetString(PyExc_ValueError, "dequantize: out must be of acc's size");
+        goto done;
+    }
+    offsets = PySequence_Tuple(args[1]);  /* tuples: see quantize */
+    factors = offsets ? PySequence_Tuple(args[2]) : NULL;
     if (!factors)
         goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(factors);
-    Py_ssize_t size = accv.len / 8;
-    if (PySequence_Fast_GET_SIZE(offsets) != n + 1 || outv.len / outv.itemsize != size) {
-        PyErr_SetString(PyExc_ValueError, "dequantize: one offset more than factors, out of acc's size");
+    Py_ssize_t n = PyTuple_GET_SIZE(factors);
+    if (PyTuple_GET_SIZE(offsets) != n + 1) {
+        PyErr_SetString(PyExc_ValueError, "dequantize: one offset more than factors");
         goto done;
     }
     bounds = PyMem_Calloc(n + 1, sizeof(Py_ssize_t));
@@ -302,17 +332,10 @@ static PyObject *dequantize(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i <= n; i++) {  /* everything read and checked before anything is written */
-        bounds[i] = offset_at(offsets, i);
-        if (i < n)
-            factor[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(factors, i));
-        if (PyErr_Occurred())
-            goto done;
-        if (bounds[i] < (i ? bounds[i - 1] : 0) || bounds[i] > size) {
-            PyErr_SetString(PyExc_ValueError, "dequantize: the offsets must rise within the accumulator");
-            goto done;
-        }
-    }
+    /* everything read and checked before anything is written; the factors first, whose
+     * __float__ may run Python code, then the offsets, checked against the size taken */
+    if (read_floats(factors, n, factor) < 0 || read_bounds(offsets, n, size, bounds, "dequantize") < 0)
+        goto done;
     PyThreadState *saved = bounds[n] - bounds[0] >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         const int64_t *acc = (const int64_t *)accv.buf + bounds[i];
@@ -323,7 +346,8 @@ static PyObject *dequantize(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     if (saved)
         PyEval_RestoreThread(saved);
-    result = Py_NewRef(Py_None);
+    Py_INCREF(Py_None);
+    result = Py_None;
 done:
     if (accv.obj)
         PyBuffer_Release(&accv);

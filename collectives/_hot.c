@@ -17,6 +17,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#if PY_VERSION_HEX < 0x030A0000 /* Py_NewRef came with 3.10 */
+static inline PyObject *Py_NewRef(PyObject *o) {
+    Py_INCREF(o);
+    return o;
+}
+#endif
 #include <structmember.h>
 #include <pythread.h>
 #include <stdint.h>

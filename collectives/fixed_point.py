@@ -59,6 +59,8 @@ if compiled_wanted():
 #: Whether the per-value passes are compiled (collectives/_fixed.c: built, and not turned off by
 #: HPCDL_COMPILED=0 at import); `FixedSum.add_scaled` and `from_fixed_slots` take them then.
 COMPILED = _fixed is not None
+#: The dtypes of terms and results the compiled passes take; others (float16) take NumPy's.
+COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _compiled = COMPILED  # taken now (`use_compiled`)
 
 #: Bits of int64 a sum may use; the 63rd is left so that a sum of terms at the bound, each rounded
@@ -204,16 +206,17 @@ class FixedSum:
 
     def add_scaled(self, terms: Sequence[np.ndarray | None], scales: Sequence[float], weight: int,
                    limit: float) -> list[float] | None:
-        """acc += weight x round(term x scale), each term (flat, float32 or float64, or None for
-        zeros) into its slot of `offsets` with its scale (2**-e), unless a term reaches `limit`
-        (at most 2**TERM_BITS) in quanta or holds NaN: then None, and the sum is void (on the
-        compiled path part of the term may be in acc) until `clear()`. Else each term's largest
-        magnitude (exact, in the terms' units: the scale is a power of two).
+        """acc += weight x round(term x scale), each term (flat: float32 or float64, the compiled
+        loop's, or float16, NumPy's; None for zeros) into its slot of `offsets` with its scale
+        (2**-e), unless a term reaches `limit` (at most 2**TERM_BITS) in quanta or holds NaN: then
+        None, and the sum is void (on the compiled path part of the term may be in acc) until
+        `clear()`. Else each term's largest magnitude (exact, in the terms' units: the scale is a
+        power of two).
 
         Compiled (`COMPILED`, `use_compiled`): each term read once, its largest magnitude taken
         and its values scaled, rounded and added in the same loop, unbiased as they go. NumPy: the
         terms scaled into `work`, the maxima from two `reduceat`, then `add`. The same bits."""
-        if _compiled:
+        if _compiled and all(term is None or term.dtype in COMPILED_DTYPES for term in terms):
             if self._terms == 0:
                 mode, times = 0, 1  # written, its weight left for total()
             elif not self._settled and weight == self._weight:
@@ -294,7 +297,7 @@ def from_fixed_slots(acc: np.ndarray, offsets: Sequence[int], factors: Sequence[
     offsets[i] to offsets[i + 1]) and its factor (a float: quantum / divisor), into `out` (float32
     or float64, acc's size): one compiled loop per slot where `COMPILED`, else NumPy's pass per
     slot; the same bits."""
-    if _compiled:
+    if _compiled and out.dtype in COMPILED_DTYPES:
         _fixed.dequantize(acc, offsets, factors, out)
         return
     for i, factor in enumerate(factors):

@@ -275,10 +275,68 @@ def test_compiled_passes_refuse_what_they_do_not_take(path: str) -> None:
         fixed.add_scaled([np.ones(9, np.float32)], [1.0], 1, 2.0 ** TERM_BITS)
     with pytest.raises((TypeError, ValueError, BufferError)):  # not contiguous (NumPy says ValueError)
         fixed.add_scaled([np.ones(20, np.float32)[::2]], [1.0], 1, 2.0 ** TERM_BITS)
-    with pytest.raises(TypeError):  # not a float type
-        fixed.add_scaled([np.ones(10, np.int32)], [1.0], 1, 2.0 ** TERM_BITS)
+    acc = np.zeros(10, dtype=np.int64)
+    with pytest.raises(TypeError):  # not a float type (FixedSum hands such terms to NumPy's passes)
+        fixed_point._fixed.quantize([np.ones(10, np.int32)], [1.0], [0, 10], acc, 0, 1, 2.0 ** TERM_BITS)
+    with pytest.raises(ValueError, match="mode must be 0"):
+        fixed_point._fixed.quantize([np.ones(10, np.float32)], [1.0], [0, 10], acc, 2, 1, 2.0 ** TERM_BITS)
     with pytest.raises(ValueError):  # beyond the output
         from_fixed_slots(np.zeros(10, np.int64), [0, 11], [1.0], np.zeros(10, np.float32))
+    # NumPy's integers are offsets too
+    assert fixed_point._fixed.quantize([np.ones(10, np.float32)], [1.0], np.array([0, 10]), acc, 0, 1,
+                                       2.0 ** TERM_BITS) == [1.0]
+    from_fixed_slots(acc, np.array([0, 10]), [0.5], out := np.zeros(10, np.float32))
+    assert out.tolist() == [0.5] * 10
+
+
+def test_compiled_passes_read_their_arguments_once_whatever_python_code_runs_meanwhile(path: str) -> None:
+    """A scale's or factor's __float__ that changes the lists passed (a user review found reads past
+    a term, and crashes): the passes work on what was passed, read once, and never crash."""
+    if path != "compiled":
+        pytest.skip("the compiled passes' own reading")
+    offsets: list[int] = [0, 4, 64]
+    terms: list[Any] = [np.ones(4, np.float32), np.ones(60, np.float32)]
+
+    class Meddling:
+        def __init__(self, meddle: Any) -> None:
+            self.meddle = meddle
+
+        def __float__(self) -> float:
+            self.meddle()
+            return 1.0
+
+    acc = np.zeros(64, dtype=np.int64)
+    for meddle in (lambda: offsets.__setitem__(1, 64), terms.clear, offsets.clear):
+        offsets[:], terms[:] = [0, 4, 64], [np.ones(4, np.float32), np.ones(60, np.float32)]
+        largest = fixed_point._fixed.quantize(terms, [Meddling(meddle), 1.0], offsets, acc, 0, 1, 2.0 ** TERM_BITS)
+        assert largest == [1.0, 1.0] and acc.tolist() == [1] * 64, (largest, acc.tolist())
+    factors: list[Any] = []
+    for meddle in (factors.clear, offsets.clear):
+        offsets[:] = [0, 4, 64]
+        factors[:] = [Meddling(meddle), 2.0]
+        out = np.zeros(64, np.float32)
+        fixed_point._fixed.dequantize(acc, offsets, factors, out)
+        assert out.tolist() == [1.0] * 4 + [2.0] * 60
+
+
+def test_float16_terms_take_numpys_passes_and_give_the_same_bits(path: str) -> None:
+    """The compiled loops take float32 and float64: a float16 model's gradients (and results) go
+    NumPy's way on either path, with the same bits."""
+    if path != "compiled":
+        pytest.skip("compares both paths, once")
+    rng = np.random.default_rng(3)
+    terms = [rng.standard_normal(100).astype(np.float16), rng.standard_normal(7).astype(np.float32)]
+    offsets = [0, 100, 107]
+
+    def run() -> tuple[Any, bytes, bytes]:
+        fixed = FixedSum(np.zeros(107, dtype=np.int64), offsets)
+        largest = fixed.add_scaled(terms, [2.0 ** 30, 2.0 ** 30], 1, 2.0 ** TERM_BITS)
+        out = np.zeros(107, np.float16)
+        from_fixed_slots(fixed.total(), offsets, [2.0 ** -30, 2.0 ** -30], out)
+        return largest, fixed.acc.tobytes(), out.tobytes()
+
+    compiled, numpy = both_paths(run)
+    assert compiled == numpy and compiled[0] is not None
 
 
 def test_hpcdl_compiled_0_leaves_numpy_passes(path: str, comm: MPI.Comm) -> None:
