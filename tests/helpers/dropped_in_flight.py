@@ -158,6 +158,7 @@ def ps_server(last: bool) -> None:
         comm.Barrier()
         del guard
         return
+    kept = ps.worker._pulled[0]  # the failed pull's receive keeps writing here (the worker goes on with a copy)
     try:
         ps.pull()
     except TimeoutError:
@@ -168,7 +169,7 @@ def ps_server(last: bool) -> None:
         return
     comm.Barrier()  # the reply moves now, into the receive the worker kept
     comm.Barrier()
-    received = ps.worker._pulled[0][-expected.numel() * 4:].view(torch.float32)
+    received = kept[-expected.numel() * 4:].view(torch.float32)
     if not torch.equal(received, expected):
         print(f"rank {rank}: CORRUPTED: the server's reply was read from freed memory", flush=True)
         os._exit(3)
