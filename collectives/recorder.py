@@ -86,6 +86,14 @@ def where(place: tuple[CodeType, int] | None) -> str:
     return f"{code.co_filename}:{line or code.co_firstlineno} in {code.co_name}"
 
 
+def short(place: str) -> str:
+    """A "path/to/file.py:LINE in f" (`where`'s) with the path cut to the file's name."""
+    if not place:
+        return ""
+    path, _, rest = place.partition(":")
+    return os.path.basename(path) + (f":{rest}" if rest else "")
+
+
 class Recorder(RecorderCore):
     """A ring of the last `capacity` call records (`capacity` 0: records nothing)."""
 

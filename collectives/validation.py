@@ -21,7 +21,6 @@ about the call's tag, but still meet in the check.
 """
 from __future__ import annotations
 
-import os
 import threading
 from sys import _getframe
 from typing import Any, Callable
@@ -38,7 +37,7 @@ from .ops import DTYPE_CODES, OPS
 from .packet import (FIELDS, HEADER_BYTES, LOCAL_ERROR, MISMATCH, PAYLOAD_BYTES, PLACEMENTS,
                      SIGNATURE_FIELDS, STATUS)
 from .patience import complete_patiently
-from .recorder import LEFT, NUMBER, RECORDER, SITE, THREAD, USER, user_frame, where
+from .recorder import LEFT, NUMBER, RECORDER, SITE, THREAD, USER, short, user_frame, where
 from .registry import ALGORITHM_CODES, COLLECTIVE_CODES
 from .transport import Link, ScratchPool
 
@@ -323,11 +322,8 @@ def _with_program_line(site: str, number: int) -> str:
     place = record[USER] if record is not None else None
     if place is None and (record is None or record[THREAD] == threading.get_ident()):
         place = user_frame(_getframe(1))
-    if place is None:
-        return site
-    path, _, rest = where(place).partition(":")
-    program = f"{os.path.basename(path)}:{rest}"
-    return site if program == site else f"{site} ← {program}"
+    program = short(where(place))
+    return site if program in ("", site) else f"{site} ← {program}"
 
 
 def _gather_text(link: Link, text: str) -> list[str]:

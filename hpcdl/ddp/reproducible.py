@@ -182,12 +182,12 @@ class ReproducibleDataParallel(torch.nn.Module):
         self._cached: tuple[np.ndarray, int, list[float], np.ndarray, list[float]] | None = None
         # the micro-batches' sum: each gradient scaled straight into its float64 pass, rounded and
         # added (FixedSum); buffers allocated once (fresh pages each micro-batch cost faults)
-        self._sum = FixedSum(self._acc[:self._quantized], self._offsets.tolist())
+        self._offsets_list = self._offsets.tolist()
+        self._sum = FixedSum(self._acc[:self._quantized], self._offsets_list)
         self._grads = torch.empty(self._quantized - 1, dtype=self._torch_dtype)  # the average, flat
         self._grads_flat = self._grads.numpy()
         #: each parameter's slot and the loss's (Python ints: slicing with them is cheaper), and each
         #: parameter's gradient, a view of `_grads`, built once: every step's average lands there
-        self._offsets_list = self._offsets.tolist()
         self._slots = [(int(a), int(b)) for a, b in zip(self._offsets[:-1], self._offsets[1:])]
         self._grad_views = [self._grads[a:b].view_as(p) for (a, b), (_, p) in zip(self._slots, self._named)]
         #: what this rank contributed to the integer allreduces (int64: twice float32's bytes)

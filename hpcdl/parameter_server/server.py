@@ -368,11 +368,7 @@ class Server:
             self.staleness.record(tau)
             record.append((push.worker, push.clock, push.version, tau, weight))
             self._free.append(push.message)
-        if self.events is not None:
-            self.events.append(("update", self.version, record))
-        self.version += 1
-        self.updates += 1
-        self._header[VERSION] = self.version
+        self._updated(record)
 
     def _apply_push(self, worker: int, version: int, clock: int, steps: int, buffer: torch.Tensor,
                     grads: list[torch.Tensor]) -> None:
@@ -383,8 +379,13 @@ class Server:
         tau = self.version - version
         self.staleness.record(tau)
         self._free.append(buffer)
+        self._updated(None if self.events is None else [(worker, clock, version, tau, 1.0)])
+
+    def _updated(self, record: list[tuple[int, int, int, int, float]] | None) -> None:
+        """An update was applied (its pushes' `record`: worker, clock, version, tau, weight, for
+        the events where they are kept): the shard's version moves on, in the replies' header too."""
         if self.events is not None:
-            self.events.append(("update", self.version, [(worker, clock, version, tau, 1.0)]))
+            self.events.append(("update", self.version, record))
         self.version += 1
         self.updates += 1
         self._header[VERSION] = self.version
@@ -463,18 +464,12 @@ class Server:
     def _send(self, buffer: np.ndarray, worker: int, tag: Tag) -> None:
         try:
             request = self.comm.Isend([buffer, MPI.BYTE], worker, tag)
-        except MPI.Exception as exc:  # to a worker known dead: the probe counts it out
-            self._check_tolerated(exc)
-            if worker not in self._dead_workers(exc):
-                raise
-            return
-        self.bytes_sent += buffer.nbytes
-        # Most replies are done at once (a message MPI sends eagerly, to a receive posted before
-        # the request): one test, and nothing to keep.
-        try:
+            self.bytes_sent += buffer.nbytes
+            # Most replies are done at once (a message MPI sends eagerly, to a receive posted
+            # before the request): one test, and nothing to keep.
             if request.Test():
                 return
-        except MPI.Exception as exc:
+        except MPI.Exception as exc:  # to a worker known dead, or lost meanwhile: the probe counts it out
             self._check_tolerated(exc)
             if worker not in self._dead_workers(exc):
                 raise

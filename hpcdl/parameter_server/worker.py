@@ -82,11 +82,11 @@ class WorkerClient:
         self._pushes = [m.numpy() for m in self._pushed]
         self._pulled_fields = [header(m) for m, _ in self._replies]
         self._pushed_fields = [header(m) for m in self._pushes]
-        # (parameter index, element start, stop, its piece in the pulled and in the pushed message);
-        # a piece that is a whole parameter is viewed in the parameter's shape, so that a pull or
-        # a push copies it with one torch call (a flat view and a slice cost two more, 1 us each).
-        self._pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
-        self._whole: list[bool] = []
+        # (parameter index, element start, stop, its piece in the pulled and in the pushed message,
+        # whether it is the whole parameter); a whole parameter's piece is viewed in the parameter's
+        # shape, so that a pull or a push copies it with one torch call (a flat view and a slice
+        # cost two more, 1 us each).
+        self._pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor, bool]] = []
         for shard, pulled, pushed in zip(self.layout.shards, self._pulled, self._pushed):
             for piece in shard.pieces:
                 param = self.params[piece.param]
@@ -97,8 +97,7 @@ class WorkerClient:
                 whole = piece.start == 0 and piece.stop == param.numel()
                 if whole:
                     into, out = into.view(param.shape), out.view(param.shape)
-                self._pieces.append((piece.param, piece.start, piece.stop, into, out))
-                self._whole.append(whole)
+                self._pieces.append((piece.param, piece.start, piece.stop, into, out, whole))
         # Where a pull copies each piece (views of the parameters, which share their version
         # counter, as the parameters' own in-place copies do), made at the next pull and made again
         # when a parameter's storage changed (`module.to()` and `p.data = ...` replace it).
@@ -147,7 +146,7 @@ class WorkerClient:
         storages = [p.data_ptr() for p in self.params]
         if storages != self._storages:
             self._targets = []
-            for (param, start, stop, pulled, _), whole in zip(self._pieces, self._whole):
+            for param, start, stop, pulled, _, whole in self._pieces:
                 target = self.params[param].detach()
                 self._targets.append((target if whole else target.view(-1)[start:stop], pulled))
             self._storages = storages
@@ -183,7 +182,7 @@ class WorkerClient:
         first = self._accumulated == 0
         if first:
             self._push_versions = self.versions.copy()
-        for (param, start, stop, _, pushed), whole in zip(self._pieces, self._whole):
+        for param, start, stop, _, pushed, whole in self._pieces:
             grad = grads[param]
             if grad is None:
                 if first:

@@ -128,7 +128,7 @@ def _warn(message: str, stacklevel: int) -> None:
 
 
 def report_stall(rank: int, what: str, waited: float, advice: str, done: Callable[[], bool],
-            stacklevel: int, warn: Callable[[str], None] | None = None) -> str | None:
+                 stacklevel: int, warn: Callable[[str], None] | None = None) -> str | None:
     """The wait passed its bound: ask every rank what it is doing, write the flight records where
     a diagnostics directory is set, and (on the lowest waiting rank only) warn with the report
     (`warn(text)`, else a RuntimeWarning at the caller's program, `stacklevel` as `_warn`'s).
@@ -174,6 +174,30 @@ def cannot_complete() -> bool:
         return False
     stalled = stall_report.blocking_call(diagnosis.answer(service))
     return bool(stall_report.never_completes(service.departures(), stalled, service.size))
+
+
+class ReportDue:
+    """When a wait reports: once it has waited its bound (`wait_bound`; the default one stretched,
+    once, to STEPS of the waited call's periods: `stretched_bound`), or at once where it can never
+    complete (`cannot_complete`); at most once."""
+
+    def __init__(self, given: float | None) -> None:
+        self.bound, self._stretchable = wait_bound(given)
+        self.reported = not math.isfinite(self.bound)
+
+    def now(self, waited: float) -> bool:
+        """Whether the wait reports now, having waited `waited` seconds (True once at most)."""
+        if self.reported:
+            return False
+        hopeless = cannot_complete()
+        if waited < self.bound and not hopeless:
+            return False
+        if self._stretchable and not hopeless:
+            self._stretchable, self.bound = False, stretched_bound(self.bound)
+            if waited < self.bound:
+                return False
+        self.reported = True
+        return True
 
 
 class WaitClock:
@@ -243,12 +267,11 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
     raises the collective's own error.
     """
     clock = WaitClock(started)
-    bound, stretchable = wait_bound(warn_after)
-    reported = not math.isfinite(bound)
+    due = ReportDue(warn_after)
     with diagnosis.Waiting(what):
         while True:
             waited = clock.waited
-            limits = [_LOOK_S] + ([] if reported else [bound - waited]) + (
+            limits = [_LOOK_S] + ([] if due.reported else [due.bound - waited]) + (
                 [] if timeout is None else [timeout - waited])
             asked = max(0.0, min(limits))
             try:
@@ -259,13 +282,7 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
             waited = clock.look(asked)
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(_stalled(rank, what, waited, advice)) from None
-            hopeless = not reported and cannot_complete()
-            if not reported and (waited >= bound or hopeless):
-                if stretchable and not hopeless:
-                    stretchable, bound = False, stretched_bound(bound)
-                    if waited < bound:
-                        continue
-                reported = True
+            if due.now(waited):
                 never = report_stall(rank, what, waited, advice, handle.done, stacklevel)
                 if never is not None:
                     raise RankExitedError(never)

@@ -22,8 +22,9 @@ The causes, for a rank that is not in the call the waiting ranks are in:
 """
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from collectives.recorder import short
 
 Answer = dict[str, Any]
 
@@ -43,14 +44,6 @@ def describe_place(call: dict[str, Any]) -> str:
     if len(places) == 2 and places[0] == places[1]:
         places = places[:1]
     return " ← ".join(places)
-
-
-def short(place: str) -> str:
-    """A "path/to/file.py:LINE in f" with the path cut to the file's name."""
-    if not place:
-        return ""
-    path, _, rest = place.partition(":")
-    return os.path.basename(path) + (f":{rest}" if rest else "")
 
 
 def _same_comm(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -183,11 +176,11 @@ def ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in ranks)}"
 
 
-#: What to do, by cause: the report's last lines, once per cause found (the waiting call site's
-#: own advice for a cause not here, skipped or mismatched: the programs took different paths).
 #: What to do about a rank that left before a call the others make (the error's advice too).
 LEFT_ADVICE = ("every rank must make the same collectives (ranks with different numbers of batches: "
                "`with model.join():` around the loop, docs/training.md)")
+#: What to do, by cause: the report's last lines, once per cause found (the waiting call site's
+#: own advice for a cause not here, skipped or mismatched: the programs took different paths).
 WHAT_TO_DO = {
     "left": f"a rank whose program ended leaves the others waiting for ever: {LEFT_ADVICE}; the waiting "
             "ranks raise RankExitedError (a rank blocked in a collective aborts the job)",

@@ -66,8 +66,9 @@ class Watchdog:
         self.abort = abort
         self._record: list[Any] | None = None  # the call it watches
         self._place = ""  # where the caller's program made it
+        self._what = ""  # the call, as the report names it
         self._clock: stall.WaitClock | None = None
-        self._bound, self._stretchable, self._reported = 0.0, False, False
+        self._due: stall.ReportDue | None = None
         self._thread = threading.Thread(target=self._watch, name="hpcdl-watchdog", daemon=True)
         self._thread.start()
 
@@ -90,20 +91,13 @@ class Watchdog:
         if record is not self._record:
             self._follow(record)
             return
-        if record is None or self._reported or self._clock is None:
+        if record is None or self._clock is None or self._due is None or self._due.reported:
             return
         waited = self._clock.look(LOOK_S)
-        hopeless = stall.cannot_complete()
-        if waited < self._bound and not hopeless:
+        if not self._due.now(waited):
             return
-        if self._stretchable and not hopeless:
-            self._stretchable, self._bound = False, stall.stretched_bound(self._bound)
-            if waited < self._bound:
-                return
-        self._reported = True
-        what = service.blocked[record[THREAD]][1]
-        never = stall.report_stall(service.rank, what, waited, "", lambda: record[LEFT] != 0.0, 1,
-                              warn=lambda text: _warn_at(self._place, text))
+        never = stall.report_stall(service.rank, self._what, waited, "", lambda: record[LEFT] != 0.0, 1,
+                                   warn=lambda text: _warn_at(self._place, text))
         if never is not None and record[LEFT] == 0.0:
             flight_dumps.write(service.rank, "a blocking call that can never complete")
             self.abort(never + " A rank blocked in a collective cannot be interrupted: the job is aborted.")
@@ -117,11 +111,10 @@ class Watchdog:
             return
         call = as_dict(record)
         self._place = call["user"] or call["site"]
-        what = f"the blocking {call['collective']} at {stall_report.short(self._place)}"
-        self.service.blocked[record[THREAD]] = (record, what, record[ENTERED])
+        self._what = f"the blocking {call['collective']} at {stall_report.short(self._place)}"
+        self.service.blocked[record[THREAD]] = (record, self._what, record[ENTERED])
         self._clock = stall.WaitClock(record[ENTERED])
-        self._bound, self._stretchable = stall.wait_bound(None)
-        self._reported = not self._bound < float("inf")
+        self._due = stall.ReportDue(None)
 
 
 _watchdog: Watchdog | None = None
