@@ -46,9 +46,15 @@ def kernel_mode(setting: str = KERNEL_SETTING) -> str | None:
     return chosen[0] if chosen else None
 
 
-def huge_page_eligible(address: int, smaps: str = "/proc/self/smaps") -> bool | None:
-    """Whether the mapping holding `address` may be backed by huge pages (smaps' THPeligible);
-    None where the kernel does not say."""
+def huge_pages_advised(address: int, smaps: str = "/proc/self/smaps") -> bool | None:
+    """Whether the mapping holding `address` may be backed by huge pages: advised so (`hg` among
+    smaps' VmFlags: torch's allocator calls madvise(MADV_HUGEPAGE) on each large block when
+    THP_MEM_ALLOC_ENABLE=1) or eligible (THPeligible 1); None where the kernel says neither.
+
+    Why the advice and not THPeligible alone: a block that glibc carves out of the heap can start
+    in a mapping of a few pages (madvise splits the heap's mapping at the blocks' edges), which
+    can hold no huge page and so reads "THPeligible 0" although torch advised the whole block."""
+    eligible: bool | None = None
     try:
         with open(smaps) as f:
             inside = False
@@ -57,13 +63,17 @@ def huge_page_eligible(address: int, smaps: str = "/proc/self/smaps") -> bool | 
                     continue
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi ...
+                    if inside:
+                        break
                     lo, hi = (int(x, 16) for x in head.split("-"))
                     inside = lo <= address < hi
                 elif inside and head == "THPeligible:":
-                    return line.split()[1] == "1"
+                    eligible = line.split()[1] == "1"
+                elif inside and head == "VmFlags:":
+                    eligible = bool(eligible) or "hg" in line.split()[1:]
     except (OSError, ValueError):
         return None
-    return None
+    return eligible
 
 
 def small_pages_warning() -> str | None:
@@ -74,7 +84,7 @@ def small_pages_warning() -> str | None:
     import torch
 
     probe = torch.empty(PROBE_BYTES, dtype=torch.uint8)
-    if huge_page_eligible(probe.data_ptr()) is not False:
+    if huge_pages_advised(probe.data_ptr()) is not False:
         return None
     return (f"torch allocated its CPU tensors before {ENV}=1 was set, so they use 4 KiB pages "
             "and averaging gradients over shared memory runs about 2.5x slower (hpcdl.runtime.memory); "
