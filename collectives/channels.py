@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, cast
 
 from mpi4py import MPI
 
+from .attributes import Attribute
 from .buffers import Buffer, DeviceRuntime, device_runtime
 from .cuda_awareness import cuda_aware
 from .device_routes import DeviceRoutes, settle
@@ -299,10 +300,8 @@ def _forget_channel(comm: MPI.Comm, keyval: int, channel: Channel) -> None:
         channel.engine.stop(timeout=0)
 
 
-# The channel lives on the user's communicator as an MPI attribute, so it goes away with it: a
-# cache keyed by handle would hand a freed communicator's channel to whatever new communicator MPI
-# gives the same handle.
-_CHANNEL_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_forget_channel)
+# The channel lives on the user's communicator, so it goes away with it (collectives.attributes).
+_CHANNEL = Attribute(_forget_channel)
 _channel_lock = threading.Lock()
 #: MPI.COMM_WORLD's channel once made (read inline by `small.allreduce_now`).
 world: Channel | None = None
@@ -319,8 +318,7 @@ def channel_of(comm: MPI.Comm | None) -> Channel:
     target = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(target, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(target).__name__}")
-    channel = cast("Channel | None",
-                   target.Get_attr(_CHANNEL_KEYVAL) if target != MPI.COMM_NULL else None)
+    channel = cast("Channel | None", _CHANNEL.get(target) if target != MPI.COMM_NULL else None)
     if channel is None:
         if target == MPI.COMM_NULL:
             raise CollectiveArgumentError("comm is MPI.COMM_NULL: this rank is not in the group; "
@@ -332,10 +330,10 @@ def channel_of(comm: MPI.Comm | None) -> Channel:
                 "ranks of one group; merge the groups with comm.Merge() (an intra-communicator) "
                 "or use mpi4py's own collectives on the inter-communicator")
         with _channel_lock:
-            channel = cast("Channel | None", target.Get_attr(_CHANNEL_KEYVAL))
+            channel = cast("Channel | None", _CHANNEL.get(target))
             if channel is None:
                 channel = Channel(target, MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
-                target.Set_attr(_CHANNEL_KEYVAL, channel)
+                _CHANNEL.set(target, channel)
     if comm is None:
         world = channel
     return channel
@@ -343,4 +341,4 @@ def channel_of(comm: MPI.Comm | None) -> Channel:
 
 def existing_channel(comm: MPI.Comm) -> Channel | None:
     """The channel of `comm` if collectives were called on it, without making one."""
-    return cast("Channel | None", comm.Get_attr(_CHANNEL_KEYVAL))
+    return cast("Channel | None", _CHANNEL.get(comm))

@@ -12,6 +12,8 @@ from typing import cast
 
 from mpi4py import MPI
 
+from .attributes import Attribute
+
 
 def host_communicator(comm: MPI.Comm) -> MPI.Comm:
     """Collective: the ranks of `comm` on this rank's host (MPI's shared-memory communicator), in
@@ -40,22 +42,22 @@ def _free_hosts(comm: MPI.Comm, keyval: int, hosts: _Hosts) -> None:
     hosts.free()  # the communicator they were split from is being freed
 
 
-_HOSTS_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_hosts)
+_HOSTS = Attribute(_free_hosts)
 
 
 def hosts_of(comm: MPI.Comm) -> _Hosts:
     """Collective the first time on `comm`: its sub-communicators, made and kept on it then."""
-    hosts = cast("_Hosts | None", comm.Get_attr(_HOSTS_KEYVAL))
+    hosts = cast("_Hosts | None", _HOSTS.get(comm))
     if hosts is None:
         hosts = _Hosts(comm)
-        comm.Set_attr(_HOSTS_KEYVAL, hosts)
+        _HOSTS.set(comm, hosts)
     return hosts
 
 
 def derived_communicators(comm: MPI.Comm) -> list[MPI.Comm]:
     """The sub-communicators composed algorithms split from `comm` (`hosts_of`), if any: a process
     failure on `comm` ends them too."""
-    hosts = cast("_Hosts | None", comm.Get_attr(_HOSTS_KEYVAL))
+    hosts = cast("_Hosts | None", _HOSTS.get(comm))
     if hosts is None:
         return []
     return [sub for sub in (hosts.node, hosts.leaders) if sub != MPI.COMM_NULL]

@@ -8,12 +8,13 @@ from typing import cast
 
 from mpi4py import MPI
 
+from .attributes import Attribute
 from .channels import existing_channel
 from .failures import agree_min, fault_tolerant
 
 # The number agree_completed settled for a communicator, kept on it (it is agreed once: every
 # survivor must make the same collective calls, and a second Agree on one rank only would hang).
-_AGREED_KEYVAL = MPI.Comm.Create_keyval()
+_AGREED = Attribute()
 
 
 def agree_completed(comm: MPI.Comm | None = None) -> int:
@@ -34,13 +35,13 @@ def agree_completed(comm: MPI.Comm | None = None) -> int:
     of Agree; docs/failures.md). Needs a job running under ULFM (`mpirun --with-ft ulfm`).
     """
     target = _ulfm_target(comm, "agree_completed")
-    agreed = cast("int | None", target.Get_attr(_AGREED_KEYVAL))
+    agreed = cast("int | None", _AGREED.get(target))
     if agreed is None:
         channel = existing_channel(target)
         if channel is not None:
             channel.retire()
         agreed = agree_min(target, channel.completed if channel is not None else 0)
-        target.Set_attr(_AGREED_KEYVAL, agreed)
+        _AGREED.set(target, agreed)
     return agreed
 
 

@@ -27,6 +27,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from .collective_command import Command, CommandError, CommandParser
 from ..runtime.launch import SRUN_MPI_TYPE, mpi_family
@@ -111,21 +112,32 @@ def available_templates(directory: Path = TEMPLATE_DIR) -> list[str]:
     return [name for name in TEMPLATES if (directory / f"{name}{TEMPLATE_SUFFIX}").is_file()]
 
 
-def loaded_mpi_family() -> str | None:
-    """The MPI family of the library mpi4py loads, without initializing MPI if it is not yet."""
+@contextlib.contextmanager
+def mpi_left_uninitialized() -> Iterator[None]:
+    """Imports inside load mpi4py's MPI, if it is not loaded yet, without initializing MPI:
+    rendering a script on a login node must not start an MPI process (a singleton, which may
+    need a launcher there or fail)."""
     import mpi4py
 
-    if "mpi4py.MPI" not in sys.modules:
-        # Rendering a script on a login node must not start an MPI job (or need a launcher).
-        initialize = mpi4py.rc.initialize
-        mpi4py.rc.initialize = False
-        try:
-            from mpi4py import MPI
-        finally:
-            mpi4py.rc.initialize = initialize
-    from mpi4py import MPI
+    if "mpi4py.MPI" in sys.modules:
+        yield
+        return
+    initialize = mpi4py.rc.initialize
+    mpi4py.rc.initialize = False
+    try:
+        from mpi4py import MPI  # noqa: F401 - loaded now, so that later imports find it so
 
-    return mpi_family(MPI.Get_library_version())
+        yield
+    finally:
+        mpi4py.rc.initialize = initialize
+
+
+def loaded_mpi_family() -> str | None:
+    """The MPI family of the library mpi4py loads, without initializing MPI if it is not yet."""
+    with mpi_left_uninitialized():
+        from mpi4py import MPI
+
+        return mpi_family(MPI.Get_library_version())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,10 +263,10 @@ def program_errors(runs: str, program_args: list[str]) -> list[str]:
 
     A misspelled option would otherwise stop the job only once it has waited in the queue. Only
     syntax and choices are checked: the values are judged by the job itself, some against its
-    number of ranks. Importing the parser imports `collectives`, which initializes MPI in this
-    process (one process, no launcher needed).
+    number of ranks. Importing the parser imports `collectives`, whose MPI is left uninitialized.
     """
-    parser = importlib.import_module(_PROGRAM_PARSERS[runs]).build_parser()
+    with mpi_left_uninitialized():
+        parser = importlib.import_module(_PROGRAM_PARSERS[runs]).build_parser()
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):

@@ -410,3 +410,19 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert slurm.main(["list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == list(slurm.TEMPLATES)
+
+
+@pytest.mark.parametrize("template, options", [("cpu", ["--epochs", "3"]), ("allreduce-sweep", ["-b", "8", "-e", "64"])])
+def test_render_with_program_options_starts_no_mpi_process(tmp_path: Path, template: str, options: list[str]) -> None:
+    """Judging the options after `--` imports the program's parser (hpcdl train's, hpcdl bench's) and
+    so the collectives: MPI stays uninitialized (on a login node a singleton may need a launcher, or
+    fail). The collectives' communicator attributes make their keyvals at first use, not at import
+    (collectives.attributes): MPI refuses one before it is initialized."""
+    script = ("import sys; from hpcdl.commands import cli; status = cli.main(['slurm', 'render', "
+              f"{template!r}, '--time', '30', '--partition', 'batch', '-o', {str(tmp_path / 'job.sbatch')!r}, "
+              f"'--', *{options!r}]); "
+              "from mpi4py import MPI; print('status', status, 'initialized', MPI.Is_initialized())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_"))})
+    assert done.stdout.strip().endswith("status 0 initialized False"), done.stdout + done.stderr
+    assert " ".join(options) in (tmp_path / "job.sbatch").read_text()
