@@ -28,7 +28,7 @@ import warnings
 from typing import Any, Callable
 
 import collectives
-from collectives.recorder import ENTERED, LEFT, RECORDER, THREAD, as_dict
+from collectives.recorder import ENTERED, LEFT, RECORDER, THREAD, as_dict, user_frame, where
 
 from . import diagnosis, flight_dumps, stall, stall_report
 
@@ -110,7 +110,11 @@ class Watchdog:
         if record is None:
             return
         call = as_dict(record)
-        self._place = call["user"] or call["site"]
+        # The blocked thread's own frames name the program's line where the record cannot: a call
+        # on the small-message path records its caller only, which is a library's line when the
+        # program called through one (`hpcdl.allreduce(tensor)` records hpcdl/tensors/calls.py).
+        frame = sys._current_frames().get(record[THREAD])
+        self._place = where(user_frame(frame)) if frame is not None else call["user"] or call["site"]
         self._what = f"the blocking {call['collective']} at {stall_report.short(self._place)}"
         self.service.blocked[record[THREAD]] = (record, self._what, record[ENTERED])
         self._clock = stall.WaitClock(record[ENTERED])

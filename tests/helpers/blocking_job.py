@@ -1,7 +1,8 @@
 """A job of blocking collectives (`collectives.allreduce`, no stall wait of hpcdl's around them) for
 tests/hpcdl/runtime/test_watchdog.py. `left`: rank 0 makes one allreduce fewer than the others and
 ends; the others, blocked in the call it never makes, must end the job within seconds (the
-watchdog's abort). `slow`: rank 0 sleeps BLOCKING_JOB_SLOW_S seconds before its third allreduce;
+watchdog's abort); `left-tensor`: the same through `hpcdl.allreduce` of a torch tensor (a library
+between the program and the collectives). `slow`: rank 0 sleeps BLOCKING_JOB_SLOW_S seconds before its third allreduce;
 the others wait in it, one rank reports, and the job ends normally."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 import collectives
@@ -26,10 +28,13 @@ def main(mode: str) -> None:
     hpcdl.init()
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    for step in range(STEPS - 1 if rank == 0 and mode == "left" else STEPS):
+    for step in range(STEPS - 1 if rank == 0 and mode.startswith("left") else STEPS):
         if rank == 0 and mode == "slow" and step == STEPS - 1:
             load_batch(float(os.environ["BLOCKING_JOB_SLOW_S"]))
-        collectives.allreduce(np.ones(4, np.float32), world)
+        if mode == "left-tensor":
+            hpcdl.allreduce(torch.ones(4))
+        else:
+            collectives.allreduce(np.ones(4, np.float32), world)
     print(f"rank {rank} done", file=sys.stderr, flush=True)
 
 

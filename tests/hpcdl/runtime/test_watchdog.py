@@ -28,10 +28,12 @@ def blocking_job(mode: str, ranks: int = 3, **env: str):
 
 
 @only_alone
-@pytest.mark.parametrize("ranks", [2, 3], ids=["2 ranks: the library's call, expected", "3 ranks: butterfly"])
-def test_a_blocking_call_a_rank_left_without_making_ends_the_job_within_seconds(ranks):
+@pytest.mark.parametrize("ranks, mode", [(2, "left"), (3, "left"), (2, "left-tensor")],
+                         ids=["2 ranks: the library's call, expected", "3 ranks: butterfly",
+                              "2 ranks, through hpcdl.allreduce: the program's line, not hpcdl's"])
+def test_a_blocking_call_a_rank_left_without_making_ends_the_job_within_seconds(ranks, mode):
     started = time.monotonic()
-    proc = blocking_job("left", ranks, HPCDL_STALL_WARNING_S="60")
+    proc = blocking_job(mode, ranks, HPCDL_STALL_WARNING_S="60")
     elapsed, out = time.monotonic() - started, proc.stdout
     assert proc.returncode != 0 and "rank 1 done" not in out and "rank 2 done" not in out, out[-4000:]
     assert ("16 B float32, mpi)" in out) is (ranks == 2), out  # the compiled path where there is one
