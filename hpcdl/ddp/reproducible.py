@@ -140,7 +140,7 @@ class ReproducibleDataParallel(torch.nn.Module):
             build the optimizer with `shard_optimizer`).
     """
 
-    def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *, micro_batch: int = 0,
+    def __init__(self, module: torch.nn.Module, comm: MPI.Comm | None = None, *, micro_batch: int | None = None,
                  seed: int = 0, algorithm: str = "auto", threads: int = 1, shard: str | None = None,
                  **options: Any) -> None:
         super().__init__()
@@ -150,7 +150,10 @@ class ReproducibleDataParallel(torch.nn.Module):
         self.module = module
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         errors = refusals(module, options)
-        if not isinstance(micro_batch, int) or micro_batch < 1:
+        if micro_batch is None:
+            errors.append("reproducible=True needs micro_batch=, the samples per logical micro-batch (the bits "
+                          "depend on it; hpcdl train --reproducible uses 8)")
+        elif not isinstance(micro_batch, int) or micro_batch < 1:
             errors.append(f"micro_batch must be a number of samples >= 1, got {micro_batch!r}")
         if algorithm != "auto" and algorithm not in collectives.ALGORITHMS["allreduce"]:
             errors.append(f"algorithm must be auto or one of {', '.join(collectives.ALGORITHMS['allreduce'])}, "
@@ -164,6 +167,7 @@ class ReproducibleDataParallel(torch.nn.Module):
                             {"micro_batch": micro_batch, "seed": seed, "threads": threads, "shard": shard},
                             self.comm)
         check_same_model("DistributedDataParallel(reproducible=True)", module, self.comm)
+        assert micro_batch is not None  # refused above, on every rank
         torch.set_num_threads(threads)
         self.micro_batch, self.seed, self.algorithm, self.threads = micro_batch, seed, algorithm, threads
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel()]

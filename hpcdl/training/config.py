@@ -357,6 +357,13 @@ def reproducible_errors(config: TrainConfig) -> list[str]:
         "--device cuda": (config.device == "cuda", "GPU kernels give no bitwise guarantee; use --device cpu"),
         "--keep-rank-batch": (config.keep_rank_batch, "the global batch, and the bits with it, would change with "
                               "the ranks left; drop it (the survivors take over the lost ranks' micro-batches)"),
+        # the exact sum is one allreduce a step, after the micro-batches: no buckets to size, overlap or time
+        "--bucket-cap-mb": (config.bucket_cap_mb is not None, "the exact sum is one allreduce a step, not "
+                            "buckets; drop it"),
+        "--no-overlap": (config.no_overlap, "the exact sum runs after the step's micro-batches, never "
+                         "overlapped; drop it"),
+        "--timeline": (config.timeline is not None, "it records DDP's buckets, which the exact sum does not "
+                       "use; drop it"),
     }
     errors += [f"--reproducible does not take {flag}: {why}" for flag, (used, why) in refused.items() if used]
     return errors

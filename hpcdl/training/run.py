@@ -336,6 +336,10 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     if config.batch_size > len(sampler):
         # Every step would take the whole share, so the global batch the rate is scaled for never
         # happens; the same numbers on every rank give the same verdict.
+        if config.reproducible:  # --batch-size is the whole step's batch, cut from all the data
+            return _fail([f"--batch-size {config.batch_size} is more than the training data ({len(sampler)} "
+                          f"samples; with --reproducible it is the whole step's batch, on any number of "
+                          f"ranks); use --batch-size {len(sampler)} or less"], rank)
         return _fail([(f"--batch-size {config.batch_size} is more than each rank's share of the training "
                        f"data ({len(sampler)} of {len(train_set)} samples on {trainers} rank(s)"
                        + (" that train" if plan.servers else "")

@@ -195,9 +195,13 @@ def test_reproducible_refuses_other_options_and_takes_unsharded_batch_norm():
                                       bucket_cap_mb=1)
     ok = ("shard='gradients' does not apply: the exact sum leaves the whole gradient on every rank; use "
           "shard='optimizer'" in str(caught.value) and "bucket_cap_mb= does not apply" in str(caught.value))
+    # no micro_batch: said so (it read "got 0", a value the user never gave)
+    with pytest.raises(ValueError) as missing:
+        hpcdl.DistributedDataParallel(small_net(), comm, reproducible=True)
+    ok = ok and "reproducible=True needs micro_batch=, the samples per logical micro-batch" in str(missing.value)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64, track_running_stats=False))
     model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=4)
-    assert all_ranks_agree(ok and model.micro_batch == 4, comm), str(caught.value)
+    assert all_ranks_agree(ok and model.micro_batch == 4, comm), (str(caught.value), str(missing.value))
 
 
 def test_micro_batches_are_contiguous_ranges_and_seeds_depend_on_index_only():

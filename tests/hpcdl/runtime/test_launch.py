@@ -412,7 +412,8 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert listed == list(slurm.TEMPLATES)
 
 
-@pytest.mark.parametrize("template, options", [("cpu", ["--epochs", "3"]), ("allreduce-sweep", ["-b", "8", "-e", "64"])])
+@pytest.mark.parametrize("template, options", [("cpu", ["--epochs", "3"]),
+                                               ("allreduce-sweep", ["-b", "8", "-e", "64"])])
 def test_render_with_program_options_starts_no_mpi_process(tmp_path: Path, template: str, options: list[str]) -> None:
     """Judging the options after `--` imports the program's parser (hpcdl train's, hpcdl bench's) and
     so the collectives: MPI stays uninitialized (on a login node a singleton may need a launcher, or

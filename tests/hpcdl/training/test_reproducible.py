@@ -32,6 +32,14 @@ def test_train_refuses_what_reproducible_does_not_cover():
         "rank; use --shard optimizer",
         "--reproducible does not take --keep-rank-batch: the global batch, and the bits with it, would change "
         "with the ranks left; drop it (the survivors take over the lost ranks' micro-batches)"]
+    # DDP's bucket options were accepted and ignored (and `timeline written to None` printed)
+    assert reproducible_errors(TrainConfig(reproducible=True, bucket_cap_mb=1.0, no_overlap=True,
+                                           timeline="t.json")) == [
+        "--reproducible does not take --bucket-cap-mb: the exact sum is one allreduce a step, not buckets; drop it",
+        "--reproducible does not take --no-overlap: the exact sum runs after the step's micro-batches, never "
+        "overlapped; drop it",
+        "--reproducible does not take --timeline: it records DDP's buckets, which the exact sum does not use; "
+        "drop it"]
     assert reproducible_errors(TrainConfig(micro_batch=8)) == [
         "--micro-batch applies to --reproducible; add it or drop --micro-batch"]
     assert option_errors(TrainConfig(reproducible=True, strategy="local-sgd"), 2) == [

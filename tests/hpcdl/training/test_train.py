@@ -340,6 +340,12 @@ def test_batch_larger_than_a_ranks_share_is_refused(comm, capsys):
     expected = (f"--batch-size {share + 1} is more than each rank's share of the training data "
                 f"({share} of 1437 samples on {comm.Get_size()} rank(s))")
     ok = status == 2 and (comm.Get_rank() != 0 or expected in err)
+    # --reproducible: the whole step's batch against all the data (it read "1437 of 1437 samples on 1 rank(s)")
+    status = train.main(["--reproducible", "--batch-size", "1438"])
+    err = capsys.readouterr().err
+    expected = ("--batch-size 1438 is more than the training data (1437 samples; with --reproducible it is the "
+                "whole step's batch, on any number of ranks); use --batch-size 1437 or less")
+    ok = ok and status == 2 and (comm.Get_rank() != 0 or expected in err)
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
