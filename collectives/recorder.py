@@ -42,9 +42,11 @@ _is_library: dict[str, bool] = {}
 
 
 def library_path(folder: str) -> None:
-    """Count frames of files under `folder` as library frames: a record's user frame is the first
-    frame outside every such folder (the layers above add theirs, and torch's)."""
-    prefix = os.path.join(os.path.abspath(folder), "")
+    """Count frames of files under `folder` (or of the file `folder`) as library frames: a
+    record's user frame is the first frame outside every such folder (the layers above add
+    theirs, and torch's)."""
+    path = os.path.abspath(folder)
+    prefix = path if os.path.isfile(path) else os.path.join(path, "")
     if prefix not in _library:
         _library.append(prefix)
         _is_library.clear()

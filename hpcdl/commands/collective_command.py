@@ -68,9 +68,14 @@ class Command:
     @classmethod
     def world(cls, prog: str) -> Command:
         """The command over every rank of the job (initializes MPI through `hpcdl.init`)."""
+        from ..runtime.launch import LaunchError
         from ..runtime.process import MPI, init
 
-        init()
+        try:
+            init()
+        except LaunchError as exc:  # each process is alone in its job: each says it, in one line
+            sys.stderr.write(f"{prog}: error: {exc}\n")
+            raise CommandExit(ARGUMENT_ERROR) from None
         return cls(prog, MPI.COMM_WORLD)
 
     def parse(self, parse: Callable[[list[str]], Parsed], argv: Sequence[str]) -> Parsed:

@@ -56,8 +56,9 @@ def _count_as_library() -> None:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in sorted(os.listdir(root)):
-        if os.path.isdir(os.path.join(root, name)) and name not in ("training", "__pycache__"):
-            library_path(os.path.join(root, name))
+        path = os.path.join(root, name)
+        if (os.path.isdir(path) and name not in ("training", "__pycache__")) or name.endswith(".py"):
+            library_path(path)  # hpcdl/__init__.py too: hpcdl.init() is hpcdl's line, not the program's
     library_path(os.path.dirname(threading.__file__))  # the standard library (threading, queue)
     spec = importlib.util.find_spec("torch")
     if spec is not None and spec.origin:

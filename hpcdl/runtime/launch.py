@@ -23,6 +23,7 @@ initialize MPI as a one-rank job. torchrun says so in `WORLD_SIZE` (and marks it
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -100,9 +101,26 @@ def _library_version() -> str:
     return MPI.Get_library_version()
 
 
+class LaunchError(RuntimeError):
+    """The launcher started a different job than MPI reports: each process would train alone.
+    Its message names the fix (an uncaught one prints as one line, not a traceback)."""
+
+
+def relaunch_command(ranks: int, argv: list[str] | None = None) -> str:
+    """How to start this program on `ranks` MPI ranks, for advice: `mpirun -n N hpcdl train` for
+    hpcdl's commands, `mpirun -n N python SCRIPT.py` for a script (SCRIPT where unknown)."""
+    argv = sys.argv if argv is None else argv
+    first = argv[0] if argv else ""
+    if os.path.basename(first) == "hpcdl" or first.endswith(os.path.join("hpcdl", "__main__.py")):
+        program = "hpcdl" + (f" {argv[1]}" if len(argv) > 1 and not argv[1].startswith("-") else "")
+    else:
+        program = "python " + (os.path.basename(first) if first.endswith(".py") else "SCRIPT")
+    return f"mpirun -n {ranks} {program}"
+
+
 def check_launch(comm_size: int, env: Mapping[str, str] | None = None,
                  library_version: str | None = None) -> None:
-    """Raise RuntimeError if the launcher started a different job than MPI reports.
+    """Raise LaunchError if the launcher started a different job than MPI reports.
 
     `comm_size` is MPI_COMM_WORLD's size; `env` defaults to os.environ and `library_version` to
     MPI.Get_library_version() (both injectable for tests). Purely local: no communication, so it is
@@ -113,14 +131,14 @@ def check_launch(comm_size: int, env: Mapping[str, str] | None = None,
     if claim is not None:
         if claim.launcher == "srun" and claim.tasks > 1 and comm_size == 1:
             family = mpi_family(library_version if library_version is not None else _library_version())
-            raise RuntimeError(
+            raise LaunchError(
                 f"srun started {claim.tasks} tasks in this step ({claim.variable}={claim.tasks}) but MPI "
                 f"reports a job of size 1: every task is running as its own one-rank job. The srun "
                 f"--mpi type must match the MPI library: {srun_fix(family)}. Or launch with the MPI "
                 "library's own mpirun inside the allocation.")
         if claim.launcher == "mpirun" and claim.tasks != comm_size:
             library = library_version if library_version is not None else _library_version()
-            raise RuntimeError(
+            raise LaunchError(
                 f"mpirun started {claim.tasks} processes ({claim.variable}={claim.tasks}) but MPI "
                 f"reports a job of size {comm_size}: the mpirun that launched this process belongs to a "
                 f"different MPI library than the one mpi4py loaded ({library.splitlines()[0].strip()}). "
@@ -130,17 +148,17 @@ def check_launch(comm_size: int, env: Mapping[str, str] | None = None,
     torch_world = _integer(env, "WORLD_SIZE")
     if torch_world is not None and torch_world > 1 and comm_size == 1:
         launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "a torch launcher"
-        raise RuntimeError(
+        raise LaunchError(
             f"{launcher} started this process as one of {torch_world} (WORLD_SIZE={torch_world}) but "
             "MPI reports a job of size 1: every process is running as its own one-rank job. hpcdl's "
-            f"ranks are MPI processes: launch with `mpirun -n {torch_world} python SCRIPT` (or srun "
+            f"ranks are MPI processes: launch with `{relaunch_command(torch_world)}` (or srun "
             "with the --mpi type of your MPI library) instead of torchrun; hpcdl.init() sets RANK, "
             "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun "
             "would. If this process is meant to run alone, unset WORLD_SIZE.")
     pmix_rank = _integer(env, "PMIX_RANK")
     if pmix_rank is not None and pmix_rank >= comm_size:
         family = mpi_family(library_version if library_version is not None else _library_version())
-        raise RuntimeError(
+        raise LaunchError(
             f"a PMIx launcher gave this process rank {pmix_rank} (PMIX_RANK) but MPI reports a job of "
             f"size {comm_size}: the MPI library did not join the launcher's job. Under SLURM, "
             f"{srun_fix(family)}; otherwise use the mpirun of the MPI library mpi4py loaded.")

@@ -77,6 +77,8 @@ def init(*, abort_on_exception: bool = True) -> Topology:
                 "hpcdl needs 'serialized' or 'multiple'. Call hpcdl.init() before any other code "
                 "initializes MPI, or rebuild mpi4py against an MPI with thread support.")
         world = MPI.COMM_WORLD
+        if abort_on_exception:  # from here an error of hpcdl's own is one line (the launch's too)
+            install_abort_hook()
         # srun's (or torchrun's) N tasks started as N one-rank jobs: stop before any work, naming
         # the fix.
         check_launch(world.Get_size())
@@ -90,8 +92,6 @@ def init(*, abort_on_exception: bool = True) -> Topology:
                               if world.Get_rank() == 0 else None, root=0)
         export_torch_environment(torch_environment(world.Get_rank(), world.Get_size(), local_rank,
                                                    local_size), address)
-        if abort_on_exception:
-            install_abort_hook()
         from . import diagnosis, watchdog  # collective too: the answerer's communicator
 
         diagnosis.start()
@@ -195,22 +195,31 @@ TRACEBACK_VARIABLE = "HPCDL_TRACEBACK"
 
 def _own_error(exc_type: type[BaseException], tb: TracebackType | None) -> bool:
     """Whether an exception is one of the errors hpcdl and its collectives raise on purpose, with a
-    message that says what happened and what to do (a class of theirs, or a TimeoutError of their
-    waits): its traceback shows only their own plumbing."""
+    message that says what happened and what to do (a class of theirs; a TimeoutError of their
+    waits; a ValueError or NotImplementedError raised in their code: their refusals of an argument
+    or of what they do not do): its traceback shows only their own plumbing."""
+    import collectives
     from collectives.recorder import is_library
 
     if exc_type.__module__.split(".")[0] in ("hpcdl", "collectives"):
         return True
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return (issubclass(exc_type, TimeoutError) and tb is not None
-            and is_library(tb.tb_frame.f_code.co_filename))
+    if tb is None:
+        return False
+    raised_in = tb.tb_frame.f_code.co_filename
+    own_code = tuple(os.path.join(os.path.dirname(os.path.abspath(str(package.__file__))), "")
+                     for package in (collectives, sys.modules["hpcdl"]))
+    return ((issubclass(exc_type, TimeoutError) and is_library(raised_in))
+            or (issubclass(exc_type, (ValueError, NotImplementedError)) and raised_in.startswith(own_code)))
 
 
 def _program_line(tb: TracebackType | None) -> str:
     """The innermost line of the caller's program in a traceback (outside hpcdl, collectives, torch
     and the standard library), as " at FILE:LINE in FUNCTION `SOURCE`", or "" if there is none."""
     from collectives.recorder import is_library
+
+    from . import diagnosis  # noqa: F401 - its import counts hpcdl's folders and torch's as library frames
 
     found = ""
     for frame, line in traceback.walk_tb(tb):
@@ -227,15 +236,25 @@ def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
     from . import flight_dumps
 
     flight_dumps.write(MPI.COMM_WORLD.Get_rank(), f"an uncaught {exc_type.__name__}")
-    if issubclass(exc_type, KeyboardInterrupt) or MPI.COMM_WORLD.Get_size() == 1:
+    if issubclass(exc_type, KeyboardInterrupt):
         sys.__excepthook__(exc_type, exc, tb)
         return
+    alone = MPI.COMM_WORLD.Get_size() == 1  # nothing to abort: the process ends by itself
     if _own_error(exc_type, tb) and os.environ.get(TRACEBACK_VARIABLE, "").strip() != "1":
         # Its message says what happened and what to do; the caller's line says where. The frames
         # of hpcdl's and torch's plumbing between them would only bury it.
         notes = "".join(f" {note}" for note in getattr(exc, "__notes__", ()))
-        abort(f"{exc_type.__name__}: {exc}{notes}\n[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] raised"
-              f"{_program_line(tb)}; aborting all ranks ({TRACEBACK_VARIABLE}=1 prints the traceback)")
+        rank = MPI.COMM_WORLD.Get_rank()
+        text = (f"{exc_type.__name__}: {exc}{notes}\n[hpcdl rank {rank}] raised{_program_line(tb)}"
+                f"{'' if alone else '; aborting all ranks'} ({TRACEBACK_VARIABLE}=1 prints the traceback)")
+        if alone:
+            stream = sys.__stderr__ or sys.stderr
+            stream.write(f"[hpcdl rank {rank}] {text}\n")
+        else:
+            abort(text)
+        return
+    if alone:
+        sys.__excepthook__(exc_type, exc, tb)
         return
     abort("uncaught exception; aborting all ranks\n" + "".join(traceback.format_exception(exc_type, exc, tb)))
 

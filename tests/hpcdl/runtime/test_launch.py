@@ -19,7 +19,8 @@ from mpi4py import MPI
 import hpcdl
 from tests.conftest import all_ranks_agree
 from hpcdl.commands import slurm
-from hpcdl.runtime.launch import check_launch, launcher_claim, mpi_family, started_by_launcher
+from hpcdl.runtime.launch import (LaunchError, check_launch, launcher_claim, mpi_family, relaunch_command,
+                                  started_by_launcher)
 from hpcdl.runtime.rendezvous import (RENDEZVOUS_MARKER, export_torch_environment, rendezvous_address,
                                       torch_environment)
 
@@ -114,12 +115,45 @@ TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE
 
 
 def test_torchrun_of_one_rank_jobs_is_refused_naming_mpirun() -> None:
-    with pytest.raises(RuntimeError, match=r"torchrun started this process as one of 2 "
-                                           r"\(WORLD_SIZE=2\).*size 1.*`mpirun -n 2 python SCRIPT`"):
+    with pytest.raises(LaunchError, match=r"torchrun started this process as one of 2 "
+                                          r"\(WORLD_SIZE=2\).*size 1.*`mpirun -n 2 "):
         check_launch(1, env=TORCHRUN, library_version=OPEN_MPI)
     other = {k: v for k, v in TORCHRUN.items() if not k.startswith("TORCHELASTIC")}
     with pytest.raises(RuntimeError, match=r"^a torch launcher started .*unset WORLD_SIZE"):
         check_launch(1, env=other, library_version=OPEN_MPI)
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["/venv/bin/hpcdl", "train", "--epochs", "3"], "mpirun -n 4 hpcdl train"),
+    (["/work/hpcdl/__main__.py", "train"], "mpirun -n 4 hpcdl train"),  # python -m hpcdl train
+    (["/venv/bin/hpcdl", "--help"], "mpirun -n 4 hpcdl"),
+    (["/home/me/train.py", "--lr", "0.1"], "mpirun -n 4 python train.py"),
+    (["-c"], "mpirun -n 4 python SCRIPT"), ([], "mpirun -n 4 python SCRIPT"),
+])
+def test_the_advice_names_the_program_that_was_started(argv: list[str], command: str) -> None:
+    """`hpcdl train` under torchrun was told `mpirun -n 2 python SCRIPT`."""
+    assert relaunch_command(4, argv) == command
+
+
+def test_a_launch_error_is_one_line_for_a_command_and_two_for_a_script(tmp_path: Path) -> None:
+    """Each process of a torchrun-started job is alone in its MPI job: `hpcdl train` says its error
+    in its one line (status 2), a script's hpcdl.init() in the two lines of an error of hpcdl's
+    own, both naming how to start them; neither a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))} | TORCHRUN
+    command = subprocess.run([sys.executable, "-m", "hpcdl", "train", "--epochs", "1"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert command.returncode == 2 and command.stderr.startswith(
+        "hpcdl train: error: torchrun started this process as one of 2 (WORLD_SIZE=2)"), command.stderr
+    assert "`mpirun -n 2 hpcdl train`" in command.stderr and command.stderr.count("\n") == 1, command.stderr
+    script = tmp_path / "job.py"
+    script.write_text("import hpcdl\nhpcdl.init()\n")
+    alone = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    lines = alone.stderr.splitlines()
+    assert alone.returncode == 1 and len(lines) == 2, alone.stderr
+    assert lines[0].startswith("[hpcdl rank 0] LaunchError: torchrun started") and "`mpirun -n 2 python job.py`" \
+        in lines[0], alone.stderr
+    assert lines[1] == ("[hpcdl rank 0] raised at job.py:2 in <module> `hpcdl.init()` (HPCDL_TRACEBACK=1 prints "
+                        "the traceback)"), alone.stderr
 
 
 @pytest.mark.parametrize("env, size", [
@@ -189,7 +223,7 @@ def test_a_real_torchrun_launch_fails_with_the_fix(tmp_path: Path) -> None:
     assert done.returncode != 0, output
     assert "trained alone" not in output
     assert "torchrun started this process as one of 2 (WORLD_SIZE=2)" in output, output
-    assert "mpirun -n 2 python SCRIPT" in output
+    assert "`mpirun -n 2 python train.py`" in output, output  # the script torchrun started, by name
 
 
 @pytest.mark.parametrize("text, family", [

@@ -140,6 +140,25 @@ def test_an_error_of_hpcdls_own_aborts_with_its_message_and_the_programs_line(tr
     assert "CollectiveArgumentError: allreduce: ranks passed different" in done.stderr, done.stderr
 
 
+REFUSAL = """
+    import hpcdl, torch
+    hpcdl.init()
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
+    hpcdl.DistributedDataParallel(net, reproducible=True, micro_batch=4)
+"""
+
+
+@single_job
+def test_a_refusal_raised_as_a_value_error_in_hpcdls_code_is_two_lines_too() -> None:
+    """hpcdl's refusals of an argument are ValueErrors (and NotImplementedErrors) raised in its own
+    code: the same two lines as its own classes (they printed the whole traceback, on every rank)."""
+    done, _ = run_job(2, REFUSAL)
+    assert done.returncode != 0 and "Traceback (most recent call last)" not in done.stderr, done.stderr
+    assert re.search(r"\[hpcdl rank \d\] ValueError: DistributedDataParallel\(reproducible=True\): 1 is a "
+                     r"SyncBatchNorm: .*\n\[hpcdl rank \d\] raised at <string>:5 in <module>; aborting all ranks",
+                     done.stderr), done.stderr
+
+
 @single_job
 def test_single_process_keeps_the_normal_traceback() -> None:
     # With one rank nobody waits, so the hook leaves Python's own report and exit status alone.
