@@ -58,6 +58,8 @@ def unwritable_file(path: str | os.PathLike[str], *, create_parent: bool = False
 def unwritable_directory(directory: str | os.PathLike[str], *, create: bool) -> str | None:
     """Why files cannot be written in `directory` (created first if `create`), or None."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        return f"{directory} is a file, not a directory"
     try:
         if create:
             directory.mkdir(parents=True, exist_ok=True)

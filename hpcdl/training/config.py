@@ -19,13 +19,15 @@ some waiting.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import collectives
+from collectives.select import load_table
 
-from ..runtime import stall
+from ..runtime import flight_dumps, stall
 from ..runtime.atomic_file import unwritable_directory, unwritable_file
 from . import strategies
 from .metrics import METRICS_FORMATS
@@ -33,6 +35,9 @@ from .model_sizes import SIZED_MODELS
 from .rank_loss import POLICIES
 from .strategies.base import DEFAULT_WARMUP_EPOCHS
 from .strategies.servers import SERVER_OPTIMIZERS
+
+#: The variable naming the tuning file `auto` reads (collectives/select.py).
+TUNING_VARIABLE = "HPCDL_TUNING_FILE"
 
 #: What a run's messages start with (`hpcdl train: error: ...`), whether `hpcdl train` or a script
 #: started it: the messages name the command's options.
@@ -295,6 +300,11 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
         problem = unwritable_directory(Path(config.diagnostics_dir), create=True)
         if problem:
             errors.append(f"--diagnostics-dir {config.diagnostics_dir}: {problem}")
+    elif flight_dumps.directory() is not None:  # the environment's, checked as the option's
+        problem = unwritable_directory(Path(str(flight_dumps.directory())), create=True)
+        if problem:
+            errors.append(f"{flight_dumps.DIRECTORY_VARIABLE}={flight_dumps.directory()}: {problem}")
+    errors += tuning_file_errors()
     if config.device == "cuda":
         if config.strategy not in CUDA_STRATEGIES:
             errors.append(f"--device cuda trains with {' or '.join(CUDA_STRATEGIES)}, not "
@@ -328,6 +338,20 @@ def rank_failure_errors(config: TrainConfig, ranks: int = 1) -> list[str]:
         if used and config.synthetic:
             errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
     return errors
+
+
+def tuning_file_errors() -> list[str]:
+    """What is wrong with the tuning file `auto` would read (HPCDL_TUNING_FILE), judged before
+    training: read at the first collective, it stopped the job there, in DDP's first broadcast."""
+    path = os.environ.get(TUNING_VARIABLE, "").strip()
+    if not path:
+        return []
+    try:
+        load_table(path)
+    except ValueError as exc:
+        return [f"{TUNING_VARIABLE}={path}: {exc} (unset it for the built-in table, or write one with "
+                "`hpcdl tune -o FILE`)"]
+    return []
 
 
 def reproducible_errors(config: TrainConfig) -> list[str]:

@@ -172,7 +172,7 @@ def test_skipping_batches_resumes_the_same_order():
     (["--stall-bound", "0"], "--stall-bound 0.0: give a positive number of seconds (inf: never report)"),
     (["--stall-bound", "nan"], "--stall-bound nan: give a positive number of seconds"),
     (["--stall-bound", "-3"], "--stall-bound -3.0: give a positive number of seconds"),
-    (["--diagnostics-dir", "/dev/null"], "--diagnostics-dir /dev/null: cannot write in /dev/null"),
+    (["--diagnostics-dir", "/dev/null"], "--diagnostics-dir /dev/null: /dev/null is a file, not a directory"),
     (["--synthetic", "--checkpoint-dir", "x"], "--checkpoint-dir applies to training"),
     (["--device", "cuda", "--strategy", "downpour", "--servers", "1"],
      "--device cuda trains with allreduce or local-sgd, not --strategy downpour"),
@@ -183,6 +183,28 @@ def test_bad_arguments_fail_on_every_rank(argv, message, comm, capsys):
     err = capsys.readouterr().err
     ok = status == 2 and (comm.Get_rank() != 0 or message in err)
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_bad_environment_fails_on_every_rank_naming_the_variable(comm, capsys, monkeypatch, tmp_path):
+    """A bad tuning file stopped the job at DDP's first broadcast ("broadcast: cannot read decision
+    table ...", at hpcdl's line); a diagnostics directory that cannot be written was silently kept."""
+    folder = shared_directory(tmp_path, comm)
+    bad = folder / "bad.json"
+    if comm.Get_rank() == 0:
+        bad.write_text("garbage{")
+    comm.Barrier()
+    monkeypatch.setenv("HPCDL_TUNING_FILE", str(bad))
+    status = train.main([])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or f"hpcdl train: error: HPCDL_TUNING_FILE={bad}: cannot read "
+                          f"decision table {bad}: Expecting value" in err)
+    monkeypatch.delenv("HPCDL_TUNING_FILE")
+    monkeypatch.setenv("HPCDL_DIAGNOSTICS_DIR", str(bad))
+    status = train.main([])
+    second = capsys.readouterr().err
+    ok = ok and status == 2 and (comm.Get_rank() != 0 or f"hpcdl train: error: HPCDL_DIAGNOSTICS_DIR={bad}: {bad} "
+                                 "is a file, not a directory" in second)
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err} {second}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
