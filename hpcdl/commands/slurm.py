@@ -72,6 +72,10 @@ _SLURM_TIME = re.compile(
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 #: Where the option parser of each program a template runs (`TemplateSpec.runs`) lives.
 _PROGRAM_PARSERS = {"train": "hpcdl.commands.train", "bench": "hpcdl.commands.bench.options"}
+#: Options of one template only: (its template, the default).
+_TEMPLATE_OPTIONS: dict[str, tuple[str, object]] = {
+    "checkpoint_dir": ("requeue", "checkpoints/$SLURM_JOB_ID"), "checkpoint_every": ("requeue", 100),
+    "signal_seconds": ("requeue", 300), "exclusive": ("allreduce-sweep", False)}
 # Options the requeue template sets itself; given again after `--`, hpcdl train would see them twice.
 _REQUEUE_OWNS = ("--checkpoint-dir", "--checkpoint-every", "--resume")
 
@@ -180,17 +184,34 @@ def build_parser() -> argparse.ArgumentParser:
                         help="directory of the job logs, <job name>-<job id>.out; must exist when the "
                              "job starts (default logs, relative to where sbatch runs)")
     output.add_argument("-o", "--output", metavar="FILE", help="write the script here instead of stdout")
+    # Default None: given to another template, they are refused (`template_option_errors`).
     requeue = render.add_argument_group("requeue template")
-    requeue.add_argument("--checkpoint-dir", default="checkpoints/$SLURM_JOB_ID",
+    requeue.add_argument("--checkpoint-dir",
                          help="checkpoint directory; a requeued job keeps its id "
-                              "(default checkpoints/$SLURM_JOB_ID)")
-    requeue.add_argument("--checkpoint-every", type=int, default=100,
-                         help="steps between checkpoints, the most a preemption can cost (default 100)")
-    requeue.add_argument("--signal-seconds", type=int, default=300,
-                         help="seconds before the time limit at which the job requeues itself (default 300)")
+                              f"(default {_TEMPLATE_OPTIONS['checkpoint_dir'][1]})")
+    requeue.add_argument("--checkpoint-every", type=int,
+                         help="steps between checkpoints, the most a preemption can cost "
+                              f"(default {_TEMPLATE_OPTIONS['checkpoint_every'][1]})")
+    requeue.add_argument("--signal-seconds", type=int,
+                         help="seconds before the time limit at which the job requeues itself "
+                              f"(default {_TEMPLATE_OPTIONS['signal_seconds'][1]})")
     sweep = render.add_argument_group("allreduce-sweep template")
-    sweep.add_argument("--exclusive", action="store_true", help="whole nodes, for undisturbed timings")
+    sweep.add_argument("--exclusive", action="store_true", default=None,
+                       help="whole nodes, for undisturbed timings")
     return parser
+
+
+def template_option_errors(args: argparse.Namespace) -> list[str]:
+    """The options of one template given to another (they would be ignored), as messages; then
+    every such option not given takes its default, so the checks and templates read values."""
+    errors = []
+    for name, (template, default) in _TEMPLATE_OPTIONS.items():
+        flag = "--" + name.replace("_", "-")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif args.template != template:
+            errors.append(f"{flag} applies to the {template} template, not {args.template}; drop it")
+    return errors
 
 
 def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
@@ -198,7 +219,7 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
     if args.template not in known:
         return [f"unknown template {args.template!r}; known templates: {', '.join(known)}"]
     spec = TEMPLATES[args.template]
-    errors = []
+    errors = template_option_errors(args)
     if args.nodes < 1:
         errors.append(f"--nodes must be at least 1, got {args.nodes}")
     if args.gpus_per_node < 0:
