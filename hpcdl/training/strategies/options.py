@@ -58,7 +58,11 @@ def option_errors(config: TrainConfig, ranks: int) -> list[str]:
     errors += strategy.option_errors(options, ranks)
     servers = strategy.servers(options)
     trainers = ranks - servers
+    seen: set[int] = set()
     for rank, factor in config.straggler or ():
+        if rank in seen:  # the factors would multiply, while the banner names each alone
+            errors.append(f"--straggler {rank}:{factor:g}: rank {rank} is given twice; give one factor per rank")
+        seen.add(rank)
         if not 0 <= rank < trainers:
             who = "workers" if servers else "ranks"
             errors.append(f"--straggler {rank}:{factor:g}: rank {rank} does not train; the training "

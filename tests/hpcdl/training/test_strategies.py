@@ -84,6 +84,9 @@ def parsed(argv: list[str]) -> TrainConfig:
     (["--strategy", "ssp", "--straggler", "3:2"], 4, "--straggler 3:2: rank 3 does not train; the training "
                                                       "workers are 0..2"),
     (["--straggler", "1:0.5"], 4, "the factor must be a number >= 1"),
+    # the two factors multiplied (6x) while the banner named each
+    (["--straggler", "1:2", "--straggler", "1:3"], 4, "--straggler 1:3: rank 1 is given twice; give one factor "
+                                                      "per rank"),
     (["--strategy", "local-sgd", "--synthetic"], 4, "--synthetic benchmarks --strategy allreduce only"),
 ])
 def test_strategy_options_are_checked(argv, ranks, expected):
