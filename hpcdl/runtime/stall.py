@@ -255,7 +255,8 @@ class Stall:
 
 
 def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started: float | None = None,
-             timeout: float | None = None, warn_after: float | None = None, stacklevel: int = 1) -> Any:
+             timeout: float | None = None, warn_after: float | None = None, stacklevel: int = 1,
+             warn: Callable[[str], None] | None = None) -> Any:
     """`handle.wait()`, reporting once if it lasts, optionally giving up.
 
     Once the wait has lasted its bound (HPCDL_STALL_WARNING_S when set, else `warn_after`, else
@@ -264,7 +265,8 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
     doing and one rank warns (a RuntimeWarning "rank RANK: WHAT has waited S s
     for the other ranks. ADVICE", then the report). Raises TimeoutError with that first line once
     `timeout` seconds have passed (None: wait for ever). Returns what `handle.wait()` returns, and
-    raises the collective's own error.
+    raises the collective's own error. `warn(text)` replaces the warning (`report_stall`'s), for a
+    wait on a thread of its own whose frames lead to no line of the caller's program.
     """
     clock = WaitClock(started)
     due = ReportDue(warn_after)
@@ -283,7 +285,7 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(_stalled(rank, what, waited, advice)) from None
             if due.now(waited):
-                never = report_stall(rank, what, waited, advice, handle.done, stacklevel)
+                never = report_stall(rank, what, waited, advice, handle.done, stacklevel, warn)
                 if never is not None:
                     raise RankExitedError(never)
 

@@ -15,7 +15,7 @@ import collectives
 from ..tensors.alltoall import exchange_counts, pairwise_alltoall
 from ..tensors.handle import TensorHandle
 from ..tensors.arrays import as_array, collective_array, refusal
-from .work import Completer, PointToPointWork, Work, in_callback
+from .work import Completer, PointToPointWork, Work, in_callback, issuer
 
 BACKEND = "hpcdl"
 #: Seconds the completer thread is waited for when the group is dropped or the program exits.
@@ -122,8 +122,10 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
     # -- issuing ----------------------------------------------------------------------------------
 
     def _issue(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]],
-               result: list[torch.Tensor], finish: Callable[[], None] | None = None) -> Work:
-        """Run `calls` (collective name, positional args, keywords; `comm=` is added) as one work.
+               result: list[torch.Tensor], finish: Callable[[], None] | None = None,
+               name: str | None = None) -> Work:
+        """Run `calls` (collective name, positional args, keywords; `comm=` is added) as one work,
+        the operation `name` (default: the first call's) of torch.distributed.
 
         From the program's threads: queued on the group's communicator, completed by the completer.
         From a callback: run now, blocking, on the callbacks' communicator (module docstring).
@@ -140,7 +142,8 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
             return work
         handles = [getattr(collectives, "i" + name)(*args, comm=self._comm, **kwargs)
                    for name, args, kwargs in calls]
-        work = self._last = Work(self._completer, TensorHandle(handles, _then(finish, result)), result)
+        work = self._last = Work(self._completer, TensorHandle(handles, _then(finish, result)), result,
+                                 name=name or (calls[0][0] if calls else "operation"), place=issuer())
         self._completer.add(work)
         return work
 
@@ -180,7 +183,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
         return self._issue(calls, tensors)
 
     def barrier(self, opts: Any = None) -> Work:
-        return self._issue([("allreduce", (np.zeros(1, dtype=np.int32),), {})], [])
+        return self._issue([("allreduce", (np.zeros(1, dtype=np.int32),), {})], [], name="barrier")
 
     def _gather_into(self, outputs: list[torch.Tensor], tensor: torch.Tensor,
                      what: str) -> tuple[tuple[str, tuple[Any, ...], dict[str, Any]], Callable[[], None]]:
@@ -271,7 +274,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
             if self._rank == root:
                 finishes.append(finish)
         return self._issue(calls, [t for outputs in output_tensors for t in outputs],
-                           _all(finishes))
+                           _all(finishes), name="gather")
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                 opts: Any) -> Work:
@@ -286,7 +289,7 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
             calls.append(("broadcast", (as_array(staging), root), self._algorithm("broadcast")))
             block = staging[self._rank * output.numel():(self._rank + 1) * output.numel()]
             finishes.append(functools.partial(_copy_into, output, block))
-        return self._issue(calls, output_tensors, _all(finishes))
+        return self._issue(calls, output_tensors, _all(finishes), name="scatter")
 
     # -- all-to-all (hpcdl.tensors.alltoall: pairwise exchange over point-to-point) -------------------------
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import queue
+import sys
 import threading
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -13,11 +15,18 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from collectives import inflight
+from collectives.recorder import short, user_frame, where
 
-from ..runtime import stall
+from ..runtime import flight_dumps, process, stall
+from ..runtime.watchdog import _warn_at
 from ..tensors.handle import TensorHandle
 
 _thread = threading.local()  # .completer: the Completer whose thread this is
+
+#: What a stalled operation's report advises where the ranks' programs took different paths.
+STALL_ADVICE = ("every rank must issue the same torch.distributed operations in the same order "
+                "(torch's DDP over ranks with different numbers of batches: `with model.join():` "
+                "around the loop)")
 
 
 def in_callback() -> bool:
@@ -32,7 +41,13 @@ def _raise(error: BaseException, _: Any) -> Any:
 class _Failed:
     """The value of a failed future, for its C++ readers: torch extracts the tensors of a Python
     value by pickling it (torch._jit_internal._extract_tensors), and this refuses, raising the
-    operation's error."""
+    operation's error.
+
+    Except for an operation that can never complete (RankExitedError: a rank left without making
+    it) read by the program's thread: that is torch's DDP waiting at the end of backward(), whose
+    C++ would raise a RuntimeError with the error's text and traceback inside. The job cannot go
+    on, so, as the watchdog does for a thread blocked where nothing can raise, one line says why
+    and the job is aborted."""
 
     __slots__ = ("error",)
 
@@ -40,6 +55,11 @@ class _Failed:
         self.error = error
 
     def __reduce__(self) -> Any:
+        if isinstance(self.error, stall.RankExitedError) and not in_callback():
+            rank = MPI.COMM_WORLD.Get_rank()
+            flight_dumps.write(rank, "a torch.distributed operation that can never complete")
+            process.abort(f"{type(self.error).__name__}: {self.error} torch's DDP waits for it in C++, "
+                          "where it cannot be raised as itself: the job is aborted.")
         raise self.error
 
 
@@ -101,18 +121,10 @@ class Future(torch.futures.Future):
         self._schedule(functools.partial(callback, self))
 
 
-class _Settled:
-    """A Work's completion as `stall.wait_for` waits for it (a Handle's done and wait)."""
-
-    def __init__(self, done: threading.Event) -> None:
-        self.event = done
-
-    def done(self) -> bool:
-        return self.event.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self.event.wait(timeout):
-            raise TimeoutError
+def issuer() -> str:
+    """Where the caller's program issued the operation being issued now: "file.py:LINE in f" of
+    the first frame outside the libraries (torch, hpcdl, collectives) on this thread."""
+    return where(user_frame(sys._getframe(1)))
 
 
 class Work(dist.Work):
@@ -121,13 +133,23 @@ class Work(dist.Work):
 
     `wait()` blocks until it is done and raises its error; `get_future()` is a torch Future
     completed (callbacks run) by the group's completer thread, with `result` (the output tensors).
+
+    The completer waits for the operation in a stall wait (stall.py), since it is the one wait
+    hpcdl sees: torch's DDP waits for the future in C++ (the reducer, at the end of backward),
+    where no stall wait or watchdog can look. Past the bound the ranks are asked what they do and
+    the report names `name` and `place` (the program's line that issued it); where a rank left
+    without making the operation it fails with RankExitedError, which `wait()` raises (and on
+    which DDP's backward() aborts the job: `_Failed`), as do the group's operations after it.
     """
 
     def __init__(self, completer: Completer, operation: TensorHandle, result: list[torch.Tensor],
-                 error: BaseException | None = None) -> None:
+                 error: BaseException | None = None, name: str = "operation", place: str = "") -> None:
         super().__init__()
+        self._what = f"the torch.distributed {name} (hpcdl backend)" + (f" at {short(place)}" if place else "")
+        self._place = place
         self._operation: TensorHandle | None = operation
         self._result = result
+        self._completer = completer
         self._future = Future(completer)
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -141,8 +163,15 @@ class Work(dist.Work):
                 return
             error = self._error
             if error is None and self._operation is not None:
+                # After an operation a rank left without making, every later one on the group's
+                # communicator waits for it too: they fail at once, without a report each.
+                error = self._completer.lost
+            if error is None and self._operation is not None:
                 try:
-                    self._operation.wait()
+                    stall.wait_for(self._operation, self._what, rank=MPI.COMM_WORLD.Get_rank(),
+                                   advice=STALL_ADVICE, warn=self._warn)
+                except stall.RankExitedError as exc:
+                    error = self._completer.lost = exc
                 except BaseException as exc:  # noqa: BLE001 - delivered through the future
                     error = exc
             self._error, self._settled, self._operation = error, True, None
@@ -151,18 +180,25 @@ class Work(dist.Work):
         finally:
             self._done.set()  # after the future holds its value (and its callbacks have run)
 
+    def _warn(self, text: str) -> None:
+        """The stall report, as a warning at the program's line that issued the operation (the
+        completer thread's own frames lead to none)."""
+        if self._place:
+            _warn_at(self._place, text)
+        else:
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
+
     def wait(self, timeout: timedelta | None = None) -> bool:
         if in_callback():
             # Waited for inside a callback: the completer would wait for itself. Once settled
             # the outputs are final, even while the future's own callbacks are still running.
             self._complete()
         else:
+            # No stall wait of its own: the completer's reports, and fails a wait that can never
+            # end (two waits on one operation would report it twice).
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-            try:  # a stall wait: past its bound, every rank is asked what it does (stall.py)
-                stall.wait_for(_Settled(self._done), "a torch.distributed operation (the hpcdl backend)",
-                               rank=MPI.COMM_WORLD.Get_rank(), timeout=seconds or None)
-            except TimeoutError:
-                raise RuntimeError(f"hpcdl: operation did not finish within {timeout}") from None
+            if not self._done.wait(seconds or None):
+                raise RuntimeError(f"hpcdl: operation did not finish within {timeout}")
         if self._error is not None:
             raise self._error
         return True
@@ -236,6 +272,8 @@ class Completer:
 
     def __init__(self, name: str) -> None:
         self._name = name
+        #: The error of the first of its works that can never complete (a rank left).
+        self.lost: stall.RankExitedError | None = None
         self._queue: queue.SimpleQueue[Work | Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()

@@ -531,3 +531,49 @@ def test_a_collective_error_inside_torch_ddp_raises_from_backward_on_every_rank(
                          "ranks passed different element counts", done.stdout), done.stdout
         assert f"rank {rank} all_reduce: CollectiveArgumentError" in done.stdout, done.stdout
         assert f"rank {rank} after: 2" in done.stdout, done.stdout
+
+
+# -- torch's DDP when a rank runs fewer steps: the waiting rank reports and the job ends ------------
+
+DDP_UNEVEN = """
+import sys, torch, torch.distributed as dist
+import hpcdl
+hpcdl.init_torch_distributed()
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(10, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(5 if rank == 0 else 3):
+    opt.zero_grad()
+    model(torch.randn(4, 10)).sum().backward()
+    opt.step()
+print("rank", rank, "done", flush=True)
+if sys.argv[1] == "destroy":
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts its own mpirun; N=1 job only")
+@pytest.mark.parametrize("ending", ["exit", "destroy"])
+def test_torch_ddp_with_a_rank_that_ran_fewer_steps_ends_the_job_with_one_line(tmp_path, ending):
+    """Rank 1 runs 3 steps, rank 0 five, and rank 1's program ends (with or without
+    destroy_process_group): rank 0's bucket allreduce, which torch's DDP waits for in C++ at the
+    end of backward(), can never complete. The stall bound is 600 s: well within it the job must
+    end, with the report and one line naming the rank that left and the program's line (before:
+    a silent hang, as DDP's wait is in no stall wait and in no thread the watchdog sees)."""
+    from tests.run import own_job_environment, run_own_job
+
+    script = tmp_path / "ddp_uneven.py"
+    script.write_text(textwrap.dedent(DDP_UNEVEN))
+    done = run_own_job(["mpirun", "-n", "2", sys.executable, str(script), ending], timeout=90,
+                       env=own_job_environment(PYTHONPATH=os.pathsep.join(sys.path),
+                                               HPCDL_STALL_WARNING_S="600"), cwd=tmp_path)
+    out = done.stdout
+    assert done.returncode != 0 and "rank 1 done" in out and "rank 0 done" not in out, out[-4000:]
+    assert out.count("hpcdl stall report: rank 1 holds the job up") == 1, out
+    assert re.search(r"ddp_uneven\.py:\d+: RuntimeWarning: rank 0: the torch\.distributed allreduce "
+                     r"\(hpcdl backend\) at ddp_uneven\.py:\d+ in <module> has waited", out), out
+    assert re.search(r"\[hpcdl rank 0\] RankExitedError: rank 0: the torch\.distributed allreduce \(hpcdl "
+                     r"backend\) at ddp_uneven\.py:\d+ in <module> \(allreduce #\d+ .*\) can never complete: "
+                     r"rank 1 left \(the program ended\) without making it: .*`with model\.join\(\):`.* "
+                     r"the job is aborted\.", out), out
+    assert "Traceback" not in out, out
