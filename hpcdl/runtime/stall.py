@@ -179,24 +179,30 @@ def cannot_complete() -> bool:
 class ReportDue:
     """When a wait reports: once it has waited its bound (`wait_bound`; the default one stretched,
     once, to STEPS of the waited call's periods: `stretched_bound`), or at once where it can never
-    complete (`cannot_complete`); at most once."""
+    complete (`cannot_complete`). Once for the bound; and once more if a rank the call needs leaves
+    after that report (a rank reported slow that then ends): that report's error ends the wait,
+    which would otherwise wait for ever. An infinite bound (never report) still ends there."""
 
     def __init__(self, given: float | None) -> None:
         self.bound, self._stretchable = wait_bound(given)
         self.reported = not math.isfinite(self.bound)
+        self._hopeless = False  # reported where the call can never complete: nothing more to say
 
     def now(self, waited: float) -> bool:
-        """Whether the wait reports now, having waited `waited` seconds (True once at most)."""
-        if self.reported:
+        """Whether the wait reports now, having waited `waited` seconds."""
+        if self._hopeless:
             return False
         hopeless = cannot_complete()
+        if self.reported:
+            self._hopeless = hopeless
+            return hopeless
         if waited < self.bound and not hopeless:
             return False
         if self._stretchable and not hopeless:
             self._stretchable, self.bound = False, stretched_bound(self.bound)
             if waited < self.bound:
                 return False
-        self.reported = True
+        self.reported, self._hopeless = True, hopeless
         return True
 
 

@@ -51,7 +51,7 @@ def blocked_call(service: diagnosis.Service) -> list[Any] | None:
     return None
 
 
-def _warn_at(place: str, text: str) -> None:
+def warn_at(place: str, text: str) -> None:
     """A RuntimeWarning at `place` ("path/file.py:LINE in f", the caller's line of the call)."""
     found = re.match(r"(.*):(\d+) in ", place)
     filename, line = (found.group(1), int(found.group(2))) if found else ("<unknown>", 0)
@@ -91,13 +91,13 @@ class Watchdog:
         if record is not self._record:
             self._follow(record)
             return
-        if record is None or self._clock is None or self._due is None or self._due.reported:
+        if record is None or self._clock is None or self._due is None:
             return
         waited = self._clock.look(LOOK_S)
         if not self._due.now(waited):
             return
         never = stall.report_stall(service.rank, self._what, waited, "", lambda: record[LEFT] != 0.0, 1,
-                                   warn=lambda text: _warn_at(self._place, text))
+                                   warn=lambda text: warn_at(self._place, text))
         if never is not None and record[LEFT] == 0.0:
             flight_dumps.write(service.rank, "a blocking call that can never complete")
             self.abort(never + " A rank blocked in a collective cannot be interrupted: the job is aborted.")

@@ -2,8 +2,10 @@
 tests/hpcdl/runtime/test_watchdog.py. `left`: rank 0 makes one allreduce fewer than the others and
 ends; the others, blocked in the call it never makes, must end the job within seconds (the
 watchdog's abort); `left-tensor`: the same through `hpcdl.allreduce` of a torch tensor (a library
-between the program and the collectives). `slow`: rank 0 sleeps BLOCKING_JOB_SLOW_S seconds before its third allreduce;
-the others wait in it, one rank reports, and the job ends normally."""
+between the program and the collectives). `slow`: rank 0 sleeps BLOCKING_JOB_SLOW_S seconds before
+its third allreduce; the others wait in it, one rank reports, and the job ends normally.
+`slow-left`: rank 0 sleeps as in `slow`, then ends without its third allreduce (reported slow
+first, then gone: the others must still end)."""
 from __future__ import annotations
 
 import os
@@ -29,8 +31,10 @@ def main(mode: str) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     for step in range(STEPS - 1 if rank == 0 and mode.startswith("left") else STEPS):
-        if rank == 0 and mode == "slow" and step == STEPS - 1:
+        if rank == 0 and mode.startswith("slow") and step == STEPS - 1:
             load_batch(float(os.environ["BLOCKING_JOB_SLOW_S"]))
+            if mode == "slow-left":
+                break
         if mode == "left-tensor":
             hpcdl.allreduce(torch.ones(4))
         else:

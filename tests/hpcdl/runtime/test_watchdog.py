@@ -47,6 +47,18 @@ def test_a_blocking_call_a_rank_left_without_making_ends_the_job_within_seconds(
 
 
 @only_alone
+def test_a_rank_reported_slow_that_then_leaves_ends_the_job():
+    """The first report finds rank 0 slow (the call could still complete); when it then ends without
+    the call, the waiting ranks report once more and end the job (they waited for ever)."""
+    proc = blocking_job("slow-left", HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S="5")
+    out = proc.stdout
+    assert proc.returncode != 0 and "rank 1 done" not in out and "rank 2 done" not in out, out[-4000:]
+    assert "rank 0: slow: not in a collective for " in out, out
+    assert re.search(r"\[hpcdl rank [12]\] rank [12]: the blocking allreduce at blocking_job\.py:\d+ in main "
+                     r"\(allreduce #3 .*can never complete: rank 0 left", out), out
+
+
+@only_alone
 def test_a_late_rank_in_blocking_calls_is_reported_once_and_the_job_goes_on():
     proc = blocking_job("slow", HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S="6")
     out = proc.stdout
