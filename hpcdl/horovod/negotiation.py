@@ -50,6 +50,7 @@ from mpi4py import MPI
 
 import collectives
 
+from ..runtime import stall_report
 from ..runtime.stall import wait_for
 from .errors import NegotiationError
 
@@ -63,6 +64,10 @@ _LENGTH = 8  # the record's length, int64, at the start of the block
 ADVICE = ("Every rank of the process set must make each hvd call: a named call pairs with the "
           "call of that name on the other ranks, an unnamed one with the same kind's call of "
           "the same number.")
+#: What to do about a rank that left before a call the others make: Horovod's remedy, not DDP's.
+LEFT_ADVICE = ("every rank must make the same hvd calls (ranks with different numbers of batches: "
+               "call hvd.join() after the loop on every rank; it adds zeros to the others' "
+               "allreduces, docs/coming_from_horovod_ddp.md)")
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,7 @@ class Request:
             raise self.error
         try:
             result = wait_for(self.handle, f"hvd: {describe(self.key)}", rank=self.controller.rank,
-                              advice=ADVICE)
+                              advice=ADVICE, left_advice=LEFT_ADVICE)
         except NegotiationError:
             raise
         except collectives.CollectiveArgumentError as exc:  # Horovod's type, from the collectives' check
@@ -156,16 +161,30 @@ def _same(result: Any) -> Any:
 
 #: Rounds of controllers shut down while in flight: their buffers live until MPI is done with them.
 _abandoned: list[tuple[Any, np.ndarray, bytes]] = []
+#: The highest number a controller of this process took (they name their communicators by it).
+_controllers = [0]
 
 
 class Controller:
     """The calls of this rank on one process set's communicator `comm` (collective to build: two
-    duplicates of it, one for the rounds, one for the collectives the rounds issue)."""
+    duplicates of it, one for the rounds, one for the collectives the rounds issue), named after
+    `label` (the same on every rank: the process set)."""
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, label: str = "") -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.data = comm.Dup()  # the issued collectives, in round order
         self._rounds = comm.Dup()  # rounds pair only with rounds
+        # Named, the same on every rank and unlike any other communicator of this process, so that
+        # a departed rank's last call on each is known for certain: the stall waits then see at
+        # once that a round it never joined can never complete (unnamed, the duplicates look
+        # alike, and nothing is certain). The number, agreed by the set's ranks, tells a new
+        # controller (hvd.init again, hvd.elastic) from the ones before it.
+        number = self.data.allreduce(_controllers[0], op=MPI.MAX) + 1
+        _controllers[0] = number
+        where = label or "a process set"
+        self.data.Set_name(f"hvd data #{number} ({where})")
+        self._rounds.Set_name(f"hvd negotiation #{number} ({where})")
+        stall_report.UNIQUE_NAMES.update((self.data.Get_name(), self._rounds.Get_name()))
         self._lock = threading.RLock()  # a gradient hook may submit from autograd's thread
         self._mine: dict[Key, Request] = {}  # this rank's calls not issued yet
         self._new: list[Request] = []  # ... of which the others have not heard yet
@@ -286,7 +305,8 @@ class Controller:
         """Every rank's record of the round in flight, which is over when this returns."""
         assert self._round is not None
         handle, _, record = self._round
-        gathered = wait_for(handle, "hvd: negotiating the next calls", rank=self.rank, advice=ADVICE)
+        gathered = wait_for(handle, "hvd: negotiating the next calls", rank=self.rank, advice=ADVICE,
+                            left_advice=LEFT_ADVICE)
         self._round = None
         blocks = np.asarray(gathered).reshape(self.size, ROUND_BYTES)
         lengths = blocks[:, :_LENGTH].copy().view(np.int64)[:, 0]
@@ -295,7 +315,7 @@ class Controller:
         if not fits.all():  # the longer records, in rank order (every rank takes this step too)
             mine = np.frombuffer(record if len(record) > ROUND_BYTES - _LENGTH else b"", dtype=np.uint8).copy()
             longer = wait_for(collectives.iallgatherv(mine, self._rounds), "hvd: negotiating the next calls",
-                              rank=self.rank, advice=ADVICE)
+                              rank=self.rank, advice=ADVICE, left_advice=LEFT_ADVICE)
             stream = io.BytesIO(np.asarray(longer).tobytes())
         return [pickle.loads(blocks[r, _LENGTH:_LENGTH + lengths[r]].tobytes()) if fits[r] else pickle.load(stream)
                 for r in range(self.size)]

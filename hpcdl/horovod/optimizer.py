@@ -19,6 +19,14 @@ What differs from the DDP wrapper is when: a parameter's gradient is handed over
 the wait happens in `synchronize()` (called by `step()`), not at the end of backward. Gradients
 still missing at `synchronize()` (parameters unused in those passes) are sent as zeros, as Horovod
 does, so every rank exchanges the same buckets.
+
+`hvd.join()`: each `synchronize()` is also one negotiated call of the process set (kind
+`DistributedOptimizer.synchronize`, negotiation.py), made once the buckets are launched and
+carrying this rank's extra-backward problem, if any. A rank that has joined takes part in it like
+in any allreduce: its stand-in (`_shadow_step`) runs the same bucket exchanges with zeros for its
+gradients, so the others' averages count its zeros over the full size, as `hvd.allreduce` does with
+joined ranks (Horovod's semantics). The negotiation's round replaces the small allreduce that
+carried the problem flag: a step costs the same number of collectives as before.
 """
 from __future__ import annotations
 
@@ -26,26 +34,25 @@ import collections
 import contextlib
 import hashlib
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
-import collectives
 
 from ..ddp.bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
 from ..ddp.dense import FP16
 from ..ddp.dense import Average as DenseAverage
 from ..ddp.exchange import ExchangeLink, GradientExchange
 from ..ddp.wrapper import STALL_WARNING_S, build_reducer, check_bucket_options, register_ready_hooks
-from ..runtime.agreement import agreed_error, raise_unless_agreed
+from ..runtime.agreement import raise_unless_agreed
 from ..runtime.arrivals import Arrivals
-from ..runtime.stall import wait_for
 from . import process_sets
 from .basics import Adasum, Average, Sum, _not_offered
 from .compression import Compression, Compressor
 from .mpi_ops import sparse_allreduce_async
+from .negotiation import Controller, finished, register
 from .process_sets import ProcessSet, global_process_set
 
 if TYPE_CHECKING:
@@ -83,6 +90,49 @@ class ScaledExchange(GradientExchange):
         return f"ScaledExchange({self.inner!r}, prescale={self.prescale}, postscale={self.postscale})"
 
 
+#: The negotiated call each synchronize() makes (see the module's docstring).
+SYNCHRONIZE = "DistributedOptimizer.synchronize"
+#: This process's optimizers by their call's name, for a joined rank's stand-in to find its own.
+_optimizers: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+#: Optimizers made so far, per process set id: the n-th one of a set has the same name on every
+#: rank of the set (making one is collective over the set).
+_made: dict[int, int] = {}
+
+
+def _agreed_problem(problems: dict[int, str | None], size: int) -> str | None:
+    """The ranks' extra-backward problems as one message, the same on every rank: a problem every
+    rank has as it is, else each prefixed with the ranks that have it."""
+    found = {rank: problem for rank, problem in problems.items() if problem is not None}
+    if not found:
+        return None
+    if len(found) == size and len(set(found.values())) == 1:
+        return next(iter(found.values()))
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {problem}"
+                     for problem in dict.fromkeys(found.values())
+                     for ranks in [[r for r, p in sorted(found.items()) if p == problem]])
+
+
+def _check_synchronize(specs: dict[int, Any]) -> str | None:
+    """The ranks' specs of one synchronize() call: named alike by construction, nothing to compare
+    (an extra backward pass is reported by synchronize() itself, on every rank)."""
+    return None
+
+
+def _synchronize_stand_in(spec: Any, controller: Controller) -> Any:
+    """A joined rank's part of the others' synchronize(): its optimizer's shadow step."""
+    name = spec[0]
+    optimizer = _optimizers.get(name)
+    if optimizer is None:
+        raise RuntimeError(
+            f"hvd.join(): the other ranks step {name}, which this rank no longer has (it was "
+            "deleted); keep every rank's DistributedOptimizer until hvd.join() returns")
+    optimizer._shadow_step()
+    return finished(None)
+
+
+register(SYNCHRONIZE, _check_synchronize, _synchronize_stand_in)
+
+
 def _passes_problem(passes: Any) -> str | None:
     """What is wrong with a backward_passes_per_step value, or None."""
     if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
@@ -97,8 +147,17 @@ class _Synchronizing:
 
     def _hvd_start(self, named: list[tuple[str, torch.nn.Parameter]], exchange: GradientExchange,
                    comm: MPI.Comm, backward_passes_per_step: int, sparse_as_dense: bool,
-                   bucket_options: dict[str, Any], sparse: Sparse | None) -> None:
+                   bucket_options: dict[str, Any], sparse: Sparse | None,
+                   process_set: ProcessSet | None) -> None:
         self._hvd_named = named
+        # The set whose negotiation each synchronize() takes part in (hvd.join()); None: none.
+        self._hvd_set = process_set
+        self._hvd_name = ""
+        if process_set is not None and process_set.process_set_id is not None:
+            number = _made.get(process_set.process_set_id, 0)
+            _made[process_set.process_set_id] = number + 1
+            self._hvd_name = f"optimizer {number} of process set {process_set.process_set_id}"
+            _optimizers[self._hvd_name] = self
         self._parameter_names = {p: n for n, p in named}  # Horovod's attribute
         self._hvd_comm = comm
         self._hvd_sparse_as_dense = sparse_as_dense
@@ -175,17 +234,16 @@ class _Synchronizing:
             self._hvd_named[i][1].grad = None
         reducer.fill_unready(set())
         reducer.launch_ready_buckets()
-        flag = np.array([self._hvd_problem is not None], dtype=np.int32)
-        check = collectives.iallreduce(flag, self._hvd_comm, op="max", out=flag)  # after the buckets
         sparse, made_dense = self._hvd_sparse_handles, self._hvd_made_dense
         try:
+            # Negotiated before the buckets are waited for: a joined rank launches its zeros for
+            # them only once the call is issued (its stand-in).
+            problem = self._hvd_agreed_problem()
             reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=None)
         finally:
             self._hvd_delay = [self.backward_passes_per_step] * len(self._hvd_named)
             self._hvd_touched = self._hvd_marked = False
             self._hvd_sparse_handles, self._hvd_made_dense = {}, set()
-        wait_for(check, "DistributedOptimizer's check of the backward passes",
-                 rank=self._hvd_comm.Get_rank(), warn_after=STALL_WARNING_S)
         reducer.rebuild_buckets()  # before sparse gradients take the places of the bucket views
         for i, result in sparse.items():
             self._hvd_named[i][1].grad = result()
@@ -193,10 +251,40 @@ class _Synchronizing:
             param = self._hvd_named[i][1]
             if param.grad is not None:
                 param.grad = param.grad.to_sparse()
-        if flag[0]:
-            problem, self._hvd_problem = self._hvd_problem, None
-            raise AssertionError(agreed_error(problem, self._hvd_comm))
+        if problem is not None:
+            self._hvd_problem = None
+            raise AssertionError(problem)
         self._hvd_synchronized = True
+
+    def _hvd_agreed_problem(self) -> str | None:
+        """Collective over the process set (its ranks that have not joined; a negotiated call):
+        the ranks' extra-backward problems as one message, None if no rank has one."""
+        if self._hvd_set is None or not self._hvd_name:  # outside the set: this rank's alone
+            return self._hvd_problem
+        controller = process_sets.controller(self._hvd_set)
+        spec = (self._hvd_name, self._hvd_problem)
+        request = controller.submit(SYNCHRONIZE, self._hvd_name, spec,
+                                    lambda specs: finished(_agreed_problem(
+                                        {rank: s[1] for rank, s in specs.items()}, controller.size)))
+        return request.wait()
+
+    def _shadow_step(self) -> None:
+        """On a rank that has joined (hvd.join()), the others' synchronize(): the same bucket
+        exchanges, zeros for this rank's gradients. Its own gradients are kept (a joined rank's
+        tensors are not Horovod's to change) and it does not step."""
+        reducer = self._hvd_reducer
+        kept = [(p, None if p.grad is None else p.grad.detach().clone()) for _, p in self._hvd_named]
+        for _, p in self._hvd_named:
+            p.grad = None  # fill_unready then places zeros (gradients may be views of the buckets)
+        reducer.reset_step()
+        try:
+            reducer.fill_unready(set())
+            reducer.launch_ready_buckets()
+            reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=None)
+            reducer.rebuild_buckets()  # as the others do after their first step
+        finally:
+            for p, grad in kept:
+                p.grad = grad
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -286,11 +374,13 @@ def named_optimizer_parameters(optimizer: torch.optim.Optimizer,
 def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any,
                           exchange: GradientExchange, *, backward_passes_per_step: int,
                           sparse_as_dense: bool, comm: MPI.Comm,
-                          bucket_options: dict[str, Any], sparse: Sparse | None = None) -> torch.optim.Optimizer:
+                          bucket_options: dict[str, Any], sparse: Sparse | None = None,
+                          process_set: ProcessSet | None = None) -> torch.optim.Optimizer:
     """An optimizer of `optimizer`'s class over its parameter groups (hyperparameters included;
     per-parameter state starts empty, as in Horovod) whose step() first waits for the gradients'
     reduction by `exchange` over `comm`; `sparse`: the process set and op of sparse gradients'
-    allreduce (None: they stay local). See the module docstring."""
+    allreduce (None: they stay local); `process_set`: the set of `comm`, whose hvd.join() the
+    steps take part in (None: no negotiation, no join). See the module docstring."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _Synchronizing):
@@ -317,7 +407,7 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
                                                         "__doc__": base.__doc__})
     wrapped = cls(optimizer.param_groups)
     wrapped._hvd_start(named, exchange, comm, backward_passes_per_step, sparse_as_dense,
-                       bucket_options, sparse)
+                       bucket_options, sparse, process_set)
     return wrapped
 
 
@@ -379,7 +469,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         sparse_as_dense=bool(sparse_as_dense), comm=comm,
         bucket_options={"algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
                         "first_bucket_mb": first_bucket_mb},
-        sparse=(process_set, op) if process_set.included() else None)
+        sparse=(process_set, op) if process_set.included() else None,
+        process_set=process_set if process_set.included() else None)
 
 
 def _gradient_exchange(compression: type[Compressor], op: int, gradient_predivide_factor: float,

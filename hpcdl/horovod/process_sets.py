@@ -74,7 +74,7 @@ def start(comm: MPI.Comm) -> None:
     global_process_set.ranks = list(range(comm.Get_size()))
     global_process_set._me = me
     global_process_set._comm = comm
-    global_process_set._controller = Controller(comm)
+    global_process_set._controller = Controller(comm, "process set 0")
     _sets.clear()
     _sets[0] = global_process_set
     _next_id[0] = 1
@@ -202,7 +202,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         _sets[target.process_set_id] = target
         if member:
             target._comm = comm
-            target._controller = Controller(comm)
+            target._controller = Controller(comm, f"process set {target.process_set_id}")
         return finished(target)
 
     return controller(global_process_set).submit("add_process_set", None, _ranks_of(target), start).wait()

@@ -128,11 +128,13 @@ def _warn(message: str, stacklevel: int) -> None:
 
 
 def report_stall(rank: int, what: str, waited: float, advice: str, done: Callable[[], bool],
-                 stacklevel: int, warn: Callable[[str], None] | None = None) -> str | None:
+                 stacklevel: int, warn: Callable[[str], None] | None = None,
+                 left_advice: str = stall_report.LEFT_ADVICE) -> str | None:
     """The wait passed its bound: ask every rank what it is doing, write the flight records where
     a diagnostics directory is set, and (on the lowest waiting rank only) warn with the report
     (`warn(text)`, else a RuntimeWarning at the caller's program, `stacklevel` as `_warn`'s).
-    Returns the error to raise where the wait can never complete (a rank it needs has left)."""
+    Returns the error to raise where the wait can never complete (a rank it needs has left), with
+    `left_advice` (the waiting API's remedy; also in the report)."""
     if warn is None:
         def warn(text: str) -> None:
             _warn(text, stacklevel + 2)
@@ -157,13 +159,14 @@ def report_stall(rank: int, what: str, waited: float, advice: str, done: Callabl
         service.reported = time.monotonic()
         # The report says what to do for the cause it finds; the call site's advice only where the
         # ranks' programs took different paths (skipped, mismatched).
-        warn(_stalled(rank, what, waited, "") + "\n" + stall_report.report(answers, service.rank, what, advice))
+        warn(_stalled(rank, what, waited, "") + "\n" + stall_report.report(answers, service.rank, what, advice,
+                                                                          left_advice))
     if not gone or stalled is None:
         return None
     # The cause is certain: the advice for it, not the call site's (which guesses at causes).
     return (f"rank {rank}: {what} ({stall_report.describe_call(stalled)}) can never complete: "
             f"{stall_report.ranks_text(gone)} left (the program ended) without making it: "
-            f"{stall_report.LEFT_ADVICE}.")
+            f"{left_advice}.")
 
 
 def cannot_complete() -> bool:
@@ -262,7 +265,8 @@ class Stall:
 
 def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started: float | None = None,
              timeout: float | None = None, warn_after: float | None = None, stacklevel: int = 1,
-             warn: Callable[[str], None] | None = None) -> Any:
+             warn: Callable[[str], None] | None = None,
+             left_advice: str = stall_report.LEFT_ADVICE) -> Any:
     """`handle.wait()`, reporting once if it lasts, optionally giving up.
 
     Once the wait has lasted its bound (HPCDL_STALL_WARNING_S when set, else `warn_after`, else
@@ -270,9 +274,11 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
     since `started` (a `time.monotonic()` stamp; default now), every rank is asked what it is
     doing and one rank warns (a RuntimeWarning "rank RANK: WHAT has waited S s
     for the other ranks. ADVICE", then the report). Raises TimeoutError with that first line once
-    `timeout` seconds have passed (None: wait for ever). Returns what `handle.wait()` returns, and
-    raises the collective's own error. `warn(text)` replaces the warning (`report_stall`'s), for a
-    wait on a thread of its own whose frames lead to no line of the caller's program.
+    `timeout` seconds have passed (None: wait for ever). Raises RankExitedError, with
+    `left_advice`, where a rank the call needs has left without making it. Returns what
+    `handle.wait()` returns, and raises the collective's own error. `warn(text)` replaces the
+    warning (`report_stall`'s), for a wait on a thread of its own whose frames lead to no line of
+    the caller's program.
     """
     clock = WaitClock(started)
     due = ReportDue(warn_after)
@@ -291,7 +297,8 @@ def wait_for(handle: Handle, what: str, *, rank: int, advice: str = "", started:
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(_stalled(rank, what, waited, advice)) from None
             if due.now(waited):
-                never = report_stall(rank, what, waited, advice, handle.done, stacklevel, warn)
+                never = report_stall(rank, what, waited, advice, handle.done, stacklevel, warn,
+                                     left_advice=left_advice)
                 if never is not None:
                     raise RankExitedError(never)
 

@@ -140,14 +140,20 @@ def _left(answer: Answer, stalled: dict[str, Any] | None) -> tuple[str, str]:
     return "left", f"its program ended (exit or MPI_Finalize){after}; it will make no more calls"
 
 
+#: Names no other communicator of a process ever has, the same on every rank: MPI_COMM_WORLD, and
+#: those a module names so and adds here (the Horovod shim's). A departure notice's last call on
+#: one is its last call there even where the recorder no longer holds every call.
+UNIQUE_NAMES: set[str] = {"MPI_COMM_WORLD"}
+
+
 def _certain(answer: Answer, stalled: dict[str, Any]) -> bool:
     """Whether a departure notice shows for certain that its rank never made the `stalled` call:
     its last call there is an earlier one, or it made none there. Certain only where the notice's
     records tell the stalled call's communicator from others of its name and size (none shared
     them) and every call of that communicator is kept (the recorder kept every call, or the
-    communicator is MPI_COMM_WORLD, which no other is named)."""
+    communicator's name is one no other has, `UNIQUE_NAMES`)."""
     last = _last_on(answer, stalled)
-    kept = bool(answer.get("all_kept")) or (last is not None and stalled.get("comm") == "MPI_COMM_WORLD")
+    kept = bool(answer.get("all_kept")) or (last is not None and stalled.get("comm") in UNIQUE_NAMES)
     return kept and not (last is not None and last.get("shared")) and not _made(last, stalled)
 
 
@@ -179,11 +185,19 @@ def ranks_text(ranks: list[int]) -> str:
 #: What to do about a rank that left before a call the others make (the error's advice too).
 LEFT_ADVICE = ("every rank must make the same collectives (ranks with different numbers of batches: "
                "`with model.join():` around the loop, docs/training.md)")
+
+
+def left_to_do(left_advice: str = LEFT_ADVICE) -> str:
+    """The report's line for a rank that left, with `left_advice` (an API's own remedy for ranks
+    with different numbers of batches: the Horovod shim's is `hvd.join()`)."""
+    return (f"a rank whose program ended leaves the others waiting for ever: {left_advice}; the waiting "
+            "ranks raise RankExitedError (a rank blocked in a collective aborts the job)")
+
+
 #: What to do, by cause: the report's last lines, once per cause found (the waiting call site's
 #: own advice for a cause not here, skipped or mismatched: the programs took different paths).
 WHAT_TO_DO = {
-    "left": f"a rank whose program ended leaves the others waiting for ever: {LEFT_ADVICE}; the waiting "
-            "ranks raise RankExitedError (a rank blocked in a collective aborts the job)",
+    "left": left_to_do(),
     "stopped or dead": "a stopped process goes on after `kill -CONT PID` or when its debugger lets "
                        "it (`cat /proc/PID/status` says `State: T`); a dead one ends the job; the "
                        "others wait meanwhile",
@@ -193,10 +207,12 @@ WHAT_TO_DO = {
 }
 
 
-def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: str = "") -> str:
+def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: str = "",
+           left_advice: str = LEFT_ADVICE) -> str:
     """The report's text: the late ranks, what each is doing and why, what the others wait in, and
-    what to do (`WHAT_TO_DO`, the waiting call's `advice` where the ranks' programs took different
-    paths). `answers` holds every rank's answer (None: none came), the `reporter`'s own included."""
+    what to do (`WHAT_TO_DO`, `left_advice` in its line for ranks that left, the waiting call's
+    `advice` where the ranks' programs took different paths). `answers` holds every rank's answer
+    (None: none came), the `reporter`'s own included."""
     own = answers[reporter]
     assert own is not None
     stalled = blocking_call(own)
@@ -217,7 +233,7 @@ def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: 
         else:
             lines.append(f"  {ranks_text(waiting)}: wait for {what}")
     for cause in dict.fromkeys(states[rank][0] for rank in late):
-        to_do = WHAT_TO_DO.get(cause) or advice
+        to_do = left_to_do(left_advice) if cause == "left" else WHAT_TO_DO.get(cause) or advice
         if to_do:
             lines.append(f"  what to do ({cause}): {to_do}")
     lines.append("  (hpcdl doctor DIR merges the flight records that --diagnostics-dir / "
