@@ -15,18 +15,20 @@ left the core.
 
 A wait on another rank warns once it lasts (hpcdl/runtime/stall.py, HPCDL_STALL_WARNING_S), as the
 collectives' waits do: a worker whose pull SSP or sync holds back for a stopped worker, or that
-waits for a stopped server, says so.
+waits for a stopped server, says so; a server idle in its loop answers the diagnosis as waiting
+for the workers (`Backoff`'s `waiting`), so that a report blames the worker it waits for.
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mpi4py import MPI
 
 from collectives import inflight
 
+from ..runtime.diagnosis import Waiting
 from ..runtime.stall import Stall
 
 SPIN_S = 50e-6
@@ -42,16 +44,29 @@ class Backoff:
     for the next YIELD_S it only yields the core (`os.sched_yield`: it returns at once when no
     other process wants the core); after that it sleeps, IDLE_SLEEP_MIN doubling to
     IDLE_SLEEP_MAX.
+
+    `waiting()`, if given, says what the idle caller waits for: from its first sleep until
+    `reset()` this rank's answers to the stall diagnosis (hpcdl/runtime/diagnosis.py) say that it
+    waits for that, as a `Stall` does, but without reporting stalls itself. A caller whose
+    waits are not announced otherwise (a server's loop) is thus a waiting rank in a stall
+    report, not a slow one. The caller must `reset()` however its loop ends.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, waiting: Callable[[], str] | None = None) -> None:
+        self._waiting = waiting
+        self._announced: Waiting | None = None
         self.reset()
 
     def reset(self) -> None:
+        """Something happened: the next wait starts with the spin again (and ends the announced wait)."""
         self.delay = IDLE_SLEEP_MIN
         self.idle_since: float | None = None
+        if self._announced is not None:
+            self._announced.__exit__()
+            self._announced = None
 
     def idle(self) -> None:
+        """Wait a little, the longer the longer nothing has happened."""
         now = time.perf_counter()
         if self.idle_since is None:
             self.idle_since = now
@@ -61,6 +76,10 @@ class Backoff:
         if idle < SPIN_S + YIELD_S:
             os.sched_yield()
             return
+        # Announced at the first sleep only: a wait that ends within the spin or the yield (the
+        # server's normal case between two requests) costs nothing more.
+        if self._waiting is not None and self._announced is None:
+            self._announced = Waiting(self._waiting()).__enter__()
         time.sleep(self.delay)
         self.delay = min(2 * self.delay, IDLE_SLEEP_MAX)
 

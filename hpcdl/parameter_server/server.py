@@ -12,7 +12,10 @@ ANY_SOURCE and ANY_TAG), receives it into a buffer of the right kind, and acts o
 
 When no message is waiting it tests its outstanding sends and waits (polling.Backoff: a short
 spin, then yielding the core, then sleeps): Open MPI here makes no progress in the background, so
-the server must poll, and it must not hold a core it shares with the workers for long. Header-only
+the server must poll, and it must not hold a core it shares with the workers for long. From its
+first sleep on, an idle server's answers to the stall diagnosis (hpcdl/runtime/diagnosis.py) say
+that it waits for the workers (`_awaited`): a stall report then names the worker that holds the job
+up (a stopped one whose push sync's update lacks), not the server in no collective. Header-only
 requests are received into one buffer of the server's (each is read before the next arrives),
 pushes into buffers it reuses, with their typed views made once per buffer. Replies are sent
 straight from the shard's buffer (no copy), so before an update modifies the shard the server
@@ -152,6 +155,8 @@ class Server:
         #: gave the new ones), so that a resume leaves `progress` as it was
         self.retired_steps = 0
         self.clocks = {w: 0 for w in self.workers}
+        # The workers' ranks in MPI.COMM_WORLD, for what an idle server says it waits for (`_awaited`).
+        self._world_ranks = _world_ranks(comm, self.workers)
         self.based_on = {w: -1 for w in self.workers}  # the version of each worker's last push
         self.dropped = 0  # pushes discarded unapplied (backup's late ones)
         self.active = set(self.workers)
@@ -197,29 +202,47 @@ class Server:
         `last_checkpoint`. Raises TimeoutError when `timeout` seconds pass without a message
         while workers are active.
         """
-        backoff = Backoff()
+        # An idle server waits for the workers: its answers to the stall diagnosis say so (else a
+        # stall report blames it, a rank in no collective, as slow while a worker is stopped).
+        backoff = Backoff(waiting=self._awaited)
         status = MPI.Status()
         heard_at = time.monotonic()
-        while self.active:
-            try:
-                message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                if message is None:
-                    self._reap_sends()
-                    if self.timeout is not None and time.monotonic() - heard_at > self.timeout:
-                        raise TimeoutError(
-                            f"rank {self.comm.Get_rank()} (server {self.shard.index}): no message for "
-                            f"{self.timeout} s while workers {sorted(self.active)} are still active")
-                    backoff.idle()
-                    continue
-                if backoff.idle_since is not None:
-                    backoff.reset()
-                heard_at = time.monotonic()
-                self._handle(message, status, on_checkpoint)
-            except MPI.Exception as exc:  # the probe, a receive, a checkpoint hook's send
-                self._on_failure(exc, on_checkpoint)
+        try:
+            while self.active:
+                try:
+                    message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                    if message is None:
+                        self._reap_sends()
+                        if self.timeout is not None and time.monotonic() - heard_at > self.timeout:
+                            raise TimeoutError(
+                                f"rank {self.comm.Get_rank()} (server {self.shard.index}): no message for "
+                                f"{self.timeout} s while workers {sorted(self.active)} are still active")
+                        backoff.idle()
+                        continue
+                    if backoff.idle_since is not None:
+                        backoff.reset()
+                    heard_at = time.monotonic()
+                    self._handle(message, status, on_checkpoint)
+                except MPI.Exception as exc:  # the probe, a receive, a checkpoint hook's send
+                    backoff.reset()  # the handling may wait on its own (its replies)
+                    self._on_failure(exc, on_checkpoint)
+        finally:
+            backoff.reset()  # the announced wait ends with the loop, however it ends
         self._apply_ready(draining=True)
         self._finish_sends()
         return self.stats()
+
+    def _awaited(self) -> str:
+        """What this server waits for while idle, as its answers to the stall diagnosis say: a
+        message from the active workers whose pulls it does not hold back (those wait for it),
+        by their ranks in MPI.COMM_WORLD, as the stall report names ranks."""
+        held = {worker for worker, _, _ in self._deferred}
+        awaited = sorted(self.active - held) or sorted(self.active)
+
+        def ranks(workers: list[int]) -> str:
+            return f"worker{'s' if len(workers) > 1 else ''} {', '.join(str(self._world_ranks[w]) for w in workers)}"
+        return (f"a message from {ranks(awaited)} (server {self.shard.index}"
+                + (f"; the pulls of {ranks(sorted(held))} wait for it)" if held else ")"))
 
     def _on_failure(self, exc: MPI.Exception, on_checkpoint: CheckpointHook | None) -> None:
         """A call of the loop raised `exc`: count out the workers that died (`drop_lost_workers`),
@@ -612,3 +635,13 @@ class Server:
 def _failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
     """The ranks of `comm` this process knows to have died."""
     return failures.failed_ranks(comm, failures.KNOWLEDGE_WAIT_S)[0]
+
+
+def _world_ranks(comm: MPI.Comm, ranks: Sequence[int]) -> dict[int, int]:
+    """The ranks `ranks` of `comm` as ranks of MPI.COMM_WORLD, by rank of `comm`."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return dict(zip(ranks, MPI.Group.Translate_ranks(group, list(ranks), world)))
+    finally:
+        group.Free()
+        world.Free()

@@ -209,10 +209,11 @@ WHAT_TO_DO = {
 
 def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: str = "",
            left_advice: str = LEFT_ADVICE) -> str:
-    """The report's text: the late ranks, what each is doing and why, what the others wait in, and
-    what to do (`WHAT_TO_DO`, `left_advice` in its line for ranks that left, the waiting call's
-    `advice` where the ranks' programs took different paths). `answers` holds every rank's answer
-    (None: none came), the `reporter`'s own included."""
+    """The report's text: the late ranks, what each is doing and why, what the others wait in (a
+    rank whose own stall wait is for something else, with what it waits for), and what to do
+    (`WHAT_TO_DO`, `left_advice` in its line for ranks that left, the waiting call's `advice` where
+    the ranks' programs took different paths). `answers` holds every rank's answer (None: none
+    came), the `reporter`'s own included."""
     own = answers[reporter]
     assert own is not None
     stalled = blocking_call(own)
@@ -226,12 +227,24 @@ def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: 
     for rank in late:
         state, detail = states[rank]
         lines.append(f"  rank {rank}: {state}: {detail}")
-    if waiting:
+    # A rank that waits in a stall wait of its own for something else (a parameter server for a
+    # worker's message) is listed with what it waits for, not as waiting in the reporter's wait.
+    elsewhere: dict[str, list[int]] = {}
+    alike = []
+    for rank in waiting:
+        own_wait = None if rank == reporter else _own_wait(answers[rank], stalled, what)
+        if own_wait is None:
+            alike.append(rank)
+        else:
+            elsewhere.setdefault(own_wait, []).append(rank)
+    if alike:
         if stalled is not None:
-            lines.append(f"  {ranks_text(waiting)}: wait in {describe_call(stalled)} at "
+            lines.append(f"  {ranks_text(alike)}: wait in {describe_call(stalled)} at "
                          f"{describe_place(stalled)}")
         else:
-            lines.append(f"  {ranks_text(waiting)}: wait for {what}")
+            lines.append(f"  {ranks_text(alike)}: wait for {what}")
+    for own_wait, ranks in elsewhere.items():
+        lines.append(f"  {ranks_text(ranks)}: wait for {own_wait}")
     for cause in dict.fromkeys(states[rank][0] for rank in late):
         to_do = left_to_do(left_advice) if cause == "left" else WHAT_TO_DO.get(cause) or advice
         if to_do:
@@ -239,6 +252,15 @@ def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: 
     lines.append("  (hpcdl doctor DIR merges the flight records that --diagnostics-dir / "
                  "HPCDL_DIAGNOSTICS_DIR keeps; docs/troubleshooting.md)")
     return "\n".join(lines)
+
+
+def _own_wait(answer: Answer | None, stalled: dict[str, Any] | None, what: str) -> str | None:
+    """What a waiting rank's own stall wait waits for, where that is not the reporter's wait
+    (`what`, or the `stalled` call): it is in no collective and its wait names something else."""
+    if answer is None or answer.get("calls") or not answer.get("waiting"):
+        return None
+    own_wait = str(answer["waiting"][0])
+    return own_wait if stalled is not None or own_wait != what else None
 
 
 def reporter_of(answers: dict[int, Answer | None], me: int, waited: float) -> int:

@@ -16,6 +16,7 @@ Test data is a function of rank and step only. Workers are ranks 0..P-S-1, serve
 from __future__ import annotations
 
 import re
+import sys
 import time
 import warnings
 
@@ -27,7 +28,10 @@ from mpi4py import MPI
 
 import hpcdl
 from tests.conftest import all_ranks_agree, reports_stalls
+from tests.run import ROOT, own_job_environment, run_own_job
 from hpcdl.parameter_server import ALIGN, Server, plan_placement
+from hpcdl.parameter_server.polling import Backoff
+from hpcdl.runtime import diagnosis
 from hpcdl.parameter_server.protocol import HEADER_BYTES
 from hpcdl.parameter_server.worker import WorkerClient
 
@@ -317,6 +321,43 @@ def test_a_wait_on_a_late_rank_warns(comm, wait, monkeypatch):
                 rf"rank {rank}: pull at clock \d+ from servers \[{size - 1}\] has waited", str(w.message))
                 for w in caught) == reports_stalls(rank, waiting)
     assert all_ranks_agree(ok, comm)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 3-rank mpirun; N = 1")
+def test_a_stall_report_names_the_stopped_worker_alone_and_the_server_as_waiting():
+    """tests/helpers/ps_stall_job.py: under sync, worker 1 is stopped (SIGSTOP) before its push;
+    worker 0's pull waits for the server, which waits for worker 1's push. The report names
+    worker 1 alone: the idle server (in no collective) is a waiting rank, listed with what it waits
+    for, not a slow one (it was blamed as "slow: not in a collective ... in serve")."""
+    proc = run_own_job(["mpirun", "-n", "3", sys.executable, str(ROOT / "tests/helpers/ps_stall_job.py")],
+                       90, own_job_environment(HPCDL_STALL_WARNING_S="2", PS_STALL_JOB_FAULT_S="4"))
+    out = proc.stdout
+    assert proc.returncode == 0 and "job done" in out, out[-4000:]
+    assert out.count("hpcdl stall report: ") == 1, out
+    assert "hpcdl stall report: rank 1 holds the job up\n  rank 1: stopped or dead: no answer" in out, out
+    assert "\n  rank 0: wait for pull at clock 3 from servers [2]\n  rank 2: wait for a message from worker 1 " \
+           "(server 0; the pulls of worker 0 wait for it)\n" in out, out
+    assert "slow" not in out, out
+
+
+def test_an_idle_wait_is_announced_to_the_diagnosis_from_its_first_sleep_until_reset(monkeypatch):
+    """polling.Backoff(waiting=...): what the server's loop says it waits for while idle."""
+    class Answerer:  # a diagnosis.Service's waits, without its communicator and thread
+        waits: dict = {}
+
+    monkeypatch.setattr(diagnosis, "_service", Answerer())
+    asked = []
+    backoff = Backoff(waiting=lambda: asked.append(1) or "the test's workers")
+    backoff.idle()  # within the spin: nothing announced (a server's usual wait between requests)
+    assert Answerer.waits == {} and asked == []
+    deadline = time.monotonic() + 5
+    while not Answerer.waits and time.monotonic() < deadline:
+        backoff.idle()
+    assert [what for what, _ in Answerer.waits.values()] == ["the test's workers"]
+    backoff.idle()
+    assert asked == [1]  # once per idle period
+    backoff.reset()
+    assert Answerer.waits == {}
 
 
 @pytest.mark.parametrize("servers", [1, 2])

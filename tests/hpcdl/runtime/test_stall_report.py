@@ -66,6 +66,23 @@ def test_the_report_names_the_late_rank_and_what_the_others_wait_in():
         "keeps; docs/troubleshooting.md)"])
 
 
+def test_a_rank_waiting_for_something_else_is_listed_with_its_own_wait_not_as_late():
+    """A parameter server idle in its loop (in no collective) waits for a worker's message: it is
+    listed with what it waits for, whether the reporter waits in a collective or in a wait of its
+    own; ranks that wait for what the reporter waits for share its line."""
+    server = {"calls": [], "waiting": ["a message from worker 1 (server 0)", 3.0], "stack": [], "idle": 3.0}
+    pull = {"calls": [], "waiting": ["pull at clock 3 from servers [3]", 3.0], "stack": [], "idle": 3.0}
+    text = stall_report.report({0: pull, 1: None, 2: dict(pull), 3: server}, 0, "pull at clock 3 from servers [3]")
+    assert text.startswith("hpcdl stall report: rank 1 holds the job up\n  rank 1: stopped or dead:"), text
+    assert "\n  ranks 0, 2: wait for pull at clock 3 from servers [3]\n" \
+           "  rank 3: wait for a message from worker 1 (server 0)\n" in text, text
+    assert "slow" not in text, text
+    text = stall_report.report({0: waiting(), 1: None, 2: waiting(), 3: server}, 0, "the step's sum")
+    assert "hpcdl stall report: rank 1 holds the job up\n" in text, text
+    assert "\n  ranks 0, 2: wait in allreduce #7 (4096 B float32, ring) on MPI_COMM_WORLD at " in text, text
+    assert "\n  rank 3: wait for a message from worker 1 (server 0)\n" in text, text
+
+
 def gone(*records, all_kept=True):
     """The answer that stands for a rank whose program ended: its departure notice."""
     return {"ended": list(records), "all_kept": all_kept}
