@@ -241,7 +241,8 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
         errors.append(f"one rank per GPU: --tasks-per-node {args.tasks_per_node} must equal "
                       f"--gpus-per-node {args.gpus_per_node} (or be left out)")
     errors += fault_tolerance_errors(args, spec)
-    errors += program_errors(spec.runs, args.program_args)
+    ranks = args.nodes * (args.tasks_per_node or args.gpus_per_node or 1)  # the job's, as rendered
+    errors += program_errors(spec.runs, args.program_args, ranks if ranks >= 1 else None)
     if args.template == "requeue":
         if args.checkpoint_every < 1:
             errors.append(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
@@ -278,20 +279,22 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
     return errors
 
 
-def program_errors(runs: str, program_args: list[str]) -> list[str]:
+def program_errors(runs: str, program_args: list[str], ranks: int | None = None) -> list[str]:
     """Why `hpcdl <runs>` would refuse `program_args` (the options after `--`), as its own parser
-    says it, one message; [] if the parser takes them.
+    says it, one message; for `hpcdl train` on a job of `ranks` ranks (None: unknown), also what
+    its options cannot be combined with (`combination_errors`: judged from the options alone);
+    [] if it takes them.
 
-    A misspelled option would otherwise stop the job only once it has waited in the queue. Only
-    syntax and choices are checked: the values are judged by the job itself, some against its
-    number of ranks. Importing the parser imports `collectives`, whose MPI is left uninitialized.
+    A misspelled option, or --strategy downpour with --shard, would otherwise stop the job only
+    once it has waited in the queue. What depends on the nodes (paths, memory, devices) is judged
+    by the job itself. Importing the parser imports `collectives`, whose MPI is left uninitialized.
     """
     with mpi_left_uninitialized():
         parser = importlib.import_module(_PROGRAM_PARSERS[runs]).build_parser()
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-            parser.parse_args(program_args)
+            parsed = parser.parse_args(program_args)
     except SystemExit as exc:
         if exc.code == 0:  # --help: a job that only prints the options
             return [f"`hpcdl {runs} --help` after `--` would only print its options, in the job's log; "
@@ -300,7 +303,14 @@ def program_errors(runs: str, program_args: list[str]) -> list[str]:
         said = printed.getvalue().strip().splitlines()[-1]
         return [f"the options after `--` are for hpcdl {runs}, which refuses them: "
                 f"{said.removeprefix(f'{parser.prog}: error: ')}"]
-    return []
+    if runs != "train" or ranks is None:
+        return []
+    from ..training.config import TrainConfig, choice_errors, combination_errors
+
+    config = TrainConfig(**vars(parsed))
+    refused = choice_errors(config) or combination_errors(config, ranks)
+    return [f"the options after `--` are for hpcdl train, which would refuse them on the job's {ranks} "
+            f"rank{'s' if ranks != 1 else ''}: {problem}" for problem in refused]
 
 
 def fault_tolerance_errors(args: argparse.Namespace, spec: TemplateSpec) -> list[str]:

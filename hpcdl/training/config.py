@@ -314,8 +314,14 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
             errors.append("--device cuda does not take --model hybrid-cnn (its model-parallel layers "
                           "run on the CPU); use --device cpu")
     errors += emulation_errors(config, ranks_on_host, available)
-    errors += reproducible_errors(config)
-    return errors + strategies.option_errors(config, ranks) + hybrid_errors(config, ranks)
+    return errors + combination_errors(config, ranks)
+
+
+def combination_errors(config: TrainConfig, ranks: int) -> list[str]:
+    """What the options cannot be combined with, in a job of `ranks` ranks, judged from the
+    options alone (no file, memory or device looked at): what `hpcdl slurm render` can tell
+    before the job waits in the queue. `choice_errors` first: these assume values among them."""
+    return reproducible_errors(config) + strategies.option_errors(config, ranks) + hybrid_errors(config, ranks)
 
 
 def rank_failure_errors(config: TrainConfig, ranks: int = 1) -> list[str]:

@@ -285,6 +285,12 @@ BASIC = ("--time", "30", "--partition", "batch")
     (("allreduce-sweep", *BASIC, "--", "-b", "lots"), "the options after `--` are for hpcdl bench, which "
                                                       "refuses them: argument -b/--minbytes"),
     (("cpu", *BASIC, "--", "--help"), "`hpcdl train --help` after `--` would only print its options"),
+    # options hpcdl train's parser takes but the job would refuse: judged now, on the job's ranks
+    (("cpu", *BASIC, "--nodes", "2", "--tasks-per-node", "2", "--", "--strategy", "downpour", "--shard",
+      "optimizer"), "the options after `--` are for hpcdl train, which would refuse them on the job's 4 ranks: "
+                    "--shard applies to --strategy allreduce, not downpour; drop it"),
+    (("cpu", *BASIC, "--", "--model", "hybrid-cnn", "--grid", "2x2"), "on the job's 1 rank: --grid 2x2 needs 4 "
+                                                                       "ranks, but the job has 1"),
 ])
 def test_render_rejects_bad_input(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
                                   message: str) -> None:
