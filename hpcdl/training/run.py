@@ -99,13 +99,17 @@ def _train(config: TrainConfig, topology: runtime.Topology, comm: MPI.Comm,
     if joined is not None:  # built alone, then in the survivors' place (rank_loss.py)
         torch.set_num_threads(joined[1]["torch_threads"])
         return run_training(config, device, topology, MPI.COMM_SELF, joined, start=start)
+    # --spares and --respawn promise to go on after a lost rank: refused, as asked, where the run
+    # could not (it would end at the loss all the same, with the same words)
+    asked = [flag for flag, used in (("--spares", config.spares > 0), ("--respawn", config.respawn)) if used]
+    if asked:
+        plan = strategies.plan(config, comm.Get_size() - config.spares)
+        refusal = plan.strategy.rank_loss_refusal(plan)
+        if refusal is not None:  # the same verdict on every rank
+            return _fail([f"{flag}: {refusal}" for flag in asked], rank)
     if not config.spares:
         return run_training(config, device, topology, comm, start=start)
     # --spares: the last ranks wait, built, to take a lost rank's place (runtime/spares.py)
-    plan = strategies.plan(config, comm.Get_size() - config.spares)
-    refusal = plan.strategy.rank_loss_refusal(plan)
-    if refusal is not None:  # the same verdict on every rank
-        return _fail([f"--spares: {refusal}"], rank)
     start.phase = "setting the spares aside"
     training, spares = set_aside(comm, config.spares)
     if training is None:  # a spare

@@ -777,3 +777,15 @@ def test_a_replacement_knows_the_jobs_ids_before_it_takes_its_place(monkeypatch)
         (list(replacement.members), replacement.next_member, replacement.empty)))
     replacement.join(MPI.COMM_SELF, told["info"])
     assert seen == [([0, 1, 3, 4, 5], 6, True)]
+
+
+@own_jobs
+def test_respawn_is_refused_where_a_lost_rank_would_end_the_run_all_the_same():
+    """--respawn, like --spares, promises to go on after a lost rank: with --shard or a model split
+    over ranks the run would end at the loss all the same; it was accepted and ignored."""
+    code, out = launch(2, ["-m", "hpcdl", "train", "--shard", "optimizer", "--respawn"])
+    assert code == 2 and ("hpcdl train: error: --respawn: --shard optimizer keeps each rank's piece of the "
+                          "optimizer state on that rank alone") in out, out[-3000:]
+    code, out = launch(2, ["-m", "hpcdl", "train", "--model", "hybrid-cnn", "--grid", "1x2", "--respawn"])
+    assert code == 2 and "hpcdl train: error: --respawn: --model hybrid-cnn splits each replica's layers" in out, \
+        out[-3000:]
