@@ -32,11 +32,15 @@ def main(argv: list[str]) -> int:
         print(f"hpcdl doctor: {exc}", file=sys.stderr)
         return 2
     first = min(header["wall"] for header, _ in dumps.values())
-    for rank, (header, records) in sorted(dumps.items()):
+    lines: dict[int, str] = {rank: f"rank {rank}: no dump (lost, or it never wrote one)"
+                             for rank in flight_dumps.without_dump(dumps)}
+    for rank, (header, records) in dumps.items():
         late = header["wall"] - first
-        print(f"rank {rank}: {len(records)} calls recorded; dumped on {header['reason']} "
-              f"(pid {header['pid']} on {header['host']})"
-              + (f", {late:.1f} s after the first dump (compared as of the first)" if late > 1.0 else ""))
+        lines[rank] = (f"rank {rank}: {len(records)} calls recorded; dumped on {header['reason']} "
+                       f"(pid {header['pid']} on {header['host']})"
+                       + (f", {late:.1f} s after the first dump (compared as of the first)" if late > 1.0 else ""))
+    for rank in sorted(lines):
+        print(lines[rank])
     print("\n".join(flight_dumps.divergence(dumps)))
     if args.trace:
         try:

@@ -9,7 +9,8 @@ program goes on.
 
 `load` reads a directory's dumps, `divergence` finds where the ranks part (the first call number
 of a communicator at which they made different calls, and the rank behind: the one with the
-fewest calls), and `trace` turns the last seconds into Chrome/Perfetto trace events.
+fewest calls; members whose records are missing named as such), `without_dump` names the job's
+ranks that left none, and `trace` turns the last seconds into Chrome/Perfetto trace events.
 """
 from __future__ import annotations
 
@@ -107,11 +108,33 @@ def at_first_dump(dumps: dict[int, Dump]) -> dict[int, Dump]:
     return earlier
 
 
+def job_size(dumps: dict[int, Dump]) -> int:
+    """How many ranks the job had, as far as the dumps tell: its largest communicator (the
+    world's size, where the world's calls were recorded), or more where a higher rank dumped."""
+    return max([header_rank + 1 for header_rank in dumps]
+               + [record["size"] for _, records in dumps.values() for record in records])
+
+
+def without_dump(dumps: dict[int, Dump]) -> list[int]:
+    """The job's ranks (`job_size`) that left no dump: lost, or they never wrote one."""
+    return sorted(set(range(job_size(dumps))) - set(dumps))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _records_of(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}'s records are" if len(ranks) == 1 else f"the records of {_ranks(ranks)} are"
+
+
 def divergence(dumps: dict[int, Dump]) -> list[str]:
     """What the dumps say, as lines: per communicator, the first call number at which the ranks
-    made different calls (or, where none did, that they agree), and the rank(s) behind (fewest
-    calls there, or a call still under way), all as of the first dump (`at_first_dump`)."""
+    made different calls (or, where none did, which ranks agree: never ranks whose records are
+    missing, which are named), and the rank(s) behind (fewest calls there, or a call still under
+    way), all as of the first dump (`at_first_dump`)."""
     lines = []
+    everyone = job_size(dumps)
     comms: dict[tuple[str, int], dict[int, dict[int, dict[str, Any]]]] = {}
     for rank, (_, records) in at_first_dump(dumps).items():
         for record in records:
@@ -132,11 +155,24 @@ def divergence(dumps: dict[int, Dump]) -> list[str]:
             if len(kinds) > 1:
                 parted = number, made
                 break
-        if parted is None:
+        # Members whose records are not here (lost, or no dump): a communicator as large as the
+        # job holds every rank, so they can be named; of a smaller one only their number is known.
+        absent = size - len(by_rank)
+        unseen = (_records_of(sorted(set(range(size)) - set(by_rank))) + " missing"
+                  if size == everyone else
+                  f"the records of {absent} of its ranks are missing") if absent > 0 else ""
+        present = _ranks(sorted(by_rank))
+        if parted is None and not unseen:
             lines.append(f"{label}: the ranks' calls agree up to the last one recorded")
+        elif parted is None and len(by_rank) == 1:
+            lines.append(f"{label}: only {present}'s calls are recorded, nothing to compare them with; "
+                         f"{unseen}")
+        elif parted is None:
+            lines.append(f"{label}: {present} agree up to the last call recorded; {unseen}")
         else:
             number, made = parted
-            lines.append(f"{label}: the ranks part at call #{number}:")
+            lines.append(f"{label}: the ranks part at call #{number}" + (f" ({unseen})" if unseen else "")
+                         + ":")
             for rank, call in sorted(made.items()):
                 lines.append(f"  rank {rank}: " + ("no such call" if call is None else
                                                    f"{call['collective']} of {call.get('bytes')} B "
@@ -159,7 +195,7 @@ def divergence(dumps: dict[int, Dump]) -> list[str]:
                          f"{'were' if len(ranks) > 1 else 'was'} in call #{number} ({collective}) "
                          "at the first dump" + (" (every rank: the one that wrote its dump late was "
                                                 "stopped or slow inside it)" if len(ranks) == len(by_rank)
-                                                and len(by_rank) > 1 else ""))
+                                                and len(by_rank) > 1 and not unseen else ""))
         if missing:
             lines.append(f"  no call on it from rank{'s' if len(missing) > 1 else ''} "
                          f"{', '.join(map(str, missing))}")

@@ -17,9 +17,9 @@ ranks, then the spares) without spinning. On a loss:
 3. the caller brings the called spares in as it brings in replacements (their state by
    broadcast).
 
-At the job's end the training ranks `release` the spares still waiting: a barrier on the pool
-that the spares' wait completes with, and they leave without training (a spare that died
-meanwhile is found there and reported). The spares are ranks of the job, not spawned processes:
+At the job's end the training ranks `release` the spares still waiting: two barriers on the pool
+(`release_round`) that the spares' wait completes with, and they leave without training (a spare
+that died meanwhile is found in the second, and reported). The spares are ranks of the job, not spawned processes:
 no MPI_Comm_spawn, nothing to disconnect at the end, and the launcher places them like any rank
 (a host list can keep them on spare nodes). Torch-free.
 
@@ -87,7 +87,7 @@ class Spares:
         dead: list[int] = []
         while self.waiting:
             try:
-                gather_quietly(self.pool, POLL_S)
+                release_round(self.pool)
                 self.waiting = []
             except MPI.Exception as exc:
                 if training is None or not is_process_failure(exc):
@@ -97,6 +97,17 @@ class Spares:
                 free(comm)
                 dead += lost
         return dead
+
+
+def release_round(pool: MPI.Comm) -> None:
+    """Collective over `pool` (the training ranks and the waiting spares): the release, two
+    barriers. A waiting spare's half of the first was sent as it began to wait (a zero-byte
+    message, delivered at once), and the training ranks' answers to it are zero-byte sends that
+    complete without the spare: a spare that died meanwhile completes the first all the same. Its
+    half of the second it sends only once it has the first's answer, so that the second completes
+    only with every spare alive at the release, and a dead one raises its process failure there."""
+    gather_quietly(pool, POLL_S)
+    gather_quietly(pool, POLL_S)
 
 
 def set_aside(comm: MPI.Comm, count: int) -> tuple[MPI.Comm | None, Spares]:
@@ -120,7 +131,7 @@ def wait_for_call(pool: MPI.Comm) -> tuple[MPI.Comm, Spares] | None:
     way."""
     while True:
         try:
-            gather_quietly(pool, POLL_S)
+            release_round(pool)
             return None  # the training ranks' release
         except MPI.Exception as exc:
             if not is_process_failure(exc):

@@ -26,7 +26,8 @@ it joined):
   this rank, whatever it is doing then;
 - before training (`step` 0): `parse`, as `hpcdl train` parses its command line (rank 0 parses,
   the others wait for it); `spares`, as the spares are set aside (--spares); `waiting`, a spare
-  as it starts waiting to be called.
+  as it starts waiting to be called; `waited`, a spare half a second after it started waiting (its
+  part of the release's first barrier already sent).
 
 With `--spares K` a victim in training dies only once the K spares are ready (each writes DIR/spare-ready-<id>
 when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
@@ -213,6 +214,10 @@ class Killer:
         def waiting(pool: Any) -> Any:
             (killer.directory / f"spare-ready-{world.member()}").write_text("")
             killer.die_if("waiting")
+            if ("waited", killer.steps) in killer.mine:
+                timer = threading.Timer(0.5, killer.die, kwargs={"training": False})
+                timer.daemon = True
+                timer.start()
             return wait_for_call(pool)
         train_run.wait_for_call = waiting
 

@@ -17,12 +17,34 @@ def test_doctor_prints_where_the_ranks_part_and_writes_the_trace(tmp_path, capsy
     out = capsys.readouterr().out.splitlines()
     assert out == ["rank 0: 2 calls recorded; dumped on test (pid 1 on h)",
                    "rank 1: 1 calls recorded; dumped on test (pid 1 on h)",
-                   "MPI_COMM_WORLD (3 ranks): the ranks' calls agree up to the last one recorded",
+                   "rank 2: no dump (lost, or it never wrote one)",
+                   "MPI_COMM_WORLD (3 ranks): ranks 0, 1 agree up to the last call recorded; "
+                   "rank 2's records are missing",
                    "  behind: rank 1 (last call #1; the others reached #2)",
                    "  rank 0 was in call #2 (allreduce) at the first dump",
                    f"trace of the last 30 s: {trace} (open in ui.perfetto.dev)"]
     assert [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"] == \
         ["allreduce #1", "allreduce #2", "allreduce #1"]
+
+
+def test_doctor_names_the_ranks_that_left_no_dump(tmp_path, capsys):
+    # A 3-rank job whose rank 1 was lost (its dump missing), then one whose ranks 1, 2 left none.
+    dump(tmp_path, 0, [record(1), record(2)])
+    dump(tmp_path, 2, [record(1), record(2)])
+    assert doctor.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "rank 0: 2 calls recorded; dumped on test (pid 1 on h)",
+        "rank 1: no dump (lost, or it never wrote one)",
+        "rank 2: 2 calls recorded; dumped on test (pid 1 on h)",
+        "MPI_COMM_WORLD (3 ranks): ranks 0, 2 agree up to the last call recorded; rank 1's records are missing"]
+    (tmp_path / "rank-00002.jsonl").unlink()
+    assert doctor.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "rank 0: 2 calls recorded; dumped on test (pid 1 on h)",
+        "rank 1: no dump (lost, or it never wrote one)",
+        "rank 2: no dump (lost, or it never wrote one)",
+        "MPI_COMM_WORLD (3 ranks): only rank 0's calls are recorded, nothing to compare them with; "
+        "the records of ranks 1, 2 are missing"]
 
 
 def test_doctor_names_what_is_wrong(tmp_path, capsys):

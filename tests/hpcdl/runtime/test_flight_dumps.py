@@ -48,10 +48,42 @@ def test_where_the_ranks_part_and_who_is_behind(tmp_path):
 
 
 def test_ranks_that_agree(tmp_path):
-    for rank in range(2):
+    for rank in range(3):
         dump(tmp_path, rank, [record(1), record(2)])
     assert flight_dumps.divergence(flight_dumps.load(tmp_path)) == [
         "MPI_COMM_WORLD (3 ranks): the ranks' calls agree up to the last one recorded"]
+
+
+def test_ranks_without_a_dump_are_named_and_not_counted_as_agreeing(tmp_path):
+    # A 3-rank job whose rank 1 was lost: ranks 0 and 2 agree, rank 1's records are missing.
+    dump(tmp_path, 0, [record(1), record(2)])
+    dump(tmp_path, 2, [record(1), record(2)])
+    dumps = flight_dumps.load(tmp_path)
+    assert flight_dumps.job_size(dumps) == 3 and flight_dumps.without_dump(dumps) == [1]
+    assert flight_dumps.divergence(dumps) == [
+        "MPI_COMM_WORLD (3 ranks): ranks 0, 2 agree up to the last call recorded; rank 1's records are missing"]
+    # One dump of a 3-rank communicator: nothing compared, two ranks' records missing.
+    (tmp_path / "rank-00002.jsonl").unlink()
+    dumps = flight_dumps.load(tmp_path)
+    assert flight_dumps.without_dump(dumps) == [1, 2]
+    assert flight_dumps.divergence(dumps) == [
+        "MPI_COMM_WORLD (3 ranks): only rank 0's calls are recorded, nothing to compare them with; "
+        "the records of ranks 1, 2 are missing"]
+
+
+def test_missing_members_of_a_smaller_communicator_are_counted(tmp_path):
+    # A 4-rank job; a 3-rank communicator (a shrunk world) of which two ranks dumped: which world
+    # ranks the third was is unknown, that its records are missing is not.
+    half = [dict(record(1, comm="shrunk"), size=3)]
+    dump(tmp_path, 0, [dict(record(1), size=4), *half])
+    dump(tmp_path, 2, [dict(record(1), size=4), *half])
+    dump(tmp_path, 3, [dict(record(1), size=4)])
+    dumps = flight_dumps.load(tmp_path)
+    assert flight_dumps.without_dump(dumps) == [1]
+    assert flight_dumps.divergence(dumps) == [
+        "MPI_COMM_WORLD (4 ranks): ranks 0, 2, 3 agree up to the last call recorded; rank 1's records are missing",
+        "shrunk (3 ranks): ranks 0, 2 agree up to the last call recorded; the records of 1 of its ranks are missing",
+        "  no call on it from rank 3"]
 
 
 def test_the_trace_holds_the_last_seconds_on_the_wall_clock(tmp_path):
@@ -88,10 +120,11 @@ def test_a_directory_that_cannot_be_written_is_warned_about_once(tmp_path, monke
 def test_a_rank_that_wrote_later_is_compared_as_of_the_first_dump(tmp_path):
     """Rank 1 was stopped inside call #2 and wrote its dump once resumed, 8 s later, after two more
     calls: as of the first dump every rank was in #2."""
-    dump(tmp_path, 0, [record(1), record(2, entered=105.0, left=0.0)], wall=1000.0, monotonic=110.0)
+    for rank in (0, 2):
+        dump(tmp_path, rank, [record(1), record(2, entered=105.0, left=0.0)], wall=1000.0, monotonic=110.0)
     dump(tmp_path, 1, [record(1), record(2, entered=105.0, left=117.0), record(3, entered=117.5, left=117.6)],
          wall=1008.0, monotonic=118.0)
     assert flight_dumps.divergence(flight_dumps.load(tmp_path)) == [
         "MPI_COMM_WORLD (3 ranks): the ranks' calls agree up to the last one recorded",
-        "  ranks 0, 1 were in call #2 (allreduce) at the first dump (every rank: the one that wrote its "
+        "  ranks 0, 1, 2 were in call #2 (allreduce) at the first dump (every rank: the one that wrote its "
         "dump late was stopped or slow inside it)"]
