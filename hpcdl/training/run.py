@@ -437,6 +437,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     trainer.recovery.release_spares()
     if trainer.recovery.lived_through_a_loss():
         ulfm.exit_after_loss(status)
+    ulfm.disconnect_for_finalize(trainer.comm)  # a replacement: MPI_Finalize must not reach the survivors
     return status
 
 

@@ -40,7 +40,8 @@ state), and DIR/done-<id> with the exit status, so the test can compare the surv
 (in a job of several runs, run i's into DIR/run<i>, counted from 0, and world rank 0 prints
 "train_failure_job.py: run i" as it starts, for the test to cut the output at); every process
 appends each run's status to DIR/statuses-<id> as the run returns (a line per run), for tests whose
-runs share one job. The rest is `hpcdl train` itself.
+runs share one job. With HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S set, a replacement waits that many
+seconds before it exits (and finalizes MPI), after the survivors left. The rest is `hpcdl train` itself.
 """
 # ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
 from __future__ import annotations
@@ -73,6 +74,10 @@ from hpcdl.parameter_server.protocol import HEADER_BYTES, Tag
 from hpcdl.runtime import checkpoint, world
 from hpcdl.runtime.launcher import skip_exit_collection
 
+
+#: Seconds a replacement waits before its exit (its MPI_Finalize), where set in the environment:
+#: the survivors, which leave without MPI_Finalize, are gone by then.
+REPLACEMENT_EXIT_DELAY = "HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S"
 
 #: The phases before training: a victim there does not wait for the spares to be ready.
 BEFORE_TRAINING = ("parse", "spares", "waiting")
@@ -319,5 +324,7 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     status: Callable[[], int] = lambda: main(sys.argv[1:])  # noqa: E731
     code = status()
+    if recovery.is_replacement() and os.environ.get(REPLACEMENT_EXIT_DELAY):  # the survivors leave first
+        time.sleep(float(os.environ[REPLACEMENT_EXIT_DELAY]))
     skip_exit_collection()  # as the hpcdl command does: most of a short job's exit otherwise
     sys.exit(code)

@@ -423,6 +423,28 @@ def test_a_lost_replacement_leaves_the_status_file_the_runs_status(tmp_path, rec
 
 
 @own_jobs
+def test_two_replacements_of_one_loss_finalize_without_reaching_the_survivors(tmp_path):
+    """A user review: 4 ranks with --respawn, ranks 1 and 2 die at once; the two replacements
+    (started by one MPI_Comm_spawn) train to the end and finalize MPI after the survivors left
+    without it (the replacements wait 2 s before their exit here, as they often did anyway).
+    Their MPI_Finalize disconnected from every process of the communicators they shared with the
+    survivors: it printed that not every process could reach the others, or crashed
+    (`dpm_disconnect_init: error -12 in isend to process 1`, SIGSEGV in ompi_dpm_dyn_finalize,
+    mpirun's status 139). They free those communicators first: the job ends cleanly, status 0."""
+    status_file = tmp_path / "status"
+    code, out, final = train_losing(tmp_path, 4, ["backward:5:1+2"],
+                                    ["--epochs", "1", "--batch-size", "8", "--respawn", "--status-file",
+                                     str(status_file)], HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S="2")
+    assert sorted(p.name for p in tmp_path.glob("killed-*")) == ["killed-1", "killed-2"], out[-4000:]
+    assert "2 replacement(s) started" in out and sorted(final) == [0, 3, 4, 5], out[-4000:]
+    assert identical(list(final.values()), "model", "optimizer", "scheduler")
+    assert status_file.read_text() == "0\n", out[-4000:]
+    for symptom in ("Segmentation fault", "dpm_disconnect", "be able to reach each other"):
+        assert symptom not in out, out[-4000:]
+    assert code == 0, out[-4000:]
+
+
+@own_jobs
 def test_spares_not_needed_leave_with_the_job(request):
     """3 ranks with --spares 1 and no loss: 2 train, the spare builds, waits, and leaves when they
     finish; the job ends with status 0 (nothing left waiting or hanging in MPI_Finalize). (The
