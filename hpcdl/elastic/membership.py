@@ -31,6 +31,7 @@ import copy
 import io
 import sys
 import time
+import warnings
 from typing import Any, Protocol
 
 import numpy as np
@@ -183,6 +184,7 @@ class Membership:
         spares_lost: list[int] = []
         called: list[int] = []
         spawned: list[int] = []
+        unreplaced = 0
         comm = self.comm
         while True:
             try:
@@ -198,14 +200,22 @@ class Membership:
                     called += joining
                     spares_lost += dead_spares
                     missing -= len(joining)
-                if self.respawn and missing:
+                if self.respawn and missing and not called:
                     comm, joining = self._respawn(comm, missing)
                     spawned += joining
+                elif self.respawn and missing:
+                    # The spares just called are not in MPI_Comm_spawn's collective (they rejoin
+                    # at once): spawning with them hung every rank. Go on without the rest.
+                    unreplaced = missing
                 self._rejoin(comm)
                 break
             except BaseException as again:  # noqa: BLE001 - a further loss: start over
                 if not ulfm.is_process_failure(again):
                     raise
+        if unreplaced and self.comm.Get_rank() == 0:
+            warnings.warn(f"{unreplaced} lost rank(s) beyond the spares called were not replaced: --respawn "
+                          "does not yet start replacements in the recovery that calls spares; the run goes on "
+                          f"with {self.comm.Get_size()} rank(s)", RuntimeWarning, stacklevel=2)
         ranks = tuple(before.index(m) if m in before else -1 for m in lost)
         loss = ulfm.RankLoss(ranks, tuple(lost), size, self.comm.Get_size(), len(called) + len(spawned),
                              detected, time.perf_counter() - started, spares_called=len(called),

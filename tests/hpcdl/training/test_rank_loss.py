@@ -821,3 +821,17 @@ def test_respawn_is_refused_where_a_lost_rank_would_end_the_run_all_the_same():
     code, out = launch(2, ["-m", "hpcdl", "train", "--model", "hybrid-cnn", "--grid", "1x2", "--respawn"])
     assert code == 2 and "hpcdl train: error: --respawn: --model hybrid-cnn splits each replica's layers" in out, \
         out[-3000:]
+
+
+@own_jobs
+def test_losing_more_ranks_than_spares_with_respawn_goes_on_with_fewer(tmp_path):
+    """4 ranks with --spares 1 --respawn (3 train): ranks 1 and 2 die at once. The spare takes one
+    place; the other is not replaced (the called spare is not in MPI_Comm_spawn's collective, and
+    spawning with it hung every rank: a user review), the run goes on with 2 ranks, says so, and
+    ends with status 0."""
+    code, out, final = train_losing(tmp_path, 4, ["backward:5:1", "backward:5:2"],
+                                    ["--epochs", "1", "--bucket-cap-mb", "0.05", "--spares", "1", "--respawn"])
+    assert code == 0 and sorted(final) == [0, 3], out[-4000:]
+    assert identical(list(final.values()), "model", "optimizer", "scheduler"), out[-4000:]
+    assert "(1 spare(s) called)" in out and "1 lost rank(s) beyond the spares called were not replaced" in out, \
+        out[-4000:]
