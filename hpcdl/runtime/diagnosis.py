@@ -172,9 +172,11 @@ class Service:
                 self._asked.wait(left)
             got = self._answers.pop(number)
         answers: dict[int, Any] = {rank: got.get(rank) for rank in range(self.size)}
-        for rank, gone in self.departures().items():  # a rank may have left meanwhile
-            if answers.get(rank) is None:
-                answers[rank] = gone
+        # A rank may have left meanwhile, after it answered: its notice is the newer word (and the
+        # one `stall.cannot_complete` judges by; a live answer kept here made a wait that judged
+        # the call hopeless report it as not, and wait for ever).
+        for rank, gone in self.departures().items():
+            answers[rank] = gone
         answers[self.rank] = answer(self, dump)
         return answers
 
