@@ -46,7 +46,7 @@ from ..ddp.dense import FP16
 from ..ddp.dense import Average as DenseAverage
 from ..ddp.exchange import ExchangeLink, GradientExchange
 from ..ddp.wrapper import STALL_WARNING_S, build_reducer, check_bucket_options, register_ready_hooks
-from ..runtime.agreement import raise_unless_agreed
+from ..runtime.agreement import combined_error, raise_unless_agreed
 from ..runtime.arrivals import Arrivals
 from . import process_sets
 from .basics import Adasum, Average, Sum, _not_offered
@@ -97,19 +97,6 @@ _optimizers: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary
 #: Optimizers made so far, per process set id: the n-th one of a set has the same name on every
 #: rank of the set (making one is collective over the set).
 _made: dict[int, int] = {}
-
-
-def _agreed_problem(problems: dict[int, str | None], size: int) -> str | None:
-    """The ranks' extra-backward problems as one message, the same on every rank: a problem every
-    rank has as it is, else each prefixed with the ranks that have it."""
-    found = {rank: problem for rank, problem in problems.items() if problem is not None}
-    if not found:
-        return None
-    if len(found) == size and len(set(found.values())) == 1:
-        return next(iter(found.values()))
-    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {problem}"
-                     for problem in dict.fromkeys(found.values())
-                     for ranks in [[r for r, p in sorted(found.items()) if p == problem]])
 
 
 def _check_synchronize(specs: dict[int, Any]) -> str | None:
@@ -263,9 +250,11 @@ class _Synchronizing:
             return self._hvd_problem
         controller = process_sets.controller(self._hvd_set)
         spec = (self._hvd_name, self._hvd_problem)
+        # a joined rank has no spec, and no problem: the message names the ranks that have one
         request = controller.submit(SYNCHRONIZE, self._hvd_name, spec,
-                                    lambda specs: finished(_agreed_problem(
-                                        {rank: s[1] for rank, s in specs.items()}, controller.size)))
+                                    lambda specs: finished(combined_error(
+                                        [specs[rank][1] if rank in specs else None
+                                         for rank in range(controller.size)])))
         return request.wait()
 
     def _shadow_step(self) -> None:

@@ -9,7 +9,7 @@ rank 0 alone prints (`report_failure`): the `hpcdl` commands' errors and the tra
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
@@ -25,7 +25,13 @@ def agreed_error(error: str | None, comm: MPI.Comm) -> str | None:
     The message is the error shared by every failing rank, or each failing rank's own error
     tagged with its rank in `comm`.
     """
-    return _message(comm.allgather(([] if error is None else [error], {})))
+    return combined_error(comm.allgather(error))
+
+
+def combined_error(errors: Sequence[str | None]) -> str | None:
+    """`agreed_error`'s message for the ranks' `errors` (index: rank), for a caller that gathered
+    them another way (the Horovod shim's negotiation): no communication."""
+    return _message([([] if error is None else [error], {}) for error in errors])
 
 
 def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
