@@ -25,6 +25,7 @@ from typing import Any
 from collectives.recorder import RECORDER
 
 from .atomic_file import write_atomically
+from .stall_report import ranks_text
 
 DIRECTORY_VARIABLE = "HPCDL_DIAGNOSTICS_DIR"
 _warned: set[str] = set()
@@ -120,12 +121,8 @@ def without_dump(dumps: dict[int, Dump]) -> list[int]:
     return sorted(set(range(job_size(dumps))) - set(dumps))
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
 def _records_of(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}'s records are" if len(ranks) == 1 else f"the records of {_ranks(ranks)} are"
+    return f"rank {ranks[0]}'s records are" if len(ranks) == 1 else f"the records of {ranks_text(ranks)} are"
 
 
 def divergence(dumps: dict[int, Dump]) -> list[str]:
@@ -161,7 +158,7 @@ def divergence(dumps: dict[int, Dump]) -> list[str]:
         unseen = (_records_of(sorted(set(range(size)) - set(by_rank))) + " missing"
                   if size == everyone else
                   f"the records of {absent} of its ranks are missing") if absent > 0 else ""
-        present = _ranks(sorted(by_rank))
+        present = ranks_text(sorted(by_rank))
         if parted is None and not unseen:
             lines.append(f"{label}: the ranks' calls agree up to the last one recorded")
         elif parted is None and len(by_rank) == 1:
@@ -184,21 +181,18 @@ def divergence(dumps: dict[int, Dump]) -> list[str]:
         open_ = {rank: calls[last[rank]] for rank, calls in by_rank.items()
                  if calls[last[rank]]["left"] == 0.0}
         if len(set(last.values())) > 1:
-            lines.append(f"  behind: rank{'s' if len(behind) > 1 else ''} "
-                         f"{', '.join(map(str, behind))} (last call #{min(last.values())}; "
+            lines.append(f"  behind: {ranks_text(behind)} (last call #{min(last.values())}; "
                          f"the others reached #{max(last.values())})")
         under_way: dict[tuple[int, str], list[int]] = {}
         for rank, record in sorted(open_.items()):
             under_way.setdefault((record["number"], record["collective"]), []).append(rank)
         for (number, collective), ranks in sorted(under_way.items()):
-            lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-                         f"{'were' if len(ranks) > 1 else 'was'} in call #{number} ({collective}) "
-                         "at the first dump" + (" (every rank: the one that wrote its dump late was "
+            lines.append(f"  {ranks_text(ranks)} {'were' if len(ranks) > 1 else 'was'} in call #{number} "
+                         f"({collective}) at the first dump" + (" (every rank: the one that wrote its dump late was "
                                                 "stopped or slow inside it)" if len(ranks) == len(by_rank)
                                                 and len(by_rank) > 1 and not unseen else ""))
         if missing:
-            lines.append(f"  no call on it from rank{'s' if len(missing) > 1 else ''} "
-                         f"{', '.join(map(str, missing))}")
+            lines.append(f"  no call on it from {ranks_text(missing)}")
     return lines
 
 
