@@ -179,13 +179,18 @@ def thread_level() -> str:
     return THREAD_LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
 
 
-def abort(message: str, code: int = 1) -> None:
-    """Print `message` tagged with this rank and abort every rank of the job."""
-    # To the process's own stderr: torch.distributed's excepthook swaps sys.stderr for a buffer
-    # while the previous hook (ours) runs, and would print it only after the abort.
+def _say(message: str) -> None:
+    """Print `message` tagged with this rank, to the process's own stderr: torch.distributed's
+    excepthook swaps sys.stderr for a buffer while the previous hook (ours) runs, and would print
+    it only after an abort."""
     stream = sys.__stderr__ or sys.stderr
     stream.write(f"[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
     stream.flush()
+
+
+def abort(message: str, code: int = 1) -> None:
+    """Print `message` tagged with this rank and abort every rank of the job."""
+    _say(message)
     MPI.COMM_WORLD.Abort(code)
 
 
@@ -248,8 +253,7 @@ def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
         text = (f"{exc_type.__name__}: {exc}{notes}\n[hpcdl rank {rank}] raised{_program_line(tb)}"
                 f"{'' if alone else '; aborting all ranks'} ({TRACEBACK_VARIABLE}=1 prints the traceback)")
         if alone:
-            stream = sys.__stderr__ or sys.stderr
-            stream.write(f"[hpcdl rank {rank}] {text}\n")
+            _say(text)
         else:
             abort(text)
         return

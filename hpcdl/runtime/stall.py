@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 import time
 import warnings
@@ -125,6 +126,14 @@ def _warn(message: str, stacklevel: int) -> None:
     while frame is not None and is_library(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, RuntimeWarning, stacklevel=level if frame is not None else stacklevel + 2)
+
+
+def warn_at(place: str, text: str) -> None:
+    """A RuntimeWarning at `place` ("path/file.py:LINE in f", the caller's line of the call), for
+    a wait whose own frames lead to no line of the caller's program (`report_stall`'s `warn`)."""
+    found = re.match(r"(.*):(\d+) in ", place)
+    filename, line = (found.group(1), int(found.group(2))) if found else ("<unknown>", 0)
+    warnings.warn_explicit(text, RuntimeWarning, filename, line)
 
 
 def report_stall(rank: int, what: str, waited: float, advice: str, done: Callable[[], bool],

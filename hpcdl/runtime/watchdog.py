@@ -21,7 +21,6 @@ second and reads the recorder's ring and the threads' innermost frames.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import threading
 import warnings
@@ -49,13 +48,6 @@ def blocked_call(service: diagnosis.Service) -> list[Any] | None:
         if frame is not None and frame.f_code.co_filename.startswith(_COLLECTIVES):
             return record
     return None
-
-
-def warn_at(place: str, text: str) -> None:
-    """A RuntimeWarning at `place` ("path/file.py:LINE in f", the caller's line of the call)."""
-    found = re.match(r"(.*):(\d+) in ", place)
-    filename, line = (found.group(1), int(found.group(2))) if found else ("<unknown>", 0)
-    warnings.warn_explicit(text, RuntimeWarning, filename, line)
 
 
 class Watchdog:
@@ -97,7 +89,7 @@ class Watchdog:
         if not self._due.now(waited):
             return
         never = stall.report_stall(service.rank, self._what, waited, "", lambda: record[LEFT] != 0.0, 1,
-                                   warn=lambda text: warn_at(self._place, text))
+                                   warn=lambda text: stall.warn_at(self._place, text))
         if never is not None and record[LEFT] == 0.0:
             flight_dumps.write(service.rank, "a blocking call that can never complete")
             self.abort(never + " A rank blocked in a collective cannot be interrupted: the job is aborted.")

@@ -18,7 +18,6 @@ from collectives import inflight
 from collectives.recorder import short, user_frame, where
 
 from ..runtime import flight_dumps, process, stall
-from ..runtime.watchdog import warn_at
 from ..tensors.handle import TensorHandle
 
 _thread = threading.local()  # .completer: the Completer whose thread this is
@@ -184,7 +183,7 @@ class Work(dist.Work):
         """The stall report, as a warning at the program's line that issued the operation (the
         completer thread's own frames lead to none)."""
         if self._place:
-            warn_at(self._place, text)
+            stall.warn_at(self._place, text)
         else:
             warnings.warn(text, RuntimeWarning, stacklevel=2)
 
