@@ -214,6 +214,11 @@ def template_option_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def tasks_per_node(args: argparse.Namespace) -> int:
+    """The ranks the rendered script starts per node: --tasks-per-node, else one per GPU, else 1."""
+    return int(args.tasks_per_node or args.gpus_per_node or 1)
+
+
 def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
     """Every problem with the `render` arguments, as messages that say what to change."""
     if args.template not in known:
@@ -241,7 +246,7 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
         errors.append(f"one rank per GPU: --tasks-per-node {args.tasks_per_node} must equal "
                       f"--gpus-per-node {args.gpus_per_node} (or be left out)")
     errors += fault_tolerance_errors(args, spec)
-    ranks = args.nodes * (args.tasks_per_node or args.gpus_per_node or 1)  # the job's, as rendered
+    ranks = args.nodes * tasks_per_node(args)  # the job's, as rendered
     errors += program_errors(spec.runs, args.program_args, ranks if ranks >= 1 else None)
     if args.template == "requeue":
         if args.checkpoint_every < 1:
@@ -337,7 +342,7 @@ def template_values(args: argparse.Namespace, family: str | None) -> dict[str, o
     return {
         "template": args.template, "description": spec.description,
         "job_name": args.job_name or f"hpcdl-{args.template}", "nodes": args.nodes,
-        "tasks_per_node": args.tasks_per_node or args.gpus_per_node or 1,
+        "tasks_per_node": tasks_per_node(args),
         "cpus_per_task": args.cpus_per_task, "gpus_per_node": args.gpus_per_node, "time": args.time,
         "partition": args.partition, "account": args.account, "log_dir": args.log_dir.rstrip("/") or "/",
         "launcher": args.launcher, "mpi": mpi, "mpi_family": family, "allow_root": args.allow_root,
