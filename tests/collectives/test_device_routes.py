@@ -10,9 +10,11 @@ where, the automatic choice, ranks on two hosts, and claims that fail on every r
 """
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -21,6 +23,7 @@ from mpi4py import MPI
 
 import collectives
 from tests.helpers.arrays import (ARENA_PREFIX, FakeDeviceArray, FakeDeviceRuntime, FakeIpcRuntime, Outcomes,
+                                  SharedArena,
                                   device_runtime_installed, rank_data, reduce_reference,
                                   remove_arena_files_of_ended_processes, setting)
 from collectives import DeviceRouteError, host_communicators, select
@@ -255,3 +258,31 @@ def test_arena_files_of_ended_processes_are_removed_and_a_running_ones_kept(tmp_
         (tmp_path / name).write_bytes(b"x")
     assert remove_arena_files_of_ended_processes(str(tmp_path)) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+def test_an_arena_allocation_the_garbage_collector_frees_inside_the_arenas_lock_does_not_wait(tmp_path) -> None:
+    """The cyclic garbage collector runs wherever an allocation triggers it, also inside the arena's
+    own locked regions; freeing an allocation there took the same lock on the same thread and
+    waited for ever (CI, 2026-11-30: a 3-rank staging test hung)."""
+    arena = SharedArena(str(tmp_path))
+    kept = arena.empty(4)
+
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me, garbage.array = garbage, arena.empty(8)  # freed only by the cyclic collector
+    freed = int(garbage.array.ctypes.data)
+    del garbage
+    collected = threading.Event()
+
+    def collect_inside_the_lock() -> None:
+        with arena._lock:
+            gc.collect()
+        collected.set()
+
+    threading.Thread(target=collect_inside_the_lock, daemon=True).start()
+    assert collected.wait(30), "freeing an allocation waited for the arena's own lock"
+    assert [p.name for p in tmp_path.iterdir()] == [arena.find(int(kept.ctypes.data))[0].rsplit("/", 1)[1]]
+    assert arena.find(freed) is None  # gone from the arena too
+

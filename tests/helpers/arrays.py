@@ -398,6 +398,7 @@ class SharedArena:
         self.directory = directory
         self._lock = threading.Lock()
         self._live: dict[int, tuple[int, str]] = {}  # start address -> (end, path)
+        self._freed: list[int] = []  # start addresses freed since the last locked call (`_free`)
 
     def empty(self, shape: Any, dtype: Any = np.float64) -> np.ndarray:
         import mmap
@@ -416,19 +417,30 @@ class SharedArena:
         raw = np.frombuffer(memory, dtype=np.uint8)
         start = int(raw.ctypes.data)
         with self._lock:
+            self._forget_freed()  # before: a freed allocation's start may be this one's
             self._live[start] = (start + max(nbytes, 1), path)
         weakref.finalize(memory, self._free, start, path)
         return raw[:nbytes].view(dtype).reshape(shape)
 
     def _free(self, start: int, path: str) -> None:
-        with self._lock:
-            self._live.pop(start, None)
+        # No lock here: the cyclic garbage collector runs this wherever an allocation triggers it,
+        # also inside this arena's own locked regions on the same thread, where taking the lock
+        # would wait for ever (CI, 2026-11-30: a 3-rank staging test hung). The start is noted
+        # (list.append is atomic) and dropped by the next locked call; its address cannot be
+        # handed out again before then, since the mapping is unmapped only after this runs.
+        self._freed.append(start)
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+    def _forget_freed(self) -> None:
+        """Drop the allocations `_free` noted from `_live` (the lock held)."""
+        while self._freed:
+            self._live.pop(self._freed.pop(), None)
 
     def find(self, address: int) -> tuple[str, int] | None:
         """The allocation holding `address`: its file and start address, or None."""
         with self._lock:
+            self._forget_freed()
             for start, (end, path) in self._live.items():
                 if start <= address < end:
                     return path, start
