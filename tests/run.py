@@ -309,11 +309,30 @@ def where_ranks_stopped(label: str, out: Path, size: int, quiet_exit: bool = Fal
             lines.append(f"{label} rank {r} was to start {test}, {rest.strip()}")
         else:
             lines.append(f"{label} rank {r} stuck in {test} past its time limit: ended by its watchdog, "
-                         f"stacks in {stacks}")
+                         f"stacks in {stacks}; its main thread in {innermost_frames(rest)}")
             shown = rest.splitlines(True)
             print(f"----- {label} rank {r}: stacks when its watchdog ended it -----")
             print("".join(shown[:200] + (["...\n"] if len(shown) > 200 else [])), flush=True)
     return lines
+
+
+def innermost_frames(stacks: str, count: int = 3) -> str:
+    """The `count` innermost frames of the main thread in faulthandler's dump `stacks` (its last
+    thread: faulthandler lists the newest thread first), as "path:line func < ...", paths relative
+    to the repository: the run's last lines say where a stuck rank was even where a CI log is cut
+    to its tail (CI, 2026-11-30: the stacks printed above were cut off, only "stuck in" was left)."""
+    blocks = [b for b in stacks.split("\n\n") if "most recent call first" in b]
+    if not blocks:
+        return "(no stacks)"
+    frames = []
+    for line in blocks[-1].splitlines()[1:]:
+        found = re.match(r'\s*File "(.*)", line (\d+) in (\S+)', line)
+        if found:
+            path, number, name = found.groups()
+            if path.startswith(f"{ROOT}/"):
+                path = path[len(str(ROOT)) + 1:]
+            frames.append(f"{path}:{number} {name}")
+    return " < ".join(frames[:count]) or "(no frames)"
 
 
 def summarize(label: str, rc: int, out: Path, size: int, totals: dict[str, int],

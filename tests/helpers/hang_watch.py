@@ -154,8 +154,28 @@ class HangWatch:
         crash = getattr(report.longrepr, "reprcrash", None)  # where it raised, and the message
         text = crash.message if crash is not None else str(report.longrepr)
         first = (text.strip().splitlines() or ["(no message)"])[0][:200]
+        where = _where_it_stopped(report)
         with open(self.failed_path, "a") as out:
-            out.write(f"{report.nodeid} ({report.when}): {first}\n")
+            out.write(f"{report.nodeid} ({report.when}): {first}{where}\n")
+
+
+def _where_it_stopped(report: pytest.TestReport) -> str:
+    """For a test pytest-timeout failed: ", at path:line func < ..." (its innermost frames outside
+    pytest-timeout's handler, which is where pytest says it raised), so the run's last lines say
+    where the test was stuck; "" for any other failure, whose message says what went wrong."""
+    entries = getattr(getattr(report.longrepr, "reprtraceback", None), "reprentries", None)
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if not entries or crash is None or "Timeout" not in crash.message:
+        return ""
+    frames = []
+    for entry in reversed(entries):
+        location = getattr(entry, "reprfileloc", None)
+        if location is None or "pytest_timeout" in location.path:
+            continue
+        frames.append(f"{location.path}:{location.lineno}")
+        if len(frames) == 3:
+            break
+    return f", at {' < '.join(frames)}" if frames else ""
 
 
 def watch(config: pytest.Config) -> HangWatch:

@@ -102,6 +102,33 @@ def test_a_rank_stuck_in_a_c_call_is_ended_with_its_stacks_and_named(tmp_path: P
     assert "in test_stuck_in_c" in dump  # the stuck frame, from the watchdog's dump
     lines = run.where_ranks_stopped("N=1", tmp_path, 1)
     assert len(lines) == 1 and "test_stuck_in_c" in lines[0] and "watchdog" in lines[0]
+    # ... and where its main thread was, in the line itself: CI's log is cut to its tail
+    assert "its main thread in " in lines[0] and f"{tmp_path}/test_stuck.py:12 test_stuck_in_c" in lines[0], lines
+
+
+SLOW = """
+    import time
+    import pytest
+
+    def wait_for_ever():
+        while True:
+            time.sleep(0.01)
+
+    @pytest.mark.timeout(1)
+    def test_slow():
+        wait_for_ever()
+"""
+
+
+@ONE_RANK_JOB
+@pytest.mark.timeout(120)
+def test_a_test_past_its_time_limit_is_named_with_where_it_waited(tmp_path: Path) -> None:
+    done = own_pytest(tmp_path, "test_slow.py", SLOW, [])
+    assert done.returncode == 1, done.stdout[-2000:]
+    failed = (tmp_path / "rank0.failed").read_text()
+    # pytest says the timeout's own handler raised; the line names the test's frames instead
+    assert "test_slow.py::test_slow (call): Failed: Timeout" in failed, failed
+    assert f", at {tmp_path}/test_slow.py:7 < {tmp_path}/test_slow.py:11" in failed, failed
 
 
 STUCK_AT_EXIT = """
