@@ -6,6 +6,10 @@ class CollectiveArgumentError(ValueError):
     """Bad or mismatched collective arguments, or ranks out of step; raised on every rank of the
     communicator, which stays usable afterwards."""
 
+    #: The same error, with the same message, is raised on every rank of the communicator: a
+    #: program that lets it end the job need print it once (hpcdl's abort on an uncaught error).
+    raised_on_every_rank = True
+
 
 class DeviceRouteError(CollectiveArgumentError):
     """A route for device messages that a setting claims does not work here (HPCDL_CUDA_AWARE=1

@@ -9,10 +9,12 @@ rank 0 alone prints (`report_failure`): the `hpcdl` commands' errors and the tra
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar
 
 if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
+
+E = TypeVar("E", bound=BaseException)
 
 #: Exit status for bad options or environment (argparse's own for bad syntax): what a program
 #: returns when every rank refused what it was asked to do.
@@ -42,11 +44,18 @@ def agreed_errors(errors: list[str], comm: MPI.Comm) -> list[str]:
     return _verdict(comm.allgather((list(errors), {})))
 
 
+def on_every_rank(exc: E) -> E:
+    """`exc`, marked as raised with the same message on every rank of its communicator: the abort
+    on an uncaught error (`process.install_abort_hook`) prints it from one rank, not from each."""
+    exc.raised_on_every_rank = True  # type: ignore[attr-defined]
+    return exc
+
+
 def raise_together(error: str | None, comm: MPI.Comm, exc_type: type[Exception] = ValueError) -> None:
     """Collective: raise `exc_type` on every rank of `comm` if any rank has an error."""
     message = agreed_error(error, comm)
     if message is not None:
-        raise exc_type(message)
+        raise on_every_rank(exc_type(message))
 
 
 def raise_unless_agreed(what: str, errors: list[str], given: dict[str, Any], comm: MPI.Comm,
@@ -59,7 +68,7 @@ def raise_unless_agreed(what: str, errors: list[str], given: dict[str, Any], com
     """
     message = _message(comm.allgather((list(errors), given)))
     if message is not None:
-        raise exc_type(f"{what}: {message}")
+        raise on_every_rank(exc_type(f"{what}: {message}"))
 
 
 def check_same(what: str, values: dict[str, Any], comm: MPI.Comm) -> None:

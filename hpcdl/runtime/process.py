@@ -18,6 +18,7 @@ import linecache
 import os
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
@@ -194,6 +195,10 @@ def abort(message: str, code: int = 1) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+#: Seconds a rank other than 0 waits, on an uncaught error raised on every rank alike, for rank
+#: 0's abort (which prints it) before printing it and aborting itself.
+QUIET_WAIT_S = 5.0
+
 #: Set to 1, the abort on an uncaught error of hpcdl's own prints the whole traceback too.
 TRACEBACK_VARIABLE = "HPCDL_TRACEBACK"
 
@@ -250,12 +255,19 @@ def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
         # of hpcdl's and torch's plumbing between them would only bury it.
         notes = "".join(f" {note}" for note in getattr(exc, "__notes__", ()))
         rank = MPI.COMM_WORLD.Get_rank()
+        everywhere = getattr(exc, "raised_on_every_rank", False)
         text = (f"{exc_type.__name__}: {exc}{notes}\n[hpcdl rank {rank}] raised{_program_line(tb)}"
+                f"{' on every rank' if everywhere and not alone else ''}"
                 f"{'' if alone else '; aborting all ranks'} ({TRACEBACK_VARIABLE}=1 prints the traceback)")
         if alone:
             _say(text)
-        else:
-            abort(text)
+            return
+        if everywhere and rank != 0:
+            # The same message is on its way from rank 0, whose abort ends this process: at 64
+            # ranks, 64 copies would bury it. Should rank 0 not be in that communicator or not
+            # abort, this rank says it itself a moment later.
+            time.sleep(QUIET_WAIT_S)
+        abort(text)
         return
     if alone:
         sys.__excepthook__(exc_type, exc, tb)

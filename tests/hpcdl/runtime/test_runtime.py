@@ -132,12 +132,40 @@ def test_an_error_of_hpcdls_own_aborts_with_its_message_and_the_programs_line(tr
     done = subprocess.run(["mpirun", "-n", "3", sys.executable, "-c", textwrap.dedent(OWN_ERROR)], env=env,
                           capture_output=True, text=True, timeout=ABORT_DEADLINE_S)
     assert done.returncode != 0 and time.monotonic() - start < ABORT_DEADLINE_S
-    compact = re.search(r"\[hpcdl rank \d\] CollectiveArgumentError: allreduce: ranks passed different .*\n"
-                        r"\[hpcdl rank \d\] raised at <string>:7 in <module>; aborting all ranks "
+    compact = re.search(r"\[hpcdl rank 0\] CollectiveArgumentError: allreduce: ranks passed different .*\n"
+                        r"\[hpcdl rank 0\] raised at <string>:7 in <module> on every rank; aborting all ranks "
                         r"\(HPCDL_TRACEBACK=1 prints the traceback\)", done.stderr)
     assert (compact is None) is traceback, done.stderr
     assert ("Traceback (most recent call last)" in done.stderr) is traceback, done.stderr
     assert "CollectiveArgumentError: allreduce: ranks passed different" in done.stderr, done.stderr
+    if not traceback:  # raised alike on every rank: rank 0 says it, once (not once per rank)
+        assert done.stderr.count("ranks passed different") == 1, done.stderr
+
+
+CAUGHT_ON_RANK_0 = """
+    import time
+    import numpy as np
+    import collectives, hpcdl
+    from mpi4py import MPI
+    hpcdl.init()
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        collectives.allreduce(np.ones(4 if rank != 1 else 5, np.float32))
+    except collectives.CollectiveArgumentError:
+        if rank != 0:
+            raise
+        time.sleep(60)  # rank 0 goes on: it never prints the error
+"""
+
+
+@single_job
+def test_an_error_raised_on_every_rank_that_rank_0_caught_is_said_by_the_others() -> None:
+    """The other ranks leave an error raised on every rank to rank 0 to print; where rank 0 does not
+    (it caught it, or is not in that communicator), they say it themselves a moment later."""
+    done, elapsed = run_job(3, CAUGHT_ON_RANK_0)
+    assert done.returncode != 0 and elapsed < 45, (elapsed, done.stderr)
+    assert re.search(r"\[hpcdl rank [12]\] raised at <string>:9 in <module> on every rank; aborting all ranks",
+                     done.stderr), done.stderr
 
 
 REFUSAL = """
@@ -155,7 +183,8 @@ def test_a_refusal_raised_as_a_value_error_in_hpcdls_code_is_two_lines_too() -> 
     done, _ = run_job(2, REFUSAL)
     assert done.returncode != 0 and "Traceback (most recent call last)" not in done.stderr, done.stderr
     assert re.search(r"\[hpcdl rank \d\] ValueError: DistributedDataParallel\(reproducible=True\): 1 is a "
-                     r"SyncBatchNorm: .*\n\[hpcdl rank \d\] raised at <string>:5 in <module>; aborting all ranks",
+                     r"SyncBatchNorm: .*\n\[hpcdl rank 0\] raised at <string>:5 in <module> on every rank; "
+                     r"aborting all ranks",
                      done.stderr), done.stderr
 
 
