@@ -14,25 +14,35 @@ the ranks are asked what they do and one rank prints the report, as a stall wait
 A call that can never complete (a rank it needs has left: its program ended without making it,
 stall_report.never_completes) cannot be interrupted either: the watchdog prints why, one line,
 and aborts the job (MPI_Abort) about a second after the notice, instead of leaving it hung until
-the batch system's time limit. A raw MPI call (an mpi4py `Barrier`) is no collective of hpcdl's:
-it is not recorded, and the watchdog does not see it. Cost: one thread per rank that wakes once a
-second and reads the recorder's ring and the threads' innermost frames.
+the batch system's time limit. A raw MPI call (an mpi4py `comm.Barrier()` in the program) is no
+collective of hpcdl's and leaves no record: the watchdog finds a thread blocked in one by its
+frame (raw_calls.py) and reports it past the same bound, with the other ranks' answers; it does not
+abort there, since which ranks such a call needs is not known. Cost: one thread per rank that
+wakes once a second and reads the recorder's ring and the threads' innermost frames.
 """
 from __future__ import annotations
 
 import os
 import sys
 import threading
+import time
 import warnings
 from typing import Any, Callable
 
 import collectives
 from collectives.recorder import ENTERED, LEFT, RECORDER, THREAD, as_dict, user_frame, where
 
-from . import diagnosis, flight_dumps, stall, stall_report
+from . import diagnosis, flight_dumps, raw_calls, stall, stall_report
 
 #: Seconds between the watchdog's looks.
 LOOK_S = 1.0
+#: What a report on a raw MPI call advises.
+RAW_ADVICE = ("Every rank of the communicator must make the same MPI calls in the same order; a "
+              "rank that skipped this one, or waits in another, holds the others here.")
+#: Looks a raw collective stays in place, a rank it needs having left, before the job is aborted.
+GONE_LOOKS = 2
+#: ... and the error where a rank it needs has left.
+RAW_LEFT_ADVICE = "every rank of the communicator must make the same collective calls"
 _COLLECTIVES = os.path.dirname(os.path.abspath(collectives.__file__)) + os.sep
 
 
@@ -61,6 +71,8 @@ class Watchdog:
         self._what = ""  # the call, as the report names it
         self._clock: stall.WaitClock | None = None
         self._due: stall.ReportDue | None = None
+        self._raw: raw_calls.RawCall | None = None  # the raw MPI call it watches, where no record
+        self._gone_looks = 0  # looks since a rank that call needs was found gone
         self._thread = threading.Thread(target=self._watch, name="hpcdl-watchdog", daemon=True)
         self._thread.start()
 
@@ -83,7 +95,10 @@ class Watchdog:
         if record is not self._record:
             self._follow(record)
             return
-        if record is None or self._clock is None or self._due is None:
+        if record is None:
+            self._look_at_raw_calls()
+            return
+        if self._clock is None or self._due is None:
             return
         waited = self._clock.look(LOOK_S)
         if not self._due.now(waited):
@@ -94,8 +109,51 @@ class Watchdog:
             flight_dumps.write(service.rank, "a blocking call that can never complete")
             self.abort(never + " A rank blocked in a collective cannot be interrupted: the job is aborted.")
 
+    def _look_at_raw_calls(self) -> None:
+        """With no recorded call blocked: follow a thread blocked in a raw MPI call, and report it
+        once it has waited the bound (never an abort: which ranks it needs is not known)."""
+        frames = sys._current_frames()
+        raw = self._raw
+        if raw is not None and not raw.still_in(frames):
+            self._follow_raw(None)
+            raw = None
+        if raw is None:
+            self._follow_raw(raw_calls.blocked_raw_call(frames, skip=self.service.waits))
+            return
+        assert self._clock is not None and self._due is not None
+        gone = sorted(set(self.service.departed) & raw.needs) if raw.needs else []
+        # A call that completed just as a rank left can still show in the frame for a moment (its
+        # thread not yet back from MPI): a departure counts once the call stayed through GONE_LOOKS.
+        self._gone_looks = self._gone_looks + 1 if gone else 0
+        if self._gone_looks > GONE_LOOKS:  # a collective a rank of its communicator left without making
+            flight_dumps.write(self.service.rank, "a raw MPI call that can never complete")
+            self._follow_raw(None)
+            self.abort(f"rank {self.service.rank}: {raw.describe()} can never complete: "
+                       f"{stall_report.ranks_text(gone)} left (the program ended) without making it: "
+                       f"{RAW_LEFT_ADVICE}. A rank blocked in an MPI call cannot be interrupted: the job is "
+                       "aborted.")
+            return
+        if self._due.now(self._clock.look(LOOK_S)):
+            stall.report_stall(self.service.rank, raw.describe(), self._clock.waited, RAW_ADVICE,
+                               lambda: not raw.still_in(sys._current_frames()), 1,
+                               warn=lambda text: stall.warn_at(raw.place, text))
+
+    def _follow_raw(self, raw: raw_calls.RawCall | None) -> None:
+        """Watch the raw MPI call `raw` from now on (None: none), and no longer the one before;
+        this rank's answers say it waits there meanwhile."""
+        if self._raw is not None:
+            self.service.waits.pop(self._raw.thread, None)
+        self._raw, self._gone_looks = raw, 0
+        if raw is None:
+            return
+        self.service.waits[raw.thread] = (raw.describe(), time.monotonic())
+        self._clock = stall.WaitClock(None)
+        self._due = stall.ReportDue(None)
+
     def _follow(self, record: list[Any] | None) -> None:
-        """Watch `record`'s call from now on (None: none), and no longer the one before."""
+        """Watch `record`'s call from now on (None: none), and no longer the one before (or the
+        raw MPI call it watched)."""
+        self._follow_raw(None)
         if self._record is not None:
             self.service.blocked.pop(self._record[THREAD], None)
         self._record = record

@@ -5,7 +5,9 @@ watchdog's abort); `left-tensor`: the same through `hpcdl.allreduce` of a torch 
 between the program and the collectives). `slow`: rank 0 sleeps BLOCKING_JOB_SLOW_S seconds before
 its third allreduce; the others wait in it, one rank reports, and the job ends normally.
 `slow-left`: rank 0 sleeps as in `slow`, then ends without its third allreduce (reported slow
-first, then gone: the others must still end)."""
+first, then gone: the others must still end). `raw-left`, `raw-slow`: the same with the program's
+own MPI call, `MPI.COMM_WORLD.Barrier()`, in place of the allreduce; `raw-loop`: every rank makes
+quick raw barriers for RAW_LOOP_S seconds at one line (a loop, not one call that never returns)."""
 from __future__ import annotations
 
 import os
@@ -20,6 +22,7 @@ import collectives
 import hpcdl
 
 STEPS = 3
+RAW_LOOP_S = 6.0
 
 
 def load_batch(seconds: float) -> None:
@@ -30,12 +33,21 @@ def main(mode: str) -> None:
     hpcdl.init()
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    for step in range(STEPS - 1 if rank == 0 and mode.startswith("left") else STEPS):
+    raw, mode = mode.startswith("raw-"), mode.removeprefix("raw-")
+    if mode == "loop":
+        start = time.monotonic()
+        for _ in range(1 << 30):
+            world.Barrier()
+            if world.allreduce(time.monotonic() - start > RAW_LOOP_S, op=MPI.LOR):
+                break
+    for step in range(STEPS - 1 if rank == 0 and mode.startswith("left") else 0 if mode == "loop" else STEPS):
         if rank == 0 and mode.startswith("slow") and step == STEPS - 1:
             load_batch(float(os.environ["BLOCKING_JOB_SLOW_S"]))
             if mode == "slow-left":
                 break
-        if mode == "left-tensor":
+        if raw:
+            world.Barrier()
+        elif mode == "left-tensor":
             hpcdl.allreduce(torch.ones(4))
         else:
             collectives.allreduce(np.ones(4, np.float32), world)

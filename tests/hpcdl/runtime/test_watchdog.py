@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from collectives.patience import complete_patiently
 from collectives.recorder import RECORDER, leave
-from hpcdl.runtime import watchdog
+from hpcdl.runtime import raw_calls, watchdog
 from tests.run import ROOT, own_job_environment, run_own_job
 
 only_alone = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 3-rank mpirun; N = 1")
@@ -106,3 +106,78 @@ def test_the_watchdog_finds_a_thread_blocked_in_the_collectives_and_no_other():
     returned = watchdog.blocked_call(service)  # type: ignore[arg-type]
     comm.Free()
     assert found is records[0] and in_a_wait is None and returned is None, (found, in_a_wait, returned)
+
+
+@only_alone
+def test_a_raw_mpi_barrier_a_rank_left_without_making_is_reported_and_ends_the_job():
+    """The program's own `MPI.COMM_WORLD.Barrier()` leaves no flight record: the watchdog finds the
+    ranks blocked in it by their frames, reports them once past the bound (rank 0 slow, at its
+    line), and ends the job once rank 0 has left without making it (it waited for ever)."""
+    started = time.monotonic()
+    proc = blocking_job("raw-left", HPCDL_STALL_WARNING_S="60")
+    elapsed, out = time.monotonic() - started, proc.stdout
+    assert proc.returncode != 0 and "rank 1 done" not in out and "rank 2 done" not in out, out[-4000:]
+    assert elapsed < 40, out  # the bound is 60 s: the abort came from the notice
+    assert re.search(r"\[hpcdl rank [12]\] rank [12]: the MPI call `world\.Barrier\(\)` at blocking_job\.py:\d+ in "
+                     r"main can never complete: rank 0 left \(the program ended\) without making it", out), out
+
+
+@only_alone
+def test_a_late_rank_in_raw_mpi_calls_is_reported_once_and_the_job_goes_on():
+    proc = blocking_job("raw-slow", HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S="6")
+    out = proc.stdout
+    assert proc.returncode == 0 and out.count(" done") == 3, out[-4000:]
+    assert out.count("hpcdl stall report: rank 0 holds the job up") == 1, out
+    assert re.search(r"blocking_job\.py:\d+: RuntimeWarning: rank 1: the MPI call `world\.Barrier\(\)` at "
+                     r"blocking_job\.py:\d+ in main has waited \d\.\d s for the other ranks\.", out), out
+    assert "in load_batch `time.sleep(seconds)`" in out, out
+
+
+@only_alone
+def test_a_loop_of_quick_raw_mpi_calls_at_one_line_is_not_taken_for_one_that_never_returns():
+    proc = blocking_job("raw-loop", HPCDL_STALL_WARNING_S="2")
+    out = proc.stdout
+    assert proc.returncode == 0 and out.count(" done") == 3, out[-4000:]
+    assert "stall report" not in out and "has waited" not in out, out
+
+
+def test_the_watchdog_finds_a_thread_blocked_in_a_raw_mpi_call_and_no_other():
+    """raw_calls.blocked_raw_call: a thread of the program in `comm.Recv(...)` waiting for a
+    message that comes later is found, with its call, its line and the ranks its communicator holds
+    (none for a point-to-point call); a thread in another C call (a sleep) is not, nor one in a
+    stall wait, nor the same thread once it returned."""
+    comm = MPI.COMM_SELF.Dup()
+    entered = threading.Event()
+
+    def receive() -> None:
+        buffer = np.zeros(1)
+        entered.set()
+        comm.Recv(buffer, source=0, tag=8)
+
+    def sleep() -> None:
+        time.sleep(1.0)
+
+    threads = [threading.Thread(target=receive), threading.Thread(target=sleep)]
+    for thread in threads:
+        thread.start()
+    try:
+        entered.wait(10)
+        time.sleep(0.3)  # inside Recv
+        frames = sys._current_frames()
+        found = raw_calls.blocked_raw_call(frames)
+        skipped = raw_calls.blocked_raw_call(frames, skip={threads[0].ident})
+        still = found is not None and found.still_in(sys._current_frames())
+    finally:
+        comm.Send(np.ones(1), 0, 8)
+        for thread in threads:
+            thread.join(10)
+    assert found is not None and found.thread == threads[0].ident, found
+    assert found.call == "comm.Recv(buffer, source=0, tag=8)" and found.needs is None, found
+    assert found.describe().startswith("the MPI call `comm.Recv(buffer, source=0, tag=8)` at test_watchdog.py:")
+    assert still and not found.still_in(sys._current_frames()), "returned: no longer in it"
+    assert skipped is None, skipped
+    # a collective needs the ranks of MPI.COMM_WORLD its communicator holds
+    assert raw_calls.world_ranks(comm) == {MPI.COMM_WORLD.Get_rank()}
+    assert raw_calls.world_ranks(MPI.COMM_WORLD) == set(range(MPI.COMM_WORLD.Get_size()))
+    comm.Free()
+
