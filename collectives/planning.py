@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .buffers import Buffer, as_buffer
 from .errors import LocalArgumentError
 from .layouts import Layout, Request
+from .recorder import is_library
 from .ops import DTYPE_CODES, DTYPES, HAND_WRITTEN_ONLY, MOVED_DTYPES, OPS, dtype_name
 from .packet import PLACEMENTS
 from .registry import ALGORITHM_CODES, ALGORITHMS, COLLECTIVE_CODES, COLLECTIVES
@@ -50,8 +51,20 @@ class Call:
 CHECK_CALL_SITES = os.environ.get("HPCDL_CHECK_CALL_SITES", "1").strip().lower() not in (
     "0", "false", "no", "off")
 #: Call sites seen, by (id of the code, instruction): (fingerprint, text), and the code (kept, so
-#: its id is not reused); read inline by `small.allreduce_now`.
+#: its id is not reused); read inline by `small.allreduce_now`. Never a frame of a pass-through file.
 SITES: dict[tuple[int, int], tuple[tuple[int, str], Any]] = {}
+#: Files whose functions only pass a call on to the collectives (`pass_through`).
+_PASS_THROUGH: set[str] = set()
+
+
+def pass_through(filename: str) -> None:
+    """Count the functions of the file `filename` (a module's `__file__`) as passing calls on, as
+    `hpcdl.allreduce` passes a tensor's: a call the program made through them has the program's
+    line as its call site, so a rank that made one call more through them is caught as a direct
+    call is (each had the wrapper's own line, the same on every rank). One a library made
+    through them (torch's DDP through its process group) keeps the wrapper's line: the library's
+    own paths to the same collective may differ between ranks."""
+    _PASS_THROUGH.add(filename)
 
 
 def call_site(depth: int = 3) -> tuple[int, str]:
@@ -64,6 +77,12 @@ def call_site(depth: int = 3) -> tuple[int, str]:
     if not CHECK_CALL_SITES:
         return 0, ""
     frame = _getframe(depth)
+    if frame.f_code.co_filename in _PASS_THROUGH:
+        caller = frame.f_back
+        while caller is not None and caller.f_code.co_filename in _PASS_THROUGH:
+            caller = caller.f_back
+        if caller is not None and not is_library(caller.f_code.co_filename):
+            frame = caller
     code = frame.f_code
     # Keyed by the code's id (hashing a code object hashes its contents) and the call's
     # instruction (cheaper to read than its line); the code is kept, so its id is not reused.

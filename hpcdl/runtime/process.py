@@ -272,7 +272,18 @@ def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
     if alone:
         sys.__excepthook__(exc_type, exc, tb)
         return
+    if MPI.COMM_WORLD.Get_rank() != 0 and _wraps_error_on_every_rank(exc):
+        time.sleep(QUIET_WAIT_S)  # rank 0 says the error itself (above), and its abort ends this rank
     abort("uncaught exception; aborting all ranks\n" + "".join(traceback.format_exception(exc_type, exc, tb)))
+
+
+def _wraps_error_on_every_rank(exc: BaseException) -> bool:
+    """Whether `exc` carries, as its text, an error raised alike on every rank: torch's DDP turns
+    the CollectiveArgumentError of a bucket's allreduce into a RuntimeError ("Cannot extract
+    tensors from value: CollectiveArgumentError: ...") on the rank whose backward made it."""
+    from collectives import CollectiveArgumentError
+
+    return isinstance(exc, RuntimeError) and f"{CollectiveArgumentError.__name__}: " in str(exc)
 
 
 def _abort_on_uncaught_in_thread(args: Any) -> None:

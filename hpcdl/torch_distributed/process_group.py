@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
@@ -11,11 +12,19 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import collectives
+from collectives.planning import pass_through
 
 from ..tensors.alltoall import exchange_counts, pairwise_alltoall
 from ..tensors.handle import TensorHandle
 from ..tensors.arrays import as_array, collective_array, refusal
 from .work import Completer, PointToPointWork, Work, in_callback, issuer
+
+# A collective the program calls (`dist.all_reduce(t)` at its line) is checked with that line as
+# its call site, as a direct call of the collectives is; torch's DDP, Join and the others keep
+# this file's line (`pass_through`).
+for _passing in (sys.modules[__name__], dist.distributed_c10d, getattr(dist, "c10d_logger", None)):
+    if _passing is not None and _passing.__file__:
+        pass_through(_passing.__file__)
 
 BACKEND = "hpcdl"
 #: Seconds the completer thread is waited for when the group is dropped or the program exits.

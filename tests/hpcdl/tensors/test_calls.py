@@ -145,8 +145,8 @@ def test_average_returns_the_kind_it_was_given(comm):
 
 def test_calls_that_meet_from_different_lines_name_the_programs_lines_too(comm):
     """hpcdl.average on the last rank meets a direct collectives.allreduce of the others: the error
-    names the line that called the collectives (hpcdl's own, calls.py) and the program's line above
-    it, where the two differ, so that a user sees which of their lines met."""
+    names the program's line of each (hpcdl.average passes calls on: its own line is not the
+    call's), so that a user sees which of their lines met."""
     from hpcdl.runtime import diagnosis  # noqa: F401 - counts hpcdl's frames as library frames, as hpcdl.init does
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -160,9 +160,28 @@ def test_calls_that_meet_from_different_lines_name_the_programs_lines_too(comm):
         message = ""
     except collectives.CollectiveArgumentError as exc:
         message = str(exc)
-    ok = f"rank {size - 1} at calls.py:" in message and " in average ← test_calls.py:" in message \
-        and "in test_calls_that_meet_from_different_lines" in message and "← test_calls.py" not in \
-        message.split(f"rank {size - 1} at")[0]
+    ok = f"rank {size - 1} at test_calls.py:" in message and "calls.py:" not in message.replace("test_calls.py:", "") \
+        and "in test_calls_that_meet_from_different_lines" in message
+    assert all_ranks_agree(ok, comm), message
+    assert hpcdl.allreduce(torch.ones(1), comm).item() == size  # in step again
+
+
+def test_a_call_more_on_one_rank_through_hpcdl_allreduce_raises_on_every_rank(comm):
+    """A rank that makes one hpcdl.allreduce more than the others: its extra call meets the others'
+    next call, made from another line of the program. Each call had hpcdl's own line as its call site,
+    the same everywhere, so the two paired and gave a wrong sum without an error (user review,
+    2026-11-30); now the program's lines are compared, as for a direct call."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks to disagree")
+    try:
+        if rank == 0:
+            hpcdl.allreduce(torch.ones(1), comm)  # the extra call
+        total = hpcdl.allreduce(torch.full((1,), 10.0 * (rank + 1)), comm)
+        message = f"no error: {total.item()}"
+    except collectives.CollectiveArgumentError as exc:
+        message = str(exc)
+    ok = "from different lines of the program" in message and "rank 0 at test_calls.py:" in message
     assert all_ranks_agree(ok, comm), message
     assert hpcdl.allreduce(torch.ones(1), comm).item() == size  # in step again
 

@@ -370,6 +370,29 @@ def test_a_tensor_that_requires_grad_on_one_rank_fails_every_rank(comm):
     assert check.item() == size
 
 
+def test_a_call_more_on_one_rank_through_dist_raises_on_every_rank(comm):
+    """A rank that makes one dist.all_reduce more (a metric the others do not log): its extra call
+    meets the others' next call, from another line of the program. Each call had the backend's own
+    line as its call site, so the two paired and gave a wrong sum without an error (user review,
+    2026-11-30); the program's lines are compared now, as for a direct call of the collectives."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        pytest.skip("needs two ranks to disagree")
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))  # the extra call
+        total = torch.full((1,), 10.0 * (rank + 1))
+        dist.all_reduce(total)
+        message = f"no error: {total.item()}"
+    except collectives.CollectiveArgumentError as exc:
+        message = str(exc)
+    ok = "from different lines of the program" in message and "rank 0 at test_backend.py:" in message
+    assert all_ranks_agree(ok, comm), message
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    assert check.item() == size
+
+
 @pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
 def test_bitwise_ops_are_refused_naming_the_supported_ones(comm, op):
     with pytest.raises(ValueError, match=r"no .* reduction; it reduces with SUM, AVG, MIN, MAX"):
