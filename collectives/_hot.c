@@ -260,6 +260,7 @@ static struct {
     struct { PyObject *comm, *channel; intptr_t handle; } channels[CHANNELS];
     int next_channel;
     PyObject *channel_of, *fallback, *settle, *finished, *handleof, *channels_module, *recorder, *sites, *environment;
+    PyObject *pass_through; /* planning._PASS_THROUGH: files whose frames pass calls on */
     PyObject *override_name, *tuning_name, *ndarray, *world_name, *copy_name, *intruded_name;
     PyObject *no_site, *auto_name, *mpi_name;
     long long compiled; /* calls completed on the compiled path (for tests) */
@@ -268,17 +269,19 @@ static struct {
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"fallback", "settle", "finished", "handleof", "channels", "recorder",
                             "sites", "check_sites", "environment", "override", "tuning", "ndarray",
-                            "allreduce", "finalized", "handle_size", "channel_of", "comm_handle", NULL};
+                            "allreduce", "finalized", "handle_size", "channel_of", "comm_handle",
+                            "pass_through", NULL};
     PyObject *fallback, *settle, *finished, *handleof, *channels, *recorder, *sites, *environment;
-    PyObject *override_name, *tuning_name, *ndarray, *channel_of, *comm_handle;
+    PyObject *override_name, *tuning_name, *ndarray, *channel_of, *comm_handle, *pass_through;
     unsigned long long allreduce, finalized;
     int check_sites, handle_size;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!O!O!pOOOO!KKiOO!", names, &fallback, &settle,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!O!O!pOOOO!KKiOO!O!", names, &fallback, &settle,
                                      &finished, &handleof, &PyDict_Type, &channels,
                                      &RecorderCore_Type, &recorder, &PyDict_Type, &sites,
                                      &check_sites, &environment, &override_name, &tuning_name,
                                      &PyType_Type, &ndarray, &allreduce, &finalized, &handle_size,
-                                     &channel_of, &PyCapsule_Type, &comm_handle))
+                                     &channel_of, &PyCapsule_Type, &comm_handle, &PySet_Type,
+                                     &pass_through))
         return NULL;
     void *get = PyCapsule_GetPointer(comm_handle, "MPI_Comm *(PyObject *)");
     if (!get)
@@ -292,6 +295,7 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     KEEP(handleof, handleof); KEEP(channels_module, channels); KEEP(recorder, recorder); KEEP(sites, sites);
     KEEP(environment, environment); KEEP(override_name, override_name);
     KEEP(tuning_name, tuning_name); KEEP(ndarray, ndarray); KEEP(channel_of, channel_of);
+    KEEP(pass_through, pass_through);
     S.comm_handle = (CommHandle)get;
     S.check_sites = check_sites;
     S.handle_size = handle_size;
@@ -465,8 +469,47 @@ static int reaches(PlanCore *plan, PyObject *lane, Array *x, PyObject *op, PyObj
     return 1;
 }
 
+/* Whether `code` is of a file whose frames pass calls on (planning.pass_through); -1: error. */
+static int passes_on(PyCodeObject *code) {
+    if (!S.pass_through || PySet_GET_SIZE(S.pass_through) == 0)
+        return 0;
+    return PySet_Contains(S.pass_through, code->co_filename);
+}
+
+/* The frame above the pass-through frames from `caller` (a new reference, consumed): NULL where
+ * there is none, or an error. */
+static PyFrameObject *above_pass_through(PyFrameObject *caller) {
+    for (;;) {
+        PyCodeObject *code = PyFrame_GetCode(caller);
+        int passing = passes_on(code);
+        Py_DECREF(code);
+        if (passing <= 0) {
+            if (passing < 0) {
+                Py_DECREF(caller);
+                return NULL;
+            }
+            return caller;
+        }
+        PyFrameObject *up = PyFrame_GetBack(caller);
+        Py_DECREF(caller);
+        if (!up)
+            return NULL;
+        caller = up;
+    }
+}
+
+/* planning.SITES' entry of a frame's instruction: borrowed, NULL if none (or an error). */
+static PyObject *known_site(PyCodeObject *code, int lasti) {
+    PyObject *key = Py_BuildValue("(nn)", (Py_ssize_t)(uintptr_t)code, (Py_ssize_t)lasti);
+    PyObject *found = key ? PyDict_GetItemWithError(S.sites, key) : NULL;
+    Py_XDECREF(key);
+    return found;
+}
+
 /* The call site's (fingerprint, text) from the memo, or from planning.SITES; NULL without an
- * exception where neither knows it yet (then the Python path works it out). Borrowed. */
+ * exception where neither knows it yet (then the Python path works it out). Borrowed. A call made
+ * through pass-through files (hpcdl.allreduce on a tensor) is keyed by the frame above them, as
+ * planning.call_site keys it. */
 static PyObject *site_of(PlanCore *plan, long long *fingerprint) {
     if (!S.check_sites) {
         *fingerprint = 0;
@@ -478,6 +521,9 @@ static PyObject *site_of(PlanCore *plan, long long *fingerprint) {
     PyFrameObject *caller = PyFrame_GetBack(frame);
     if (!caller)
         return NULL;
+    caller = above_pass_through(caller); /* consumes caller */
+    if (!caller)
+        return NULL; /* an error, or nothing above them: the Python path decides */
     PyCodeObject *code = PyFrame_GetCode(caller);
     int lasti = PyFrame_GetLasti(caller);
     Py_DECREF(caller);
@@ -486,9 +532,7 @@ static PyObject *site_of(PlanCore *plan, long long *fingerprint) {
         site = plan->m_site;
         *fingerprint = plan->m_fingerprint;
     } else {
-        PyObject *key = Py_BuildValue("(nn)", (Py_ssize_t)(uintptr_t)code, (Py_ssize_t)lasti);
-        PyObject *found = key ? PyDict_GetItemWithError(S.sites, key) : NULL;
-        Py_XDECREF(key);
+        PyObject *found = known_site(code, lasti);
         if (found && PyTuple_Check(found) && PyTuple_GET_SIZE(found) == 2 &&
             PyTuple_Check(PyTuple_GET_ITEM(found, 0)) && PyTuple_GET_SIZE(PyTuple_GET_ITEM(found, 0)) == 2) {
             site = PyTuple_GET_ITEM(found, 0);

@@ -51,10 +51,12 @@ class Call:
 CHECK_CALL_SITES = os.environ.get("HPCDL_CHECK_CALL_SITES", "1").strip().lower() not in (
     "0", "false", "no", "off")
 #: Call sites seen, by (id of the code, instruction): (fingerprint, text), and the code (kept, so
-#: its id is not reused); read inline by `small.allreduce_now`. Never a frame of a pass-through file.
+#: its id is not reused); read inline by `small.allreduce_now`. Never a frame of a pass-through file:
+#: a call through one is keyed by the frame above them (`call_site`).
 SITES: dict[tuple[int, int], tuple[tuple[int, str], Any]] = {}
-#: Files whose functions only pass a call on to the collectives (`pass_through`).
-_PASS_THROUGH: set[str] = set()
+#: Files whose functions only pass a call on to the collectives (`pass_through`); read by
+#: the compiled path too (`hot.py`).
+PASS_THROUGH: set[str] = set()
 
 
 def pass_through(filename: str) -> None:
@@ -64,7 +66,7 @@ def pass_through(filename: str) -> None:
     call is (each had the wrapper's own line, the same on every rank). One a library made
     through them (torch's DDP through its process group) keeps the wrapper's line: the library's
     own paths to the same collective may differ between ranks."""
-    _PASS_THROUGH.add(filename)
+    PASS_THROUGH.add(filename)
 
 
 def call_site(depth: int = 3) -> tuple[int, str]:
@@ -76,19 +78,21 @@ def call_site(depth: int = 3) -> tuple[int, str]:
     """
     if not CHECK_CALL_SITES:
         return 0, ""
-    frame = _getframe(depth)
-    if frame.f_code.co_filename in _PASS_THROUGH:
-        caller = frame.f_back
-        while caller is not None and caller.f_code.co_filename in _PASS_THROUGH:
-            caller = caller.f_back
-        if caller is not None and not is_library(caller.f_code.co_filename):
-            frame = caller
+    frame = chosen = _getframe(depth)
+    if frame.f_code.co_filename in PASS_THROUGH:
+        # Keyed by the frame above the pass-through ones (the compiled path looks there too), the
+        # site of the program's line, or the wrapper's own where a library made the call.
+        above = frame.f_back
+        while above is not None and above.f_code.co_filename in PASS_THROUGH:
+            above = above.f_back
+        if above is not None:
+            frame, chosen = above, frame if is_library(above.f_code.co_filename) else above
     code = frame.f_code
     # Keyed by the code's id (hashing a code object hashes its contents) and the call's
     # instruction (cheaper to read than its line); the code is kept, so its id is not reused.
     found = SITES.get((id(code), frame.f_lasti))
     if found is None:
-        text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        text = f"{os.path.basename(chosen.f_code.co_filename)}:{chosen.f_lineno} in {chosen.f_code.co_name}"
         found = SITES[id(code), frame.f_lasti] = ((zlib.crc32(text.encode()) + 1, text), code)
     return found[0]
 

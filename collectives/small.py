@@ -35,7 +35,7 @@ from .errors import CollectiveArgumentError
 from .expectation import LibraryPlan
 from .ops import HAND_WRITTEN_ONLY, OPS, dtype_name
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, STATUS
-from .planning import ALGORITHM_CHOICES, CHECK_CALL_SITES, SITES, call_signature, call_site
+from .planning import ALGORITHM_CHOICES, CHECK_CALL_SITES, PASS_THROUGH, SITES, call_signature, call_site
 from .recorder import LEFT, RECORDER
 from .registry import ALGORITHMS
 from .select import ENCODED_ENVIRONMENT, SETTINGS_NAMES, choose, settings_key
@@ -263,7 +263,8 @@ def settle(channel: Channel, plan: LibraryPlan, number: int, site: tuple[int, st
 HOT_SETTINGS: dict[str, Any] = dict(
     fallback=allreduce_now, settle=settle, finished=LibraryPlan.result, channels=vars(channels),
     recorder=RECORDER, sites=SITES, check_sites=CHECK_CALL_SITES, environment=_ENCODED,
-    override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray, channel_of=channel_of)
+    override=_OVERRIDE, tuning=_TUNING, ndarray=np.ndarray, channel_of=channel_of,
+    pass_through=PASS_THROUGH)
 #: A blocking allreduce of a NumPy array on its small plan (`allreduce_now`'s contract): compiled
 #: where `hot.COMPILED`, which hands every call but the common expected one to `allreduce_now`.
 blocking_allreduce: Callable[[np.ndarray, Any, str, str, Any], Any] = allreduce_now
