@@ -157,6 +157,19 @@ def test_exact_allreduce_same_bits_for_every_algorithm_and_placement():
     assert all_ranks_agree(ok, comm)
 
 
+def test_an_exact_sum_past_the_dtypes_range_is_inf_without_a_warning(recwarn: Any) -> None:
+    """As IEEE rounds it, and as the other sums give it: NumPy's "overflow encountered in cast"
+    (float16) and "in multiply" (float64) pointed into collectives/fixed_point.py. (The average
+    is the exact one, in range.)"""
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    ok = True
+    for dtype, value in [(np.float16, 6e4), (np.float32, 3e38), (np.float64, 1e308)]:
+        x = np.full(5, value, dtype=dtype)
+        total, mean = exact_allreduce(x, comm, op="sum"), exact_allreduce(x, comm, op="avg")
+        ok = ok and bool(np.all(total == (np.inf if size > 1 else x)) and np.all(mean == x))
+    warned = [f"{w.filename}:{w.lineno}: {w.message}" for w in recwarn]
+    assert all_ranks_agree(ok and not warned, comm), warned
 
 
 # -- the compiled passes against NumPy's ----------------------------------------------------------
