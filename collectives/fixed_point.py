@@ -233,11 +233,12 @@ class FixedSum:
                 self._terms += 1
             return largest
         work, offsets = self.work, self.offsets
-        for i, (term, scale) in enumerate(zip(terms, scales)):
-            if term is None:
-                work[offsets[i]:offsets[i + 1]] = 0.0
-            else:
-                np.multiply(term, scale, out=work[offsets[i]:offsets[i + 1]], dtype=np.float64)
+        with silent_ieee():  # a term far past its scale's bound overflows to inf: it does not fit, below
+            for i, (term, scale) in enumerate(zip(terms, scales)):
+                if term is None:
+                    work[offsets[i]:offsets[i + 1]] = 0.0
+                else:
+                    np.multiply(term, scale, out=work[offsets[i]:offsets[i + 1]], dtype=np.float64)
         # each slot's largest magnitude, in quanta (NaN stays, and fails the test below)
         scaled = np.maximum(np.maximum.reduceat(work, self._starts), -np.minimum.reduceat(work, self._starts))
         if not scaled.max() < limit:  # NaN is not
