@@ -48,6 +48,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .hot import compiled_wanted
+from .ops import silent_ieee
 
 _fixed: Any = None
 if compiled_wanted():
@@ -232,11 +233,12 @@ class FixedSum:
                 self._terms += 1
             return largest
         work, offsets = self.work, self.offsets
-        for i, (term, scale) in enumerate(zip(terms, scales)):
-            if term is None:
-                work[offsets[i]:offsets[i + 1]] = 0.0
-            else:
-                np.multiply(term, scale, out=work[offsets[i]:offsets[i + 1]], dtype=np.float64)
+        with silent_ieee():  # a term far past its scale's bound overflows to inf: it does not fit, below
+            for i, (term, scale) in enumerate(zip(terms, scales)):
+                if term is None:
+                    work[offsets[i]:offsets[i + 1]] = 0.0
+                else:
+                    np.multiply(term, scale, out=work[offsets[i]:offsets[i + 1]], dtype=np.float64)
         # each slot's largest magnitude, in quanta (NaN stays, and fails the test below)
         scaled = np.maximum(np.maximum.reduceat(work, self._starts), -np.minimum.reduceat(work, self._starts))
         if not scaled.max() < limit:  # NaN is not
@@ -285,10 +287,11 @@ def from_fixed(acc: np.ndarray, quantum: Any, divisor: int = 1, dtype: Any = np.
     a pass of its own, 50 us of 180 for 150 K values here); the same bits everywhere. Writes
     `out` (of `dtype`, acc's size) where given; returns it, or a new array."""
     scale = quantum if divisor == 1 else np.divide(quantum, divisor)
-    if out is not None:
-        np.multiply(acc, scale, dtype=np.float64, out=out, casting="unsafe")
-        return out
-    result: np.ndarray = np.multiply(acc, scale, dtype=np.float64).astype(dtype, copy=False)
+    with silent_ieee():  # a sum past dtype's range rounds to inf
+        if out is not None:
+            np.multiply(acc, scale, dtype=np.float64, out=out, casting="unsafe")
+            return out
+        result: np.ndarray = np.multiply(acc, scale, dtype=np.float64).astype(dtype, copy=False)
     return result
 
 

@@ -45,6 +45,13 @@ DTYPE_CODES: dict[str, int] = {
 }
 
 
+def silent_ieee() -> np.errstate:
+    """NumPy's error state for the reductions' own arithmetic: a result past its dtype's range is
+    inf, inf - inf is nan, as IEEE gives them and as MPI's reductions and torch's give them:
+    silently, not as a RuntimeWarning that points into the collectives."""
+    return np.errstate(over="ignore", invalid="ignore")
+
+
 @dataclass(frozen=True)
 class ReduceOp:
     """An elementwise reduction: how to combine two buffers, and its MPI twin for the baseline."""
@@ -67,7 +74,8 @@ class ReduceOp:
 
     def combine(self, xp: Any, dst: Any, src: Any) -> None:
         """dst <- dst (op) src, elementwise, in place, on the arrays' own device."""
-        getattr(xp, self.ufunc)(dst, src, out=dst)
+        with silent_ieee():
+            getattr(xp, self.ufunc)(dst, src, out=dst)
 
     def finishing(self, dtype: np.dtype, size: int) -> tuple[str, Any] | None:
         """How `avg` finishes a complete sum of `dtype` over `size` ranks: (the array-module

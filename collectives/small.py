@@ -33,7 +33,7 @@ from . import channels, hot
 from .channels import channel_of
 from .errors import CollectiveArgumentError
 from .expectation import LibraryPlan
-from .ops import HAND_WRITTEN_ONLY, OPS, dtype_name
+from .ops import HAND_WRITTEN_ONLY, OPS, dtype_name, silent_ieee
 from .packet import CALL_NUMBER, CALL_SITE, PAYLOAD_BYTES, STATUS
 from .planning import ALGORITHM_CHOICES, CHECK_CALL_SITES, PASS_THROUGH, SITES, call_signature, call_site
 from .recorder import LEFT, RECORDER
@@ -96,7 +96,8 @@ class FusedPlan:
         _CHANGING.pack_into(packet.send, 8 * CALL_SITE, site[0], number, 0)
         packet.payload[...] = x  # so `out` may overlap `x`
         agreement = lane.agreement
-        result = agreement.exchange(packet, self.combine, out)
+        with silent_ieee():  # the exchange's combines
+            result = agreement.exchange(packet, self.combine, out)
         if result is None:
             raise agreement.failure("allreduce", [*self.signature, site[0], number], None, site[1])
         expectation.agreed(self.ident, site[0], number, None)

@@ -150,6 +150,21 @@ def revoke(comm: MPI.Comm) -> None:
         comm.Revoke()
 
 
+def revoke_with_collectives(comm: MPI.Comm) -> None:
+    """Revoke `comm`, the collectives' private duplicate of it and the communicators they split
+    from that (local): a peer blocked in any call on it wakes with an error, also one that waits
+    on a live rank (this one, leaving the job after a loss it met on another communicator)."""
+    from collectives.channels import existing_channel
+    from collectives.host_communicators import derived_communicators
+
+    revoke(comm)
+    channel = existing_channel(comm) if comm != MPI.COMM_NULL else None
+    duplicate = channel.dup.made() if channel is not None else None
+    if duplicate is not None:
+        for sub in (duplicate, *derived_communicators(duplicate)):
+            revoke(sub)
+
+
 def shrink_world(comm: MPI.Comm, members: list[int]) -> tuple[MPI.Comm, tuple[int, ...], list[int]]:
     """Collective over the survivors of `comm`, after `settled(comm, False)`: the survivors'
     communicator (made the job's, `world.set_world`), the lost ranks of `comm`, and the survivors'

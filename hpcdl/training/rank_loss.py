@@ -53,7 +53,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -422,7 +422,7 @@ class Recovery:
         shrunk their communicator) and how to go on."""
         t = self.trainer
         end_job(exc, f"at step {t.step} (epoch {t.epoch + 1})", refusal or "--on-rank-failure abort",
-                t.config.checkpoint_dir, t.config.status_file, loss)
+                t.config.checkpoint_dir, t.config.status_file, loss, t.strategy.communicators())
 
     def _local_state(self, sums: Sums | None, checkpoint_due: bool) -> LocalState:
         import torch
@@ -454,15 +454,20 @@ class Recovery:
 
 
 def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: str | None,
-            status_file: str | None = None, loss: ulfm.RankLoss | None = None) -> None:
+            status_file: str | None = None, loss: ulfm.RankLoss | None = None,
+            communicators: Sequence[MPI.Comm] = ()) -> None:
     """End this rank with status RANK_LOST after a lost rank the job cannot go on without, and
     with it the job: say which rank was lost (`loss`'s description where the survivors had shrunk
     their communicator already; else the job's rank: `exc`'s, or those this process knows of, as a
     strategy's sub-communicators number them otherwise), `when`, the `reason` and how to resume;
     write RANK_LOST to `status_file` first; then `end_job_after_loss` (under ULFM: revoke and
     leave, as every other rank then does too; not MPI_Abort, which can leave mpirun waiting). Only
-    the lowest of the ranks that get here says it (`reports_job_end`)."""
+    the lowest of the ranks that get here says it (`reports_job_end`), once the `communicators` of
+    the run's collectives are revoked (`Strategy.communicators`): the ranks blocked there on this
+    one come too, rather than each saying it after the agreement gave up on them."""
     job = world.world()  # the job's communicator now (MPI.COMM_WORLD, unless ranks were lost before)
+    for comm in communicators:
+        ulfm.revoke_with_collectives(comm)
     if ulfm.reports_job_end(job):  # the lowest survivor: one line for the job, not one per survivor
         # read after the survivors' agreement, which completed without the lost ranks: this rank
         # knows of them now even where its own calls never met them

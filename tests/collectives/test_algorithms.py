@@ -642,6 +642,39 @@ def test_float_results_identical_on_every_rank(comm: MPI.Comm) -> None:
     outcomes.verify()
 
 
+#: Per dtype, a value whose double overflows it (and so does its square).
+OVERFLOWING = {"float16": 6e4, "bfloat16": 3e38, "float32": 3e38, "float64": 1e308}
+
+
+def test_overflow_gives_ieees_inf_and_nan_without_a_warning(backend: Backend, comm: MPI.Comm,
+                                                             recwarn: Any) -> None:
+    """A sum or product past the dtype's range is inf, and inf + -inf is nan, as IEEE, the MPI
+    library's own reductions and torch give them: silently. NumPy's "overflow encountered in add"
+    pointed into the collectives (the reductions' combines, the small path's exchange)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    outcomes = Outcomes(comm)
+    for algorithm, dtype, n in product([*ALGORITHMS["allreduce"], "auto"], OVERFLOWING, (1, 7, 1000)):
+        if expects_refusal(algorithm, dtype) or dtype not in collectives.DTYPES:
+            continue
+        value = np.full(n, OVERFLOWING[dtype]).astype(collectives.DTYPES[dtype])
+        opposite = np.full(n, np.inf if rank % 2 == 0 else -np.inf).astype(value.dtype)
+        for op, x, want in [("sum", value, np.inf if size > 1 else value[0]),
+                            ("avg", value, np.inf if size > 1 else value[0]),
+                            ("prod", value, np.inf if size > 1 else value[0]),
+                            ("sum", opposite, np.nan if size > 1 else np.inf)]:
+            label = f"allreduce({algorithm}, {backend.name}, {dtype}, {op}, n={n}) of {x[0]}"
+            given = backend.make(x)
+            ran, got = run_case(outcomes, label, False,
+                                lambda: collectives.allreduce(given, comm, op=op, algorithm=algorithm))
+            if ran:
+                got = backend.to_numpy(got).astype(np.float64)
+                outcomes.expect(label, bool(np.array_equal(got, np.full(n, want), equal_nan=True)),
+                                f"gave {got[:2]}, not {want}")
+    warned = [f"{w.filename}:{w.lineno}: {w.message}" for w in recwarn]
+    outcomes.expect("warnings", not warned, "; ".join(warned[:3]))
+    outcomes.verify()
+
+
 def test_registry_covers_every_backend_and_dtype() -> None:
     """The suite's registry has the backends and dtypes the issue requires."""
     assert {"numpy", "fake-device-aware", "fake-device-staged", "cupy"} <= set(BACKENDS)

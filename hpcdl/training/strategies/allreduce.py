@@ -275,6 +275,11 @@ class Allreduce(Strategy):
         return ("--model hybrid-cnn splits each replica's layers over several ranks, so a lost rank "
                 "takes part of the model with it; going on is offered for data-parallel models")
 
+    def communicators(self) -> list[MPI.Comm]:
+        # A loss is met in the lost rank's row and column; a rank of another row may be waiting
+        # on a live rank of its own column (or of the trainer's communicator) instead.
+        return [] if self.grid is None else [self.comm, self.grid.model, self.grid.data]
+
     def rebind(self, comm: MPI.Comm) -> None:
         self.comm = comm
         self.ddp.rebind(comm)

@@ -270,6 +270,14 @@ class Strategy:
     #: that met the others once more has pushed steps the servers count).
     shares_replicas: ClassVar[bool] = True
 
+    def communicators(self) -> list[MPI.Comm]:
+        """The communicators of this rank's collectives where a loss met on one of them does not
+        reach every rank of the others by itself (a process grid's rows and columns, and the
+        trainer's): a rank that ends the job revokes them (rank_loss.end_job), so that a peer
+        blocked there on a live rank wakes and ends with it. Empty where the trainer's
+        communicator is the only one."""
+        return []
+
     def lost_state(self) -> str | None:
         """After a lost rank was caught (on a strategy that can go on): why the job must end
         anyway, because the lost ranks alone held part of its state (a parameter server's shard),

@@ -701,6 +701,10 @@ def test_only_data_parallel_runs_go_on_with_other_ranks():
      "rank 1 of 2 failed at step 2 (epoch 1); --on-rank-failure abort"),
     (3, ["--model", "hybrid-cnn", "--grid", "1x3"], "optimizer:2:1",
      "rank 1 of 3 failed at step 3 (epoch 1); --model hybrid-cnn splits"),  # its update: no allreduce at 1x3
+    # 2x2: ranks 0 (rank 1's row) and 3 (its column) meet the loss; rank 2 waits on rank 0 in its
+    # column's gradient average until rank 0 revokes it (it did not: ranks 0 and 3 each said it)
+    (4, ["--model", "hybrid-cnn", "--grid", "2x2"], "optimizer:2:1",
+     "rank 1 of 4 failed at step 3 (epoch 1); --model hybrid-cnn splits"),
     (3, ["--strategy", "sync-backup", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
      "the lost server (rank 2) held a shard of the parameters"),
     (3, ["--strategy", "sync-ps", "--servers", "1", "--epochs", "5"], "after:300:2",  # its only server
