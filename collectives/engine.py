@@ -104,6 +104,14 @@ class Handle:
         if not self._done:
             self._block(None)
 
+    def abandon(self) -> None:
+        """Give up on this collective for good: some peer will never make its part (it has left;
+        the exit of hpcdl.horovod's negotiation). Its engine's thread, stuck in it, is then not
+        waited for at exit (`stop_all` would wait its 10 s for nothing); as a daemon it ends with
+        the process."""
+        if self._engine is not None:
+            self._engine.abandoned = True
+
     def _settle(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
         self._done = True
@@ -120,6 +128,7 @@ class Engine:
         self._lock = threading.Lock()
         self._broken: BaseException | None = None
         self._waiting = 0  # threads blocked in Handle.wait on this engine's handles
+        self.abandoned = False  # runs a collective given up for good (Handle.abandon)
         _ENGINES.append(self)
 
     def submit(self, name: str, work: Callable[[], Any]) -> Handle:
@@ -162,7 +171,7 @@ class Engine:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            thread.join(timeout)
+            thread.join(0 if self.abandoned else timeout)
 
     def _loop(self) -> None:
         _current.engine = self

@@ -39,9 +39,13 @@ skipped) is thus told, and its later calls pair with the others' again.
 """
 from __future__ import annotations
 
+import atexit
 import io
 import pickle
+import sys
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -50,9 +54,9 @@ from mpi4py import MPI
 
 import collectives
 
-from ..runtime import stall_report
+from ..runtime import diagnosis, stall_report
 from ..runtime.stall import wait_for
-from .errors import NegotiationError
+from .errors import HorovodInternalError, NegotiationError
 
 Key = tuple[str, Union[str, int]]  # (kind, name) of a named call, (kind, n) of the n-th unnamed one
 
@@ -163,6 +167,11 @@ def _same(result: Any) -> Any:
 _abandoned: list[tuple[Any, np.ndarray, bytes]] = []
 #: The highest number a controller of this process took (they name their communicators by it).
 _controllers = [0]
+#: This process's controllers, for the exit (`_leave_at_exit`).
+_live: weakref.WeakSet[Controller] = weakref.WeakSet()
+#: Seconds the exit gives a round in flight to complete (the other ranks may be about to join it)
+#: before the calls not issued are dropped; not waited for once every other rank has left.
+EXIT_ROUND_S = 1.0
 
 
 class Controller:
@@ -196,6 +205,12 @@ class Controller:
         self._stand_ins: list[Any] = []  # a joined rank's parts of the others' collectives
         self.join_device = "cpu"  # where a joined rank's zeros live (hvd.join(device))
         self.failed: BaseException | None = None  # a process failure or shutdown ended it
+        self.label = where
+        _live.add(self)
+        # Registered again, so it runs first at exit (the last registered runs first): before the
+        # answerer hpcdl.init started tells the others this rank left, before the engines stop.
+        atexit.unregister(_leave_at_exit)
+        atexit.register(_leave_at_exit)
 
     # -- the calls ---------------------------------------------------------------------------------
 
@@ -264,6 +279,49 @@ class Controller:
                 self.data.Free()
                 if not in_flight:
                     self._rounds.Free()
+
+    def leave(self, grace: float) -> list[Key]:
+        """At exit: complete the round in flight if the other ranks join it within `grace` seconds
+        (not waiting once they have all left), then end this controller; returns the calls this
+        rank made that were never issued (the others had not made them), which are dropped.
+
+        Without it the round in flight for a call no other rank made kept its engine's thread in
+        the round's collective, and the exit waited 10 s for that thread (`collectives.engine.
+        stop_all`), then ended silently. The round is given up (`Handle.abandon`): its buffer stays
+        alive (`_abandoned`) and its thread, a daemon, ends with the process.
+        """
+        with self._lock:
+            if self.failed is not None:
+                return []
+            deadline = time.monotonic() + grace
+            while (self._round is not None and not self._round[0].done()
+                   and time.monotonic() < deadline and not self._others_left()):
+                time.sleep(0.01)
+            if self._round is not None and self._round[0].done():
+                try:
+                    self._complete()  # may issue calls: they run before the engines stop
+                except Exception:  # noqa: BLE001 - a failed or departed peer: the exit goes on
+                    pass
+            dropped = list(self._mine)
+            round_ = self._round
+            self.close(HorovodInternalError("hvd: this rank's program ended"))
+            if round_ is not None:
+                round_[0].abandon()
+            return dropped
+
+    def _others_left(self) -> bool:
+        """Whether every other rank of the set has told this one it left (its program ended:
+        hpcdl/runtime/diagnosis.py); False where that is not known."""
+        service = diagnosis.service()
+        if service is None:
+            return False
+        mine, world = self._rounds.Get_group(), service.comm.Get_group()
+        try:
+            ranks = mine.Translate_ranks(list(range(self.size)), world)
+        finally:
+            mine.Free()
+            world.Free()
+        return all(r != MPI.UNDEFINED and (r == service.rank or r in service.departed) for r in ranks)
 
     # -- rounds ------------------------------------------------------------------------------------
 
@@ -405,6 +463,21 @@ class Controller:
                 kind, tag = request.key
                 if isinstance(tag, int):  # unnamed: counted again from the first dropped
                     self._counters[kind] = min(self._counters[kind], tag)
+
+
+def _leave_at_exit() -> None:
+    """At exit, every controller of this process leaves (`Controller.leave`); the calls this rank
+    made that no other rank did are named in one line on stderr, as they are dropped."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():  # the program finalized MPI itself
+        return
+    for controller in list(_live):
+        dropped = controller.leave(EXIT_ROUND_S)
+        if dropped:
+            sys.stderr.write(
+                f"hpcdl.horovod: rank {MPI.COMM_WORLD.Get_rank()} exits with "
+                f"{len(dropped)} hvd call{'s' * (len(dropped) > 1)} the other ranks of "
+                f"{controller.label} had not made; dropped: {', '.join(describe(k) for k in dropped)}\n")
+            sys.stderr.flush()
 
 
 class _Finished:

@@ -156,7 +156,6 @@ class _Synchronizing:
         self._hvd_index = {id(p): i for i, (_, p) in enumerate(named)}
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._hvd_touched = False  # a hook fired since the last synchronize()
-        self._hvd_marked = False  # a gradient was handed to the reducer since then
         self._hvd_should_synchronize = True  # flipped by skip_synchronize()
         self._hvd_synchronized = False  # synchronize() ran since the last step()
         self._hvd_problem: str | None = None  # this rank's extra backward pass, told at synchronize()
@@ -192,7 +191,6 @@ class _Synchronizing:
         self._hvd_touched = True
         self._hvd_delay[i] -= 1
         if self._hvd_delay[i] == 0:
-            self._hvd_marked = True
             if grad is not None and sparse:
                 self._hvd_sparse_handles[i] = self._hvd_sparse_start(grad, name)
             else:
@@ -229,7 +227,7 @@ class _Synchronizing:
             reducer.synchronize(stall_warning_s=STALL_WARNING_S, timeout=None)
         finally:
             self._hvd_delay = [self.backward_passes_per_step] * len(self._hvd_named)
-            self._hvd_touched = self._hvd_marked = False
+            self._hvd_touched = False
             self._hvd_sparse_handles, self._hvd_made_dense = {}, set()
         reducer.rebuild_buckets()  # before sparse gradients take the places of the bucket views
         for i, result in sparse.items():
@@ -298,12 +296,17 @@ class _Synchronizing:
         return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's zero_grad; refused while a reduction is under way."""
-        if self._hvd_marked:
+        """The wrapped optimizer's zero_grad; refused after any backward pass since the last
+        `synchronize()`, as Horovod refuses it: after the k-th pass the gradients are being
+        reduced, and before it clearing them would drop this rank's passes so far while the
+        count goes on (the next backward would then be taken for one too many)."""
+        if self._hvd_touched:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
-                "a race condition (the gradients are being reduced).")
+                "optimizer.step() or optimizer.synchronize(), which is prohibited: the gradients "
+                f"of the backward passes since the last step (backward_passes_per_step="
+                f"{self.backward_passes_per_step}) are accumulated or being reduced. Call "
+                "optimizer.step() (or synchronize()) first, then zero_grad().")
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def rebind(self, comm: MPI.Comm) -> None:
@@ -313,7 +316,7 @@ class _Synchronizing:
         self._hvd_reducer.rebind(comm)
         self._hvd_comm = comm
         self._hvd_delay = [self.backward_passes_per_step] * len(self._hvd_named)
-        self._hvd_touched = self._hvd_marked = self._hvd_synchronized = False
+        self._hvd_touched = self._hvd_synchronized = False
         self._hvd_problem = None  # an extra backward pass of the dropped step is dropped with it
 
     def bucket_layout(self) -> list[list[str]]:
@@ -416,7 +419,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     gradient is reduced as backward produces it, in buckets, on hpcdl's DDP machinery
     (`distributed_optimizer` below); `step()` waits for the reductions, then steps.
     `synchronize()` waits without stepping (then step inside `skip_synchronize()`, e.g. after
-    clipping the reduced gradients); `zero_grad()` while reductions are under way raises.
+    clipping the reduced gradients); `zero_grad()` between a backward pass and the next
+    `step()`/`synchronize()` raises.
 
     Args:
         named_parameters: `model.named_parameters()`: names must be unique and cover every

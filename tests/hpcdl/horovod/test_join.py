@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -124,3 +125,24 @@ def test_a_rank_that_leaves_makes_the_others_raise_within_seconds_with_horovods_
                      r"complete: rank 1 left \(the program ended\) without making it: every rank must make "
                      r"the same hvd calls \(ranks with different numbers of batches: call hvd.join\(\)", out), out
     assert "model.join" not in out, out
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 2-rank mpirun; N = 1")
+@pytest.mark.parametrize("when", ["together", "later", "both"])
+def test_a_call_no_other_rank_made_is_named_as_the_program_ends(when):
+    """tests/helpers/horovod_pending_job.py: rank 0 ends with an hvd.allreduce_async that rank 1
+    never makes (the ranks end together, or rank 1 first): one line names the dropped call, and
+    rank 0's exit takes no longer than without it (it waited 10 s more for the round's thread,
+    then ended silently). A call rank 1 makes too pairs at the exit: no line."""
+    start = time.time()
+    proc = run_own_job(["mpirun", "-n", "2", sys.executable, str(ROOT / "tests/helpers/horovod_pending_job.py"), when],
+                       90, own_job_environment())
+    ended = time.time()
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:]
+    line = ("hpcdl.horovod: rank 0 exits with 1 hvd call the other ranks of process set 0 had not made; "
+            "dropped: allreduce 'pending'\n")
+    assert out.count(line) == (0 if when == "both" else 1), out
+    assert "Traceback" not in out, out
+    rank0_end = float(re.search(r"rank 0 ends at ([\d.]+)", out).group(1))
+    assert start < rank0_end and ended - rank0_end < 8, out  # the old exit: over 10 s

@@ -5,6 +5,8 @@ computes the expected result itself from every rank's data (a function of the ra
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -139,6 +141,25 @@ def test_broadcast_family(comm):
     ok = ok and hvd.synchronize(hvd.broadcast_async_(target, root)) is target
     ok = ok and torch.equal(target, _mine(root))
     ok = ok and hvd.broadcast_object({"from": rank}, root_rank=root) == {"from": root}
+    assert all_ranks_agree(ok, comm)
+
+
+def _scale(factor: int):
+    """A closure: plain pickle refuses it ("Can't pickle local object"), cloudpickle carries it."""
+    return lambda x: factor * x
+
+
+def test_objects_travel_cloudpickled_and_only_the_roots_is_serialized(comm):
+    """As Horovod: closures travel (cloudpickle); broadcast_object serializes the root's object
+    only, so the others may pass anything (here a lambda holding a lock, which no pickler takes)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    root = size - 1
+    lock = threading.Lock()
+    mine = _scale(10) if rank == root else (lambda: lock)
+    received = hvd.broadcast_object(mine, root_rank=root)
+    ok = received(3) == 30 and (rank != root or received is mine)
+    gathered = hvd.allgather_object(_scale(rank + 1), name="closures")
+    ok = ok and [f(2) for f in gathered] == [2 * (r + 1) for r in range(size)]
     assert all_ranks_agree(ok, comm)
 
 

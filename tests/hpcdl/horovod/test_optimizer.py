@@ -136,6 +136,26 @@ def test_reductions_start_in_backward_on_every_kth_pass(comm):
     assert all_ranks_agree(ok, comm)
 
 
+def test_zero_grad_after_one_of_k_backward_passes_raises_there(comm):
+    """backward_passes_per_step=2: zero_grad() after the first pass raises Horovod's AssertionError
+    at once (it was accepted, and the next backward raised "more than backward_passes_per_step");
+    the step then goes on from both passes, the same on every rank."""
+    rank = comm.Get_rank()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=2, **TINY)
+    x, y = _batch(rank, 0)
+    optimizer.zero_grad()  # before any pass: fine
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(AssertionError, match=r"zero_grad\(\) was called after loss.backward\(\)"):
+        optimizer.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()  # fine after step()
+    assert all_ranks_agree(_same_on_every_rank(model, comm), comm)
+
+
 def test_a_process_set_averages_over_its_ranks_and_the_others_train_alone(comm):
     """DistributedOptimizer(process_set=evens): the even ranks train as one process on their
     combined batches; the odd ranks (outside the set) step on their own batches."""
