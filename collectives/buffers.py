@@ -279,6 +279,12 @@ def as_buffer(obj: Any) -> Buffer:
     """Wrap `obj` without copying. Raises `UnusableArray` with the reason when it can't be used."""
     if isinstance(obj, np.ndarray):
         return _host_buffer(obj)
+    if isinstance(obj, np.generic):
+        # A NumPy scalar (np.float32(1.5)) has no memory of its own to lend: a read-only 0-d copy,
+        # which serves as an input and is refused as a destination like any read-only buffer.
+        scalar = np.array(obj)
+        scalar.flags.writeable = False
+        return _host_buffer(scalar)
     if hasattr(obj, "__cuda_array_interface__"):
         runtime = device_runtime()
         runtime.wait_for_producer(obj)

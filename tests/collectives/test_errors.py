@@ -291,3 +291,18 @@ def test_mismatch_names_the_odd_rank(comm: MPI.Comm) -> None:
     ok = all_ranks_agree(not problems)
     assert ok, f"rank {comm.Get_rank()}: " + "\n".join(problems)
 
+
+
+def test_a_numpy_scalar_is_an_input_and_refused_as_a_destination(comm: MPI.Comm) -> None:
+    """np.float32(1.5) has the buffer protocol but no memory to lend: it was refused as "not an
+    array" (user review); it reduces as a 0-d array, and as `out` it is refused as read-only."""
+    size = comm.Get_size()
+    result = collectives.allreduce(np.float32(1.5), comm)
+    ok = isinstance(result, np.ndarray) and result.shape == () and result.dtype == np.float32 \
+        and float(result) == 1.5 * size
+    try:
+        collectives.allreduce(np.ones(1, np.float32), comm, out=np.float32(0))
+        refused = ""
+    except CollectiveArgumentError as exc:
+        refused = str(exc)
+    assert all_ranks_agree(ok and "out is read-only" in refused, comm), (result, refused)
