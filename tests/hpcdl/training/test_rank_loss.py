@@ -772,6 +772,24 @@ def test_elastic_loop_goes_on_after_a_lost_rank(tmp_path, api, victim, respawn):
     assert all(s["losses"] == [((victim,), 3 if respawn else 2)] for m, s in final.items() if m < 3)  # survivors
 
 
+@own_jobs
+@pytest.mark.parametrize("api", ["native", "horovod"])
+def test_elastic_replacements_finalize_without_reaching_the_survivors(tmp_path, api):
+    """4 ranks of a loop on hpcdl.elastic or hvd.elastic with respawn; ranks 1 and 2 die at once,
+    and their two replacements (one MPI_Comm_spawn) train to the end and finalize MPI after the
+    survivors left without it (2 s later here). Their MPI_Finalize disconnected from every
+    process of the communicators they shared with the survivors (the job's, the collectives' and
+    hvd's duplicates): it printed that not every process could reach the others. They free them
+    at their exit, as `hpcdl train`'s replacements do."""
+    code, out = launch(4, [str(ELASTIC_JOB), api, str(tmp_path), "10", "1+2", "respawn"],
+                       HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S="2")
+    final = finals(tmp_path)
+    assert sorted(final) == [0, 3, 4, 5] and identical(list(final.values()), "model"), out[-4000:]
+    for symptom in ("Segmentation fault", "dpm_disconnect", "be able to reach each other", "unreachable proc"):
+        assert symptom not in out, out[-4000:]
+    assert code == 0, out[-4000:]
+
+
 # -- the engine's bookkeeping (hpcdl/elastic/membership.py) ------------------------------------------
 
 class _Holding:
