@@ -445,6 +445,23 @@ def test_two_replacements_of_one_loss_finalize_without_reaching_the_survivors(tm
 
 
 @own_jobs
+def test_a_slow_replacement_does_not_take_the_survivors_that_left_for_a_loss(tmp_path):
+    """3 ranks with --respawn, rank 2 dies; its replacement (id 3) is slow to decide, at the run's
+    end, whether it lived through a loss (2 s, inside MPI now and then). It decided after the
+    survivors had left without MPI_Finalize: it took them for a loss and left without it too, and
+    mpirun's status was 1 (seen once). The ranks decide before a last barrier: the replacement
+    finalizes, its run's status 0 written, and the job's status is 0."""
+    status_file = tmp_path / "status"
+    code, out, final = train_losing(tmp_path, 3, ["backward:3:2"],
+                                    ["--epochs", "1", "--batch-size", "8", "--respawn", "--status-file",
+                                     str(status_file)], HPCDL_TEST_REPLACEMENT_DECISION_DELAY_S="2")
+    assert sorted(final) == [0, 1, 3] and status_file.read_text() == "0\n", out[-4000:]
+    statuses = tmp_path / "statuses-3"  # written once its run returned: it did not leave from inside it
+    assert statuses.exists() and statuses.read_text() == "0\n", out[-4000:]
+    assert code == 0, out[-4000:]
+
+
+@own_jobs
 def test_spares_not_needed_leave_with_the_job(request):
     """3 ranks with --spares 1 and no loss: 2 train, the spare builds, waits, and leaves when they
     finish; the job ends with status 0 (nothing left waiting or hanging in MPI_Finalize). (The
