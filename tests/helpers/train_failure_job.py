@@ -26,8 +26,8 @@ it joined):
   this rank, whatever it is doing then;
 - before training (`step` 0): `parse`, as `hpcdl train` parses its command line (rank 0 parses,
   the others wait for it); `spares`, as the spares are set aside (--spares); `waiting`, a spare
-  as it starts waiting to be called; `waited`, a spare half a second after it started waiting (its
-  part of the release's first barrier already sent).
+  as it starts waiting to be called; `waited`, a spare once its part of the release's first
+  barrier is sent (a zero-byte message: sent at once, whenever the release comes).
 
 With `--spares K` a victim in training dies only once the K spares are ready (each writes DIR/spare-ready-<id>
 when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
@@ -227,9 +227,10 @@ class Killer:
             (killer.directory / f"spare-ready-{world.member()}").write_text("")
             killer.die_if("waiting")
             if ("waited", killer.steps) in killer.mine:
-                timer = threading.Timer(0.5, killer.die, kwargs={"training": False})
-                timer.daemon = True
-                timer.start()
+                def sent(comm: Any, requests: list[Any], poll_s: float) -> None:
+                    requests[0].Wait()  # the spare's part of the first barrier: its Isend to the pool's rank 0
+                    killer.die(training=False)
+                recovery._wait_quietly = sent  # the first wait of the release's barriers (spares.release_round)
             return wait_for_call(pool)
         train_run.wait_for_call = waiting
 

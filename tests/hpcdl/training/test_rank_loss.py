@@ -375,9 +375,9 @@ def test_a_dead_spare_is_reported_lost_not_called(tmp_path, training_loss):
 
 @own_jobs
 def test_a_spare_that_dies_while_it_waits_is_reported_at_the_release(tmp_path):
-    """4 ranks with --spares 1 (3 train); the spare dies half a second into its wait, its part of
-    the release's first barrier already sent (a zero-byte message, delivered at once): the
-    release finds it dead all the same, and the job ends with status 0."""
+    """4 ranks with --spares 1 (3 train); the spare dies as it waits, once its part of the
+    release's first barrier is sent (a zero-byte message, delivered at once): the release finds
+    it dead all the same, and the job ends with status 0."""
     code, out, final = train_losing(tmp_path, 4, ["waited:0:3"], ["--epochs", "4", "--spares", "1"])
     assert code == 0 and (tmp_path / "killed-3").exists(), out[-4000:]
     assert sorted(final) == [0, 1, 2] and "hpcdl train: spare 3 died while waiting" in out, out[-4000:]
