@@ -42,7 +42,8 @@ makes them recover and call `func` again from the last commit).
 Ranks that lived through a loss (`state.losses`) should leave with
 `hpcdl.runtime.recovery.exit_after_loss` (MPI_Finalize may hang after a failure with Open MPI
 5.0.11; docs/failures.md#known-limits); a replacement that saw no loss after it joined must
-finalize (mpirun counts a spawned process that leaves without it as failed). A script that calls
+finalize (mpirun counts a spawned process that leaves without it as failed): at its exit it frees
+the communicators it shares with the survivors first, by itself (`State.join`). A script that calls
 `hpcdl.runtime.recovery.join()` before `import torch` lets its replacement join while the
 survivors wait asleep, rather than polling inside MPI_Comm_spawn while it loads torch.
 Without ULFM a lost rank ends the job as before, and `run` only calls `func`.

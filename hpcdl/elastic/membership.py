@@ -245,6 +245,24 @@ class Membership:
         return collectives.fault_tolerant() and (bool(self.losses) or ulfm.knows_failed(self.comm)
                                                  or ulfm.knows_failed(MPI.COMM_WORLD))
 
+    def leaves_after_a_loss(self) -> bool:
+        """Collective over the ranks now, at the job's end (after the last agreement that they all
+        finished): `lived_through_a_loss()`, decided before a last quiet barrier that no rank leaves
+        before. Decided after it, a replacement that saw no loss could take survivors that had
+        already left without MPI_Finalize for lost ranks (`knows_failed`) and leave without it too,
+        which mpirun counts as a failed process (exit status 1; seen once). A rank lost before the
+        barrier is a loss: True."""
+        lived = self.lived_through_a_loss()
+        if not collectives.fault_tolerant():
+            return lived
+        try:
+            ulfm.gather_quietly(self.comm)
+        except MPI.Exception as exc:
+            if not ulfm.is_process_failure(exc):
+                raise
+            return True
+        return lived
+
     def _call_spares(self, survivors: MPI.Comm, count: int) -> tuple[MPI.Comm, list[int], list[int]]:
         """Up to `count` waiting spares join the survivors: the communicator with them, their
         ids, and the ids of waiting spares found dead."""

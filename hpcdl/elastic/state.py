@@ -2,6 +2,7 @@
 `Participant` of the recovery engine (membership.py). See the package's docstring for the API."""
 from __future__ import annotations
 
+import atexit
 import functools
 import io
 from typing import Any, Callable, TypeVar
@@ -172,8 +173,20 @@ class State:
         joined = ulfm.join()
         if joined is None:
             return False
+        atexit.register(self._disconnect_for_finalize)  # every exit but `exit_after_loss`'s: an end, an error
         self._membership.join(*joined)
         return True
+
+    def _disconnect_for_finalize(self) -> None:
+        """At this replacement's exit, before mpi4py's MPI_Finalize (which runs after every atexit
+        function): free the communicators it shares with the survivors, who may have left
+        without MPI_Finalize (`hpcdl.runtime.recovery.disconnect_for_finalize`)."""
+        ulfm.disconnect_for_finalize(*self._shared_communicators())
+
+    def _shared_communicators(self) -> list[MPI.Comm]:
+        """The communicators this process shares with the others of the job: the ranks training
+        now."""
+        return [self.comm]
 
     def shared_state(self, own: dict[str, Any] | None, holder: bool) -> dict[str, Any]:
         return self._shared_values(own["values"] if own is not None else {})

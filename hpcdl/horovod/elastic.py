@@ -36,6 +36,7 @@ import torch
 from mpi4py import MPI
 
 from .. import elastic as _elastic
+from . import process_sets
 from .basics import init, rank, size
 from .errors import HorovodInternalError
 
@@ -63,6 +64,11 @@ class State(_elastic.State):
     def rebind(self, comm: MPI.Comm) -> None:
         init(comm=comm)  # hvd.size(), hvd.rank() and the collectives follow
         super().rebind(comm)
+
+    def _shared_communicators(self) -> list[MPI.Comm]:
+        """The ranks training now, and hvd's communicators made from them (process sets'
+        and their controllers')."""
+        return [*super()._shared_communicators(), *process_sets.communicators()]
 
     def _shared_values(self, values: dict[str, Any]) -> dict[str, Any]:
         """What a sync gives every rank: an `ElasticSampler`'s processed samples united over the

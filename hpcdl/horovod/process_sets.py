@@ -124,6 +124,17 @@ def communicator(process_set: ProcessSet) -> MPI.Comm:
     return process_set._comm
 
 
+def communicators() -> list[MPI.Comm]:
+    """Every communicator the process sets added on this rank talk on: each set's own and its
+    controller's two duplicates (what a replacement frees before MPI_Finalize, `hvd.elastic`)."""
+    found: list[MPI.Comm] = []
+    for process_set in _sets.values():
+        controller = process_set._controller
+        if controller is not None:
+            found += [c for c in (process_set._comm, controller.data, controller._rounds) if c is not None]
+    return found
+
+
 def set_rank(process_set: ProcessSet, rank: int) -> int | None:
     """The place in `process_set` of global rank `rank`, None if it is not in the set."""
     ranks = process_set.ranks or []

@@ -230,24 +230,29 @@ def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None
     return merged
 
 
-def disconnect_for_finalize(comm: MPI.Comm) -> None:
-    """In a replacement about to call MPI_Finalize (it saw no loss after it joined): free `comm`,
-    the job's communicator it shares with the survivors, and the collectives' private duplicate
-    of it. Local. Otherwise Open MPI's MPI_Finalize disconnects from every process they reach
-    (`ompi_dpm_dyn_finalize`, where more than one such communicator is left), survivors that left
-    without MPI_Finalize included: with two replacements of one loss, one of them printed
-    "dpm_disconnect_init: error -12 in isend to process 1" and crashed there (SIGSEGV, mpirun's
-    status 139), hung, or printed that not every process could reach the others. Nothing is done
-    outside a replacement."""
+def disconnect_for_finalize(*comms: MPI.Comm) -> None:
+    """In a replacement about to call MPI_Finalize (it saw no loss after it joined): free `comms`,
+    the communicators it shares with the survivors (the job's, and any made from it: `hvd`'s),
+    and the collectives' private duplicate of each. Local. Otherwise Open MPI's MPI_Finalize
+    disconnects from every process they reach (`ompi_dpm_dyn_finalize`, where more than one such
+    communicator is left), survivors that left without MPI_Finalize included: with two
+    replacements of one loss, one of them printed "dpm_disconnect_init: error -12 in isend to
+    process 1" and crashed there (SIGSEGV, mpirun's status 139), hung, or printed that not every
+    process could reach the others. Nothing is done outside a replacement."""
     if not is_replacement():
         return
     from collectives.channels import existing_channel
 
-    channel = existing_channel(comm) if comm != MPI.COMM_NULL else None
-    duplicate = channel.dup.made() if channel is not None else None
-    free(comm)
-    if duplicate is not None:
-        free(duplicate)
+    unique: list[MPI.Comm] = []
+    for comm in comms:  # one communicator may be named twice (hvd's global set's is the job's)
+        if comm != MPI.COMM_NULL and comm not in unique:
+            unique.append(comm)
+    for comm in unique:
+        channel = existing_channel(comm)
+        duplicate = channel.dup.made() if channel is not None else None
+        free(comm)
+        if duplicate is not None:
+            free(duplicate)
 
 
 def in_dynamic_job() -> bool:

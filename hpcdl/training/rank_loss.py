@@ -257,6 +257,11 @@ class Recovery:
         MPI_Finalize)."""
         return self.enabled and self.membership.lived_through_a_loss()
 
+    def leaves_after_a_loss(self) -> bool:
+        """Collective over the training ranks at the run's end: `lived_through_a_loss()`, decided
+        before every rank may leave (`Membership.leaves_after_a_loss`)."""
+        return self.enabled and self.membership.leaves_after_a_loss()
+
     def attach_spares(self, spares: Spares) -> None:
         """The spares waiting (--spares) for the lost ranks' places."""
         self.membership.attach_spares(spares)

@@ -435,7 +435,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
         if note is not None:
             print(note, file=sys.stderr, flush=True)
     trainer.recovery.release_spares()
-    if trainer.recovery.lived_through_a_loss():
+    if trainer.recovery.leaves_after_a_loss():  # decided before any rank leaves: one that left is no loss
         ulfm.exit_after_loss(status)
     ulfm.disconnect_for_finalize(trainer.comm)  # a replacement: MPI_Finalize must not reach the survivors
     return status

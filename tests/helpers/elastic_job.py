@@ -1,15 +1,18 @@
 """A user's own training loop on `hpcdl.elastic` or `hpcdl.horovod.elastic` in a job that loses a
 rank, for tests/hpcdl/training/test_rank_loss.py.
 
-    mpirun --with-ft ulfm -n K python tests/helpers/elastic_job.py native|horovod DIR STEP VICTIM [respawn]
+    mpirun --with-ft ulfm -n K python tests/helpers/elastic_job.py native|horovod DIR STEP VICTIMS [respawn]
 
 A small MLP on data that is a function of the sample index, 3 epochs of global batches of 32
 split over the ranks there are (by hand for `native`, by `hvd.elastic.ElasticSampler` for
-`horovod`); world rank VICTIM SIGKILLs itself in the backward of global step STEP. Every process
+`horovod`); the world ranks VICTIMS ("1", or "1+2" for two at once) SIGKILL themselves in the
+backward of global step STEP. Every process
 that finishes writes DIR/final-<id>.pt (its parameters, the ranks it ended with, the losses it
 saw) and leaves without MPI_Finalize (docs/failures.md#known-limits), but a replacement that saw
 no loss after it joined: mpirun counts a spawned process that leaves without it as failed.
 A replacement joins before importing torch, as docs/failures.md advises a user's script to.
+With HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S set, a replacement waits that many seconds before it exits
+(and finalizes MPI), after the survivors left.
 """
 # ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from hpcdl.runtime import recovery, world
@@ -29,6 +33,9 @@ import hpcdl
 from hpcdl.runtime.launcher import skip_exit_collection
 
 SAMPLES, BATCH, EPOCHS = 256, 32, 3
+#: Seconds a replacement waits before its exit (its MPI_Finalize), where set in the environment:
+#: the survivors, which leave without MPI_Finalize, are gone by then.
+REPLACEMENT_EXIT_DELAY = "HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S"
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,13 +49,13 @@ def network() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
 
-def main(mode: str, directory: Path, kill_step: int, victim: int, respawn: bool) -> None:
+def main(mode: str, directory: Path, kill_step: int, victims: set[int], respawn: bool) -> None:
     x, y = data()
     me = MPI.COMM_WORLD.Get_rank() if not recovery.is_replacement() else -1
     steps = {"done": 0}
 
     def maybe_die(loss: torch.Tensor) -> None:
-        if me == victim and steps["done"] == kill_step:
+        if me in victims and steps["done"] == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
     if mode == "native":
@@ -109,5 +116,8 @@ def main(mode: str, directory: Path, kill_step: int, victim: int, respawn: bool)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), len(sys.argv) > 5)
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), {int(v) for v in sys.argv[4].split("+")},
+         len(sys.argv) > 5)
+    if recovery.is_replacement() and os.environ.get(REPLACEMENT_EXIT_DELAY):  # the survivors leave first
+        time.sleep(float(os.environ[REPLACEMENT_EXIT_DELAY]))
     skip_exit_collection()  # as the hpcdl command does: most of a short job's exit otherwise

@@ -26,8 +26,8 @@ it joined):
   this rank, whatever it is doing then;
 - before training (`step` 0): `parse`, as `hpcdl train` parses its command line (rank 0 parses,
   the others wait for it); `spares`, as the spares are set aside (--spares); `waiting`, a spare
-  as it starts waiting to be called; `waited`, a spare half a second after it started waiting (its
-  part of the release's first barrier already sent).
+  as it starts waiting to be called; `waited`, a spare once its part of the release's first
+  barrier is sent (a zero-byte message: sent at once, whenever the release comes).
 
 With `--spares K` a victim in training dies only once the K spares are ready (each writes DIR/spare-ready-<id>
 when it starts waiting), so that the loss tests calling a spare, not waiting for one to start.
@@ -41,7 +41,10 @@ state), and DIR/done-<id> with the exit status, so the test can compare the surv
 "train_failure_job.py: run i" as it starts, for the test to cut the output at); every process
 appends each run's status to DIR/statuses-<id> as the run returns (a line per run), for tests whose
 runs share one job. With HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S set, a replacement waits that many
-seconds before it exits (and finalizes MPI), after the survivors left. The rest is `hpcdl train` itself.
+seconds before it exits (and finalizes MPI), after the survivors left; with
+HPCDL_TEST_REPLACEMENT_DECISION_DELAY_S, that many seconds before it decides, at the run's end,
+whether it lived through a loss (`Membership.lived_through_a_loss`), as a slow replacement would.
+The rest is `hpcdl train` itself.
 """
 # ruff: noqa: E402 - a replacement joins the job (below) before the imports that load torch
 from __future__ import annotations
@@ -58,11 +61,13 @@ from hpcdl.runtime import recovery
 
 recovery.join()  # a replacement (--respawn) joins before importing torch, as `hpcdl train` does
 import torch
+from mpi4py import MPI
 from torch.optim import Optimizer
 
 from hpcdl.commands import train
 from hpcdl.commands.collective_command import Command
 from hpcdl.ddp import reducer
+from hpcdl.elastic.membership import Membership
 from hpcdl.optim.zero import ShardedOptimizer
 from hpcdl.training import compute, pacing
 from hpcdl.training import run as train_run
@@ -78,6 +83,8 @@ from hpcdl.runtime.launcher import skip_exit_collection
 #: Seconds a replacement waits before its exit (its MPI_Finalize), where set in the environment:
 #: the survivors, which leave without MPI_Finalize, are gone by then.
 REPLACEMENT_EXIT_DELAY = "HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S"
+#: Seconds a replacement waits before it decides whether it lived through a loss, where set.
+REPLACEMENT_DECISION_DELAY = "HPCDL_TEST_REPLACEMENT_DECISION_DELAY_S"
 
 #: The phases before training: a victim there does not wait for the spares to be ready.
 BEFORE_TRAINING = ("parse", "spares", "waiting")
@@ -220,9 +227,10 @@ class Killer:
             (killer.directory / f"spare-ready-{world.member()}").write_text("")
             killer.die_if("waiting")
             if ("waited", killer.steps) in killer.mine:
-                timer = threading.Timer(0.5, killer.die, kwargs={"training": False})
-                timer.daemon = True
-                timer.start()
+                def sent(comm: Any, requests: list[Any], poll_s: float) -> None:
+                    requests[0].Wait()  # the spare's part of the first barrier: its Isend to the pool's rank 0
+                    killer.die(training=False)
+                recovery._wait_quietly = sent  # the first wait of the release's barriers (spares.release_round)
             return wait_for_call(pool)
         train_run.wait_for_call = waiting
 
@@ -232,6 +240,17 @@ class Killer:
             killer.die_if("parse")
             return parse(self, *args)
         Command.parse = parsing  # type: ignore[method-assign]
+
+        lived_through_a_loss = Membership.lived_through_a_loss
+
+        def deciding(self: Any) -> bool:
+            if recovery.is_replacement() and os.environ.get(REPLACEMENT_DECISION_DELAY):
+                end = time.monotonic() + float(os.environ[REPLACEMENT_DECISION_DELAY])
+                while time.monotonic() < end:  # inside MPI now and then, as a process that works on
+                    MPI.COMM_SELF.Iprobe()  # (MPI hears of processes that left as it progresses)
+                    time.sleep(0.01)
+            return lived_through_a_loss(self)
+        Membership.lived_through_a_loss = deciding  # type: ignore[method-assign]
 
         set_aside = train_run.set_aside
 

@@ -6,13 +6,18 @@ jobs of their own).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 from mpi4py import MPI
 
 import hpcdl
+from collectives.channels import existing_channel
 from hpcdl.elastic import State
+from hpcdl.elastic import state as state_module
 from hpcdl.elastic.membership import Membership, cloned
+from hpcdl.runtime import recovery
 
 
 def test_a_commit_copies_tensors_and_containers_so_later_steps_cannot_change_it() -> None:
@@ -58,3 +63,30 @@ def test_an_elastic_state_refuses_a_sharded_optimizer_by_name() -> None:
     with pytest.raises(ValueError, match=refusal):
         state.track(optimizer=sharded)
     state.track(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # unsharded: tracked
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_replacement_frees_what_it_shares_with_the_survivors_at_its_exit(monkeypatch, fails) -> None:
+    """A replacement of `hpcdl.elastic` (joined here to a job of its own, a duplicate of
+    COMM_SELF) frees, at its exit, the communicator it shares with the survivors and the
+    collectives' duplicate of it, so that its MPI_Finalize reaches none of them: after its
+    training, or after an error (here while it joins)."""
+    shared = MPI.COMM_SELF.Dup()
+    hooks: list[Callable[[], None]] = []
+    monkeypatch.setattr(state_module.atexit, "register", hooks.append)
+    monkeypatch.setattr(recovery, "join", lambda: (shared, {}))
+    monkeypatch.setattr(recovery, "is_replacement", lambda: True)
+    state = State(MPI.COMM_SELF, model=torch.nn.Linear(2, 1), epoch=3)
+    if fails:
+        def failing(comm: MPI.Comm) -> None:
+            raise RuntimeError("an error while joining")
+        monkeypatch.setattr(state._membership, "_rejoin", failing)
+        with pytest.raises(RuntimeError, match="an error while joining"):
+            state.join()
+    else:
+        assert state.join() and state.comm is shared and state.epoch == 3
+    duplicate = existing_channel(shared).dup.made() if not fails else None
+    assert len(hooks) == 1 and shared != MPI.COMM_NULL
+    hooks[0]()
+    assert shared == MPI.COMM_NULL and (duplicate is None or duplicate == MPI.COMM_NULL)

@@ -4,12 +4,20 @@ test_negotiation.py run them through the calls. No communication: each rank chec
 """
 from __future__ import annotations
 
+import atexit
+from typing import Callable
+
+import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
+import collectives
 import hpcdl.horovod as hvd
-from hpcdl.horovod import negotiation, specs
+from collectives.channels import existing_channel
+from hpcdl.horovod import negotiation, process_sets, specs
 from hpcdl.horovod.elastic import ElasticSampler, ObjectState
+from hpcdl.runtime import recovery
 
 
 def test_a_tensors_spec_and_the_checks_of_the_ranks_specs() -> None:
@@ -60,3 +68,30 @@ def test_an_object_state_goes_back_to_its_commit() -> None:
     assert (state.epoch, state.batch) == (1, 5)
     with pytest.raises(AttributeError):
         state.missing  # noqa: B018 - only what was tracked is there
+
+
+@pytest.mark.timeout(60)
+def test_an_elastic_replacement_frees_hvds_communicators_at_its_exit(monkeypatch) -> None:
+    """A replacement of `hvd.elastic` (joined here to a job of its own, a duplicate of COMM_SELF)
+    frees, at its exit, what it shares with the survivors: the job's communicator, hvd's two
+    duplicates of it and the collectives' duplicates, so that its MPI_Finalize reaches none of
+    them (hpcdl/elastic's test of the same has the error path)."""
+    hvd.init()
+    shared = MPI.COMM_SELF.Dup()
+    hooks: list[Callable[[], None]] = []
+    monkeypatch.setattr(atexit, "register", hooks.append)
+    monkeypatch.setattr(recovery, "join", lambda: (shared, {}))
+    monkeypatch.setattr(recovery, "is_replacement", lambda: True)
+    state = ObjectState(epoch=1)
+    try:
+        assert state.join() and hvd.size() == 1 and state.epoch == 1
+        hvds = process_sets.communicators()
+        assert len(hvds) == 3 and hvds[0] is shared  # the global set's, and its controller's two
+        collectives.allreduce(np.ones(1), hvds[1])  # as hvd's collectives run on its data communicator
+        made = [shared, *hvds[1:], *(existing_channel(c).dup.made() for c in (shared, hvds[1]))]
+        assert len(hooks) == 1 and MPI.COMM_NULL not in made
+        hooks[0]()
+        assert all(c == MPI.COMM_NULL for c in made)
+    finally:
+        hvd.shutdown()
+        hvd.init()  # on MPI.COMM_WORLD again, for the tests after this one

@@ -375,9 +375,9 @@ def test_a_dead_spare_is_reported_lost_not_called(tmp_path, training_loss):
 
 @own_jobs
 def test_a_spare_that_dies_while_it_waits_is_reported_at_the_release(tmp_path):
-    """4 ranks with --spares 1 (3 train); the spare dies half a second into its wait, its part of
-    the release's first barrier already sent (a zero-byte message, delivered at once): the
-    release finds it dead all the same, and the job ends with status 0."""
+    """4 ranks with --spares 1 (3 train); the spare dies as it waits, once its part of the
+    release's first barrier is sent (a zero-byte message, delivered at once): the release finds
+    it dead all the same, and the job ends with status 0."""
     code, out, final = train_losing(tmp_path, 4, ["waited:0:3"], ["--epochs", "4", "--spares", "1"])
     assert code == 0 and (tmp_path / "killed-3").exists(), out[-4000:]
     assert sorted(final) == [0, 1, 2] and "hpcdl train: spare 3 died while waiting" in out, out[-4000:]
@@ -441,6 +441,23 @@ def test_two_replacements_of_one_loss_finalize_without_reaching_the_survivors(tm
     assert status_file.read_text() == "0\n", out[-4000:]
     for symptom in ("Segmentation fault", "dpm_disconnect", "be able to reach each other"):
         assert symptom not in out, out[-4000:]
+    assert code == 0, out[-4000:]
+
+
+@own_jobs
+def test_a_slow_replacement_does_not_take_the_survivors_that_left_for_a_loss(tmp_path):
+    """3 ranks with --respawn, rank 2 dies; its replacement (id 3) is slow to decide, at the run's
+    end, whether it lived through a loss (2 s, inside MPI now and then). It decided after the
+    survivors had left without MPI_Finalize: it took them for a loss and left without it too, and
+    mpirun's status was 1 (seen once). The ranks decide before a last barrier: the replacement
+    finalizes, its run's status 0 written, and the job's status is 0."""
+    status_file = tmp_path / "status"
+    code, out, final = train_losing(tmp_path, 3, ["backward:3:2"],
+                                    ["--epochs", "1", "--batch-size", "8", "--respawn", "--status-file",
+                                     str(status_file)], HPCDL_TEST_REPLACEMENT_DECISION_DELAY_S="2")
+    assert sorted(final) == [0, 1, 3] and status_file.read_text() == "0\n", out[-4000:]
+    statuses = tmp_path / "statuses-3"  # written once its run returned: it did not leave from inside it
+    assert statuses.exists() and statuses.read_text() == "0\n", out[-4000:]
     assert code == 0, out[-4000:]
 
 
@@ -774,6 +791,24 @@ def test_elastic_loop_goes_on_after_a_lost_rank(tmp_path, api, victim, respawn):
     states = list(final.values())
     assert identical(states, "model") and {s["size"] for s in states} == {3 if respawn else 2}
     assert all(s["losses"] == [((victim,), 3 if respawn else 2)] for m, s in final.items() if m < 3)  # survivors
+
+
+@own_jobs
+@pytest.mark.parametrize("api", ["native", "horovod"])
+def test_elastic_replacements_finalize_without_reaching_the_survivors(tmp_path, api):
+    """4 ranks of a loop on hpcdl.elastic or hvd.elastic with respawn; ranks 1 and 2 die at once,
+    and their two replacements (one MPI_Comm_spawn) train to the end and finalize MPI after the
+    survivors left without it (2 s later here). Their MPI_Finalize disconnected from every
+    process of the communicators they shared with the survivors (the job's, the collectives' and
+    hvd's duplicates): it printed that not every process could reach the others. They free them
+    at their exit, as `hpcdl train`'s replacements do."""
+    code, out = launch(4, [str(ELASTIC_JOB), api, str(tmp_path), "10", "1+2", "respawn"],
+                       HPCDL_TEST_REPLACEMENT_EXIT_DELAY_S="2")
+    final = finals(tmp_path)
+    assert sorted(final) == [0, 3, 4, 5] and identical(list(final.values()), "model"), out[-4000:]
+    for symptom in ("Segmentation fault", "dpm_disconnect", "be able to reach each other", "unreachable proc"):
+        assert symptom not in out, out[-4000:]
+    assert code == 0, out[-4000:]
 
 
 # -- the engine's bookkeeping (hpcdl/elastic/membership.py) ------------------------------------------
