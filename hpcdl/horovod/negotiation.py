@@ -43,16 +43,17 @@ import io
 import pickle
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
-from mpi4py import MPI
 
 import collectives
 
 from ..runtime import stall_report
-from ..runtime.stall import wait_for
 from .errors import NegotiationError
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 Key = tuple[str, Union[str, int]]  # (kind, name) of a named call, (kind, n) of the n-th unnamed one
 
@@ -155,6 +156,14 @@ class Request:
         return self.finish(result)
 
 
+def wait_for(handle: Any, what: str, **options: Any) -> Any:
+    """`hpcdl.runtime.stall.wait_for`, imported at the first wait: the stall check imports
+    mpi4py.MPI, which starts MPI, and importing hpcdl.horovod must not (the package docstring)."""
+    from ..runtime.stall import wait_for as wait
+
+    return wait(handle, what, **options)
+
+
 def _same(result: Any) -> Any:
     return result
 
@@ -171,6 +180,8 @@ class Controller:
     `label` (the same on every rank: the process set)."""
 
     def __init__(self, comm: MPI.Comm, label: str = "") -> None:
+        from mpi4py import MPI
+
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.data = comm.Dup()  # the issued collectives, in round order
         self._rounds = comm.Dup()  # rounds pair only with rounds
