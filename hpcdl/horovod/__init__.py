@@ -15,12 +15,15 @@ tensors go in and come out (out of place unless the name ends in `_`), `prescale
 out-of-place collectives are differentiable as Horovod's are, and every call takes a
 `process_set=`.
 
-Every call is negotiated as Horovod's coordinator negotiates it (negotiation.py): calls given a
-`name=` pair by name whatever order the ranks make them in, unnamed ones by their order, and
-arguments that differ between ranks, a name submitted twice, calls that can never pair and
-collectives with joined ranks raise instead of hanging. `join()` lets ranks that ran out of
-data add zeros to the others' allreduces. `DistributedOptimizer` reduces gradients on hpcdl's
-DDP machinery (optimizer.py). docs/coming_from_horovod_ddp.md lists what differs from Horovod.
+Every call is negotiated as Horovod's coordinator negotiates it (negotiation.py): asynchronous
+calls given a `name=` pair by name whatever order the ranks start them in, unnamed ones by their
+order. A blocking call waits until every rank has made it, so blocking calls, named or not, come
+in the same order on every rank: made in different orders they could never complete, and raise
+`NegotiationError` ("calls that can never pair"). That error, arguments that differ between
+ranks, a name submitted twice and collectives with joined ranks raise instead of hanging.
+`join()` lets ranks that ran out of data add zeros to the others' allreduces.
+`DistributedOptimizer` reduces gradients on hpcdl's DDP machinery (optimizer.py).
+docs/coming_from_horovod_ddp.md lists what differs from Horovod.
 
 What hpcdl does not offer raises NotImplementedError naming what to use instead, only when used:
 the Adasum reduction, the timeline (`hpcdl.DistributedDataParallel(timeline=...)` records one),
