@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
@@ -63,3 +64,20 @@ def test_a_dataloader_worker_started_by_forkserver_leaves_the_job_alone() -> Non
     lines = sorted(re.findall(r"^rank (\d): (.*)$", job.stdout, re.M))
     assert [rank for rank, _ in lines] == ["0", "1"], job.stdout
     assert lines[0][1] == lines[1][1] and lines[0][1].startswith("4 batches"), job.stdout
+
+
+@only_once
+def test_horovods_scripts_on_the_shim_start_no_mpi_at_import(tmp_path: Path) -> None:
+    """scripts/horovod_shim.py's `horovod.torch` takes hpcdl.horovod's names and submodules on first
+    use too, so Horovod's own examples (DataLoader workers by forkserver) run on it."""
+    subprocess.run([sys.executable, str(ROOT / "scripts/horovod_shim.py"), str(tmp_path)], check=True,
+                   capture_output=True, timeout=60)
+    code = TOP_LEVEL.replace("hpcdl.horovod", "horovod.torch") + (
+        "import horovod.torch.mpi_ops, hpcdl.horovod.mpi_ops\n"
+        "from horovod.torch.elastic import ElasticSampler\n"
+        "assert horovod.torch.mpi_ops is hpcdl.horovod.mpi_ops and hvd.allreduce is hpcdl.horovod.allreduce\n"
+        "assert sorted(hvd.__all__) == sorted(hpcdl.horovod.__all__)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=own_job_environment(PYTHONPATH=f"{ROOT}:{tmp_path}"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "['torch']", done.stdout
