@@ -7,8 +7,10 @@ examples against `hpcdl.horovod` from a checkout of Horovod, without changing th
     cd ~/src/horovod/test/parallel && mpirun -n 2 python -m pytest test_torch.py
 
 What it writes (nothing of Horovod's):
-- `horovod/torch/__init__.py`: `from hpcdl.horovod import *` and its submodules' names
-  (`horovod.torch.elastic`, `.mpi_ops`, ...), so `import horovod.torch as hvd` is hpcdl;
+- `horovod/torch/__init__.py`: hpcdl.horovod's names and its submodules (`horovod.torch.elastic`,
+  `.mpi_ops`, ...), so `import horovod.torch as hvd` is hpcdl; taken on first use, as
+  hpcdl.horovod's own are, so that importing it starts no MPI (a DataLoader worker started with
+  "forkserver", as Horovod's examples start theirs, imports the script again);
 - `horovod/runner/util/threads.py`: `in_thread`, the one runner helper Horovod's test utilities
   (test/utils/common.py) import at module level;
 - `mock.py`, if the `mock` package is not installed: the standard library's `unittest.mock`
@@ -25,15 +27,40 @@ from pathlib import Path
 #: Modules of horovod.torch a script may import by path, each the hpcdl.horovod module of that name.
 SUBMODULES = ("elastic", "mpi_ops", "functions", "compression", "optimizer", "sync_batch_norm")
 
-TORCH_INIT = '''"""horovod.torch as hpcdl.horovod (written by hpcdl's scripts/horovod_shim.py)."""
+TORCH_INIT = '''"""horovod.torch as hpcdl.horovod (written by hpcdl's scripts/horovod_shim.py): its names
+and submodules are hpcdl.horovod's, imported on first use (importing mpi4py.MPI starts MPI)."""
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 
-from hpcdl.horovod import *  # noqa: F401,F403
+import hpcdl.horovod as _hvd
 from hpcdl.horovod import __all__  # noqa: F401
 
-for _name in {submodules!r}:
-    sys.modules[__name__ + "." + _name] = importlib.import_module("hpcdl.horovod." + _name)
+_SUBMODULES = {submodules!r}
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(__name__ + "." + name)
+    return getattr(_hvd, name)
+
+
+class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import horovod.torch.X` gives hpcdl.horovod.X (the module replaces itself in sys.modules)."""
+
+    def find_spec(self, fullname, path, target=None):
+        parent, _, name = fullname.rpartition(".")
+        return importlib.util.spec_from_loader(fullname, self) if parent == __name__ and name in _SUBMODULES else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        sys.modules[module.__name__] = importlib.import_module("hpcdl.horovod." + module.__name__.rpartition(".")[2])
+
+
+sys.meta_path.insert(0, _Submodules())
 '''
 
 THREADS = '''"""The thread helper Horovod's test utilities import (written by hpcdl's scripts/horovod_shim.py)."""

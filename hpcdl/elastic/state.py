@@ -5,14 +5,16 @@ from __future__ import annotations
 import atexit
 import functools
 import io
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
-from mpi4py import MPI
 
 from ..runtime import recovery as ulfm
 from ..runtime.world import world
 from .membership import Membership, cloned
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 T = TypeVar("T")
 

@@ -2,14 +2,15 @@
 offers, and the reduction ops (`horovod.common.basics`)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import runtime
 from . import process_sets as sets
 from .errors import HorovodInternalError
 from .process_sets import ProcessSet
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 # Horovod's reduction op values (horovod/common/message.h).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -42,8 +43,10 @@ def init(comm: MPI.Comm | Sequence[int] | None = None,
     passes the same), or "dynamic" (sets are added later with `add_process_set`, always allowed).
     Calling init again with the same communicator (or none) does nothing, as in Horovod; with
     another one (`hvd.elastic` after a rank was lost), the calls not issued on the old one fail
-    and the process sets are forgotten.
+    and the process sets are forgotten. Importing hpcdl.horovod does not start MPI; this does.
     """
+    from mpi4py import MPI
+
     runtime.init()
     if comm is None:
         comm = _state.comm if _state.comm is not None else MPI.COMM_WORLD
@@ -132,6 +135,8 @@ def is_homogeneous() -> bool:
 
 def mpi_threads_supported() -> bool:
     """Whether MPI gives MPI_THREAD_MULTIPLE (hpcdl asks for it)."""
+    from mpi4py import MPI
+
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 

@@ -1,4 +1,4 @@
-"""The errors `hpcdl.horovod` raises of its own (`horovod.common.exceptions`)."""
+"""The errors of `hpcdl.horovod` (`horovod.common.exceptions`)."""
 from __future__ import annotations
 
 import collectives
@@ -16,3 +16,12 @@ class NegotiationError(HorovodInternalError, collectives.CollectiveArgumentError
     A `HorovodInternalError` (a RuntimeError), as Horovod's own errors of a collective are, and a
     `collectives.CollectiveArgumentError` (a ValueError), as hpcdl's other front ends raise them.
     """
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod raises it when hosts are added or removed; hpcdl never does (ranks are lost, not
+    added), but code that catches it runs unchanged."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync

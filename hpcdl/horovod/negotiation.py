@@ -47,16 +47,17 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
-from mpi4py import MPI
 
 import collectives
 
-from ..runtime import diagnosis, stall_report
-from ..runtime.stall import wait_for
+from ..runtime import stall_report
 from .errors import HorovodInternalError, NegotiationError
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 Key = tuple[str, Union[str, int]]  # (kind, name) of a named call, (kind, n) of the n-th unnamed one
 
@@ -159,6 +160,14 @@ class Request:
         return self.finish(result)
 
 
+def wait_for(handle: Any, what: str, **options: Any) -> Any:
+    """`hpcdl.runtime.stall.wait_for`, imported at the first wait: the stall check imports
+    mpi4py.MPI, which starts MPI, and importing hpcdl.horovod must not (the package docstring)."""
+    from ..runtime.stall import wait_for as wait
+
+    return wait(handle, what, **options)
+
+
 def _same(result: Any) -> Any:
     return result
 
@@ -180,6 +189,8 @@ class Controller:
     `label` (the same on every rank: the process set)."""
 
     def __init__(self, comm: MPI.Comm, label: str = "") -> None:
+        from mpi4py import MPI
+
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.data = comm.Dup()  # the issued collectives, in round order
         self._rounds = comm.Dup()  # rounds pair only with rounds
@@ -312,6 +323,10 @@ class Controller:
     def _others_left(self) -> bool:
         """Whether every other rank of the set has told this one it left (its program ended:
         hpcdl/runtime/diagnosis.py); False where that is not known."""
+        from mpi4py import MPI
+
+        from ..runtime import diagnosis
+
         service = diagnosis.service()
         if service is None:
             return False
@@ -468,6 +483,10 @@ class Controller:
 def _leave_at_exit() -> None:
     """At exit, every controller of this process leaves (`Controller.leave`); the calls this rank
     made that no other rank did are named in one line on stderr, as they are dropped."""
+    if not _live:  # no controller: hvd.init() never ran (and MPI may never have started)
+        return
+    from mpi4py import MPI
+
     if not MPI.Is_initialized() or MPI.Is_finalized():  # the program finalized MPI itself
         return
     for controller in list(_live):

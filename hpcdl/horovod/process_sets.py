@@ -15,11 +15,13 @@ this rank's place in the set. `ProcessSet(comm)` makes the set of an mpi4py comm
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-from mpi4py import MPI
+import sys
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from .negotiation import Controller, finished, register
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 
 class ProcessSet:
@@ -31,12 +33,10 @@ class ProcessSet:
 
     def __init__(self, ranks_or_comm: Sequence[int] | MPI.Comm) -> None:
         self.process_set_id: int | None = None
-        self.mpi_comm: MPI.Comm | None = None
+        self.mpi_comm: MPI.Comm | None = _communicator(ranks_or_comm)
         self.ranks: list[int] | None = None
-        if isinstance(ranks_or_comm, MPI.Comm):
-            self.mpi_comm = ranks_or_comm
-        else:
-            self.ranks = sorted({int(r) for r in ranks_or_comm})
+        if self.mpi_comm is None:
+            self.ranks = sorted({int(r) for r in cast("Sequence[int]", ranks_or_comm)})
         self._controller: Controller | None = None  # on the set's ranks, once added
         self._comm: MPI.Comm | None = None
         self._me: int | None = None  # this process's rank in the global set
@@ -59,6 +59,14 @@ class ProcessSet:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
     __repr__ = __str__
+
+
+def _communicator(value: Any) -> MPI.Comm | None:
+    """`value` if it is an mpi4py communicator, else None. Sets of ranks are made before
+    `hvd.init()`, at a script's top level, where importing mpi4py.MPI would start MPI; no
+    communicator exists before it is imported."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return value if mpi is not None and isinstance(value, mpi.Comm) else None
 
 
 global_process_set = ProcessSet([])
@@ -116,6 +124,8 @@ def communicator(process_set: ProcessSet) -> MPI.Comm:
     """The communicator of `process_set` on this rank: the set's own on its ranks, MPI.COMM_SELF
     elsewhere (work restricted to the set is then this rank's alone). ValueError naming the fix
     if hvd is not initialized or the set not added."""
+    from mpi4py import MPI
+
     controller(global_process_set)
     if process_set.included() is False:
         return MPI.COMM_SELF
@@ -145,6 +155,8 @@ def _ranks_of(process_set: ProcessSet) -> tuple[int, ...] | None:
     """The set's global ranks; for a set made from a communicator, known on its members only."""
     if process_set.ranks is not None:
         return tuple(process_set.ranks)
+    from mpi4py import MPI
+
     comm = process_set.mpi_comm
     if comm is None or comm == MPI.COMM_NULL:
         return None
@@ -194,6 +206,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ValueError(f"{target} was already added")
 
     def start(specs: dict[int, Any]) -> Any:
+        from mpi4py import MPI
+
         ranks = next(r for r in specs.values() if r is not None)
         world = global_process_set._controller
         assert world is not None
