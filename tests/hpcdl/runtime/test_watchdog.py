@@ -124,7 +124,7 @@ def test_a_raw_mpi_barrier_a_rank_left_without_making_is_reported_and_ends_the_j
 
 @only_alone
 def test_a_late_rank_in_raw_mpi_calls_is_reported_once_and_the_job_goes_on():
-    proc = blocking_job("raw-slow", HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S="6")
+    proc = blocking_job("raw-slow", HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S="4")
     out = proc.stdout
     assert proc.returncode == 0 and out.count(" done") == 3, out[-4000:]
     assert out.count("hpcdl stall report: rank 0 holds the job up") == 1, out
