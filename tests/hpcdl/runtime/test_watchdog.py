@@ -59,15 +59,22 @@ def test_a_rank_reported_slow_that_then_leaves_ends_the_job():
 
 
 @only_alone
-def test_a_late_rank_in_blocking_calls_is_reported_once_and_the_job_goes_on():
-    proc = blocking_job("slow", HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S="6")
+@pytest.mark.parametrize("mode, seconds, call, waits", [
+    ("slow", "6", "the blocking allreduce", "ranks 1, 2: wait in allreduce #3 (16 B float32"),
+    ("raw-slow", "4", r"the MPI call `world\.Barrier\(\)`", "wait for the MPI call `world.Barrier()`")],
+    ids=["the collectives' call", "the program's own MPI call"])
+def test_a_late_rank_is_reported_once_and_the_job_goes_on(mode, seconds, call, waits):
+    """Rank 0 sleeps before its third call; the others wait in it: one report, after the bound,
+    naming rank 0 at its sleep and the waiting ranks at their call; the job then ends normally.
+    The program's own `MPI.COMM_WORLD.Barrier()` is found by its frame (no flight record)."""
+    proc = blocking_job(mode, HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S=seconds)
     out = proc.stdout
     assert proc.returncode == 0 and out.count(" done") == 3, out[-4000:]
     assert out.count("hpcdl stall report: rank 0 holds the job up") == 1, out
-    assert re.search(r"blocking_job\.py:\d+: RuntimeWarning: rank 1: the blocking allreduce at "
+    assert re.search(rf"blocking_job\.py:\d+: RuntimeWarning: rank 1: {call} at "
                      r"blocking_job\.py:\d+ in main has waited \d\.\d s for the other ranks\.", out), out
-    assert "rank 0: slow: not in a collective for " in out and "in load_batch `time.sleep(seconds)`" in out, out
-    assert "ranks 1, 2: wait in allreduce #3 (16 B float32" in out, out
+    assert "rank 0: slow: not in a collective" in out and "in load_batch `time.sleep(seconds)`" in out, out
+    assert waits in out, out
 
 
 def test_the_watchdog_finds_a_thread_blocked_in_the_collectives_and_no_other():
@@ -120,17 +127,6 @@ def test_a_raw_mpi_barrier_a_rank_left_without_making_is_reported_and_ends_the_j
     assert elapsed < 40, out  # the bound is 60 s: the abort came from the notice
     assert re.search(r"\[hpcdl rank [12]\] rank [12]: the MPI call `world\.Barrier\(\)` at blocking_job\.py:\d+ in "
                      r"main can never complete: rank 0 left \(the program ended\) without making it", out), out
-
-
-@only_alone
-def test_a_late_rank_in_raw_mpi_calls_is_reported_once_and_the_job_goes_on():
-    proc = blocking_job("raw-slow", HPCDL_STALL_WARNING_S="2", BLOCKING_JOB_SLOW_S="4")
-    out = proc.stdout
-    assert proc.returncode == 0 and out.count(" done") == 3, out[-4000:]
-    assert out.count("hpcdl stall report: rank 0 holds the job up") == 1, out
-    assert re.search(r"blocking_job\.py:\d+: RuntimeWarning: rank 1: the MPI call `world\.Barrier\(\)` at "
-                     r"blocking_job\.py:\d+ in main has waited \d\.\d s for the other ranks\.", out), out
-    assert "in load_batch `time.sleep(seconds)`" in out, out
 
 
 @only_alone
