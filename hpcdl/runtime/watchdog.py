@@ -16,9 +16,10 @@ stall_report.never_completes) cannot be interrupted either: the watchdog prints 
 and aborts the job (MPI_Abort) about a second after the notice, instead of leaving it hung until
 the batch system's time limit. A raw MPI call (an mpi4py `comm.Barrier()` in the program) is no
 collective of hpcdl's and leaves no record: the watchdog finds a thread blocked in one by its
-frame (raw_calls.py) and reports it past the same bound, with the other ranks' answers; it does not
-abort there, since which ranks such a call needs is not known. Cost: one thread per rank that
-wakes once a second and reads the recorder's ring and the threads' innermost frames.
+frame (raw_calls.py) and reports it past the same bound, with the other ranks' answers; it aborts
+the job only where the call is a collective that a rank of its communicator left without making
+(a point-to-point call's peer is not known). Cost: one thread per rank that wakes once a second
+and reads the recorder's ring and the threads' innermost frames.
 """
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ from . import diagnosis, flight_dumps, raw_calls, stall, stall_report
 
 #: Seconds between the watchdog's looks.
 LOOK_S = 1.0
-#: What a report on a raw MPI call advises.
+#: What a report on a raw MPI call advises ...
 RAW_ADVICE = ("Every rank of the communicator must make the same MPI calls in the same order; a "
               "rank that skipped this one, or waits in another, holds the others here.")
-#: Looks a raw collective stays in place, a rank it needs having left, before the job is aborted.
-GONE_LOOKS = 2
 #: ... and the error where a rank it needs has left.
 RAW_LEFT_ADVICE = "every rank of the communicator must make the same collective calls"
+#: Looks a raw collective stays in place, a rank it needs having left, before the job is aborted.
+GONE_LOOKS = 2
 _COLLECTIVES = os.path.dirname(os.path.abspath(collectives.__file__)) + os.sep
 
 
@@ -110,8 +111,9 @@ class Watchdog:
             self.abort(never + " A rank blocked in a collective cannot be interrupted: the job is aborted.")
 
     def _look_at_raw_calls(self) -> None:
-        """With no recorded call blocked: follow a thread blocked in a raw MPI call, and report it
-        once it has waited the bound (never an abort: which ranks it needs is not known)."""
+        """With no recorded call blocked: follow a thread blocked in a raw MPI call, report it once
+        it has waited the bound, and abort the job where it is a collective that a rank it needs
+        left without making."""
         frames = sys._current_frames()
         raw = self._raw
         if raw is not None and not raw.still_in(frames):
