@@ -150,16 +150,22 @@ def revoke(comm: MPI.Comm) -> None:
         comm.Revoke()
 
 
+def _collectives_duplicate(comm: MPI.Comm) -> MPI.Comm | None:
+    """The collectives' private duplicate of `comm`, where they made one (local)."""
+    from collectives.channels import existing_channel
+
+    channel = existing_channel(comm) if comm != MPI.COMM_NULL else None
+    return channel.dup.made() if channel is not None else None
+
+
 def revoke_with_collectives(comm: MPI.Comm) -> None:
     """Revoke `comm`, the collectives' private duplicate of it and the communicators they split
     from that (local): a peer blocked in any call on it wakes with an error, also one that waits
     on a live rank (this one, leaving the job after a loss it met on another communicator)."""
-    from collectives.channels import existing_channel
     from collectives.host_communicators import derived_communicators
 
     revoke(comm)
-    channel = existing_channel(comm) if comm != MPI.COMM_NULL else None
-    duplicate = channel.dup.made() if channel is not None else None
+    duplicate = _collectives_duplicate(comm)
     if duplicate is not None:
         for sub in (duplicate, *derived_communicators(duplicate)):
             revoke(sub)
@@ -241,15 +247,12 @@ def disconnect_for_finalize(*comms: MPI.Comm) -> None:
     process could reach the others. Nothing is done outside a replacement."""
     if not is_replacement():
         return
-    from collectives.channels import existing_channel
-
     unique: list[MPI.Comm] = []
     for comm in comms:  # one communicator may be named twice (hvd's global set's is the job's)
         if comm != MPI.COMM_NULL and comm not in unique:
             unique.append(comm)
     for comm in unique:
-        channel = existing_channel(comm)
-        duplicate = channel.dup.made() if channel is not None else None
+        duplicate = _collectives_duplicate(comm)
         free(comm)
         if duplicate is not None:
             free(duplicate)
