@@ -323,20 +323,14 @@ class Controller:
     def _others_left(self) -> bool:
         """Whether every other rank of the set has told this one it left (its program ended:
         hpcdl/runtime/diagnosis.py); False where that is not known."""
-        from mpi4py import MPI
-
         from ..runtime import diagnosis
+        from ..runtime.world import world_ranks
 
         service = diagnosis.service()
         if service is None:
             return False
-        mine, world = self._rounds.Get_group(), service.comm.Get_group()
-        try:
-            ranks = mine.Translate_ranks(list(range(self.size)), world)
-        finally:
-            mine.Free()
-            world.Free()
-        return all(r != MPI.UNDEFINED and (r == service.rank or r in service.departed) for r in ranks)
+        ranks = world_ranks(self._rounds)
+        return ranks is not None and all(r == service.rank or r in service.departed for r in ranks)
 
     # -- rounds ------------------------------------------------------------------------------------
 

@@ -26,9 +26,9 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from mpi4py import MPI
-
 from collectives.recorder import is_library, short, where
+
+from .world import world_ranks
 
 #: The longest call text a report quotes.
 _LONGEST = 80
@@ -56,7 +56,8 @@ class RawCall:
     call: str
     #: the program's line: "path/file.py:LINE in function"
     place: str
-    #: the ranks of MPI.COMM_WORLD the call needs, where it is a collective (else None: unknown)
+    #: the ranks of MPI.COMM_WORLD the call needs, where it is a collective (else None: unknown;
+    #: `world.world_ranks`)
     needs: frozenset[int] | None = None
 
     def describe(self) -> str:
@@ -84,19 +85,6 @@ def blocked_raw_call(frames: dict[int, types.FrameType], skip: Any = ()) -> RawC
                            where((frame.f_code, frame.f_lasti)),
                            world_ranks(receiver) if method in COLLECTIVES else None)
     return None
-
-
-def world_ranks(comm: Any) -> frozenset[int] | None:
-    """The ranks of MPI.COMM_WORLD in the intracommunicator `comm` (None for anything else)."""
-    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
-        return None
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
-    finally:
-        group.Free()
-        world.Free()
-    return frozenset(int(rank) for rank in ranks if rank != MPI.UNDEFINED)
 
 
 def raw_call_at(frame: types.FrameType) -> tuple[str, str, Any] | None:

@@ -16,6 +16,7 @@ Reading `world()` costs nothing; importing this module initializes MPI (it impor
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from mpi4py import MPI
 
@@ -47,3 +48,19 @@ def set_member(member_id: int) -> None:
     global _member
     with _lock:
         _member = member_id
+
+
+def world_ranks(comm: Any) -> frozenset[int] | None:
+    """The MPI.COMM_WORLD ranks of the intracommunicator `comm`'s members (the ranks the diagnosis
+    service's notices name); None for anything else, or where a member is outside this process's
+    MPI.COMM_WORLD (a replacement's job), where they cannot all be named. Local."""
+    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        return None
+    group, everyone = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), everyone)
+    finally:
+        group.Free()
+        everyone.Free()
+    return None if MPI.UNDEFINED in ranks else frozenset(int(rank) for rank in ranks)
+

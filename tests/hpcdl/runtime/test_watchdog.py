@@ -17,6 +17,7 @@ from mpi4py import MPI
 from collectives.patience import complete_patiently
 from collectives.recorder import RECORDER, leave
 from hpcdl.runtime import raw_calls, watchdog
+from hpcdl.runtime.world import world_ranks
 from tests.run import ROOT, own_job_environment, run_own_job
 
 only_alone = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 3-rank mpirun; N = 1")
@@ -173,7 +174,7 @@ def test_the_watchdog_finds_a_thread_blocked_in_a_raw_mpi_call_and_no_other():
     assert still and not found.still_in(sys._current_frames()), "returned: no longer in it"
     assert skipped is None, skipped
     # a collective needs the ranks of MPI.COMM_WORLD its communicator holds
-    assert raw_calls.world_ranks(comm) == {MPI.COMM_WORLD.Get_rank()}
-    assert raw_calls.world_ranks(MPI.COMM_WORLD) == set(range(MPI.COMM_WORLD.Get_size()))
+    assert world_ranks(comm) == {MPI.COMM_WORLD.Get_rank()}
+    assert world_ranks(MPI.COMM_WORLD) == set(range(MPI.COMM_WORLD.Get_size()))
     comm.Free()
 
