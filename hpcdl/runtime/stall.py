@@ -173,9 +173,7 @@ def report_stall(rank: int, what: str, waited: float, advice: str, done: Callabl
     if not gone or stalled is None:
         return None
     # The cause is certain: the advice for it, not the call site's (which guesses at causes).
-    return (f"rank {rank}: {what} ({stall_report.describe_call(stalled)}) can never complete: "
-            f"{stall_report.ranks_text(gone)} left (the program ended) without making it: "
-            f"{left_advice}.")
+    return stall_report.never_text(rank, f"{what} ({stall_report.describe_call(stalled)})", gone, left_advice)
 
 
 def cannot_complete() -> bool:

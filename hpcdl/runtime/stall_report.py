@@ -177,6 +177,14 @@ def _elsewhere(answer: Answer) -> str:
     return f"not in a collective{since}; in {where}"
 
 
+def never_text(rank: int, what: str, gone: list[int], left_advice: str) -> str:
+    """The error of a call on `rank` that can never complete, `gone` having left without making
+    it ("rank 1: the blocking allreduce at job.py:9 in main (...) can never complete: rank 0 left
+    (the program ended) without making it: ADVICE.")."""
+    return (f"rank {rank}: {what} can never complete: {ranks_text(gone)} left (the program ended) "
+            f"without making it: {left_advice}.")
+
+
 def ranks_text(ranks: list[int]) -> str:
     """[0, 1, 3] as "ranks 0, 1, 3" ("rank 2" for one)."""
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in ranks)}"

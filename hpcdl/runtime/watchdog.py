@@ -130,10 +130,8 @@ class Watchdog:
         if self._gone_looks > GONE_LOOKS:  # a collective a rank of its communicator left without making
             flight_dumps.write(self.service.rank, "a raw MPI call that can never complete")
             self._follow_raw(None)
-            self.abort(f"rank {self.service.rank}: {raw.describe()} can never complete: "
-                       f"{stall_report.ranks_text(gone)} left (the program ended) without making it: "
-                       f"{RAW_LEFT_ADVICE}. A rank blocked in an MPI call cannot be interrupted: the job is "
-                       "aborted.")
+            self.abort(stall_report.never_text(self.service.rank, raw.describe(), gone, RAW_LEFT_ADVICE)
+                       + " A rank blocked in an MPI call cannot be interrupted: the job is aborted.")
             return
         if self._due.now(self._clock.look(LOOK_S)):
             stall.report_stall(self.service.rank, raw.describe(), self._clock.waited, RAW_ADVICE,
