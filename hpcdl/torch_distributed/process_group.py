@@ -54,16 +54,17 @@ def _reducing(tensor: torch.Tensor, op: str, blocks: int = 1) -> tuple[Any, str,
     A tensor the backend cannot reduce becomes a `RefusedTensor` (as in `collective_array`), so
     every rank of the call raises, not only those that hold it. `blocks`: `widening.widen`'s.
     """
-    problem = widening.refusal(tensor.dtype, op)
-    if problem is None and widening.needs_widening(tensor.dtype, op):
+    problem, widened = widening.treatment(tensor.dtype, op)
+    if problem is None and not widened:
+        return collective_array(tensor), op, None
+    if problem is None:
         problem = refusal(tensor)  # the copy would hide what the collectives refuse in the tensor
         if problem is None:
             wide, wide_op = widening.widen(tensor, op, blocks)
             return as_array(wide), wide_op, wide
-    op = widening.BITWISE.get(op, op)  # an op the collectives know: the refusal is the error
-    if problem is not None:
-        return RefusedTensor(f"the {tensor.dtype} tensor of shape {tuple(tensor.shape)}: {problem}"), op, None
-    return collective_array(tensor), op, None
+    # an op the collectives know, so that the tensor's refusal is the error every rank raises
+    return (RefusedTensor(f"the {tensor.dtype} tensor of shape {tuple(tensor.shape)}: {problem}"),
+            widening.BITWISE.get(op, op), None)
 
 
 def _narrowing(wide: torch.Tensor, op: str, into: torch.Tensor) -> Callable[[], None]:

@@ -11,9 +11,9 @@ int32 copy and writes the result back into the caller's tensor, giving what gloo
   wraps); AVG, which gloo refuses, is the floor of the mean, as for int32 and int64.
 - bool: 0/1 copies; SUM and MAX are logical OR, PRODUCT and MIN logical AND, as gloo's; AVG is
   refused (gloo refuses it too).
-- BAND, BOR, BXOR on bool, int8, uint8, int32 and int64: one 0/1 int32 plane per bit (1 for bool,
-  8 per byte otherwise), reduced with MIN (AND), MAX (OR) or SUM (XOR: the count's parity), and
-  put back together. Floats are refused, as gloo refuses them.
+- BAND, BOR, BXOR on bool, int8, uint8, int32 and int64: one 0/1 int32 plane per bit of the
+  tensor's bytes (one for bool), reduced with MIN (AND), MAX (OR) or SUM (XOR: the count's
+  parity), and put back together. Floats are refused, as gloo refuses them.
 
 Cost: widening moves 4 bytes per 1-byte element (4x the wire bytes); the bitwise ops move one
 int32 per bit, 32x. Made for flags and masks; bulk bitwise reductions would want the ops in the
@@ -58,10 +58,15 @@ def natively_reduced(dtype: torch.dtype) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)  # asked for every tensor reduced: a lookup after the first
-def refusal(dtype: torch.dtype, op: str) -> str | None:
-    """Why the backend cannot reduce a tensor of `dtype` with `op` (the collectives' op name, or
-    a `BITWISE` one), in one line saying what to use; None if it can."""
+@functools.lru_cache(maxsize=None)  # asked for every tensor reduced: one lookup after the first
+def treatment(dtype: torch.dtype, op: str) -> tuple[str | None, bool]:
+    """How the backend reduces a tensor of `dtype` with `op` (the collectives' op name, or a
+    `BITWISE` one): why it cannot, in one line saying what to use (None if it can), and whether
+    it runs on an int32 copy (`widen`) rather than on the tensor itself."""
+    return _refusal(dtype, op), op in BITWISE or dtype in WIDENED
+
+
+def _refusal(dtype: torch.dtype, op: str) -> str | None:
     name = _names([dtype])
     if op in BITWISE:
         if dtype in BITWISE_DTYPES:
@@ -77,25 +82,22 @@ def refusal(dtype: torch.dtype, op: str) -> str | None:
             f"e.g. tensor.to(torch.int32)")
 
 
-def needs_widening(dtype: torch.dtype, op: str) -> bool:
-    """Whether a reduction of `dtype` with `op` (which `refusal` accepts) runs on an int32 copy."""
-    return op in BITWISE or dtype in WIDENED
-
-
-def _bits(dtype: torch.dtype) -> int:
-    return 1 if dtype == torch.bool else torch.iinfo(dtype).bits
+def _bits_per_byte(dtype: torch.dtype) -> int:
+    return 1 if dtype == torch.bool else 8  # a bool's byte holds 0 or 1
 
 
 def widen(tensor: torch.Tensor, op: str, blocks: int = 1) -> tuple[torch.Tensor, str]:
-    """The contiguous int32 tensor the collectives reduce in place of `tensor`, and their op.
+    """The contiguous int32 tensor the collectives reduce in place of `tensor` (one `treatment`
+    widens), and their op.
 
     `blocks`: the tensor is that many equal blocks (a reduce_scatter's input, one per rank); each
     block's planes stay in its own block, so the collectives' split falls where the tensor's does.
     """
     flat = tensor.detach().reshape(blocks, -1)
     if op in BITWISE:
-        shifts = torch.arange(_bits(tensor.dtype), device=tensor.device).view(1, -1, 1)
-        planes = (flat.to(torch.int64).unsqueeze(1) >> shifts) & 1  # (blocks, bits, elements)
+        data = flat.view(torch.uint8)  # the tensor's bytes, without copying
+        shifts = torch.arange(_bits_per_byte(tensor.dtype), dtype=torch.uint8, device=tensor.device)
+        planes = (data.unsqueeze(1) >> shifts.view(1, -1, 1)) & 1  # (blocks, bits, bytes)
         return planes.to(torch.int32).reshape(-1), BITWISE[op]
     wide = flat.to(torch.int32).reshape(-1)
     return wide, (_BOOL_OPS[op] if tensor.dtype == torch.bool else op)
@@ -105,9 +107,9 @@ def narrow(reduced: torch.Tensor, op: str, into: torch.Tensor) -> None:
     """Write the reduction of `widen`'s tensor (one block of it), `reduced`, into `into` in its
     own dtype: int8 and uint8 wrap modulo 256 (as gloo's arithmetic), bool is nonzero."""
     if op in BITWISE:
-        planes = reduced.reshape(-1, into.numel()).to(torch.int64) & 1  # BXOR: the count's parity
-        shifts = torch.arange(planes.shape[0], device=planes.device).view(-1, 1)
-        # distinct bits: their sum is their OR (two's complement wraps at bit 63 as it should)
-        reduced = (planes << shifts).sum(0)
+        planes = (reduced.reshape(-1, into.numel() * into.element_size()) & 1).to(torch.uint8)  # BXOR: parity
+        shifts = torch.arange(planes.shape[0], dtype=torch.uint8, device=planes.device).view(-1, 1)
+        data = (planes << shifts).sum(0, dtype=torch.uint8)  # distinct bits: their sum is their OR
+        reduced = data.view(into.dtype)
     with torch.no_grad():
         into.copy_(reduced.view(into.shape))

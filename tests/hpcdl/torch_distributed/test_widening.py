@@ -45,7 +45,7 @@ CASES = [(d, op) for d in widening.WIDENED for op in OWN] + \
 @pytest.mark.parametrize("dtype,op", CASES, ids=str)
 def test_a_widened_reduction_gives_the_dtypes_own_arithmetic(dtype: torch.dtype, op: str, size: int) -> None:
     tensors = _ranks(dtype, size)
-    assert widening.refusal(dtype, op) is None and widening.needs_widening(dtype, op)
+    assert widening.treatment(dtype, op) == (None, True)
     result = torch.empty_like(tensors[0])
     widening.narrow(_reduced(tensors, op), op, result)
     expected = functools.reduce(OWN[op], tensors)
@@ -80,7 +80,7 @@ def test_average_is_the_floor_of_the_exact_mean(dtype: torch.dtype) -> None:
 
 def test_native_dtypes_are_left_to_the_collectives() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.int64):
-        assert widening.refusal(dtype, "sum") is None and not widening.needs_widening(dtype, "sum")
+        assert widening.treatment(dtype, "sum") == (None, False)
 
 
 @pytest.mark.parametrize("dtype,op,says", [
@@ -95,5 +95,5 @@ def test_native_dtypes_are_left_to_the_collectives() -> None:
 ], ids=str)
 def test_what_cannot_be_reduced_is_refused_in_one_line_naming_what_to_use(dtype: torch.dtype, op: str,
                                                                           says: str) -> None:
-    reason = widening.refusal(dtype, op)
+    reason, _ = widening.treatment(dtype, op)
     assert reason is not None and says in reason and "\n" not in reason
