@@ -514,28 +514,47 @@ def test_premul_sum_is_refused_naming_the_supported_ops(comm):
         dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
 
 
-@pytest.mark.parametrize("case", ["float BAND", "bool AVG", "int16 SUM"])
-def test_a_dtype_the_backend_cannot_reduce_fails_every_rank_naming_what_to_use(comm, case):
-    """A reduction the backend cannot do in the tensor's dtype, held by the last rank only (the
-    others pass int32, which it can): one line on every rank naming the dtype and what to use."""
-    size, rank = comm.Get_size(), comm.Get_rank()
+def _refused_reduction(case: str, odd: bool, size: int) -> None:
+    """Case `case`'s call: the odd rank's arguments are refused, the others' are fine."""
+    if case == "reduce_scatter output":
+        out = torch.empty(2, dtype=torch.int32 if odd else torch.uint8)
+        dist.reduce_scatter_tensor(out, torch.ones(2 * size, dtype=torch.uint8))
+        return
     dtype, op = {"float BAND": (torch.float32, "BAND"), "bool AVG": (torch.bool, "AVG"),
-                 "int16 SUM": (torch.int16, "SUM")}[case]
-    says = {"float BAND": "BAND reduces integer and bool tensors, not float32; use bool, int8, uint8, int32, int64",
-            "bool AVG": "AVG of a bool tensor has no bool result; use SUM or MAX for any",
-            "int16 SUM": "the hpcdl backend reduces bfloat16, bool, float16, float32, float64, int32, int64, "
-                         "int8, uint8 tensors, not int16; convert it"}[case]
-    tensor = torch.ones(3, dtype=dtype if rank == size - 1 else torch.int32)
+                 "int16 SUM": (torch.int16, "SUM"), "non-contiguous uint8": (torch.uint8, "SUM")}[case]
+    tensor = torch.ones(3, 2, dtype=dtype if odd else torch.int32)
+    if odd and case == "non-contiguous uint8":
+        tensor = torch.ones(2, 3, dtype=dtype).t()
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+
+
+REFUSED_REDUCTIONS = {
+    "float BAND": "BAND reduces integer and bool tensors, not float32; use bool, int8, uint8, int32, int64",
+    "bool AVG": "AVG of a bool tensor has no bool result; use SUM or MAX for any",
+    "int16 SUM": "the hpcdl backend reduces bfloat16, bool, float16, float32, float64, int32, int64, int8, "
+                 "uint8 tensors, not int16; convert it",
+    "non-contiguous uint8": "is not contiguous; pass tensor.contiguous()",
+    "reduce_scatter output": "the output is torch.int32, the input torch.uint8; pass an output of the input's dtype",
+}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("case", sorted(REFUSED_REDUCTIONS))
+def test_a_reduction_the_backend_cannot_do_fails_every_rank_naming_what_to_use(comm, case):
+    """A reduction the backend cannot do in the tensor's dtype (or, widened, with the tensor as it
+    is), on the last rank only (the others pass what it can reduce): one line on every rank
+    naming the dtype and what to use, and the next call works."""
+    size, rank = comm.Get_size(), comm.Get_rank()
     try:
-        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+        _refused_reduction(case, rank == size - 1, size)
         message = None
     except collectives.CollectiveArgumentError as exc:
         message = str(exc)
-    ok = message is not None and says in message and "\n" not in message
+    ok = message is not None and REFUSED_REDUCTIONS[case] in message and "\n" not in message
     assert all_ranks_agree(ok, comm), message
-    check = torch.ones(1)
+    check = torch.ones(1, dtype=torch.bool)
     dist.all_reduce(check)
-    assert check.item() == size
+    assert check.item() is True
 
 
 def test_all_to_all_counts_that_disagree_fail_every_rank(comm):
