@@ -93,7 +93,7 @@ def widen(tensor: torch.Tensor, op: str, blocks: int = 1) -> tuple[torch.Tensor,
     `blocks`: the tensor is that many equal blocks (a reduce_scatter's input, one per rank); each
     block's planes stay in its own block, so the collectives' split falls where the tensor's does.
     """
-    flat = tensor.detach().reshape(blocks, -1)
+    flat = tensor.detach().reshape(blocks, tensor.numel() // blocks)  # not -1: empty tensors too
     if op in BITWISE:
         data = flat.view(torch.uint8)  # the tensor's bytes, without copying
         shifts = torch.arange(_bits_per_byte(tensor.dtype), dtype=torch.uint8, device=tensor.device)
@@ -106,7 +106,7 @@ def widen(tensor: torch.Tensor, op: str, blocks: int = 1) -> tuple[torch.Tensor,
 def narrow(reduced: torch.Tensor, op: str, into: torch.Tensor) -> None:
     """Write the reduction of `widen`'s tensor (one block of it), `reduced`, into `into` in its
     own dtype: int8 and uint8 wrap modulo 256 (as gloo's arithmetic), bool is nonzero."""
-    if op in BITWISE:
+    if op in BITWISE and into.numel():
         planes = (reduced.reshape(-1, into.numel() * into.element_size()) & 1).to(torch.uint8)  # BXOR: parity
         shifts = torch.arange(planes.shape[0], dtype=torch.uint8, device=planes.device).view(-1, 1)
         data = (planes << shifts).sum(0, dtype=torch.uint8)  # distinct bits: their sum is their OR

@@ -97,3 +97,12 @@ def test_what_cannot_be_reduced_is_refused_in_one_line_naming_what_to_use(dtype:
                                                                           says: str) -> None:
     reason, _ = widening.treatment(dtype, op)
     assert reason is not None and says in reason and "\n" not in reason
+
+
+@pytest.mark.parametrize("op", ["sum", "bxor"])
+def test_empty_tensors_pass_through(op: str) -> None:
+    for dtype in widening.WIDENED:
+        wide, _ = widening.widen(torch.empty(0, dtype=dtype), op, blocks=3)
+        into = torch.empty(0, dtype=dtype)
+        widening.narrow(wide, op, into)
+        assert wide.numel() == 0 and into.numel() == 0
