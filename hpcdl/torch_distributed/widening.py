@@ -3,7 +3,7 @@
 The collectives reduce float16, bfloat16, float32, float64, int32 and int64 (`collectives.DTYPES`)
 with SUM, AVG, MIN, MAX and PRODUCT; bool, int8 and uint8 they only move. torch.distributed
 programs reduce those too (a found-inf or early-stopping flag, a uint8 mask) and gloo takes them,
-as it takes BAND/BOR/BXOR on every integer dtype and bool. The backend runs such a reduction on an
+as it takes BAND/BOR/BXOR on its integer dtypes and bool. The backend runs such a reduction on an
 int32 copy and writes the result back into the caller's tensor, giving what gloo gives:
 
 - int8, uint8: the exact int32 result cast back, so SUM and PRODUCT wrap modulo 256 (gloo's
