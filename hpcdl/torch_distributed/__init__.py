@@ -11,12 +11,16 @@ The backend is a `torch.distributed.ProcessGroup` written in Python (`ProcessGro
 torch's own tests write one (test/distributed/test_c10d_pypg.py). Each operation hands its tensors
 to the non-blocking collectives (`collectives.iallreduce`, `iallgather`, `ireduce_scatter`,
 `ibroadcast`, `ireduce`) as zero-copy arrays, and returns a work object whose future completes
-when their handles do. Supported: allreduce (SUM, AVG, MIN, MAX, PRODUCT; coalesced), broadcast,
-reduce, allgather (lists, into one tensor, coalesced), reduce_scatter (lists, from one tensor,
-coalesced), gather, scatter, barrier, alltoall (lists and single tensor, uneven splits; a
-hand-written pairwise exchange, `hpcdl.tensors.alltoall`), send/recv (MPI point-to-point), and
-`new_group` subgroups (communicators made with `MPI_Comm_create_group` over the members only).
-BAND/BOR/BXOR and PREMUL_SUM are refused naming what to use. Operation timeouts are not enforced.
+when their handles do. Supported: allreduce (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR;
+coalesced), broadcast, reduce, allgather (lists, into one tensor, coalesced), reduce_scatter
+(lists, from one tensor, coalesced), gather, scatter, barrier, alltoall (lists and single tensor,
+uneven splits; a hand-written pairwise exchange, `hpcdl.tensors.alltoall`), send/recv (MPI
+point-to-point), and `new_group` subgroups (communicators made with `MPI_Comm_create_group` over
+the members only).
+Every operation takes bool, int8 and uint8 tensors too, with gloo's results: the collectives
+only move those, so reductions of them (and BAND/BOR/BXOR, on integers and bool) run on int32
+copies (widening.py). PREMUL_SUM is refused naming what to use. Operation timeouts are not
+enforced.
 
 Order and threads. MPI matches collectives per communicator in issue order, so a process group
 issues the program's operations on one communicator, in program order, and one completer thread
@@ -30,8 +34,8 @@ their operations run at once, blocking, on a second communicator of the group (w
 on the completer thread itself would wait forever).
 
 backend.py (registration and `init_torch_distributed`), process_group.py (`ProcessGroupHpcdl`),
-work.py (work objects, futures, the completer thread). Importing this package registers the
-backend name.
+widening.py (reductions on int32 copies), work.py (work objects, futures, the completer thread).
+Importing this package registers the backend name.
 """
 from .backend import init_torch_distributed, register
 from .process_group import BACKEND, ProcessGroupHpcdl

@@ -16,7 +16,8 @@ from collectives.planning import pass_through
 
 from ..tensors.alltoall import exchange_counts, pairwise_alltoall
 from ..tensors.handle import TensorHandle
-from ..tensors.arrays import as_array, collective_array, refusal
+from ..tensors.arrays import RefusedTensor, as_array, collective_array, refusal
+from . import widening
 from .work import Completer, PointToPointWork, Work, in_callback, issuer
 
 # A collective the program calls (`dist.all_reduce(t)` at its line) is checked with that line as
@@ -30,8 +31,10 @@ BACKEND = "hpcdl"
 #: Seconds the completer thread is waited for when the group is dropped or the program exits.
 EXIT_WAIT_S = 10.0
 
+#: torch's reduction ops and the collectives' names for them (BAND, BOR, BXOR: `widening.BITWISE`).
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
-        dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "prod"}
+        dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.BAND: "band",
+        dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor"}
 
 
 def _reduce_op(option: Any) -> str:
@@ -39,8 +42,34 @@ def _reduce_op(option: Any) -> str:
     name = _OPS.get(op)
     if name is None:
         raise ValueError(f"the hpcdl backend has no {op} reduction; it reduces with SUM, AVG, MIN, "
-                         "MAX and PRODUCT (for PREMUL_SUM(f), scale the tensor by f and use SUM)")
+                         "MAX, PRODUCT, BAND, BOR and BXOR (for PREMUL_SUM(f), scale the tensor by f "
+                         "and use SUM)")
     return name
+
+
+def _reducing(tensor: torch.Tensor, op: str, blocks: int = 1) -> tuple[Any, str, torch.Tensor | None]:
+    """What the collectives reduce for `tensor` with `op`: the array, their op, and the int32 copy
+    whose result `widening.narrow` writes back (None: the array is the tensor's own memory).
+
+    A tensor the backend cannot reduce becomes a `RefusedTensor` (as in `collective_array`), so
+    every rank of the call raises, not only those that hold it. `blocks`: `widening.widen`'s.
+    """
+    problem, widened = widening.treatment(tensor.dtype, op)
+    if problem is None and not widened:
+        return collective_array(tensor), op, None
+    if problem is None:
+        problem = refusal(tensor)  # the copy would hide what the collectives refuse in the tensor
+        if problem is None:
+            wide, wide_op = widening.widen(tensor, op, blocks)
+            return as_array(wide), wide_op, wide
+    # an op the collectives know, so that the tensor's refusal is the error every rank raises
+    return (RefusedTensor(f"the {tensor.dtype} tensor of shape {tuple(tensor.shape)}: {problem}"),
+            widening.BITWISE.get(op, op), None)
+
+
+def _narrowing(wide: torch.Tensor, op: str, into: torch.Tensor) -> Callable[[], None]:
+    """The step that writes the reduction of `wide` back into `into` (`widening.narrow`)."""
+    return functools.partial(widening.narrow, wide, op, into)
 
 
 def _copy_into(out: torch.Tensor, source: torch.Tensor) -> None:
@@ -169,11 +198,14 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
-        calls = []
+        calls, finishes = [], []
         for tensor in tensors:
-            array = collective_array(tensor)
-            calls.append(("allreduce", (array,), {"op": op, "out": array, **self._algorithm("allreduce")}))
-        return self._issue(calls, tensors)
+            array, reduce_op, wide = _reducing(tensor, op)
+            calls.append(("allreduce", (array,), {"op": reduce_op, "out": array,
+                                                  **self._algorithm("allreduce")}))
+            if wide is not None:
+                finishes.append(_narrowing(wide, op, tensor))
+        return self._issue(calls, tensors, _all(finishes) if finishes else None)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         return self.allreduce(tensors, opts)
@@ -185,11 +217,14 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:  # type: ignore[override]
         op, root = _reduce_op(opts.reduceOp), opts.rootRank
-        calls = []
+        calls, finishes = [], []
         for tensor in tensors:
-            array = collective_array(tensor)
-            calls.append(("reduce", (array, root), {"op": op, "out": array, **self._algorithm("reduce")}))
-        return self._issue(calls, tensors)
+            array, reduce_op, wide = _reducing(tensor, op)
+            calls.append(("reduce", (array, root), {"op": reduce_op, "out": array,
+                                                    **self._algorithm("reduce")}))
+            if wide is not None and self._rank == root:  # the others' tensors are left as they were
+                finishes.append(_narrowing(wide, op, tensor))
+        return self._issue(calls, tensors, _all(finishes) if finishes else None)
 
     def barrier(self, opts: Any = None) -> Work:
         return self._issue([("allreduce", (np.zeros(1, dtype=np.int32),), {})], [], name="barrier")
@@ -251,14 +286,24 @@ class ProcessGroupHpcdl(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Work:
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
-        calls = []
+        calls, finishes = [], []
         for output, tensor in zip(outputs, inputs):
             if tensor.numel() != self._size * output.numel():
                 raise ValueError(f"reduce_scatter_tensor: the input has {tensor.numel()} elements, "
                                  f"the output {output.numel()}, for {self._size} ranks")
-            calls.append(("reduce_scatter", (collective_array(tensor),),
-                          {"op": op, "out": collective_array(output), **self._algorithm("reduce_scatter")}))
-        return self._issue(calls, outputs)
+            array, reduce_op, wide = _reducing(tensor, op, blocks=self._size)
+            if wide is None:
+                out = collective_array(output)
+            else:
+                problem = refusal(output) or (None if output.dtype == tensor.dtype else
+                                              f"the output is {output.dtype}, the input {tensor.dtype}; "
+                                              "pass an output of the input's dtype")
+                wide_out = torch.empty(wide.numel() // self._size, dtype=wide.dtype, device=wide.device)
+                out = RefusedTensor(problem) if problem else as_array(wide_out)
+                finishes.append(_narrowing(wide_out, op, output))
+            calls.append(("reduce_scatter", (array,),
+                          {"op": reduce_op, "out": out, **self._algorithm("reduce_scatter")}))
+        return self._issue(calls, outputs, _all(finishes) if finishes else None)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 

@@ -204,6 +204,121 @@ def test_subgroups(comm):
     assert all_ranks_agree(ok and whole.item() == size, comm)
 
 
+# -- bool, int8 and uint8: every operation as over gloo ------------------------------------------
+
+BYTES = [torch.bool, torch.int8, torch.uint8]
+#: The ops gloo reduces bool, int8 and uint8 with (AVG it refuses), and the dtypes it takes the
+#: bitwise ones in.
+BYTE_OPS = ["SUM", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR"]
+BITWISE_ONLY = [torch.int32, torch.int64]
+
+
+def _bytes(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank `rank`'s test values: for bool, bit `rank` of the element's index, so that the first
+    2^P elements hold every combination of the ranks' bits (AND, OR and XOR all differ); for
+    integers, random bytes (sums and products wrap, negative values, every bit set somewhere)."""
+    if dtype == torch.bool:
+        return (torch.arange(n) >> rank) & 1 == 1
+    gen = torch.Generator().manual_seed(7919 * rank + 17)
+    width = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (n * width,), generator=gen, dtype=torch.uint8).view(dtype)
+
+
+def _both(gloo_group, call) -> dict[str, object]:
+    """`call(group)` over gloo, then over hpcdl (the default group): their results by name."""
+    return {"gloo": call(gloo_group), "hpcdl": call(None)}
+
+
+def _same(results: dict[str, object]) -> bool:
+    def flat(value):
+        if isinstance(value, torch.Tensor):
+            return [(value.dtype, value.tolist())]
+        return [] if value is None else [item for v in value for item in flat(v)]
+    return flat(results["gloo"]) == flat(results["hpcdl"])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the *_tensor names scripts still call
+@pytest.mark.parametrize("dtype,op", [(d, op) for d in BYTES for op in BYTE_OPS]
+                         + [(d, op) for d in BITWISE_ONLY for op in ("BAND", "BOR", "BXOR")], ids=str)
+def test_reductions_of_bytes_and_bitwise_ops_give_what_gloo_gives(comm, gloo_group, dtype, op):
+    """all_reduce (blocking and async), reduce, reduce_scatter and reduce_scatter_tensor with the
+    same tensors over gloo and over hpcdl: the same dtype and values on every rank (bool SUM is
+    OR and PRODUCT AND, int8 and uint8 wrap modulo 256, as gloo's)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n, root = 1 << size, size - 1
+    reduce_op = getattr(dist.ReduceOp, op)
+
+    def reductions(group):
+        blocking = _bytes(rank, n, dtype)
+        dist.all_reduce(blocking, op=reduce_op, group=group)
+        later = _bytes(rank, n, dtype)
+        work = dist.all_reduce(later, op=reduce_op, group=group, async_op=True)
+        work.wait()
+        rooted = _bytes(rank, n, dtype)
+        dist.reduce(rooted, dst=root, op=reduce_op, group=group)
+        listed = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter(listed, [_bytes(rank + i, n, dtype) for i in range(size)], op=reduce_op, group=group)
+        block = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter_tensor(block, torch.cat([_bytes(rank + i, n, dtype) for i in range(size)]),
+                                   op=reduce_op, group=group, async_op=True).wait()
+        return [blocking, later, rooted if rank == root else None, listed, block]
+
+    results = _both(gloo_group, reductions)
+    assert all_ranks_agree(_same(results), comm), results
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8], ids=str)
+def test_average_of_int8_and_uint8_is_the_floor_of_the_mean(comm, dtype):
+    """gloo refuses AVG on integers; hpcdl gives the floor of the exact mean, as for int32."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    tensor = _bytes(rank, 64, dtype)
+    dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    exact = sum(_bytes(r, 64, dtype).to(torch.int64) for r in range(size))
+    expected = exact.div(size, rounding_mode="floor").to(dtype)
+    assert all_ranks_agree(torch.equal(tensor, expected), comm), (tensor, expected)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the *_tensor names scripts still call
+@pytest.mark.parametrize("dtype", BYTES, ids=str)
+def test_moving_collectives_of_bytes_give_what_gloo_gives(comm, gloo_group, dtype):
+    """broadcast, all_gather, all_gather_into_tensor, gather, scatter, all_to_all,
+    all_to_all_single and send/recv, blocking and async, over gloo and over hpcdl: the same."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n, root = 6, size - 1
+
+    def moves(group):
+        out = []
+        cast = _bytes(rank, n, dtype)
+        dist.broadcast(cast, src=root, group=group)
+        later = _bytes(rank, n, dtype)
+        dist.broadcast(later, src=0, group=group, async_op=True).wait()
+        gathered = [torch.empty(n, dtype=dtype) for _ in range(size)]
+        dist.all_gather(gathered, _bytes(rank, n, dtype), group=group)
+        flat = torch.empty(size * n, dtype=dtype)
+        dist.all_gather_into_tensor(flat, _bytes(rank, n, dtype), group=group, async_op=True).wait()
+        into = [torch.empty(n, dtype=dtype) for _ in range(size)] if rank == root else None
+        dist.gather(_bytes(rank, n, dtype), into, dst=root, group=group)
+        piece = torch.empty(n, dtype=dtype)
+        dist.scatter(piece, [_bytes(i + 10, n, dtype) for i in range(size)] if rank == 0 else None,
+                     src=0, group=group)
+        outputs = [torch.empty(n, dtype=dtype) for _ in range(size)]
+        dist.all_to_all(outputs, [_bytes(rank * size + j, n, dtype) for j in range(size)], group=group)
+        single = torch.empty(size * 2, dtype=dtype)
+        dist.all_to_all_single(single, _bytes(rank, size * 2, dtype), group=group, async_op=True).wait()
+        out += [cast, later, gathered, flat, into, piece, outputs, single]
+        if size > 1:
+            received = torch.empty(n, dtype=dtype)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, _bytes(rank, n, dtype), (rank + 1) % size, group),
+                                            dist.P2POp(dist.irecv, received, (rank - 1) % size, group)])
+            for work in works:
+                work.wait()
+            out.append(received)
+        return out
+
+    results = _both(gloo_group, moves)
+    assert all_ranks_agree(_same(results), comm), results
+
+
 # -- torch's DDP, FSDP2 and comm hooks ------------------------------------------------------------
 
 PER_RANK = 4
@@ -393,10 +508,53 @@ def test_a_call_more_on_one_rank_through_dist_raises_on_every_rank(comm):
     assert check.item() == size
 
 
-@pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
-def test_bitwise_ops_are_refused_naming_the_supported_ones(comm, op):
-    with pytest.raises(ValueError, match=r"no .* reduction; it reduces with SUM, AVG, MIN, MAX"):
-        dist.all_reduce(torch.ones(2, dtype=torch.int32), op=getattr(dist.ReduceOp, op))
+def test_premul_sum_is_refused_naming_the_supported_ops(comm):
+    with pytest.raises(ValueError, match=r"no .* reduction; it reduces with SUM, AVG, MIN, MAX, PRODUCT, "
+                                         r"BAND, BOR and BXOR \(for PREMUL_SUM\(f\), scale"):
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
+
+
+def _refused_reduction(case: str, odd: bool, size: int) -> None:
+    """Case `case`'s call: the odd rank's arguments are refused, the others' are fine."""
+    if case == "reduce_scatter output":
+        out = torch.empty(2, dtype=torch.int32 if odd else torch.uint8)
+        dist.reduce_scatter_tensor(out, torch.ones(2 * size, dtype=torch.uint8))
+        return
+    dtype, op = {"float BAND": (torch.float32, "BAND"), "bool AVG": (torch.bool, "AVG"),
+                 "int16 SUM": (torch.int16, "SUM"), "non-contiguous uint8": (torch.uint8, "SUM")}[case]
+    tensor = torch.ones(3, 2, dtype=dtype if odd else torch.int32)
+    if odd and case == "non-contiguous uint8":
+        tensor = torch.ones(2, 3, dtype=dtype).t()
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+
+
+REFUSED_REDUCTIONS = {
+    "float BAND": "BAND reduces integer and bool tensors, not float32; use bool, int8, uint8, int32, int64",
+    "bool AVG": "AVG of a bool tensor has no bool result; use SUM or MAX for any",
+    "int16 SUM": "the hpcdl backend reduces bfloat16, bool, float16, float32, float64, int32, int64, int8, "
+                 "uint8 tensors, not int16; convert it",
+    "non-contiguous uint8": "is not contiguous; pass tensor.contiguous()",
+    "reduce_scatter output": "the output is torch.int32, the input torch.uint8; pass an output of the input's dtype",
+}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("case", sorted(REFUSED_REDUCTIONS))
+def test_a_reduction_the_backend_cannot_do_fails_every_rank_naming_what_to_use(comm, case):
+    """A reduction the backend cannot do in the tensor's dtype (or, widened, with the tensor as it
+    is), on the last rank only (the others pass what it can reduce): one line on every rank
+    naming the dtype and what to use, and the next call works."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    try:
+        _refused_reduction(case, rank == size - 1, size)
+        message = None
+    except collectives.CollectiveArgumentError as exc:
+        message = str(exc)
+    ok = message is not None and REFUSED_REDUCTIONS[case] in message and "\n" not in message
+    assert all_ranks_agree(ok, comm), message
+    check = torch.ones(1, dtype=torch.bool)
+    dist.all_reduce(check)
+    assert check.item() is True
 
 
 def test_all_to_all_counts_that_disagree_fail_every_rank(comm):
