@@ -24,7 +24,9 @@ from __future__ import annotations
 import atexit
 import itertools
 import linecache
+import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -76,6 +78,8 @@ class Service:
         self.comm.Set_name("hpcdl diagnosis")
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        #: every rank's (host, pid), so that a report names the process of a rank that cannot answer
+        self.places: list[tuple[str, int]] = self.comm.allgather((socket.gethostname(), os.getpid()))
         #: the stall waits under way, by thread: (what, monotonic start)
         self.waits: dict[int, tuple[str, float]] = {}
         #: the blocking calls the watchdog found a thread in (hpcdl/runtime/watchdog.py), by

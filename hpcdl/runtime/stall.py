@@ -169,7 +169,7 @@ def report_stall(rank: int, what: str, waited: float, advice: str, done: Callabl
         # The report says what to do for the cause it finds; the call site's advice only where the
         # ranks' programs took different paths (skipped, mismatched).
         warn(_stalled(rank, what, waited, "") + "\n" + stall_report.report(answers, service.rank, what, advice,
-                                                                          left_advice))
+                                                                          left_advice, service.places))
     if not gone or stalled is None:
         return None
     # The cause is certain: the advice for it, not the call site's (which guesses at causes).

@@ -8,7 +8,8 @@ training thread's frames outside the libraries, innermost first; `idle`, seconds
 left a collective. A rank whose program has ended answers for good with the notice it sent as it
 left (`diagnosis.departure`): `ended`, its last call on each communicator. No answer (None) within
 the time allowed means the rank is stopped (SIGSTOP, a debugger), dead, or not taking part in
-hpcdl's diagnosis.
+hpcdl's diagnosis; the report names its process (pid and host, which every rank gave as the
+diagnosis started) and, where it runs on the reporter's host, which of these it is (`no_answer`).
 
 The causes, for a rank that is not in the call the waiting ranks are in:
 - left: its program ended (exit, or MPI_Finalize) before it made the call: the call can never
@@ -22,11 +23,16 @@ The causes, for a rank that is not in the call the waiting ranks are in:
 """
 from __future__ import annotations
 
-from typing import Any
+import socket
+from typing import Any, Sequence
 
 from collectives.recorder import short
 
 Answer = dict[str, Any]
+#: Where a rank's process runs: (host name, pid), as each rank gave it when the diagnosis started.
+Place = tuple[str, int]
+
+NO_ANSWER = "no answer (stopped by a signal or a debugger, dead, or hung outside Python)"
 
 
 def describe_call(call: dict[str, Any]) -> str:
@@ -76,8 +82,7 @@ def classify(answer: Answer | None, stalled: dict[str, Any] | None,
     if answer is not None and "ended" in answer:
         return _left(answer, stalled)
     if answer is None:
-        return "stopped or dead", "no answer (stopped by a signal or a debugger, dead, or hung " \
-                                  "outside Python)"
+        return "stopped or dead", NO_ANSWER
     calls = answer.get("calls") or []
     if answer.get("waiting") and not calls:
         return "waiting", f"waits for {answer['waiting'][0]}"
@@ -109,6 +114,41 @@ def classify(answer: Answer | None, stalled: dict[str, Any] | None,
         return "mismatched", (f"{where}, not in {stalled['collective']} #{stalled['number']} on "
                               f"{stalled.get('comm')}")
     return "slow", _elsewhere(answer)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter and word of process `pid` on this host (`/proc/PID/status`: "T (stopped)",
+    "S (sleeping)", ...), or None where no such process exists."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("State:"):
+                    return line.split(":", 1)[1].strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:  # no /proc (not Linux), or not ours to read: say nothing more
+        return "?"
+    return "?"
+
+
+def no_answer(place: Place | None) -> str:
+    """Why a rank gave no answer, as far as this host can tell: its process's state where it runs
+    on this host (stopped, gone, or running without answering), its pid and host elsewhere."""
+    if place is None:
+        return NO_ANSWER
+    host, pid = place
+    where = f"pid {pid} on {host}"
+    if host != socket.gethostname():
+        return f"{NO_ANSWER}; {where}"
+    state = process_state(pid)
+    if state is None or state.startswith(("Z", "X")):
+        return f"no answer: {where} has died" + ("" if state is None else f" (State: {state})")
+    if state.startswith(("T", "t")):
+        return f"no answer: {where} is stopped (State: {state}: by a signal or a debugger)"
+    if state == "?":
+        return f"{NO_ANSWER}; {where}"
+    return (f"no answer: {where} runs (State: {state}) but its Python does not answer (hung outside "
+            "Python, e.g. in a C call that holds the GIL)")
 
 
 def _made(last: dict[str, Any] | None, stalled: dict[str, Any] | None) -> bool:
@@ -216,17 +256,21 @@ WHAT_TO_DO = {
 
 
 def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: str = "",
-           left_advice: str = LEFT_ADVICE) -> str:
+           left_advice: str = LEFT_ADVICE, places: Sequence[Place] | None = None) -> str:
     """The report's text: the late ranks, what each is doing and why, what the others wait in (a
     rank whose own stall wait is for something else, with what it waits for), and what to do
     (`WHAT_TO_DO`, `left_advice` in its line for ranks that left, the waiting call's `advice` where
     the ranks' programs took different paths). `answers` holds every rank's answer (None: none
-    came), the `reporter`'s own included."""
+    came), the `reporter`'s own included; `places`, each rank's (host, pid) where known, names the
+    process of a rank that did not answer, and its state where it runs on this host."""
     own = answers[reporter]
     assert own is not None
     stalled = blocking_call(own)
     history = own.get("last") or []
     states = {rank: classify(answer, stalled, history) for rank, answer in sorted(answers.items())}
+    if places is not None:
+        states.update({rank: ("stopped or dead", no_answer(places[rank])) for rank, answer in answers.items()
+                       if answer is None and rank < len(places)})
     waiting = [rank for rank, (state, _) in states.items() if state == "waiting"]
     late = [rank for rank in states if rank not in waiting]
     lines = ["hpcdl stall report: " + (
@@ -255,11 +299,27 @@ def report(answers: dict[int, Answer | None], reporter: int, what: str, advice: 
         lines.append(f"  {ranks_text(ranks)}: wait for {own_wait}")
     for cause in dict.fromkeys(states[rank][0] for rank in late):
         to_do = left_to_do(left_advice) if cause == "left" else WHAT_TO_DO.get(cause) or advice
+        if cause == "stopped or dead" and places is not None:
+            to_do = _with_pids(to_do, [places[rank] for rank in late
+                                       if states[rank][0] == cause and rank < len(places)])
         if to_do:
             lines.append(f"  what to do ({cause}): {to_do}")
     lines.append("  (hpcdl doctor DIR merges the flight records that --diagnostics-dir / "
                  "HPCDL_DIAGNOSTICS_DIR keeps; docs/troubleshooting.md)")
     return "\n".join(lines)
+
+
+def _with_pids(to_do: str, places: list[Place]) -> str:
+    """The stopped-or-dead advice with the processes' own pids for PID (on their hosts)."""
+    if not places:
+        return to_do
+    pids = " ".join(str(pid) for _, pid in places)
+    hosts = sorted({host for host, _ in places})
+    on = f" on {hosts[0]}" if len(hosts) == 1 else f" on their hosts ({', '.join(hosts)})"
+    to_do = to_do.replace("`kill -CONT PID`", f"`kill -CONT {pids}`{on}")
+    if len(places) == 1:
+        to_do = to_do.replace("/proc/PID/status", f"/proc/{places[0][1]}/status")
+    return to_do
 
 
 def _own_wait(answer: Answer | None, stalled: dict[str, Any] | None, what: str) -> str | None:

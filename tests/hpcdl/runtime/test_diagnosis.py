@@ -25,7 +25,7 @@ FAULT_S = BOUND_S + 2.5
 EXPECTED = {
     2: (0, ["rank 2: slow: not in a collective for ", "in stall_job.py:", "in load_batch `time.sleep(FAULT_S)`"]),
     4: (0, ["rank 2: slow: not in a collective for ", "in busy `while time.monotonic() < end:`"]),
-    6: (0, ["rank 2: stopped or dead: no answer"]),
+    6: (0, ["rank 2: stopped or dead: no answer: pid ", " is stopped (State: T", "`kill -CONT "]),
     8: (0, ["rank 2: skipped: one call ahead: in allreduce #9 (8 B float64, auto)",
             "in loss_allreduce", "which it skipped"]),
     10: (0, ["rank 2: mismatched: in allgather #1 (24 B float64, auto)", "in odd_allgather",

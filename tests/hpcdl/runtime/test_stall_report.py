@@ -132,3 +132,46 @@ def test_one_rank_reports():
     assert stall_report.reporter_of(answers, 1, 5.0) == 2
     assert stall_report.reporter_of(answers, 1, 0.5) == 1  # before this wait: a stall of its own
     assert stall_report.reporter_of({0: None, 1: {"calls": []}}, 1, 5.0) == 1  # nobody else waits
+
+
+def test_a_rank_that_does_not_answer_is_named_by_its_process_and_its_state_on_this_host():
+    """With every rank's (host, pid): a rank on this host is said to be stopped, dead or running
+    without answering, from its process's state, and the advice names its pid; one elsewhere keeps
+    the general text with its pid and host."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    here = socket.gethostname()
+    stopped = subprocess.Popen(["sleep", "30"])
+    running = subprocess.Popen(["sleep", "30"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not (stall_report.process_state(stopped.pid) or "").startswith("T") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stall_report.no_answer((here, stopped.pid)) == (
+            f"no answer: pid {stopped.pid} on {here} is stopped (State: T (stopped): by a signal or a debugger)")
+        assert stall_report.no_answer((here, gone.pid)) == f"no answer: pid {gone.pid} on {here} has died"
+        assert stall_report.no_answer((here, running.pid)).startswith(
+            f"no answer: pid {running.pid} on {here} runs (State: S (sleeping)) but its Python does not answer")
+        elsewhere = stall_report.no_answer(("elsewhere.invalid", 42))
+        assert elsewhere == f"{stall_report.NO_ANSWER}; pid 42 on elsewhere.invalid"
+        assert stall_report.no_answer(None) == stall_report.NO_ANSWER
+
+        answers = {0: waiting(), 1: None, 2: waiting(), 3: None}
+        places = [(here, 100), (here, stopped.pid), (here, 102), ("elsewhere.invalid", 42)]
+        text = stall_report.report(answers, 0, "the step's sum", places=places)
+        assert f"  rank 1: stopped or dead: no answer: pid {stopped.pid} on {here} is stopped" in text, text
+        assert f"  rank 3: stopped or dead: {stall_report.NO_ANSWER}; pid 42 on elsewhere.invalid\n" in text, text
+        assert (f"what to do (stopped or dead): a stopped process goes on after `kill -CONT {stopped.pid} 42` "
+                f"on their hosts ({', '.join(sorted({here, 'elsewhere.invalid'}))})") in text, text
+        text = stall_report.report({0: waiting(), 1: None}, 0, "the step's sum", places=places[:2])
+        assert f"`kill -CONT {stopped.pid}` on {here}" in text and f"/proc/{stopped.pid}/status" in text, text
+    finally:
+        for proc in (stopped, running):
+            proc.kill()
+            proc.wait()
