@@ -26,9 +26,6 @@ import threading
 import time
 from typing import Any, Callable
 
-# Imported first, so that mpi4py's atexit (which finalizes MPI) runs after ours stops the threads.
-from mpi4py import MPI  # noqa: F401
-
 from .errors import CollectiveArgumentError, CommunicationError, ProcessFailure
 
 _current = threading.local()  # .engine: the Engine whose thread this is
@@ -220,4 +217,7 @@ def stop_all(timeout: float = 10.0) -> None:
         engine.stop(timeout)
 
 
-atexit.register(stop_all)  # registered after mpi4py's own atexit, so it runs before finalize
+# mpi4py finalizes MPI in its exit hook (Py_AtExit), after every atexit function whenever either was
+# registered, so this module need not import mpi4py.MPI first: importing it starts MPI, and the
+# front ends above import this module before their program starts MPI.
+atexit.register(stop_all)

@@ -22,14 +22,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from mpi4py import MPI
 
 import collectives
 from collectives import Handle
 
 from ..tensors.arrays import as_array
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
+
     from ..tensors.streams import DeviceStreams
     from .buckets import Bucket
 

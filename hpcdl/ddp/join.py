@@ -21,14 +21,16 @@ nor after the gradient collectives already queued; its wait warns like every oth
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-from mpi4py import MPI
 
 import collectives
 
 from ..runtime import stall
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 
 class Join:

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, ContextManager
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 import collectives
 from collectives import Handle
@@ -64,7 +63,9 @@ SAME_STEPS_IN_JOIN = ("Inside join(), every step of a rank with data must be one
                       "no_sync() on one rank only, or a rank that failed inside a step leaves its "
                       "peers waiting here.")
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
+
     from ..tensors.streams import DeviceStreams
 
 _MB = 1024 * 1024

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-from mpi4py import MPI
 
 import collectives
 from collectives import Handle
@@ -43,7 +42,9 @@ from ..runtime import stall
 from .dense import BF16, FP16, Average, narrows
 from .exchange import ExchangeLink, GradientExchange
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
+
     from .buckets import Bucket
     from .timeline import Timeline
 

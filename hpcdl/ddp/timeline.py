@@ -15,9 +15,10 @@ import json
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mpi4py import MPI
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 TRAINING_THREAD = 0
 COMMUNICATION_THREAD = 1
@@ -31,6 +32,8 @@ class Timeline:
 
     def __init__(self, path: str | os.PathLike[str], comm: MPI.Comm | None = None, *,
                  max_events: int = 1_000_000) -> None:
+        from mpi4py import MPI
+
         if max_events < 1:
             raise ValueError(f"max_events must be positive, got {max_events}")
         self.path = os.fspath(path)

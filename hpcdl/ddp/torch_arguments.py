@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from mpi4py import MPI
 
 from .. import runtime
 from ..runtime.agreement import raise_together
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 #: torch DDP's other constructor arguments: the value that means what this wrapper does anyway
 #: (accepted), and what to do instead of any other value. `process_group` has no accepted value.

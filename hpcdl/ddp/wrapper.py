@@ -71,10 +71,9 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
-from mpi4py import MPI
 
 import collectives
 from collectives import Handle
@@ -93,6 +92,9 @@ from .reducer import SAME_STEPS, SAME_STEPS_IN_JOIN, GradientTraffic, Reducer
 from ..tensors.arrays import as_array, collective_array, flat_in_memory_order
 from .timeline import Timeline
 from .torch_arguments import bound_device, check_same_model, check_torch_options
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 _MB = 1024 * 1024
 #: A bucket is reduced as consecutive allreduces of at most this many bytes (same slicing on every
@@ -203,6 +205,8 @@ class DistributedDataParallel(torch.nn.Module):
                  output_device: int | torch.device | None = None,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  shard: str | None = None, **torch_options: Any) -> None:
+        from mpi4py import MPI
+
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")

@@ -37,11 +37,14 @@ functions.py (broadcasts of models, optimizer states and objects), compression.p
 recovery from lost ranks, under `mpirun --with-ft ulfm`) and errors.py; this module only offers
 their names, each imported on first use, and `init`.
 
-`import hpcdl.horovod as hvd` starts no MPI, nor do `hvd.Compression`, the ops, `hvd.ProcessSet`
-and `@hvd.elastic.run`: `hvd.init()` does. A DataLoader worker started with "forkserver" or
-"spawn" imports the script again under the job's launcher environment, where MPI must not start.
-The collectives, functions.py and optimizer.py import mpi4py.MPI: `from hpcdl.horovod import
-allreduce` at a script's top level starts it (docs/coming_from_horovod_ddp.md).
+`import hpcdl.horovod as hvd` starts no MPI, nor does importing any of its names (`from
+hpcdl.horovod import allreduce, DistributedOptimizer`), nor `hvd.Compression`, the ops,
+`hvd.ProcessSet` and `@hvd.elastic.run`: `hvd.init()` does. A DataLoader worker started with
+"forkserver" or "spawn" imports the script again under the job's launcher environment, where MPI
+must not start. So the modules behind the names, and hpcdl's modules below them, import
+mpi4py.MPI (whose import initializes MPI) only inside the functions that call MPI
+(tests/hpcdl/horovod/test_import.py checks every name). A call made before `hvd.init()` raises
+ValueError("Horovod has not been initialized; use hvd.init().") as Horovod's does.
 """
 from __future__ import annotations
 
@@ -70,8 +73,8 @@ if TYPE_CHECKING:
     from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
     from .sync_batch_norm import SyncBatchNorm
 
-#: The public names, each with the module that defines it, imported on first use (importing
-#: mpi4py.MPI initializes MPI; see the module's docstring for why that waits for `init`).
+#: The public names, each with the module that defines it, imported on first use: a script pays
+#: for the modules it uses (none of them starts MPI; see the module's docstring).
 _HOMES = {
     "elastic": ".elastic",
     **dict.fromkeys(("Adasum", "Average", "Max", "Min", "Product", "Sum", "ccl_built", "cross_rank", "cross_size",

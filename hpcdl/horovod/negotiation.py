@@ -54,6 +54,7 @@ import numpy as np
 import collectives
 
 from ..runtime import stall_report
+from ..runtime.stall import wait_for
 from .errors import HorovodInternalError, NegotiationError
 
 if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
@@ -158,14 +159,6 @@ class Request:
         except collectives.CollectiveArgumentError as exc:  # Horovod's type, from the collectives' check
             raise NegotiationError(str(exc)) from exc
         return self.finish(result)
-
-
-def wait_for(handle: Any, what: str, **options: Any) -> Any:
-    """`hpcdl.runtime.stall.wait_for`, imported at the first wait: the stall check imports
-    mpi4py.MPI, which starts MPI, and importing hpcdl.horovod must not (the package docstring)."""
-    from ..runtime.stall import wait_for as wait
-
-    return wait(handle, what, **options)
 
 
 def _same(result: Any) -> Any:

@@ -38,8 +38,6 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
-from mpi4py import MPI
-
 
 from ..ddp.bucket_options import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB
 from ..ddp.dense import FP16
@@ -55,7 +53,9 @@ from .mpi_ops import sparse_allreduce_async
 from .negotiation import Controller, finished, register
 from .process_sets import ProcessSet, global_process_set
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
+
     from ..ddp.buckets import Bucket
 
 #: Where sparse gradients are reduced: the process set and the op.

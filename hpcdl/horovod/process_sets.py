@@ -124,10 +124,10 @@ def communicator(process_set: ProcessSet) -> MPI.Comm:
     """The communicator of `process_set` on this rank: the set's own on its ranks, MPI.COMM_SELF
     elsewhere (work restricted to the set is then this rank's alone). ValueError naming the fix
     if hvd is not initialized or the set not added."""
-    from mpi4py import MPI
-
-    controller(global_process_set)
+    controller(global_process_set)  # first: a call before hvd.init() raises, and starts no MPI
     if process_set.included() is False:
+        from mpi4py import MPI
+
         return MPI.COMM_SELF
     controller(process_set)
     assert process_set._comm is not None

@@ -26,12 +26,13 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from mpi4py import MPI
 
 from ..tensors.arrays import dense_view
 from ..runtime.agreement import raise_unless_agreed
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
+
     from ..ddp.shards import Piece, Sharding
 
 #: torch optimizers whose step treats every element of a parameter on its own (state shaped like

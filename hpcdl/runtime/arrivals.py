@@ -32,13 +32,15 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-from mpi4py import MPI
 
 import collectives
 from collectives import Handle
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 #: Steps whose waits are exchanged at once (one allgather of this many float64s per rank).
 ARRIVAL_BATCH = 256

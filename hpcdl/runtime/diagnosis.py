@@ -31,13 +31,14 @@ import sys
 import threading
 import time
 from threading import get_ident
-from typing import Any
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING, Any
 
 from collectives.recorder import ENTERED, LABEL, LEFT, RECORDER, THREAD, as_dict, is_library, library_path
 
 from . import flight_dumps
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 #: Seconds the answerer sleeps between looks for a question.
 POLL_S = 0.05
@@ -74,6 +75,8 @@ class Service:
     """This rank's answerer: its communicator, its thread, and the waits under way here."""
 
     def __init__(self, world: MPI.Comm) -> None:
+        from mpi4py import MPI
+
         self.comm = world.Dup()
         self.comm.Set_name("hpcdl diagnosis")
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -100,6 +103,8 @@ class Service:
     def stop(self) -> None:
         """End the answerer (before MPI finalizes) and tell every other rank that this one has
         left (once: a second call does nothing)."""
+        from mpi4py import MPI
+
         if self._stop.is_set():
             return
         self._stop.set()
@@ -126,6 +131,8 @@ class Service:
         return self._stop.wait(seconds)
 
     def _serve(self) -> None:
+        from mpi4py import MPI
+
         status = MPI.Status()
         while not self._stop.is_set():
             try:
@@ -158,6 +165,8 @@ class Service:
         """Ask every other rank what it is doing; their answers by rank, this rank's own included,
         None for a rank that did not answer within `wait_s` seconds. `dump`: every rank that
         answers also writes its flight records (`flight_dumps.write`)."""
+        from mpi4py import MPI
+
         number = next(self._numbers)
         with self._asked:
             self._answers[number] = {}
@@ -263,6 +272,8 @@ def start() -> Service | None:
     rank's answerer, and the dumps on SIGUSR1. None where MPI gives less than
     MPI_THREAD_MULTIPLE (the answerer's thread calls MPI) or the job has one rank."""
     global _service
+    from mpi4py import MPI
+
     with _lock:
         if _service is None and MPI.Query_thread() >= MPI.THREAD_MULTIPLE and MPI.COMM_WORLD.Get_size() > 1:
             _service = Service(MPI.COMM_WORLD)
@@ -286,6 +297,8 @@ def stop() -> None:
 def _dump_on_signal() -> None:
     """SIGUSR1 writes the flight records, where the program has no SIGUSR1 handler of its own (a
     handler installed later, `hpcdl train`'s stop request, replaces this one)."""
+    from mpi4py import MPI
+
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:

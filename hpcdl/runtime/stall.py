@@ -30,16 +30,18 @@ import warnings
 from collections import deque
 from sys import _getframe
 from types import FrameType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-from mpi4py import MPI
 
 import collectives
 from collectives import Handle
 from collectives.recorder import ENTERED, LABEL, LEFT, RECORDER, SITE, is_library
 
 from . import diagnosis, flight_dumps, stall_report
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 #: Seconds a wait lasts before it asks what the ranks are doing, unless HPCDL_STALL_WARNING_S
 #: says otherwise (or 20 steps last longer).
@@ -151,6 +153,8 @@ def report_stall(rank: int, what: str, waited: float, advice: str, done: Callabl
     dumping = flight_dumps.directory() is not None
     if service is None:
         if dumping:
+            from mpi4py import MPI
+
             flight_dumps.write(MPI.COMM_WORLD.Get_rank(), "a stall")
         warn(_stalled(rank, what, waited, advice))
         return None

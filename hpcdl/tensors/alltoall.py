@@ -20,10 +20,12 @@ ValueError on every rank instead of leaving some waiting in a receive that never
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-from mpi4py import MPI
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 #: The tag of the exchange's messages on the communicator it is given (one exchange at a time).
 TAG = 7
@@ -91,6 +93,8 @@ def pairwise_alltoall(send: np.ndarray, send_counts: Sequence[int], recv: np.nda
     `send` and `recv` are contiguous 1-D arrays of one dtype (any: moved as bytes); the counts
     must already agree between ranks (`exchange_counts`). Blocking; runs on the caller's thread.
     """
+    from mpi4py import MPI
+
     size, rank = comm.Get_size(), comm.Get_rank()
     item = send.dtype.itemsize
     send_bytes = send.view(np.uint8)

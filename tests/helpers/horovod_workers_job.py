@@ -3,7 +3,8 @@ tests/hpcdl/horovod/test_import.py:
 
     mpirun -n 2 python tests/helpers/horovod_workers_job.py forkserver|spawn
 
-`import hpcdl.horovod as hvd` and `hvd.Compression.fp16` at the top level, `hvd.init()` in main, a
+`import hpcdl.horovod as hvd`, names imported from it (`from hpcdl.horovod import
+DistributedOptimizer, ...`) and `hvd.Compression.fp16` at the top level, `hvd.init()` in main, a
 DataLoader whose one worker process is started with the context given: such a worker imports this
 script again, under the job's launcher environment, and would start MPI of its own if the top
 level did (both ranks then crashed in Open MPI's shared-memory transport, or the job hung). Each
@@ -16,6 +17,7 @@ import sys
 import torch
 
 import hpcdl.horovod as hvd
+from hpcdl.horovod import DistributedOptimizer, broadcast_parameters
 
 COMPRESSION = hvd.Compression.fp16  # touched at the top level, as scripts pick theirs from flags
 
@@ -31,9 +33,9 @@ def main(context: str) -> None:
     loader = torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=1,
                                          multiprocessing_context=context)
     model = torch.nn.Linear(4, 1)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                         named_parameters=model.named_parameters(), compression=COMPRESSION)
+    broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                     named_parameters=model.named_parameters(), compression=COMPRESSION)
     batches = 0
     for inputs, targets in loader:
         optimizer.zero_grad()

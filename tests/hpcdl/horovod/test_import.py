@@ -1,10 +1,12 @@
-"""Importing hpcdl.horovod, and what a Horovod script's top level touches before `hvd.init()`,
-starts no MPI: a DataLoader worker started with "forkserver" or "spawn" imports the script again,
-and MPI started there, under the job's launcher environment, crashed both ranks or hung the job.
-Checked in a fresh interpreter and an mpirun of its own, at N=1 only; the names after init at every N.
+"""Importing hpcdl.horovod, any of its names, and what a Horovod script's top level touches before
+`hvd.init()`, starts no MPI: a DataLoader worker started with "forkserver" or "spawn" imports the
+script again, and MPI started there, under the job's launcher environment, crashed both ranks or
+hung the job. Checked in fresh interpreters and an mpirun of its own, at N=1 only; the names after
+init at every N.
 """
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -33,6 +35,93 @@ def train(state):
 
 print(sorted(name for name in ("mpi4py.MPI", "torch") if name in sys.modules))
 """
+
+
+#: Each name given (argv[2], JSON) imported by `from PACKAGE import NAME` (argv[1]) in a process of
+#: its own, forked from an interpreter that has imported torch (which every name's module imports)
+#: and neither hpcdl nor mpi4py; prints, by name, "clean" or what happened.
+EACH_NAME = """
+import json, os, sys
+import torch
+assert not [m for m in sys.modules if m.startswith(("hpcdl", "collectives", "mpi4py", "horovod"))]
+found = {}
+for name in json.loads(sys.argv[2]):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            exec(f"from {sys.argv[1]} import {name}")
+            MPI = sys.modules.get("mpi4py.MPI")
+            what = "MPI initialized" if MPI is not None and MPI.Is_initialized() else "clean"
+        except BaseException as exc:
+            what = f"{type(exc).__name__}: {exc}"
+        os.write(write, what.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as answer:
+        found[name] = answer.read() or "no answer"
+print(json.dumps(found))
+"""
+
+
+def names_that_start_mpi(package: str, python_path: str) -> dict[str, str]:
+    """`from PACKAGE import NAME` for every name of hpcdl.horovod's `__all__` (and `*`), each in a
+    process that has imported neither hpcdl nor mpi4py: the names whose import initialized MPI (or
+    failed), with what happened."""
+    import hpcdl.horovod as hvd
+
+    names = [*hvd.__all__, "*"]
+    done = subprocess.run([sys.executable, "-c", EACH_NAME, package, json.dumps(names)],
+                          env=own_job_environment(PYTHONPATH=python_path), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.split("\n")[-2])
+    assert sorted(found) == sorted(names), done.stdout
+    return {name: what for name, what in found.items() if what != "clean"}
+
+
+@only_once
+def test_importing_any_name_starts_no_mpi() -> None:
+    """`from hpcdl.horovod import NAME` at a script's top level, for every name: none may
+    initialize MPI (mpi4py.MPI, if imported at all, with MPI not initialized)."""
+    assert names_that_start_mpi("hpcdl.horovod", str(ROOT)) == {}
+
+
+#: Calls made before `hvd.init()`, each with the names imported as a script imports them.
+BEFORE_INIT = """
+import sys
+import torch
+from hpcdl.horovod import DistributedOptimizer, allreduce, broadcast_parameters, broadcast_object, rank
+model = torch.nn.Linear(2, 1)
+calls = {"allreduce": lambda: allreduce(torch.ones(2)), "rank": rank,
+         "broadcast_parameters": lambda: broadcast_parameters(model.state_dict(), root_rank=0),
+         "broadcast_object": lambda: broadcast_object(1),
+         "DistributedOptimizer": lambda: DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "returned")
+    except ValueError as exc:
+        print(name, exc)
+MPI = sys.modules.get("mpi4py.MPI")
+print("MPI initialized:", MPI is not None and MPI.Is_initialized())
+"""
+
+
+@only_once
+def test_a_call_before_init_says_to_call_init() -> None:
+    """As Horovod: ValueError "Horovod has not been initialized; use hvd.init()." (and the call
+    starts no MPI either)."""
+    done = subprocess.run([sys.executable, "-c", BEFORE_INIT],
+                          env=own_job_environment(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().split("\n")
+    assert lines[:-1] == [f"{name} Horovod has not been initialized; use hvd.init()." for name in
+                          ("allreduce", "rank", "broadcast_parameters", "broadcast_object",
+                           "DistributedOptimizer")], done.stdout
+    assert lines[-1] == "MPI initialized: False", done.stdout
 
 
 @only_once
@@ -69,15 +158,21 @@ def test_a_dataloader_worker_started_by_forkserver_leaves_the_job_alone() -> Non
 @only_once
 def test_horovods_scripts_on_the_shim_start_no_mpi_at_import(tmp_path: Path) -> None:
     """scripts/horovod_shim.py's `horovod.torch` takes hpcdl.horovod's names and submodules on first
-    use too, so Horovod's own examples (DataLoader workers by forkserver) run on it."""
+    use too, so Horovod's own examples (DataLoader workers by forkserver) run on it: nor do names
+    and submodules imported from it start MPI."""
     subprocess.run([sys.executable, str(ROOT / "scripts/horovod_shim.py"), str(tmp_path)], check=True,
                    capture_output=True, timeout=60)
-    code = TOP_LEVEL.replace("hpcdl.horovod", "horovod.torch") + (
-        "import horovod.torch.mpi_ops, hpcdl.horovod.mpi_ops\n"
-        "from horovod.torch.elastic import ElasticSampler\n"
+    imports = ("from horovod.torch import DistributedOptimizer, allreduce, broadcast_parameters\n"
+               "import horovod.torch.mpi_ops, horovod.torch.functions, horovod.torch.optimizer\n"
+               "from horovod.torch.mpi_ops import allgather\n"
+               "from horovod.torch.elastic import ElasticSampler\n")
+    code = TOP_LEVEL.replace("hpcdl.horovod", "horovod.torch").replace("\nprint(", "\n" + imports + "print(") + (
+        "import hpcdl.horovod.mpi_ops\n"
         "assert horovod.torch.mpi_ops is hpcdl.horovod.mpi_ops and hvd.allreduce is hpcdl.horovod.allreduce\n"
+        "assert allreduce is hpcdl.horovod.allreduce\n"
         "assert sorted(hvd.__all__) == sorted(hpcdl.horovod.__all__)\n")
     done = subprocess.run([sys.executable, "-c", code], env=own_job_environment(PYTHONPATH=f"{ROOT}:{tmp_path}"),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "['torch']", done.stdout
+    assert names_that_start_mpi("horovod.torch", f"{ROOT}:{tmp_path}") == {}
