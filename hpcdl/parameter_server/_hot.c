@@ -459,7 +459,14 @@ static int gradients(WorkerCore *self, char **data) {
 #define END Py_DECREF(value); }
         CHECK(PyObject_GetAttr(grad, N_dtype)) ok = value == PyTuple_GET_ITEM(self->dtypes, i); END
         CHECK(PyObject_GetAttr(grad, N_layout)) ok = value == S.strided; END
-        CHECK(PyObject_GetAttr(grad, N_shape)) ok = PyObject_RichCompareBool(value, PyTuple_GET_ITEM(self->shapes, i), Py_EQ); END
+        CHECK(PyObject_GetAttr(grad, N_shape))
+            ok = PyObject_RichCompareBool(value, PyTuple_GET_ITEM(self->shapes, i), Py_EQ);
+            if (ok < 0) {
+                Py_DECREF(value);
+                Py_DECREF(grad);
+                return -1;
+            }
+        END
         CHECK(PyObject_GetAttr(grad, N_is_cpu)) ok = value == Py_True; END
         CHECK(PyObject_CallMethodNoArgs(grad, N_is_contiguous)) ok = value == Py_True; END
         CHECK(PyObject_CallMethodNoArgs(grad, N_data_ptr)) data[i] = (char *)PyLong_AsVoidPtr(value); END
