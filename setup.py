@@ -32,7 +32,8 @@ setup(
     python_requires=">=3.9",
     # Only the two libraries: benchmarks/ holds scripts and results, tests/ the test suite.
     packages=find_packages(include=["collectives", "collectives.*", "hpcdl", "hpcdl.*"]),
-    package_data={"collectives": ["decision_table.json", "_hot.pyi", "_fixed.pyi"]},
+    package_data={"collectives": ["decision_table.json", "_hot.pyi", "_fixed.pyi"],
+                  "hpcdl.parameter_server": ["_hot.pyi"]},
     cmdclass={"build_py": BuildWithTemplates},
     # The expected call compiled (collectives/hot.py): optional, so an install without a compiler
     # (or on a Python it does not support) still works, on the Python path. No MPI header: it
@@ -40,7 +41,13 @@ setup(
     # The fixed-point sum's passes compiled (collectives/_fixed.c, used by collectives/fixed_point.py):
     # optional as well, the NumPy path gives the same bits. No contraction of a product and a sum
     # into one rounding (FMA): the bits must be NumPy's, which rounds each operation.
+    # The parameter server's common exchange compiled (hpcdl/parameter_server/_hot.c, used by
+    # hpcdl/parameter_server/hot.py): optional too, the Python path does the same. No contraction
+    # either: its SGD step is checked against torch's bits at run time, fused or not as torch is.
     ext_modules=[Extension("collectives._hot", ["collectives/_hot.c"], optional=True),
+                 Extension("hpcdl.parameter_server._hot", ["hpcdl/parameter_server/_hot.c"], optional=True,
+                           libraries=[] if sys.platform == "win32" else ["m"],
+                           extra_compile_args=[] if sys.platform == "win32" else ["-ffp-contract=off"]),
                  Extension("collectives._fixed", ["collectives/_fixed.c"], optional=True,
                            extra_compile_args=[] if sys.platform == "win32" else ["-ffp-contract=off"])],
     # collectives needs only these. mpi4py's wheels load whichever MPI they find at run time:

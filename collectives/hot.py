@@ -112,6 +112,30 @@ def _symbol(scopes: list[Any], name: str) -> int | None:
     return None
 
 
+def mpi_functions(*names: str) -> dict[str, int]:
+    """The addresses of the MPI library's C functions `names`, for compiled code that calls MPI
+    without its header; LookupError naming those not found."""
+    import ctypes
+
+    from mpi4py import MPI
+
+    # The functions as any other call in the process resolves them (dlsym(RTLD_DEFAULT): mpi4py's
+    # own calls are bound so), which finds an LD_PRELOADed wrapper of MPI (mpiP, Score-P,
+    # Darshan) before the library: a lookup on mpi4py's module handle alone would call the
+    # library directly and hide the compiled path's calls from the wrapper. That handle (which
+    # searches the libraries mpi4py depends on) only where the process-wide scope has no MPI.
+    scopes: list[Any] = [ctypes.CDLL(None)]
+    try:
+        scopes.append(ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD))
+    except OSError:
+        pass
+    address = {name: _symbol(scopes, name) for name in names}
+    missing = [name for name, value in address.items() if not value]
+    if missing:
+        raise LookupError(f"{' and '.join(missing)} not found from mpi4py's module")
+    return {name: int(value) for name, value in address.items() if value}
+
+
 def configure(**settings: Any) -> bool:
     """Hand the compiled path what it reads (`small.py` does, once): `settings`, what it needs of
     mpi4py (the size of an MPI handle, `MPI._handleof`, the C API's PyMPIComm_Get), and the
@@ -120,24 +144,9 @@ def configure(**settings: Any) -> bool:
     optional, and `import collectives` must not fail for it (a RuntimeWarning says what failed)."""
     global _warned
     try:
-        import ctypes
-
         from mpi4py import MPI
 
-        # The functions as any other call in the process resolves them (dlsym(RTLD_DEFAULT): mpi4py's
-        # own calls are bound so), which finds an LD_PRELOADed wrapper of MPI (mpiP, Score-P,
-        # Darshan) before the library: a lookup on mpi4py's module handle alone would call the
-        # library directly and hide the compiled path's calls from the wrapper. That handle (which
-        # searches the libraries mpi4py depends on) only where the process-wide scope has no MPI.
-        scopes: list[Any] = [ctypes.CDLL(None)]
-        try:
-            scopes.append(ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD))
-        except OSError:
-            pass
-        address = {name: _symbol(scopes, name) for name in ("MPI_Allreduce", "MPI_Finalized")}
-        missing = [name for name, value in address.items() if not value]
-        if missing:
-            raise LookupError(f"{' and '.join(missing)} not found from mpi4py's module")
+        address = mpi_functions("MPI_Allreduce", "MPI_Finalized")
         _hot.configure(**settings, allreduce=address["MPI_Allreduce"], finalized=address["MPI_Finalized"],
                        handle_size=MPI._sizeof(MPI.Comm), handleof=MPI._handleof,
                        comm_handle=MPI.__pyx_capi__["PyMPIComm_Get"])

@@ -50,6 +50,8 @@ class _Entry:
     request: MPI.Request
     what: str
     optional: bool
+    #: the buffers, where the request does not hold them (one made from a handle, in C)
+    buffers: Any = None
 
 
 class _Held:
@@ -69,18 +71,20 @@ _reaping = threading.Lock()
 _forever: list[_Entry] = []  # never completed at exit: kept alive past interpreter teardown
 
 
-def hold(owner: object, request: MPI.Request, what: str, *, optional: bool = False) -> MPI.Request:
+def hold(owner: object, request: MPI.Request, what: str, *, optional: bool = False,
+         buffers: Any = None) -> MPI.Request:
     """Keep `request` (and its buffer) alive until it completes, however long `owner` lives.
 
     `what` names it in messages; `optional` marks a receive whose message may legitimately never
-    come (cancelled at exit without waiting for it). The owner waits for or tests the request as
-    before; this only keeps it. Returns `request`.
+    come (cancelled at exit without waiting for it); `buffers`, kept with it, are what it reads or
+    writes where the Request does not hold them itself (one made from a handle by compiled code).
+    The owner waits for or tests the request as before; this only keeps it. Returns `request`.
     """
     key = id(owner)
     held = _held.get(key)
     if held is None:
         held = _held.setdefault(key, _Held(weakref.ref(owner, functools.partial(_owner_gone, key))))
-    held.entries.append(_Entry(request, what, optional))
+    held.entries.append(_Entry(request, what, optional, buffers))
     if len(held.entries) >= 2 * held.pruned_at:  # amortized: drop the ones the owner completed
         held.entries = [e for e in held.entries if e.request]
         held.pruned_at = max(8, len(held.entries))
@@ -89,9 +93,10 @@ def hold(owner: object, request: MPI.Request, what: str, *, optional: bool = Fal
     return request
 
 
-def keep(requests: Iterable[MPI.Request], what: str) -> None:
-    """Keep the active ones of `requests` until they complete: their waiter stopped waiting."""
-    _orphans.extend(_Entry(r, what, False) for r in requests if r)
+def keep(requests: Iterable[MPI.Request], what: str, buffers: Any = None) -> None:
+    """Keep the active ones of `requests` until they complete: their waiter stopped waiting.
+    `buffers`: kept with them, as for `hold`."""
+    _orphans.extend(_Entry(r, what, False, buffers) for r in requests if r)
 
 
 def complete(owner: object) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
@@ -90,12 +90,14 @@ STALL_ADVICE = ("A worker or server that is frozen (SIGSTOP, a debugger), swappi
                 "bound, sync's step); they go on once it catches up. See docs/troubleshooting.md.")
 
 
-def wait_all(requests: Sequence[MPI.Request], what: str, timeout: float | None = None) -> None:
+def wait_all(requests: Sequence[MPI.Request], what: str, timeout: float | None = None,
+             buffers: Any = None) -> None:
     """Complete every request, sleeping between tests; TimeoutError naming `what` after `timeout` s,
     and a stall warning (hpcdl/runtime/stall.py) once the wait lasts.
 
     However it ends (the timeout, an interrupt), requests still in flight are left to
-    `collectives.inflight`, which keeps them and their buffers until they complete.
+    `collectives.inflight`, which keeps them and their buffers until they complete (`buffers`
+    with them, where the requests do not hold their buffers: those of the compiled exchange).
     """
     requests = list(requests)
     started = time.monotonic()
@@ -118,5 +120,5 @@ def wait_all(requests: Sequence[MPI.Request], what: str, timeout: float | None =
                                        f"within {timeout} s")
                 backoff.idle()
     except BaseException:
-        inflight.keep(requests, what)
+        inflight.keep(requests, what, buffers)
         raise

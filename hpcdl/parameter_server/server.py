@@ -24,7 +24,11 @@ this rank's own progress. A reply is tested once as it is sent, and most are the
 messages go eagerly): only those still in flight are kept and completed later. Under async and
 ssp a push that finds none pending is applied straight from its buffer, plain SGD as one
 `add_` per run (optimizers.plain_sgd_step): a pull+push pair of a small shard cost the server 29
-us of CPU before, 10 after (benchmarks/results/strategies/ps-lean-2026-11-30.txt).
+us of CPU before, 10 after (benchmarks/results/strategies/ps-lean-2026-11-30.txt). Where the
+extension is built (hot.py, `_hot.c`), the loop's common messages (those pushes, and the pulls
+`async` answers at once, no events recorded, no learning-rate schedule) are handled compiled, the
+same fields and bits without Python per message; every other message comes here unreceived, with
+its Status, as the probe found it.
 
 When every worker has sent DONE the server applies what is still pending, completes its sends and
 returns.
@@ -58,13 +62,14 @@ import collectives
 from collectives import failures, inflight
 
 from .consistency import Async, Push, slowest
+from . import hot
 from .optimizers import make_optimizer, plain_sgd_step, step
 from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK,
                        PUSH_STEPS, RESET, STATS_VERSION, STEP, STOP, SUM, UNTIL, VERSION, Tag, header,
                        header_message)
 from .placement import Placement, segments
 from .staleness import Staleness, StalenessLog
-from .polling import Backoff, wait_all
+from .polling import SPIN_S, Backoff, wait_all
 
 _TAGS = {int(t) for t in Tag}
 # The tags as plain ints: the loop compares each message's tag with them (an enum member's lookup
@@ -96,7 +101,7 @@ class ServerStats:
     dropped: int = 0
 
 
-class Server:
+class Server(hot.ServerCore):
     """Server `index` of `layout`, for the workers at ranks `workers` of `comm`.
 
     `params` are the model's parameters (their values at construction seed the shard), `dtypes`
@@ -170,7 +175,7 @@ class Server:
         self._request = np.empty(HEADER_BYTES, dtype=np.uint8)  # header-only requests, read at once
         self._request_fields = header(self._request)
         self._header = header(self._array)  # the reply's header fields
-        self._told = (0, 0)  # (progress, stop) as the reply's header holds them now
+        self._told_progress = self._told_stop = 0  # (progress, stop) as the reply's header holds them now
         self._push_bytes = HEADER_BYTES + self.shard.nbytes
         # Models that apply every push on arrival, alone and with weight 1 (async, ssp): a push
         # that finds nothing pending is applied straight from its buffer (`_apply_push`), without
@@ -206,11 +211,27 @@ class Server:
         # stall report blames it, a rank in no collective, as slow while a worker is stopped).
         backoff = Backoff(waiting=self._awaited)
         status = MPI.Status()
+        fast = self._bind_fast(status)
         heard_at = time.monotonic()
         try:
             while self.active:
                 try:
-                    message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                    if fast:
+                        # The compiled loop: the common messages until none comes within the spin
+                        # (or at once, while replies are in flight), then the idle steps below; an
+                        # other message comes back unreceived, `status` filled in.
+                        got = self._serve_fast(0.0 if backoff.idle_since is not None else SPIN_S)
+                        message = None if got.__class__ is int else got
+                        if message is None:
+                            if got < 0:  # a push it may not apply (from the future): Python's error
+                                self._handed_push(-1 - got)
+                            if got:
+                                backoff.reset()
+                                heard_at = time.monotonic()
+                            if backoff.idle_since is None and not self._sends:
+                                backoff.idle_since = time.perf_counter() - SPIN_S  # it spun
+                    else:
+                        message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
                     if message is None:
                         self._reap_sends()
                         if self.timeout is not None and time.monotonic() - heard_at > self.timeout:
@@ -231,6 +252,38 @@ class Server:
         self._apply_ready(draining=True)
         self._finish_sends()
         return self.stats()
+
+    def _bind_fast(self, status: MPI.Status) -> bool:
+        """The compiled loop's plan over this shard (hot.py), handing back other messages with
+        `status`; whether it runs (not without the extension)."""
+        if not hot.ready():
+            return False
+        # Plain SGD compiled only on float32 runs (the step checked against torch's bits).
+        float32 = all(dtype == torch.float32 and offset % 4 == 0 for dtype, offset, _ in self._runs)
+        runs = ([(offset, length // 4) for _, offset, length in self._runs]
+                if float32 and type(self.optimizer) is torch.optim.SGD and hot.sgd_kind else None)
+        self._bind(self.comm, self._array, status, self._immediate, type(self.consistency) is Async, runs)
+        return True
+
+    def _handed_push(self, worker: int) -> None:
+        """A push of `worker` that the compiled loop received but may not apply: `_on_push`'s."""
+        buffer = self._free.pop() if self._free else torch.empty_like(self.message)
+        _, grads, array, fields = self._views_of(buffer)
+        self._take_push(array)
+        head = fields.tolist()
+        self._on_push(worker, head[VERSION], head[PUSH_CLOCK], head[PUSH_STEPS], buffer, grads)
+
+    def _hold_reply(self, request: MPI.Request, worker: int) -> None:
+        """A reply the compiled loop sent that is still in flight: kept as `_send` keeps one."""
+        inflight.hold(self, request, f"server {self.shard.index}'s PARAMS reply", buffers=self._array)
+        self._sends.append((request, self._array, worker))
+
+    def _send_failed(self, code: int, worker: int) -> None:
+        """A reply of the compiled loop failed with MPI error `code`: `_send`'s handling."""
+        exc = MPI.Exception(code)
+        self._check_tolerated(exc)
+        if worker not in self._dead_workers(exc):
+            raise exc
 
     def _awaited(self) -> str:
         """What this server waits for while idle, as its answers to the stall diagnosis say: a
@@ -474,13 +527,13 @@ class Server:
             self.max_clock_gap = max(self.max_clock_gap, gap)
         if self.events is not None:
             self.events.append(("meet" if meeting else "answer", worker, clock, clock - gap, self.version))
-        told = (self.progress, self.stop_signal)
-        if told != self._told:
+        progress, stop = self.progress, self.stop_signal
+        if progress != self._told_progress or stop != self._told_stop:
             if self._sends:
                 self._finish_sends()  # replies in flight are sent from this same header
             fields = self._header
-            fields[PROGRESS], fields[STOP] = told
-            self._told = told
+            fields[PROGRESS], fields[STOP] = progress, stop
+            self._told_progress, self._told_stop = progress, stop
         self._send(self._array, worker, Tag.PARAMS)
         self.pulls += 1
 

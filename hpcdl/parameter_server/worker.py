@@ -7,6 +7,10 @@ MPI error, raised by a post or by the wait; a timeout), what it posted is left t
 `collectives.inflight`, and the error is raised to the caller: for `hpcdl train`, a lost server
 ends the job (docs/failures.md#training). One copy each way: a pull copies the received shards into the parameters, a
 push copies (or, accumulating several steps, adds) the gradients into per-server messages.
+
+The common pull and push run compiled where the extension is built (hot.py, `_hot.c`): the same
+messages, fields and copies without Python per call; every other case, and any wait beyond the
+spin or MPI error of the compiled exchange, is this module's, as before.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from mpi4py import MPI
 
 from collectives import inflight
 
+from . import hot
 from .protocol import (CLOCK, COUNT, HEADER_BYTES, HISTOGRAM_BINS, MAX, PROGRESS, PUSH_CLOCK, PUSH_STEPS,
                        STOP, SUM, UNTIL, VERSION, Tag, header, header_message)
 from .options import DEFAULT_N_FETCH, DEFAULT_N_PUSH
@@ -27,7 +32,7 @@ from .staleness import Staleness, StalenessLog
 from .polling import wait_all
 
 
-class WorkerClient:
+class WorkerClient(hot.WorkerCore):
     """Pull/push for the model parameters `params` (those being trained, in a fixed order) laid out
     by `layout` over the servers at ranks `servers` of `comm`.
 
@@ -48,16 +53,18 @@ class WorkerClient:
         self.params = list(params)
         self.servers = list(servers)
         self.n_fetch, self.n_push = n_fetch, n_push
-        self.must_pull = must_pull
-        self.slowdown = slowdown
+        self.must_pull = bool(must_pull)
+        self.slowdown = float(slowdown)
         self.timeout = timeout
         self._pulled = [torch.zeros(HEADER_BYTES + s.nbytes, dtype=torch.uint8) for s in layout.shards]
         self._pushed = [torch.zeros(HEADER_BYTES + s.nbytes, dtype=torch.uint8) for s in layout.shards]
-        self._view_messages()
         # The request a pull sends: one buffer, written before each send. An exchange that
         # fails leaves it in flight (collectives.inflight); the next pull then takes a new one.
         self._request_message = header_message()
         self._request_fields = header(self._request_message)
+        self._fast = False  # the compiled exchange has a plan (`_bind_fast`)
+        self._pointers: tuple[int, ...] = ()  # the parameters' data pointers of that plan
+        self._view_messages()
         self._servers_text = str(self.servers)  # for the waits' messages, made once
         self._sent_per_request = HEADER_BYTES * len(self.servers)
         self._pulled_bytes = sum(m.numel() for m in self._pulled)
@@ -103,6 +110,29 @@ class WorkerClient:
         # when a parameter's storage changed (`module.to()` and `p.data = ...` replace it).
         self._targets: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._storages: list[int] = []
+        self._bind_fast()
+
+    def _bind_fast(self) -> None:
+        """The compiled exchange's plan over this worker's buffers and parameters (hot.py), where it
+        can take them: every parameter a contiguous CPU tensor holding its pieces; else (and
+        without the extension) every call takes the Python path."""
+        self._fast = False
+        if not hot.ready() or any(p.device.type != "cpu" or p.layout != torch.strided
+                                  or not p.is_contiguous() for p in self.params):
+            return
+        pieces = []
+        for k, shard in enumerate(self.layout.shards):
+            for piece in shard.pieces:
+                size = self.layout.itemsizes[piece.param]
+                if piece.stop > self.params[piece.param].numel():
+                    return
+                pieces.append((piece.param, k, piece.start * size, HEADER_BYTES + piece.offset,
+                               (piece.stop - piece.start) * size))
+        self._bind(self.comm, self.servers, self._request_message, [m for m, _ in self._replies],
+                   list(self._pushes), pieces, tuple(self.params), tuple(p.dtype for p in self.params),
+                   tuple(p.shape for p in self.params))
+        self._pointers = tuple(p.data_ptr() for p in self.params)
+        self._fast = True
 
     # -- pull and push -------------------------------------------------------------------------
 
@@ -115,6 +145,10 @@ class WorkerClient:
         others; see protocol.py); a skipped fetch then asks the servers for the progress alone
         (32 bytes each way), since the progress of the last fetch may be many steps old.
         """
+        if self._fast:
+            done = self._fast_pull(until, self._pointers)
+            if done is not None:
+                return done if done.__class__ is int else self._finish_fast_pull(done)
         if self.closed:
             self._check_open()
         since = self._since_fetch
@@ -141,6 +175,14 @@ class WorkerClient:
         self._step_started = time.perf_counter()
         return self.progress
 
+    def _finish_fast_pull(self, outcome: tuple[list[MPI.Request], int]) -> int:
+        """A compiled pull that must wait or failed (`outcome`: its requests and an MPI error code,
+        0 for none): wait as `_exchange` waits, then the compiled copies."""
+        self._await_fast(outcome, self._replies, self._request_message,
+                         f"pull at clock {self.clock} from servers {self._servers_text}")
+        self._step_started = time.perf_counter()
+        return int(self._finish_pull())
+
     def _copy_pulled(self) -> None:
         """The pulled pieces into the parameters: one copy each, into views made beforehand."""
         storages = [p.data_ptr() for p in self.params]
@@ -149,6 +191,8 @@ class WorkerClient:
             for param, start, stop, pulled, _, whole in self._pieces:
                 target = self.params[param].detach()
                 self._targets.append((target if whole else target.view(-1)[start:stop], pulled))
+            if self._fast and tuple(storages) != self._pointers:
+                self._bind_fast()  # a parameter's storage moved: the compiled copies' targets too
             self._storages = storages
         for target, pulled in self._targets:
             target.copy_(pulled)
@@ -161,6 +205,15 @@ class WorkerClient:
     def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """Send this step's gradients (the parameters' `.grad`, or `grads` in parameter order; None
         counts as zero) to every shard, or add them to those being accumulated (n_push)."""
+        if grads is None and self._fast:
+            done = self._fast_push()
+            if done is not None:
+                if done is not True:
+                    self._await_fast(done, [], self._pushes,
+                                     f"push at clock {self.clock} to servers {self._servers_text}")
+                    self.bytes_sent += self._pushed_bytes
+                    self._accumulated = 0
+                return
         if self.closed:
             self._check_open()
         if self.must_pull and not self._pulled_since_push:
@@ -281,6 +334,23 @@ class WorkerClient:
             self._abandon(replies, sent)
             raise
 
+    def _await_fast(self, outcome: tuple[list[MPI.Request], int], replies: list[tuple[np.ndarray, Tag]],
+                    sent: np.ndarray | list[np.ndarray], what: str) -> None:
+        """`_exchange`'s wait and failure handling for what the compiled path posted (`outcome`:
+        the requests and an MPI error code, 0 for none). Those requests do not hold their buffers:
+        these are kept with them wherever they are left in flight."""
+        requests, code = outcome
+        buffers = (self._pulled, self._pushed, self._request_message)
+        if code:
+            self._abandon(replies, sent)
+            inflight.keep(requests, what, buffers)
+            raise MPI.Exception(code)
+        try:
+            wait_all(requests, what, self.timeout, buffers)
+        except BaseException:
+            self._abandon(replies, sent)
+            raise
+
     def _abandon(self, replies: list[tuple[np.ndarray, Tag]], sent: np.ndarray | list[np.ndarray]) -> None:
         """An exchange that posted `replies` and `sent` failed: this worker's buffers among them are
         left to their requests, and it goes on with copies (a push's accumulated gradients, which
@@ -292,6 +362,8 @@ class WorkerClient:
             self._pulled = [m.clone() for m in self._pulled]
             self._pushed = [m.clone() for m in self._pushed]
             self._view_messages()
+        elif self._fast:
+            self._bind_fast()  # over the new request message
 
     def _check_open(self) -> None:
         if self.closed:
