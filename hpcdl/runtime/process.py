@@ -196,11 +196,22 @@ def abort(message: str, code: int = 1) -> None:
 
 
 #: Seconds a rank other than 0 waits, on an uncaught error raised on every rank alike, for rank
-#: 0's abort (which prints it) before printing it and aborting itself.
+#: 0's abort (which prints it) before printing it and aborting itself; QUIET_WAIT_VARIABLE, where
+#: set to a number of seconds, replaces it (a test whose rank 0 never aborts waits it out).
 QUIET_WAIT_S = 5.0
+QUIET_WAIT_VARIABLE = "HPCDL_QUIET_WAIT_S"
 
 #: Set to 1, the abort on an uncaught error of hpcdl's own prints the whole traceback too.
 TRACEBACK_VARIABLE = "HPCDL_TRACEBACK"
+
+
+def _quiet_wait_seconds() -> float:
+    """QUIET_WAIT_S, or QUIET_WAIT_VARIABLE's seconds where it is set to a number (0 or more)."""
+    text = os.environ.get(QUIET_WAIT_VARIABLE, "").strip()
+    try:
+        return max(0.0, float(text)) if text else QUIET_WAIT_S
+    except ValueError:
+        return QUIET_WAIT_S
 
 
 def _own_error(exc_type: type[BaseException], tb: TracebackType | None) -> bool:
@@ -266,14 +277,14 @@ def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
             # The same message is on its way from rank 0, whose abort ends this process: at 64
             # ranks, 64 copies would bury it. Should rank 0 not be in that communicator or not
             # abort, this rank says it itself a moment later.
-            time.sleep(QUIET_WAIT_S)
+            time.sleep(_quiet_wait_seconds())
         abort(text)
         return
     if alone:
         sys.__excepthook__(exc_type, exc, tb)
         return
     if MPI.COMM_WORLD.Get_rank() != 0 and _wraps_error_on_every_rank(exc):
-        time.sleep(QUIET_WAIT_S)  # rank 0 says the error itself (above), and its abort ends this rank
+        time.sleep(_quiet_wait_seconds())  # rank 0 says the error itself (above), and its abort ends this rank
     abort("uncaught exception; aborting all ranks\n" + "".join(traceback.format_exception(exc_type, exc, tb)))
 
 
