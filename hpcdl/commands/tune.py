@@ -167,13 +167,20 @@ def config_of(kind: Any, args: argparse.Namespace) -> Any:
     return kind(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind)})
 
 
+def predicting(argv: Sequence[str]) -> bool:
+    """Whether `argv` asks for --predict (spelled out: allow_abbrev=False), which plans on one
+    process: decided before MPI starts (and by `hpcdl.commands.cli`, which runs it on rank 0
+    alone under mpirun)."""
+    return "--predict" in argv
+
+
 def main(argv: Sequence[str]) -> int:
     """`hpcdl tune`: 0 when done (and every measured result was right), 1 otherwise, 2 for bad
     arguments. --predict plans on one process and starts no MPI; measuring is collective."""
     from ..tuning.fit import run_tune
     from ..tuning.predict import run_predict
 
-    if "--predict" in argv:  # spelled out (allow_abbrev=False): decided before MPI starts
+    if predicting(argv):
         command = Command(PROG)
         try:
             return run_predict(config_of(PredictConfig, command.parse(parse_args, argv)))
