@@ -46,8 +46,6 @@ def option_errors(config: TrainConfig, ranks: int) -> list[str]:
     synthetic = config.synthetic
     if synthetic and name != "allreduce":
         errors.append(f"--synthetic benchmarks --strategy allreduce only, not {name}")
-    if synthetic and config.straggler:
-        errors.append("--straggler applies to training, not to the --synthetic benchmark; drop it")
     for option, least in (("period", 1), ("warmup_steps", 0), ("servers", 1), ("staleness", 1),
                           ("n_fetch", 1), ("n_push", 1), ("backup_workers", 0)):
         value = getattr(config, option)

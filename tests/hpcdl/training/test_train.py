@@ -174,6 +174,11 @@ def test_skipping_batches_resumes_the_same_order():
     (["--stall-bound", "-3"], "--stall-bound -3.0: give a positive number of seconds"),
     (["--diagnostics-dir", "/dev/null"], "--diagnostics-dir /dev/null: /dev/null is a file, not a directory"),
     (["--synthetic", "--checkpoint-dir", "x"], "--checkpoint-dir applies to training"),
+    # every option the benchmark ignores, from one table (config.SYNTHETIC_TAKES): --epochs was ignored
+    (["--synthetic", "--epochs", "3"], "--epochs applies to training, not to the --synthetic benchmark; drop it\n"),
+    (["--synthetic", "--warmup-epochs", "1"], "--warmup-epochs applies to training, not to the --synthetic"),
+    (["--synthetic", "--progress", "bar"], "--progress applies to training, not to the --synthetic benchmark"),
+    (["--num-iters", "3"], "--num-iters applies to the --synthetic benchmark; add --synthetic or drop it\n"),
     (["--device", "cuda", "--strategy", "downpour", "--servers", "1"],
      "--device cuda trains with allreduce or local-sgd, not --strategy downpour"),
     (["--device", "cuda", "--model", "hybrid-cnn"], "--device cuda does not take --model hybrid-cnn"),
@@ -191,6 +196,15 @@ def test_an_option_of_another_strategy_is_refused_once_whatever_its_value(comm, 
     err = capsys.readouterr().err
     ok = status == 2 and (comm.Get_rank() != 0 or err == (
         "hpcdl train: error: --period applies to --strategy local-sgd, not allreduce; drop it\n"))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_an_option_synthetic_mode_ignores_is_refused_once(comm, capsys):
+    status = train.main(["--synthetic", "--respawn", "--straggler", "0:2", "--period", "0"])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or err == "".join(
+        f"hpcdl train: error: {flag} applies to training, not to the --synthetic benchmark; drop it\n"
+        for flag in ("--period", "--straggler", "--respawn")))
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
