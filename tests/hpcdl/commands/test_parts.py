@@ -128,6 +128,15 @@ def test_train_options_become_a_train_config() -> None:
     assert isinstance(config, TrainConfig) and config.epochs == 3
 
 
+def test_train_help_gives_the_default_jobs_accuracy_as_the_readme_does() -> None:
+    """`hpcdl train --help` said ">= 95 %" where README and docs/training.md say about 99% (0.9917 measured)."""
+    from tests.conftest import ROOT
+
+    assert "# small CNN on scikit-learn's digits, about 99%\n" in train.DESCRIPTION
+    for doc in ("README.md", "docs/training.md"):
+        assert "reaches about 99%" in " ".join((ROOT / doc).read_text().split()), doc
+
+
 def test_tune_options_keep_the_configurations_defaults() -> None:
     args = tune.parse_args(["-b", "1K", "-e", "1M"])
     assert (args.minbytes, args.maxbytes) == (1024, 1 << 20)
