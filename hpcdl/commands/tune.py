@@ -10,10 +10,11 @@ Measuring (under mpirun, 2 ranks or more): point-to-point messages through the t
 algorithms use give alpha and beta, the reduction's local combine gives gamma, a tiny call gives
 the per-call overhead (`collectives.calibrate`). Then, unless `--model-only`, every hand-written
 algorithm of every chosen collective is timed at this rank count over a size sweep (`-b/-e/-f` as
-in nccl-tests; sizes as nccl-tests counts them). The file holds the model, the decision rows for
-this rank count from the measurements (the fastest correct algorithm per size, switching only on
-a >5% win so noise does not flip-flop the table; `mpi` never, as it cannot reduce bfloat16),
-rows for other rank counts from the model, and the raw measurements. Rank 0 writes it atomically.
+in nccl-tests, and -e's size where -b times powers of -f misses it; sizes as nccl-tests counts
+them). The file holds the model, the decision rows for this rank count from the measurements (the
+fastest correct algorithm per size, switching only on a >5% win so noise does not flip-flop the
+table; `mpi` never, as it cannot reduce bfloat16), rows for other rank counts from the model, and
+the raw measurements. Rank 0 writes it atomically.
 
 Predicting (one process, no MPI job needed): the model's gradients, in buckets of `--bucket-mb`,
 each one allreduce, per algorithm, and the resulting scaling efficiency of synchronous SGD.
