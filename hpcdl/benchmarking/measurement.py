@@ -22,11 +22,14 @@ def algorithms_of(collective: str) -> list[str]:
 
 
 def size_sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
-    """minbytes, minbytes * factor, ... while <= maxbytes (nccl-tests' -b/-e/-f)."""
+    """minbytes, minbytes * factor, ... while <= maxbytes (nccl-tests' -b/-e/-f), then maxbytes
+    where those do not land on it: the largest size asked for is always timed."""
     sizes, n = [], minbytes
     while n <= maxbytes:
         sizes.append(n)
         n *= factor
+    if sizes and sizes[-1] != maxbytes:
+        sizes.append(maxbytes)
     return sizes
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn, Sequence, TypeVar
 
@@ -54,6 +55,34 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(ARGUMENT_ERROR, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """argparse's, with an option's value that starts with a minus sign and a digit (`--latency
+        -2us`) taken as its value: argparse reads such a token as an option unless it is a plain
+        number, and said "expected one argument"; joined (`--latency=-2us`), the option's type
+        judges it and says what is wrong with it."""
+        if args is not None:
+            args = self._join_negative_values(list(args))
+        return super().parse_known_args(args, namespace)
+
+    def _join_negative_values(self, args: list[str]) -> list[str]:
+        takes_one = {flag for action in self._actions if action.nargs is None
+                     for flag in action.option_strings}
+        joined: list[str] = []
+        i = 0
+        while i < len(args):
+            token = args[i]
+            if token == "--":  # what follows is positional, untouched
+                return joined + args[i:]
+            if (token in takes_one and i + 1 < len(args) and args[i + 1] not in self._option_string_actions
+                    and re.match(r"-\.?\d", args[i + 1])):
+                joined.append(f"{token}={args[i + 1]}")
+                i += 2
+                continue
+            joined.append(token)
+            i += 1
+        return joined
 
 
 class Command:

@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="ranks per node (default: --gpus-per-node, or 1 without GPUs)")
     resources.add_argument("--cpus-per-task", type=int, default=1,
                            help="cores per rank; OMP_NUM_THREADS is set to it (default 1)")
-    resources.add_argument("--time", required=True, help="time limit, a SLURM time (e.g. 30, 1:30:00, 2-00)")
-    resources.add_argument("--partition", required=True, help="partition (queue) to submit to")
+    # Required, but checked by `render_errors`, after the template's name: an unknown template first.
+    resources.add_argument("--time", help="time limit, a SLURM time (e.g. 30, 1:30:00, 2-00); required")
+    resources.add_argument("--partition", help="partition (queue) to submit to; required")
     resources.add_argument("--account", help="account to charge, where the site needs one")
     launch = render.add_argument_group("launch")
     launch.add_argument("--launcher", choices=("srun", "mpirun"), default=None,
@@ -225,6 +226,9 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
         return [f"unknown template {args.template!r}; known templates: {', '.join(known)}"]
     spec = TEMPLATES[args.template]
     errors = template_option_errors(args)
+    missing = [flag for flag, value in (("--time", args.time), ("--partition", args.partition)) if value is None]
+    if missing:
+        errors.append(f"the batch script needs {' and '.join(missing)} (e.g. --time 1:00:00 --partition batch)")
     if args.nodes < 1:
         errors.append(f"--nodes must be at least 1, got {args.nodes}")
     if args.gpus_per_node < 0:
@@ -247,7 +251,10 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
                       f"--gpus-per-node {args.gpus_per_node} (or be left out)")
     errors += fault_tolerance_errors(args, spec)
     ranks = args.nodes * tasks_per_node(args)  # the job's, as rendered
-    errors += program_errors(spec.runs, args.program_args, ranks if ranks >= 1 else None)
+    program_args = list(args.program_args)
+    if args.template == "requeue":  # judged with the options the template adds (--resume: a requeued run's)
+        program_args += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every", str(args.checkpoint_every)]
+    errors += program_errors(spec.runs, program_args, ranks if ranks >= 1 else None)
     if args.template == "requeue":
         if args.checkpoint_every < 1:
             errors.append(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
@@ -260,7 +267,7 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
                           f"{' '.join(owned)} after `--` (use --checkpoint-dir/--checkpoint-every "
                           "before `--`)")
     try:
-        seconds = slurm_time_seconds(args.time)
+        seconds = slurm_time_seconds(args.time) if args.time is not None else None
     except ValueError as exc:
         errors.append(str(exc))
     else:
@@ -287,8 +294,8 @@ def render_errors(args: argparse.Namespace, known: list[str]) -> list[str]:
 def program_errors(runs: str, program_args: list[str], ranks: int | None = None) -> list[str]:
     """Why `hpcdl <runs>` would refuse `program_args` (the options after `--`), as its own parser
     says it, one message; for `hpcdl train` on a job of `ranks` ranks (None: unknown), also what
-    its options cannot be combined with (`combination_errors`: judged from the options alone);
-    [] if it takes them.
+    its options' values and what they cannot be combined with (`option_errors`: judged from the
+    options alone); [] if it takes them.
 
     A misspelled option, or --strategy downpour with --shard, would otherwise stop the job only
     once it has waited in the queue. What depends on the nodes (paths, memory, devices) is judged
@@ -310,10 +317,10 @@ def program_errors(runs: str, program_args: list[str], ranks: int | None = None)
                 f"{said.removeprefix(f'{parser.prog}: error: ')}"]
     if runs != "train" or ranks is None:
         return []
-    from ..training.config import TrainConfig, choice_errors, combination_errors
+    from ..training.config import TrainConfig, option_errors
 
     config = TrainConfig(**vars(parsed))
-    refused = choice_errors(config) or combination_errors(config, ranks)
+    refused = option_errors(config, ranks)
     return [f"the options after `--` are for hpcdl train, which would refuse them on the job's {ranks} "
             f"rank{'s' if ranks != 1 else ''}: {problem}" for problem in refused]
 

@@ -36,7 +36,7 @@ __all__ = ["ARGUMENT_ERROR", "CHECKPOINTED_ON_SIGNAL", "CHECKPOINT_FAILED", "DIV
 
 DESCRIPTION = """`hpcdl train`: data-parallel training over MPI, synchronous allreduce or another strategy.
 
-    mpirun -n 4 hpcdl train                       # small CNN on scikit-learn's digits, >= 95 %
+    mpirun -n 4 hpcdl train                       # small CNN on scikit-learn's digits, about 99%
     mpirun -n 4 hpcdl train --checkpoint-dir runs/a --checkpoint-every 20
     mpirun -n 4 hpcdl train --checkpoint-dir runs/a --resume     # continue where it stopped
     mpirun -n 4 hpcdl train --strategy local-sgd --period 8      # average parameters every 8 steps

@@ -10,10 +10,11 @@ Measuring (under mpirun, 2 ranks or more): point-to-point messages through the t
 algorithms use give alpha and beta, the reduction's local combine gives gamma, a tiny call gives
 the per-call overhead (`collectives.calibrate`). Then, unless `--model-only`, every hand-written
 algorithm of every chosen collective is timed at this rank count over a size sweep (`-b/-e/-f` as
-in nccl-tests; sizes as nccl-tests counts them). The file holds the model, the decision rows for
-this rank count from the measurements (the fastest correct algorithm per size, switching only on
-a >5% win so noise does not flip-flop the table; `mpi` never, as it cannot reduce bfloat16),
-rows for other rank counts from the model, and the raw measurements. Rank 0 writes it atomically.
+in nccl-tests, and -e's size where -b times powers of -f misses it; sizes as nccl-tests counts
+them). The file holds the model, the decision rows for this rank count from the measurements (the
+fastest correct algorithm per size, switching only on a >5% win so noise does not flip-flop the
+table; `mpi` never, as it cannot reduce bfloat16), rows for other rank counts from the model, and
+the raw measurements. Rank 0 writes it atomically.
 
 Predicting (one process, no MPI job needed): the model's gradients, in buckets of `--bucket-mb`,
 each one allreduce, per algorithm, and the resulting scaling efficiency of synchronous SGD.
@@ -167,13 +168,20 @@ def config_of(kind: Any, args: argparse.Namespace) -> Any:
     return kind(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind)})
 
 
+def predicting(argv: Sequence[str]) -> bool:
+    """Whether `argv` asks for --predict (spelled out: allow_abbrev=False), which plans on one
+    process: decided before MPI starts (and by `hpcdl.commands.cli`, which runs it on rank 0
+    alone under mpirun)."""
+    return "--predict" in argv
+
+
 def main(argv: Sequence[str]) -> int:
     """`hpcdl tune`: 0 when done (and every measured result was right), 1 otherwise, 2 for bad
     arguments. --predict plans on one process and starts no MPI; measuring is collective."""
     from ..tuning.fit import run_tune
     from ..tuning.predict import run_predict
 
-    if "--predict" in argv:  # spelled out (allow_abbrev=False): decided before MPI starts
+    if predicting(argv):
         command = Command(PROG)
         try:
             return run_predict(config_of(PredictConfig, command.parse(parse_args, argv)))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import collectives
@@ -159,6 +159,16 @@ class TrainConfig:
         return replace(self, model=self.model_name, warmup_epochs=warmup, micro_batch=micro_batch)
 
 
+#: The fields the --synthetic benchmark reads (synthetic.py, and the allreduce strategy's options it
+#: builds its DistributedDataParallel from); any other option given with --synthetic is refused.
+SYNTHETIC_TAKES = frozenset((
+    "model", "device", "synthetic", "image_size", "seed", "batch_size", "lr", "reference_batch", "strategy",
+    "algorithm", "bucket_cap_mb", "no_overlap", "timeline", "compression", "shard", "momentum_correction",
+    "status_file", "stall_bound", "diagnostics_dir", "num_warmup_batches", "num_batches_per_iter", "num_iters"))
+#: The fields only the --synthetic benchmark reads: refused without it.
+SYNTHETIC_ONLY = ("image_size", "num_warmup_batches", "num_batches_per_iter", "num_iters")
+
+
 def default_warmup_epochs(epochs: int) -> float:
     """`warmup_epochs` where not given: at most half of `epochs`, so that the rate peaks, then decays."""
     return min(DEFAULT_WARMUP_EPOCHS, epochs / 2)
@@ -205,20 +215,17 @@ def hybrid_errors(config: TrainConfig, ranks: int) -> list[str]:
     return errors
 
 
-def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
+def option_errors(config: TrainConfig, ranks: int = 1, ranks_on_host: int = 1,
                   available: int | None = None) -> list[str]:
-    """Every problem with `config` this rank can see (values, paths, memory) in a job of `ranks`
-    ranks; empty if none.
-
-    Values that would overflow or exhaust memory later (after minutes of start-up, as a traceback
-    or an abort) are refused here: `ranks_on_host` ranks share this host's memory. The strategy's
-    options are checked too (strategies/options.py), options of another strategy refused.
-    `available`: the host's available memory (`memory.host_available_bytes`, the same on its
-    ranks); None skips the memory checks.
-    """
+    """Everything wrong with `config` judged from its options alone, in a job of `ranks` ranks (no
+    file, directory or environment variable looked at): what `hpcdl slurm render` checks before
+    the job waits in the queue, and the first part of `config_errors`. `available` (the host's
+    memory, None: unchecked) and `ranks_on_host` size the emulated models' memory check."""
     errors = choice_errors(config)
     if errors:
         return errors  # the checks below assume values among the choices
+    refusals = synthetic_errors(config)  # each such option is named once, by its refusal
+    errors = []
     positive = [("--epochs", config.epochs), ("--batch-size", config.batch_size),
                 ("--reference-batch", config.reference_batch)]
     if config.synthetic:
@@ -255,20 +262,66 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
         errors += [f"{flag} must be at most {sys.maxsize}, got {value}" for flag, value in
                    (("--num-warmup-batches", config.num_warmup_batches),
                     ("--num-batches-per-iter", config.num_batches_per_iter)) if value > sys.maxsize]
-        if config.image_size >= 8 and config.batch_size >= 1 and not errors:
-            problem = synthetic_memory_problem(config, ranks_on_host, available)
-            if problem:
-                errors.append(problem)
-        for flag, used in (("--checkpoint-dir", config.checkpoint_dir), ("--resume", config.resume),
-                           ("--metrics", config.metrics), ("--stop-after-steps", config.stop_after_steps)):
-            if used:
-                errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
     if config.checkpoint_dir is None:
         policy_set = config.on_checkpoint_failure != TrainConfig.on_checkpoint_failure
         for flag, used in (("--resume", config.resume), ("--checkpoint-every", config.checkpoint_every),
                            ("--on-checkpoint-failure", policy_set)):
             if used:
                 errors.append(f"{flag} needs --checkpoint-dir DIR")
+    if config.device == "cuda":
+        if config.strategy not in CUDA_STRATEGIES:
+            errors.append(f"--device cuda trains with {' or '.join(CUDA_STRATEGIES)}, not "
+                          f"--strategy {config.strategy} (its servers keep the parameters in host "
+                          "memory); use --device cpu")
+        if config.model == "hybrid-cnn":
+            errors.append("--device cuda does not take --model hybrid-cnn (its model-parallel layers "
+                          "run on the CPU); use --device cpu")
+    if config.stall_bound is not None and not config.stall_bound > 0:  # NaN fails this too
+        errors.append(f"--stall-bound {config.stall_bound}: give a positive number of seconds "
+                      "(inf: never report)")
+    errors += emulation_errors(config, ranks_on_host, available) + combination_errors(config, ranks)
+    return refused_once(refusals, errors)
+
+
+def refused_once(refusals: list[str], errors: list[str]) -> list[str]:
+    """`refusals` (options refused as such), then the `errors` about other options: an option
+    refused is not judged again (`--synthetic --respawn` is one message, not two)."""
+    refused = {refusal.split()[0] for refusal in refusals}
+    return refusals + [error for error in errors if error.split()[0] not in refused]
+
+
+def synthetic_errors(config: TrainConfig) -> list[str]:
+    """The options given (other than their defaults) that the --synthetic benchmark does not take
+    (`SYNTHETIC_TAKES`), or, without --synthetic, those only it takes (`SYNTHETIC_ONLY`): each
+    would be ignored."""
+    given = [f.name for f in fields(config) if getattr(config, f.name) != f.default]
+    if config.synthetic:
+        return [f"--{name.replace('_', '-')} applies to training, not to the --synthetic benchmark; drop it"
+                for name in given if name not in SYNTHETIC_TAKES]
+    return [f"--{name.replace('_', '-')} applies to the --synthetic benchmark; add --synthetic or drop it"
+            for name in given if name in SYNTHETIC_ONLY]
+
+
+def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
+                  available: int | None = None) -> list[str]:
+    """Every problem with `config` this rank can see (values, paths, memory) in a job of `ranks`
+    ranks; empty if none.
+
+    Values that would overflow or exhaust memory later (after minutes of start-up, as a traceback
+    or an abort) are refused here: `ranks_on_host` ranks share this host's memory. The strategy's
+    options are checked too (strategies/options.py), options of another strategy refused.
+    `available`: the host's available memory (`memory.host_available_bytes`, the same on its
+    ranks); None skips the memory checks.
+    """
+    errors = option_errors(config, ranks, ranks_on_host, available)
+    if choice_errors(config):
+        return errors  # the checks below assume values among the choices
+    if config.synthetic and config.image_size >= 8 and config.batch_size >= 1 and not errors:
+        problem = synthetic_memory_problem(config, ranks_on_host, available)
+        if problem:
+            errors.append(problem)
+    if config.checkpoint_dir is None:
+        pass  # what needs one is refused by option_errors
     elif config.resume and not config.synthetic and not Path(config.checkpoint_dir).exists():
         # Not created: it could hold nothing to resume, and the refusal would leave it behind empty
         errors.append(f"--resume: --checkpoint-dir {config.checkpoint_dir} does not exist, so there is no "
@@ -293,9 +346,6 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
         stall.warning_seconds()
     except ValueError as exc:
         errors.append(str(exc))
-    if config.stall_bound is not None and not config.stall_bound > 0:  # NaN fails this too
-        errors.append(f"--stall-bound {config.stall_bound}: give a positive number of seconds "
-                      "(inf: never report)")
     if config.diagnostics_dir is not None:
         problem = unwritable_directory(Path(config.diagnostics_dir), create=True)
         if problem:
@@ -305,16 +355,7 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
         if problem:
             errors.append(f"{flight_dumps.DIRECTORY_VARIABLE}={flight_dumps.directory()}: {problem}")
     errors += tuning_file_errors()
-    if config.device == "cuda":
-        if config.strategy not in CUDA_STRATEGIES:
-            errors.append(f"--device cuda trains with {' or '.join(CUDA_STRATEGIES)}, not "
-                          f"--strategy {config.strategy} (its servers keep the parameters in host "
-                          "memory); use --device cpu")
-        if config.model == "hybrid-cnn":
-            errors.append("--device cuda does not take --model hybrid-cnn (its model-parallel layers "
-                          "run on the CPU); use --device cpu")
-    errors += emulation_errors(config, ranks_on_host, available)
-    return errors + combination_errors(config, ranks)
+    return refused_once(synthetic_errors(config), errors)
 
 
 def combination_errors(config: TrainConfig, ranks: int) -> list[str]:
@@ -341,8 +382,6 @@ def rank_failure_errors(config: TrainConfig, ranks: int = 1) -> list[str]:
         if used and not collectives.fault_tolerant():
             errors.append(f"{flag} needs a job that survives a lost rank: launch it with "
                           "`mpirun --with-ft ulfm` (srun cannot carry it; docs/failures.md#training)")
-        if used and config.synthetic:
-            errors.append(f"{flag} applies to training, not to the --synthetic benchmark; drop it")
     return errors
 
 
@@ -382,7 +421,6 @@ def reproducible_errors(config: TrainConfig) -> list[str]:
                                     "optimizer"),
         f"--compression {config.compression}": (config.compression != "none",
                                                  "it sends part of the gradient; use --compression none"),
-        "--synthetic": (config.synthetic, "the benchmark has no fixed data; drop one of them"),
         "--emulate-compute": (config.emulate_compute is not None, "no real gradients to sum; drop one of them"),
         "--device cuda": (config.device == "cuda", "GPU kernels give no bitwise guarantee; use --device cpu"),
         "--keep-rank-batch": (config.keep_rank_batch, "the global batch, and the bits with it, would change with "
@@ -421,7 +459,7 @@ def emulation_errors(config: TrainConfig, ranks_on_host: int, available: int | N
         if not 0 <= rate <= 1 or not (factor >= 1 and math.isfinite(factor)) or steps < 1:
             errors.append(f"--compute-slowdown {rate:g}:{factor:g}:{steps}: RATE is a probability (0..1), "
                           "FACTOR >= 1 and STEPS >= 1")
-    for flag, used in (("--synthetic", config.synthetic), ("--device cuda", config.device == "cuda"),
+    for flag, used in (("--device cuda", config.device == "cuda"),
                        ("--model hybrid-cnn", config.model == "hybrid-cnn")):
         if used:
             errors.append(f"--emulate-compute does not take {flag}: the emulated accelerator replaces "

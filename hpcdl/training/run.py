@@ -290,6 +290,13 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
         refused = resume_refusal(made_with, job)
         if refused:
             return _fail([f"--resume: {path} was made with {refused}"], rank)
+        if checkpoint["epoch"] >= config.epochs:  # the run's final checkpoint: nothing is left to train
+            if rank == 0:
+                print(f"{PROG}: the run in {config.checkpoint_dir} already completed its {config.epochs} "
+                      f"epoch{'s' if config.epochs != 1 else ''} ({path.name}); nothing left to train (to train "
+                      "longer, start afresh with more --epochs and a new --checkpoint-dir)", flush=True)
+                write_status(config.status_file, 0)
+            return 0
     elif config.checkpoint_dir is not None:
         # Only the newest checkpoints by step number are kept, whichever run wrote them: a fresh run
         # beside an older run's later steps would delete its own. Rank 0 writes them, so its view

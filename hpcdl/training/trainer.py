@@ -133,9 +133,10 @@ class Trainer:
         self.say(f"training {config.model} on digits ({len(self.train_set)} train / {len(self.test_set)} "
                  f"held out) on {self.recovery.ranks_now()} rank(s)"
                  + (f" + {config.spares} spare(s)" if config.spares else "")
+                 # --reproducible: every rank takes whole steps' batches of --batch-size, on any ranks
                  + ((f" (the data of the run's {plan.trainers} workers)" if plan.servers else
                      f" (the data split{'' if config.keep_rank_batch else ' and global batch'} of {plan.ranks})")
-                    if regrouped else "")
+                    if regrouped and not config.reproducible else "")
                  + f" with {plan.name} ({plan.describe()}): batch {batch}, {update} per update, lr {lr:g} (base "
                  f"{config.lr:g} x {update}/{config.reference_batch}"
                  + (f" x {plan.asynchrony:.3g} for asynchrony" if plan.asynchrony != 1 else "") + "), warm-up "
@@ -313,7 +314,9 @@ class Trainer:
                 return report_failure(
                     PROG, [f"training diverged: the mean training loss of epoch {self.epoch} is "
                                     f"{train_loss}; lower --lr (the scaled rate was {self.schedule.lr:g}) or "
-                                    "lengthen --warmup-epochs. No checkpoint was written at this epoch's end"],
+                                    "lengthen --warmup-epochs"
+                                    + (". No checkpoint was written at this epoch's end" if config.checkpoint_dir
+                                       else "")],
                     self.rank, DIVERGED)
             throughput = totals[1] / seconds  # samples of all ranks / the slowest rank's time
             test_loss, accuracy = self.compute.evaluate(self.test_set, self.rank, self.size, self.comm,

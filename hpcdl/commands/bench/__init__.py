@@ -6,7 +6,8 @@ times; report.py: its table and files).
     mpirun -n 2 hpcdl bench -C reduce -A tree mpi -d bfloat16 -o max -c --out-of-place
 
 Options follow OSU Micro-Benchmarks and nccl-tests (-b/-e/-f sizes, -n/-w iterations,
--d datatype, -o op, -c check every call). Each row is one (size, placement, algorithm), measured
+-d datatype, -o op, -c check every call); -b and -e are whole numbers of -d elements, and -e's size
+is timed even where -b times powers of -f misses it. Each row is one (size, placement, algorithm), measured
 by `hpcdl.benchmarking.run_interleaved` (what the rows and columns mean is documented there): the
 collective's hand-written algorithms, `mpi`, `auto` (its choice in brackets), and the peers
 `direct` (mpi4py's buffer call), `pickle` (mpi4py's pickle-based call) and `gloo`, all on the

@@ -35,12 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-A", "--algorithms", nargs="+", metavar="NAME",
                         help="algorithms to time (default: every one of the collective, plus "
                              f"{', '.join(PEERS)})")
-    parser.add_argument("-b", "--minbytes", type=parse_bytes, default=8, help="smallest size (default 8)")
+    parser.add_argument("-b", "--minbytes", type=parse_bytes, default=8,
+                        help="smallest size, a whole number of -d elements (default 8)")
     parser.add_argument("-e", "--maxbytes", type=parse_bytes, default=64 << 20,
-                        help="largest size (default 64M)")
+                        help="largest size, timed even where -b times powers of -f do not reach it "
+                             "exactly (default 64M)")
     parser.add_argument("-f", "--stepfactor", type=int, default=2,
                         help="multiply the size by this between rows (default 2)")
-    parser.add_argument("-n", "--iters", type=int, default=0,
+    parser.add_argument("-n", "--iters", type=int, default=None,
                         help="timed iterations per size and algorithm (default: 200 down to 10 by size)")
     parser.add_argument("-w", "--warmup_iters", "--warmup-iters", type=int, default=None,
                         help="untimed calls after the checked first one (default: iterations/10)")
@@ -87,14 +89,23 @@ def check_args(args: argparse.Namespace, size: int) -> None:
                                  f"{', '.join(DTYPES)}{hint}")
     if args.op not in OPS:
         raise CommandError(f"unknown op {args.op!r}; choose from {', '.join(OPS)}")
+    itemsize = DTYPES[args.datatype].itemsize
+    for flag, value in (("-b/--minbytes", args.minbytes), ("-e/--maxbytes", args.maxbytes)):
+        if value % itemsize:  # a row holds whole elements: it would time another size than asked
+            raise CommandError(f"{flag} {value} is not a whole number of {args.datatype} elements "
+                               f"({itemsize} B each); give a multiple of {itemsize}")
     if args.minbytes > args.maxbytes:
         raise CommandError(f"-b/--minbytes {args.minbytes} is larger than -e/--maxbytes "
                                  f"{args.maxbytes}")
     if args.stepfactor < 2:
         raise CommandError(f"-f/--stepfactor must be at least 2, got {args.stepfactor}")
-    if args.iters < 0 or (args.warmup_iters is not None and args.warmup_iters < 0) or args.rounds < 1:
-        raise CommandError("need -n/--iters >= 1 (0: by size), -w/--warmup_iters >= 0 and "
-                                 "--rounds >= 1")
+    if args.iters is not None and args.iters < 1:
+        raise CommandError(f"-n/--iters must be at least 1, got {args.iters} (leave it out for 200 "
+                           "down to 10 iterations by size)")
+    if args.warmup_iters is not None and args.warmup_iters < 0:
+        raise CommandError(f"-w/--warmup_iters must be 0 or more, got {args.warmup_iters}")
+    if args.rounds < 1:
+        raise CommandError(f"--rounds must be at least 1, got {args.rounds}")
     if not 0 <= args.root < size:
         raise CommandError(f"-r/--root {args.root} is out of range for {size} ranks "
                                  f"(0..{size - 1})")

@@ -34,8 +34,10 @@ def option_errors(config: TrainConfig, ranks: int) -> list[str]:
     name = config.strategy
     strategy = STRATEGIES[name]
     errors = []
+    refused = set()  # options of another strategy: their values are not judged too
     for option, strategies in APPLIES_TO.items():
         if given(config, option) and name not in strategies:
+            refused.add(option)
             flag = "--" + option.replace("_", "-")
             errors.append(f"{flag} applies to --strategy {' or '.join(strategies)}, not {name}; "
                           "drop it" + ("" if option not in ("compression", "momentum_correction") else
@@ -44,14 +46,11 @@ def option_errors(config: TrainConfig, ranks: int) -> list[str]:
     synthetic = config.synthetic
     if synthetic and name != "allreduce":
         errors.append(f"--synthetic benchmarks --strategy allreduce only, not {name}")
-    if synthetic and config.straggler:
-        errors.append("--straggler applies to training, not to the --synthetic benchmark; drop it")
-    for flag, value, least in (("--period", config.period, 1), ("--warmup-steps", config.warmup_steps, 0),
-                               ("--servers", config.servers, 1), ("--staleness", config.staleness, 1),
-                               ("--n-fetch", config.n_fetch, 1), ("--n-push", config.n_push, 1),
-                               ("--backup-workers", config.backup_workers, 0)):
-        if value is not None and value < least:
-            errors.append(f"{flag} must be at least {least}, got {value}")
+    for option, least in (("period", 1), ("warmup_steps", 0), ("servers", 1), ("staleness", 1),
+                          ("n_fetch", 1), ("n_push", 1), ("backup_workers", 0)):
+        value = getattr(config, option)
+        if value is not None and value < least and option not in refused:
+            errors.append(f"--{option.replace('_', '-')} must be at least {least}, got {value}")
     if errors:
         return errors  # the strategy's own checks assume values in range
     options = vars(config)

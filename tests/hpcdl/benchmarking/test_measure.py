@@ -15,7 +15,7 @@ from hpcdl.benchmarking.measurement import PEERS, algorithms_of, bus_factor, ele
 
 
 def test_a_sweep_of_sizes_and_counts_as_nccl_tests_makes_them() -> None:
-    assert size_sweep(8, 64, 2) == [8, 16, 32, 64] and size_sweep(8, 100, 8) == [8, 64]
+    assert size_sweep(8, 64, 2) == [8, 16, 32, 64] and size_sweep(8, 100, 8) == [8, 64, 100]
     assert element_count("allreduce", 100, 4, 3) == 25
     assert element_count("reduce_scatter", 100, 4, 3) == 24  # P equal blocks
     assert element_count("allreduce", 2, 4, 3) == 1

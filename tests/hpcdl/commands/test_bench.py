@@ -266,6 +266,10 @@ BAD_ARGUMENTS = [
     (["-b", "64K", "-e", "8"], "-b/--minbytes 65536 is larger than -e/--maxbytes 8"),
     (["-b", "8Q"], "'8Q' is not a size"),
     (["-f", "1"], "-f/--stepfactor must be at least 2"),
+    (["-n", "0"], "-n/--iters must be at least 1, got 0 (leave it out for 200 down to 10 iterations by size)"),
+    (["-b", "3", "-e", "64", "-A", "ring"], "-b/--minbytes 3 is not a whole number of float32 elements (4 B each); "
+                                           "give a multiple of 4"),
+    (["-e", "66", "-d", "int32"], "-e/--maxbytes 66 is not a whole number of int32 elements"),
     (["-d", "complex64"], "unknown datatype 'complex64'"),
     (["-o", "xor"], "unknown op 'xor'"),
     (["-A", "direct", "-o", "avg"], "-A direct cannot run allreduce float32 avg: MPI has no avg"),

@@ -174,6 +174,11 @@ def test_skipping_batches_resumes_the_same_order():
     (["--stall-bound", "-3"], "--stall-bound -3.0: give a positive number of seconds"),
     (["--diagnostics-dir", "/dev/null"], "--diagnostics-dir /dev/null: /dev/null is a file, not a directory"),
     (["--synthetic", "--checkpoint-dir", "x"], "--checkpoint-dir applies to training"),
+    # every option the benchmark ignores, from one table (config.SYNTHETIC_TAKES): --epochs was ignored
+    (["--synthetic", "--epochs", "3"], "--epochs applies to training, not to the --synthetic benchmark; drop it\n"),
+    (["--synthetic", "--warmup-epochs", "1"], "--warmup-epochs applies to training, not to the --synthetic"),
+    (["--synthetic", "--progress", "bar"], "--progress applies to training, not to the --synthetic benchmark"),
+    (["--num-iters", "3"], "--num-iters applies to the --synthetic benchmark; add --synthetic or drop it\n"),
     (["--device", "cuda", "--strategy", "downpour", "--servers", "1"],
      "--device cuda trains with allreduce or local-sgd, not --strategy downpour"),
     (["--device", "cuda", "--model", "hybrid-cnn"], "--device cuda does not take --model hybrid-cnn"),
@@ -182,6 +187,24 @@ def test_bad_arguments_fail_on_every_rank(argv, message, comm, capsys):
     status = train.main(argv)
     err = capsys.readouterr().err
     ok = status == 2 and (comm.Get_rank() != 0 or message in err)
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_an_option_of_another_strategy_is_refused_once_whatever_its_value(comm, capsys):
+    """`--period 0` on allreduce said both that --period does not apply and that it must be at least 1."""
+    status = train.main(["--period", "0"])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or err == (
+        "hpcdl train: error: --period applies to --strategy local-sgd, not allreduce; drop it\n"))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_an_option_synthetic_mode_ignores_is_refused_once(comm, capsys):
+    status = train.main(["--synthetic", "--respawn", "--straggler", "0:2", "--period", "0"])
+    err = capsys.readouterr().err
+    ok = status == 2 and (comm.Get_rank() != 0 or err == "".join(
+        f"hpcdl train: error: {flag} applies to training, not to the --synthetic benchmark; drop it\n"
+        for flag in ("--period", "--straggler", "--respawn")))
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
@@ -401,6 +424,27 @@ def test_diverged_training_stops_every_rank(tmp_path, comm, capsys):
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_diverged_training_without_a_checkpoint_dir_mentions_no_checkpoint(comm, capsys):
+    status = train.main(["--epochs", "2", "--batch-size", "64", "--lr", "1e30", "--warmup-epochs", "0"])
+    err = capsys.readouterr().err
+    ok = status == train.DIVERGED and (comm.Get_rank() != 0 or (
+        "training diverged" in err and "lower --lr" in err and "checkpoint" not in err.lower()))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_a_fresh_reproducible_run_names_no_other_runs_data_split(comm, capsys):
+    """Every rank of a --reproducible run takes each whole step's batch: its header said "(the data
+    split and global batch of P)", the words of a run resumed on another number of ranks."""
+    status = train.main(["--reproducible", "--epochs", "1", "--batch-size", "256", "--micro-batch", "64"])
+    out = capsys.readouterr().out
+    header = next((line for line in out.splitlines() if line.startswith("training ")), "")
+    ok = status == 0 and (comm.Get_rank() != 0 or (
+        f"on {comm.Get_size()} rank(s) with allreduce" in header and "data split" not in header))
+    assert all_ranks_agree(ok, comm), out
+
+
 # -- kill and resume -----------------------------------------------------------------------------
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() not in (2, 3), reason="three training runs: N = 2, 3 only")
@@ -509,6 +553,21 @@ def test_resume_refuses_a_different_job_shape(tmp_path, comm, capsys):
         "to zero over the --epochs a run starts with" in err and "warmup" not in err and "resume with --epochs 1, "
         "or train 2 epochs afresh with a new --checkpoint-dir\n" in err and err.count("\n") == 1))
     assert all_ranks_agree(ok, comm), err
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason="trains an epoch; N <= 3 is enough")
+def test_resuming_a_finished_run_says_it_is_complete(tmp_path, comm, capsys):
+    """It said "resuming at epoch 2, step N" for a 1-epoch run, then trained its share of 0 steps."""
+    directory = shared_directory(tmp_path, comm)
+    argv = ["--epochs", "1", "--batch-size", "256", "--checkpoint-dir", str(directory)]
+    assert train.main(argv) == 0
+    capsys.readouterr()
+    status = train.main(argv + ["--resume"])
+    out, err = capsys.readouterr()
+    ok = status == 0 and err == "" and (comm.Get_rank() != 0 or (
+        out.startswith(f"hpcdl train: the run in {directory} already completed its 1 epoch (") and out.count("\n") == 1
+        and "start afresh with more --epochs" in out))
+    assert all_ranks_agree(ok, comm), out + err
 
 
 def test_synthetic_benchmark_reports_images_per_second(comm, capsys, monkeypatch):
