@@ -87,9 +87,9 @@ def unwritable_directory(directory: str | os.PathLike[str]) -> str | None:
         why = exc.strerror or str(exc)
         if existing == directory:
             return f"cannot write in {directory} ({why})"
-        read_only = exc.errno == errno.EROFS
-        return (f"cannot create it: {existing} is {'on a read-only file system' if read_only else 'not writable'} "
-                f"({why})")
+        if exc.errno == errno.EROFS:
+            return f"cannot create it: {existing} is on a read-only file system"
+        return f"cannot create it: {existing} is not writable ({why})"
     return None
 
 

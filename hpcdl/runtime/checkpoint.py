@@ -297,10 +297,13 @@ def _write_failure(exc: Exception, directory: str | os.PathLike[str], step: int,
             free = None
         space = (f": it needs about {_megabytes(needed)} there besides the checkpoints kept"
                  + (f", and {_megabytes(free)} are free" if free is not None else ""))
+    # The error without the temporary file's name (a removed directory's error names it)
+    error = f"[Errno {cause.errno}] {cause.strerror}" if cause.strerror else str(cause)
+    kept = ("the directory is gone, with the checkpoints it held" if cause.errno == errno.ENOENT else
+            "the partial file was removed and the older checkpoints are kept")
     return CheckpointWriteError(
-        f"checkpoint {step} could not be written to {directory} ({cause}){space}; the partial file was "
-        "removed and the older checkpoints are kept", directory=str(directory), step=step, needed=needed, free=free,
-        errno=cause.errno)
+        f"checkpoint {step} could not be written to {directory} ({error}){space}; {kept}",
+        directory=str(directory), step=step, needed=needed, free=free, errno=cause.errno)
 
 
 def _tensor_bytes(obj: Any) -> int:

@@ -268,7 +268,9 @@ def test_a_checkpoint_directory_removed_mid_run_is_named_so_not_short_of_space(t
         ckpt.save_checkpoint(directory, {"weights": torch.zeros(3)}, step=100, comm=comm)
     except ckpt.CheckpointWriteError as exc:
         failure = exc
-    ok = failure is not None and failure.errno == errno.ENOENT and "it needs about" not in str(failure)
+    ok = failure is not None and failure.errno == errno.ENOENT and str(failure) == (
+        f"checkpoint 100 could not be written to {directory} ([Errno 2] No such file or directory); the directory "
+        "is gone, with the checkpoints it held")
     if failure is not None:
         advice = trainer.Trainer.checkpoint_failure_advice(cast(Any, None), failure)
         ok &= advice.startswith(f"The run stops (exit status 6): {directory} was removed while the run wrote "
