@@ -184,7 +184,12 @@ def main(argv: Sequence[str]) -> int:
     if predicting(argv):
         command = Command(PROG)
         try:
-            return run_predict(config_of(PredictConfig, command.parse(parse_args, argv)))
+            config = config_of(PredictConfig, command.parse(parse_args, argv))
+            # Checked before the table is printed, as every command's output files are.
+            problem = unwritable_file(config.json) if config.json is not None else None
+            if problem:
+                raise CommandError(f"--json {config.json}: {problem}")
+            return run_predict(config)
         except PredictionInputError as exc:
             return command.fail(CommandError(str(exc)))
         except CommandError as exc:
@@ -197,8 +202,7 @@ def main(argv: Sequence[str]) -> int:
                                "`mpirun -n 2` or more (or plan without measuring: "
                                "`hpcdl tune --predict ...`)")
         # The file is written after minutes of measuring: a path that cannot take it fails now.
-        problem = command.decide(unwritable_file(args.output, create_parent=True)
-                                 if command.rank == 0 else None)
+        problem = command.decide(unwritable_file(args.output) if command.rank == 0 else None)
         if problem:
             raise CommandError(f"-o {args.output}: {problem}")
         if args.device == "gpu":  # CuPy and a GPU on every rank, or one error everywhere

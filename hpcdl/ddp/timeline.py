@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
 
+from ..runtime.atomic_file import write_atomically
+
 TRAINING_THREAD = 0
 COMMUNICATION_THREAD = 1
 
@@ -89,7 +91,8 @@ class Timeline:
     def write(self) -> str | None:
         """Collective: gather every rank's events to rank 0 and write them to `path` as JSON.
 
-        Returns the path on rank 0, None elsewhere.
+        Returns the path on rank 0, None elsewhere. The file is written whole or not at all: a
+        write that fails (a full disk) raises its OSError on rank 0 and leaves no partial file.
         """
         with self._lock:
             mine = list(self.events)
@@ -110,6 +113,7 @@ class Timeline:
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        with open(self.path, "w") as f:
-            json.dump(trace, f)
+        # Whole or not at all: a full disk raises here (rank 0 only) and leaves no partial trace
+        text = json.dumps(trace)
+        write_atomically(self.path, lambda f: f.write(text.encode()))
         return self.path

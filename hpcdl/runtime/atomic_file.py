@@ -1,10 +1,18 @@
-"""Writing a file so that readers see the old file, or no file, or the whole new one: never a part.
+"""The files a user asks for: checked before the work, written whole, their failures explained.
 
-Used for checkpoints (a run killed mid-write must resume from the previous one) and tuning files
-(every rank of a later job reads them, possibly while a tune is rewriting them).
+`write_atomically`: readers see the old file, or no file, or the whole new one, never a part;
+a write that fails (a full disk) leaves no empty or partial file. Used for checkpoints (a run
+killed mid-write must resume from the previous one), tuning files (every rank of a later job
+reads them, possibly while a tune is rewriting them) and every command's output files.
+
+`unwritable_file` and `unwritable_directory`: why an output path cannot be written, checked by
+every command before its work starts, creating nothing (`make_directory` creates a directory once
+the run is accepted). `write_error_advice`: what to do about a write that failed anyway, by its
+errno (a full disk, a removed directory, a file system remounted read-only).
 """
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -43,31 +51,97 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
         os.close(dir_fd)
 
 
-def unwritable_file(path: str | os.PathLike[str], *, create_parent: bool = False) -> str | None:
-    """Why the file `path` cannot be written, or None (`create_parent`: make its directory).
+def unwritable_file(path: str | os.PathLike[str]) -> str | None:
+    """Why the file `path` cannot be written, or None: what every command checks of each file it
+    is asked to write (`hpcdl train --metrics`, `hpcdl bench --json`, `hpcdl tune -o`, ...).
 
-    For commands that write their output only after minutes of work (a benchmark's tables, a
-    tuning file, a training run's trace): checked before the work, so a typo costs nothing.
+    Checked before the work (a benchmark's tables, a tuning file, a training run's trace come after
+    minutes of it), so a typo costs nothing. Nothing is created: its directory must exist already
+    (a mistyped one is not made and left behind).
     """
     path = Path(path)
     if path.is_dir():  # "" too: it is the current directory
         return "is a directory; give the path of a file to write"
-    return unwritable_directory(path.resolve().parent, create=create_parent)
+    parent = path.resolve().parent
+    if not parent.exists():
+        return f"directory {parent} does not exist; create it, or give a file in an existing directory"
+    return unwritable_directory(parent)
 
 
-def unwritable_directory(directory: str | os.PathLike[str], *, create: bool) -> str | None:
-    """Why files cannot be written in `directory` (created first if `create`), or None."""
+def unwritable_directory(directory: str | os.PathLike[str]) -> str | None:
+    """Why files cannot be written in `directory`, or None; a directory that does not exist yet
+    counts as writable where it can be made (`make_directory`), and nothing is created here, so
+    that a run refused for another option leaves nothing behind. The reason names the directory
+    that is in the way: a file on the path, or the read-only or unwritable parent."""
     directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        return f"{directory} is a file, not a directory"
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the nearest part of the path that exists
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
     try:
-        if create:
-            directory.mkdir(parents=True, exist_ok=True)
-        elif not directory.is_dir():
-            return f"directory {directory} does not exist"
         # Permission bits do not tell the whole story (root, read-only mounts): try it.
-        with tempfile.TemporaryFile(dir=directory):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        return f"cannot write in {directory} ({exc.strerror or exc})"
+        why = exc.strerror or str(exc)
+        if existing == directory:
+            return f"cannot write in {directory} ({why})"
+        if exc.errno == errno.EROFS:
+            return f"cannot create it: {existing} is on a read-only file system"
+        return f"cannot create it: {existing} is not writable ({why})"
     return None
+
+
+def make_directory(directory: str | os.PathLike[str]) -> str | None:
+    """Create `directory` (and its parents) where it does not exist; why it could not, or None.
+    Called once every option of a run is accepted (`unwritable_directory` checked it before)."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {directory} ({exc.strerror or exc})"
+    return None
+
+
+def write_error_advice(error: BaseException | int | None, directory: str | os.PathLike[str]) -> str:
+    """What to do about `error` (an OSError, an error caused by one, or its errno), met writing a
+    file in `directory`: the remedy its errno calls for, to which callers add their own (another
+    path)."""
+    if isinstance(error, BaseException):
+        cause = os_error_of(error)
+        error = cause.errno if cause is not None else None
+    code = error
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space in {directory}" + (" (its quota is used up)" if code == errno.EDQUOT else "")
+    if code == errno.ENOENT:
+        return f"{directory} was removed while the run wrote there: create it again"
+    if code == errno.EROFS:
+        return f"{directory} is on a read-only file system now: mount it read-write"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"{directory} is not writable any more: give this user write permission there"
+    return f"check the file system of {directory}"
+
+
+def os_error_text(exc: BaseException) -> str:
+    """`exc`'s errno meaning (e.g. "No space left on device"), or the OSError behind it; else its text."""
+    cause = os_error_of(exc)
+    return cause.strerror if cause is not None and cause.strerror else str(exc)
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError that `exc` is, or that caused it (torch reports a full disk as its own
+    RuntimeError while handling the OSError); None where there is none."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
+def write_failure(option: str, path: str | os.PathLike[str], exc: BaseException, what: str,
+                  consequence: str) -> str:
+    """The one line for an output file that could not be written after all (a full disk):
+    `OPTION PATH: WHAT could not be written (REASON); CONSEQUENCE: REMEDY or give another OPTION`,
+    the remedy following the errno (`write_error_advice`)."""
+    directory = Path(path).resolve().parent
+    return (f"{option} {path}: {what} could not be written ({os_error_text(exc)}); {consequence}: "
+            f"{write_error_advice(exc, directory)} or give another {option}")

@@ -38,6 +38,7 @@ Everything is stored as tensors and plain Python values, so loading uses `weight
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -53,7 +54,7 @@ from mpi4py import MPI
 import collectives
 
 from . import stall
-from .atomic_file import write_atomically
+from .atomic_file import os_error_of, write_atomically
 
 _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
 #: A checkpoint's temporary file while it is written (`atomic_file.write_atomically`'s naming).
@@ -70,12 +71,15 @@ class CheckpointError(Exception):
 class CheckpointWriteError(Exception):
     """A checkpoint that could not be written (a full disk, a quota, a storage error), raised by
     `save_checkpoint` on every rank alike. The message names the directory, the error, and the
-    space the checkpoint needs against the space free there; the partial file is removed and the
-    older checkpoints are kept. `needed` and `free` are those bytes (`free` None if unknown)."""
+    space the checkpoint needs against the space free there (where the disk is full); the partial
+    file is removed and the older checkpoints are kept. `needed` and `free` are those bytes (`free`
+    None if unknown), `errno` the storage's error number (None if unknown)."""
 
-    def __init__(self, message: str, *, directory: str, step: int, needed: int, free: int | None) -> None:
+    def __init__(self, message: str, *, directory: str, step: int, needed: int, free: int | None,
+                 errno: int | None = None) -> None:
         super().__init__(message)
         self.directory, self.step, self.needed, self.free = directory, step, needed, free
+        self.errno = errno  # the storage's error (ENOSPC, ENOENT, EROFS, ...), for the advice
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -268,9 +272,10 @@ def save_checkpoint(directory: str | os.PathLike[str], training_state: dict[str,
     stall.wait_for(collectives.iallreduce(failed, comm, op="max", out=failed),
                    f"checkpoint {step} (rank 0 writing it)", rank=comm.Get_rank(), stacklevel=2)
     if failed[0]:
-        directory_, needed, free, message = comm.bcast(
-            None if failure is None else (failure.directory, failure.needed, failure.free, str(failure)), root=0)
-        raise CheckpointWriteError(message, directory=directory_, step=step, needed=needed, free=free)
+        directory_, needed, free, code, message = comm.bcast(
+            None if failure is None else (failure.directory, failure.needed, failure.free, failure.errno,
+                                          str(failure)), root=0)
+        raise CheckpointWriteError(message, directory=directory_, step=step, needed=needed, free=free, errno=code)
     return path
 
 
@@ -279,21 +284,26 @@ def _write_failure(exc: Exception, directory: str | os.PathLike[str], step: int,
     """The CheckpointWriteError of a write of `checkpoint` that raised `exc` because the storage
     failed (an OSError in `exc`'s chain: torch reports a full disk as its own RuntimeError while
     handling the OSError); `exc` itself otherwise, raised again."""
-    cause: BaseException | None = exc
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
+    cause = os_error_of(exc)
     if cause is None:
         raise exc
     needed = _tensor_bytes(checkpoint)
-    try:
-        free: int | None = shutil.disk_usage(directory).free  # the partial file is gone by now
-    except OSError:
-        free = None
-    space = (f"it needs about {_megabytes(needed)} there besides the checkpoints kept"
-             + (f", and {_megabytes(free)} are free" if free is not None else ""))
+    space = ""
+    free: int | None = None
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):  # the space matters only to a full disk
+        try:
+            free = shutil.disk_usage(directory).free  # the partial file is gone by now
+        except OSError:
+            free = None
+        space = (f": it needs about {_megabytes(needed)} there besides the checkpoints kept"
+                 + (f", and {_megabytes(free)} are free" if free is not None else ""))
+    # The error without the temporary file's name (a removed directory's error names it)
+    error = f"[Errno {cause.errno}] {cause.strerror}" if cause.strerror else str(cause)
+    kept = ("the directory is gone, with the checkpoints it held" if cause.errno == errno.ENOENT else
+            "the partial file was removed and the older checkpoints are kept")
     return CheckpointWriteError(
-        f"checkpoint {step} could not be written to {directory} ({cause}): {space}; the partial file was "
-        "removed and the older checkpoints are kept", directory=str(directory), step=step, needed=needed, free=free)
+        f"checkpoint {step} could not be written to {directory} ({error}){space}; {kept}",
+        directory=str(directory), step=step, needed=needed, free=free, errno=cause.errno)
 
 
 def _tensor_bytes(obj: Any) -> int:

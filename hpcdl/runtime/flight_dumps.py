@@ -5,7 +5,7 @@ A rank writes `rank-RANK.jsonl` in the diagnostics directory (HPCDL_DIAGNOSTICS_
 and monotonic clock at the time, so that ranks' clocks can be put side by side), then one line per
 flight record (`collectives/recorder.py`), oldest first. A later dump replaces the earlier one. A
 directory that cannot be written (a file, read-only, a full disk) is warned about once, and the
-program goes on.
+program goes on; where every rank dumps at once (SIGUSR1, a stall report), by rank 0 alone.
 
 `load` reads a directory's dumps, `divergence` finds where the ranks part (the first call number
 of a communicator at which they made different calls, and the rank behind: the one with the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 import warnings
@@ -28,12 +29,20 @@ from .atomic_file import write_atomically
 from .stall_report import ranks_text
 
 DIRECTORY_VARIABLE = "HPCDL_DIAGNOSTICS_DIR"
+#: The reasons for a dump that every rank of the job writes at the same moment (the `reason` its
+#: callers pass: SIGUSR1, diagnosis.py's handler; a stall report's question, diagnosis.py and
+#: stall.py): a directory that cannot take them is warned about by rank 0 alone.
+EVERY_RANK_REASONS = ("SIGUSR1", "a stall report asked for it", "a stall")
 _warned: set[str] = set()
 
 
 def directory() -> str | None:
     """The diagnostics directory ($HPCDL_DIAGNOSTICS_DIR), or None where unset."""
     return os.environ.get(DIRECTORY_VARIABLE, "").strip() or None
+
+
+#: The name of a rank's dump file (`file_of`).
+_DUMP_NAME = re.compile(r"^rank-\d+\.jsonl$")
 
 
 def file_of(folder: str | os.PathLike[str], rank: int) -> Path:
@@ -55,9 +64,13 @@ def write(rank: int, reason: str, folder: str | None = None) -> Path | None:
         os.makedirs(folder, exist_ok=True)
         write_atomically(path, lambda f: f.write(("\n".join(lines) + "\n").encode()))
     except OSError as exc:
-        if folder not in _warned:
+        # Every rank writes at once for these: rank 0 alone says it, for all of them (they write
+        # to the same directory; `hpcdl doctor` names any rank that left no dump)
+        everyone = reason in EVERY_RANK_REASONS
+        if folder not in _warned and (rank == 0 or not everyone):
             _warned.add(folder)
-            warnings.warn(f"rank {rank}: cannot write the flight records to {folder} "
+            who = "rank 0 (speaking for every rank)" if everyone else f"rank {rank}"
+            warnings.warn(f"{who}: cannot write the flight records to {folder} "
                           f"({exc.strerror or exc}); set {DIRECTORY_VARIABLE} "
                           "(--diagnostics-dir) to a writable directory", RuntimeWarning, stacklevel=2)
         return None
@@ -78,6 +91,10 @@ def load(folder: str | os.PathLike[str]) -> dict[int, Dump]:
             dumps[int(header["rank"])] = (header, lines[1:])
         except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"{path}: not a flight-recorder dump ({exc})") from None
+    if Path(folder).is_file():  # e.g. one of the dumps, or a run's output
+        inside = (f"; give its directory, {Path(folder).parent}" if _DUMP_NAME.match(Path(folder).name) else
+                  ": give the directory that --diagnostics-dir (HPCDL_DIAGNOSTICS_DIR) named")
+        raise ValueError(f"{folder} is a file, not a directory of flight records{inside}")
     if not dumps:
         # The user has already named the directory: say when the ranks would have written there.
         found = "no flight-recorder dumps (rank-*.jsonl) here" if Path(folder).is_dir() else "no such directory"

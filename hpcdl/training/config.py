@@ -328,7 +328,9 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
                       "checkpoint to resume from; give the directory of the run to resume, or run without "
                       "--resume to start one there")
     elif not config.synthetic:
-        problem = unwritable_directory(Path(config.checkpoint_dir), create=not config.resume)
+        # Not created here: a run refused for another option must leave nothing behind
+        # (run.py creates it once the run is accepted).
+        problem = unwritable_directory(Path(config.checkpoint_dir))
         if problem:
             errors.append(f"--checkpoint-dir {config.checkpoint_dir}: {problem}")
     for flag, path in (("--metrics", config.metrics), ("--timeline", config.timeline),
@@ -347,11 +349,11 @@ def config_errors(config: TrainConfig, ranks_on_host: int = 1, ranks: int = 1,
     except ValueError as exc:
         errors.append(str(exc))
     if config.diagnostics_dir is not None:
-        problem = unwritable_directory(Path(config.diagnostics_dir), create=True)
+        problem = unwritable_directory(Path(config.diagnostics_dir))  # made at the first dump
         if problem:
             errors.append(f"--diagnostics-dir {config.diagnostics_dir}: {problem}")
     elif flight_dumps.directory() is not None:  # the environment's, checked as the option's
-        problem = unwritable_directory(Path(str(flight_dumps.directory())), create=True)
+        problem = unwritable_directory(Path(str(flight_dumps.directory())))
         if problem:
             errors.append(f"{flight_dumps.DIRECTORY_VARIABLE}={flight_dumps.directory()}: {problem}")
     errors += tuning_file_errors()

@@ -4,13 +4,16 @@ Every strategy fills the same columns (docs/strategies.md), so runs can be compa
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
+import io
 import json
 import math
+import os
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Sequence
 
 from ..runtime.atomic_file import write_atomically
 
@@ -109,11 +112,14 @@ class MetricsLog:
     """
 
     def __init__(self, path: str, *, after_epoch: int | None) -> None:
+        self.path = path
         self.format = METRICS_FORMATS[Path(path).suffix.lower()]
         kept = [] if after_epoch is None else self._rows_through(path, after_epoch)
         if after_epoch is not None:
             write_atomically(path, lambda f: f.writelines(line.encode() for line in kept))
-        self.file: TextIO = open(path, "w" if after_epoch is None else "a", newline="")
+        # Unbuffered: a row is on its way to the disk when `write` returns, and a row that fails
+        # leaves no bytes behind in a buffer for `close` to try again
+        self.file: BinaryIO = open(path, "wb" if after_epoch is None else "ab", buffering=0)
         self.header_written = bool(kept) and self.format == "csv"
 
     def _rows_through(self, path: str, last_epoch: int) -> list[str]:
@@ -144,16 +150,30 @@ class MetricsLog:
         return kept if self.format == "jsonl" or len(kept) > 1 else []
 
     def write(self, row: dict[str, Any]) -> None:
-        """Append one row (the keys of the first row are the CSV columns) and flush it."""
+        """Append one row (the keys of the first row are the CSV columns). A row that cannot be
+        written (a full disk) raises the OSError, the file cut back to its rows before (removed
+        if it had none): a reader never finds half a row."""
         if self.format == "jsonl":
-            self.file.write(json.dumps(row) + "\n")
+            text = json.dumps(row) + "\n"
         else:
-            writer = csv.DictWriter(self.file, fieldnames=list(row))
+            buffer = io.StringIO(newline="")
+            writer = csv.DictWriter(buffer, fieldnames=list(row))
             if not self.header_written:
                 writer.writeheader()
-                self.header_written = True
             writer.writerow(row)
-        self.file.flush()
+            text = buffer.getvalue()
+        data = memoryview(text.encode())
+        end = os.lseek(self.file.fileno(), 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[self.file.write(data) or 0:]
+        except OSError:
+            with contextlib.suppress(OSError):  # cutting back needs no space
+                os.ftruncate(self.file.fileno(), end)
+                if end == 0:  # no row written: no empty file left behind either
+                    os.unlink(self.path)
+            raise
+        self.header_written = True
 
     def close(self) -> None:
         """Close the file."""

@@ -473,7 +473,8 @@ def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: s
     job = world.world()  # the job's communicator now (MPI.COMM_WORLD, unless ranks were lost before)
     for comm in communicators:
         ulfm.revoke_with_collectives(comm)
-    if ulfm.reports_job_end(job):  # the lowest survivor: one line for the job, not one per survivor
+    reporting = ulfm.reports_job_end(job)
+    if reporting:  # the lowest survivor: one line for the job, not one per survivor
         # read after the survivors' agreement, which completed without the lost ranks: this rank
         # knows of them now even where its own calls never met them
         ranks = tuple(getattr(exc, "world_ranks", ()) or ()) or ulfm.failed_ranks(job)
@@ -484,7 +485,10 @@ def end_job(exc: BaseException | None, when: str, reason: str, checkpoint_dir: s
         sys.stderr.write(f"hpcdl train: error: {who} failed {when}; {reason}: the job ends (exit status "
                          f"{RANK_LOST}).{resume} (reported by rank {job.Get_rank()})\n")
         sys.stderr.flush()
-    write_status(status_file, RANK_LOST)
+    unwritten = write_status(status_file, RANK_LOST)  # every survivor: the one that can
+    if unwritten is not None and reporting:  # said once, by the rank that said the rest
+        sys.stderr.write(f"hpcdl train: warning: {unwritten}\n")
+        sys.stderr.flush()
     ulfm.end_job_after_loss(job, RANK_LOST)
 
 

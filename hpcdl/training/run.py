@@ -18,6 +18,7 @@ from .. import runtime
 from ..runtime import flight_dumps, stall
 from ..runtime import recovery as ulfm
 from ..runtime.agreement import ARGUMENT_ERROR, agreed_errors, report_failure
+from ..runtime.atomic_file import make_directory
 from ..runtime.memory import host_available_bytes
 from ..runtime.process import init
 from ..runtime.spares import Spares, set_aside, wait_for_call
@@ -26,7 +27,7 @@ from .config import KEEP_CHECKPOINTS, PROG, TrainConfig, config_errors, default_
 from .pacing import Meetings
 from .rank_loss import StartUp, end_job
 from .signals import Interruption
-from .status_file import clear_status, write_status
+from .status_file import clear_status, report_status
 
 
 def _fail(messages: list[str], rank: int, status: int = ARGUMENT_ERROR) -> int:
@@ -94,7 +95,7 @@ def _train(config: TrainConfig, topology: runtime.Topology, comm: MPI.Comm,
         start.phase = "running the synthetic benchmark"
         status = run_synthetic_benchmark(config, device, topology, comm)
         if rank == 0:
-            write_status(config.status_file, status)
+            report_status(PROG, config.status_file, status)
         return status
     if joined is not None:  # built alone, then in the survivors' place (rank_loss.py)
         torch.set_num_threads(joined[1]["torch_threads"])
@@ -374,6 +375,13 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
         print(f"hpcdl train: warning: --warmup-epochs {config.warmup_epochs:g} with --epochs {config.epochs}: "
               f"{warning}", file=sys.stderr, flush=True)
 
+    if joined is None and config.checkpoint_dir is not None:
+        # Made only now that every check has passed (config_errors saw that it can be): a run
+        # refused for any reason leaves no directory behind.
+        problem = comm.bcast(make_directory(config.checkpoint_dir) if rank == 0 else None, root=0)
+        if problem:
+            return _fail([f"--checkpoint-dir {config.checkpoint_dir}: {problem}"], rank)
+
     strategy = plan.strategy.build(plan, model, schedule, comm, grid)
     if not strategy.trains:
         if checkpoint is not None:
@@ -437,7 +445,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
     start.phase, start.reason = "the run ended", "its training was done"
     status = strategy.agree_status(status)
     if trainer.rank == 0:  # of the ranks left
-        write_status(config.status_file, status)
+        report_status(PROG, config.status_file, status)
         note = trainer.recovery.status_note(status, config.status_file)
         if note is not None:
             print(note, file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """`hpcdl train --synthetic`: Horovod's pytorch_synthetic_benchmark.py on hpcdl's DDP."""
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import collectives
@@ -9,6 +10,8 @@ from mpi4py import MPI
 
 from .. import runtime
 from ..runtime import stall
+from ..runtime.atomic_file import write_failure
+from .config import PROG
 from .waiting import STALL_ADVICE
 
 if TYPE_CHECKING:
@@ -74,6 +77,11 @@ def run_synthetic_benchmark(config: TrainConfig, device: Any, topology: runtime.
     say(f"Img/sec per rank: {mean:.1f} +-{spread:.1f}")
     say(f"Total img/sec on {size} rank(s): {per_rank.sum():.1f} +-{size * spread:.1f}")
     if config.timeline:
-        written = ddp.write_timeline()
-        say(f"timeline written to {written}")
+        try:
+            written = ddp.write_timeline()  # collective; rank 0 writes
+        except OSError as exc:  # rank 0 alone: the benchmark's figures are printed above
+            print(f"{PROG}: warning: " + write_failure("--timeline", config.timeline, exc, "the timeline",
+                                                       "no partial file was left"), file=sys.stderr, flush=True)
+        else:
+            say(f"timeline written to {written}")
     return 0

@@ -4,6 +4,7 @@ checkpoints, stop signals and stall warnings.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -14,6 +15,7 @@ from mpi4py import MPI
 
 from ..runtime.agreement import report_failure
 from ..runtime.arrivals import longest_hold_up
+from ..runtime.atomic_file import write_error_advice, write_failure
 from ..runtime.launch import started_by_launcher
 from ..runtime.launcher import user_terminal
 from .compute import columns as compute_columns
@@ -95,12 +97,12 @@ class Trainer:
             torch.manual_seed(config.seed + 1 + self.rank)  # ranks draw different dropout masks
         # Forward and backward: the model's own, or an emulated accelerator's (compute.py).
         self.compute = compute_for(config, strategy, plan, self.rank, self.train_set)
-        self.metrics = None
+        self.metrics: MetricsLog | None = None
         if self.rank == 0 and config.metrics and not replacement:  # a replacement is never rank 0
             # Resuming: only the rows of epochs the checkpoint has finished are kept; the others (of
             # a crash after a row but before its checkpoint, or of a fallback to an older
             # checkpoint) are about to be trained and written again.
-            self.metrics = MetricsLog(config.metrics, after_epoch=None if checkpoint is None else checkpoint["epoch"])
+            self.open_metrics(None if checkpoint is None else checkpoint["epoch"])
         self.stop_request = StopRequest() if config.checkpoint_dir else None
         if self.stop_request is not None:
             self.stop_request.listen(strategy.stop_signal)  # a serving rank's, passed on
@@ -181,9 +183,9 @@ class Trainer:
         """How to go on after checkpoint `exc` could not be written and the run stopped."""
         newest = newest_step(exc.directory)
         resume = f"resume from step {newest} with --resume" if newest is not None else "run it again"
-        return (f"The run stops (exit status {CHECKPOINT_FAILED}): free space in {exc.directory} or give "
-                f"another --checkpoint-dir, then {resume}; or add --on-checkpoint-failure continue to train on "
-                "without the checkpoints that cannot be written")
+        return (f"The run stops (exit status {CHECKPOINT_FAILED}): {write_error_advice(exc.errno, exc.directory)} or "
+                f"give another --checkpoint-dir, then {resume}; or add --on-checkpoint-failure continue to train "
+                "on without the checkpoints that cannot be written")
 
     def train(self) -> tuple[int, str | None]:
         """Train every epoch left and evaluate: the exit status, and what to print at the end."""
@@ -209,8 +211,14 @@ class Trainer:
                 closing += (f"\nlongest hold-up: rank {held.last_rank} came {held.lateness_s:.1f} s late "
                             "to one step")
         if config.timeline:
-            written = self.strategy.write_timeline()
-            closing += f"\ntimeline written to {written}"
+            try:
+                written = self.strategy.write_timeline()  # collective; rank 0 writes
+            except OSError as exc:  # rank 0 alone: a record of the run, the run's status stays its own
+                print(f"{PROG}: warning: " + write_failure("--timeline", config.timeline, exc, "the timeline",
+                                                           "no partial file was left"),
+                      file=sys.stderr, flush=True)
+            else:
+                closing += f"\ntimeline written to {written}"
         return 0, closing
 
     def run_epoch(self) -> int | None:
@@ -354,7 +362,7 @@ class Trainer:
                      + (f"  params {digest}" if digest else "")
                      + self.recovery.epoch_note(), flush=True)
             if self.metrics is not None:
-                self.metrics.write({
+                self.write_metrics({
                     "epoch": self.epoch, "step": self.step,
                     "train_loss": train_loss if accuracy is not None else None, "test_loss": test_loss,
                     "accuracy": accuracy, "samples_per_s": throughput, "seconds": seconds,
@@ -408,7 +416,37 @@ class Trainer:
         of the epochs finished at the state gone back to, and appends to them."""
         self.close_metrics()
         if self.rank == 0 and self.config.metrics:
-            self.metrics = MetricsLog(self.config.metrics, after_epoch=self.epoch)
+            self.open_metrics(self.epoch)
+
+    def open_metrics(self, after_epoch: int | None) -> None:
+        """Rank 0: open the metrics file, keeping the rows through `after_epoch` (None: a fresh
+        file); one that cannot be written is warned about (`metrics_failed`)."""
+        assert self.config.metrics is not None, "open_metrics: only with --metrics"
+        try:
+            self.metrics = MetricsLog(self.config.metrics, after_epoch=after_epoch)
+        except OSError as exc:
+            self.metrics_failed(exc, "the file")
+
+    def write_metrics(self, row: dict[str, Any]) -> None:
+        """Rank 0: append the row of epoch `self.epoch` to the metrics file (`metrics_failed` if it
+        cannot be written)."""
+        assert self.metrics is not None, "write_metrics: only while the metrics file is open"
+        try:
+            self.metrics.write(row)
+        except OSError as exc:
+            self.metrics_failed(exc, f"the row of epoch {self.epoch}")
+
+    def metrics_failed(self, exc: OSError, what: str) -> None:
+        """The metrics file cannot be written (a full disk): one warning, and training goes on
+        without it. The file is a record of the run, not its state: stopping would throw away the
+        steps trained since the last checkpoint (all of them without --checkpoint-dir), while the
+        per-epoch lines still carry its main figures; and a checkpoint on the same full disk,
+        written just after the row, stops the run by its own policy (exit status 6)."""
+        self.close_metrics()
+        print(f"{PROG}: warning: " + write_failure(
+            "--metrics", str(self.config.metrics), exc, what, "training goes on without the metrics file, which "
+            "keeps the rows before it (the epoch lines here carry the same loss, accuracy and throughput)"),
+            file=sys.stderr, flush=True)
 
     @property
     def timeline(self) -> Any:
@@ -421,7 +459,9 @@ class Trainer:
             print(*values, **kwargs)
 
     def close_metrics(self) -> None:
+        """Close the metrics file, if open (a close that fails loses nothing: rows are unbuffered)."""
         if self.metrics is not None:
-            self.metrics.close()
+            with contextlib.suppress(OSError):
+                self.metrics.close()
             self.metrics = None
 

@@ -18,7 +18,7 @@ import numpy as np
 import collectives
 
 from ..runtime.agreement import report_failure
-from ..runtime.atomic_file import write_atomically
+from ..runtime.atomic_file import write_atomically, write_failure
 from .readable import human_bytes, human_seconds
 
 #: The collectives a fit covers, in the order it prints them (the registry's).
@@ -350,14 +350,15 @@ def run_tune(config: FitConfig, command_line: str = "") -> int:
     error, document = None, None
     if rank == 0:  # only rank 0 writes and prints: the model's rows for every P are its work alone
         document = tuning_document(params, calibration, records, config.collectives, size, job)
-        try:  # its directory was made by the check before measuring
+        try:  # whole or not at all; its directory was checked before measuring
             text = json.dumps(document, indent=1) + "\n"
             write_atomically(output, lambda f: f.write(text.encode()))
         except OSError as exc:
-            error = f"cannot write {output}: {exc}"
+            error = write_failure("-o", config.output, exc, "the tuning file",
+                                  "the measurements above are not kept, measure again")
     error = comm.bcast(error, root=0)
     if error:
-        return report_failure("hpcdl tune", [f"{error}; choose a writable path with -o"], rank, status=1)
+        return report_failure("hpcdl tune", [error], rank, status=1)
     if records and document is not None:
         say("\n".join(["", *comparison(records, params, size, document["collectives"], staged)]))
     say(f"\nwrote {output}\nuse it:  export HPCDL_TUNING_FILE={output}")

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from ..ddp.bucket_options import DEFAULT_BUCKET_CAP_MB
+from ..runtime.atomic_file import write_atomically, write_failure
 from .readable import human_bytes, human_seconds
 
 
@@ -423,6 +425,11 @@ def run_predict(config: PredictConfig) -> int:
                         "communication_s": p.total_s, "efficiency": p.efficiency_no_overlap,
                         "efficiency_overlap_bound": p.efficiency_overlap} for p in plans},
                     "timeline": config.timeline, "replay": replayed, "note": note}
-        with open(config.json, "w") as f:
-            json.dump(document, f, indent=1, default=str)
+        text = json.dumps(document, indent=1, default=str)
+        try:  # whole or not at all: a full disk leaves no empty or partial file
+            write_atomically(config.json, lambda f: f.write(text.encode()))
+        except OSError as exc:
+            print("hpcdl tune: error: " + write_failure("--json", config.json, exc, "the predictions",
+                                                         "the table above holds them"), file=sys.stderr)
+            return 1
     return 0

@@ -15,7 +15,8 @@ same ranks, taking turns in --rounds rounds at each size so a slow drift of a sh
 favours none. The `predicted` column is the alpha-beta-gamma model's time
 (`collectives.cost`, parameters from --tuning-file or HPCDL_TUNING_FILE as `hpcdl tune`
 writes them) with its error relative to the measured average. Rank 0 prints the table (and writes
---csv, --json, --plot); any wrong element makes the exit status 1, bad arguments 2.
+--csv, --json, --plot, each whole or not at all); any wrong element, or a file that could not be
+written (a full disk: one line), makes the exit status 1, bad arguments 2.
 On an oversubscribed machine set OMPI_MCA_mpi_yield_when_idle=1.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Sequence
 from mpi4py import MPI
 
 from ...benchmarking.measurement import PLACEMENTS
+from ...runtime.atomic_file import write_failure
 from ..collective_command import Command, CommandError
 from .options import PROG, parse_args
 from .report import TablePrinter, run_metadata, write_csv, write_json, write_plot
@@ -42,7 +44,8 @@ def _gloo_initialized() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`hpcdl bench`: 0 when every checked result was right, 1 otherwise, 2 for bad arguments."""
+    """`hpcdl bench`: 0 when every checked result was right and every file asked for written, 1
+    otherwise, 2 for bad arguments."""
     # --tuning-file is handed to auto through HPCDL_TUNING_FILE; an in-process caller gets its
     # environment back as it was.
     previous = os.environ.get("HPCDL_TUNING_FILE")
@@ -89,18 +92,24 @@ def _bench(argv: list[str]) -> int:
         print(f"# {len(results)} rows in {time.perf_counter() - started:.1f} s; "
               f"{'WRONG results in ' + str(len(wrong)) + ' rows' if wrong else 'all checked results exact'}",
               flush=True)
+    unwritten = []
     if rank == 0:
-        if args.csv:
-            write_csv(args.csv, results)
-        if args.json:
-            write_json(args.json, metadata, results)
-        if args.plot:
-            write_plot(args.plot, results, f"hpcdl bench, P={size}, {args.datatype} {args.op}, "
-                                           f"{args.device}")
+        title = f"hpcdl bench, P={size}, {args.datatype} {args.op}, {args.device}"
+        for option, path, write in (("--csv", args.csv, lambda p: write_csv(p, results)),
+                                    ("--json", args.json, lambda p: write_json(p, metadata, results)),
+                                    ("--plot", args.plot, lambda p: write_plot(p, results, title))):
+            if path:
+                try:  # each whole or not at all (a full disk): no empty or partial file
+                    write(path)
+                except OSError as exc:
+                    unwritten.append(write_failure(option, path, exc, "the file",
+                                                   "the table above holds its rows"))
         for m in wrong:
             print(f"hpcdl bench: {m.collective} {m.algorithm} at {m.nbytes} B "
                   f"({PLACEMENTS[m.in_place]} place): {m.wrong} wrong elements", file=sys.stderr)
-    return 1 if wrong else 0
+        if unwritten:  # one line, however many files failed (a full disk fails them all alike)
+            print(f"{PROG}: error: {'; '.join(unwritten)}", file=sys.stderr, flush=True)
+    return 1 if wrong or unwritten else 0
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ import argparse
 import csv
 import datetime
 import importlib.metadata
+import io
 import json
 import math
 import os
 import platform
 import shlex
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,6 +22,7 @@ from collectives import cuda_awareness
 
 from ... import __version__
 from ...benchmarking.measurement import PEERS, PLACEMENTS, Measurement
+from ...runtime.atomic_file import write_atomically
 from ...runtime.process import mpi_library
 from ..collective_command import CommandError
 
@@ -138,17 +141,17 @@ def run_metadata(comm: MPI.Comm, argv: Sequence[str], args: argparse.Namespace) 
 def write_csv(path: str, results: list[Measurement]) -> None:
     """One line per measurement, with a header of the field names."""
     rows = [m.as_row() for m in results]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["collective"])
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else ["collective"])
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomically(path, lambda f: f.write(text.getvalue().encode()))
 
 
 def write_json(path: str, metadata: dict[str, Any], results: list[Measurement]) -> None:
     """{"metadata": run metadata, "results": one object per measurement}."""
-    with open(path, "w") as f:
-        json.dump({"metadata": metadata, "results": [m.as_row() for m in results]}, f, indent=1)
-        f.write("\n")
+    text = json.dumps({"metadata": metadata, "results": [m.as_row() for m in results]}, indent=1) + "\n"
+    write_atomically(path, lambda f: f.write(text.encode()))
 
 
 def import_pyplot() -> Any:
@@ -197,6 +200,10 @@ def write_plot(path: str, results: list[Measurement], title: str) -> None:
             latency.legend(fontsize="small", loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image_format = Path(path).suffix.lower().lstrip(".")  # options.py checked it is one of PLOT_FORMATS
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, format=image_format, dpi=100))
+    finally:
+        plt.close(fig)
     plt.close(fig)
 

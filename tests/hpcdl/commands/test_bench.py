@@ -23,6 +23,7 @@ from mpi4py import MPI
 import hpcdl.runtime.memory
 import hpcdl.runtime.process
 from tests.helpers.arrays import BACKENDS, fake_cupy_module
+from tests.helpers.full_disk import fill
 from collectives import ALGORITHMS, COLLECTIVES, DTYPES, OPS
 from tests.conftest import all_ranks_agree, from_rank0, shared_directory
 from hpcdl.commands import bench
@@ -165,6 +166,34 @@ def test_exact_data(size: int, op: str) -> None:
         assert np.all(np.abs(got - reference) <= tolerance), (dtype, op, size, got, reference)
         if size > 1 and op not in ("max", "min"):
             assert len(set(got.tolist())) > 1, (dtype, op, size)  # results vary along the buffer
+
+
+def test_files_that_do_not_fit_on_the_disk_fail_in_one_line_and_leave_nothing(
+        comm: MPI.Comm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json and --csv on a full disk: a traceback, MPI_ABORT, and empty files left. Now rank 0,
+    which writes them, says so in one line naming each file, the error and what to do, and
+    returns 1 (the job's status: `hpcdl` exits with the ranks' greatest); no file, empty or
+    partial, is left."""
+    directory = shared_directory(tmp_path, comm) / "full"
+    fill(directory, monkeypatch)
+    csv_path, json_path = directory / "b.csv", directory / "b.json"
+    try:
+        status: Any = bench.main([*TINY, "-C", "allreduce", "-A", "ring", "--csv", str(csv_path),
+                                  "--json", str(json_path)])
+    except Exception as exc:  # noqa: BLE001 - raised on rank 0 alone: every rank must hear of it
+        status = repr(exc)
+    err = capsys.readouterr().err
+    ok = status == (1 if comm.Get_rank() == 0 else 0) and "Traceback" not in err
+    if comm.Get_rank() == 0:
+        ok &= err.count("\n") == 1 and err == (
+            f"hpcdl bench: error: --csv {csv_path}: the file could not be written (No space left on device); the "
+            f"table above holds its rows: free space in {directory} or give another --csv; --json {json_path}: the "
+            "file could not be written (No space left on device); the table above holds its rows: free space in "
+            f"{directory} or give another --json\n")
+        ok &= list(directory.iterdir()) == []
+    else:
+        ok &= err == ""
+    assert all_ranks_agree(ok, comm), (status, err)
 
 
 def test_csv_and_json_hold_every_row(comm: MPI.Comm, tmp_path: Path) -> None:

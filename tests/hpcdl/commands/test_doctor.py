@@ -61,3 +61,16 @@ def test_doctor_names_what_is_wrong(tmp_path, capsys):
     dump(tmp_path, 0, [record(1)])
     assert doctor.main([str(tmp_path), "--trace", str(tmp_path / "no" / "t.json")]) == 2
     assert "cannot write the trace to" in capsys.readouterr().err
+
+
+def test_doctor_given_a_file_says_it_is_a_file(tmp_path, capsys):
+    """`hpcdl doctor out.a1` (a run's output) said `no such directory`; one of the dumps names its directory."""
+    output = tmp_path / "out.a1"
+    output.write_text("epoch 1/2 ...\n")
+    assert doctor.main([str(output)]) == 2
+    assert capsys.readouterr().err == (f"hpcdl doctor: {output} is a file, not a directory of flight records: give "
+                                       "the directory that --diagnostics-dir (HPCDL_DIAGNOSTICS_DIR) named\n")
+    dump(tmp_path, 1, [record(1)])
+    assert doctor.main([str(tmp_path / "rank-00001.jsonl")]) == 2
+    assert capsys.readouterr().err == (f"hpcdl doctor: {tmp_path / 'rank-00001.jsonl'} is a file, not a directory "
+                                       f"of flight records; give its directory, {tmp_path}\n")

@@ -117,6 +117,27 @@ def test_a_directory_that_cannot_be_written_is_warned_about_once(tmp_path, monke
         assert flight_dumps.write(0, "a test") is None  # said once
 
 
+@pytest.mark.parametrize("reason", ["SIGUSR1", "a stall report asked for it", "a stall"])
+def test_a_dump_every_rank_writes_at_once_is_warned_about_by_rank_0_alone(tmp_path, monkeypatch, reason):
+    """SIGUSR1 with --diagnostics-dir on a full disk printed `cannot write the flight records` once
+    from each rank: each process warns on its own (no message can be sent from a signal handler),
+    so only rank 0 speaks, for every rank; a rank dumping alone (an uncaught error) still does."""
+    import warnings
+
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setattr(flight_dumps, "_warned", set())
+    monkeypatch.setenv(flight_dumps.DIRECTORY_VARIABLE, str(blocker))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flight_dumps.write(1, reason) is None  # quiet: rank 0 says it
+    with pytest.warns(RuntimeWarning, match=r"^rank 0 \(speaking for every rank\): cannot write the flight records"):
+        assert flight_dumps.write(0, reason) is None
+    monkeypatch.setattr(flight_dumps, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"^rank 1: cannot write the flight records"):
+        assert flight_dumps.write(1, "an uncaught ValueError") is None
+
+
 def test_a_rank_that_wrote_later_is_compared_as_of_the_first_dump(tmp_path):
     """Rank 1 was stopped inside call #2 and wrote its dump once resumed, 8 s later, after two more
     calls: as of the first dump every rank was in #2."""

@@ -9,6 +9,7 @@ other rank waits for its verdict without spinning.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import pytest
@@ -34,9 +35,10 @@ import collectives
 from tests.conftest import ROOT, all_ranks_agree, reports_stalls, same_state, shared_directory
 from hpcdl.runtime import checkpoint as ckpt
 from hpcdl.commands import train
-from hpcdl.training import compute, metrics, run, signals, waiting
+from hpcdl.training import compute, metrics, run, signals, trainer, waiting
 from hpcdl.training.data import load_digits_split
 from hpcdl.training.models import build_model
+from tests.helpers.full_disk import FULL_DISK_PROGRAM
 from tests.run import own_job_environment, run_own_job, stop  # launching jobs of its own
 
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -254,6 +256,59 @@ def test_a_full_disk_stops_the_run_with_one_message_or_trains_on(policy, small_f
     else:
         ok &= "error" not in err and "warning: checkpoint" not in err
     assert all_ranks_agree(ok, comm), (status, left, err[-3000:])
+
+
+def test_a_checkpoint_directory_removed_mid_run_is_named_so_not_short_of_space(tmp_path, comm):
+    """Deleting --checkpoint-dir mid-run said `... No such file or directory ... free space in DIR`:
+    the advice follows the error (ENOENT: the directory was removed), and the space needed is
+    said only where the disk is full."""
+    directory = shared_directory(tmp_path, comm) / "ckrm"  # removed: never made here
+    failure: Any = None
+    try:
+        ckpt.save_checkpoint(directory, {"weights": torch.zeros(3)}, step=100, comm=comm)
+    except ckpt.CheckpointWriteError as exc:
+        failure = exc
+    ok = failure is not None and failure.errno == errno.ENOENT and str(failure) == (
+        f"checkpoint 100 could not be written to {directory} ([Errno 2] No such file or directory); the directory "
+        "is gone, with the checkpoints it held")
+    if failure is not None:
+        advice = trainer.Trainer.checkpoint_failure_advice(cast(Any, None), failure)
+        ok &= advice.startswith(f"The run stops (exit status 6): {directory} was removed while the run wrote "
+                                "there: create it again or give another --checkpoint-dir, then run it again")
+    assert all_ranks_agree(ok, comm), (str(failure), failure and failure.errno)
+
+
+@own_job
+def test_records_of_the_run_on_a_full_disk_are_one_warning_each_and_the_run_ends_well(tmp_path, comm):
+    """`mpirun -n 2 hpcdl train --metrics/--timeline/--status-file` on a full disk: a traceback at
+    the first metrics row (MPI_ABORT, exit status 1), an empty timeline, a finished run exiting 1
+    at its status file. These files are records of the run, not its state: each that cannot be
+    written is one warning from rank 0 naming it, the error and what to do; training goes on and
+    the run keeps its status (0); no empty or partial file is left."""
+    full = shared_directory(tmp_path, comm) / "full"
+
+    def run_on_full_disk() -> tuple[int, str, list[str]]:
+        done = run_own_job(
+            ["mpirun", "-n", "2", sys.executable, "-c", FULL_DISK_PROGRAM, "train", "--epochs", "2", "--model",
+             "mlp", "--metrics", str(full / "m.csv"), "--timeline", str(full / "tl.json"),
+             "--status-file", str(full / "status")],
+            timeout=240, env=own_job_environment(HPCDL_TEST_FULL_DIR=str(full)))
+        return done.returncode, done.stdout, sorted(p.name for p in full.iterdir())
+
+    outcome = on_rank0(comm, run_on_full_disk)
+    assert isinstance(outcome, tuple), outcome
+    status, out, left = outcome
+    warnings_ = [line for line in out.splitlines() if "warning" in line or "error" in line]
+    assert status == 0 and "Traceback" not in out and "MPI_ABORT" not in out and left == [], (status, left, out)
+    assert warnings_ == [
+        f"hpcdl train: warning: --metrics {full / 'm.csv'}: the row of epoch 1 could not be written (No space left "
+        "on device); training goes on without the metrics file, which keeps the rows before it (the epoch lines "
+        f"here carry the same loss, accuracy and throughput): free space in {full} or give another --metrics",
+        f"hpcdl train: warning: --timeline {full / 'tl.json'}: the timeline could not be written (No space left on "
+        f"device); no partial file was left: free space in {full} or give another --timeline",
+        f"hpcdl train: warning: --status-file {full / 'status'}: the run's exit status (0) could not be written "
+        "(No space left on device); a script reading it finds no file and counts the run as stopped from outside: "
+        f"free space in {full} or give another --status-file"], out
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv"])

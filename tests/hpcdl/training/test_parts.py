@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpcdl.training import resuming, run
+from hpcdl.training import metrics, resuming, run
 from hpcdl.training.pacing import Meetings
 from hpcdl.training.status_file import clear_status, write_status
 from hpcdl.training.straggler import Straggler
 from hpcdl.training.strategies import allreduce, base, local_sgd, parameter_server, registry, servers, sync_backup
+from tests.helpers.full_disk import fill
 
 STRATEGY_MODULES = (allreduce, local_sgd, parameter_server, sync_backup)
 
@@ -66,6 +67,43 @@ def test_the_status_file_holds_one_line_or_nothing(tmp_path: Path) -> None:
     assert not path.exists()
     write_status(None, 3)
     clear_status(None)
+
+
+def test_a_status_file_on_a_full_disk_is_a_warning_not_a_failure(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished run ended in a traceback and exit status 1 when its status file could not be
+    written: now `write_status` returns the one warning to print, and leaves no file."""
+    path = tmp_path / "full" / "status"
+    fill(path.parent, monkeypatch)
+    assert write_status(str(path), 0) == (
+        f"--status-file {path}: the run's exit status (0) could not be written (No space left on device); a "
+        "script reading it finds no file and counts the run as stopped from outside: free space in "
+        f"{path.parent} or give another --status-file")
+    assert list(path.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_metrics_row_that_does_not_fit_leaves_the_rows_before_it_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
+    """A full disk mid-row (the kernel writes what fits, then ENOSPC): the OSError goes up to the
+    trainer (which warns and trains on), and the file is cut back to its whole rows; with no row
+    written, no empty file is left."""
+    path = tmp_path / "full" / f"m{suffix}"
+    first = "epoch,step\r\n1,10\r\n" if suffix == ".csv" else '{"epoch": 1, "step": 10}\n'
+    fill(path.parent, monkeypatch, room=len(first) + 5)
+    log = metrics.MetricsLog(str(path), after_epoch=None)
+    log.write({"epoch": 1, "step": 10})
+    assert path.read_bytes() == first.encode()
+    with pytest.raises(OSError, match="No space left on device"):
+        log.write({"epoch": 2, "step": 20})
+    assert path.read_bytes() == first.encode()
+    log.close()
+    fill(path.parent, monkeypatch, room=0)
+    log = metrics.MetricsLog(str(path), after_epoch=None)
+    with pytest.raises(OSError, match="No space left on device"):
+        log.write({"epoch": 1, "step": 10})
+    log.close()
+    assert list(path.parent.iterdir()) == []
 
 
 def test_a_straggler_sleeps_its_factor_less_one_times_the_steps_computing() -> None:

@@ -244,12 +244,30 @@ def test_unwritable_checkpoint_dir_on_one_rank_stops_all(tmp_path, comm, capsys,
     # mounted read-only would), yet every rank must stop with it.
     last = comm.Get_size() - 1
     if comm.Get_rank() == last:
-        monkeypatch.setattr(training_config, "unwritable_directory", lambda path, create: "cannot write here")
+        monkeypatch.setattr(training_config, "unwritable_directory", lambda path: "cannot write here")
     target = shared_directory(tmp_path, comm) / "ckpt"
     status = train.main(["--checkpoint-dir", str(target)])
     err = capsys.readouterr().err
     expected = f"rank {last}: --checkpoint-dir" if comm.Get_size() > 1 else "--checkpoint-dir"
     ok = status == 2 and (comm.Get_rank() != 0 or (expected in err and "cannot write" in err))
+    assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
+
+
+def test_a_refused_run_leaves_no_directory_behind(tmp_path, comm, capsys):
+    """`--checkpoint-dir ckx/deeper --checkpoint-every -5` was refused but left ckx/deeper/ made by
+    the check of the directory: directories are made only once every option is accepted."""
+    directory = shared_directory(tmp_path, comm)
+    argv = ["--checkpoint-dir", str(directory / "ckx" / "deeper"), "--diagnostics-dir", str(directory / "dd" / "x")]
+    status = train.main([*argv, "--checkpoint-every", "-5"])
+    err = capsys.readouterr().err
+    comm.Barrier()
+    ok = status == 2 and sorted(p.name for p in directory.iterdir()) == [] and (comm.Get_rank() != 0 or (
+        err == "hpcdl train: error: --checkpoint-every must be 0 (epoch ends only) or more, got -5\n"))
+    # refused later (a batch larger than a rank's share), after the checks of the options alone
+    status = train.main([*argv, "--batch-size", "100000"])
+    err += capsys.readouterr().err
+    comm.Barrier()
+    ok &= status == 2 and sorted(p.name for p in directory.iterdir()) == []
     assert all_ranks_agree(ok, comm), f"status {status}, stderr: {err}"
 
 

@@ -12,6 +12,7 @@ from collectives import select
 from collectives.cost.params import ModelParams
 from collectives.cost.prediction import array_bytes, best, predict
 from tests.conftest import all_ranks_agree, shared_directory
+from tests.helpers.full_disk import fill
 from hpcdl.commands import tune, units
 from hpcdl.tuning import fit, readable
 from hpcdl.tuning import predict as prediction
@@ -447,6 +448,45 @@ def test_an_output_that_cannot_be_written_is_refused_before_measuring(comm: MPI.
     err = capsys.readouterr().err
     ok = status == 2 and (comm.Get_rank() != 0 or f"-o {directory}: is a directory" in err)
     assert all_ranks_agree(ok, comm), err
+
+
+@pytest.mark.mpi
+def test_an_output_in_a_missing_directory_is_refused_and_not_created(comm: MPI.Comm, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`hpcdl tune -o /nonexist/t.json` created /nonexist/ silently; bench refuses such a path:
+    every command now refuses it, before measuring."""
+    if comm.Get_size() < 2:
+        pytest.skip("tune measures between ranks")
+    missing = shared_directory(tmp_path, comm) / "nonexist"
+    status = tune.main(["-o", str(missing / "t.json"), "--model-only", "--iters", "3"])
+    err = capsys.readouterr().err
+    comm.Barrier()
+    ok = status == 2 and not missing.exists() and (comm.Get_rank() != 0 or err == (
+        f"hpcdl tune: error: -o {missing / 't.json'}: directory {missing} does not exist; create it, or give a "
+        "file in an existing directory\n"))
+    assert all_ranks_agree(ok, comm), err
+
+
+def test_predict_refuses_a_json_path_it_cannot_write_before_printing(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`--predict --json /nonexist/p.json` printed the table, then a traceback (FileNotFoundError)."""
+    missing = tmp_path / "nonexist"
+    assert tune.main([*PREDICT, "--json", str(missing / "p.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"hpcdl tune: error: --json {missing / 'p.json'}: directory {missing} does not "
+                                 "exist; create it, or give a file in an existing directory\n")
+
+
+def test_predict_on_a_full_disk_says_so_in_one_line_and_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    full = tmp_path / "full"
+    fill(full, monkeypatch)
+    assert tune.main([*PREDICT, "--json", str(full / "p.json")]) == 1
+    out, err = capsys.readouterr()
+    assert "auto would pick" in out and err == (
+        f"hpcdl tune: error: --json {full / 'p.json'}: the predictions could not be written (No space left on "
+        f"device); the table above holds them: free space in {full} or give another --json\n")
+    assert list(full.iterdir()) == []
 
 
 def test_fit_report_prices_piecewise_pairwise_exchanges_at_beta() -> None:
