@@ -296,7 +296,7 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
                 print(f"{PROG}: the run in {config.checkpoint_dir} already completed its {config.epochs} "
                       f"epoch{'s' if config.epochs != 1 else ''} ({path.name}); nothing left to train (to train "
                       "longer, start afresh with more --epochs and a new --checkpoint-dir)", flush=True)
-                write_status(config.status_file, 0)
+                report_status(PROG, config.status_file, 0)
             return 0
     elif config.checkpoint_dir is not None:
         # Only the newest checkpoints by step number are kept, whichever run wrote them: a fresh run
