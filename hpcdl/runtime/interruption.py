@@ -65,9 +65,12 @@ class Interruption:
         self._under_mpirun = False
         self._handled = 0  # signals the main thread's handler has taken
         self._outer: Interruption | None = None  # the one this one stands in for while entered
+        self._pid = os.getpid()  # a forked child (a DataLoader's worker) inherits the handlers
+        self._prepared = (-float("inf"), "")  # (when, the line) made at mpirun's SIGCONT
 
     def __enter__(self) -> Interruption:
         global _current
+        self._pid = os.getpid()
         self._saved = {s: signal.getsignal(s) for s in self.SIGNALS}
         self._under_mpirun = launcher_pid() is not None  # read here: a handler should not walk /proc
         for signum in self.SIGNALS:
@@ -114,6 +117,7 @@ class Interruption:
         noted (the SIGTERM after it is mpirun's)."""
         if signum == signal.SIGCONT:
             self._continued_at = time.monotonic()
+            self._prepare()
             return "other"
         return "leave" if self.from_mpirun(signum) else "other"
 
@@ -132,12 +136,21 @@ class Interruption:
         cause = MPIRUN_ENDED if from_mpirun else signal.Signals(signum).name
         return f"hpcdl: interrupted: {cause} while rank 0 was {rank0_place()}; every rank stopped"
 
+    def _prepare(self) -> None:
+        """On rank 0, at mpirun's SIGCONT: the line its SIGTERM would need, made now, since
+        SIGKILL follows that SIGTERM within 0.25 s (a rank on busy cores may get little of it)."""
+        if self._under_mpirun and os.getpid() == self._pid and world.world().Get_rank() == 0:
+            with contextlib.suppress(Exception):  # a handler must not raise; made again at the SIGTERM
+                self._prepared = (time.monotonic(), self.line(signal.SIGTERM, from_mpirun=True))
+
     def leave(self, signum: int, from_mpirun: bool) -> None:
         """Say what stopped the job (rank 0) and end this process at once (once: the main
         thread's handler and the thread may both get here)."""
         _leaving.acquire()  # never released: the process ends
-        if world.world().Get_rank() == 0:
-            tell_user(self.line(signum, from_mpirun))
+        if os.getpid() == self._pid and world.world().Get_rank() == 0:  # not a forked child
+            made, prepared = self._prepared
+            fresh = from_mpirun and time.monotonic() - made < LAUNCHER_KILL_WINDOW_S
+            tell_user(prepared if fresh else self.line(signum, from_mpirun))
         for stream in (sys.stdout, sys.stderr):  # mpirun may read them no more
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -152,6 +165,7 @@ _leaving = threading.Lock()
 #: Where an uncaught KeyboardInterrupt was raised in this process, once one was.
 _interrupted_at: str | None = None
 _told: socket.socket | None = None
+_forgets_in_children = False
 
 
 def _wake_a_thread() -> None:
@@ -168,7 +182,25 @@ def _wake_a_thread() -> None:
         os.close(writer)
         return
     _wakeup = (reader, writer)
+    global _forgets_in_children
+    if not _forgets_in_children:
+        os.register_at_fork(after_in_child=_forget_in_child)
+        _forgets_in_children = True
     threading.Thread(target=_watch, args=(reader,), name="hpcdl-interruption", daemon=True).start()
+
+
+def _forget_in_child() -> None:
+    """In a forked child (a DataLoader's worker): its signals must not wake the parent's thread
+    through the inherited pipe (a worker's SIGTERM would end the parent)."""
+    global _wakeup
+    if _wakeup is None:
+        return
+    with contextlib.suppress(ValueError):  # forked from another thread: Python allows it only on the main one
+        signal.set_wakeup_fd(-1)
+    for end in _wakeup:
+        with contextlib.suppress(OSError):
+            os.close(end)
+    _wakeup = None
 
 
 def _watch(reader: int) -> None:

@@ -8,17 +8,19 @@ ranks have trained READY_STEP steps (rank 0 prints READY, then ENTERS where it g
 collective): `compute`, every rank trains on; `collective`, every rank waits in a collective that
 cannot complete (rank 0's on the job's communicator, the others' on another); `mixed`, rank 0
 waits in a collective the others never reach (they compute). `catch`: run alone, the program
-catches KeyboardInterrupt itself and says so (CAUGHT).
+catches KeyboardInterrupt itself and says so (CAUGHT). `fork`: rank 0 forks a child (as a
+DataLoader forks its workers), ends it with SIGTERM, and says it is still there (FORKED).
 """
 from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 READY, ENTERS, CAUGHT = "training at step", "rank 0 enters the collective", "the program caught KeyboardInterrupt"
+FORKED = "the child got SIGTERM and the parent is still there"
 READY_STEP = 5
 
 
@@ -63,7 +65,32 @@ def setup(kind: str, mode: str) -> tuple[int, int, torch.nn.Module, torch.optim.
             lambda: dist.all_reduce(torch.ones(4), group=group if rank else None))
 
 
+def run_a_while(started: Any) -> None:
+    started.set()
+    time.sleep(60)
+
+
+def fork_and_end_a_child() -> None:
+    import multiprocessing
+
+    forking = multiprocessing.get_context("fork")
+    started = forking.Event()
+    child = forking.Process(target=run_a_while, args=(started,))
+    child.start()
+    started.wait(60)  # a worker's life: it started, it worked
+    child.terminate()  # SIGTERM, as a DataLoader ends a worker that does not stop
+    child.join()
+    time.sleep(2.0)  # longer than the interruption's thread waits before it ends a blocked process
+    print(FORKED, flush=True)
+
+
 def main(kind: str, mode: str) -> None:
+    if mode == "fork":
+        import hpcdl
+
+        hpcdl.init()
+        fork_and_end_a_child()
+        return
     rank, size, model, optimizer, blocked = setup(kind, "compute" if mode == "catch" else mode)
     try:
         step = 0

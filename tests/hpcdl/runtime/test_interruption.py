@@ -22,12 +22,13 @@ import pytest
 from mpi4py import MPI
 
 from tests.conftest import ROOT
-from tests.helpers.interrupted_job import CAUGHT, ENTERS, READY
-from tests.run import own_job_environment
+from tests.helpers.interrupted_job import CAUGHT, ENTERS, FORKED, READY
+from tests.run import own_job_environment, run_own_job
 
 alone = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                            reason="launches its own jobs: from the one-rank job, whose process leaves them the cores")
-JOB = str(ROOT / "tests" / "helpers" / "interrupted_job.py")
+#: Run as a module from the repository's root, so that its ranks import this checkout's hpcdl.
+JOB = ["-m", "tests.helpers.interrupted_job"]
 #: Seconds from the SIGINT to the job's end (measured 0.3-0.6 s on two busy cores).
 BOUND_S = 5.0
 LINE = (r"hpcdl: interrupted: mpirun ended the job \(it got Ctrl-C, SIGINT or SIGTERM\) while rank 0 was "
@@ -84,7 +85,7 @@ def test_ctrl_c_to_mpirun_ends_a_user_script_in_one_line(kind, mode):
     """Before: the job ended in silence (mpirun ends the ranks with SIGCONT, SIGTERM, SIGKILL and
     forwards none of their output). Now rank 0 writes one line, on mpirun's stderr, naming where
     it was (the collective it waited in, for `collective` and `mixed`), within BOUND_S."""
-    outcome = interrupt(["mpirun", "-n", "2", sys.executable, JOB, kind, mode],
+    outcome = interrupt(["mpirun", "-n", "2", sys.executable, *JOB, kind, mode],
                         READY if mode == "compute" else ENTERS)
     out = outcome["output"]
     assert "error" not in outcome, outcome
@@ -102,7 +103,7 @@ def test_sigint_to_the_ranks_is_one_line_not_a_traceback_per_rank():
     """SIGINT sent to the ranks themselves (`kill -INT`): before, each rank printed a
     KeyboardInterrupt traceback and mpirun its block about a rank killed by signal 2. Now the
     rank passes it on to mpirun, which ends the job as on Ctrl-C: one line, where rank 0 was."""
-    outcome = interrupt(["mpirun", "-n", "2", sys.executable, JOB, "ddp", "compute"], READY, targets="ranks")
+    outcome = interrupt(["mpirun", "-n", "2", sys.executable, *JOB, "ddp", "compute"], READY, targets="ranks")
     out = outcome["output"]
     assert "error" not in outcome, outcome
     lines = re.findall(LINE, out)
@@ -119,7 +120,7 @@ def test_ctrl_c_to_a_script_run_alone(mode):
     """Run without mpirun: an uncaught KeyboardInterrupt is one line naming the program's line,
     not a traceback, and the process still ends by SIGINT (status 130 in a shell); a program that
     catches KeyboardInterrupt itself still gets it (`catch`)."""
-    outcome = interrupt([sys.executable, JOB, "ddp", mode], READY)
+    outcome = interrupt([sys.executable, *JOB, "ddp", mode], READY)
     out = outcome["output"]
     assert "error" not in outcome and "Traceback" not in out, outcome
     if mode == "catch":
@@ -128,3 +129,13 @@ def test_ctrl_c_to_a_script_run_alone(mode):
     assert outcome["status"] == -signal.SIGINT and outcome["took"] < BOUND_S, outcome
     assert re.fullmatch(r"hpcdl: interrupted \(KeyboardInterrupt\) at interrupted_job\.py:\d+ in main `.+`; stopped",
                         out.strip().splitlines()[-1]), out
+
+
+@alone
+@pytest.mark.timeout(300)
+def test_a_forked_child_s_sigterm_leaves_its_parent_alone():
+    """A forked child (a DataLoader's worker) inherits the handlers and the pipe that wakes the
+    interruption's thread: its SIGTERM (DataLoader's `terminate()`) must neither end the parent
+    nor print a line."""
+    done = run_own_job(["mpirun", "-n", "1", sys.executable, *JOB, "ddp", "fork"], timeout=180)
+    assert done.returncode == 0 and FORKED in done.stdout and "hpcdl: interrupted" not in done.stdout, done.stdout
