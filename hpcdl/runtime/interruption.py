@@ -15,6 +15,11 @@ the collective or stall wait it was in, or its program's line); every rank leave
 does what it did before (`other`). `hpcdl.init()` installs one for the program (`install`), where the
 program has no handler of its own for either signal; `hpcdl train` runs under a subclass that also
 takes SIGINT and says where the run stood (hpcdl/training/signals.py).
+
+An uncaught KeyboardInterrupt (SIGINT sent to the ranks themselves) is one line too
+(`keyboard_interrupt`, from the abort hook): under mpirun the rank passes the SIGINT on to mpirun,
+which then ends the job as on Ctrl-C. A process forked from a rank (a DataLoader's worker) inherits
+the handlers: it leaves without a line, and its signals do not wake the parent's thread.
 """
 from __future__ import annotations
 
@@ -58,6 +63,8 @@ class Interruption:
     have and the main thread has not acted within OTHER_WAIT_S."""
 
     SIGNALS: tuple[signal.Signals, ...] = (signal.SIGCONT, signal.SIGTERM)
+    #: Whether rank 0 makes its line at mpirun's SIGCONT (`_prepare`), 0.25 s before the SIGTERM.
+    LINE_AT_SIGCONT = True
 
     def __init__(self) -> None:
         self._continued_at = -float("inf")
@@ -139,7 +146,8 @@ class Interruption:
     def _prepare(self) -> None:
         """On rank 0, at mpirun's SIGCONT: the line its SIGTERM would need, made now, since
         SIGKILL follows that SIGTERM within 0.25 s (a rank on busy cores may get little of it)."""
-        if self._under_mpirun and os.getpid() == self._pid and world.world().Get_rank() == 0:
+        if (self.LINE_AT_SIGCONT and self._under_mpirun and os.getpid() == self._pid
+                and world.world().Get_rank() == 0):
             with contextlib.suppress(Exception):  # a handler must not raise; made again at the SIGTERM
                 self._prepared = (time.monotonic(), self.line(signal.SIGTERM, from_mpirun=True))
 

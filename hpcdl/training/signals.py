@@ -38,6 +38,9 @@ class Interruption(interruption.Interruption):
     #: The run's Interruption while one is installed: a StopRequest hands it SIGTERM.
     active: Interruption | None = None
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGCONT)
+    #: The line names the newest checkpoint, which the run may still write between mpirun's
+    #: SIGCONT and its SIGTERM: made at the SIGTERM.
+    LINE_AT_SIGCONT = False
 
     def __init__(self, checkpoint_dir: str | None) -> None:
         super().__init__()

@@ -102,13 +102,15 @@ def test_ctrl_c_to_mpirun_ends_a_user_script_in_one_line(kind, mode):
 def test_sigint_to_the_ranks_is_one_line_not_a_traceback_per_rank():
     """SIGINT sent to the ranks themselves (`kill -INT`): before, each rank printed a
     KeyboardInterrupt traceback and mpirun its block about a rank killed by signal 2. Now the
-    rank passes it on to mpirun, which ends the job as on Ctrl-C: one line, where rank 0 was."""
+    first rank to get it passes it on to mpirun, which ends the job as on Ctrl-C: one line, where
+    rank 0 was."""
     outcome = interrupt(["mpirun", "-n", "2", sys.executable, *JOB, "ddp", "compute"], READY, targets="ranks")
     out = outcome["output"]
     assert "error" not in outcome, outcome
     lines = re.findall(LINE, out)
     assert len(lines) == 1 and out.count("hpcdl: interrupted") == 1, out[-3000:]
-    assert lines[0].startswith("interrupted by SIGINT at interrupted_job.py:"), lines[0]
+    # rank 0 raised KeyboardInterrupt there, or had not yet when another rank's SIGINT reached mpirun
+    assert "interrupted_job.py:" in lines[0], lines[0]
     assert not [noise for noise in NOISE if noise in out], out[-3000:]
     assert outcome["took"] < BOUND_S, outcome
 
