@@ -4,6 +4,7 @@
                     abort on an uncaught exception (`hpcdl.init`, `hpcdl.rank`, ...)
     launch.py       refuse a launch that started N one-rank jobs (srun --mpi=pmi2, torchrun)
     launcher.py     mpirun as the ranks meet it: the user's stderr and terminal, exit statuses
+    interruption.py mpirun ending the job (Ctrl-C): one line from rank 0, every rank leaves
     rendezvous.py   what torch's env:// rendezvous needs from MPI ranks; gloo started from them
     agreement.py    errors every rank raises together
     stall.py        waits on other ranks that warn while a rank is missing

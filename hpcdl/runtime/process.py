@@ -93,10 +93,11 @@ def init(*, abort_on_exception: bool = True) -> Topology:
                               if world.Get_rank() == 0 else None, root=0)
         export_torch_environment(torch_environment(world.Get_rank(), world.Get_size(), local_rank,
                                                    local_size), address)
-        from . import diagnosis, watchdog  # collective too: the answerer's communicator
+        from . import diagnosis, interruption, watchdog  # collective too: the answerer's communicator
 
         diagnosis.start()
         watchdog.start(abort)
+        interruption.install()  # Ctrl-C to mpirun: one line, not silence
         return _topology
 
 
@@ -258,7 +259,12 @@ def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException,
 
     flight_dumps.write(MPI.COMM_WORLD.Get_rank(), f"an uncaught {exc_type.__name__}")
     if issubclass(exc_type, KeyboardInterrupt):
-        sys.__excepthook__(exc_type, exc, tb)
+        if os.environ.get(TRACEBACK_VARIABLE, "").strip() == "1":
+            sys.__excepthook__(exc_type, exc, tb)
+            return
+        from . import interruption
+
+        interruption.keyboard_interrupt(_program_line(tb))  # one line; ends a rank of a job
         return
     alone = MPI.COMM_WORLD.Get_size() == 1  # nothing to abort: the process ends by itself
     if _own_error(exc_type, tb) and os.environ.get(TRACEBACK_VARIABLE, "").strip() != "1":

@@ -2,11 +2,7 @@
 Ctrl-C, and mpirun ending the job, stop it at once with one line saying so (`Interruption`)."""
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import sys
-import time
 from types import TracebackType
 from typing import Any, Callable
 
@@ -15,8 +11,7 @@ from mpi4py import MPI
 
 import collectives
 
-from ..runtime import stall, world
-from ..runtime.launcher import launcher_pid, tell_user
+from ..runtime import interruption, stall
 from .config import PROG
 from .resuming import resume_advice
 from .waiting import STALL_ADVICE
@@ -24,78 +19,63 @@ from .waiting import STALL_ADVICE
 #: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
 #: time limit): the requeue batch template requeues the job when it sees it.
 CHECKPOINTED_ON_SIGNAL = 3
-#: Seconds within which a SIGTERM after a SIGCONT is mpirun ending the job (it sends them 0.25 s apart).
-LAUNCHER_KILL_WINDOW_S = 2.0
 
 
-class Interruption:
+class Interruption(interruption.Interruption):
     """For the length of a run (a context manager, on every rank): SIGINT, and SIGTERM when no
     checkpoint can be taken for it, stop the run at once with one line saying so.
 
-    Open MPI's mpirun, given Ctrl-C, SIGINT or SIGTERM, ends the job: every rank gets SIGCONT, then
-    SIGTERM 0.25 s later, then SIGKILL 0.25 s after that, and none of their output is forwarded any
-    more (hpcdl/runtime/launcher.py). Where Open MPI's launcher started the rank, a SIGTERM within
-    LAUNCHER_KILL_WINDOW_S of a SIGCONT is taken for that (SLURM's scancel sends the same pair to
-    srun's tasks, and there it asks for a checkpoint); so is SIGINT (Ctrl-C to a rank run alone),
-    and SIGTERM where no `StopRequest` takes it (no --checkpoint-dir). Then rank 0 writes one line,
-    where the user still sees it (mpirun's own stderr): what stopped the run, where it stood
-    (`where()`, set by the trainer), and how to go on (`resuming.resume_advice`); every rank leaves
-    at once with status 128 + the signal, without a checkpoint (there is no time for one), MPI
-    unfinalized. A SIGTERM on its own (to the ranks: `kill`, SLURM's --signal=TERM) is the
-    StopRequest's, as before.
+    The runtime's `Interruption` (hpcdl/runtime/interruption.py) tells mpirun ending the job (a
+    SIGTERM within LAUNCHER_KILL_WINDOW_S of a SIGCONT, where Open MPI's launcher started the rank;
+    SLURM's scancel sends the same pair to srun's tasks, and there it asks for a checkpoint) and
+    leaves; this one also takes SIGINT (Ctrl-C to a rank run alone), and SIGTERM where no
+    `StopRequest` takes it (no --checkpoint-dir), and its line says where the run stood (`where()`,
+    set by the trainer) and how to go on (`resuming.resume_advice`); every rank leaves at once with
+    status 128 + the signal, without a checkpoint (there is no time for one), MPI unfinalized. A
+    SIGTERM on its own (to the ranks: `kill`, SLURM's --signal=TERM) is the StopRequest's, as before.
     """
 
     #: The run's Interruption while one is installed: a StopRequest hands it SIGTERM.
     active: Interruption | None = None
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGCONT)
+    #: The line names the newest checkpoint, which the run may still write between mpirun's
+    #: SIGCONT and its SIGTERM: made at the SIGTERM.
+    LINE_AT_SIGCONT = False
 
     def __init__(self, checkpoint_dir: str | None) -> None:
+        super().__init__()
         self.checkpoint_dir = checkpoint_dir
         #: where the run stands, for the line ("at step 57 (epoch 5)")
         self.where: Callable[[], str] = lambda: "while it was starting"
         #: a StopRequest's handler, which takes a SIGTERM that mpirun did not send
         self.on_stop_signal: Callable[[int, Any], None] | None = None
-        self._continued_at = -float("inf")
-        self._saved: dict[int, Any] = {}
-        self._under_mpirun = False
 
     def __enter__(self) -> Interruption:
-        self._saved = {s: signal.getsignal(s) for s in self.SIGNALS}
-        self._under_mpirun = launcher_pid() is not None  # read here: a handler should not walk /proc
-        for signum in self.SIGNALS:
-            signal.signal(signum, self._handle)
+        super().__enter__()
         Interruption.active = self
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
         Interruption.active = None
-        for signum, handler in self._saved.items():
-            signal.signal(signum, handler)
+        super().__exit__(kind, value, traceback)
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        now = time.monotonic()
-        if signum == signal.SIGCONT:
-            self._continued_at = now
-            return
-        from_mpirun = (signum == signal.SIGTERM and self._under_mpirun
-                       and now - self._continued_at < LAUNCHER_KILL_WINDOW_S)
-        if signum == signal.SIGTERM and not from_mpirun and self.on_stop_signal is not None:
+    def decide(self, signum: int) -> str:
+        decision = super().decide(signum)
+        if signum == signal.SIGINT or (signum == signal.SIGTERM and decision == "other"
+                                       and self.on_stop_signal is None):
+            return "leave"
+        return decision
+
+    def other(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and self.on_stop_signal is not None:
             self.on_stop_signal(signum, frame)
-            return
-        self.leave(signum, from_mpirun)
 
-    def leave(self, signum: int, from_mpirun: bool) -> None:
-        """Say what stopped the run (rank 0) and end this process at once."""
-        if world.world().Get_rank() == 0:
-            cause = (": mpirun ended the job (it got Ctrl-C, SIGINT or SIGTERM"
-                     + ("; SIGUSR1 to mpirun stops the run with a checkpoint of its step instead" if self.checkpoint_dir
-                        else "") + ")" if from_mpirun else f" by {signal.Signals(signum).name}")
-            tell_user(f"{PROG}: interrupted {self.where()}{cause}. {resume_advice(self.checkpoint_dir)}")
-        for stream in (sys.stdout, sys.stderr):  # mpirun may read them no more
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(128 + signum)
+    def line(self, signum: int, from_mpirun: bool) -> str:
+        cause = (": mpirun ended the job (it got Ctrl-C, SIGINT or SIGTERM"
+                 + ("; SIGUSR1 to mpirun stops the run with a checkpoint of its step instead" if self.checkpoint_dir
+                    else "") + ")" if from_mpirun else f" by {signal.Signals(signum).name}")
+        return f"{PROG}: interrupted {self.where()}{cause}. {resume_advice(self.checkpoint_dir)}"
 
 
 class StopRequest:
