@@ -7,6 +7,13 @@ the survivors first (`main`), so that they wait for the seconds torch takes asle
 """
 from __future__ import annotations
 
+# SIGUSR1 is kept from here on, before the imports below start MPI: a stop request that comes
+# while the ranks start (SLURM's --signal=USR1, `scancel --signal=USR1`) is honoured at the
+# first step instead of ending the process or being lost (hpcdl/training/stop_requests.py).
+from ..training import stop_requests
+
+stop_requests.remember()
+
 import argparse
 from dataclasses import fields
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from types import TracebackType
@@ -17,6 +18,7 @@ import collectives
 
 from ..runtime import stall, world
 from ..runtime.launcher import launcher_pid, tell_user
+from . import stop_requests
 from .config import PROG
 from .resuming import resume_advice
 from .waiting import STALL_ADVICE
@@ -24,6 +26,9 @@ from .waiting import STALL_ADVICE
 #: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
 #: time limit): the requeue batch template requeues the job when it sees it.
 CHECKPOINTED_ON_SIGNAL = 3
+#: Exit status after SIGUSR1 stopped a run that has no --checkpoint-dir (128 + SIGUSR1, as for a
+#: process it ends): not 3, so that a requeue script does not start the run over from scratch.
+STOPPED_WITHOUT_CHECKPOINT = 128 + signal.SIGUSR1
 #: Seconds within which a SIGTERM after a SIGCONT is mpirun ending the job (it sends them 0.25 s apart).
 LAUNCHER_KILL_WINDOW_S = 2.0
 
@@ -58,6 +63,12 @@ class Interruption:
         self._continued_at = -float("inf")
         self._saved: dict[int, Any] = {}
         self._under_mpirun = False
+        #: (rank, pid) of the job's other ranks on this host, and whether some run on other hosts
+        #: (`watch_peers`)
+        self._local_peers: list[tuple[int, int]] = []
+        self._remote_peers = False
+        #: the ranks of this host whose process was gone when mpirun's SIGCONT came
+        self._gone: list[int] = []
 
     def __enter__(self) -> Interruption:
         self._saved = {s: signal.getsignal(s) for s in self.SIGNALS}
@@ -73,10 +84,27 @@ class Interruption:
         for signum, handler in self._saved.items():
             signal.signal(signum, handler)
 
+    def watch_peers(self, comm: MPI.Comm) -> None:
+        """Collective over `comm` (MPI.COMM_WORLD, as the run starts): learn the pids of the other
+        ranks on this host. Without ULFM, Open MPI ends the whole job when one rank dies (SIGCONT,
+        SIGTERM to the others, as for Ctrl-C to mpirun): the rank whose process is already gone
+        when the SIGCONT comes is the one that died, and the line names it. Nothing under ULFM
+        (a lost rank does not end the job) or with one rank."""
+        if comm.Get_size() == 1 or collectives.fault_tolerant():
+            return
+        me = comm.Get_rank()
+        peers = comm.allgather((socket.gethostname(), os.getpid()))
+        here = peers[me][0]
+        self._local_peers = [(rank, pid) for rank, (host, pid) in enumerate(peers) if host == here and rank != me]
+        self._remote_peers = any(host != here for host, _ in peers)
+
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
         if signum == signal.SIGCONT:
             self._continued_at = now
+            # Before mpirun's SIGTERM: no rank it ends is gone yet, only one that died before.
+            # A dead rank's launcher reaped it (that is how mpirun learnt of it): it is gone.
+            self._gone = [rank for rank, pid in self._local_peers if not _exists(pid)]
             return
         from_mpirun = (signum == signal.SIGTERM and self._under_mpirun
                        and now - self._continued_at < LAUNCHER_KILL_WINDOW_S)
@@ -86,26 +114,57 @@ class Interruption:
         self.leave(signum, from_mpirun)
 
     def leave(self, signum: int, from_mpirun: bool) -> None:
-        """Say what stopped the run (rank 0) and end this process at once."""
-        if world.world().Get_rank() == 0:
-            cause = (": mpirun ended the job (it got Ctrl-C, SIGINT or SIGTERM"
-                     + ("; SIGUSR1 to mpirun stops the run with a checkpoint of its step instead" if self.checkpoint_dir
-                        else "") + ")" if from_mpirun else f" by {signal.Signals(signum).name}")
-            tell_user(f"{PROG}: interrupted {self.where()}{cause}. {resume_advice(self.checkpoint_dir)}")
+        """Say what stopped the run (rank 0, or the first rank alive where the lower ones on this
+        host died) and end this process at once."""
+        rank = world.world().Get_rank()
+        gone = self._gone if from_mpirun else []
+        if set(range(rank)) <= set(gone):
+            tell_user(f"{PROG}: interrupted {self.where()}{self._cause(signum, from_mpirun, gone)}. "
+                      f"{resume_advice(self.checkpoint_dir)}")
         for stream in (sys.stdout, sys.stderr):  # mpirun may read them no more
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(128 + signum)
 
+    def _cause(self, signum: int, from_mpirun: bool, gone: list[int]) -> str:
+        """What ended the run, for the line: ": ..." after where it stood."""
+        if not from_mpirun:
+            return f" by {signal.Signals(signum).name}"
+        if gone:
+            ranks = f"rank {gone[0]}" if len(gone) == 1 else "ranks " + ", ".join(map(str, gone))
+            return (f": {ranks} died (its process ended while the others trained: killed, or it crashed; "
+                    "mpirun's report says how), and mpirun ended the job, as Open MPI does when a rank dies. "
+                    "Under `mpirun --with-ft ulfm` hpcdl train survives a lost rank and trains on "
+                    "(docs/failures.md)")
+        usr1 = "; SIGUSR1 to mpirun stops the run with a checkpoint of its step instead" if self.checkpoint_dir else ""
+        if self._remote_peers:  # a rank that died on another host is not seen from here
+            return (f": mpirun ended the job (it got Ctrl-C, SIGINT or SIGTERM, or a rank died: Open MPI ends "
+                    f"the job when a rank dies, unless started with `mpirun --with-ft ulfm`{usr1})")
+        return f": mpirun ended the job (it got Ctrl-C, SIGINT or SIGTERM{usr1})"
+
+
+def _exists(pid: int) -> bool:
+    """Whether process `pid` exists (one that ended is gone once its parent reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: it exists
+        return True
+    return True
+
 
 class StopRequest:
     """SIGUSR1 or SIGTERM (SLURM's `--signal`, preemption, a time limit): finish the step,
-    checkpoint, and stop.
+    checkpoint, and stop; without a checkpoint directory (`sigterm=False`) SIGUSR1 alone, and the
+    run stops without a checkpoint (`Trainer.stop_on_signal`).
 
     The handler only records the signal. Ranks may receive it at different steps, so at every
     step boundary they agree with one max-allreduce of a single int (microseconds), and all of them
     stop after the same step. Only signals that reach the ranks count: Open MPI's mpirun forwards
-    SIGUSR1 to them, but on SIGTERM it kills them itself (README, "Training").
+    SIGUSR1 to them, but on SIGTERM it kills them itself (README, "Training"). A SIGUSR1 received
+    before (while the ranks started: `stop_requests.remember`, from the command's start) counts as
+    received here.
 
     Ranks that take no part in that agreement (a parameter server's servers) pass their signal on:
     `relay(signum)` is called from the handler (the strategy's `request_stop`), and the training
@@ -117,16 +176,22 @@ class StopRequest:
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-    def __init__(self, relay: Callable[[int], None] | None = None) -> None:
+    def __init__(self, relay: Callable[[int], None] | None = None, sigterm: bool = True) -> None:
         self.received = 0
         self._relay = relay
         self._elsewhere: Callable[[], int] = lambda: 0
-        for signum in self.SIGNALS:
-            if signum == signal.SIGTERM and Interruption.active is not None:
+        self._flag = np.zeros(1, dtype=np.int32)
+        # SIGUSR1 goes to the handler set as the command started (set here where it was not: a
+        # library run), which calls this one; the flight-record dump stays in front of it.
+        stop_requests.remember()
+        stop_requests.listen(self._record)
+        if sigterm:
+            if Interruption.active is not None:
                 Interruption.active.on_stop_signal = self._record
             else:
-                signal.signal(signum, self._record)
-        self._flag = np.zeros(1, dtype=np.int32)
+                signal.signal(signal.SIGTERM, self._record)
+        if stop_requests.received():  # while the ranks started
+            self._record(stop_requests.received(), None)
 
     def _record(self, signum: int, frame: Any) -> None:
         self.received = signum
