@@ -212,7 +212,7 @@ class StopRequest:
         self.received = self.received or self._elsewhere()
         self._flag[0] = self.received
         handle = collectives.iallreduce(self._flag, comm, op="max", out=self._flag)
-        stall.wait_for(handle, "the per-step stop-signal check (SIGUSR1/SIGTERM, with --checkpoint-dir)",
+        stall.wait_for(handle, "the per-step stop-signal check (SIGUSR1, and SIGTERM with --checkpoint-dir)",
                        rank=comm.Get_rank(), advice=STALL_ADVICE, stacklevel=2)
         if self._flag[0] and not self.received:
             self.received = int(self._flag[0])
