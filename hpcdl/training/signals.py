@@ -132,8 +132,9 @@ class Interruption:
             return f" by {signal.Signals(signum).name}"
         if gone:
             ranks = f"rank {gone[0]}" if len(gone) == 1 else "ranks " + ", ".join(map(str, gone))
-            return (f": {ranks} died (its process ended while the others trained: killed, or it crashed; "
-                    "mpirun's report says how), and mpirun ended the job, as Open MPI does when a rank dies. "
+            whose = "its process" if len(gone) == 1 else "their processes"
+            return (f": {ranks} died ({whose} ended first: killed, or crashed; mpirun's report says how), "
+                    "and mpirun ended the job, as Open MPI does when a rank dies. "
                     "Under `mpirun --with-ft ulfm` hpcdl train survives a lost rank and trains on "
                     "(docs/failures.md)")
         usr1 = "; SIGUSR1 to mpirun stops the run with a checkpoint of its step instead" if self.checkpoint_dir else ""
