@@ -536,7 +536,9 @@ def test_sigusr1_while_the_ranks_start_stops_at_the_first_step_with_a_checkpoint
             command = rank_pids_command(directory, 2, argv)
         else:
             command = [sys.executable, "-m", "hpcdl", "train", *argv]
-        env = own_job_environment()
+        # alone: not one of this test job's torch workers either (its ranks export torchrun's variables)
+        env = {k: v for k, v in own_job_environment().items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, text=True)
         try:
