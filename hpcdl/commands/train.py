@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "HPCDL_STALL_WARNING_S, else max(10, 20 steps); docs/troubleshooting.md)")
     state.add_argument("--diagnostics-dir", metavar="DIR",
                        help="each rank writes its last 2,000 collectives here (rank-N.jsonl) on a stall "
-                            "report, an uncaught exception, a lost rank or SIGUSR1 (without --checkpoint-dir); "
+                            "report, an uncaught exception, a lost rank or SIGUSR1 (which also stops the run); "
                             "`hpcdl doctor DIR` reads them (default: HPCDL_DIAGNOSTICS_DIR)")
     state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
                        help="for testing resume: stop abruptly after STEPS steps in total, as if "
