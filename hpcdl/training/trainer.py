@@ -101,7 +101,7 @@ class Trainer:
             # a crash after a row but before its checkpoint, or of a fallback to an older
             # checkpoint) are about to be trained and written again.
             self.metrics = MetricsLog(config.metrics, after_epoch=None if checkpoint is None else checkpoint["epoch"])
-        # Without a checkpoint directory SIGUSR1 still stops the run (SIGTERM is the Interruption's).
+        # Without a checkpoint directory SIGUSR1 still stops the run (SIGTERM is the Interruption's; pacing.py).
         self.stop_request = StopRequest() if config.checkpoint_dir else StopRequest(sigterm=False)
         self.stop_request.listen(strategy.stop_signal)  # a serving rank's, passed on
         self.resumed = checkpoint is not None
