@@ -34,7 +34,7 @@ import collectives
 from tests.conftest import ROOT, all_ranks_agree, reports_stalls, same_state, shared_directory
 from hpcdl.runtime import checkpoint as ckpt
 from hpcdl.commands import train
-from hpcdl.training import compute, metrics, run, signals, waiting
+from hpcdl.training import compute, metrics, run, signals, stop_requests, waiting
 from hpcdl.training.data import load_digits_split
 from hpcdl.training.models import build_model
 from tests.run import own_job_environment, run_own_job, stop  # launching jobs of its own
@@ -491,6 +491,23 @@ def test_a_signal_to_mpirun_ends_the_run_with_one_line_and_nothing_else(signum, 
     assert outcome["status"] == 1 and len(lines) == 1 and out.count("hpcdl train: interrupted") == 1, out[-3000:]
     (step, newest), = lines
     assert int(newest) == steps[-1] <= int(step) and not status_file.exists(), (steps, out[-3000:])
+
+
+def test_a_sigusr1_before_the_stop_request_counts_and_the_handler_before_it_still_runs(signal_handlers):
+    """stop_requests.remember (as `hpcdl train` starts) keeps a SIGUSR1 for the run's StopRequest,
+    made later; a handler set before it (the flight-record dump of hpcdl.init()) still runs."""
+    earlier: list[int] = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: earlier.append(signum))
+    stop_requests.forget()
+    try:
+        stop_requests.remember()
+        stop_requests.remember()  # taken once: the earlier handler is not called twice
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)  # Python runs the handler between bytecodes of the main thread
+        assert stop_requests.received() == signal.SIGUSR1 and earlier == [signal.SIGUSR1]
+        assert signals.StopRequest(sigterm=False).received == signal.SIGUSR1
+    finally:
+        stop_requests.forget()
 
 
 def catches_sigusr1(pid: int) -> bool:
