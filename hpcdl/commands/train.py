@@ -7,6 +7,13 @@ the survivors first (`main`), so that they wait for the seconds torch takes asle
 """
 from __future__ import annotations
 
+# SIGUSR1 is kept from here on, before the imports below start MPI: a stop request that comes
+# while the ranks start (SLURM's --signal=USR1, `scancel --signal=USR1`) is honoured at the
+# first step instead of ending the process or being lost (hpcdl/training/stop_requests.py).
+from ..training import stop_requests
+
+stop_requests.remember()
+
 import argparse
 from dataclasses import fields
 
@@ -165,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "HPCDL_STALL_WARNING_S, else max(10, 20 steps); docs/troubleshooting.md)")
     state.add_argument("--diagnostics-dir", metavar="DIR",
                        help="each rank writes its last 2,000 collectives here (rank-N.jsonl) on a stall "
-                            "report, an uncaught exception, a lost rank or SIGUSR1 (without --checkpoint-dir); "
+                            "report, an uncaught exception, a lost rank or SIGUSR1 (which also stops the run); "
                             "`hpcdl doctor DIR` reads them (default: HPCDL_DIAGNOSTICS_DIR)")
     state.add_argument("--stop-after-steps", type=int, metavar="STEPS",
                        help="for testing resume: stop abruptly after STEPS steps in total, as if "

@@ -295,12 +295,22 @@ def stop() -> None:
 
 
 def _dump_on_signal() -> None:
-    """SIGUSR1 writes the flight records, where the program has no SIGUSR1 handler of its own (a
-    handler installed later, `hpcdl train`'s stop request, replaces this one)."""
+    """SIGUSR1 writes the flight records. A handler the program set before (`hpcdl train`'s stop
+    request, set as the command starts) still runs, after the dump: SIGUSR1 both dumps and asks
+    the run to checkpoint and stop. Without one the dump replaces SIGUSR1's default (which would
+    end the process); an ignored SIGUSR1 stays ignored. A handler set later replaces the dump."""
     from mpi4py import MPI
 
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
-        signal.signal(signal.SIGUSR1, lambda signum, frame: flight_dumps.write(
-            MPI.COMM_WORLD.Get_rank(), "SIGUSR1"))
+    before = signal.getsignal(signal.SIGUSR1)
+    if before is signal.SIG_IGN:
+        return
+
+    def dump(signum: int, frame: Any) -> None:
+        flight_dumps.write(MPI.COMM_WORLD.Get_rank(), "SIGUSR1")
+        if callable(before):
+            before(signum, frame)
+    if callable(before):
+        dump.__wrapped__ = before  # type: ignore[attr-defined]  # the handler it calls, for who looks
+    signal.signal(signal.SIGUSR1, dump)

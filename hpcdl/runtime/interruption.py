@@ -74,6 +74,10 @@ class Interruption:
         self._outer: Interruption | None = None  # the one this one stands in for while entered
         self._pid = os.getpid()  # a forked child (a DataLoader's worker) inherits the handlers
         self._prepared = (-float("inf"), "")  # (when, the line) made at mpirun's SIGCONT
+        #: the ranks of this host whose process was gone at mpirun's SIGCONT (`_note_the_gone`)
+        self.gone: list[int] = []
+        #: whether some of the job's ranks run on other hosts (where a dead one is not seen)
+        self.remote_peers = False
 
     def __enter__(self) -> Interruption:
         global _current
@@ -124,6 +128,7 @@ class Interruption:
         noted (the SIGTERM after it is mpirun's)."""
         if signum == signal.SIGCONT:
             self._continued_at = time.monotonic()
+            self._note_the_gone()
             self._prepare()
             return "other"
         return "leave" if self.from_mpirun(signum) else "other"
@@ -139,15 +144,42 @@ class Interruption:
             os.kill(os.getpid(), signum)
 
     def line(self, signum: int, from_mpirun: bool) -> str:
-        """What rank 0 writes: what ended the job, and where rank 0 was."""
-        cause = MPIRUN_ENDED if from_mpirun else signal.Signals(signum).name
-        return f"hpcdl: interrupted: {cause} while rank 0 was {rank0_place()}; every rank stopped"
+        """What the telling rank (rank 0, `_tells`) writes: what ended the job, and where it was."""
+        if from_mpirun and self.gone:
+            cause = f"{died(self.gone)}, and mpirun ended the job, as Open MPI does when a rank dies"
+        else:
+            cause = MPIRUN_ENDED if from_mpirun else signal.Signals(signum).name
+        return (f"hpcdl: interrupted: {cause} while rank {world.world().Get_rank()} was {rank0_place()}; "
+                "every rank stopped")
+
+    def _note_the_gone(self) -> None:
+        """At mpirun's SIGCONT, before its SIGTERM: the ranks of this host whose process is already
+        gone. Without ULFM Open MPI ends the whole job when a rank dies (SIGCONT, SIGTERM to the
+        others, as for Ctrl-C to mpirun); a rank it ends is not gone yet, one that died is (its
+        launcher reaped it: that is how mpirun learnt of it), so the line names it. The ranks'
+        pids are those the diagnosis service gathered as it started; nothing under ULFM (a lost rank
+        does not end the job there) or without the service (one rank)."""
+        import collectives
+
+        from . import diagnosis
+
+        service = diagnosis.service()
+        if service is None or collectives.fault_tolerant():
+            return
+        here = service.places[service.rank][0]
+        self.remote_peers = any(host != here for host, _ in service.places)
+        self.gone = [rank for rank, (host, pid) in enumerate(service.places)
+                     if host == here and rank != service.rank and not _exists(pid)]
+
+    def _tells(self) -> bool:
+        """Whether this rank writes the line: rank 0, or the lowest rank alive where the ranks
+        below it on this host died."""
+        return set(range(world.world().Get_rank())) <= set(self.gone)
 
     def _prepare(self) -> None:
         """On rank 0, at mpirun's SIGCONT: the line its SIGTERM would need, made now, since
         SIGKILL follows that SIGTERM within 0.25 s (a rank on busy cores may get little of it)."""
-        if (self.LINE_AT_SIGCONT and self._under_mpirun and os.getpid() == self._pid
-                and world.world().Get_rank() == 0):
+        if self.LINE_AT_SIGCONT and self._under_mpirun and os.getpid() == self._pid and self._tells():
             with contextlib.suppress(Exception):  # a handler must not raise; made again at the SIGTERM
                 self._prepared = (time.monotonic(), self.line(signal.SIGTERM, from_mpirun=True))
 
@@ -155,7 +187,9 @@ class Interruption:
         """Say what stopped the job (rank 0) and end this process at once (once: the main
         thread's handler and the thread may both get here)."""
         _leaving.acquire()  # never released: the process ends
-        if os.getpid() == self._pid and world.world().Get_rank() == 0:  # not a forked child
+        if not from_mpirun:
+            self.gone = []  # a signal of its own: no rank's death ended this one
+        if os.getpid() == self._pid and self._tells():  # not a forked child
             made, prepared = self._prepared
             fresh = from_mpirun and time.monotonic() - made < LAUNCHER_KILL_WINDOW_S
             tell_user(prepared if fresh else self.line(signum, from_mpirun))
@@ -174,6 +208,24 @@ _leaving = threading.Lock()
 _interrupted_at: str | None = None
 _told: socket.socket | None = None
 _forgets_in_children = False
+
+
+def died(ranks: list[int]) -> str:
+    """"rank 1 died (...)": the ranks whose process ended before mpirun ended the job."""
+    which = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    whose = "its process" if len(ranks) == 1 else "their processes"
+    return f"{which} died ({whose} ended first: killed, or crashed; mpirun's report says how)"
+
+
+def _exists(pid: int) -> bool:
+    """Whether process `pid` exists (one that ended is gone once its parent reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: it exists
+        return True
+    return True
 
 
 def _wake_a_thread() -> None:

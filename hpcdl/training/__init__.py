@@ -16,6 +16,7 @@ model over MPI with a strategy of the registry, from a typed configuration.
     strategies/     the registry of strategies and one module per family
     metrics.py      the per-epoch metrics file and gradient-traffic figures
     signals.py      SIGUSR1/SIGTERM: checkpoint and stop
+    stop_requests.py  SIGUSR1 kept from the command's start, for the run's stop request
     resuming.py     what a run that ends early says about going on (the newest checkpoint)
     waiting.py      the trainer's waits on other ranks, with stall warnings
     schedule.py     the linear scaling rule, warm-up and cosine decay

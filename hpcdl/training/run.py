@@ -22,7 +22,7 @@ from ..runtime.atomic_file import make_directory
 from ..runtime.memory import host_available_bytes
 from ..runtime.process import init
 from ..runtime.spares import Spares, set_aside, wait_for_call
-from . import strategies
+from . import stop_requests, strategies
 from .config import KEEP_CHECKPOINTS, PROG, TrainConfig, config_errors, default_micro_batch, default_warmup_epochs
 from .pacing import Meetings
 from .rank_loss import StartUp, end_job
@@ -51,13 +51,20 @@ def train(config: TrainConfig) -> int:
     it and the phase, exit status RANK_LOST (`StartUp`).
 
     Ctrl-C, and mpirun ending the job, stop the run at once with one line saying so
-    (signals.Interruption, for the length of the call).
+    (signals.Interruption, for the length of the call); where a rank's death made mpirun end it,
+    the line names that rank when its host is this one. SIGUSR1, from the command's start (or
+    this call's) on, stops the run at the first step boundary after it: with a checkpoint, status
+    CHECKPOINTED_ON_SIGNAL, or without --checkpoint-dir none, status STOPPED_WITHOUT_CHECKPOINT.
     """
-    with Interruption(config.checkpoint_dir):
-        topology, comm = init(), MPI.COMM_WORLD
-        joined = ulfm.join()
-        with StartUp("checking the configuration", config.status_file) as start:
-            return _train(config, topology, comm, joined, start)
+    stop_requests.remember()  # SIGUSR1 from now on (`hpcdl train` took it as it started)
+    try:
+        with Interruption(config.checkpoint_dir):
+            topology, comm = init(), MPI.COMM_WORLD
+            joined = ulfm.join()
+            with StartUp("checking the configuration", config.status_file) as start:
+                return _train(config, topology, comm, joined, start)
+    finally:
+        stop_requests.forget()  # honoured by this run (or too late for it): not the next one's
 
 
 def diagnose(config: TrainConfig) -> None:
@@ -388,10 +395,10 @@ def run_training(config: TrainConfig, device: Any, topology: runtime.Topology, c
             strategy.load_state(checkpoint, None)
         # Signals stop the training ranks (they checkpoint, the servers with them): one received
         # here is passed on to them, and a signal sent to every rank does not end a server first.
-        if config.checkpoint_dir:
-            from .signals import StopRequest
+        # Without a checkpoint directory SIGUSR1 alone (SIGTERM is the Interruption's).
+        from .signals import StopRequest
 
-            StopRequest(relay=strategy.request_stop)
+        StopRequest(relay=strategy.request_stop, sigterm=bool(config.checkpoint_dir))
         start.phase = None  # the serving loop ends the job itself (below)
         try:
             status = strategy.agree_status(strategy.serve())

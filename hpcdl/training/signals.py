@@ -12,6 +12,7 @@ from mpi4py import MPI
 import collectives
 
 from ..runtime import interruption, stall
+from . import stop_requests
 from .config import PROG
 from .resuming import resume_advice
 from .waiting import STALL_ADVICE
@@ -19,6 +20,9 @@ from .waiting import STALL_ADVICE
 #: Exit status after a checkpoint taken because SIGUSR1/SIGTERM asked the job to stop (preemption,
 #: time limit): the requeue batch template requeues the job when it sees it.
 CHECKPOINTED_ON_SIGNAL = 3
+#: Exit status after SIGUSR1 stopped a run that has no --checkpoint-dir (128 + SIGUSR1, as for a
+#: process it ends): not 3, so that a requeue script does not start the run over from scratch.
+STOPPED_WITHOUT_CHECKPOINT = 128 + signal.SIGUSR1
 
 
 class Interruption(interruption.Interruption):
@@ -72,20 +76,35 @@ class Interruption(interruption.Interruption):
             self.on_stop_signal(signum, frame)
 
     def line(self, signum: int, from_mpirun: bool) -> str:
-        cause = (": mpirun ended the job (it got Ctrl-C, SIGINT or SIGTERM"
-                 + ("; SIGUSR1 to mpirun stops the run with a checkpoint of its step instead" if self.checkpoint_dir
-                    else "") + ")" if from_mpirun else f" by {signal.Signals(signum).name}")
+        cause = self._cause(signum, from_mpirun)
         return f"{PROG}: interrupted {self.where()}{cause}. {resume_advice(self.checkpoint_dir)}"
+
+    def _cause(self, signum: int, from_mpirun: bool) -> str:
+        """What ended the run, for the line: ": ..." after where it stood."""
+        if not from_mpirun:
+            return f" by {signal.Signals(signum).name}"
+        if self.gone:
+            return (f": {interruption.died(self.gone)}, and mpirun ended the job, as Open MPI does when a rank "
+                    "dies. Under `mpirun --with-ft ulfm` hpcdl train survives a lost rank and trains on "
+                    "(docs/failures.md)")
+        usr1 = "; SIGUSR1 to mpirun stops the run with a checkpoint of its step instead" if self.checkpoint_dir else ""
+        if self.remote_peers:  # a rank that died on another host is not seen from here
+            return (f": mpirun ended the job (it got Ctrl-C, SIGINT or SIGTERM, or a rank died: Open MPI ends "
+                    f"the job when a rank dies, unless started with `mpirun --with-ft ulfm`{usr1})")
+        return f": mpirun ended the job (it got Ctrl-C, SIGINT or SIGTERM{usr1})"
 
 
 class StopRequest:
     """SIGUSR1 or SIGTERM (SLURM's `--signal`, preemption, a time limit): finish the step,
-    checkpoint, and stop.
+    checkpoint, and stop; without a checkpoint directory (`sigterm=False`) SIGUSR1 alone, and the
+    run stops without a checkpoint (`Trainer.stop_on_signal`).
 
     The handler only records the signal. Ranks may receive it at different steps, so at every
     step boundary they agree with one max-allreduce of a single int (microseconds), and all of them
     stop after the same step. Only signals that reach the ranks count: Open MPI's mpirun forwards
-    SIGUSR1 to them, but on SIGTERM it kills them itself (README, "Training").
+    SIGUSR1 to them, but on SIGTERM it kills them itself (README, "Training"). A SIGUSR1 received
+    before (while the ranks started: `stop_requests.remember`, from the command's start) counts as
+    received here.
 
     Ranks that take no part in that agreement (a parameter server's servers) pass their signal on:
     `relay(signum)` is called from the handler (the strategy's `request_stop`), and the training
@@ -97,16 +116,22 @@ class StopRequest:
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-    def __init__(self, relay: Callable[[int], None] | None = None) -> None:
+    def __init__(self, relay: Callable[[int], None] | None = None, sigterm: bool = True) -> None:
         self.received = 0
         self._relay = relay
         self._elsewhere: Callable[[], int] = lambda: 0
-        for signum in self.SIGNALS:
-            if signum == signal.SIGTERM and Interruption.active is not None:
+        self._flag = np.zeros(1, dtype=np.int32)
+        # SIGUSR1 goes to the handler set as the command started (set here where it was not: a
+        # library run), which calls this one; the flight-record dump stays in front of it.
+        stop_requests.remember()
+        stop_requests.listen(self._record)
+        if sigterm:
+            if Interruption.active is not None:
                 Interruption.active.on_stop_signal = self._record
             else:
-                signal.signal(signum, self._record)
-        self._flag = np.zeros(1, dtype=np.int32)
+                signal.signal(signal.SIGTERM, self._record)
+        if stop_requests.received():  # while the ranks started
+            self._record(stop_requests.received(), None)
 
     def _record(self, signum: int, frame: Any) -> None:
         self.received = signum
@@ -127,7 +152,7 @@ class StopRequest:
         self.received = self.received or self._elsewhere()
         self._flag[0] = self.received
         handle = collectives.iallreduce(self._flag, comm, op="max", out=self._flag)
-        stall.wait_for(handle, "the per-step stop-signal check (SIGUSR1/SIGTERM, with --checkpoint-dir)",
+        stall.wait_for(handle, "the per-step stop-signal check (SIGUSR1, and SIGTERM with --checkpoint-dir)",
                        rank=comm.Get_rank(), advice=STALL_ADVICE, stacklevel=2)
         if self._flag[0] and not self.received:
             self.received = int(self._flag[0])

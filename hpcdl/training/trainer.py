@@ -26,7 +26,7 @@ from .config import KEEP_CHECKPOINTS, PROG
 from .pacing import EPOCH_DONE, TAKE_STEP
 from .rank_loss import Recovery
 from .resuming import newest_step, resume_advice
-from .signals import CHECKPOINTED_ON_SIGNAL, StopRequest
+from .signals import CHECKPOINTED_ON_SIGNAL, STOPPED_WITHOUT_CHECKPOINT, StopRequest
 from .waiting import reduce_over_ranks
 
 if TYPE_CHECKING:
@@ -103,9 +103,9 @@ class Trainer:
             # a crash after a row but before its checkpoint, or of a fallback to an older
             # checkpoint) are about to be trained and written again.
             self.open_metrics(None if checkpoint is None else checkpoint["epoch"])
-        self.stop_request = StopRequest() if config.checkpoint_dir else None
-        if self.stop_request is not None:
-            self.stop_request.listen(strategy.stop_signal)  # a serving rank's, passed on
+        # Without a checkpoint directory SIGUSR1 still stops the run (SIGTERM is the Interruption's; pacing.py).
+        self.stop_request = StopRequest() if config.checkpoint_dir else StopRequest(sigterm=False)
+        self.stop_request.listen(strategy.stop_signal)  # a serving rank's, passed on
         self.resumed = checkpoint is not None
         # Progress bars on rank 0 (whichever rank it is after a loss), where the user sees them on a
         # terminal or asks for them: in a log file their carriage returns interleave with the epoch lines.
@@ -281,7 +281,17 @@ class Trainer:
         return True
 
     def stop_on_signal(self, sums: Sums) -> int:
+        """Every training rank, once they agreed a stop signal came: checkpoint (with
+        --checkpoint-dir) and say so on rank 0; the exit status."""
         assert self.stop_request is not None
+        if self.config.checkpoint_dir is None:
+            # The requeued job would start over: not the status a requeue script requeues on.
+            self.say(f"{PROG}: stopping at step {self.step} on {self.stop_request.name} without a checkpoint, exit "
+                     f"status {STOPPED_WITHOUT_CHECKPOINT}: {self.stop_request.name} asks for a checkpoint and stop "
+                     "(SLURM's --signal, preemption), but there is no --checkpoint-dir to write one to; give "
+                     f"--checkpoint-dir DIR to stop with a checkpoint (status {CHECKPOINTED_ON_SIGNAL}) that "
+                     "--resume continues from", file=sys.stderr, flush=True)
+            return STOPPED_WITHOUT_CHECKPOINT
         if self.checkpoint_now(self.done_in_epoch, sums):
             self.say(f"stopping at step {self.step} on {self.stop_request.name}: checkpoint written, exit status "
                      f"{CHECKPOINTED_ON_SIGNAL} (resume with --resume)", flush=True)

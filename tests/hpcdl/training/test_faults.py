@@ -35,7 +35,7 @@ import collectives
 from tests.conftest import ROOT, all_ranks_agree, reports_stalls, same_state, shared_directory
 from hpcdl.runtime import checkpoint as ckpt
 from hpcdl.commands import train
-from hpcdl.training import compute, metrics, run, signals, trainer, waiting
+from hpcdl.training import compute, metrics, run, signals, stop_requests, trainer, waiting
 from hpcdl.training.data import load_digits_split
 from hpcdl.training.models import build_model
 from tests.helpers.full_disk import FULL_DISK_PROGRAM
@@ -380,7 +380,7 @@ def test_every_collective_the_trainer_waits_on_warns_when_a_rank_is_late(what, t
     if what == "stop-signal check":
         request = signals.StopRequest()
         late_call(comm, lambda: request.agreed(comm),
-                  "the per-step stop-signal check (SIGUSR1/SIGTERM, with --checkpoint-dir)")
+                  "the per-step stop-signal check (SIGUSR1, and SIGTERM with --checkpoint-dir)")
     elif what == "epoch-end sums":
         late_call(comm, lambda: waiting.reduce_over_ranks(np.ones(3), comm, "the sums of epoch 4's loss"),
                   "the sums of epoch 4's loss")
@@ -546,6 +546,168 @@ def test_a_signal_to_mpirun_ends_the_run_with_one_line_and_nothing_else(signum, 
     assert outcome["status"] == 1 and len(lines) == 1 and out.count("hpcdl train: interrupted") == 1, out[-3000:]
     (step, newest), = lines
     assert int(newest) == steps[-1] <= int(step) and not status_file.exists(), (steps, out[-3000:])
+
+
+def test_a_sigusr1_before_the_stop_request_counts_and_the_handler_before_it_still_runs(signal_handlers):
+    """stop_requests.remember (as `hpcdl train` starts) keeps a SIGUSR1 for the run's StopRequest,
+    made later; a handler set before it (the flight-record dump of hpcdl.init()) still runs."""
+    earlier: list[int] = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: earlier.append(signum))
+    stop_requests.forget()
+    try:
+        stop_requests.remember()
+        stop_requests.remember()  # taken once: the earlier handler is not called twice
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)  # Python runs the handler between bytecodes of the main thread
+        assert stop_requests.received() == signal.SIGUSR1 and earlier == [signal.SIGUSR1]
+        assert signals.StopRequest(sigterm=False).received == signal.SIGUSR1
+    finally:
+        stop_requests.forget()
+
+
+def catches_sigusr1(pid: int) -> bool:
+    """Whether process `pid` has a handler for SIGUSR1 (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M)
+    return caught is not None and bool(int(caught.group(1), 16) >> (signal.SIGUSR1 - 1) & 1)
+
+
+def has_torch(pid: int) -> bool:
+    """Whether process `pid` has loaded torch's library yet."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return True  # gone: too late either way
+
+
+def rank_pids_command(directory: Path, size: int, train_argv: list[str]) -> list[str]:
+    """mpirun running `python -m hpcdl train train_argv` on `size` ranks, each writing its pid to
+    directory/rankR.pid first."""
+    train_command = " ".join([sys.executable, "-m", "hpcdl", "train", *train_argv])
+    return ["mpirun", "-n", str(size), "sh", "-c",
+            f'echo $$ > {directory}/rank$OMPI_COMM_WORLD_RANK.pid; exec {train_command}']
+
+
+@own_job
+@pytest.mark.parametrize("launch", ["mpirun", "alone"])
+def test_sigusr1_while_the_ranks_start_stops_at_the_first_step_with_a_checkpoint(launch, tmp_path, comm):
+    """Review 26. SIGUSR1 that came while the ranks started (importing torch) was lost under
+    mpirun (the flight-record dump of hpcdl.init() took it: the run trained to its end, exit 0)
+    and killed `hpcdl train` run alone (rc -10): a SLURM job's stop request (--signal=USR1,
+    scancel --signal=USR1) during start-up was lost. Sent as soon as every rank takes SIGUSR1,
+    before torch loaded, it must stop the run after step 1 with a checkpoint and status 3."""
+    directory = shared_directory(tmp_path, comm)
+    ck = directory / "ck"
+    argv = ["--epochs", "3", "--batch-size", "8", "--model", "mlp", "--checkpoint-dir", str(ck)]
+
+    def signal_early() -> dict[str, Any]:
+        if launch == "mpirun":
+            command = rank_pids_command(directory, 2, argv)
+        else:
+            command = [sys.executable, "-m", "hpcdl", "train", *argv]
+        # alone: not one of this test job's torch workers either (its ranks export torchrun's variables)
+        env = {k: v for k, v in own_job_environment().items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True)
+        try:
+            def pids() -> list[int]:
+                if launch == "alone":
+                    return [proc.pid]
+                files = [directory / f"rank{r}.pid" for r in range(2)]
+                return [int(f.read_text()) for f in files if f.exists() and f.read_text().strip()]
+
+            def ready() -> bool:
+                found = pids()
+                return len(found) == (2 if launch == "mpirun" else 1) and all(map(catches_sigusr1, found))
+            deadline = time.monotonic() + 120
+            while not ready() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if not ready():
+                return {"error": "no rank took SIGUSR1", "output": proc.communicate(timeout=240)[0][-3000:]}
+            torch_loaded = any(has_torch(pid) for pid in pids())
+            proc.send_signal(signal.SIGUSR1)
+            out = proc.communicate(timeout=240)[0]
+            return {"status": proc.returncode, "output": out[-3000:], "torch_loaded": torch_loaded,
+                    "checkpoints": [s for s, _ in ckpt.list_checkpoints(ck)]}
+        finally:
+            if proc.poll() is None:
+                stop(proc)
+
+    outcome = on_rank0(comm, signal_early)
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    assert not outcome["torch_loaded"], outcome  # the handler is there before start-up's long part
+    assert outcome["status"] == train.CHECKPOINTED_ON_SIGNAL, outcome
+    assert "stopping at step 1 on SIGUSR1: checkpoint written, exit status 3" in outcome["output"], outcome
+    assert outcome["checkpoints"] == [1] and "Traceback" not in outcome["output"], outcome
+
+
+@own_job
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoint-dir", "no-checkpoint-dir"])
+def test_sigusr1_during_training_dumps_the_flight_records_and_stops(checkpoints, tmp_path, comm):
+    """Review 26. Without --checkpoint-dir SIGUSR1 to mpirun was silently ignored (the run trained
+    to its end, exit 0): it must stop the run with one line saying there was nowhere to write a
+    checkpoint, status 138 (not 3: a requeued job would start from scratch). With one, the stop
+    request's handler replaced the flight-record dump: SIGUSR1 must do both."""
+    directory = shared_directory(tmp_path, comm)
+    ck, diagnostics = directory / "ck", directory / "diag"
+    command = ["mpirun", "-n", "2", sys.executable, "-m", "hpcdl", "train", "--epochs", "100", "--batch-size", "8",
+               "--model", "mlp", "--diagnostics-dir", str(diagnostics)] + (
+                   ["--checkpoint-dir", str(ck)] if checkpoints else [])
+    outcome = on_rank0(comm, lambda: launch_and_signal(command, signal.SIGUSR1, r"epoch +1/100 +loss"))
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    out = outcome["output"]
+    assert "Traceback" not in out and "exited with non-zero status" not in out, out[-3000:]
+    if checkpoints:
+        assert outcome["status"] == train.CHECKPOINTED_ON_SIGNAL, out[-3000:]
+        assert len(re.findall(r"stopping at step \d+ on SIGUSR1: checkpoint written", out)) == 1, out[-3000:]
+    else:
+        lines = re.findall(r"hpcdl train: stopping at step \d+ on SIGUSR1 without a checkpoint, exit status 138: "
+                           r"SIGUSR1 asks for a checkpoint and stop .*but there is no --checkpoint-dir", out)
+        assert outcome["status"] == signals.STOPPED_WITHOUT_CHECKPOINT == 138 and len(lines) == 1, out[-3000:]
+    reasons = [json.loads(path.read_text().splitlines()[0])["reason"] if path.exists() else None
+               for path in (diagnostics / f"rank-{r:05d}.jsonl" for r in range(2))]
+    assert reasons == ["SIGUSR1", "SIGUSR1"], (reasons, out[-3000:])
+
+
+@own_job
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_without_ulfm_is_named_not_blamed_on_ctrl_c(victim, tmp_path, comm):
+    """Review 26. A rank killed (kill -9) in a job without ULFM: Open MPI ends the others as for
+    Ctrl-C to mpirun (SIGCONT, SIGTERM), and the line said "mpirun ended the job (it got Ctrl-C,
+    SIGINT or SIGTERM)". It must name the rank that died and point at `mpirun --with-ft ulfm`;
+    rank 0 killed, rank 1 says it."""
+    directory = shared_directory(tmp_path, comm)
+    command = rank_pids_command(directory, 2, ["--epochs", "100", "--batch-size", "8", "--model", "mlp"])
+
+    def kill_a_rank() -> dict[str, Any]:
+        lines: list[str] = []
+        proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        try:
+            if not wait_until(lambda: any("epoch   1/100" in line for line in lines), 180):
+                return {"error": "the first epoch did not end", "output": "".join(lines)[-3000:]}
+            os.kill(int((directory / f"rank{victim}.pid").read_text()), signal.SIGKILL)
+            status = proc.wait(timeout=120)
+            reader.join(timeout=10)
+            return {"status": status, "output": "".join(lines)[-3000:]}
+        finally:
+            if proc.poll() is None:
+                stop(proc)
+
+    outcome = on_rank0(comm, kill_a_rank)
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    out = outcome["output"]
+    said = re.findall(rf"hpcdl train: interrupted at step \d+ \(epoch \d+\): rank {victim} died \(.*\), and mpirun "
+                      r"ended the job, as Open MPI does when a rank dies\. Under `mpirun --with-ft ulfm` hpcdl train "
+                      r"survives a lost rank and trains on .*There is no checkpoint to resume from", out)
+    assert len(said) == 1 and out.count("hpcdl train: interrupted") == 1 and "Ctrl-C" not in out, out
+    assert outcome["status"] != 0, outcome
 
 
 @own_job
