@@ -47,15 +47,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .hot import compiled_wanted
+from .hot import compiled_module
 from .ops import silent_ieee
 
-_fixed: Any = None
-if compiled_wanted():
-    try:
-        from . import _fixed
-    except ImportError:  # not built (no compiler at install): NumPy's passes, the same bits
-        _fixed = None
+_fixed: Any = compiled_module("collectives._fixed")  # None: NumPy's passes, the same bits
 
 #: Whether the per-value passes are compiled (collectives/_fixed.c: built, and not turned off by
 #: HPCDL_COMPILED=0 at import); `FixedSum.add_scaled` and `from_fixed_slots` take them then.

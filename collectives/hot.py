@@ -17,6 +17,7 @@ threading.Lock: the same fields, the Python path only.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable
@@ -31,12 +32,18 @@ def compiled_wanted() -> bool:
     return os.environ.get(COMPILED_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-_hot: Any = None
-if compiled_wanted():
+def compiled_module(name: str) -> Any:
+    """The optional extension `name` (a full module name), or None where it was not built (no
+    compiler at install, or a Python it does not support) or HPCDL_COMPILED turns it off."""
+    if not compiled_wanted():
+        return None
     try:
-        from . import _hot
-    except ImportError:  # not built (no compiler at install), or a Python it does not support
-        _hot = None
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+_hot: Any = compiled_module("collectives._hot")
 
 #: Whether the compiled path is there (built, and not turned off).
 COMPILED = _hot is not None

@@ -39,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -139,6 +140,21 @@ def run_own_job(command: list[str], timeout: float, env: dict[str, str] | None =
         print(f"tests/run.py: mpirun failed to start ({LAUNCHER_FAILED_TO_START!r}); once more: "
               f"{' '.join(command)}", file=sys.stderr)
     return subprocess.CompletedProcess(command, proc.returncode, out, None)
+
+
+def read_in_background(proc: subprocess.Popen) -> tuple[list[str], threading.Thread]:  # type: ignore[type-arg]
+    """The output of `proc` (started with stdout=PIPE), read by a thread of its own as it comes:
+    the list it grows, chunk by chunk (a test can wait for a line while the job runs), and the
+    thread (joined once the job ended: then the list holds all of it)."""
+    chunks: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            chunks.append(chunk.decode(errors="replace"))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return chunks, reader
 
 
 def run_job(cmd: list[str], env: dict[str, str], timeout: float) -> int:

@@ -23,16 +23,11 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from collectives.hot import compiled_wanted, mpi_functions
+from collectives.hot import compiled_module, mpi_functions
 
 from .polling import SPIN_S
 
-_hot: Any = None
-if compiled_wanted():
-    try:
-        from . import _hot
-    except ImportError:  # not built (no compiler at install), or a Python it does not support
-        _hot = None
+_hot: Any = compiled_module("hpcdl.parameter_server._hot")
 
 #: Whether the compiled path is there (built, and not turned off by HPCDL_COMPILED).
 COMPILED = _hot is not None

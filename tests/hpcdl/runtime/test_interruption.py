@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -23,7 +22,7 @@ from mpi4py import MPI
 
 from tests.conftest import ROOT
 from tests.helpers.interrupted_job import CAUGHT, ENTERS, FORKED, READY
-from tests.run import own_job_environment, run_own_job
+from tests.run import own_job_environment, read_in_background, run_own_job
 
 alone = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                            reason="launches its own jobs: from the one-rank job, whose process leaves them the cores")
@@ -44,14 +43,7 @@ def interrupt(command: list[str], ready: str, targets: str = "group") -> dict[st
     its end. Only the processes it started are signalled, and killed if they outlive the test."""
     proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    chunks: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-            chunks.append(chunk.decode(errors="replace"))
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    chunks, reader = read_in_background(proc)
     try:
         deadline = time.monotonic() + 180
         while ready not in "".join(chunks):

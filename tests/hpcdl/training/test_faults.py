@@ -39,7 +39,7 @@ from hpcdl.training import compute, metrics, run, signals, stop_requests, traine
 from hpcdl.training.data import load_digits_split
 from hpcdl.training.models import build_model
 from tests.helpers.full_disk import FULL_DISK_PROGRAM
-from tests.run import own_job_environment, run_own_job, stop  # launching jobs of its own
+from tests.run import own_job_environment, read_in_background, run_own_job, stop  # launching jobs of its own
 
 SIZE = MPI.COMM_WORLD.Get_size()
 at_most_3_ranks = pytest.mark.skipif(SIZE > 3, reason="trains; N <= 3 is enough")
@@ -489,18 +489,11 @@ def launch_and_signal(command: list[str], signum: int | None, after: str, env: d
                       stdout: int | None = None) -> dict[str, Any]:
     """Run `command` (an mpirun) from this rank, send `signum` to mpirun once its output matches
     `after` (None: no signal); its status and output (carriage returns kept)."""
-    chunks: list[str] = []
     proc = subprocess.Popen(command, cwd=ROOT, env=env or own_job_environment(), stdout=stdout or subprocess.PIPE,
                             stderr=subprocess.STDOUT if stdout is None else stdout)
     if stdout is not None:  # the caller reads it (a terminal)
         return {"proc": proc}
-
-    def read() -> None:
-        assert proc.stdout is not None
-        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-            chunks.append(chunk.decode(errors="replace"))
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    chunks, reader = read_in_background(proc)
     try:
         if signum is not None:
             if not wait_until(lambda: re.search(after, "".join(chunks)) is not None, 180):
