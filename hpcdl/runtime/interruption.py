@@ -10,7 +10,9 @@ rank dies of the SIGTERM and the job ends without a word (measured 0.3-0.6 s aft
 An `Interruption` takes SIGCONT and SIGTERM: where Open MPI's launcher started the rank, a SIGTERM
 within LAUNCHER_KILL_WINDOW_S of a SIGCONT is mpirun ending the job. Rank 0 then writes one line where
 the user still reads it (`launcher.tell_user`): what ended the job and where rank 0 was (`rank0_place`:
-the collective or stall wait it was in, or its program's line); every rank leaves at once with
+the collective or stall wait it was in, or its program's line). Open MPI ends the job the same way
+when a rank dies (without ULFM): a rank of the host whose process is already gone at the SIGCONT is
+named as the cause (`_note_the_gone`; the lowest rank alive says it where rank 0 died); every rank leaves at once with
 128 + the signal, MPI unfinalized (SIGKILL follows: there is time for nothing more). Any other SIGTERM
 does what it did before (`other`). `hpcdl.init()` installs one for the program (`install`), where the
 program has no handler of its own for either signal; `hpcdl train` runs under a subclass that also

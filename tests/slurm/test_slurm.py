@@ -175,7 +175,7 @@ def test_allreduce_sweep_job(cluster: Cluster, tmp_path: Path, capsys: pytest.Ca
     assert "2 ranks on 1 host" in log and "all checked results exact" in log, log
     rows = list(csv.DictReader(table.open()))
     sizes = sorted({int(r["nbytes"]) for r in rows})
-    assert sizes == [4, 64, 1024, 16384], sizes  # 4 B times 16 while <= 64 KiB
+    assert sizes == [4, 64, 1024, 16384, 65536], sizes  # 4 B times 16 while <= 64 KiB, and -e's 64 KiB
     algorithms = {r["algorithm"] for r in rows}
     assert {"ring", "mpi", "auto", "direct", "gloo"} <= algorithms, algorithms
     for r in rows:

@@ -323,6 +323,7 @@ def test_a_wait_on_a_late_rank_warns(comm, wait, monkeypatch):
     assert all_ranks_agree(ok, comm)
 
 
+@pytest.mark.own_job
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 3-rank mpirun; N = 1")
 def test_a_stall_report_names_the_stopped_worker_alone_and_the_server_as_waiting():
     """tests/helpers/ps_stall_job.py: under sync, worker 1 is stopped (SIGSTOP) before its push;

@@ -71,12 +71,14 @@ def interrupt(command: list[str], ready: str, targets: str = "group") -> dict[st
 
 @alone
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["compute", "collective", "mixed"])
-@pytest.mark.parametrize("kind", ["ddp", "hvd", "dist"])
+@pytest.mark.parametrize("kind,mode", [("ddp", "compute"), ("ddp", "collective"), ("ddp", "mixed"),
+                                       ("hvd", "mixed"), ("dist", "collective")])
 def test_ctrl_c_to_mpirun_ends_a_user_script_in_one_line(kind, mode):
     """Before: the job ended in silence (mpirun ends the ranks with SIGCONT, SIGTERM, SIGKILL and
     forwards none of their output). Now rank 0 writes one line, on mpirun's stderr, naming where
-    it was (the collective it waited in, for `collective` and `mixed`), within BOUND_S."""
+    it was (the collective it waited in, for `collective` and `mixed`), within BOUND_S. Every
+    state with hpcdl's DDP; hvd's and torch.distributed's scripts (hpcdl.init() through hvd.init()
+    and init_process_group) in one state each (all nine passed alike: 2026-11-30, CI's time)."""
     outcome = interrupt(["mpirun", "-n", "2", sys.executable, *JOB, kind, mode],
                         READY if mode == "compute" else ENTERS)
     out = outcome["output"]
@@ -133,3 +135,34 @@ def test_a_forked_child_s_sigterm_leaves_its_parent_alone():
     nor print a line."""
     done = run_own_job(["mpirun", "-n", "1", sys.executable, *JOB, "ddp", "fork"], timeout=180)
     assert done.returncode == 0 and FORKED in done.stdout and "hpcdl: interrupted" not in done.stdout, done.stdout
+
+
+def test_a_rank_whose_process_is_gone_at_mpiruns_sigcont_is_named_as_the_cause(monkeypatch):
+    """At mpirun's SIGCONT the ranks of this host whose process is already gone (from the pids the
+    diagnosis service gathered) are the ones that died; the line names them. A rank elsewhere is not
+    seen; under ULFM a lost rank does not end the job, so none is named there."""
+    import socket
+    import types
+
+    import collectives
+    from hpcdl.runtime import diagnosis, interruption
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    here = socket.gethostname()
+    places = [(here, os.getpid()), (here, gone.pid), ("elsewhere.invalid", 42), (here, os.getppid())]
+    monkeypatch.setattr(diagnosis, "service", lambda: types.SimpleNamespace(places=places, rank=0, waits={}))
+    monkeypatch.setattr(collectives, "fault_tolerant", lambda: False)
+    caught = interruption.Interruption()
+    caught._note_the_gone()
+    assert caught.gone == [1] and caught.remote_peers, (caught.gone, caught.remote_peers)
+    assert caught.line(signal.SIGTERM, from_mpirun=True).startswith(
+        "hpcdl: interrupted: rank 1 died (its process ended first: killed, or crashed; mpirun's report says "
+        "how), and mpirun ended the job, as Open MPI does when a rank dies while rank 0 was ")
+    assert caught.line(signal.SIGTERM, from_mpirun=False).startswith("hpcdl: interrupted: SIGTERM while rank 0")
+    assert interruption.died([0, 2]).startswith("ranks 0, 2 died (their processes ended first")
+    monkeypatch.setattr(collectives, "fault_tolerant", lambda: True)
+    under_ulfm = interruption.Interruption()
+    under_ulfm._note_the_gone()
+    assert under_ulfm.gone == [] and under_ulfm.line(signal.SIGTERM, True).startswith(
+        f"hpcdl: interrupted: {interruption.MPIRUN_ENDED} while rank 0 was "), under_ulfm.line(signal.SIGTERM, True)
