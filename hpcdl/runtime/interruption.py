@@ -38,7 +38,7 @@ from typing import Any
 from collectives.recorder import LEFT, RECORDER, THREAD, as_dict, short
 
 from . import world
-from .launcher import launcher_pid, tell_user
+from .launcher import launcher_pid, process_exists, tell_user
 
 #: Seconds within which a SIGTERM after a SIGCONT is mpirun ending the job (it sends them 0.25 s apart).
 LAUNCHER_KILL_WINDOW_S = 2.0
@@ -171,7 +171,7 @@ class Interruption:
         here = service.places[service.rank][0]
         self.remote_peers = any(host != here for host, _ in service.places)
         self.gone = [rank for rank, (host, pid) in enumerate(service.places)
-                     if host == here and rank != service.rank and not _exists(pid)]
+                     if host == here and rank != service.rank and not process_exists(pid)]
 
     def _tells(self) -> bool:
         """Whether this rank writes the line: rank 0, or the lowest rank alive where the ranks
@@ -217,17 +217,6 @@ def died(ranks: list[int]) -> str:
     which = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
     whose = "its process" if len(ranks) == 1 else "their processes"
     return f"{which} died ({whose} ended first: killed, or crashed; mpirun's report says how)"
-
-
-def _exists(pid: int) -> bool:
-    """Whether process `pid` exists (one that ended is gone once its parent reaped it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's: it exists
-        return True
-    return True
 
 
 def _wake_a_thread() -> None:

@@ -146,14 +146,14 @@ def exit_status(status: int) -> int:
     inflight.drain()
     MPI.Finalize()
     deadline = time.monotonic() + _EXIT_WAIT_S
-    while any(_running(pid) for pid in local) and time.monotonic() < deadline:
+    while any(process_exists(pid) for pid in local) and time.monotonic() < deadline:
         time.sleep(0.01)
     if len(local) < len(peers) - 1:
         time.sleep(_REMOTE_EXIT_GRACE_S)
     return worst
 
 
-def _running(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
     """Whether process `pid` exists (a rank that exited is gone once its launcher has reaped it,
     which is when the launcher knows its status)."""
     try:
