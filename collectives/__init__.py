@@ -24,6 +24,7 @@ _LAZY = {
                                 "iallgatherv", "iallreduce", "ibroadcast", "ireduce",
                                 "ireduce_scatter", "reduce", "reduce_scatter")},
     "exact_allreduce": "fixed_point",
+    "PersistentAllreduce": "persistent",
     "agree_completed": "survivors",
     "calls_issued": "survivors",
     "shrink": "survivors",

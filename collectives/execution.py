@@ -189,6 +189,36 @@ def _queue(call: Call, channel: Channel, number: int, record: list[Any]) -> Hand
                                                         call, lane, number, plan, error))
 
 
+def submit_work(comm: MPI.Comm, what: tuple[Any, ...], work: Callable[[], Any]) -> Handle:
+    """Issue `work` (a collective over a communicator of its own, made from `comm`'s ranks) as
+    the next call on `comm`: numbered, flight-recorded as `what` (collective, algorithm, bytes,
+    dtype) and run by `comm`'s communication thread after the calls issued before it, where an
+    MPI error reporting a process failure becomes `ProcessFailure` as any call's does
+    (`persistent.py`). No argument check: the caller agreed the arguments once."""
+    channel = channel_of(comm)
+    site = call_site()  # the caller of `work`'s public method (that method, then this function)
+    number = channel.enter()
+    record = RECORDER.enter(channel.label, number, what, site[1], channel.issuer, 1)
+    try:
+        handle = channel.last = channel.engine.submit(
+            what[0], lambda: _guarded(channel, what[0], number, record, _declined, channel, work))
+    except BaseException:
+        leave(record)
+        raise
+    finally:
+        channel.leave()
+    return handle
+
+
+def _declined(channel: Channel, work: Callable[[], Any]) -> Any:
+    """`work`, after declining the expected call where one is expected (every call takes part in
+    its attempt, `expectation.py`)."""
+    expectation = channel.background.expectation
+    if expectation.expected is not None:
+        expectation.decline()
+    return work()
+
+
 def submit(call: Call) -> Handle:
     """Issue `call` as a non-blocking call: queued to its communicator's communication thread."""
     channel = channel_of(call.comm)

@@ -8,7 +8,8 @@ round left (MPI.COMM_WORLD first):
 - then the victims (world ranks joined by `+`) SIGKILL themselves at `phase`:
   `check.K`, after K messages of the next call's argument check; `data.K`, at the K-th
   point-to-point step of the next call's algorithm (0: as the algorithm starts; the `mpi`
-  algorithm's one step is the library's collective); `nonblocking.K`, ten non-blocking calls
+  algorithm's one step is the library's collective, as is a start of the `persistent` one, a
+  `collectives.PersistentAllreduce` made at the round's first call); `nonblocking.K`, ten non-blocking calls
   issued at once, the victim dying at the K-th step counted over all of them;
 - every survivor catches `collectives.ProcessFailure`; one whose call completed (a rooted call
   may complete without the dead rank) makes one more call, which must raise it;
@@ -35,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import host_communicators, registry, transport, validation
+from collectives import host_communicators, persistent, registry, transport, validation
 
 WORLD = MPI.COMM_WORLD.Get_rank()
 ELEMENTS = 1 << 16  # default: 256 KiB of float32, beyond the check's payload
@@ -87,6 +88,8 @@ class Killer:
             setattr(validation.Agreement, name, counting("check", getattr(validation.Agreement, name)))
         for name in ("sendrecv", "sendrecv_combine", "send", "recv", "wait"):
             setattr(transport.Link, name, counting("data", getattr(transport.Link, name)))
+        # A persistent allreduce's start is one step too: the library's collective on its duplicate
+        persistent.PersistentAllreduce._run = counting("data", persistent.PersistentAllreduce._run)
         for table in registry.ALGORITHMS.values():  # the MPI library's collective is one step
             if "mpi" in table:
                 table["mpi"] = dataclasses.replace(table["mpi"], run=counting("data", table["mpi"].run))
@@ -103,11 +106,21 @@ class Calls:
     def __init__(self, collective: str, algorithm: str, elements: int, comm: MPI.Comm) -> None:
         self.collective, self.algorithm, self.elements, self.comm = collective, algorithm, elements, comm
         self.made = self.returned = 0
+        self.persistent: collectives.PersistentAllreduce | None = None  # algorithm "persistent"
 
     def make(self, blocking: bool = True) -> Any:
         """One call whose exact result `expected` knows; returns the result (or the handle)."""
         x = (np.arange(self.elements) % 97 + self.comm.Get_rank()).astype(np.float32)
         prefix, collective = ("" if blocking else "i"), self.collective
+        if self.algorithm == "persistent":  # an allreduce agreed once (at the round's first call)
+            if self.persistent is None:  # two checked calls and the duplicate's: three calls
+                self.persistent = collectives.PersistentAllreduce(np.zeros_like(x), self.comm)
+                self.made += 3
+                self.returned += 3
+            self.persistent.data[:] = x
+            self.made += 1
+            handle = self.persistent.start()
+            return handle.wait() if blocking else handle
         self.made += 1
         if collective == "broadcast":
             return getattr(collectives, prefix + collective)(x, 0, self.comm,
@@ -203,7 +216,8 @@ def run_round(spec: str, index: int, comm: MPI.Comm, made: int, killer: Killer
     record["failed_world"] = sorted(gone.Translate_ranks(None, MPI.COMM_WORLD.Get_group()))
     record["new_size"] = new.Get_size()
     x = (np.arange(ELEMENTS) % 89 + new.Get_rank()).astype(np.int64)
-    after = collectives.allreduce(x, new, algorithm=algorithm if collective == "allreduce" else "auto")
+    after = collectives.allreduce(x, new, algorithm=algorithm if algorithm in registry.ALGORITHMS[collective]
+                                  and collective == "allreduce" else "auto")
     want = (np.arange(ELEMENTS) % 89) * new.Get_size() + sum(range(new.Get_size()))
     record["after_exact"] = bool(np.array_equal(after, want))
     print("RESULT " + json.dumps(record), flush=True)
