@@ -371,6 +371,7 @@ def signal_handlers():
         signal.signal(s, handler)
 
 
+@pytest.mark.late_rank
 @pytest.mark.skipif(SIZE == 1, reason="needs a peer to wait for")
 @pytest.mark.parametrize("what", ["stop-signal check", "epoch-end sums", "evaluation", "checkpoint"])
 def test_every_collective_the_trainer_waits_on_warns_when_a_rank_is_late(what, tmp_path, comm, monkeypatch,
