@@ -56,8 +56,8 @@ LATE_RANK_SIZE = 3
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MANY_RANKS}: runs in jobs of more than {MOST_RANKS_ELSEWHERE} ranks too, "
                                        "outside the folders whose tests run at every size (tests/conftest.py)")
-    config.addinivalue_line("markers", f"{LATE_RANK}: a late rank's test, run in the job of {LATE_RANK_SIZE} ranks only "
-                                       "(tests/conftest.py)")
+    config.addinivalue_line("markers", f"{LATE_RANK}: a late rank's test, run in the job of {LATE_RANK_SIZE} ranks "
+                                       "only (tests/conftest.py)")
     # each test started by every rank together, under a watchdog (tests/helpers/hang_watch.py)
     config.pluginmanager.register(hang_watch.watch(config), "hang_watch")
 
