@@ -44,11 +44,20 @@ MOST_RANKS_ELSEWHERE = 3
 #: number of ranks shapes the algorithm (its rounds, uneven splits, factorizations of the size).
 EVERY_SIZE = (ROOT / "tests" / "collectives", ROOT / "tests" / "hpcdl" / "parallel")
 MANY_RANKS = "many_ranks"
+#: Tests of a rank that comes late (the others wait for it and warn, or name it last) are marked
+#: `late_rank` and run in the job of LATE_RANK_SIZE ranks only (unless their file is named on the
+#: command line): there two ranks wait for the last one, the lowest reports and the other does not
+#: (`reports_stalls`), which holds the 2-rank job's one waiting rank as a case; each sleeps a fixed
+#: second or more, and in the 2-rank job too they took 24 s of CI's time at c4f0da1 (17 tests).
+LATE_RANK = "late_rank"
+LATE_RANK_SIZE = 3
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MANY_RANKS}: runs in jobs of more than {MOST_RANKS_ELSEWHERE} ranks too, "
                                        "outside the folders whose tests run at every size (tests/conftest.py)")
+    config.addinivalue_line("markers", f"{LATE_RANK}: a late rank's test, run in the job of {LATE_RANK_SIZE} ranks "
+                                       "only (tests/conftest.py)")
     # each test started by every rank together, under a watchdog (tests/helpers/hang_watch.py)
     config.pluginmanager.register(hang_watch.watch(config), "hang_watch")
 
@@ -56,6 +65,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def _narrowed() -> bool:
     """Whether this job leaves out the tests that need no more than MOST_RANKS_ELSEWHERE ranks."""
     return MPI.COMM_WORLD.Get_size() > MOST_RANKS_ELSEWHERE
+
+
+def _late_rank_job() -> bool:
+    """Whether this job runs the tests marked `late_rank`."""
+    return MPI.COMM_WORLD.Get_size() == LATE_RANK_SIZE
 
 
 def _every_size(path: Path) -> bool:
@@ -73,11 +87,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In a narrowed job, deselect the tests that a module marking others `many_ranks` holds
-    unmarked (unless its file was named on the command line)."""
-    if not _narrowed():
-        return
-    left_out = [item for item in items if not _every_size(item.path) and not item.session.isinitpath(item.path)
-                and item.get_closest_marker(MANY_RANKS) is None]
+    unmarked; in a job of other than LATE_RANK_SIZE ranks, the tests marked `late_rank` (either
+    unless its file was named on the command line)."""
+    narrowed, late_rank_job = _narrowed(), _late_rank_job()
+    left_out = [item for item in items if not item.session.isinitpath(item.path) and (
+        (narrowed and not _every_size(item.path) and item.get_closest_marker(MANY_RANKS) is None)
+        or (not late_rank_job and item.get_closest_marker(LATE_RANK) is not None))]
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         leaving = set(left_out)

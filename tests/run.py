@@ -11,7 +11,8 @@ collectives and the process grids, where the number of ranks shapes the algorith
 marked `many_ranks` and the test files named after --: the rest need no more ranks and run in the
 jobs of 1 to 3 (run again at 5 ranks, they took 77 s of CI's 182 s 5-rank job at 9f4f59d, and
 their imports 15 of its 35 CPU-s of collection; at 4 ranks 62 s of CI's 121 s 4-rank job at
-7a038cc). Rank 0 prints to the terminal; the other ranks
+7a038cc). The tests marked `late_rank` run in the 3-rank job only (tests/conftest.py's
+LATE_RANK_SIZE). Rank 0 prints to the terminal; the other ranks
 write test-logs/N<size>/rank<r>.log (or under $HPCDL_TEST_LOGS), printed here when that rank
 failed. The jobs run one after the other (--beside runs the N=1 job beside the others, with rank
 0's output in its log too). On two cores the two ways take about as long: CI's tests took 1806 s

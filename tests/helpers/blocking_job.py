@@ -10,12 +10,12 @@ own MPI call, `MPI.COMM_WORLD.Barrier()`, in place of the allreduce; `raw-loop`:
 quick raw barriers for RAW_LOOP_S seconds at one line (a loop, not one call that never returns)."""
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 import collectives
@@ -30,6 +30,9 @@ def load_batch(seconds: float) -> None:
 
 
 def main(mode: str) -> None:
+    # torch only for the mode that passes a tensor: its import is most of a rank's start (about
+    # 1.3 CPU-s), and the other modes start 2 or 3 ranks at once on the test machine's cores
+    torch = importlib.import_module("torch") if mode == "left-tensor" else None
     hpcdl.init()
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -47,7 +50,7 @@ def main(mode: str) -> None:
                 break
         if raw:
             world.Barrier()
-        elif mode == "left-tensor":
+        elif torch is not None:
             hpcdl.allreduce(torch.ones(4))
         else:
             collectives.allreduce(np.ones(4, np.float32), world)

@@ -10,6 +10,7 @@ from tests.conftest import all_ranks_agree
 from tests.helpers.slow_rank import optimizer_step, slow_rank_named
 
 
+@pytest.mark.late_rank
 @pytest.mark.parametrize("shard", [None, "gradients"])
 def test_a_rank_that_starts_each_step_late_is_named_last_by_about_its_delay(comm, shard):
     if comm.Get_size() == 1:

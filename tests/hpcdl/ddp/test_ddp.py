@@ -392,6 +392,7 @@ def test_float16_average_does_not_overflow(comm, compression):
     assert all_ranks_agree(ok, comm), grad
 
 
+@pytest.mark.late_rank
 def test_a_stalled_reduction_warns_then_times_out(comm, monkeypatch):
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:

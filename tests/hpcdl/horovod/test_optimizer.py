@@ -511,6 +511,7 @@ def test_bad_arguments_on_one_rank_fail_every_rank(comm):
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size  # still in step
 
 
+@pytest.mark.late_rank
 def test_a_rank_that_starts_each_step_late_is_named_last_in_the_optimizers_arrivals(comm):
     from tests.helpers.slow_rank import optimizer_step, slow_rank_named
 

@@ -231,6 +231,7 @@ def test_different_arguments_and_foreign_optimizer_are_refused(comm):
         hpcdl.LocalSGD("net", opt, comm)
 
 
+@pytest.mark.late_rank
 @pytest.mark.parametrize("when", ["averaging", "warm-up"])
 def test_a_late_rank_is_warned_about_while_the_others_average(comm, when, monkeypatch):
     """The averaging waits on every rank: the others warn, naming it, while one is late
@@ -273,6 +274,7 @@ def test_the_defaults_have_one_home_that_the_class_and_hpcdl_train_read_without_
     assert all_ranks_agree(ok, comm), (signature, chosen)
 
 
+@pytest.mark.late_rank
 @pytest.mark.parametrize("warmup_steps", [0, 20])
 def test_a_rank_that_starts_each_step_late_is_named_last_at_each_averaging(comm, warmup_steps):
     from tests.helpers.slow_rank import slow_rank_named

@@ -287,6 +287,7 @@ def test_a_skipped_fetch_reports_the_progress_the_servers_have_now(comm):
     assert all_ranks_agree(ok, comm), "a skipped fetch reported a stale progress"
 
 
+@pytest.mark.late_rank
 @pytest.mark.parametrize("wait", ["ssp bound", "sync step", "server"])
 def test_a_wait_on_a_late_rank_warns(comm, wait, monkeypatch):
     """A worker whose pull SSP's bound or sync's step holds back for a late worker, or that waits

@@ -25,6 +25,7 @@ def late_allreduce(comm):
     return collectives.iallreduce(np.arange(4.0), comm)
 
 
+@pytest.mark.late_rank
 def test_a_late_rank_is_warned_about_then_the_wait_completes(comm, monkeypatch):
     if comm.Get_size() == 1:
         pytest.skip("needs a peer to wait for")
@@ -49,6 +50,7 @@ def test_a_late_rank_is_warned_about_then_the_wait_completes(comm, monkeypatch):
     assert all_ranks_agree(ok, comm), messages
 
 
+@pytest.mark.late_rank
 def test_a_timeout_raises_and_leaves_the_collective_running(comm, monkeypatch):
     if comm.Get_size() == 1:
         pytest.skip("needs a peer to wait for")
@@ -66,6 +68,7 @@ def test_a_timeout_raises_and_leaves_the_collective_running(comm, monkeypatch):
     assert all_ranks_agree(ok, comm)
 
 
+@pytest.mark.late_rank
 def test_barrier_warns_while_a_rank_is_missing(comm, monkeypatch):
     if comm.Get_size() == 1:
         pytest.skip("needs a peer to wait for")
