@@ -199,15 +199,8 @@ def submit_work(comm: MPI.Comm, what: tuple[Any, ...], work: Callable[[], Any]) 
     site = call_site()  # the caller of `work`'s public method (that method, then this function)
     number = channel.enter()
     record = RECORDER.enter(channel.label, number, what, site[1], channel.issuer, 1)
-    try:
-        handle = channel.last = channel.engine.submit(
-            what[0], lambda: _guarded(channel, what[0], number, record, _declined, channel, work))
-    except BaseException:
-        leave(record)
-        raise
-    finally:
-        channel.leave()
-    return handle
+    return _issued(channel, record, lambda: channel.engine.submit(
+        what[0], lambda: _guarded(channel, what[0], number, record, _declined, channel, work)))
 
 
 def _declined(channel: Channel, work: Callable[[], Any]) -> Any:
@@ -225,8 +218,14 @@ def submit(call: Call) -> Handle:
     call.site = call_site()
     number = channel.enter()
     record = _recorded(call, channel, number)
+    return _issued(channel, record, lambda: _queue(call, channel, number, record))
+
+
+def _issued(channel: Channel, record: list[Any], queue: Callable[[], Handle]) -> Handle:
+    """The handle `queue()` gives for the call being issued on `channel` (its flight `record` left
+    if queuing fails), kept as the channel's last; the issue ends either way."""
     try:
-        handle = channel.last = _queue(call, channel, number, record)
+        handle = channel.last = queue()
     except BaseException:
         leave(record)
         raise

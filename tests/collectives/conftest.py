@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mpi4py import MPI
 
 from collectives import select
 
@@ -32,3 +33,12 @@ def tuning_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     yield write
     _clear_caches()
+
+
+@pytest.fixture
+def side(comm: MPI.Comm) -> Any:
+    """A communicator of the test's own: its first use (its private duplicate, plans, expectations)
+    and its call numbers are the test's."""
+    fresh = comm.Dup()
+    yield fresh
+    fresh.Free()

@@ -25,14 +25,6 @@ from tests.run import own_job_environment
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 
-@pytest.fixture
-def side(comm: MPI.Comm) -> Any:
-    """A communicator of the test's own, whose first use (and private duplicate) is the test's."""
-    fresh = comm.Dup()
-    yield fresh
-    fresh.Free()
-
-
 def _error(call: Any) -> str | None:
     try:
         call()

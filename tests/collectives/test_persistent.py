@@ -21,14 +21,6 @@ from tests.conftest import all_ranks_agree
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 
-@pytest.fixture
-def side(comm: MPI.Comm) -> Any:
-    """A communicator of the test's own: its call numbers start afresh."""
-    fresh = comm.Dup()
-    yield fresh
-    fresh.Free()
-
-
 def terms(rank: int, dtype: Any, n: int, start: int) -> np.ndarray:
     """Rank `rank`'s input at start `start`: integers, so every order of adding them is exact."""
     return ((np.arange(n) * 7 + 3 * rank + start) % 101 - 50).astype(dtype)

@@ -50,14 +50,6 @@ def path(request: pytest.FixtureRequest) -> Any:
     hot.enable(was)
 
 
-@pytest.fixture
-def side(comm: MPI.Comm) -> Any:
-    """A communicator of the test's own: its plans, expectations and call numbers start afresh."""
-    fresh = comm.Dup()
-    yield fresh
-    fresh.Free()
-
-
 def _error(call: Callable[[], Any]) -> str | None:
     try:
         call()
