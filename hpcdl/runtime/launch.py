@@ -19,13 +19,26 @@ Which variable is believed, most specific first:
 torch's launchers fail the same way: `torchrun --nproc-per-node N` starts N processes that each
 initialize MPI as a one-rank job. torchrun says so in `WORLD_SIZE` (and marks its workers with
 `TORCHELASTIC_RUN_ID`); a `WORLD_SIZE` above 1 in a one-rank MPI job is refused with the fix named.
+
+A rank that never reaches `hpcdl.init()` (an MPMD launch `mpirun -n 1 python a.py : -n 1 python
+b.py` whose b.py does not call it, a rank stuck before it) would leave the others in init's first
+collective for ever. `await_every_rank` comes first: every rank tells rank 0 it arrived (one empty
+message, on a tag of its own, so no collective of another program can match it), rank 0 answers
+each; past ARRIVAL_WAIT_S (HPCDL_INIT_WAIT_S) rank 0 raises LaunchError naming the ranks that did
+not arrive, a rank that rank 0 never answered raises naming rank 0. Cost: one empty message each
+way per rank (docs/troubleshooting.md#a-rank-that-never-calls-hpcdlinit).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
+import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI
+    from mpi4py import MPI
 
 # srun's --mpi plugin per MPI family: what the library's PMI client speaks.
 SRUN_MPI_TYPE = {"Open MPI": "pmix", "MPICH": "pmi2", "Intel MPI": "pmi2", "MVAPICH": "pmi2"}
@@ -162,3 +175,87 @@ def check_launch(comm_size: int, env: Mapping[str, str] | None = None,
             f"a PMIx launcher gave this process rank {pmix_rank} (PMIX_RANK) but MPI reports a job of "
             f"size {comm_size}: the MPI library did not join the launcher's job. Under SLURM, "
             f"{srun_fix(family)}; otherwise use the mpirun of the MPI library mpi4py loaded.")
+
+
+#: Seconds `hpcdl.init()` waits for every rank of the job to call it before it names those that did
+#: not: generous, for a start-up that imports torch from a slow shared filesystem on many ranks at
+#: once. ARRIVAL_WAIT_VARIABLE, set to a number of seconds (or inf), replaces it.
+ARRIVAL_WAIT_S = 600.0
+ARRIVAL_WAIT_VARIABLE = "HPCDL_INIT_WAIT_S"
+#: The tag of the arrival messages on MPI.COMM_WORLD (MPI guarantees tags up to 32767; the
+#: runtime's recovery.QUIET_TAG is 32767).
+ARRIVAL_TAG = 32766
+
+_NOTHING = bytearray()  # what an arrival message carries: alive for as long as the module
+
+
+def arrival_wait_seconds(env: Mapping[str, str] | None = None) -> float:
+    """ARRIVAL_WAIT_S, or ARRIVAL_WAIT_VARIABLE's seconds where set in `env` (default os.environ).
+    Raises LaunchError naming the variable where it is not a positive number."""
+    env = os.environ if env is None else env
+    text = env.get(ARRIVAL_WAIT_VARIABLE, "").strip()
+    if not text:
+        return ARRIVAL_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # NaN fails this too
+        raise LaunchError(f"{ARRIVAL_WAIT_VARIABLE}={text!r} is not a positive number of seconds: set it to how "
+                          f"long hpcdl.init() may wait for every rank to call it (default {ARRIVAL_WAIT_S:g}, "
+                          "inf for no limit), or unset it")
+    return value
+
+
+def _missing_advice(wait_s: float) -> str:
+    return (f"every rank of the job must call hpcdl.init() (an MPMD launch `mpirun ... : ...` whose other "
+            "program does not, a script without it, a rank stuck before it in an import or in MPI calls of "
+            f"its own); if start-up is legitimately slower (a slow shared filesystem), raise "
+            f"{ARRIVAL_WAIT_VARIABLE} (now {wait_s:g} s)")
+
+
+def await_every_rank(comm: MPI.Comm, wait_s: float, grace_s: float) -> None:
+    """Collective over `comm` (MPI.COMM_WORLD, before init's first collective): return once every
+    rank has called it. Rank 0 raises LaunchError naming the ranks that did not within `wait_s`
+    seconds; another rank raises naming rank 0 where rank 0 has not answered `grace_s` later
+    (rank 1), or 2 x `grace_s` later (the others): rank 0's abort, or rank 1's, ends it first,
+    so the job prints one line."""
+    from collectives.patience import complete_patiently
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    start = time.monotonic()
+    message = [_NOTHING, MPI.BYTE]
+    if rank == 0:
+        arrivals = [comm.Irecv(message, source, ARRIVAL_TAG) for source in range(1, size)]
+        try:
+            complete_patiently(arrivals, lambda: True, start + wait_s)
+        except TimeoutError:
+            missing = [source for source, request in zip(range(1, size), arrivals) if not request.Get_status()]
+            raise LaunchError(
+                f"{_ranks(missing)} (of {size}) did not call hpcdl.init() within {wait_s:g} s, and the ranks that "
+                f"did would have waited for them for ever: {_missing_advice(wait_s)}") from None
+        complete_patiently([comm.Isend(message, destination, ARRIVAL_TAG) for destination in range(1, size)],
+                           lambda: True)
+        return
+    requests = [comm.Isend(message, 0, ARRIVAL_TAG), comm.Irecv(message, 0, ARRIVAL_TAG)]
+    try:
+        complete_patiently(requests, lambda: True, start + wait_s + grace_s * (1 if rank == 1 else 2))
+    except TimeoutError:
+        raise LaunchError(
+            f"rank 0 (of {size}) did not call hpcdl.init() within {wait_s:g} s, and the ranks that did would have "
+            f"waited for it for ever: {_missing_advice(wait_s)}") from None
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[1, 2, 3, 5] as "ranks 1-3, 5" ("rank 4" for one): thousands of ranks in one line."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) != 1 else ''} {text}"

@@ -32,7 +32,7 @@ mpi4py.rc.thread_level = "multiple"
 
 from mpi4py import MPI  # noqa: E402
 
-from .launch import check_launch  # noqa: E402
+from .launch import arrival_wait_seconds, await_every_rank, check_launch  # noqa: E402
 from .rendezvous import export_torch_environment, rendezvous_address, torch_environment  # noqa: E402
 
 THREAD_LEVEL_NAMES = {
@@ -83,6 +83,9 @@ def init(*, abort_on_exception: bool = True) -> Topology:
         # srun's (or torchrun's) N tasks started as N one-rank jobs: stop before any work, naming
         # the fix.
         check_launch(world.Get_size())
+        # A rank that never gets here (an MPMD launch's other program, a script without init())
+        # would hold the others in Split_type for ever: first an arrival check, bounded in time.
+        await_every_rank(world, arrival_wait_seconds(), _quiet_wait_seconds())
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
         local_rank, local_size = node.Get_rank(), node.Get_size()
         node.Free()
