@@ -485,16 +485,25 @@ def test_render_with_program_options_starts_no_mpi_process(tmp_path: Path, templ
 ARRIVAL_WAIT_S = 3
 
 
+#: Where a rank never calls hpcdl.init(): the line's start, by where the others wait for it.
+NEVER_CAME = rf"{{}} did not call hpcdl\.init\(\) within {ARRIVAL_WAIT_S} s"
+NEVER_STARTED_MPI = (rf"MPI_Init has not returned within {ARRIVAL_WAIT_S} s: a process of this job of 2 has not "
+                     r"started MPI \(this mpirun starts 2 programs, of 1 \+ 1 ranks")
+
+
 @alone
-@pytest.mark.parametrize("programs, missing", [
-    (["init", "plain"], "rank 1 (of 2)"),                # rank 0 names the rank that never came
-    (["plain", "init"], "rank 0 (of 2)"),                # rank 1 names rank 0, which would have named the others
-    (["init", "plain", "plain", "init"], "ranks 1-2 (of 4)"),
+@pytest.mark.parametrize("programs, said", [
+    (["init", "plain"], NEVER_CAME.format(r"rank 1 \(of 2\)")),   # rank 0 names the rank that never came
+    (["plain", "init"], NEVER_CAME.format(r"rank 0 \(of 2\)")),   # rank 1 names rank 0
+    (["init", "plain", "plain", "init"], NEVER_CAME.format(r"ranks 1-2 \(of 4\)")),
+    (["init", "no-mpi"], NEVER_STARTED_MPI),                     # the others wait in MPI_Init itself
+    (["no-mpi", "init"], NEVER_STARTED_MPI),
 ])
-def test_a_rank_that_never_calls_init_is_named_not_waited_for(programs: list[str], missing: str) -> None:
+def test_a_rank_that_never_calls_init_is_named_not_waited_for(programs: list[str], said: str) -> None:
     """An MPMD launch whose other program never calls hpcdl.init() (a plain mpi4py program, waiting
-    in a barrier of its own): the ranks that did end the job with one line naming the ranks that did
-    not and what to do, after HPCDL_INIT_WAIT_S, instead of waiting in init's first collective for ever."""
+    in a barrier of its own; or one that never starts MPI): the ranks that did end the job with one
+    line saying which ranks did not come and what to do, after HPCDL_INIT_WAIT_S, instead of waiting
+    in init's first collective (or in MPI_Init) for ever."""
     from tests.run import ROOT, own_job_environment, run_own_job
 
     command = ["mpirun", "--oversubscribe"]
@@ -505,8 +514,8 @@ def test_a_rank_that_never_calls_init_is_named_not_waited_for(programs: list[str
     assert job.returncode != 0, job.stdout
     lines = [line for line in job.stdout.splitlines() if "LaunchError" in line]
     assert len(lines) == 1, job.stdout
-    assert re.search(rf"\] LaunchError: {re.escape(missing)} did not call hpcdl\.init\(\) within {ARRIVAL_WAIT_S} s.*"
-                     r"every rank of the job must call hpcdl\.init\(\).*raise HPCDL_INIT_WAIT_S", lines[0]), job.stdout
+    assert re.search(rf"\] LaunchError: {said}.*every rank of the job must call hpcdl\.init\(\).*raise "
+                     r"HPCDL_INIT_WAIT_S", lines[0]), job.stdout
     assert "initialized" not in job.stdout, job.stdout
 
 
