@@ -272,7 +272,8 @@ def watch_mpi_start(grace_s: float, env: Mapping[str, str] | None = None) -> Ite
     kills this one (mpirun then ends the job). Nothing where MPI is started already or no launcher
     started this process, nor without bash. Cost: 0.4 ms here, and 1.1 ms of CPU for the bash."""
     env = os.environ if env is None else env
-    if "mpi4py.MPI" in sys.modules or launcher_claim(env) is None or shutil.which("bash") is None:
+    claim = launcher_claim(env)
+    if "mpi4py.MPI" in sys.modules or claim is None or shutil.which("bash") is None:
         yield
         return
     try:
@@ -283,12 +284,11 @@ def watch_mpi_start(grace_s: float, env: Mapping[str, str] | None = None) -> Ite
         yield
         return
     rank = _integer(env, "OMPI_COMM_WORLD_RANK") or _integer(env, "PMI_RANK") or _integer(env, "PMIX_RANK") or 0
-    size = launcher_claim(env).tasks  # type: ignore[union-attr]
     programs = [n for n in env.get("OMPI_APP_CTX_NUM_PROCS", "").split() if n.isdigit()]
     launch = (f" (this mpirun starts {len(programs)} programs, of {' + '.join(programs)} ranks: does each call "
               "hpcdl.init() or start MPI?)" if len(programs) > 1 else "")
     line = (f"[hpcdl rank {rank}] LaunchError: MPI_Init has not returned within {wait_s:g} s: a process of this "
-            f"job of {size} has not started MPI{launch}, and every process that did waits for it: "
+            f"job of {claim.tasks} has not started MPI{launch}, and every process that did waits for it: "
             f"{_missing_advice(wait_s)}")
     delay = wait_s + (0 if rank == 0 else grace_s if rank == 1 else 2 * grace_s)
     watcher = subprocess.Popen(["bash", "-c", _WATCH, "bash", str(delay), str(os.getpid()), line],
