@@ -17,25 +17,38 @@ Without ULFM none of this runs: a process that dies ends the job (mpirun kills t
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
-from mpi4py import MPI
 
 from .errors import ProcessFailure
 
-#: MPI error classes saying that a peer failed, or that a peer revoked the communicator after it
-#: saw a failure. MPI_ERR_IN_STATUS (a Testall or Waitall with such an error among its requests)
-#: and MPI_ERR_INTERN count when this rank knows of a failed process (`failure_of`).
-FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI, which a module's import must not
+    from mpi4py import MPI
 
-#: Error classes that report a process failure where this rank knows of a failed process:
-#: MPI_ERR_IN_STATUS, and MPI_ERR_INTERN, which Open MPI 5.0.11's non-blocking collectives (the
-#: Idup of a communicator's first collective included) return when their schedule meets a dead
-#: peer ("NBC_Progress: an error 75 was found during schedule").
-_FAILURE_IF_KNOWN = frozenset({MPI.ERR_IN_STATUS, MPI.ERR_INTERN})
+
+@functools.cache
+def failure_classes() -> frozenset[int]:
+    """MPI error classes saying that a peer failed, or that a peer revoked the communicator after
+    it saw a failure. MPI_ERR_IN_STATUS (a Testall or Waitall with such an error among its
+    requests) and MPI_ERR_INTERN count when this rank knows of a failed process (`failure_of`)."""
+    from mpi4py import MPI
+
+    return frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
+
+
+@functools.cache
+def _failure_if_known() -> frozenset[int]:
+    """Error classes that report a process failure where this rank knows of a failed process:
+    MPI_ERR_IN_STATUS, and MPI_ERR_INTERN, which Open MPI 5.0.11's non-blocking collectives (the
+    Idup of a communicator's first collective included) return when their schedule meets a dead
+    peer ("NBC_Progress: an error 75 was found during schedule")."""
+    from mpi4py import MPI
+
+    return frozenset({MPI.ERR_IN_STATUS, MPI.ERR_INTERN})
 
 #: How long a rank that learned of a failure from a revoked communicator waits to learn which
 #: process failed. Open MPI's runtime tells every process of a death, in messages that arrive
@@ -56,6 +69,8 @@ def fault_tolerant() -> bool:
     and without `--with-ft`: docs/failures.md); a value set only in an MCA parameter file is not
     seen. Under another MPI library, `srun`, or a singleton, it is False.
     """
+    from mpi4py import MPI
+
     value = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
     return value in MCA_TRUE and MPI.Get_library_version().startswith("Open MPI")
 
@@ -64,6 +79,8 @@ def revoke(comms: Iterable[MPI.Comm]) -> None:
     """Revoke each communicator: every pending and later operation on it fails, on every rank,
     which wakes peers blocked on ranks that are alive. Revoking twice is harmless; a communicator
     that cannot be revoked (freed, or never completed) is skipped."""
+    from mpi4py import MPI
+
     for comm in comms:
         if comm == MPI.COMM_NULL:
             continue
@@ -78,6 +95,8 @@ def settle(comm: MPI.Comm, requests: Iterable[MPI.Request]) -> None:
     error if need be, once the communicator is revoked), so that MPI writes into no buffer of the
     call after it has raised. Without ULFM nothing can be revoked, and the job is ending anyway:
     nothing is done."""
+    from mpi4py import MPI
+
     if not fault_tolerant():
         return
     revoke([comm])
@@ -93,6 +112,8 @@ def failed_ranks(comm: MPI.Comm, wait_s: float = 0.0) -> tuple[tuple[int, ...], 
     """The ranks of `comm` this process knows to have failed, and the same processes' ranks in
     MPI.COMM_WORLD (MPI.UNDEFINED for a process not in it); waits up to `wait_s` seconds for at
     least one."""
+    from mpi4py import MPI
+
     deadline = time.monotonic() + wait_s
     while True:
         group = comm.Get_failed()
@@ -123,10 +144,10 @@ def failure_of(comm: MPI.Comm, exc: MPI.Exception) -> tuple[tuple[int, ...], tup
     if not fault_tolerant():
         return None
     error_class = exc.Get_error_class()
-    if error_class not in FAILURE_CLASSES and error_class not in _FAILURE_IF_KNOWN:
+    if error_class not in failure_classes() and error_class not in _failure_if_known():
         return None
     ranks, world = failed_ranks(comm, KNOWLEDGE_WAIT_S)
-    if error_class in _FAILURE_IF_KNOWN and not ranks:
+    if error_class in _failure_if_known() and not ranks:
         return None  # an error in some request, but no process is known to have failed
     return ranks, world
 
@@ -169,6 +190,8 @@ def _agree(comm: MPI.Comm, flag: int, deadline: float | None = None) -> int:
     Agree raises MPI_ERR_PROC_FAILED on every process alike when a process failed that not all had
     acknowledged; all acknowledge it and agree again. With a `deadline` (time.monotonic()), a
     non-blocking Iagree waited for until then: TimeoutError past it."""
+    from mpi4py import MPI
+
     while True:
         comm.Ack_failed()
         try:

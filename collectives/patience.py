@@ -26,16 +26,21 @@ SPIN_TESTS = 64
 POLL_SLEEP_S = 50e-6
 
 
-def complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool]) -> None:
+def complete_patiently(requests: list[MPI.Request], patient: Callable[[], bool],
+                       deadline: float | None = None) -> None:
     """Complete `requests` by testing them, sleeping POLL_SLEEP_S between tests after SPIN_TESTS
-    while `patient()` says so. On an error or an interrupt the requests go to `inflight`, so
-    their buffers outlive what is still in flight."""
+    while `patient()` says so. With a `deadline` (time.monotonic()), TimeoutError once it has
+    passed with a request still incomplete. On an error, an interrupt or the deadline the requests
+    go to `inflight`, so their buffers outlive what is still in flight."""
     tests = 0
     try:
         while not MPI.Request.Testall(requests):
             tests += 1
-            if tests > SPIN_TESTS and patient():
-                time.sleep(POLL_SLEEP_S)
+            if tests > SPIN_TESTS:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(requests)} requests not complete by their deadline")
+                if patient():
+                    time.sleep(POLL_SLEEP_S)
     except BaseException:  # an MPI error, an interrupt: the buffers must outlive what is in flight
         inflight.keep(requests, "a collective's messages")
         raise

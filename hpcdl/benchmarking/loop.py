@@ -3,7 +3,7 @@ time per call, summarized over ranks as OSU reports."""
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -33,14 +33,18 @@ def _first_call(case: Case, runner: Runner) -> tuple[int, str | None]:
 
 
 def run_interleaved(case: Case, algorithms: Sequence[str], *, iterations: int, warmup: int,
-                    rounds: int = 1, check_every: bool = False) -> list[Measurement]:
+                    rounds: int = 1, check_every: bool = False,
+                    progress: Callable[[int], None] | None = None) -> list[Measurement]:
     """Collective: time every algorithm on `case`, taking turns in `rounds` rounds.
 
     Per algorithm: one checked untimed call, `warmup` untimed calls, then `iterations` timed calls
     split over the rounds (the order rotates each round), each after a barrier. With
     `check_every`, every timed call starts from refilled inputs and its output is checked.
+    `progress(calls)` is told of the calls made after each algorithm's first call, its warm-up
+    and its share of a round, outside the timed calls (a progress bar, hpcdl bench).
     Cost: (1 + warmup + iterations) calls and barriers per algorithm, plus 5 small allreduces.
     """
+    told = progress or (lambda calls: None)
     comm, clock = case.comm, time.perf_counter
     runners: dict[str, Runner] = {}
     unavailable: dict[str, str] = {}
@@ -64,6 +68,7 @@ def run_interleaved(case: Case, algorithms: Sequence[str], *, iterations: int, w
             wrong[a], error = _first_call(case, runners[a])
             checked[a] = 1 if case.has_output and error is None else 0
             reason = agreed_error(error, comm)
+            told(1)
         if reason is not None:
             unavailable[a] = reason
             runners.pop(a, None)
@@ -74,6 +79,7 @@ def run_interleaved(case: Case, algorithms: Sequence[str], *, iterations: int, w
             comm.Barrier()
             runners[a].call()
             case.space.synchronize()
+        told(warmup)
     times = {a: np.empty(iterations) for a in active}
     done = 0
     rounds = max(1, min(rounds, iterations))
@@ -93,6 +99,7 @@ def run_interleaved(case: Case, algorithms: Sequence[str], *, iterations: int, w
                 if check_every and case.has_output:
                     wrong[a] += run.wrong(case, returned)
                     checked[a] += 1
+            told(share)
         done += share
     return _summarize(case, algorithms, times, wrong, checked, unavailable, iterations, warmup)
 

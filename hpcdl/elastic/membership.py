@@ -32,16 +32,18 @@ import io
 import sys
 import time
 import warnings
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from mpi4py import MPI
 
 import collectives
 
 from ..runtime import flight_dumps
 from ..runtime import recovery as ulfm
 from ..runtime.spares import Spares
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI, which a module's import must not
+    from mpi4py import MPI
 
 #: A replacement's position in the agreement: it holds no state yet.
 _EMPTY = np.iinfo(np.int64).max
@@ -177,6 +179,8 @@ class Membership:
         """Every survivor of a loss (after catching it; `settle=False` where the ranks agreed
         already that one happened): shrink, call spares, respawn, rejoin; a further loss
         meanwhile starts over. The loss, also kept in `losses`."""
+        from mpi4py import MPI
+
         detected, started = time.time(), time.perf_counter()
         flight_dumps.write(MPI.COMM_WORLD.Get_rank(), "a lost rank")  # where HPCDL_DIAGNOSTICS_DIR is set
         before, size = list(self.members), self.comm.Get_size()
@@ -242,6 +246,8 @@ class Membership:
         """Whether this process was in a job that lost ranks since it joined (it must not call
         MPI_Finalize, which can hang after a failure). A replacement that saw no loss after it
         joined calls it: mpirun counts a spawned process that leaves without it as failed."""
+        from mpi4py import MPI
+
         return collectives.fault_tolerant() and (bool(self.losses) or ulfm.knows_failed(self.comm)
                                                  or ulfm.knows_failed(MPI.COMM_WORLD))
 
@@ -252,6 +258,8 @@ class Membership:
         already left without MPI_Finalize for lost ranks (`knows_failed`) and leave without it too,
         which mpirun counts as a failed process (exit status 1; seen once). A rank lost before the
         barrier is a loss: True."""
+        from mpi4py import MPI
+
         lived = self.lived_through_a_loss()
         if not collectives.fault_tolerant():
             return lived

@@ -76,7 +76,7 @@ _TAGS = {int(t) for t in Tag}
 # costs more than the comparison).
 _PUSH, _PULL = int(Tag.PUSH), int(Tag.PULL)
 #: The MPI error classes of a lost process: a probe's or a receive's, a failed request's among several.
-_FAILED = failures.FAILURE_CLASSES | {MPI.ERR_IN_STATUS}
+_FAILED = failures.failure_classes() | {MPI.ERR_IN_STATUS}
 #: on_checkpoint(step, state): called on each server when every worker asked for checkpoint `step`.
 CheckpointHook = Callable[[int, dict[str, Any]], None]
 #: lr_schedule(t): the learning rate of an update made when the workers have pushed t steps each on

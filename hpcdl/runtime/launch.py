@@ -19,13 +19,33 @@ Which variable is believed, most specific first:
 torch's launchers fail the same way: `torchrun --nproc-per-node N` starts N processes that each
 initialize MPI as a one-rank job. torchrun says so in `WORLD_SIZE` (and marks its workers with
 `TORCHELASTIC_RUN_ID`); a `WORLD_SIZE` above 1 in a one-rank MPI job is refused with the fix named.
+
+A rank that never reaches `hpcdl.init()` (an MPMD launch `mpirun -n 1 python a.py : -n 1 python
+b.py` whose b.py does not call it, a rank stuck before it) would leave the others in init's first
+collective for ever. `await_every_rank` comes first: every rank tells rank 0 it arrived (one empty
+message, on a tag of its own, so no collective of another program can match it), rank 0 answers
+each; past ARRIVAL_WAIT_S (HPCDL_INIT_WAIT_S) rank 0 raises LaunchError naming the ranks that did
+not arrive, a rank that rank 0 never answered raises naming rank 0. Cost: one empty message each
+way per rank (docs/troubleshooting.md#a-rank-that-never-calls-hpcdlinit). Earlier still, a process
+of the job that never starts MPI at all holds the others in MPI_Init, which holds the interpreter
+too (no Python thread runs): where hpcdl starts MPI, `watch_mpi_start` has a bash of its own
+print the line and end this rank if MPI_Init outlasts the same wait.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import shutil
+import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI
+    from mpi4py import MPI
 
 # srun's --mpi plugin per MPI family: what the library's PMI client speaks.
 SRUN_MPI_TYPE = {"Open MPI": "pmix", "MPICH": "pmi2", "Intel MPI": "pmi2", "MVAPICH": "pmi2"}
@@ -162,3 +182,132 @@ def check_launch(comm_size: int, env: Mapping[str, str] | None = None,
             f"a PMIx launcher gave this process rank {pmix_rank} (PMIX_RANK) but MPI reports a job of "
             f"size {comm_size}: the MPI library did not join the launcher's job. Under SLURM, "
             f"{srun_fix(family)}; otherwise use the mpirun of the MPI library mpi4py loaded.")
+
+
+#: Seconds `hpcdl.init()` waits for every rank of the job to call it before it names those that did
+#: not: generous, for a start-up that imports torch from a slow shared filesystem on many ranks at
+#: once. ARRIVAL_WAIT_VARIABLE, set to a number of seconds (or inf), replaces it.
+ARRIVAL_WAIT_S = 600.0
+ARRIVAL_WAIT_VARIABLE = "HPCDL_INIT_WAIT_S"
+#: The tag of the arrival messages on MPI.COMM_WORLD (MPI guarantees tags up to 32767; the
+#: runtime's recovery.QUIET_TAG is 32767).
+ARRIVAL_TAG = 32766
+
+_NOTHING = bytearray()  # what an arrival message carries: alive for as long as the module
+
+
+def arrival_wait_seconds(env: Mapping[str, str] | None = None) -> float:
+    """ARRIVAL_WAIT_S, or ARRIVAL_WAIT_VARIABLE's seconds where set in `env` (default os.environ).
+    Raises LaunchError naming the variable where it is not a positive number."""
+    env = os.environ if env is None else env
+    text = env.get(ARRIVAL_WAIT_VARIABLE, "").strip()
+    if not text:
+        return ARRIVAL_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # NaN fails this too
+        raise LaunchError(f"{ARRIVAL_WAIT_VARIABLE}={text!r} is not a positive number of seconds: set it to how "
+                          f"long hpcdl.init() may wait for every rank to call it (default {ARRIVAL_WAIT_S:g}, "
+                          "inf for no limit), or unset it")
+    return value
+
+
+def _missing_advice(wait_s: float) -> str:
+    return (f"every rank of the job must call hpcdl.init() (an MPMD launch `mpirun ... : ...` whose other "
+            "program does not, a script without it, a rank stuck before it in an import or in MPI calls of "
+            f"its own); if start-up is legitimately slower (a slow shared filesystem), raise "
+            f"{ARRIVAL_WAIT_VARIABLE} (now {wait_s:g} s)")
+
+
+def await_every_rank(comm: MPI.Comm, wait_s: float, grace_s: float) -> None:
+    """Collective over `comm` (MPI.COMM_WORLD, before init's first collective): return once every
+    rank has called it. Rank 0 raises LaunchError naming the ranks that did not within `wait_s`
+    seconds; another rank raises naming rank 0 where rank 0 has not answered `grace_s` later
+    (rank 1), or 2 x `grace_s` later (the others): rank 0's abort, or rank 1's, ends it first,
+    so the job prints one line."""
+    from collectives.patience import complete_patiently
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    start = time.monotonic()
+    message = [_NOTHING, MPI.BYTE]
+    if rank == 0:
+        arrivals = [comm.Irecv(message, source, ARRIVAL_TAG) for source in range(1, size)]
+        try:
+            complete_patiently(arrivals, lambda: True, start + wait_s)
+        except TimeoutError:
+            missing = [source for source, request in zip(range(1, size), arrivals) if not request.Get_status()]
+            raise LaunchError(
+                f"{_ranks(missing)} (of {size}) did not call hpcdl.init() within {wait_s:g} s, and the ranks that "
+                f"did would have waited for them for ever: {_missing_advice(wait_s)}") from None
+        complete_patiently([comm.Isend(message, destination, ARRIVAL_TAG) for destination in range(1, size)],
+                           lambda: True)
+        return
+    requests = [comm.Isend(message, 0, ARRIVAL_TAG), comm.Irecv(message, 0, ARRIVAL_TAG)]
+    try:
+        complete_patiently(requests, lambda: True, start + wait_s + grace_s * (1 if rank == 1 else 2))
+    except TimeoutError:
+        raise LaunchError(
+            f"rank 0 (of {size}) did not call hpcdl.init() within {wait_s:g} s, and the ranks that did would have "
+            f"waited for it for ever: {_missing_advice(wait_s)}") from None
+
+
+#: The watcher of MPI_Init (`watch_mpi_start`), one bash (no interpreter to start beside the ranks:
+#: `python -S` took 70 ms of CPU here, this 1.1 ms): arguments wait, pid, line. Ends quietly once
+#: its stdin closes (`read` fails at once: MPI_Init returned, or the rank ended); past the wait
+#: (`read` fails above 128) prints the line and kills the rank, whose MPI_Init holds the
+#: interpreter (a signal handler of Python's would never run).
+_WATCH = 'read -r -t "$1" _; [ $? -gt 128 ] && { printf "%s\\n" "$3" >&2; kill -9 "$2"; }'
+
+
+@contextlib.contextmanager
+def watch_mpi_start(grace_s: float, env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Around the import of mpi4py.MPI that starts MPI in a launched job: where MPI_Init has not
+    returned after HPCDL_INIT_WAIT_S (a process of the job never started MPI; rank 1 waits `grace_s`
+    longer, the others twice that, so one line is printed), a process of its own prints why and
+    kills this one (mpirun then ends the job). Nothing where MPI is started already or no launcher
+    started this process, nor without bash. Cost: 0.4 ms here, and 1.1 ms of CPU for the bash."""
+    env = os.environ if env is None else env
+    claim = launcher_claim(env)
+    if "mpi4py.MPI" in sys.modules or claim is None or shutil.which("bash") is None:
+        yield
+        return
+    try:
+        wait_s = arrival_wait_seconds(env)
+    except LaunchError:  # init() refuses the setting once MPI runs; the default bounds this wait
+        wait_s = ARRIVAL_WAIT_S
+    if math.isinf(wait_s):
+        yield
+        return
+    rank = _integer(env, "OMPI_COMM_WORLD_RANK") or _integer(env, "PMI_RANK") or _integer(env, "PMIX_RANK") or 0
+    programs = [n for n in env.get("OMPI_APP_CTX_NUM_PROCS", "").split() if n.isdigit()]
+    launch = (f" (this mpirun starts {len(programs)} programs, of {' + '.join(programs)} ranks: does each call "
+              "hpcdl.init() or start MPI?)" if len(programs) > 1 else "")
+    line = (f"[hpcdl rank {rank}] LaunchError: MPI_Init has not returned within {wait_s:g} s: a process of this "
+            f"job of {claim.tasks} has not started MPI{launch}, and every process that did waits for it: "
+            f"{_missing_advice(wait_s)}")
+    delay = wait_s + (0 if rank == 0 else grace_s if rank == 1 else 2 * grace_s)
+    watcher = subprocess.Popen(["bash", "-c", _WATCH, "bash", str(delay), str(os.getpid()), line],
+                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        assert watcher.stdin is not None
+        watcher.stdin.close()  # it ends by itself, at once: reaped by a thread, not left a zombie
+        threading.Thread(target=watcher.wait, name="hpcdl MPI_Init watcher", daemon=True).start()
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[1, 2, 3, 5] as "ranks 1-3, 5" ("rank 4" for one): thousands of ranks in one line."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) != 1 else ''} {text}"

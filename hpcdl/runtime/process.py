@@ -26,13 +26,32 @@ from typing import Any
 
 import mpi4py
 
+from .launch import arrival_wait_seconds, await_every_rank, check_launch, watch_mpi_start
+
+#: Seconds a rank other than 0 waits, on an uncaught error raised on every rank alike, for rank
+#: 0's abort (which prints it) before printing it and aborting itself; QUIET_WAIT_VARIABLE, where
+#: set to a number of seconds, replaces it (a test whose rank 0 never aborts waits it out).
+QUIET_WAIT_S = 5.0
+QUIET_WAIT_VARIABLE = "HPCDL_QUIET_WAIT_S"
+
+
+def _quiet_wait_seconds() -> float:
+    """QUIET_WAIT_S, or QUIET_WAIT_VARIABLE's seconds where it is set to a number (0 or more)."""
+    text = os.environ.get(QUIET_WAIT_VARIABLE, "").strip()
+    try:
+        return max(0.0, float(text)) if text else QUIET_WAIT_S
+    except ValueError:
+        return QUIET_WAIT_S
+
+
 # Ask for MPI_THREAD_MULTIPLE at MPI_Init (mpi4py's default, pinned here in case a site config
 # changed it); Query_thread() then says what the library granted.
 mpi4py.rc.thread_level = "multiple"
 
-from mpi4py import MPI  # noqa: E402
+# Importing mpi4py.MPI starts MPI: where a process of the job never does, MPI_Init waits for it.
+with watch_mpi_start(_quiet_wait_seconds()):
+    from mpi4py import MPI
 
-from .launch import check_launch  # noqa: E402
 from .rendezvous import export_torch_environment, rendezvous_address, torch_environment  # noqa: E402
 
 THREAD_LEVEL_NAMES = {
@@ -83,6 +102,9 @@ def init(*, abort_on_exception: bool = True) -> Topology:
         # srun's (or torchrun's) N tasks started as N one-rank jobs: stop before any work, naming
         # the fix.
         check_launch(world.Get_size())
+        # A rank that never gets here (an MPMD launch's other program, a script without init())
+        # would hold the others in Split_type for ever: first an arrival check, bounded in time.
+        await_every_rank(world, arrival_wait_seconds(), _quiet_wait_seconds())
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
         local_rank, local_size = node.Get_rank(), node.Get_size()
         node.Free()
@@ -196,23 +218,8 @@ def abort(message: str, code: int = 1) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
-#: Seconds a rank other than 0 waits, on an uncaught error raised on every rank alike, for rank
-#: 0's abort (which prints it) before printing it and aborting itself; QUIET_WAIT_VARIABLE, where
-#: set to a number of seconds, replaces it (a test whose rank 0 never aborts waits it out).
-QUIET_WAIT_S = 5.0
-QUIET_WAIT_VARIABLE = "HPCDL_QUIET_WAIT_S"
-
 #: Set to 1, the abort on an uncaught error of hpcdl's own prints the whole traceback too.
 TRACEBACK_VARIABLE = "HPCDL_TRACEBACK"
-
-
-def _quiet_wait_seconds() -> float:
-    """QUIET_WAIT_S, or QUIET_WAIT_VARIABLE's seconds where it is set to a number (0 or more)."""
-    text = os.environ.get(QUIET_WAIT_VARIABLE, "").strip()
-    try:
-        return max(0.0, float(text)) if text else QUIET_WAIT_S
-    except ValueError:
-        return QUIET_WAIT_S
 
 
 def _own_error(exc_type: type[BaseException], tb: TracebackType | None) -> bool:

@@ -32,28 +32,30 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
-from mpi4py import MPI
 
 import collectives
-from collectives.failures import FAILURE_CLASSES, MCA_TRUE, agree_min
+from collectives.failures import MCA_TRUE, agree_min, failure_classes
 
 from .world import set_member, set_world
 
-#: The MPI error classes that say a process died (or a peer revoked the communicator after one did).
-_FAILED = FAILURE_CLASSES | {MPI.ERR_IN_STATUS}
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI, which a module's import must not
+    from mpi4py import MPI
 
 
 def is_process_failure(exc: BaseException) -> bool:
     """Whether `exc` reports a lost process in a job running under ULFM: a
     `collectives.ProcessFailure`, or the MPI error of one of mpi4py's own calls (a gather of
     Python objects, a barrier) on a communicator with a dead or revoked peer."""
+    from mpi4py import MPI
+
     if isinstance(exc, collectives.ProcessFailure):
         return True
     if isinstance(exc, MPI.Exception) and collectives.fault_tolerant():
-        return exc.Get_error_class() in _FAILED
+        # The classes that say a process died (or a peer revoked the communicator after one did).
+        return exc.Get_error_class() in failure_classes() | {MPI.ERR_IN_STATUS}
     return False
 
 
@@ -119,6 +121,8 @@ def has_quorum(before: int, survivors: int) -> bool:
 
 def knows_failed(comm: MPI.Comm) -> bool:
     """Whether this process knows of a failed process in `comm` (local)."""
+    from mpi4py import MPI
+
     try:
         group = comm.Get_failed()
     except MPI.Exception:
@@ -132,6 +136,8 @@ def knows_failed(comm: MPI.Comm) -> bool:
 def failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
     """The ranks of `comm` this process knows to have failed (local; empty where it knows none
     or the communicator cannot say)."""
+    from mpi4py import MPI
+
     try:
         failed, group = comm.Get_failed(), comm.Get_group()
     except MPI.Exception:
@@ -146,12 +152,16 @@ def failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
 def revoke(comm: MPI.Comm) -> None:
     """Revoke `comm` itself (the collectives revoke only their private duplicate of it): a rank
     blocked in one of mpi4py's calls on it (a gather of Python objects) wakes with an error."""
+    from mpi4py import MPI
+
     with contextlib.suppress(MPI.Exception):
         comm.Revoke()
 
 
 def _collectives_duplicate(comm: MPI.Comm) -> MPI.Comm | None:
     """The collectives' private duplicate of `comm`, where they made one (local)."""
+    from mpi4py import MPI
+
     from collectives.channels import existing_channel
 
     channel = existing_channel(comm) if comm != MPI.COMM_NULL else None
@@ -175,6 +185,8 @@ def shrink_world(comm: MPI.Comm, members: list[int]) -> tuple[MPI.Comm, tuple[in
     """Collective over the survivors of `comm`, after `settled(comm, False)`: the survivors'
     communicator (made the job's, `world.set_world`), the lost ranks of `comm`, and the survivors'
     ids (`members[r]` is rank r's). The caller frees `comm` when it is done with it."""
+    from mpi4py import MPI
+
     revoke(comm)
     survivors = collectives.shrink(comm)
     old, new = comm.Get_group(), survivors.Get_group()
@@ -193,6 +205,8 @@ def shrink_world(comm: MPI.Comm, members: list[int]) -> tuple[MPI.Comm, tuple[in
 
 def free(comm: MPI.Comm) -> None:
     """Free a communicator the job left behind (never MPI.COMM_WORLD or COMM_SELF)."""
+    from mpi4py import MPI
+
     if comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
         with contextlib.suppress(MPI.Exception):
             comm.Free()
@@ -217,6 +231,8 @@ def respawn(comm: MPI.Comm, command: list[str], ids: list[int], info: Any = None
     raises RespawnError saying why, and `comm` is unchanged.
     """
     global _spawned
+    from mpi4py import MPI
+
     try:  # an intra-communicator's Spawn (mpi4py types it on Intracomm)
         intercomm = comm.Spawn(sys.executable, command, maxprocs=len(ids), root=0)  # type: ignore[attr-defined]
     except MPI.Exception as exc:
@@ -245,6 +261,8 @@ def disconnect_for_finalize(*comms: MPI.Comm) -> None:
     replacements of one loss, one of them printed "dpm_disconnect_init: error -12 in isend to
     process 1" and crashed there (SIGSEGV, mpirun's status 139), hung, or printed that not every
     process could reach the others. Nothing is done outside a replacement."""
+    from mpi4py import MPI
+
     if not is_replacement():
         return
     unique: list[MPI.Comm] = []
@@ -262,8 +280,11 @@ def in_dynamic_job() -> bool:
     """Whether this process is connected to processes started by MPI_Comm_spawn: it started
     replacements (`respawn`) or is one (`is_replacement`). Safe before MPI_Init and after
     MPI_Finalize (then only what this module did counts)."""
+    # Without mpi4py.MPI imported, no MPI was started here to be connected through; importing it
+    # to ask would start MPI.
+    MPI = sys.modules.get("mpi4py.MPI")
     return _spawned or _joined is not None or (
-        MPI.Is_initialized() and not MPI.Is_finalized() and is_replacement())
+        MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() and is_replacement())
 
 
 def own_command() -> list[str]:
@@ -290,6 +311,8 @@ def join() -> tuple[MPI.Comm, Any] | None:
     (`gather_quietly`). docs/failures.md#what-going-on-costs has the measurement.
     """
     global _joined
+    from mpi4py import MPI
+
     if _joined is not None:
         return _joined
     parent = MPI.Comm.Get_parent()
@@ -321,6 +344,8 @@ def gather_quietly(comm: MPI.Comm, poll_s: float = 0.002) -> None:
     revoked, which is how spares waiting here are called. A lost rank, or `comm` revoked, raises
     its MPI error on every rank waiting (after revoking `comm` and completing every message).
     """
+    from mpi4py import MPI
+
     if comm.Get_rank() == 0:
         requests = [comm.Irecv([_NOTHING, MPI.BYTE], r, QUIET_TAG) for r in range(1, comm.Get_size())]
         _wait_quietly(comm, requests, poll_s)
@@ -333,6 +358,8 @@ def gather_quietly(comm: MPI.Comm, poll_s: float = 0.002) -> None:
 def _wait_quietly(comm: MPI.Comm, requests: list[MPI.Request], poll_s: float) -> None:
     """Poll `requests` with sleeps until they complete. On an error: revoke `comm` (which
     completes the others, with errors), wait for all of them, raise the first error."""
+    from mpi4py import MPI
+
     try:
         while not MPI.Request.Testall(requests):
             time.sleep(poll_s)
@@ -347,6 +374,8 @@ def _wait_quietly(comm: MPI.Comm, requests: list[MPI.Request], poll_s: float) ->
 def is_replacement() -> bool:
     """Whether this process was started by `respawn` (before or after `join`, which disconnects
     it from its parent)."""
+    from mpi4py import MPI
+
     return _joined is not None or MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
@@ -388,6 +417,8 @@ def reports_job_end(comm: MPI.Comm) -> bool:
     Revokes `comm` first: the ranks blocked on it wake and come here too. True where they did not
     all come within REPORTER_WAIT_S (a survivor stuck elsewhere, or ending another way): each then
     says it itself. Without ULFM, True: MPI_Abort ends the others before they could."""
+    from mpi4py import MPI
+
     if not collectives.fault_tolerant():
         return True
     revoke(comm)

@@ -29,11 +29,13 @@ loss during a call is not survived by the spares still waiting.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING
 
 from .recovery import free, gather_quietly, is_process_failure, revoke
 from .world import member, set_world
+
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI, which a module's import must not
+    from mpi4py import MPI
 
 #: How often a waiting spare looks at the pool: a call costs at most this much extra.
 POLL_S = 0.01
@@ -69,6 +71,8 @@ class Spares:
     def _alive(self, shrunk: MPI.Comm) -> list[int]:
         """The waiting spares still in `shrunk` (the pool shrunk to its live processes), in order:
         the pool holds the training ranks, then the waiting spares."""
+        from mpi4py import MPI
+
         old, new = self.pool.Get_group(), shrunk.Get_group()
         try:
             first = self.pool.Get_size() - len(self.waiting)
@@ -84,6 +88,8 @@ class Spares:
         (nothing to do without a waiting spare, or a second time). Spares found dead are dropped
         (the others are called by none and go back to waiting, then are released); their ids
         are returned."""
+        from mpi4py import MPI
+
         dead: list[int] = []
         while self.waiting:
             try:
@@ -114,6 +120,8 @@ def set_aside(comm: MPI.Comm, count: int) -> tuple[MPI.Comm | None, Spares]:
     """Collective over `comm` (the job's ranks at its start): its last `count` ranks become spares.
     Returns the training ranks' communicator (made the job's world; None on a spare) and the
     spares (their ids are their ranks in `comm`)."""
+    from mpi4py import MPI
+
     size, rank = comm.Get_size(), comm.Get_rank()
     trainers = size - count
     spares = Spares(comm.Dup(), list(range(trainers, size)))
@@ -129,6 +137,8 @@ def wait_for_call(pool: MPI.Comm) -> tuple[MPI.Comm, Spares] | None:
     at the job's end (None). Called: the new training communicator (made the job's world) and
     the spares still waiting, for it to call in turn. Calls for other spares are answered on the
     way."""
+    from mpi4py import MPI
+
     while True:
         try:
             release_round(pool)

@@ -11,14 +11,15 @@ process alone:
     member()         this process's stable id: its MPI.COMM_WORLD rank in the job mpirun started,
                      a number above them in a replacement (ranks renumber after a loss; ids do not)
 
-Reading `world()` costs nothing; importing this module initializes MPI (it imports mpi4py.MPI).
+Reading `world()` costs nothing; importing this module starts no MPI (the functions import mpi4py.MPI).
 """
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mpi4py import MPI
+if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI, which a module's import must not
+    from mpi4py import MPI
 
 _lock = threading.Lock()
 _world: MPI.Comm | None = None
@@ -27,6 +28,8 @@ _member: int | None = None
 
 def world() -> MPI.Comm:
     """The communicator of the job's ranks now (MPI.COMM_WORLD until a recovery replaced it)."""
+    from mpi4py import MPI
+
     return _world if _world is not None else MPI.COMM_WORLD
 
 
@@ -40,6 +43,8 @@ def set_world(comm: MPI.Comm) -> None:
 def member() -> int:
     """This process's stable id in the job: its MPI.COMM_WORLD rank where mpirun started it, or
     the id the survivors gave it when they spawned it (`set_member`)."""
+    from mpi4py import MPI
+
     return _member if _member is not None else MPI.COMM_WORLD.Get_rank()
 
 
@@ -54,6 +59,8 @@ def world_ranks(comm: Any) -> frozenset[int] | None:
     """The MPI.COMM_WORLD ranks of the intracommunicator `comm`'s members (the ranks the diagnosis
     service's notices name); None for anything else, or where a member is outside this process's
     MPI.COMM_WORLD (a replacement's job), where they cannot all be named. Local."""
+    from mpi4py import MPI
+
     if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
         return None
     group, everyone = comm.Get_group(), MPI.COMM_WORLD.Get_group()

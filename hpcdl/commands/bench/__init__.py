@@ -16,7 +16,11 @@ favours none. The `predicted` column is the alpha-beta-gamma model's time
 (`collectives.cost`, parameters from --tuning-file or HPCDL_TUNING_FILE as `hpcdl tune`
 writes them) with its error relative to the measured average. Rank 0 prints the table (and writes
 --csv, --json, --plot, each whole or not at all); any wrong element, or a file that could not be
-written (a full disk: one line), makes the exit status 1, bad arguments 2.
+written (a full disk: one line), makes the exit status 1, bad arguments 2. Before the first row,
+which at 1 GiB is a minute or more away, rank 0 says what the sweep times and how much ("# measuring
+1 case: allreduce at 1 GiB in place x 10 algorithms, 120 calls moving 120 GiB per rank; ..."); where
+the user reads a terminal, a progress bar (tqdm, where installed) counts the bytes of the calls made,
+outside the timed calls.
 On an oversubscribed machine set OMPI_MCA_mpi_yield_when_idle=1.
 """
 from __future__ import annotations
@@ -30,10 +34,11 @@ from mpi4py import MPI
 
 from ...benchmarking.measurement import PLACEMENTS
 from ...runtime.atomic_file import write_failure
+from ...runtime.launcher import user_terminal
 from ..collective_command import Command, CommandError
 from .options import PROG, parse_args
-from .report import TablePrinter, run_metadata, write_csv, write_json, write_plot
-from .sweep import sweep
+from .report import ProgressBar, TablePrinter, announcement, run_metadata, write_csv, write_json, write_plot
+from .sweep import plan, sweep
 
 __all__ = ["main"]
 
@@ -81,9 +86,17 @@ def _bench(argv: list[str]) -> int:
               f"over iterations of the slowest rank's time; predicted: {args.predictor.note}")
         if not all(args.placements) and "broadcast" in args.collective:
             print("# broadcast works in place only: timed in place")
+    # Said before the first case, which at large sizes takes a minute: once, by rank 0.
+    planned = plan(args, size)
+    if printing:
+        print(announcement(planned), flush=True)
     printer = TablePrinter(printing)
+    bar = ProgressBar(planned, printing and user_terminal())
     started = time.perf_counter()
-    results = sweep(args, comm, args.predictor, printer.add)
+    try:
+        results = sweep(args, comm, args.predictor, bar.around(printer.add), bar.update)
+    finally:
+        bar.close()
     if _gloo_initialized() and not gloo_before:  # the sweep started it: leave as we came
         sys.modules["torch.distributed"].destroy_process_group()
     wrong = [m for m in results if m.wrong]

@@ -12,8 +12,9 @@ import math
 import os
 import platform
 import shlex
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -24,7 +25,9 @@ from ... import __version__
 from ...benchmarking.measurement import PEERS, PLACEMENTS, Measurement
 from ...runtime.atomic_file import write_atomically
 from ...runtime.process import mpi_library
+from ...tuning.readable import human_bytes
 from ..collective_command import CommandError
+from .sweep import Planned
 
 _COLUMNS = (("size", 11), ("count", 11), ("type", 8), ("redop", 5), ("root", 4), ("place", 5),
             ("algorithm", 22), ("avg", 10), ("min", 10), ("max", 10), ("median", 10), ("algbw", 8),
@@ -112,6 +115,62 @@ class TablePrinter:
         if self.enabled and self.table:
             print("\n".join(table_footer(self.table)), flush=True)
         self.table = []
+
+
+def announcement(planned: list[Planned]) -> str:
+    """The line printed before the sweep: what it times and how much ("# measuring 1 case:
+    allreduce at 1 GiB out of place x 9 algorithms, 126 calls moving 126 GiB per rank; a case's
+    rows print when it is done"): at large sizes the first row can be a minute away."""
+    if not planned:
+        return "# measuring nothing"
+    collectives = ", ".join(dict.fromkeys(p.collective for p in planned))
+    sizes = sorted({p.nbytes for p in planned})
+    sized = human_bytes(sizes[0]) + (f" .. {human_bytes(sizes[-1])}" if len(sizes) > 1 else "")
+    places = sorted({p.in_place for p in planned})
+    placed = "in and out of place" if len(places) == 2 else f"{PLACEMENTS[places[0]]} place"
+    algorithms = sorted({len(p.algorithms) for p in planned})
+    counted = str(algorithms[0]) if len(algorithms) == 1 else f"{algorithms[0]}-{algorithms[-1]}"
+    calls, moved = sum(p.calls for p in planned), sum(p.calls * p.nbytes for p in planned)
+    return (f"# measuring {len(planned)} case{'s' if len(planned) != 1 else ''}: {collectives} at {sized} {placed} "
+            f"x {counted} algorithm{'s' if algorithms[-1] != 1 else ''}, {calls} calls moving {human_bytes(moved)} "
+            "per rank; a case's rows print when it is done")
+
+
+class ProgressBar:
+    """Rank 0's progress bar over the sweep's bytes (tqdm, on stderr, gone when done) where the user
+    reads a terminal: a large case can take minutes. Nothing without a terminal (a log gets
+    `announcement`'s line) or without tqdm."""
+
+    def __init__(self, planned: list[Planned], enabled: bool) -> None:
+        self.bar: Any = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:  # an optional package (hpcdl[train]): the line above says enough
+            return
+        self.bar = tqdm(total=sum(p.calls * p.nbytes for p in planned), unit="B", unit_scale=True,
+                        unit_divisor=1024, leave=False, desc="hpcdl bench", file=sys.stderr)
+
+    def update(self, nbytes: int) -> None:
+        """`nbytes` more bytes of calls made."""
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def around(self, report: Callable[[list[Measurement]], None]) -> Callable[[list[Measurement]], None]:
+        """`report`, with the bar cleared while it prints rows."""
+        def printing(rows: list[Measurement]) -> None:
+            if self.bar is not None:
+                self.bar.clear()
+            report(rows)
+            if self.bar is not None:
+                self.bar.refresh()
+        return printing
+
+    def close(self) -> None:
+        """Remove the bar."""
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run_metadata(comm: MPI.Comm, argv: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:

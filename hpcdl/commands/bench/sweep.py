@@ -4,6 +4,7 @@ prediction where there is a model."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Callable
 
 from mpi4py import MPI
@@ -74,27 +75,55 @@ class Predictor:
             return None
 
 
-def sweep(args: argparse.Namespace, comm: MPI.Comm, predictor: Predictor,
-          report: Callable[[list[Measurement]], None]) -> list[Measurement]:
-    """Collective: every collective x size x placement x algorithm of `args`; `report` gets each
-    case's rows as soon as they are measured."""
-    results: list[Measurement] = []
+@dataclass(frozen=True)
+class Planned:
+    """One case of the sweep, before it runs: what it times and how many calls that takes."""
+
+    collective: str
+    nbytes: int
+    in_place: bool
+    algorithms: list[str]
+    iterations: int
+    warmup: int
+
+    @property
+    def calls(self) -> int:
+        """Calls of the collective the case makes: per algorithm one checked, the warm-up, the timed."""
+        return len(self.algorithms) * (1 + self.warmup + self.iterations)
+
+
+def plan(args: argparse.Namespace, size: int) -> list[Planned]:
+    """Every collective x size x placement of `args` on `size` ranks, in the order `sweep` times them."""
+    cases: list[Planned] = []
     for collective in args.collective:
-        algorithms = args.algorithms or algorithms_of(collective)
+        algorithms = list(args.algorithms or algorithms_of(collective))
         placements = [p for p in args.placements if p or collective != "broadcast"] or [True]
         itemsize = DTYPES[args.datatype].itemsize
-        counts = [element_count(collective, nbytes, itemsize, comm.Get_size())
+        counts = [element_count(collective, nbytes, itemsize, size)
                   for nbytes in size_sweep(args.minbytes, args.maxbytes, args.stepfactor)]
         for count in dict.fromkeys(counts):  # rounding to P blocks can repeat a size: time it once
-            for in_place in placements:
-                case = Case(collective, count * itemsize, comm, dtype=args.datatype, op=args.op,
-                            in_place=in_place, root=args.root, device=args.device)
-                iterations = args.iters or default_iterations(case.nbytes)
-                warmup = args.warmup_iters if args.warmup_iters is not None else default_warmup(iterations)
-                rows = run_interleaved(case, algorithms, iterations=iterations, warmup=warmup,
-                                       rounds=args.rounds, check_every=args.check)
-                for m in rows:
-                    m.predicted_s = predictor.seconds(m)
-                results.extend(rows)
-                report(rows)
+            iterations = args.iters or default_iterations(count * itemsize)
+            warmup = args.warmup_iters if args.warmup_iters is not None else default_warmup(iterations)
+            cases += [Planned(collective, count * itemsize, in_place, algorithms, iterations, warmup)
+                      for in_place in placements]
+    return cases
+
+
+def sweep(args: argparse.Namespace, comm: MPI.Comm, predictor: Predictor,
+          report: Callable[[list[Measurement]], None],
+          progress: Callable[[int], None] | None = None) -> list[Measurement]:
+    """Collective: every case of `plan(args, P)`; `report` gets each case's rows as soon as they
+    are measured, `progress` the bytes of the calls made as they are made (outside the timed
+    calls: a progress bar's, whose rate then holds from small sizes to large)."""
+    results: list[Measurement] = []
+    for planned in plan(args, comm.Get_size()):
+        case = Case(planned.collective, planned.nbytes, comm, dtype=args.datatype, op=args.op,
+                    in_place=planned.in_place, root=args.root, device=args.device)
+        told = None if progress is None else (lambda calls, nbytes=planned.nbytes: progress(calls * nbytes))
+        rows = run_interleaved(case, planned.algorithms, iterations=planned.iterations, warmup=planned.warmup,
+                               rounds=args.rounds, check_every=args.check, progress=told)
+        for m in rows:
+            m.predicted_s = predictor.seconds(m)
+        results.extend(rows)
+        report(rows)
     return results

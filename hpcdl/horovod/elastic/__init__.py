@@ -27,11 +27,12 @@ lost ranks instead (they run the same script and join in `run`). No `horovodrun 
 is `mpirun --with-ft ulfm -n N python script.py`, and it goes on down to one rank.
 
 Split as Horovod's `horovod.torch.elastic` is: state.py (the states, on `hpcdl.elastic.State`) and
-sampler.py. Importing this package, and decorating a function with `run` at a script's top level
-(as Horovod's examples do), import neither: the states' module imports mpi4py.MPI, which starts
-MPI, and a DataLoader worker started with "forkserver" or "spawn" imports the script again
-(hpcdl/horovod/__init__.py). The names are imported on first use; `run` imports `hpcdl.elastic`
-when the decorated function is called.
+sampler.py. Neither importing this package or its names (`from hpcdl.horovod.elastic import
+TorchState`) nor decorating a function with `run` at a script's top level (as Horovod's examples
+do) starts MPI: a DataLoader worker started with "forkserver" or "spawn" imports the script again
+(hpcdl/horovod/__init__.py), and the modules below import mpi4py.MPI (which starts MPI) only
+inside the functions that call it. The names are imported on first use; `run` imports
+`hpcdl.elastic` when the decorated function is called; `hvd.init()` starts MPI.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Horovod's elastic states (`horovod.common.elastic` and `horovod.torch.elastic.state`) on
-`hpcdl.elastic.State`, whose module imports mpi4py.MPI (which starts MPI): imported when a state
-class is first asked for (`hvd.elastic.TorchState(...)`, after `hvd.init()`), never by
-`@hvd.elastic.run` at a script's top level."""
+`hpcdl.elastic.State`. Importing them starts no MPI (`from hpcdl.horovod.elastic import TorchState`
+at a script's top level, before `hvd.init()`, as Horovod's examples do): the modules below call
+mpi4py.MPI only inside their functions."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable

@@ -9,8 +9,8 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl.benchmarking import exact
-from hpcdl.benchmarking.cases import ArraySpace
-from hpcdl.benchmarking.loop import measure
+from hpcdl.benchmarking.cases import ArraySpace, Case
+from hpcdl.benchmarking.loop import measure, run_interleaved
 from hpcdl.benchmarking.measurement import PEERS, algorithms_of, bus_factor, element_count, size_sweep
 
 
@@ -50,6 +50,23 @@ def test_one_collective_timed_and_checked_on_one_rank() -> None:
     assert m.unavailable is None and m.wrong == 0 and m.checked > 0 and m.avg_s is not None and m.avg_s > 0
     with pytest.raises(ValueError, match="allreduce has no algorithm 'rnig'"):
         measure("allreduce", "rnig", 64, MPI.COMM_SELF, iterations=1, warmup=0)
+
+
+def test_progress_is_told_of_every_call_outside_the_timed_calls() -> None:
+    """A progress bar's callback (hpcdl bench's) hears of each call made, and what it costs is in
+    no timed call: each callback here sleeps 50 ms, the timed 64-byte calls take microseconds."""
+    import time
+
+    told: list[int] = []
+
+    def slow(calls: int) -> None:
+        told.append(calls)
+        time.sleep(0.05)
+
+    case = Case("allreduce", 64, MPI.COMM_SELF)
+    rows = run_interleaved(case, ["ring", "tree"], iterations=5, warmup=2, rounds=2, progress=slow)
+    assert sum(told) == 2 * (1 + 2 + 5) and all(calls > 0 for calls in told), told
+    assert all(m.avg_s is not None and m.max_s is not None and m.max_s < 0.01 for m in rows), rows
 
 
 def test_host_buffers_are_copies() -> None:

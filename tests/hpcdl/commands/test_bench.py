@@ -228,6 +228,28 @@ def test_table_rows_and_closing_lines(comm: MPI.Comm, capsys: pytest.CaptureFixt
     assert f"{comm.Get_size()} ranks on " in out and "all checked results exact" in out
 
 
+def test_what_is_measured_is_said_once_before_the_first_row(comm: MPI.Comm, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 1 GiB the first row is a minute away: rank 0 alone says first what the sweep times and how
+    much; where the user reads a terminal a progress bar (tqdm, stderr) counts the bytes of the calls
+    made, and is gone at the end."""
+    monkeypatch.setattr(bench, "user_terminal", lambda: True, raising=False)
+    status = bench.main([*TINY, "-C", "allreduce", "-A", "ring", "tree"])
+    out, err = capsys.readouterr()
+    assert status == 0
+    said = [line for line in out.splitlines() if line.startswith("# measuring")]
+    assert all_ranks_agree(len(said) == (1 if comm.Get_rank() == 0 else 0), comm), out
+    if comm.Get_rank() == 0:
+        rows = [i for i, line in enumerate(out.splitlines()) if not line.startswith("#")]
+        assert out.splitlines().index(said[0]) < rows[0], out
+        # sizes 8 B and 4 KiB (rounded to P blocks), 2 algorithms x (1 checked + 0 warm-up + 2 timed) calls each
+        assert said[0].startswith("# measuring 2 cases: allreduce at 8 B .. "), said[0]
+        assert " in place x 2 algorithms, 12 calls moving " in said[0], said[0]
+        assert "hpcdl bench" in err and "B/s" in err, err  # tqdm's bar, with its rate
+    else:
+        assert "hpcdl bench" not in err, err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
 def test_plot_writes_a_png(comm: MPI.Comm, tmp_path: Path) -> None:
     path = shared_directory(tmp_path, comm) / "bench.png"

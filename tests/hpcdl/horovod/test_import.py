@@ -1,8 +1,8 @@
-"""Importing hpcdl.horovod, any of its names, and what a Horovod script's top level touches before
-`hvd.init()`, starts no MPI: a DataLoader worker started with "forkserver" or "spawn" imports the
-script again, and MPI started there, under the job's launcher environment, crashed both ranks or
-hung the job. Checked in fresh interpreters and an mpirun of its own, at N=1 only; the names after
-init at every N.
+"""Importing hpcdl.horovod, any of its names (and of hpcdl.horovod.elastic's), and what a Horovod
+script's top level touches before `hvd.init()`, starts no MPI: a DataLoader worker started with
+"forkserver" or "spawn" imports the script again, and MPI started there, under the job's launcher
+environment, crashed both ranks or hung the job. Checked in fresh interpreters and an mpirun of its
+own, at N=1 only; the names after init at every N.
 """
 from __future__ import annotations
 
@@ -65,13 +65,13 @@ print(json.dumps(found))
 """
 
 
-def names_that_start_mpi(package: str, python_path: str) -> dict[str, str]:
-    """`from PACKAGE import NAME` for every name of hpcdl.horovod's `__all__` (and `*`), each in a
-    process that has imported neither hpcdl nor mpi4py: the names whose import initialized MPI (or
-    failed), with what happened."""
+def names_that_start_mpi(package: str, python_path: str, all_names: list[str] | None = None) -> dict[str, str]:
+    """`from PACKAGE import NAME` for every name of `all_names` (hpcdl.horovod's `__all__` unless
+    given; and `*`), each in a process that has imported neither hpcdl nor mpi4py: the names whose
+    import initialized MPI (or failed), with what happened."""
     import hpcdl.horovod as hvd
 
-    names = [*hvd.__all__, "*"]
+    names = [*(hvd.__all__ if all_names is None else all_names), "*"]
     done = subprocess.run([sys.executable, "-c", EACH_NAME, package, json.dumps(names)],
                           env=own_job_environment(PYTHONPATH=python_path), capture_output=True, text=True,
                           timeout=600)
@@ -86,6 +86,16 @@ def test_importing_any_name_starts_no_mpi() -> None:
     """`from hpcdl.horovod import NAME` at a script's top level, for every name: none may
     initialize MPI (mpi4py.MPI, if imported at all, with MPI not initialized)."""
     assert names_that_start_mpi("hpcdl.horovod", str(ROOT)) == {}
+
+
+@only_once
+def test_importing_any_elastic_name_starts_no_mpi() -> None:
+    """`from hpcdl.horovod.elastic import TorchState` (and every other name of it) at a script's
+    top level, before `hvd.init()`, as Horovod's elastic examples do: the states' module and the
+    recovery below it (hpcdl.elastic, hpcdl.runtime.recovery, collectives.failures) start no MPI."""
+    from hpcdl.horovod import elastic
+
+    assert names_that_start_mpi("hpcdl.horovod.elastic", str(ROOT), elastic.__all__) == {}
 
 
 #: Calls made before `hvd.init()`, each with the names imported as a script imports them.

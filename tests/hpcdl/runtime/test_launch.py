@@ -7,6 +7,7 @@ tests/run.py, where the real environment must pass the check too.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -478,3 +479,52 @@ def test_render_with_program_options_starts_no_mpi_process(tmp_path: Path, templ
                           env={k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_"))})
     assert done.stdout.strip().endswith("status 0 initialized False"), done.stdout + done.stderr
     assert " ".join(options) in (tmp_path / "job.sbatch").read_text()
+
+
+#: HPCDL_INIT_WAIT_S of the arrival tests: short, so that a test waits seconds, not the default's minutes.
+ARRIVAL_WAIT_S = 3
+
+
+#: Where a rank never calls hpcdl.init(): the line's start, by where the others wait for it.
+NEVER_CAME = rf"{{}} did not call hpcdl\.init\(\) within {ARRIVAL_WAIT_S} s"
+NEVER_STARTED_MPI = (rf"MPI_Init has not returned within {ARRIVAL_WAIT_S} s: a process of this job of 2 has not "
+                     r"started MPI \(this mpirun starts 2 programs, of 1 \+ 1 ranks")
+
+
+@alone
+@pytest.mark.parametrize("programs, said", [
+    (["init", "plain"], NEVER_CAME.format(r"rank 1 \(of 2\)")),   # rank 0 names the rank that never came
+    (["plain", "init"], NEVER_CAME.format(r"rank 0 \(of 2\)")),   # rank 1 names rank 0
+    (["init", "plain", "plain", "init"], NEVER_CAME.format(r"ranks 1-2 \(of 4\)")),
+    (["init", "no-mpi"], NEVER_STARTED_MPI),                     # the others wait in MPI_Init itself
+    (["no-mpi", "init"], NEVER_STARTED_MPI),
+])
+def test_a_rank_that_never_calls_init_is_named_not_waited_for(programs: list[str], said: str) -> None:
+    """An MPMD launch whose other program never calls hpcdl.init() (a plain mpi4py program, waiting
+    in a barrier of its own; or one that never starts MPI): the ranks that did end the job with one
+    line saying which ranks did not come and what to do, after HPCDL_INIT_WAIT_S, instead of waiting
+    in init's first collective (or in MPI_Init) for ever."""
+    from tests.run import ROOT, own_job_environment, run_own_job
+
+    command = ["mpirun", "--oversubscribe"]
+    for index, program in enumerate(programs):
+        command += [":"] * (index > 0) + ["-n", "1", sys.executable, str(ROOT / "tests/helpers/init_arrival_job.py"),
+                                          program]
+    job = run_own_job(command, 120, own_job_environment(PYTHONPATH=str(ROOT), HPCDL_INIT_WAIT_S=str(ARRIVAL_WAIT_S)))
+    assert job.returncode != 0, job.stdout
+    lines = [line for line in job.stdout.splitlines() if "LaunchError" in line]
+    assert len(lines) == 1, job.stdout
+    assert re.search(rf"\] LaunchError: {said}.*every rank of the job must call hpcdl\.init\(\).*raise "
+                     r"HPCDL_INIT_WAIT_S", lines[0]), job.stdout
+    assert "initialized" not in job.stdout, job.stdout
+
+
+def test_a_bad_init_wait_setting_is_refused() -> None:
+    """HPCDL_INIT_WAIT_S that is not a positive number is refused naming the variable (init reads
+    it before any rank waits)."""
+    from hpcdl.runtime.launch import arrival_wait_seconds
+
+    assert arrival_wait_seconds({}) == 600.0 and arrival_wait_seconds({"HPCDL_INIT_WAIT_S": "inf"}) == math.inf
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(LaunchError, match=f"HPCDL_INIT_WAIT_S='{bad}' is not a positive number of seconds"):
+            arrival_wait_seconds({"HPCDL_INIT_WAIT_S": bad})
