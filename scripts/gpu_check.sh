@@ -89,7 +89,8 @@ if [ "$FAKE" = 1 ]; then
     ROUTE_SIZES=(-b 8 -e 64K -f 64 -n 2 -w 0 --rounds 1)
     BENCH_SIZES=(-b 8 -e 64K -f 64 -n 2 -w 0 --rounds 1)
     STAGING_SIZES=(--sizes-mib 1 2 --rounds 1 --calls 1)
-    TUNE_ITERS=3
+    TUNE_ARGS=(--iters 3 -e 1M)         # sizes to 1 MiB, not 32: the fit's copy_beta stays
+                                        # positive and the three largest sizes took 4 s of 16
     TRAIN_ARGS=(--models cnn --steps 2 --warmup 1 --rounds 1)
     ACCURACY_ARGS=(--epochs 1)
     ACCURACY_MODELS="cnn"
@@ -104,7 +105,7 @@ else
     BENCH_SIZES=(-b 8 -e 128M -f 8 -n 20 -w 2 --rounds 2)  # 9 sizes: on one shared GPU
                                         # an op of 8 B takes about 1 ms (the H200, 2026-11-27)
     STAGING_SIZES=(--sizes-mib 16 64 256)
-    TUNE_ITERS=20
+    TUNE_ARGS=(--iters 20)
     TRAIN_ARGS=(--steps 20 --warmup 5 --rounds 2)
     ACCURACY_ARGS=(--epochs 2)
     ACCURACY_MODELS="cnn mlp"
@@ -214,7 +215,7 @@ step tests-p4 60 "$PY" tests/run.py -n 4 --no-emulated --timeout 70 -- tests/col
     tests/collectives/test_staging.py -v -k "$TESTS_K"
 # tune, bench and staging measure the staged route (HPCDL_IPC=0); the tests and the trainings
 # run as a user's job does (HPCDL_IPC=auto: CUDA IPC for messages of 64 KiB or more)
-step tune 25 env HPCDL_IPC=0 mpirun -n 2 "${HPCDL[@]}" tune --device gpu --model-only --iters "$TUNE_ITERS" \
+step tune 25 env HPCDL_IPC=0 mpirun -n 2 "${HPCDL[@]}" tune --device gpu --model-only "${TUNE_ARGS[@]}" \
     -o "$WORK/tuning-gpu.json"
 TUNED=()  # the bench's predicted column, from the model just fitted on this GPU
 [ -f "$WORK/tuning-gpu.json" ] && TUNED=(--tuning-file "$WORK/tuning-gpu.json")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -24,7 +24,29 @@ FORKED = "the child got SIGTERM and the parent is still there"
 READY_STEP = 5
 
 
-def setup(kind: str, mode: str) -> tuple[int, int, torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+class PlainSGD:
+    """`p -= lr * grad`, the update of the `ddp` script: a torch.optim optimizer's constructor
+    imports torch._dynamo, about 1.2 CPU-s in each of the 10 processes of its 6 jobs, and what is
+    interrupted here is the training loop and hpcdl's collectives, not the optimizer's code. `hvd`
+    and `dist` keep torch.optim.SGD: hvd's DistributedOptimizer wraps one, and torch.distributed
+    imports torch._dynamo anyway."""
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], lr: float) -> None:
+        self.parameters, self.lr = list(parameters), lr
+
+    def zero_grad(self) -> None:
+        for p in self.parameters:
+            p.grad = None
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for p in self.parameters:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-self.lr)
+
+
+def setup(kind: str, mode: str) -> tuple[int, int, torch.nn.Module, torch.optim.Optimizer | PlainSGD,
+                                        Callable[[], None]]:
     """rank, size, the model to call, its optimizer, and the collective `mode` waits in."""
     if kind == "ddp":
         import hpcdl
@@ -37,7 +59,7 @@ def setup(kind: str, mode: str) -> tuple[int, int, torch.nn.Module, torch.optim.
             from mpi4py import MPI
 
             other = MPI.COMM_WORLD.Dup()
-        return (rank, size, hpcdl.DistributedDataParallel(model), torch.optim.SGD(model.parameters(), lr=0.01),
+        return (rank, size, hpcdl.DistributedDataParallel(model), PlainSGD(model.parameters(), lr=0.01),
                 lambda: hpcdl.allreduce(torch.ones(4), comm=other if rank else None))
     if kind == "hvd":
         import hpcdl.horovod as hvd
