@@ -28,8 +28,9 @@ alone = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                            reason="launches its own jobs: from the one-rank job, whose process leaves them the cores")
 #: Run as a module from the repository's root, so that its ranks import this checkout's hpcdl.
 JOB = ["-m", "tests.helpers.interrupted_job"]
-#: Seconds from the SIGINT to the job's end (measured 0.3-0.6 s on two busy cores).
-BOUND_S = 5.0
+#: Seconds from the SIGINT to the job's end: a bound that tells an end from a hang, not a speed
+#: (measured 0.3-0.6 s on two busy cores, but 7 s once in 9 runs of the module on a loaded machine).
+BOUND_S = 20.0
 LINE = (r"hpcdl: interrupted: mpirun ended the job \(it got Ctrl-C, SIGINT or SIGTERM\) while rank 0 was "
         r"(.+); every rank stopped")
 #: What must never show: tracebacks, Open MPI's blocks about ranks that exited or were killed.
