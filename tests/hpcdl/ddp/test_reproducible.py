@@ -102,6 +102,20 @@ def test_reproducible_ddp_gives_one_process_bits_with_every_algorithm():
     assert all_ranks_agree(train_reproducible(comm, "auto", micro_batch=8) == few and few[0] != reference[0], comm)
 
 
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() == 1, reason="needs a rank whose setting differs")
+@pytest.mark.parametrize("override", ["another algorithm", "no algorithm"])
+def test_auto_choosing_differently_on_one_rank_is_refused_on_every_rank(monkeypatch, override):
+    """The exact sum's algorithm is agreed at construction (a persistent sum on some ranks and a
+    checked one on others would wait for each other): an override that only the last rank sees,
+    valid or not, raises ValueError on every rank, naming it."""
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == comm.Get_size() - 1:
+        monkeypatch.setenv("HPCDL_ALGORITHM_ALLREDUCE", "tree" if override == "another algorithm" else "bogus")
+    with pytest.raises(ValueError, match="the exact sum's algorithm"):
+        hpcdl.DistributedDataParallel(small_net(), comm, reproducible=True, micro_batch=4)
+    assert all_ranks_agree(True, comm)
+
+
 def test_a_power_of_two_weight_folded_into_the_conversion_gives_the_int64_weighted_bits(monkeypatch):
     # micro-batches of 4 (all of them): the weight goes into from_fixed's factor instead of an int64
     # pass; the gradients and the loss must be the bits of weighting the integers
