@@ -153,6 +153,9 @@ def test_a_rank_that_does_not_answer_is_named_by_its_process_and_its_state_on_th
         deadline = time.monotonic() + 10
         while not (stall_report.process_state(stopped.pid) or "").startswith("T") and time.monotonic() < deadline:
             time.sleep(0.01)
+        # `running` is R while it still starts (exec, loading sleep): wait until it sleeps
+        while not (stall_report.process_state(running.pid) or "").startswith("S") and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert stall_report.no_answer((here, stopped.pid)) == (
             f"no answer: pid {stopped.pid} on {here} is stopped (State: T (stopped): by a signal or a debugger)")
         assert stall_report.no_answer((here, gone.pid)) == f"no answer: pid {gone.pid} on {here} has died"
