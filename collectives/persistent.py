@@ -23,8 +23,9 @@ its other calls, numbered and flight-recorded like them (algorithm "persistent")
 failure raises `ProcessFailure` from `wait()` as any call's does. The rule is MPI's for persistent
 collectives: every rank starts it the same number of times, at the same place among its other
 calls on the communicator. A program that breaks the rule waits (the duplicate carries nothing
-else, so no rank can take another call's data for its own) and the stall report names the calls
-the ranks are in (docs/troubleshooting.md).
+else, so no rank can take another call's data for its own); a start blocked that way waits inside
+the library, without the stall warnings of the package's own waits, and shows in the flight
+records as a call in progress (docs/troubleshooting.md reads them; not tested for a start).
 """
 from __future__ import annotations
 
