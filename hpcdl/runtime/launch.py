@@ -199,18 +199,28 @@ _NOTHING = bytearray()  # what an arrival message carries: alive for as long as 
 def arrival_wait_seconds(env: Mapping[str, str] | None = None) -> float:
     """ARRIVAL_WAIT_S, or ARRIVAL_WAIT_VARIABLE's seconds where set in `env` (default os.environ).
     Raises LaunchError naming the variable where it is not a positive number."""
-    env = os.environ if env is None else env
-    text = env.get(ARRIVAL_WAIT_VARIABLE, "").strip()
+    try:
+        value = seconds_setting(ARRIVAL_WAIT_VARIABLE, env)
+    except ValueError as exc:
+        raise LaunchError(f"{exc} is not a positive number of seconds: set it to how long hpcdl.init() may wait "
+                          f"for every rank to call it (default {ARRIVAL_WAIT_S:g}, inf for no limit), or unset "
+                          "it") from None
+    return ARRIVAL_WAIT_S if value is None else value
+
+
+def seconds_setting(variable: str, env: Mapping[str, str] | None = None) -> float | None:
+    """Environment variable `variable` (in `env`, default os.environ) as a positive number of
+    seconds, inf included; None where it is unset or blank. Raises ValueError, its message
+    `VARIABLE='text'` (the caller says what to set), where it is not a positive number."""
+    text = (os.environ if env is None else env).get(variable, "").strip()
     if not text:
-        return ARRIVAL_WAIT_S
+        return None
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not value > 0:  # NaN fails this too
-        raise LaunchError(f"{ARRIVAL_WAIT_VARIABLE}={text!r} is not a positive number of seconds: set it to how "
-                          f"long hpcdl.init() may wait for every rank to call it (default {ARRIVAL_WAIT_S:g}, "
-                          "inf for no limit), or unset it")
+        raise ValueError(f"{variable}={text!r}")
     return value
 
 

@@ -39,6 +39,7 @@ from collectives import Handle
 from collectives.recorder import ENTERED, LABEL, LEFT, RECORDER, SITE, is_library
 
 from . import diagnosis, flight_dumps, stall_report
+from .launch import seconds_setting
 
 if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
@@ -69,17 +70,11 @@ def warning_seconds(default: float = DEFAULT_WARNING_S) -> float:
 
     Raises ValueError naming the variable when it is not a positive number (`inf` is allowed).
     """
-    text = os.environ.get(WARNING_VARIABLE, "").strip()
-    if not text:
-        return default
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:  # NaN fails this too
-        raise ValueError(f"{WARNING_VARIABLE}={text!r}: give a positive number of seconds "
-                         "(inf: never warn)")
-    return value
+        value = seconds_setting(WARNING_VARIABLE)
+    except ValueError as exc:
+        raise ValueError(f"{exc}: give a positive number of seconds (inf: never warn)") from None
+    return default if value is None else value
 
 
 def _stalled(rank: int, what: str, waited: float, advice: str) -> str:
