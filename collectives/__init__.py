@@ -25,6 +25,7 @@ _LAZY = {
                                 "ireduce_scatter", "reduce", "reduce_scatter")},
     "exact_allreduce": "fixed_point",
     "PersistentAllreduce": "persistent",
+    "PersistentExactSum": "persistent_exact",
     "agree_completed": "survivors",
     "calls_issued": "survivors",
     "shrink": "survivors",

@@ -7,7 +7,10 @@
  * memory; at 85 K values a step on this host spent ~0.3 ms in them (benchmarks/results/training/
  * reproducible-cost-profile-2026-11-29.md). Here each term is read once: its largest magnitude
  * is taken and each value scaled, rounded and written into (or added to) the int64 accumulator in
- * the same loop; the conversion back is one loop too.
+ * the same loop; the conversion back is one loop too. Where each rank sends its float32 term as it
+ * is (`PersistentExactSum`), `pack` copies it into the alltoall's chunks taking each slot's largest
+ * magnitude, and `sum_terms` rounds every rank's chunk, adds the integers and converts back, one
+ * tile of values at a time (its int64 partial sums stay in L1).
  *
  * The same bits as the NumPy path, by construction: the same IEEE operations in the same order on
  * each value. A value x is scaled by a power of two s (exact), rounded by adding ROUNDER = 1.5 x
@@ -104,6 +107,57 @@ CLONES static void dequantize_f32(const int64_t *acc, Py_ssize_t n, double facto
 CLONES static void dequantize_f64(const int64_t *acc, Py_ssize_t n, double factor, double *out) {
     for (Py_ssize_t i = 0; i < n; i++)
         out[i] = (double)acc[i] * factor;
+}
+
+/* Elements of a block summed together in `sum_terms`: their partial sums stay in L1 while every
+ * rank's term is added (one stream per rank read at a time), then are converted at once. */
+#define TILE 512
+
+/* One slot of a float32 term copied to where its elements go in `pack`'s chunked layout (element e
+ * of the term to send[(e / block) * stride + e % block]); the largest |x|'s bits. */
+CLONES static uint32_t pack_f32(const float *x, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t block,
+                                Py_ssize_t stride, float *send) {
+    uint32_t most = 0;
+    for (Py_ssize_t e = start; e < stop;) {
+        Py_ssize_t chunk = e / block, at = e % block;
+        Py_ssize_t n = block - at < stop - e ? block - at : stop - e;
+        float *to = send + chunk * stride + at;
+        const float *from = x + (e - start);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, &from[i], 4);
+            bits &= 0x7fffffffU;
+            most = bits > most ? bits : most;
+            to[i] = from[i];
+        }
+        e += n;
+    }
+    return most;
+}
+
+/* out[i] = (sum over ranks j of weight[j] x round(x_j[i] x s)) x factor, for n elements, x_j at
+ * x + j * stride: the same IEEE operations per value as quantize_f32 then dequantize_f32, the
+ * integers added in uint64 (wrapping as int64 does; the order cannot matter). */
+CLONES static void sum_f32(const float *x, Py_ssize_t ranks, Py_ssize_t stride, Py_ssize_t n, double s,
+                           const uint64_t *weight, double factor, float *out) {
+    uint64_t acc[TILE];
+    for (Py_ssize_t first = 0; first < n; first += TILE) {
+        Py_ssize_t m = n - first < TILE ? n - first : TILE;
+        for (Py_ssize_t i = 0; i < m; i++)
+            acc[i] = 0;
+        for (Py_ssize_t j = 0; j < ranks; j++) {
+            const float *term = x + j * stride + first;
+            uint64_t w = weight[j];
+            for (Py_ssize_t i = 0; i < m; i++) {
+                double t = (double)term[i] * s + ROUNDER;
+                uint64_t r;
+                memcpy(&r, &t, 8);
+                acc[i] += w * (r - ROUNDER_BITS);
+            }
+        }
+        for (Py_ssize_t i = 0; i < m; i++)
+            out[first + i] = (float)((double)(int64_t)acc[i] * factor);
+    }
 }
 
 /* The type code of a buffer of one native scalar type ('f', 'd', 'q' for int64), 0 otherwise. */
@@ -360,6 +414,207 @@ done:
     return result;
 }
 
+/* The length of a float32 buffer `obj` (writable where asked) into `view`; -1 with a TypeError. */
+static Py_ssize_t get_f32(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+    char k = get(obj, view, writable, what);
+    if (k == 'f')
+        return view->len / 4;
+    if (k) {
+        PyErr_Format(PyExc_TypeError, "%s must be float32", what);
+        PyBuffer_Release(view);
+    }
+    view->obj = NULL;
+    return -1;
+}
+
+static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "pack(terms, offsets, send, block, stride)");
+        return NULL;
+    }
+    Py_ssize_t block = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+    Py_ssize_t stride = block == -1 && PyErr_Occurred() ? -1 : PyNumber_AsSsize_t(args[4], PyExc_OverflowError);
+    if (PyErr_Occurred())
+        return NULL;
+    if (block < 1 || stride < block) {
+        PyErr_SetString(PyExc_ValueError, "pack: block must be at least 1 and stride at least block");
+        return NULL;
+    }
+    PyObject *terms = PySequence_Tuple(args[0]);  /* tuples: see quantize */
+    PyObject *offsets = terms ? PySequence_Tuple(args[1]) : NULL;
+    PyObject *result = NULL;
+    Py_buffer *views = NULL, sendv = {0};
+    Py_ssize_t *bounds = NULL, n = 0, got = 0;
+    if (!offsets)
+        goto done;
+    n = PyTuple_GET_SIZE(terms);
+    if (PyTuple_GET_SIZE(offsets) != n + 1) {
+        PyErr_SetString(PyExc_ValueError, "pack: one offset more than terms");
+        goto done;
+    }
+    views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    bounds = PyMem_Calloc(n + 1, sizeof(Py_ssize_t));
+    if (!views || !bounds) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t room = get_f32(args[2], &sendv, 1, "pack's send buffer");
+    if (room < 0)
+        goto done;
+    /* the last element's place must lie in the buffer: the bounds are checked against it */
+    if (read_bounds(offsets, n, PY_SSIZE_T_MAX, bounds, "pack") < 0)
+        goto done;
+    Py_ssize_t size = bounds[n];
+    if (size > 0 && (size - 1) / block * stride + (size - 1) % block >= room) {
+        PyErr_SetString(PyExc_ValueError, "pack: the send buffer is too short for the terms' chunks");
+        goto done;
+    }
+    for (got = 0; got < n; got++) {
+        PyObject *term = PyTuple_GET_ITEM(terms, got);
+        if (term == Py_None)
+            continue;
+        Py_ssize_t len = get_f32(term, &views[got], 0, "pack's term");
+        if (len < 0)
+            goto done;
+        if (len != bounds[got + 1] - bounds[got]) {
+            PyErr_SetString(PyExc_ValueError, "pack: a term must be of its slot's size");
+            PyBuffer_Release(&views[got]);
+            views[got].obj = NULL;
+            goto done;
+        }
+    }
+    result = PyList_New(n);
+    if (!result)
+        goto done;
+    uint32_t *most = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
+    if (!most) {
+        Py_CLEAR(result);
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyThreadState *saved = size >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (views[i].obj) {
+            most[i] = pack_f32(views[i].buf, bounds[i], bounds[i + 1], block, stride, sendv.buf);
+        } else {  /* no gradient: zeros */
+            for (Py_ssize_t e = bounds[i]; e < bounds[i + 1]; e++)
+                ((float *)sendv.buf)[e / block * stride + e % block] = 0.0f;
+        }
+    }
+    if (saved)
+        PyEval_RestoreThread(saved);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float value;
+        memcpy(&value, &most[i], 4);
+        PyObject *item = PyFloat_FromDouble(most[i] > F32_INF ? Py_NAN : (double)value);
+        if (!item) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, item);
+    }
+    PyMem_Free(most);
+done:
+    for (Py_ssize_t i = 0; i < got && views; i++)
+        if (views[i].obj)
+            PyBuffer_Release(&views[i]);
+    if (sendv.obj)
+        PyBuffer_Release(&sendv);
+    PyMem_Free(views);
+    PyMem_Free(bounds);
+    Py_XDECREF(terms);
+    Py_XDECREF(offsets);
+    return result;
+}
+
+static PyObject *sum_terms(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "sum_terms(received, stride, start, offsets, scales, factors, weights, out)");
+        return NULL;
+    }
+    Py_ssize_t stride = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    Py_ssize_t start = stride == -1 && PyErr_Occurred() ? -1 : PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *offsets = PySequence_Tuple(args[3]);  /* tuples: see quantize */
+    PyObject *scales = offsets ? PySequence_Tuple(args[4]) : NULL;
+    PyObject *factors = scales ? PySequence_Tuple(args[5]) : NULL;
+    PyObject *weights = factors ? PySequence_Tuple(args[6]) : NULL;
+    PyObject *result = NULL;
+    Py_buffer recv = {0}, outv = {0};
+    Py_ssize_t *bounds = NULL, n = 0, ranks = 0;
+    double *scale = NULL, *factor = NULL;
+    uint64_t *weight = NULL;
+    if (!weights)
+        goto done;
+    n = PyTuple_GET_SIZE(scales);
+    ranks = PyTuple_GET_SIZE(weights);
+    if (PyTuple_GET_SIZE(factors) != n || PyTuple_GET_SIZE(offsets) != n + 1 || ranks < 1) {
+        PyErr_SetString(PyExc_ValueError, "sum_terms: one scale and one factor per slot, one offset more, "
+                                          "one weight per rank");
+        goto done;
+    }
+    bounds = PyMem_Calloc(n + 1, sizeof(Py_ssize_t));
+    scale = PyMem_Calloc(n ? n : 1, sizeof(double));
+    factor = PyMem_Calloc(n ? n : 1, sizeof(double));
+    weight = PyMem_Calloc(ranks, sizeof(uint64_t));
+    if (!bounds || !scale || !factor || !weight) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (read_floats(scales, n, scale) < 0 || read_floats(factors, n, factor) < 0)
+        goto done;
+    for (Py_ssize_t j = 0; j < ranks; j++) {
+        long long w = PyLong_AsLongLong(PyTuple_GET_ITEM(weights, j));
+        if (w == -1 && PyErr_Occurred())
+            goto done;
+        weight[j] = (uint64_t)w;
+    }
+    if (read_bounds(offsets, n, PY_SSIZE_T_MAX, bounds, "sum_terms") < 0)
+        goto done;
+    Py_ssize_t have = get_f32(args[0], &recv, 0, "sum_terms' received terms");
+    Py_ssize_t block = have < 0 ? -1 : get_f32(args[7], &outv, 1, "sum_terms' output");
+    if (block < 0)
+        goto done;
+    if (stride < block || start < 0 || (ranks - 1) * stride + block > have) {
+        PyErr_SetString(PyExc_ValueError, "sum_terms: the received terms hold one chunk of stride >= the "
+                                          "output's size per weight");
+        goto done;
+    }
+    PyThreadState *saved = ranks * block >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    float *out = outv.buf;
+    Py_ssize_t stop = start + block;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t lo = bounds[i] > start ? bounds[i] : start, hi = bounds[i + 1] < stop ? bounds[i + 1] : stop;
+        if (lo < hi)
+            sum_f32((const float *)recv.buf + (lo - start), ranks, stride, hi - lo, scale[i], weight, factor[i],
+                    out + (lo - start));
+    }
+    /* the slots follow each other: what lies before the first and after the last is 0 */
+    for (Py_ssize_t e = start; e < stop && e < bounds[0]; e++)
+        out[e - start] = 0.0f;
+    for (Py_ssize_t e = bounds[n] > start ? bounds[n] : start; e < stop; e++)
+        out[e - start] = 0.0f;
+    if (saved)
+        PyEval_RestoreThread(saved);
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    if (recv.obj)
+        PyBuffer_Release(&recv);
+    if (outv.obj)
+        PyBuffer_Release(&outv);
+    PyMem_Free(bounds);
+    PyMem_Free(scale);
+    PyMem_Free(factor);
+    PyMem_Free(weight);
+    Py_XDECREF(offsets);
+    Py_XDECREF(scales);
+    Py_XDECREF(factors);
+    Py_XDECREF(weights);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", (PyCFunction)(void (*)(void))quantize, METH_FASTCALL,
      "quantize(terms, scales, offsets, acc, mode, weight, limit): each term i (float32 or float64, "
@@ -369,6 +624,16 @@ static PyMethodDef methods[] = {
     {"dequantize", (PyCFunction)(void (*)(void))dequantize, METH_FASTCALL,
      "dequantize(acc, offsets, factors, out): out[slot] = acc[slot] x factors[i], each slot "
      "offsets[i]:offsets[i+1], rounded to out's dtype (float32 or float64) through float64"},
+    {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
+     "pack(terms, offsets, send, block, stride): each float32 term i (or None for zeros) copied into "
+     "send, element e of the terms (slot i from offsets[i]) to send[(e // block) * stride + e % block]; "
+     "the largest magnitude of each term (NaN where one is)"},
+    {"sum_terms", (PyCFunction)(void (*)(void))sum_terms, METH_FASTCALL,
+     "sum_terms(received, stride, start, offsets, scales, factors, weights, out): for the elements "
+     "start .. start + len(out) of the terms, out[i] = factor x sum over ranks j of weights[j] x "
+     "round(received[j * stride + i] x scale), each element's slot's scale and factor (offsets as "
+     "pack's, slot i + 1 starting where slot i stops), rounded through float64 and int64 as quantize "
+     "and dequantize do; 0 outside the slots"},
     {NULL}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "collectives._fixed",

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI, which a 
 def failure_classes() -> frozenset[int]:
     """MPI error classes saying that a peer failed, or that a peer revoked the communicator after
     it saw a failure. MPI_ERR_IN_STATUS (a Testall or Waitall with such an error among its
-    requests) and MPI_ERR_INTERN count when this rank knows of a failed process (`failure_of`)."""
+    requests), MPI_ERR_INTERN and MPI_ERR_OTHER count when this rank knows of a failed process
+    (`failure_of`)."""
     from mpi4py import MPI
 
     return frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
@@ -43,12 +44,14 @@ def failure_classes() -> frozenset[int]:
 @functools.cache
 def _failure_if_known() -> frozenset[int]:
     """Error classes that report a process failure where this rank knows of a failed process:
-    MPI_ERR_IN_STATUS, and MPI_ERR_INTERN, which Open MPI 5.0.11's non-blocking collectives (the
+    MPI_ERR_IN_STATUS; MPI_ERR_INTERN, which Open MPI 5.0.11's non-blocking collectives (the
     Idup of a communicator's first collective included) return when their schedule meets a dead
-    peer ("NBC_Progress: an error 75 was found during schedule")."""
+    peer ("NBC_Progress: an error 75 was found during schedule"); and MPI_ERR_OTHER, which its
+    MPI_Alltoall returns on a survivor whose peer died in it ("known error not in list",
+    `PersistentExactSum`'s exchange)."""
     from mpi4py import MPI
 
-    return frozenset({MPI.ERR_IN_STATUS, MPI.ERR_INTERN})
+    return frozenset({MPI.ERR_IN_STATUS, MPI.ERR_INTERN, MPI.ERR_OTHER})
 
 #: How long a rank that learned of a failure from a revoked communicator waits to learn which
 #: process failed. Open MPI's runtime tells every process of a death, in messages that arrive

@@ -302,6 +302,57 @@ def from_fixed_slots(acc: np.ndarray, offsets: Sequence[int], factors: Sequence[
         from_fixed(acc[offsets[i]:offsets[i + 1]], factor, out=out[offsets[i]:offsets[i + 1]])
 
 
+def pack_terms(terms: Sequence[np.ndarray | None], offsets: Sequence[int], send: np.ndarray, block: int,
+               stride: int) -> list[float]:
+    """Copy one float32 term, slot by slot (term i, flat, of offsets[i + 1] - offsets[i] values,
+    or None for zeros), into `send` (float32) cut into chunks of `block` values `stride` apart
+    (element e to send[(e // block) * stride + e % block]: chunk k goes to rank k in an alltoall,
+    with room after it); each slot's largest magnitude (NaN where one is). Compiled where
+    `COMPILED` (one read of each value), else NumPy's passes; the same values."""
+    if _compiled and all(term is None or term.dtype == np.float32 for term in terms):
+        maxima: list[float] = _fixed.pack(terms, offsets, send, block, stride)
+        return maxima
+    size = int(offsets[-1])
+    flat = np.zeros(-(-size // block) * block, dtype=np.float32)
+    maxima = []
+    for i, term in enumerate(terms):
+        if term is None:
+            maxima.append(0.0)
+            continue
+        flat[offsets[i]:offsets[i + 1]] = term
+        maxima.append(float(np.max(np.abs(term))) if term.size else 0.0)
+    chunks = flat.reshape(-1, block)
+    send[:len(chunks) * stride].reshape(len(chunks), stride)[:, :block] = chunks
+    return maxima
+
+
+def sum_terms(received: np.ndarray, stride: int, start: int, offsets: Sequence[int], scales: Sequence[float],
+              factors: Sequence[float], weights: Sequence[int], out: np.ndarray) -> None:
+    """out = the fixed-point sum of one term per rank, converted back, for the elements start ..
+    start + out.size of the terms (slots as `pack_terms`'s): rank j's values at received[j *
+    stride:], one weight per rank (its term counts weights[j] times), each slot's scale (2**-e)
+    and factor (quantum / divisor); 0 outside the slots. Every value is rounded as `add_fixed`
+    rounds it and the integers are summed in int64, so the result is `from_fixed_slots` of the
+    int64 sum of the ranks' `FixedSum`s, to the bit (float32 `out`; compiled where `COMPILED`)."""
+    if _compiled:
+        _fixed.sum_terms(received, stride, start, offsets, scales, factors, weights, out)
+        return
+    ranks, block = len(weights), out.size
+    grid = received[:(ranks - 1) * stride + block]
+    counts = np.asarray(weights, dtype=np.int64)[:, None]
+    out.fill(0.0)
+    with silent_ieee():  # a term past its scale's bound: garbage the caller discards, as compiled
+        for i, (scale, factor) in enumerate(zip(scales, factors)):
+            lo, hi = max(offsets[i], start), min(offsets[i + 1], start + block)
+            if lo >= hi:
+                continue
+            terms = np.stack([grid[j * stride + lo - start:j * stride + hi - start] for j in range(ranks)])
+            integers = round_biased(np.multiply(terms, scale, dtype=np.float64))
+            np.subtract(integers, ROUNDER_BITS, out=integers)
+            total = np.multiply(integers, counts).sum(axis=0)  # int64 wraps, as the compiled sum; the true sum fits
+            from_fixed(total, factor, out=out[lo - start:hi - start])
+
+
 def exact_total(values: Any, comm: Any = None) -> float:
     """Collective: the sum of every element of every rank's `values` (float), exactly rounded from
     one fixed-point sum: the same float64 however the elements are spread over the ranks.

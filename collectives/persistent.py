@@ -44,7 +44,49 @@ from .ops import OPS
 from .transport import mpi_datatype, mpi_op
 
 
-class PersistentAllreduce:
+class Persistent:
+    """What the persistent collectives share: a duplicate of `comm` that only their starts use,
+    made and freed by the communication thread in order with the communicator's other calls
+    (below MPI_THREAD_MULTIPLE only that thread calls MPI)."""
+
+    comm: MPI.Comm
+    _own: MPI.Comm | None
+
+    def _duplicate(self, label: str) -> None:
+        self._label = label
+        self._own = submit_work(self.comm, ("comm_dup", label, 0, None), self.comm.Dup).wait()
+
+    def _duplicate_or_raise(self) -> MPI.Comm:
+        if self._own is None:
+            raise RuntimeError(f"{type(self).__name__}.start() after free()")
+        return self._own
+
+    def free(self) -> None:
+        """Collective: release the duplicate, after every start issued so far (in issue order on
+        the communication thread). Idempotent; the object cannot start again."""
+        own, self._own = self._own, None
+        if own is None:
+            return
+        try:
+            submit_work(self.comm, ("comm_free", self._label, 0, None), partial(_release, own)).wait()
+        except ProcessFailure:  # the communicator's collectives ended: the duplicate is only dropped
+            pass
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+
+def agree_refusal(problem: str | None, comm: MPI.Comm, what: str) -> None:
+    """Collective: ValueError on every rank where some rank found a `problem` with its arguments
+    (its own message on that rank, a pointer to it on the others)."""
+    if allreduce(np.array([problem is not None], np.int32), comm, op="max")[0]:
+        raise ValueError(f"{what}: " + (problem or "another rank refused its arguments (its own error says why)"))
+
+
+class PersistentAllreduce(Persistent):
     """An allreduce of `buffer` (a C-ordered, writable NumPy array) over `comm`, agreed once
     (collective), started any number of times: `data` (a flat view of `buffer`) holds this
     rank's input before `start()` and every rank's reduction once its handle is done.
@@ -57,10 +99,7 @@ class PersistentAllreduce:
 
     def __init__(self, buffer: np.ndarray, comm: MPI.Comm | None = None, *, op: str = "sum") -> None:
         self.comm = comm if comm is not None else MPI.COMM_WORLD
-        problem = _refusal(buffer, op)
-        if allreduce(np.array([problem is not None], np.int32), self.comm, op="max")[0]:
-            raise ValueError("PersistentAllreduce: " + (problem or "another rank refused its arguments (its "
-                                                        "own error says why)"))
+        agree_refusal(_refusal(buffer, op), self.comm, "PersistentAllreduce")
         # One checked call of the same signature: a rank whose element count, dtype or op differs
         # makes every rank raise CollectiveArgumentError here, before any duplicate exists.
         probe = np.zeros(buffer.size, buffer.dtype)
@@ -69,17 +108,12 @@ class PersistentAllreduce:
         self._spec = [self.data, mpi_datatype(buffer.dtype)]
         self._op = mpi_op(OPS[op])
         self._what = ("allreduce", "persistent", buffer.nbytes, buffer.dtype)
-        # Made and freed by the communication thread, in order with the communicator's other
-        # calls (below MPI_THREAD_MULTIPLE only that thread calls MPI).
-        self._own: MPI.Comm | None = submit_work(self.comm, ("comm_dup", "persistent", 0, None),
-                                                 self.comm.Dup).wait()
+        self._duplicate("persistent")
 
     def start(self) -> Handle:
         """Queue one allreduce of `data` to the communication thread; its handle (`wait()`
         returns `data`). Leave `data` alone until the handle is done."""
-        if self._own is None:
-            raise RuntimeError("PersistentAllreduce.start() after free()")
-        return submit_work(self.comm, self._what, partial(self._run, self._own))
+        return submit_work(self.comm, self._what, partial(self._run, self._duplicate_or_raise()))
 
     def _run(self, own: MPI.Comm) -> np.ndarray:
         try:
@@ -88,24 +122,6 @@ class PersistentAllreduce:
             revoke([own])  # a peer still waiting in it wakes (under ULFM; a no-op otherwise)
             raise
         return self.data
-
-    def free(self) -> None:
-        """Collective: release the duplicate, after every start issued so far (in issue order on
-        the communication thread). Idempotent; the object cannot start again."""
-        own, self._own = self._own, None
-        if own is None:
-            return
-        try:
-            submit_work(self.comm, ("comm_free", "persistent", 0, None), partial(_release, own)).wait()
-        except ProcessFailure:  # the communicator's collectives ended: the duplicate is only dropped
-            pass
-
-    def __enter__(self) -> PersistentAllreduce:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.free()
-
 
 def _refusal(buffer: Any, op: str) -> str | None:
     """Why this rank cannot take `buffer` and `op`, or None."""

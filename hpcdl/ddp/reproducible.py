@@ -17,13 +17,18 @@ the count of correct predictions travel in the same integers. With `algorithm="a
 would take the MPI library's allreduce, the sum is a `collectives.PersistentAllreduce` of the
 accumulator, agreed at construction: no argument check per step (the step waits for its sum, so
 the check's synchronization is not hidden behind backward as DDP's buckets hide theirs); one
-rank adds nothing.
+rank adds nothing. Where each rank holds at most one micro-batch (`auto`, float32 parameters),
+its gradient is not rounded where it is computed: it goes out as float32
+(`collectives.PersistentExactSum`) and each block is rounded by the rank that sums it, at quanta
+judged from every rank's maxima, which arrive with the terms: the same integers, so the same
+bits, with half the int64 allreduce's bytes and no int64 pass.
 
 The quantum of a parameter comes from the largest gradient magnitude of the last step over every
 micro-batch, with SLACK_BITS of room to grow. Whether a step's gradients outgrew it, or shrank so
 far that fewer than KEEP_BITS bits would be left, travels as integer flags in the same allreduce;
 such a step is run again with the quanta of its own maxima (an allreduce MAX, exact): the decision
-depends on the data only, so every P redoes the same steps (the first step always runs twice,
+depends on the data only, so every P redoes the same steps (one term per rank: sums them again,
+without computing them again; the first step always runs twice,
 having no maximum before it; a rank whose micro-batches leave a parameter's gradient exactly 0 has
 no say on its quanta; a third run would be a bug, raised on every rank). One int64 allreduce a
 step otherwise.
@@ -55,7 +60,8 @@ import torch
 from mpi4py import MPI
 
 import collectives
-from collectives.fixed_point import SUM_BITS, FixedSum, bound_exponent, from_fixed_slots, term_bits
+from collectives.fixed_point import (ROUNDER, ROUNDER_BITS, SUM_BITS, FixedSum, bound_exponent, from_fixed_slots,
+                                     term_bits, wrapped)
 from collectives.select import choose
 
 from .. import runtime
@@ -103,6 +109,13 @@ def micro_batch_range(batches: int, rank: int, size: int) -> range:
     return range(start, start + counts[rank])
 
 
+def _fits(margins: list[int], keep: int) -> bool:
+    """Whether quanta fit a step's largest values over every rank, given each bound's `margins`
+    above them: none outgrown (a margin below 0), none so fine that a largest value keeps fewer
+    than KEEP_BITS (a margin above `keep`)."""
+    return min(margins) >= 0 and max(margins) <= keep
+
+
 def refusals(module: torch.nn.Module, options: dict[str, Any]) -> list[str]:
     """What cannot be made reproducible in `module` with DistributedDataParallel's `options`."""
     errors = [f"{name}= does not apply (every micro-batch's gradient is summed exactly, dense, "
@@ -140,7 +153,7 @@ class ReproducibleDataParallel(torch.nn.Module):
         micro_batch: samples per logical micro-batch (part of what the result depends on).
         seed: with the step and the micro-batch's number, seeds each micro-batch's random numbers.
         algorithm: the int64 allreduce's algorithm (any of allreduce's, or "auto": same bits;
-            persistent where auto takes the library's, `_exact_sum`).
+            persistent where auto takes the library's, `_bind_sums`).
         threads: torch's intra-op threads, set here (the gradient's bits depend on them).
         shard: None, or "optimizer": the optimizer's state sharded over the ranks (ZeRO stage 1;
             build the optimizer with `shard_optimizer`).
@@ -200,9 +213,10 @@ class ReproducibleDataParallel(torch.nn.Module):
         #: parameter's gradient, a view of `_grads`, built once: every step's average lands there
         self._slots = [(int(a), int(b)) for a, b in zip(self._offsets[:-1], self._offsets[1:])]
         self._grad_views = [self._grads[a:b].view_as(p) for (a, b), (_, p) in zip(self._slots, self._named)]
-        #: what this rank contributed to the integer allreduces (int64: twice float32's bytes)
+        #: what this rank handed to the exact sums (the int64 allreduce: twice float32's bytes; one
+        #: micro-batch per rank: its float32 gradient, each chunk followed by a value per slot and two)
         self.traffic = GradientTraffic()
-        self._summed = self._exact_sum(self.comm)
+        self._bind_sums(self.comm)
         for tensor in [*module.parameters(), *module.buffers()]:  # rank 0's, in place
             broadcast(tensor.detach(), 0, self.comm)
         #: None or "optimizer" (DistributedDataParallel's attribute, read where optimizers are built)
@@ -228,27 +242,40 @@ class ReproducibleDataParallel(torch.nn.Module):
             raise RuntimeError("DistributedDataParallel(reproducible=True, shard='optimizer') cannot go on with "
                                "other ranks: each rank held its piece of the optimizer state, which a lost rank "
                                "took with it; resume from a checkpoint instead")
-        # The old communicator's persistent sum is dropped, not freed: freeing is collective over
-        # its ranks, one of which is gone (its duplicate lasts until MPI ends).
+        # The old communicator's persistent sums are dropped, not freed: freeing is collective over
+        # its ranks, one of which is gone (their duplicates last until MPI ends).
         self.comm = comm
-        self._summed = self._exact_sum(comm)
+        self._bind_sums(comm)
 
-    def _exact_sum(self, comm: MPI.Comm) -> collectives.PersistentAllreduce | None:
-        """Collective: the step's int64 sum over `comm` as a persistent library allreduce where
-        `auto` would take the library's, agreed once (`collectives.PersistentAllreduce`: no
-        argument check per step, one synchronization fewer: on 2 cores at P=4 the checked call
-        took 0.97-1.06 ms against 0.60-0.64); None where another algorithm runs it (each step
-        checked, `iallreduce`) or there is one rank (nothing to add)."""
+    def _bind_sums(self, comm: MPI.Comm) -> None:
+        """Collective: how the steps' sums run over `comm`, with `algorithm="auto"` and more than
+        one rank: persistent sums agreed once (no argument check per step, one synchronization
+        fewer: on 2 cores at P=4 the checked call took 0.97-1.06 ms against 0.60-0.64). For steps
+        where each rank holds at most one micro-batch (float32 parameters), the gradients
+        themselves (`collectives.PersistentExactSum`, `_one_term`: float32 on the wire, rounded by
+        the rank that sums them, `_one_term_step`); for the others the int64 accumulator's, where
+        auto takes the library's allreduce (`collectives.PersistentAllreduce`, `_summed`), else
+        auto's algorithm, checked each step (`iallreduce`), as any other algorithm."""
         size = comm.Get_size()
         try:
             chosen = self.algorithm if self.algorithm != "auto" or size == 1 else \
                 choose("allreduce", self._acc.nbytes, size)
         except ValueError as exc:  # a bad override: refused below on every rank, not here alone
             chosen = f"none ({exc})"
-        check_same("DistributedDataParallel(reproducible=True)", {"the exact sum's algorithm": chosen}, comm)
-        if self.algorithm != "auto" or chosen != "mpi":
-            return None
-        return collectives.PersistentAllreduce(self._acc, comm)
+        check_same("DistributedDataParallel(reproducible=True)",
+                   {"the exact sum's algorithm": chosen, "algorithm": self.algorithm}, comm)
+        self._summed: collectives.PersistentAllreduce | None = None
+        self._one_term: collectives.PersistentExactSum | None = None
+        if self.algorithm != "auto" or size == 1:
+            return
+        if chosen == "mpi":
+            self._summed = collectives.PersistentAllreduce(self._acc, comm)
+        # not an allreduce (an alltoall and an allgather of float32), so whatever auto takes for
+        # the int64 one; the count of correct predictions travels as a float32: exact below 2**24
+        if self._torch_dtype == torch.float32 and self.micro_batch < 2 ** 24:
+            self._one_term = collectives.PersistentExactSum(self._offsets_list[:-1], comm, extras=2)
+            values = torch.from_numpy(self._one_term.values)
+            self._one_term_views = [values[a:b].view_as(p) for (a, b), (_, p) in zip(self._slots, self._named)]
 
     def quanta(self) -> list[int] | None:
         """What the next step's quanta come from (each parameter's and the loss's bound exponent;
@@ -301,11 +328,13 @@ class ReproducibleDataParallel(torch.nn.Module):
         if total < 1:
             raise ValueError("backward_batch needs at least one sample")
         count = -(-total // self.micro_batch)
-        mine = micro_batch_range(count, self.comm.Get_rank(), self.comm.Get_size())
         keep = term_bits(total) - KEEP_BITS  # the bound may lie this far above the need
         if keep < SLACK_BITS:
             raise ValueError(f"a global batch of {total} samples leaves too few bits for an exact int64 sum "
                              f"(at most {2 ** (SUM_BITS - KEEP_BITS - SLACK_BITS)} samples)")
+        if self._one_term is not None and count <= self.comm.Get_size():
+            return self._one_term_step(inputs, targets, loss_fn, step, count, total, keep)
+        mine = micro_batch_range(count, self.comm.Get_rank(), self.comm.Get_size())
         runs, acc, quantized = 0, self._acc, self._quantized
         while True:
             runs += 1
@@ -375,8 +404,13 @@ class ReproducibleDataParallel(torch.nn.Module):
             tail.fill(0)
             tail[0] = int(computed)
             return
-        margins = [b - bound_exponent(m) for b, m in zip(self._bounds.tolist(), largest)]
+        margins = self._margins(largest)
         tail[:] = [int(min(margins) < 0), *(int(m <= keep) for m in margins)]
+
+    def _margins(self, largest: list[float]) -> list[int]:
+        """Per parameter and the loss: how many bits the bound lies above `largest` (finite)."""
+        assert self._bounds is not None, "margins are of a step that had quanta"
+        return [b - bound_exponent(m) for b, m in zip(self._bounds.tolist(), largest)]
 
     def _scales(self, total: int) -> tuple[list[float], np.ndarray, list[float]]:
         """For a global batch of `total` samples: each parameter's (and the loss's) 2**-e, its
@@ -414,22 +448,10 @@ class ReproducibleDataParallel(torch.nn.Module):
             limit = 2.0 ** term_bits(total)
         correct = 0
         for k in mine:
-            x = inputs[k * self.micro_batch:(k + 1) * self.micro_batch]
-            y = targets[k * self.micro_batch:(k + 1) * self.micro_batch]
-            # the CPU generator alone: torch.manual_seed also queues every device's, ~5 ms a call
-            torch.default_generator.manual_seed(micro_batch_seed(self.seed, step, k))
-            for _, param in named:
-                param.grad = None
-            output = self.module(x)
-            loss = loss_fn(output, y)
-            loss.backward()
-            # no torch.no_grad() needed (2 us): argmax, the gradients and item() record no graph
-            if output.dim() == 2 and y.dim() == 1:
-                correct += int((output.argmax(dim=1) == y).sum())
-            grads = [None if p.grad is None else p.grad.numpy().reshape(-1) for _, p in named]
-            loss_value = loss.item() if loss.dtype == self._torch_dtype else float(loss.detach().to(self._torch_dtype))
+            grads, loss_value, right, samples = self._micro_batch(inputs, targets, loss_fn, step, k)
+            correct += right
             if scaled:
-                largest = fixed.add_scaled([*grads, np.array([loss_value])], scales, len(y), limit)
+                largest = fixed.add_scaled([*grads, np.array([loss_value])], scales, samples, limit)
                 if largest is not None:
                     np.maximum(maxima, largest, out=maxima)
                     continue
@@ -444,6 +466,86 @@ class ReproducibleDataParallel(torch.nn.Module):
             param.grad = None
         return maxima
 
+    def _micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
+                     step: int, k: int) -> tuple[list[np.ndarray | None], float, int, int]:
+        """Forward and backward of micro-batch `k` alone, its random numbers seeded by (seed, step,
+        k): each parameter's gradient (flat, None where it has none: the `.grad` left set), the
+        loss in the parameters' dtype, the correct predictions, the samples."""
+        x = inputs[k * self.micro_batch:(k + 1) * self.micro_batch]
+        y = targets[k * self.micro_batch:(k + 1) * self.micro_batch]
+        # the CPU generator alone: torch.manual_seed also queues every device's, ~5 ms a call
+        torch.default_generator.manual_seed(micro_batch_seed(self.seed, step, k))
+        named = self._named
+        for _, param in named:
+            param.grad = None
+        output = self.module(x)
+        loss = loss_fn(output, y)
+        loss.backward()
+        # no torch.no_grad() needed (2 us): argmax, the gradients and item() record no graph
+        correct = int((output.argmax(dim=1) == y).sum()) if output.dim() == 2 and y.dim() == 1 else 0
+        grads = [None if p.grad is None else p.grad.numpy().reshape(-1) for _, p in named]
+        loss_value = loss.item() if loss.dtype == self._torch_dtype else float(loss.detach().to(self._torch_dtype))
+        return grads, loss_value, correct, len(y)
+
+    def _one_term_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
+                       step: int, count: int, total: int, keep: int) -> StepResult:
+        """`backward_batch` where each rank holds at most one of the `count` micro-batches (rank j
+        micro-batch j): its float32 gradient goes out as it is (`collectives.PersistentExactSum`),
+        with its loss and correct predictions; every rank sees every parameter's largest value
+        before anything is rounded, so the quanta are judged there, and chosen again from the
+        step's own maxima where they do not fit (what the int64 path's second run does), without
+        computing the micro-batch again; each block is rounded and summed by the rank it goes to.
+        The integers, and so the bits, are the int64 path's (`runs` too: 2 where the quanta were
+        chosen again)."""
+        exchange = self._one_term
+        assert exchange is not None, "taken where the exact sum of one term per rank was agreed"
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        if rank < count:
+            grads, loss_value, correct, _ = self._micro_batch(inputs, targets, loss_fn, step, rank)
+            exchange.pack(grads, [loss_value, correct])
+            for _, param in self._named:
+                param.grad = None
+        else:
+            exchange.pack([None] * len(self._named), [0.0, 0])
+        folds = self._weight_folds(total)
+        weight = self.micro_batch if folds else 1  # folded into the factors, as the int64 path does
+        # a rank's term counts its micro-batch's samples times (the last may be short), or once
+        weights = [0 if j >= count else 1 if folds else min(self.micro_batch, total - j * self.micro_batch)
+                   for j in range(size)]
+        rechosen = False
+
+        def quanta(maxima: list[float], extras: np.ndarray) -> tuple[list[float], list[float]] | None:
+            nonlocal rechosen
+            largest = [*maxima, float(np.max(np.abs(extras[:, 0])))]
+            if not all(map(math.isfinite, largest)):
+                return None  # raised below, on every rank alike
+            if self._bounds is None or not _fits(self._margins(largest), keep):
+                self._bounds = self._exponents(largest) + SLACK_BITS
+                rechosen = True
+            scales, _, averaging = self._scales(total)
+            return scales[:-1], [factor * weight for factor in averaging[:-1]]
+
+        result = exchange.start(weights, quanta).wait()
+        if result.values is None:
+            self._exponents([*result.maxima, float(np.max(np.abs(result.extras[:, 0])))])  # raises, naming them
+            raise AssertionError("a sum declined with finite maxima")
+        elements = self._quantized - 1
+        self.traffic.steps += 1
+        self.traffic.bytes_sent += exchange.stride * size * 4
+        self.traffic.dense_fp32_bytes += 4 * elements
+        self.traffic.elements += elements
+        self.traffic.elements_sent += elements
+        for (_, param), grad in zip(self._named, self._one_term_views):
+            param.grad = grad
+        if self._sharding is not None:
+            self._attach_pieces()
+        # the loss as the int64 path sums it: each rank's rounded alone (float64, as `add_fixed`),
+        # weighted, added exactly, converted once
+        scale, factor = self._scales(total)[0][-1], self._scales(total)[2][-1] * weight
+        rounded = (np.multiply(result.extras[:, 0], scale) + ROUNDER).view(np.int64) - ROUNDER_BITS
+        loss = float(wrapped(int(np.dot(rounded, np.array(weights, np.int64))))) * factor
+        return StepResult(loss, int(result.extras[:, 1].sum()), total, 2 if rechosen else 1)
+
     def _weight_folds(self, total: int) -> bool:
         """Whether every micro-batch of a global batch of `total` samples has one weight that is a
         power of two (`micro_batch`), which the conversion back can apply exactly."""
@@ -457,10 +559,16 @@ class ReproducibleDataParallel(torch.nn.Module):
     def _agreed_exponents(self, maxima: np.ndarray) -> np.ndarray:
         """Collective: the bound exponents of the largest magnitudes over every rank's
         micro-batches (an exact MAX); ValueError on every rank where one is not finite."""
-        largest = collectives.allreduce(maxima, self.comm, op="max")
-        bad = [name for (name, _), v in zip([*self._named, ("the loss", None)], largest) if not np.isfinite(v)]
+        # NaN as inf: MPI's MAX may keep either operand where one is NaN (a NaN on one rank was lost,
+        # the quanta were chosen from the others' maxima and judged wrong again); inf wins in any order
+        return self._exponents(collectives.allreduce(np.nan_to_num(maxima, nan=np.inf), self.comm, op="max").tolist())
+
+    def _exponents(self, largest: list[float]) -> np.ndarray:
+        """The bound exponents of `largest` (per parameter and the loss, over every rank's
+        micro-batches: the same on every rank); ValueError where one is not finite."""
+        bad = [name for (name, _), v in zip([*self._named, ("the loss", None)], largest) if not math.isfinite(v)]
         if bad:
             raise ValueError(f"reproducible step: the gradient of {', '.join(bad)} is not finite in some "
                              "micro-batch; lower the learning rate")
-        return np.array([bound_exponent(float(v)) for v in largest], dtype=np.int64)
+        return np.array([bound_exponent(v) for v in largest], dtype=np.int64)
 

@@ -281,6 +281,60 @@ def test_compiled_from_fixed_slots_gives_numpy_bits(path: str) -> None:
         assert compiled == reference.tobytes()
 
 
+def test_pack_and_sum_terms_give_the_int64_sums_bits(path: str) -> None:
+    """One term per rank, packed into alltoall chunks and summed by the block's rank
+    (`pack_terms`, `sum_terms`, as `PersistentExactSum` does): the values `from_fixed` gives of
+    the ranks' weighted `add_fixed` sums in int64, bit for bit, on both paths; the maxima are each
+    slot's largest magnitude; what lies past the slots is 0."""
+    if path != "compiled":
+        pytest.skip("compares both paths, once")
+    rng = np.random.default_rng(5)
+    sizes, exponents = [300, 1, 0, 40000, 17], [3, -20, 0, 0, 100]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    scales = [2.0 ** (TERM_BITS - 3 - e) for e in exponents]  # 8 ranks' weights of room
+    factors = [2.0 ** (e - TERM_BITS) / 3 for e in exponents]
+    for ranks, tail in ((1, 0), (3, 2), (4, 5)):
+        block = -(-offsets[-1] // ranks)
+        stride = block + tail
+        terms = [[edge_term(rng, n, e) if r != 1 or i != 0 else None for i, (n, e) in enumerate(zip(sizes, exponents))]
+                 for r in range(ranks)]
+        weights = [int(w) for w in rng.integers(0, 3, ranks)]
+
+        def run() -> tuple[list[list[float]], bytes]:
+            sends, maxima = [], []
+            for r in range(ranks):
+                send = np.full(ranks * stride, np.nan, np.float32)
+                maxima.append(fixed_point.pack_terms(terms[r], offsets, send, block, stride))
+                sends.append(send.reshape(ranks, stride))
+            out = np.full(ranks * block, np.nan, np.float32)
+            for k in range(ranks):  # rank k receives every rank's chunk k
+                received = np.stack([sends[r][k] for r in range(ranks)]).reshape(-1)
+                fixed_point.sum_terms(received, stride, k * block, offsets, scales, factors, weights,
+                                      out[k * block:(k + 1) * block])
+            return maxima, out.tobytes()
+
+        compiled, numpy = both_paths(run)
+        assert compiled == numpy, ranks
+        acc = np.zeros(offsets[-1], np.int64)
+        for r in range(ranks):
+            for i, values in enumerate(terms[r]):
+                if values is not None:
+                    add_fixed(acc[offsets[i]:offsets[i + 1]], values, scales[i], weight=weights[r])
+        want = np.concatenate([from_fixed(acc[a:b], f) for a, b, f in zip(offsets[:-1], offsets[1:], factors)])
+        got = np.frombuffer(compiled[1], np.float32)
+        assert got[:offsets[-1]].tobytes() == want.tobytes() and not got[offsets[-1]:].any(), ranks
+        largest = [[0.0 if v is None else float(np.max(np.abs(v))) if v.size else 0.0 for v in t] for t in terms]
+        assert compiled[0] == largest
+
+
+def test_pack_gives_nan_as_the_largest_magnitude_of_a_term_holding_one(path: str) -> None:
+    send = np.zeros(8, np.float32)
+    term = np.array([1.0, np.nan, -np.inf, 2.0], np.float32)
+    got = fixed_point.pack_terms([term, np.array([-np.inf, 1.0], np.float32)], [0, 4, 6], send, 3, 4)
+    assert np.isnan(got[0]) and got[1] == np.inf
+    assert send[[0, 2, 4, 5]].tolist() == [1.0, -np.inf, 2.0, -np.inf]
+
+
 def test_compiled_passes_refuse_what_they_do_not_take(path: str) -> None:
     if path != "compiled":
         pytest.skip("the compiled passes' own checks")
@@ -301,6 +355,17 @@ def test_compiled_passes_refuse_what_they_do_not_take(path: str) -> None:
                                        2.0 ** TERM_BITS) == [1.0]
     from_fixed_slots(acc, np.array([0, 10]), [0.5], out := np.zeros(10, np.float32))
     assert out.tolist() == [0.5] * 10
+    send = np.zeros(20, np.float32)
+    with pytest.raises(ValueError, match="too short"):  # 10 values in chunks of 4, 5 apart: 3 chunks
+        fixed_point._fixed.pack([np.ones(10, np.float32)], [0, 10], send[:11], 4, 5)
+    with pytest.raises(TypeError, match="float32"):
+        fixed_point._fixed.pack([np.ones(10, np.float64)], [0, 10], send, 4, 5)
+    with pytest.raises(ValueError, match="stride at least block"):
+        fixed_point._fixed.pack([np.ones(10, np.float32)], [0, 10], send, 4, 3)
+    with pytest.raises(ValueError, match="one chunk of stride"):  # 2 ranks' chunks of 10 do not fit in 15
+        fixed_point._fixed.sum_terms(send[:15], 10, 0, [0, 10], [1.0], [1.0], [1, 1], np.zeros(10, np.float32))
+    with pytest.raises(ValueError, match="one weight per rank"):
+        fixed_point._fixed.sum_terms(send, 10, 0, [0, 10], [1.0, 2.0], [1.0], [1, 1], np.zeros(10, np.float32))
 
 
 def test_compiled_passes_read_their_arguments_once_whatever_python_code_runs_meanwhile(path: str) -> None:

@@ -124,6 +124,12 @@ def test_a_persistent_allreduce(tmp_path: Path) -> None:
     check_rounds(tmp_path, 3, ["allreduce.persistent:data.0:1", "allreduce.persistent:data.0:0"])
 
 
+def test_a_persistent_exact_sum(tmp_path: Path) -> None:
+    """3 ranks: rank 2 dies as a start of a persistent exact sum (its alltoall and allgather on the
+    object's own duplicate) begins, then world rank 0 in one on the 2 survivors' communicator."""
+    check_rounds(tmp_path, 3, ["allreduce.persistent_exact:data.0:2", "allreduce.persistent_exact:data.0:0"])
+
+
 def test_without_ulfm_the_job_ends_at_once_naming_the_rank(tmp_path: Path) -> None:
     """Plain mpirun: a rank killed mid-ring ends the job (mpirun stops the others) with a non-zero
     status and a message naming the rank, as before; no survivor goes on."""

@@ -9,7 +9,8 @@ round left (MPI.COMM_WORLD first):
   `check.K`, after K messages of the next call's argument check; `data.K`, at the K-th
   point-to-point step of the next call's algorithm (0: as the algorithm starts; the `mpi`
   algorithm's one step is the library's collective, as is a start of the `persistent` one, a
-  `collectives.PersistentAllreduce` made at the round's first call); `nonblocking.K`, ten non-blocking calls
+  `collectives.PersistentAllreduce` made at the round's first call, and of `persistent_exact`, a
+  `collectives.PersistentExactSum` of the same terms); `nonblocking.K`, ten non-blocking calls
   issued at once, the victim dying at the K-th step counted over all of them;
 - every survivor catches `collectives.ProcessFailure`; one whose call completed (a rooted call
   may complete without the dead rank) makes one more call, which must raise it;
@@ -36,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import host_communicators, persistent, registry, transport, validation
+from collectives import host_communicators, persistent, persistent_exact, registry, transport, validation
 
 WORLD = MPI.COMM_WORLD.Get_rank()
 ELEMENTS = 1 << 16  # default: 256 KiB of float32, beyond the check's payload
@@ -90,6 +91,7 @@ class Killer:
             setattr(transport.Link, name, counting("data", getattr(transport.Link, name)))
         # A persistent allreduce's start is one step too: the library's collective on its duplicate
         persistent.PersistentAllreduce._run = counting("data", persistent.PersistentAllreduce._run)
+        persistent_exact.PersistentExactSum._run = counting("data", persistent_exact.PersistentExactSum._run)
         for table in registry.ALGORITHMS.values():  # the MPI library's collective is one step
             if "mpi" in table:
                 table["mpi"] = dataclasses.replace(table["mpi"], run=counting("data", table["mpi"].run))
@@ -106,7 +108,7 @@ class Calls:
     def __init__(self, collective: str, algorithm: str, elements: int, comm: MPI.Comm) -> None:
         self.collective, self.algorithm, self.elements, self.comm = collective, algorithm, elements, comm
         self.made = self.returned = 0
-        self.persistent: collectives.PersistentAllreduce | None = None  # algorithm "persistent"
+        self.persistent: Any = None  # algorithm "persistent" or "persistent_exact": the object
 
     def make(self, blocking: bool = True) -> Any:
         """One call whose exact result `expected` knows; returns the result (or the handle)."""
@@ -121,6 +123,15 @@ class Calls:
             self.made += 1
             handle = self.persistent.start()
             return handle.wait() if blocking else handle
+        if self.algorithm == "persistent_exact":  # the terms are integers: a quantum of 1 sums them exactly
+            if self.persistent is None:  # two checked calls and the duplicate's: three calls
+                self.persistent = collectives.PersistentExactSum([0, x.size], self.comm)
+                self.made += 3
+                self.returned += 3
+            self.persistent.pack([x])
+            self.made += 1
+            handle = self.persistent.start([1] * self.comm.Get_size(), lambda maxima, extras: ([1.0], [1.0]))
+            return handle.wait() if blocking else handle
         self.made += 1
         if collective == "broadcast":
             return getattr(collectives, prefix + collective)(x, 0, self.comm,
@@ -130,6 +141,7 @@ class Calls:
     def check(self, got: Any) -> str:
         """'exact' or 'wrong'; counts a result that came back (calls complete in order)."""
         self.returned += 1
+        got = getattr(got, "values", got)  # a PersistentExactSum's result holds its sum
         return "exact" if np.array_equal(got, expected(self.collective, self.elements,
                                                        self.comm.Get_size())) else "wrong"
 

@@ -1,10 +1,11 @@
 """A user's own `hpcdl.elastic` loop over `DistributedDataParallel(reproducible=True)`, for
 tests/hpcdl/elastic/test_reproducible.py.
 
-    mpirun --with-ft ulfm -n K python tests/helpers/reproducible_elastic_job.py DIR STEP VICTIM
+    mpirun --with-ft ulfm -n K python tests/helpers/reproducible_elastic_job.py DIR STEP VICTIM [MICRO]
 
 A small MLP with dropout, AdamW and gradient clipping over STEPS global batches of BATCH samples in
-micro-batches of MICRO (the batches a function of the step alone, so of no rank); the loop commits
+micro-batches of MICRO (default 4; 8 gives 3 ranks one each, whose sum sends the float32 gradients:
+`collectives.PersistentExactSum`; the batches a function of the step alone, so of no rank); the loop commits
 after every step, with the wrapper's quanta as a tracked value and a reset callback that loads them
 back (what the next step's sum depends on besides the model and optimizer). World rank VICTIM
 SIGKILLs itself in the forward of one of its micro-batches of step STEP, after the others have
@@ -44,10 +45,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 16, generator=generator), torch.randint(0, 5, (BATCH,), generator=generator)
 
 
-def train(comm: MPI.Comm, kill_step: int = -1, victim: int = -1) -> dict[str, Any]:
+def train(comm: MPI.Comm, kill_step: int = -1, victim: int = -1, micro: int = MICRO) -> dict[str, Any]:
     """The loop on `comm` (world rank `victim` dying in step `kill_step`); what it ended with."""
     net = network()
-    model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=MICRO, seed=3)
+    model = hpcdl.DistributedDataParallel(net, comm, reproducible=True, micro_batch=micro, seed=3)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     me = MPI.COMM_WORLD.Get_rank()
 
@@ -77,13 +78,13 @@ def train(comm: MPI.Comm, kill_step: int = -1, victim: int = -1) -> dict[str, An
             "losses": [(loss.members, loss.size_after) for loss in state.losses]}
 
 
-def main(directory: Path, kill_step: int, victim: int) -> None:
-    result = train(MPI.COMM_WORLD, kill_step, victim)
+def main(directory: Path, kill_step: int, victim: int, micro: int) -> None:
+    result = train(MPI.COMM_WORLD, kill_step, victim, micro)
     torch.save(result, directory / f"final-{world.member()}.pt")
     if result["losses"]:
         recovery.exit_after_loss(0)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else MICRO)
     skip_exit_collection()  # as the hpcdl command does: most of a short job's exit otherwise

@@ -102,6 +102,58 @@ def test_reproducible_ddp_gives_one_process_bits_with_every_algorithm():
     assert all_ranks_agree(train_reproducible(comm, "auto", micro_batch=8) == few and few[0] != reference[0], comm)
 
 
+def one_per_rank_batches(size: int) -> list[tuple[int, int]]:
+    """(micro_batch, batch) where each of `size` ranks holds at most one micro-batch: all of 4
+    samples (the weight folds), the last short, one rank without any, 3 samples (not a power of two)."""
+    return [(4, 4 * size), (4, 4 * size - 2), (4, max(4, 4 * (size - 1))), (3, 3 * size)]
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() == 1, reason="one rank sums nothing")
+def test_one_micro_batch_per_rank_sums_the_float32_gradients_to_the_int64_bits():
+    """Where each rank holds at most one micro-batch, `auto` sends the float32 gradients themselves
+    (`collectives.PersistentExactSum`, about half the int64 accumulator's bytes), judging the
+    quanta where they are summed: the digest, losses and runs of one process and of ring's int64
+    sum, bit for bit."""
+    comm = MPI.COMM_WORLD
+    ok, seen = True, []
+    for micro_batch, batch in one_per_rank_batches(comm.Get_size()):
+        reference = train_reproducible(MPI.COMM_SELF, "auto", micro_batch=micro_batch, batch=batch)
+        runs = [train_reproducible(comm, algorithm, micro_batch=micro_batch, batch=batch)
+                for algorithm in ("auto", "ring")]
+        ok = ok and reference[2] == [2, 1, 2, 2] and all(run == reference for run in runs)
+        seen.append((micro_batch, batch, reference, runs))
+    bytes_sent = {}
+    for algorithm in ("auto", "ring"):
+        model = hpcdl.DistributedDataParallel(small_net(), comm, reproducible=True, micro_batch=4,
+                                              algorithm=algorithm)
+        x, y = data(1, 4 * comm.Get_size())
+        model.backward_batch(x, y, F.cross_entropy, step=0)
+        bytes_sent[algorithm] = model.traffic.bytes_sent / model.traffic.elements
+    ok = ok and bytes_sent["auto"] < 4.2 and bytes_sent["ring"] > 8
+    assert all_ranks_agree(ok, comm), (seen, bytes_sent)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+@pytest.mark.parametrize("per_rank", [1, 2])
+def test_a_gradient_not_finite_in_one_micro_batch_raises_on_every_rank(algorithm, per_rank):
+    """Micro-batch 0's loss is NaN (on the rank that holds it): ValueError on every rank, naming
+    the parameters, whether each rank holds one micro-batch (auto: float32 terms) or two."""
+    comm = MPI.COMM_WORLD
+    model = hpcdl.DistributedDataParallel(small_net(), comm, reproducible=True, micro_batch=4, algorithm=algorithm)
+    x, y = data(1, 4 * per_rank * comm.Get_size())
+    x[0, 0] = float("nan")  # micro-batch 0's first sample
+    messages = []
+    for step in range(2):  # the first step, without quanta, and one with them
+        with pytest.raises(ValueError) as caught:
+            model.backward_batch(x if step else x.nan_to_num(), y, F.cross_entropy, step=step)
+            if step == 0:
+                raise ValueError("finite")
+        messages.append(str(caught.value))
+    ok = messages[0] == "finite" and ("the gradient of 0.weight, 0.bias, 3.weight, 3.bias, the loss is not finite in "
+                                      "some micro-batch; lower the learning rate") in messages[1]
+    assert all_ranks_agree(ok, comm), messages
+
+
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() == 1, reason="needs a rank whose setting differs")
 @pytest.mark.parametrize("override", ["another algorithm", "no algorithm"])
 def test_auto_choosing_differently_on_one_rank_is_refused_on_every_rank(monkeypatch, override):
