@@ -117,17 +117,12 @@ def test_every_other_allreduce_algorithm(tmp_path: Path) -> None:
                                "allreduce.halving_doubling:data.1:3", "allreduce.mpi:data.0:0"])
 
 
-def test_a_persistent_allreduce(tmp_path: Path) -> None:
+def test_a_persistent_allreduce_then_a_persistent_exact_sum(tmp_path: Path) -> None:
     """3 ranks: rank 1 dies as a start of a persistent allreduce (its library call on the object's
-    own duplicate) begins, then world rank 0 in one on the 2 survivors' communicator: every
-    survivor raises ProcessFailure from the start's wait, and its next start raises at once."""
-    check_rounds(tmp_path, 3, ["allreduce.persistent:data.0:1", "allreduce.persistent:data.0:0"])
-
-
-def test_a_persistent_exact_sum(tmp_path: Path) -> None:
-    """3 ranks: rank 2 dies as a start of a persistent exact sum (its alltoall and allgather on the
-    object's own duplicate) begins, then world rank 0 in one on the 2 survivors' communicator."""
-    check_rounds(tmp_path, 3, ["allreduce.persistent_exact:data.0:2", "allreduce.persistent_exact:data.0:0"])
+    own duplicate) begins, then world rank 0 as a start of a persistent exact sum (its alltoall and
+    allgather on its own duplicate) on the 2 survivors' communicator: every survivor raises
+    ProcessFailure from the start's wait, and its next start raises at once."""
+    check_rounds(tmp_path, 3, ["allreduce.persistent:data.0:1", "allreduce.persistent_exact:data.0:0"])
 
 
 def test_without_ulfm_the_job_ends_at_once_naming_the_rank(tmp_path: Path) -> None:

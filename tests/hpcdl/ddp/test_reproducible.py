@@ -113,13 +113,13 @@ def test_one_micro_batch_per_rank_sums_the_float32_gradients_to_the_int64_bits()
     """Where each rank holds at most one micro-batch, `auto` sends the float32 gradients themselves
     (`collectives.PersistentExactSum`, about half the int64 accumulator's bytes), judging the
     quanta where they are summed: the digest, losses and runs of one process and of ring's int64
-    sum, bit for bit."""
+    sum, bit for bit, also with a sharded optimizer."""
     comm = MPI.COMM_WORLD
     ok, seen = True, []
     for micro_batch, batch in one_per_rank_batches(comm.Get_size()):
         reference = train_reproducible(MPI.COMM_SELF, "auto", micro_batch=micro_batch, batch=batch)
-        runs = [train_reproducible(comm, algorithm, micro_batch=micro_batch, batch=batch)
-                for algorithm in ("auto", "ring")]
+        runs = [train_reproducible(comm, algorithm, micro_batch=micro_batch, batch=batch, shard=shard)
+                for algorithm, shard in (("auto", None), ("ring", None), ("auto", "optimizer"))]
         ok = ok and reference[2] == [2, 1, 2, 2] and all(run == reference for run in runs)
         seen.append((micro_batch, batch, reference, runs))
     bytes_sent = {}
