@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from .errors import ProcessFailure
+from .rank_lists import ranks_text
 
 if TYPE_CHECKING:  # only annotations: importing mpi4py.MPI starts MPI, which a module's import must not
     from mpi4py import MPI
@@ -155,10 +156,6 @@ def failure_of(comm: MPI.Comm, exc: MPI.Exception) -> tuple[tuple[int, ...], tup
     return ranks, world
 
 
-def _ranks(ranks: tuple[int, ...]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 class Failure:
     """What a rank knows of the failure that ended a communicator's collectives: its first call to
     see it raises it, and so does every later call on the communicator."""
@@ -170,7 +167,7 @@ class Failure:
         """The exception call number `call` (a `collective`) raises; `completed`: how many calls
         this rank had completed on the communicator."""
         if self.ranks:
-            who = (f"{_ranks(self.ranks)} of the communicator (world {_ranks(self.world_ranks)}) "
+            who = (f"{ranks_text(self.ranks)} of the communicator (world {ranks_text(self.world_ranks)}) "
                    "failed")
         else:
             who = "a process of the communicator failed (this rank does not know which yet)"

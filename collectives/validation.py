@@ -37,6 +37,7 @@ from .ops import DTYPE_CODES, OPS
 from .packet import (FIELDS, HEADER_BYTES, LOCAL_ERROR, MISMATCH, PAYLOAD_BYTES, PLACEMENTS,
                      SIGNATURE_FIELDS, STATUS)
 from .patience import complete_patiently
+from .rank_lists import ranks_text
 from .recorder import LEFT, NUMBER, RECORDER, SITE, THREAD, USER, short, user_frame, where
 from .registry import ALGORITHM_CODES, COLLECTIVE_CODES
 from .transport import Link, ScratchPool
@@ -308,11 +309,6 @@ def _groups(column: np.ndarray) -> list[tuple[int, list[int]]]:
     return [(int(values[i]), [int(r) for r in np.flatnonzero(column == values[i])]) for i in order]
 
 
-def _ranks(ranks: list[int]) -> str:
-    listed = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
-    return ("rank " if len(ranks) == 1 else "ranks ") + listed
-
-
 def _with_program_line(site: str, number: int) -> str:
     """`site` ("reducer.py:356 in f", the line that called the collectives), followed by the line of
     the caller's program above the libraries where it is another (" ← train.py:57 in main"): from
@@ -345,7 +341,7 @@ def _mismatch(collective: str, rows: np.ndarray, sites: list[str] | None) -> str
         groups: dict[str, list[int]] = {}
         for r, text in enumerate(sites):
             groups.setdefault(text or "(not checked)", []).append(r)
-        places = "; ".join(f"{_ranks(ranks)} at {text}" for text, ranks in
+        places = "; ".join(f"{ranks_text(ranks)} at {text}" for text, ranks in
                            sorted(groups.items(), key=lambda item: (-len(item[1]), item[1])))
     argument_fields = [i for i in range(_CALL_SITE) if rows[:, i].min() != rows[:, i].max()]
     differs = ""
@@ -370,7 +366,7 @@ def _mismatch(collective: str, rows: np.ndarray, sites: list[str] | None) -> str
         return (f"{collective}: {differs}; every rank must make the same collective calls with the "
                 "same arguments in the same order")
     groups_at = _groups(rows[:, _CALL_NUMBER])
-    at = "; ".join(f"{_ranks(ranks)} at call {value}" for value, ranks in groups_at)
+    at = "; ".join(f"{ranks_text(ranks)} at call {value}" for value, ranks in groups_at)
     return (f"{collective}: ranks are out of step on this communicator ({at}): a rank skipped "
             "or added a collective call. Every rank must make the same collective calls on a "
             "communicator in the same order, blocking and non-blocking alike")

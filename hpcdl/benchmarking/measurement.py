@@ -47,11 +47,15 @@ def element_count(collective: str, nbytes: int, itemsize: int, size: int) -> int
 def peak_bytes(collective: str, nbytes: int, itemsize: int, size: int, in_place: bool,
                algorithms: Sequence[str]) -> int:
     """What a `Case` of this row holds per rank at most, in bytes: its input and output buffers,
-    one copy of the expected result, and what the peers add on top (measured with
-    `/usr/bin/time -f %M` at 256 MiB: the MPI library's staging about half a message more,
-    mpi4py's pickled call four times the message, its pickles and the result it unpickles).
+    one copy of the expected result, the scratch the hand-written algorithms keep, and what the
+    peers add on top (measured with `/usr/bin/time -f %M` at 256 MiB: the MPI library's staging
+    about half a message more, mpi4py's pickled call four times the message, its pickles, the
+    result it unpickles and the loop's previous result).
 
-    The hand-written algorithms' scratch is a piece or a block of the message, not counted.
+    The hand-written algorithms (and `auto`, which runs one) share one scratch array per
+    communicator that stays allocated between calls (`collectives.transport.ScratchPool`): the
+    tree's (and a one-piece exchange's) is as large as the message, so it is counted once; a
+    non-root of reduce keeps a second one, the copy of its input it combines in (x stays intact).
     """
     count = element_count(collective, nbytes, itemsize, size)
     if COLLECTIVES[collective].gathers:  # in place, the input is a block of the output
@@ -64,11 +68,13 @@ def peak_bytes(collective: str, nbytes: int, itemsize: int, size: int, in_place:
         n_in = count
         buffers, expected = count * (1 if in_place or collective == "broadcast" else 2), count
     extra = 0.0
+    hand_written = any(a not in (DIRECT, PICKLE, GLOO) for a in algorithms)
+    scratch = n_in * (2 if collective == "reduce" else 1) if hand_written else 0
     if "pickle" in algorithms:
         extra = max(extra, 4.0 * n_in)
     if any(a in algorithms for a in ("mpi", "direct", "auto")):
         extra = max(extra, 0.5 * n_in)
-    return int((buffers + expected + extra) * itemsize)
+    return int((buffers + expected + scratch + extra) * itemsize)
 
 
 def bus_factor(collective: str, size: int) -> float:

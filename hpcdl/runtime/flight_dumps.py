@@ -23,10 +23,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from collectives.rank_lists import ranks_text
 from collectives.recorder import RECORDER
 
 from .atomic_file import write_atomically
-from .stall_report import ranks_text
 
 DIRECTORY_VARIABLE = "HPCDL_DIAGNOSTICS_DIR"
 #: The reasons for a dump that every rank of the job writes at the same moment (the `reason` its

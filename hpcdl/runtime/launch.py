@@ -238,6 +238,7 @@ def await_every_rank(comm: MPI.Comm, wait_s: float, grace_s: float) -> None:
     (rank 1), or 2 x `grace_s` later (the others): rank 0's abort, or rank 1's, ends it first,
     so the job prints one line."""
     from collectives.patience import complete_patiently
+    from collectives.rank_lists import ranks_text
     from mpi4py import MPI
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -252,7 +253,7 @@ def await_every_rank(comm: MPI.Comm, wait_s: float, grace_s: float) -> None:
         except TimeoutError:
             missing = [source for source, request in zip(range(1, size), arrivals) if not request.Get_status()]
             raise LaunchError(
-                f"{_ranks(missing)} (of {size}) did not call hpcdl.init() within {wait_s:g} s, and the ranks that "
+                f"{ranks_text(missing)} (of {size}) did not call hpcdl.init() within {wait_s:g} s, and the ranks that "
                 f"did would have waited for them for ever: {_missing_advice(wait_s)}") from None
         complete_patiently([comm.Isend(message, destination, ARRIVAL_TAG) for destination in range(1, size)],
                            lambda: True)
@@ -309,15 +310,3 @@ def watch_mpi_start(grace_s: float, env: Mapping[str, str] | None = None) -> Ite
         assert watcher.stdin is not None
         watcher.stdin.close()  # it ends by itself, at once: reaped by a thread, not left a zombie
         threading.Thread(target=watcher.wait, name="hpcdl MPI_Init watcher", daemon=True).start()
-
-
-def _ranks(ranks: list[int]) -> str:
-    """[1, 2, 3, 5] as "ranks 1-3, 5" ("rank 4" for one): thousands of ranks in one line."""
-    spans: list[list[int]] = []
-    for r in ranks:
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-    return f"rank{'s' if len(ranks) != 1 else ''} {text}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import socket
 from typing import Any, Sequence
 
+from collectives.rank_lists import ranks_text
 from collectives.recorder import short
 
 Answer = dict[str, Any]
@@ -223,11 +224,6 @@ def never_text(rank: int, what: str, gone: list[int], left_advice: str) -> str:
     (the program ended) without making it: ADVICE.")."""
     return (f"rank {rank}: {what} can never complete: {ranks_text(gone)} left (the program ended) "
             f"without making it: {left_advice}.")
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """[0, 1, 3] as "ranks 0, 1, 3" ("rank 2" for one)."""
-    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in ranks)}"
 
 
 #: What to do about a rank that left before a call the others make (the error's advice too).

@@ -12,6 +12,7 @@ from .. import runtime
 from ..runtime import stall
 from ..runtime.atomic_file import write_failure
 from .config import PROG
+from .signals import STOPPED_WITHOUT_CHECKPOINT, Interruption, StopRequest
 from .waiting import STALL_ADVICE
 
 if TYPE_CHECKING:
@@ -61,14 +62,32 @@ def run_synthetic_benchmark(config: TrainConfig, device: Any, topology: runtime.
     say(f"Batch size: {config.batch_size}, on {device}")
     say(f"Number of ranks: {size}, allreduce algorithm: {config.algorithm}, "
         f"overlap: {not config.no_overlap}, compression: {ddp.compression!r}, shard: {ddp.shard}")
+    # SIGUSR1 (SLURM's --signal, preemption) stops the benchmark as it stops training; it has no
+    # checkpoint to write, and SIGTERM stays the Interruption's. Agreed between iterations, outside
+    # the timed batches: one 4-byte allreduce each.
+    stop = StopRequest(sigterm=False)
+    rates: list[float] = []
+    if Interruption.active is not None:  # Ctrl-C's (mpirun's) line says where it stood, not "while it was starting"
+        Interruption.active.where = lambda: (f"in the synthetic benchmark, after {len(rates)} of {config.num_iters} "
+                                             "timed iterations")
     say("Running warmup...", flush=True)
     batches(config.num_warmup_batches)
-    say("Running benchmark...", flush=True)
-    rates = []
-    for i in range(config.num_iters):
+    stopped = stop.agreed(comm)
+    if not stopped:
+        say("Running benchmark...", flush=True)
+    for i in range(0 if stopped else config.num_iters):
         seconds = batches(config.num_batches_per_iter)
         rates.append(config.batch_size * config.num_batches_per_iter / seconds)
         say(f"Iter #{i}: {rates[-1]:.1f} img/sec per rank", flush=True)
+        if stop.agreed(comm):
+            stopped = True
+            break
+    if stopped:
+        say(f"{PROG}: stopping the synthetic benchmark on {stop.name} after {len(rates)} of {config.num_iters} "
+            f"timed iterations, exit status {STOPPED_WITHOUT_CHECKPOINT}: the benchmark writes no checkpoint; "
+            "its figures cover the iterations timed", file=sys.stderr, flush=True)
+        if not rates:
+            return STOPPED_WITHOUT_CHECKPOINT
     # Every rank's rates, not only rank 0's: oversubscribed ranks can run at different speeds.
     all_rates = stall.wait_for(collectives.iallgather(np.array(rates), comm),
                                "the gather of every rank's images/s", rank=rank, advice=STALL_ADVICE)
@@ -84,4 +103,4 @@ def run_synthetic_benchmark(config: TrainConfig, device: Any, topology: runtime.
                                                        "no partial file was left"), file=sys.stderr, flush=True)
         else:
             say(f"timeline written to {written}")
-    return 0
+    return STOPPED_WITHOUT_CHECKPOINT if stopped else 0

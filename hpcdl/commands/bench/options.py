@@ -146,13 +146,16 @@ def memory_problem(args: argparse.Namespace, size: int, ranks_on_host: int,
     algorithms = args.algorithms or [AUTO, DIRECT, PICKLE, GLOO]  # the default times every peer
     need, row = max((peak_bytes(c, args.maxbytes, itemsize, size, in_place, algorithms), c)
                     for c in args.collective for in_place in args.placements)
-    lacking = shortfall(need, ranks_on_host, available)
-    if lacking is None:
+    if shortfall(need, ranks_on_host, available) is None:
         return None
+    assert available is not None  # shortfall says nothing where it is unknown
     pickled = "pickle" in algorithms
-    return (f"-e/--maxbytes {args.maxbytes}: {row} at that size needs about {lacking} for its "
-            f"buffers and the expected result{' and the pickled peer' if pickled else ''}; lower "
-            f"-e/--maxbytes{' or leave out pickle (-A)' if pickled else ''}, or run fewer ranks per host")
+    gib = 2 ** 30
+    return (f"-e/--maxbytes {args.maxbytes}: {row} at that size needs about {need / gib:,.2f} GiB per rank "
+            f"({need * ranks_on_host / gib:,.2f} GiB for this host's {ranks_on_host} rank(s)) for its buffers, "
+            f"the expected result, the algorithms' scratch{' and the pickled peer' if pickled else ''}, and this "
+            f"host has {available / gib:,.2f} GiB available; lower -e/--maxbytes"
+            f"{', leave out pickle (-A)' if pickled else ''} or run fewer ranks per host")
 
 
 def check_environment(args: argparse.Namespace, rank: int, ranks_on_host: int = 1,

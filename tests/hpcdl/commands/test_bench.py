@@ -353,8 +353,49 @@ def test_a_sweep_that_cannot_fit_is_refused_on_every_rank(comm: MPI.Comm,
     status = bench.main(["-b", "8", "-e", "64M", "-A", "ring", "pickle", "-n", "1", "--rounds", "1"])
     err = from_rank0(comm, capsys.readouterr().err)
     assert status == 2
-    assert "-e/--maxbytes 67108864: allreduce at that size needs about 0.38 GiB per rank" in err, err
-    assert "lower -e/--maxbytes or leave out pickle (-A)" in err, err
+    # 7 messages: input, expected result, the tree's scratch, pickle's 4 (docs of peak_bytes)
+    assert "-e/--maxbytes 67108864: allreduce at that size needs about 0.44 GiB per rank (" in err, err
+    assert (f"({0.4375 * comm.Get_size():.2f} GiB for this host's {comm.Get_size()} rank(s)) for its buffers"
+            in err), err
+    assert "this host has 0.10 GiB available; lower -e/--maxbytes, leave out pickle (-A) or run fewer ranks" in err, err
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="launches its own 2-rank mpirun; N = 1 job only")
+def test_a_size_larger_than_memory_is_refused_in_one_line_before_any_allocation() -> None:
+    """`mpirun -n 2 hpcdl bench -e 1024G`: both ranks exit 2 together, within seconds, with one line
+    from rank 0 naming the need per rank and on the host, what is available, and what to do (a
+    sweep whose buffers did not fit got a rank killed by the kernel halfway)."""
+    from tests.run import ROOT, own_job_environment, run_own_job
+
+    job = run_own_job(["mpirun", "-n", "2", sys.executable, "-m", "hpcdl", "bench", "-b", "1024G", "-e", "1024G"], 120,
+                      own_job_environment(PYTHONPATH=str(ROOT)))
+    errors = [line for line in job.stdout.splitlines() if "error" in line.lower()]
+    assert job.returncode == 2 and len(errors) == 1, job.stdout[-3000:]
+    assert errors[0].startswith("hpcdl bench: error: -e/--maxbytes 1099511627776: allreduce at that size needs "
+                                "about 7,168.00 GiB per rank (14,336.00 GiB for this host's 2 rank(s))"), errors
+    assert "GiB available; lower -e/--maxbytes, leave out pickle (-A) or run fewer ranks per host" in errors[0], errors
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce"])
+def test_the_scratch_a_hand_written_algorithm_keeps_is_counted(comm: MPI.Comm, collective: str) -> None:
+    """The tree keeps a scratch array as large as the message on its communicator between calls:
+    at 32 MiB a case and one tree call (traced by tracemalloc) stay within `peak_bytes`."""
+    if comm.Get_size() == 1:
+        pytest.skip("one rank combines nothing: no scratch")
+    nbytes = 32 * 2 ** 20
+    fresh = comm.Dup()  # a communicator of its own: its scratch is allocated here, traced
+    tracemalloc.start()
+    try:
+        case = Case(collective, nbytes, fresh)
+        case.fill()
+        case.runner("tree").call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        fresh.Free()
+    need = peak_bytes(collective, nbytes, 4, comm.Get_size(), True, ["tree"])
+    peaks = comm.allgather(peak / 2 ** 20)
+    assert all_ranks_agree(peak <= need + 8 * 2 ** 20, comm), (peaks, need / 2 ** 20)
 
 
 @pytest.mark.parametrize("collective", list(COLLECTIVES))

@@ -147,5 +147,5 @@ def test_a_rank_that_wrote_later_is_compared_as_of_the_first_dump(tmp_path):
          wall=1008.0, monotonic=118.0)
     assert flight_dumps.divergence(flight_dumps.load(tmp_path)) == [
         "MPI_COMM_WORLD (3 ranks): the ranks' calls agree up to the last one recorded",
-        "  ranks 0, 1, 2 were in call #2 (allreduce) at the first dump (every rank: the one that wrote its "
+        "  ranks 0-2 were in call #2 (allreduce) at the first dump (every rank: the one that wrote its "
         "dump late was stopped or slow inside it)"]

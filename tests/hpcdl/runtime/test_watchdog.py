@@ -4,6 +4,7 @@ the report and one line that says why; a late rank is reported once, after the b
 goes on."""
 from __future__ import annotations
 
+import gc
 import re
 import sys
 import threading
@@ -191,3 +192,33 @@ def test_a_collective_needs_the_world_ranks_its_communicator_holds():
         comm.Free()
     assert world_ranks(MPI.COMM_WORLD) == set(range(MPI.COMM_WORLD.Get_size()))
 
+
+def test_a_look_keeps_no_frame_of_another_thread_alive() -> None:
+    """A look at the threads' frames held `sys._current_frames()` in a local: with the looking
+    frame inside it, a reference cycle, which kept each other thread's frame, its locals and its
+    callers' (the buffers of `hpcdl bench`'s calls) until the cyclic garbage collector ran."""
+    import weakref
+
+    class Payload:
+        pass
+
+    inside, go, kept = threading.Event(), threading.Event(), []
+
+    def worker() -> None:
+        payload = Payload()  # a local of a frame under the one the look sees
+        kept.append(weakref.ref(payload))
+        inside.set()
+        go.wait(30)
+
+    gc.collect()
+    gc.disable()  # only reference counts free anything now
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        assert inside.wait(30)
+        watchdog.blocked_call(SimpleNamespace(waits={}))
+        go.set()
+        thread.join(30)
+        assert kept[0]() is None, "the worker's frame outlived it"
+    finally:
+        gc.enable()

@@ -489,6 +489,60 @@ def test_sigterm_to_a_server_rank_alone_checkpoints_and_stops_the_job(tmp_path, 
     assert outcome["stopped"] and outcome["checkpoints"], outcome
 
 
+@own_job
+def test_sigusr1_to_one_rank_stops_the_synthetic_benchmark(tmp_path, comm):
+    """`hpcdl train --synthetic` took SIGUSR1 and went on to its last iteration (the benchmark had
+    no stop request). Now SIGUSR1 to one rank stops every rank after the same iteration, with one
+    line, the figures of the iterations timed, and status STOPPED_WITHOUT_CHECKPOINT."""
+    directory = shared_directory(tmp_path, comm)
+    train_command = (f"{sys.executable} -m hpcdl train --synthetic --model mlp --image-size 16 --batch-size 8 "
+                     "--num-warmup-batches 1 --num-batches-per-iter 1 --num-iters 1000000")
+    command = ["mpirun", "-n", "2", "sh", "-c",
+               f'echo $$ > {directory}/rank$OMPI_COMM_WORLD_RANK.pid; exec {train_command}']
+
+    def signal_rank_1() -> dict[str, Any]:
+        proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(PYTHONPATH=str(ROOT)),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        chunks, reader = read_in_background(proc)
+        try:
+            if not wait_until(lambda: "Iter #1:" in "".join(chunks), 180):
+                return {"error": "no timed iteration", "output": "".join(chunks)[-3000:]}
+            os.kill(int((directory / "rank1.pid").read_text()), signal.SIGUSR1)
+            status = proc.wait(timeout=60)  # it ran on for a million iterations
+            reader.join(timeout=10)
+            return {"status": status, "output": "".join(chunks)}
+        finally:
+            if proc.poll() is None:
+                stop(proc)
+
+    outcome = on_rank0(comm, signal_rank_1)
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    out = outcome["output"]
+    stopped = re.findall(r"hpcdl train: stopping the synthetic benchmark on SIGUSR1 after (\d+) of 1000000 timed "
+                         rf"iterations, exit status {signals.STOPPED_WITHOUT_CHECKPOINT}: the benchmark writes no "
+                         "checkpoint", out)
+    assert outcome["status"] == signals.STOPPED_WITHOUT_CHECKPOINT and len(stopped) == 1, out[-3000:]
+    assert f"Iter #{int(stopped[0]) - 1}:" in out and "Total img/sec on 2 rank(s)" in out, out[-3000:]
+    assert "Traceback" not in out and "exited with non-zero status" not in out, out[-3000:]
+
+
+@own_job
+def test_sigterm_to_mpirun_in_the_synthetic_benchmark_says_where_it_stood(comm):
+    """mpirun ending the job (SIGTERM) during `--synthetic`'s timed iterations: the line said
+    "interrupted while it was starting"; now it names the benchmark and its iterations."""
+    command = ["mpirun", "-n", "2", sys.executable, "-m", "hpcdl", "train", "--synthetic", "--model", "mlp",
+               "--image-size", "16", "--batch-size", "8", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
+               "--num-iters", "1000000"]
+    outcome = on_rank0(comm, lambda: launch_and_signal(command, signal.SIGTERM, r"Iter #1:",
+                                                       env=own_job_environment(PYTHONPATH=str(ROOT))))
+    assert isinstance(outcome, dict) and "error" not in outcome, outcome
+    out = outcome["output"]
+    lines = re.findall(r"hpcdl train: interrupted in the synthetic benchmark, after (\d+) of 1000000 timed "
+                       r"iterations: mpirun ended the job \(it got Ctrl-C, SIGINT or SIGTERM\)\. There is no "
+                       "checkpoint", out)
+    assert outcome["status"] == 1 and len(lines) == 1 and int(lines[0]) >= 2, out[-3000:]
+
+
 def launch_and_signal(command: list[str], signum: int | None, after: str, env: dict[str, str] | None = None,
                       stdout: int | None = None) -> dict[str, Any]:
     """Run `command` (an mpirun) from this rank, send `signum` to mpirun once its output matches
