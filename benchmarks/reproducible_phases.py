@@ -5,11 +5,14 @@
 
 Each phase is timed with `time.thread_time_ns` (this thread's CPU: a wait that sleeps costs
 nothing, one that spins does) by wrapping what `ReproducibleDataParallel.backward_batch` calls:
-the model's forward, the loss, `Tensor.backward`, `FixedSum.add_scaled` (quantizing), `_flag` (the
-verdict), `collectives.iallreduce` (its start) and the request's wait, `from_fixed_slots` (the
-conversion back); "other threads" is the process's CPU in the step less the main thread's (the
-communication thread's allreduce); "bookkeeping" is the step's CPU less all of these and less the optimizer's step
-(setup, the `.grad` views, the correct count and the loss, attaching the gradients). A wrapper
+the model's forward, the loss, `Tensor.backward`; for the int64 sum `FixedSum.add_scaled`
+(quantizing), `_flag` (the verdict), the sum's start (`collectives.iallreduce` or a
+`PersistentAllreduce`'s) and its wait, `from_fixed_slots` (the conversion back); for one
+micro-batch per rank (`auto`) `PersistentExactSum.pack` and the exchange's start and wait
+("sum start", "sum wait"); "other threads" is the process's CPU in the step less the main
+thread's (the communication thread's exchanges); "bookkeeping" is the step's CPU less all of
+these and less the optimizer's step (setup, the `.grad` views, the correct count and the loss,
+attaching the gradients). A wrapper
 costs ~1 us a call, so the phases add up to a little more than an unwrapped step. Rank 0 prints
 the medians over the steps after --warmup, in us; DDP's step is timed as a whole and its
 backward (its hooks, bucket copies and launch inside) alone. The two take turns in blocks.
@@ -49,13 +52,18 @@ def timed(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class TimedRequest:
-    """A request whose wait is timed as "allreduce wait"."""
+    """A request whose wait is timed as "sum wait"."""
 
     def __init__(self, request: Any) -> None:
         self.request = request
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        return timed("allreduce wait", self.request.wait)(*args, **kwargs)
+        return timed("sum wait", self.request.wait)(*args, **kwargs)
+
+
+def timed_start(start: Callable[..., Any]) -> Callable[..., TimedRequest]:
+    """A start (of a call or a persistent sum) timed as "sum start", its request's wait as "sum wait"."""
+    return lambda *args, **kwargs: TimedRequest(timed("sum start", start)(*args, **kwargs))
 
 
 class Collectives:
@@ -65,7 +73,7 @@ class Collectives:
         return getattr(collectives, name)
 
     def iallreduce(self, *args: Any, **kwargs: Any) -> TimedRequest:
-        return TimedRequest(timed("allreduce start", collectives.iallreduce)(*args, **kwargs))
+        return timed_start(collectives.iallreduce)(*args, **kwargs)
 
 
 def main() -> None:
@@ -86,6 +94,9 @@ def main() -> None:
     reproducible.ReproducibleDataParallel._flag = timed("flags", reproducible.ReproducibleDataParallel._flag)  # type: ignore[method-assign]
     reproducible.from_fixed_slots = timed("conversion back", reproducible.from_fixed_slots)
     reproducible.collectives = Collectives()  # type: ignore[assignment]  # the reproducible step's only
+    for persistent in (collectives.PersistentAllreduce, collectives.PersistentExactSum):
+        persistent.start = timed_start(persistent.start)  # type: ignore[method-assign]
+    collectives.PersistentExactSum.pack = timed("pack", collectives.PersistentExactSum.pack)  # type: ignore[method-assign]
 
     torch.manual_seed(0)
     nets = {mode: build_model(args.model, in_channels=1, image_size=8, num_classes=10) for mode in ("ddp", "rep")}

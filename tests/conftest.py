@@ -121,6 +121,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         remove_arena_files_of_ended_processes()
 
 
+@pytest.fixture(params=["compiled", "python"])
+def fixed_point_path(request: pytest.FixtureRequest) -> Any:
+    """The test on the fixed-point sum's compiled passes (collectives/_fixed.c, where built:
+    `fixed_point.COMPILED`), then on NumPy's, which give the same bits; the path's name."""
+    from collectives import fixed_point
+
+    if request.param == "compiled" and not fixed_point.COMPILED:
+        pytest.skip("the compiled passes are not built here (or HPCDL_COMPILED=0)")
+    was = fixed_point.use_compiled(request.param == "compiled")
+    yield request.param
+    fixed_point.use_compiled(was)
+
+
 @pytest.fixture
 def comm() -> MPI.Comm:
     return MPI.COMM_WORLD

@@ -29,14 +29,10 @@ from tests.run import own_job_environment
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def path(request: pytest.FixtureRequest) -> Any:
-    """The test on the compiled passes (`fixed_point.COMPILED`), then on NumPy's."""
-    if request.param == "compiled" and not fixed_point.COMPILED:
-        pytest.skip("the compiled passes are not built here (or HPCDL_COMPILED=0)")
-    was = fixed_point.use_compiled(request.param == "compiled")
-    yield request.param
-    fixed_point.use_compiled(was)
+@pytest.fixture(autouse=True)
+def path(fixed_point_path: str) -> str:
+    """Every test on both paths of the fixed-point sum's passes (tests/conftest.py)."""
+    return fixed_point_path
 
 
 def test_fixed_point_sum_of_multiples_of_the_quantum_is_exact():

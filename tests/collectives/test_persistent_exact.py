@@ -9,7 +9,6 @@ tests/collectives/test_rank_loss.py's (`allreduce.persistent_exact`).
 """
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import pytest
@@ -26,14 +25,10 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 OFFSETS = [0, 700, 700, 713, 3000]
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def path(request: pytest.FixtureRequest) -> Any:
-    """Each test on the compiled passes (`fixed_point.COMPILED`), then on NumPy's: the same bits."""
-    if request.param == "compiled" and not fixed_point.COMPILED:
-        pytest.skip("the compiled passes are not built here (or HPCDL_COMPILED=0)")
-    was = fixed_point.use_compiled(request.param == "compiled")
-    yield request.param
-    fixed_point.use_compiled(was)
+@pytest.fixture(autouse=True)
+def path(fixed_point_path: str) -> str:
+    """Every test on both paths of the fixed-point sum's passes (tests/conftest.py)."""
+    return fixed_point_path
 
 
 def term(rank: int, start: int) -> list[np.ndarray | None]:

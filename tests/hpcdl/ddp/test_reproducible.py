@@ -6,7 +6,6 @@ fixed-point sum's per-value passes: compiled (collectives/_fixed.c, where built)
 """
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from mpi4py import MPI
 
 import collectives
 import hpcdl
-from collectives import fixed_point
 from hpcdl.ddp.reproducible import ReproducibleDataParallel, micro_batch_range, micro_batch_seed
 from hpcdl.training.reproducible import parameter_digest
 from tests.conftest import all_ranks_agree
@@ -23,15 +21,10 @@ from tests.conftest import all_ranks_agree
 ALGORITHMS = ("auto", *collectives.ALGORITHMS["allreduce"])
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def path(request: pytest.FixtureRequest) -> Any:
-    """The test on the compiled passes of the fixed-point sum (`fixed_point.COMPILED`), then on
-    NumPy's: the same bits."""
-    if request.param == "compiled" and not fixed_point.COMPILED:
-        pytest.skip("the compiled passes are not built here (or HPCDL_COMPILED=0)")
-    was = fixed_point.use_compiled(request.param == "compiled")
-    yield request.param
-    fixed_point.use_compiled(was)
+@pytest.fixture(autouse=True)
+def path(fixed_point_path: str) -> str:
+    """Every test on both paths of the fixed-point sum's passes (tests/conftest.py)."""
+    return fixed_point_path
 
 
 @pytest.fixture(autouse=True)
