@@ -12,7 +12,7 @@ from .. import runtime
 from ..runtime import stall
 from ..runtime.atomic_file import write_failure
 from .config import PROG
-from .signals import STOPPED_WITHOUT_CHECKPOINT, Interruption, StopRequest
+from .signals import STOPPED_WITHOUT_CHECKPOINT, StopRequest
 from .waiting import STALL_ADVICE
 
 if TYPE_CHECKING:
@@ -66,15 +66,12 @@ def run_synthetic_benchmark(config: TrainConfig, device: Any, topology: runtime.
     # checkpoint to write, and SIGTERM stays the Interruption's. Agreed between iterations, outside
     # the timed batches: one 4-byte allreduce each.
     stop = StopRequest(sigterm=False)
-    rates: list[float] = []
-    if Interruption.active is not None:  # Ctrl-C's (mpirun's) line says where it stood, not "while it was starting"
-        Interruption.active.where = lambda: (f"in the synthetic benchmark, after {len(rates)} of {config.num_iters} "
-                                             "timed iterations")
     say("Running warmup...", flush=True)
     batches(config.num_warmup_batches)
     stopped = stop.agreed(comm)
     if not stopped:
         say("Running benchmark...", flush=True)
+    rates = []
     for i in range(0 if stopped else config.num_iters):
         seconds = batches(config.num_batches_per_iter)
         rates.append(config.batch_size * config.num_batches_per_iter / seconds)

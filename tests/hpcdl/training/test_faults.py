@@ -526,23 +526,6 @@ def test_sigusr1_to_one_rank_stops_the_synthetic_benchmark(tmp_path, comm):
     assert "Traceback" not in out and "exited with non-zero status" not in out, out[-3000:]
 
 
-@own_job
-def test_sigterm_to_mpirun_in_the_synthetic_benchmark_says_where_it_stood(comm):
-    """mpirun ending the job (SIGTERM) during `--synthetic`'s timed iterations: the line said
-    "interrupted while it was starting"; now it names the benchmark and its iterations."""
-    command = ["mpirun", "-n", "2", sys.executable, "-m", "hpcdl", "train", "--synthetic", "--model", "mlp",
-               "--image-size", "16", "--batch-size", "8", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
-               "--num-iters", "1000000"]
-    outcome = on_rank0(comm, lambda: launch_and_signal(command, signal.SIGTERM, r"Iter #1:",
-                                                       env=own_job_environment(PYTHONPATH=str(ROOT))))
-    assert isinstance(outcome, dict) and "error" not in outcome, outcome
-    out = outcome["output"]
-    lines = re.findall(r"hpcdl train: interrupted in the synthetic benchmark, after (\d+) of 1000000 timed "
-                       r"iterations: mpirun ended the job \(it got Ctrl-C, SIGINT or SIGTERM\)\. There is no "
-                       "checkpoint", out)
-    assert outcome["status"] == 1 and len(lines) == 1 and int(lines[0]) >= 2, out[-3000:]
-
-
 def launch_and_signal(command: list[str], signum: int | None, after: str, env: dict[str, str] | None = None,
                       stdout: int | None = None) -> dict[str, Any]:
     """Run `command` (an mpirun) from this rank, send `signum` to mpirun once its output matches
