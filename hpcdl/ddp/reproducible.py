@@ -153,7 +153,7 @@ class ReproducibleDataParallel(torch.nn.Module):
         micro_batch: samples per logical micro-batch (part of what the result depends on).
         seed: with the step and the micro-batch's number, seeds each micro-batch's random numbers.
         algorithm: the int64 allreduce's algorithm (any of allreduce's, or "auto": same bits;
-            persistent where auto takes the library's, `_bind_sums`).
+            sums agreed once, float32 on the wire with one micro-batch per rank, `_bind_sums`).
         threads: torch's intra-op threads, set here (the gradient's bits depend on them).
         shard: None, or "optimizer": the optimizer's state sharded over the ranks (ZeRO stage 1;
             build the optimizer with `shard_optimizer`).
@@ -502,9 +502,7 @@ class ReproducibleDataParallel(torch.nn.Module):
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         if rank < count:
             grads, loss_value, correct, _ = self._micro_batch(inputs, targets, loss_fn, step, rank)
-            exchange.pack(grads, [loss_value, correct])
-            for _, param in self._named:
-                param.grad = None
+            exchange.pack(grads, [loss_value, correct])  # its `.grad`s are replaced by the sum's below
         else:
             exchange.pack([None] * len(self._named), [0.0, 0])
         folds = self._weight_folds(total)
