@@ -108,6 +108,10 @@ class PersistentExactSum(Persistent):
         if len(terms) != self._slots or len(extras) != self._extras:
             raise ValueError(f"PersistentExactSum.pack: {self._slots} slots and {self._extras} extras expected, "
                              f"got {len(terms)} and {len(extras)}")
+        for term in terms:  # another dtype would be rounded to float32 on the way, silently
+            if term is not None and getattr(term, "dtype", None) != np.float32:
+                raise TypeError(f"PersistentExactSum.pack: the terms must be float32 NumPy arrays (or None), got "
+                                f"{getattr(term, 'dtype', type(term).__name__)}")
         maxima = pack_terms(terms, self.offsets, self._send, self.block, self.stride)
         self._tails[:] = [*maxima, *extras]
 

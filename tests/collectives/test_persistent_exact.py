@@ -146,6 +146,8 @@ def test_pack_and_start_check_their_arguments_and_free_ends_the_starts(side: MPI
     summed = PersistentExactSum([0, 3], side, extras=1)
     with pytest.raises(ValueError, match="1 slots and 1 extras expected"):
         summed.pack([np.ones(3, np.float32), None], [0.0])
+    with pytest.raises(TypeError, match="must be float32"):  # float64 would lose its bits on the wire
+        summed.pack([np.ones(3, np.float64)], [0.0])
     with pytest.raises(ValueError, match="one weight per rank"):
         summed.start([1] * (size + 1), lambda maxima, extras: ([1.0], [1.0]))
     summed.pack([np.ones(3, np.float32)], [2.0])
