@@ -457,31 +457,18 @@ def test_sigterm_to_a_server_rank_alone_checkpoints_and_stops_the_job(tmp_path, 
     checkpoints and stops with status 3 (the signal was lost: the run went on to its end). sync-ps
     on 2 ranks (workers agree after every step), downpour on 3 (they agree where they meet)."""
     directory = shared_directory(tmp_path, comm)
-    train_command = (f"{sys.executable} -m hpcdl train --strategy {strategy} --epochs 100 "
-                     f"--batch-size 8 --checkpoint-dir {directory / 'ckpt'}")
-    command = ["mpirun", "-n", str(size), "sh", "-c",
-               f'echo $$ > {directory}/rank$OMPI_COMM_WORLD_RANK.pid; exec {train_command}']
+    command = rank_pids_command(directory, size, ["--strategy", strategy, "--epochs", "100", "--batch-size", "8",
+                                                  "--checkpoint-dir", str(directory / "ckpt")])
 
     def signal_the_server() -> dict[str, Any]:
-        lines: list[str] = []
-        proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-        reader.start()
-        try:
-            # After the first epoch's line the server is surely serving, its handler installed.
-            if not wait_until(lambda: any("epoch   1/100" in line for line in lines), 180):
-                return {"error": "the first epoch did not end", "output": "".join(lines)[-3000:]}
-            os.kill(int((directory / f"rank{size - 1}.pid").read_text()), signal.SIGTERM)
-            status = proc.wait(timeout=240)
-            reader.join(timeout=10)
-            output = "".join(lines)  # searched whole: progress bars may follow the line
-            return {"status": status, "output": output[-3000:],
-                    "stopped": bool(re.search(r"stopping at step \d+ on SIGTERM: checkpoint written", output)),
-                    "checkpoints": [s for s, _ in ckpt.list_checkpoints(directory / "ckpt")]}
-        finally:
-            if proc.poll() is None:
-                stop(proc)
+        # After the first epoch's line the server is surely serving, its handler installed.
+        outcome = signal_a_rank(command, directory, size - 1, signal.SIGTERM, "epoch   1/100", 240)
+        if "error" in outcome:
+            return outcome
+        output = outcome["output"]  # searched whole: progress bars may follow the line
+        return {"status": outcome["status"], "output": output[-3000:],
+                "stopped": bool(re.search(r"stopping at step \d+ on SIGTERM: checkpoint written", output)),
+                "checkpoints": [s for s, _ in ckpt.list_checkpoints(directory / "ckpt")]}
 
     outcome = on_rank0(comm, signal_the_server)
     assert isinstance(outcome, dict) and "error" not in outcome, outcome
@@ -495,27 +482,12 @@ def test_sigusr1_to_one_rank_stops_the_synthetic_benchmark(tmp_path, comm):
     no stop request). Now SIGUSR1 to one rank stops every rank after the same iteration, with one
     line, the figures of the iterations timed, and status STOPPED_WITHOUT_CHECKPOINT."""
     directory = shared_directory(tmp_path, comm)
-    train_command = (f"{sys.executable} -m hpcdl train --synthetic --model mlp --image-size 16 --batch-size 8 "
-                     "--num-warmup-batches 1 --num-batches-per-iter 1 --num-iters 1000000")
-    command = ["mpirun", "-n", "2", "sh", "-c",
-               f'echo $$ > {directory}/rank$OMPI_COMM_WORLD_RANK.pid; exec {train_command}']
-
-    def signal_rank_1() -> dict[str, Any]:
-        proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(PYTHONPATH=str(ROOT)),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        chunks, reader = read_in_background(proc)
-        try:
-            if not wait_until(lambda: "Iter #1:" in "".join(chunks), 180):
-                return {"error": "no timed iteration", "output": "".join(chunks)[-3000:]}
-            os.kill(int((directory / "rank1.pid").read_text()), signal.SIGUSR1)
-            status = proc.wait(timeout=60)  # it ran on for a million iterations
-            reader.join(timeout=10)
-            return {"status": status, "output": "".join(chunks)}
-        finally:
-            if proc.poll() is None:
-                stop(proc)
-
-    outcome = on_rank0(comm, signal_rank_1)
+    command = rank_pids_command(directory, 2, ["--synthetic", "--model", "mlp", "--image-size", "16", "--batch-size",
+                                               "8", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
+                                               "--num-iters", "1000000"])
+    # 60 s: it ran on for a million iterations
+    outcome = on_rank0(comm, lambda: signal_a_rank(command, directory, 1, signal.SIGUSR1, "Iter #1:", 60,
+                                                   env=own_job_environment(PYTHONPATH=str(ROOT))))
     assert isinstance(outcome, dict) and "error" not in outcome, outcome
     out = outcome["output"]
     stopped = re.findall(r"hpcdl train: stopping the synthetic benchmark on SIGUSR1 after (\d+) of 1000000 timed "
@@ -625,6 +597,26 @@ def rank_pids_command(directory: Path, size: int, train_argv: list[str]) -> list
             f'echo $$ > {directory}/rank$OMPI_COMM_WORLD_RANK.pid; exec {train_command}']
 
 
+def signal_a_rank(command: list[str], directory: Path, rank: int, signum: int, after: str, wait_s: float,
+                  env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `command` (a `rank_pids_command`) from this rank, send `signum` to rank `rank`'s process
+    (its pid from directory/rankR.pid) once the output holds `after`, and wait up to `wait_s` for
+    the job's end: its status and whole output, or an error where `after` never came."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=env or own_job_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    chunks, reader = read_in_background(proc)
+    try:
+        if not wait_until(lambda: after in "".join(chunks), 180):
+            return {"error": f"no {after!r} in the output", "output": "".join(chunks)[-3000:]}
+        os.kill(int((directory / f"rank{rank}.pid").read_text()), signum)
+        status = proc.wait(timeout=wait_s)
+        reader.join(timeout=10)
+        return {"status": status, "output": "".join(chunks)}
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+
+
 @own_job
 @pytest.mark.parametrize("launch", ["mpirun", "alone"])
 def test_sigusr1_while_the_ranks_start_stops_at_the_first_step_with_a_checkpoint(launch, tmp_path, comm):
@@ -716,27 +708,9 @@ def test_a_rank_killed_without_ulfm_is_named_not_blamed_on_ctrl_c(victim, tmp_pa
     rank 0 killed, rank 1 says it."""
     directory = shared_directory(tmp_path, comm)
     command = rank_pids_command(directory, 2, ["--epochs", "100", "--batch-size", "8", "--model", "mlp"])
-
-    def kill_a_rank() -> dict[str, Any]:
-        lines: list[str] = []
-        proc = subprocess.Popen(command, cwd=ROOT, env=own_job_environment(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-        reader.start()
-        try:
-            if not wait_until(lambda: any("epoch   1/100" in line for line in lines), 180):
-                return {"error": "the first epoch did not end", "output": "".join(lines)[-3000:]}
-            os.kill(int((directory / f"rank{victim}.pid").read_text()), signal.SIGKILL)
-            status = proc.wait(timeout=120)
-            reader.join(timeout=10)
-            return {"status": status, "output": "".join(lines)[-3000:]}
-        finally:
-            if proc.poll() is None:
-                stop(proc)
-
-    outcome = on_rank0(comm, kill_a_rank)
+    outcome = on_rank0(comm, lambda: signal_a_rank(command, directory, victim, signal.SIGKILL, "epoch   1/100", 120))
     assert isinstance(outcome, dict) and "error" not in outcome, outcome
-    out = outcome["output"]
+    out = outcome["output"][-3000:]
     said = re.findall(rf"hpcdl train: interrupted at step \d+ \(epoch \d+\): rank {victim} died \(.*\), and mpirun "
                       r"ended the job, as Open MPI does when a rank dies\. Under `mpirun --with-ft ulfm` hpcdl train "
                       r"survives a lost rank and trains on .*There is no checkpoint to resume from", out)
