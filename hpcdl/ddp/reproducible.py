@@ -511,9 +511,10 @@ class ReproducibleDataParallel(torch.nn.Module):
         weights = [0 if j >= count else 1 if folds else min(self.micro_batch, total - j * self.micro_batch)
                    for j in range(size)]
         rechosen = False
+        largest: list[float] = []  # every rank's maxima, per parameter and the loss (set by quanta)
 
         def quanta(maxima: list[float], extras: np.ndarray) -> tuple[list[float], list[float]] | None:
-            nonlocal rechosen
+            nonlocal rechosen, largest
             largest = [*maxima, float(np.max(np.abs(extras[:, 0])))]
             if not all(map(math.isfinite, largest)):
                 return None  # raised below, on every rank alike
@@ -525,7 +526,7 @@ class ReproducibleDataParallel(torch.nn.Module):
 
         result = exchange.start(weights, quanta).wait()
         if result.values is None:
-            self._exponents([*result.maxima, float(np.max(np.abs(result.extras[:, 0])))])  # raises, naming them
+            self._exponents(largest)  # raises, naming what is not finite
             raise AssertionError("a sum declined with finite maxima")
         elements = self._quantized - 1
         self.traffic.steps += 1
@@ -539,7 +540,8 @@ class ReproducibleDataParallel(torch.nn.Module):
             self._attach_pieces()
         # the loss as the int64 path sums it: each rank's rounded alone (float64, as `add_fixed`),
         # weighted, added exactly, converted once
-        scale, factor = self._scales(total)[0][-1], self._scales(total)[2][-1] * weight
+        scales, _, averaging = self._scales(total)
+        scale, factor = scales[-1], averaging[-1] * weight
         rounded = (np.multiply(result.extras[:, 0], scale) + ROUNDER).view(np.int64) - ROUNDER_BITS
         loss = float(wrapped(int(np.dot(rounded, np.array(weights, np.int64))))) * factor
         return StepResult(loss, int(result.extras[:, 1].sum()), total, 2 if rechosen else 1)
